@@ -1,0 +1,72 @@
+// One attention call, described without Python: views over caller-owned memory plus the
+// per-sequence positions, the mask and the scale. The native bindings build an
+// AttentionProblem from NumPy arrays; C++ tests build one from std::vector storage.
+//
+// Shapes (docs/native_api.md):
+//   q   (B, Hq,  Lq, D)      k (B, Hkv, Lk, D)      v (B, Hkv, Lk, Dv)
+//   out (B, Hq,  Lq, Dv)     lse (B, Hq, Lq)        mask (B, Hq, Lq, Lk)
+//   q_offset (B,)            kv_lens (B,)
+// Strides count elements, not bytes, and may be negative or zero; data points at element
+// [0, 0, 0, 0]. The last axis of q, k, v and out has unit stride unless its length is <= 1.
+#pragma once
+
+#include <cstdint>
+
+namespace twinattn {
+
+struct TensorView4 {
+    const float* data;
+    int64_t shape[4];
+    int64_t stride[4];  // in elements
+};
+
+struct MutTensorView4 {
+    float* data;
+    int64_t shape[4];
+    int64_t stride[4];  // in elements
+};
+
+// lse: natural-log softmax denominators, (B, Hq, Lq). data == nullptr: not requested.
+struct LseView {
+    float* data;
+    int64_t shape[3];
+    int64_t stride[3];  // in elements
+};
+
+enum class MaskKind { None, Bool, Float };
+
+// mask: shape (B, Hq, Lq, Lk), implied by q and k. Bool: one byte per element, nonzero means
+// "may attend". Float: float32 additive bias, -inf hides the key. Strides in elements
+// (bytes for Bool), any sign, on every axis.
+struct MaskView {
+    MaskKind kind;
+    const void* data;
+    int64_t stride[4];
+};
+
+struct AttentionProblem {
+    TensorView4 q, k, v;
+    MutTensorView4 out;
+    LseView lse;
+    // Absolute position of query row 0 of each sequence, (B,). Read only when causal; may
+    // be nullptr when not causal.
+    const int64_t* q_offset;
+    // Number of valid keys of each sequence, (B,). nullptr means Lk for every sequence.
+    const int64_t* kv_lens;
+    MaskView mask;
+    bool causal;
+    float scale;
+};
+
+// Throws std::invalid_argument naming the argument, what was expected and what was given,
+// e.g. "k: expected shape (B=2, Hkv, Lk, D=64), got (2, 4, 10, 32)". After it returns, the
+// kernels may index every element of every view without further checks.
+void check_problem(const AttentionProblem& problem);
+
+// Row-major (contiguous) views over shape (d0, d1, d2, d3); a convenience for tests and for
+// callers that own contiguous buffers.
+TensorView4 contiguous_view(const float* data, int64_t d0, int64_t d1, int64_t d2, int64_t d3);
+MutTensorView4 contiguous_mut_view(float* data, int64_t d0, int64_t d1, int64_t d2, int64_t d3);
+LseView contiguous_lse_view(float* data, int64_t d0, int64_t d1, int64_t d2);
+
+}  // namespace twinattn

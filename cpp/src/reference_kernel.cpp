@@ -1,0 +1,178 @@
+// attention_reference: exact scaled-dot-product attention, the seeds' kernel grown to the full
+// contract (docs/native_api.md).
+//
+// Shapes (strides in elements, see problem.hpp):
+//   q   (B, Hq,  Lq, D)      k (B, Hkv, Lk, D)      v (B, Hkv, Lk, Dv)
+//   out (B, Hq,  Lq, Dv)     lse (B, Hq, Lq)        mask (B, Hq, Lq, Lk)
+//   q_offset (B,), kv_lens (B,); query head h reads KV head h / (Hq / Hkv).
+//
+// For each query row i of sequence b, head h:
+//   1. select the visible keys and score them: key j is visible iff j < kv_len[b], and
+//      (not causal or j <= q_offset[b] + i), and (bool mask[b,h,i,j] or no bool mask), and its
+//      float bias is not -inf; score_j = scale * (q_i . k_j) + bias_ij.
+//   2. row_max = max_j score_j.
+//   3. e_j = exp(score_j - row_max), row_sum = sum_j e_j.
+//   4. normalise: p_j = e_j / row_sum.
+//   5. out_i = sum_j p_j v_j, lse_i = row_max + log(row_sum).
+// Only visible keys are ever touched after pass 1 (and k_j is read in pass 1 only once j has
+// passed the position, length and mask tests), so hidden keys cannot contribute, not even as
+// 0 * NaN. A row with no visible key gets out = 0 and lse = -inf. Everything after the loads
+// is computed in double, as in the seeds.
+#include "twinattn/reference_kernel.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace twinattn {
+namespace {
+
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+struct VisibleKey {
+    int64_t key;   // j
+    double score;  // score_j, then e_j, then p_j as the passes go
+};
+
+// Per-thread scratch, allocated once per call before any thread starts.
+struct RowScratch {
+    std::vector<VisibleKey> visible;  // capacity: the longest kv_len
+    std::vector<double> out_row;      // Dv accumulators
+};
+
+int64_t kv_len_of(const AttentionProblem& p, int64_t b) {
+    return p.kv_lens != nullptr ? p.kv_lens[b] : p.k.shape[2];
+}
+
+// One past the last key row i of sequence b may see by length and position.
+int64_t key_end_of(const AttentionProblem& p, int64_t b, int64_t i) {
+    const int64_t kv_len = kv_len_of(p, b);
+    if (!p.causal) return kv_len;
+    // q_offset[b] >= kv_len sees every key; otherwise the sum cannot overflow.
+    if (p.q_offset[b] >= kv_len) return kv_len;
+    return std::min(kv_len, p.q_offset[b] + i + 1);
+}
+
+void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowScratch& scratch) {
+    const int64_t head_dim = p.q.shape[3];
+    const int64_t value_dim = p.v.shape[3];
+    const int64_t kv_head = h / (p.q.shape[1] / p.k.shape[1]);
+    const float* q_row = p.q.data + b * p.q.stride[0] + h * p.q.stride[1] + i * p.q.stride[2];
+    const float* k_head = p.k.data + b * p.k.stride[0] + kv_head * p.k.stride[1];
+    const float* v_head = p.v.data + b * p.v.stride[0] + kv_head * p.v.stride[1];
+    float* out_row = p.out.data + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
+    const int64_t mask_row = b * p.mask.stride[0] + h * p.mask.stride[1] + i * p.mask.stride[2];
+
+    // 1. Select the visible keys and score them.
+    std::vector<VisibleKey>& visible = scratch.visible;
+    visible.clear();  // keeps capacity: no allocation here
+    const int64_t key_end = key_end_of(p, b, i);
+    for (int64_t j = 0; j < key_end; ++j) {
+        double bias = 0.0;
+        const int64_t mask_index = mask_row + j * p.mask.stride[3];
+        if (p.mask.kind == MaskKind::Bool) {
+            // Read as a byte: any nonzero value means "may attend".
+            if (static_cast<const unsigned char*>(p.mask.data)[mask_index] == 0) continue;
+        } else if (p.mask.kind == MaskKind::Float) {
+            bias = static_cast<const float*>(p.mask.data)[mask_index];
+            if (bias == kNegInf) continue;  // hidden before k_j is read
+        }
+        const float* k_row = k_head + j * p.k.stride[2];
+        double dot = 0.0;
+        for (int64_t d = 0; d < head_dim; ++d)
+            dot += static_cast<double>(q_row[d]) * static_cast<double>(k_row[d]);
+        const double score = static_cast<double>(p.scale) * dot + bias;
+        if (score == kNegInf) continue;  // an all-(-inf) row ends up with no visible key
+        visible.push_back(VisibleKey{j, score});
+    }
+
+    float* lse = p.lse.data == nullptr
+                     ? nullptr
+                     : p.lse.data + b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2];
+    if (visible.empty()) {
+        for (int64_t d = 0; d < value_dim; ++d) out_row[d] = 0.0f;
+        if (lse != nullptr) *lse = -std::numeric_limits<float>::infinity();
+        return;
+    }
+
+    // 2. Row max.
+    double row_max = kNegInf;
+    for (const VisibleKey& key : visible) row_max = std::max(row_max, key.score);
+
+    // 3. Exponentiate and sum.
+    double row_sum = 0.0;
+    for (VisibleKey& key : visible) {
+        key.score = std::exp(key.score - row_max);  // <= 1: no large positive exponentials
+        row_sum += key.score;
+    }
+
+    // 4. Normalise.
+    for (VisibleKey& key : visible) key.score /= row_sum;
+
+    // 5. Weight the values; write out and lse.
+    std::vector<double>& out_acc = scratch.out_row;
+    std::fill(out_acc.begin(), out_acc.end(), 0.0);
+    for (const VisibleKey& key : visible) {
+        const float* v_row = v_head + key.key * p.v.stride[2];
+        for (int64_t d = 0; d < value_dim; ++d) out_acc[d] += key.score * static_cast<double>(v_row[d]);
+    }
+    for (int64_t d = 0; d < value_dim; ++d) out_row[d] = static_cast<float>(out_acc[d]);
+    if (lse != nullptr) *lse = static_cast<float>(row_max + std::log(row_sum));
+}
+
+// Every row of the (sequence, query head) pairs [pair_begin, pair_end), pair = b * Hq + h.
+void attend_pairs(const AttentionProblem& p, int64_t pair_begin, int64_t pair_end,
+                  RowScratch& scratch) {
+    const int64_t q_heads = p.q.shape[1];
+    for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
+        const int64_t b = pair / q_heads, h = pair % q_heads;
+        for (int64_t i = 0; i < p.q.shape[2]; ++i) attend_row(p, b, h, i, scratch);
+    }
+}
+
+}  // namespace
+
+void attention_reference(const AttentionProblem& p, int num_threads) {
+    check_problem(p);
+    if (num_threads < 1)
+        throw std::invalid_argument("num_threads: expected >= 1, got " +
+                                    std::to_string(num_threads));
+    const int64_t pair_count = p.q.shape[0] * p.q.shape[1];
+    if (pair_count == 0 || p.q.shape[2] == 0) return;
+
+    // Scratch for every thread, allocated here so that std::bad_alloc reaches the caller.
+    int64_t longest_kv_len = 0;
+    for (int64_t b = 0; b < p.q.shape[0]; ++b) longest_kv_len = std::max(longest_kv_len, kv_len_of(p, b));
+    const int64_t thread_count = std::min<int64_t>(num_threads, pair_count);
+    std::vector<RowScratch> scratch(static_cast<size_t>(thread_count));
+    for (RowScratch& s : scratch) {
+        s.visible.reserve(static_cast<size_t>(longest_kv_len));
+        s.out_row.resize(static_cast<size_t>(p.v.shape[3]));
+    }
+
+    if (thread_count == 1) {
+        attend_pairs(p, 0, pair_count, scratch[0]);
+        return;
+    }
+    // Contiguous chunks of pairs; chunk t is [pair_count * t / T, pair_count * (t + 1) / T).
+    std::vector<std::thread> threads;
+    threads.reserve(static_cast<size_t>(thread_count));
+    try {
+        for (int64_t t = 0; t < thread_count; ++t) {
+            const int64_t begin = pair_count * t / thread_count;
+            const int64_t end = pair_count * (t + 1) / thread_count;
+            threads.emplace_back(attend_pairs, std::cref(p), begin, end, std::ref(scratch[t]));
+        }
+    } catch (...) {  // a thread failed to start: join the started ones before reporting
+        for (std::thread& thread : threads) thread.join();
+        throw;
+    }
+    for (std::thread& thread : threads) thread.join();
+}
+
+}  // namespace twinattn
