@@ -1,0 +1,392 @@
+//! One attention call, described as views over memory the caller owns, and the checks every
+//! kernel relies on. Plain Rust: nothing here knows about Python.
+//!
+//! Twin of `cpp/src/problem.cpp`. Shapes, as in torch's scaled_dot_product_attention:
+//!
+//! ```text
+//! q    (B, Hq,  Lq, D)      k (B, Hkv, Lk, D)      v (B, Hkv, Lk, Dv)
+//! out  (B, Hq,  Lq, Dv)     lse (B, Hq, Lq), optional
+//! mask (B, Hq,  Lq, Lk), optional: bool (true = may attend) or float32 (additive bias)
+//! q_offset (B,), kv_lens (B,)
+//! ```
+//!
+//! Strides are in elements (not bytes) and may be positive, negative or zero, so a NumPy view
+//! such as `x.swapaxes(1, 2)`, `cache[:, :, :n]` or `np.broadcast_to(mask, ...)` is described
+//! in place. The last axis of q, k, v and out must have unit stride unless its length is <= 1
+//! (or the view is empty).
+
+use std::fmt;
+
+/// A read-only 4-D float32 view: element `[a, b, c, d]` lives at
+/// `data + a*stride[0] + b*stride[1] + c*stride[2] + d*stride[3]`.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorView4 {
+    pub data: *const f32,
+    pub shape: [i64; 4],
+    pub stride: [i64; 4],
+}
+
+/// A writeable 4-D float32 view, laid out like [`TensorView4`].
+#[derive(Clone, Copy, Debug)]
+pub struct MutTensorView4 {
+    pub data: *mut f32,
+    pub shape: [i64; 4],
+    pub stride: [i64; 4],
+}
+
+/// The optional (B, Hq, Lq) output of log-sum-exp values. A null `data` means "not requested".
+#[derive(Clone, Copy, Debug)]
+pub struct LseView {
+    pub data: *mut f32,
+    pub shape: [i64; 3],
+    pub stride: [i64; 3],
+}
+
+impl LseView {
+    /// No lse requested.
+    pub const NONE: LseView = LseView {
+        data: std::ptr::null_mut(),
+        shape: [0; 3],
+        stride: [0; 3],
+    };
+
+    pub fn is_requested(&self) -> bool {
+        !self.data.is_null()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MaskKind {
+    None,
+    /// one byte per element, nonzero = may attend
+    Bool,
+    /// float32 additive bias; -inf hides the key
+    Float,
+}
+
+/// The optional mask. Its shape is always (B, Hq, Lq, Lk), taken from q and k; broadcasting
+/// is expressed by zero strides. Strides are in elements (bytes for `Bool`, floats for `Float`)
+/// and are arbitrary on every axis, the last one included.
+#[derive(Clone, Copy, Debug)]
+pub struct MaskView {
+    pub kind: MaskKind,
+    pub data: *const u8,
+    pub stride: [i64; 4],
+}
+
+impl MaskView {
+    /// No mask.
+    pub const NONE: MaskView = MaskView {
+        kind: MaskKind::None,
+        data: std::ptr::null(),
+        stride: [0; 4],
+    };
+}
+
+/// Everything one attention call needs.
+///
+/// The C++ twin holds `q_offset` and `kv_lens` as `const int64_t*`; here they are slices, which
+/// carry their length, so [`check_problem`] can check them without reading out of bounds.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionProblem<'a> {
+    pub q: TensorView4,
+    pub k: TensorView4,
+    pub v: TensorView4,
+    pub out: MutTensorView4,
+    pub lse: LseView,
+    /// absolute position of query row 0 of each sequence (used only when `causal`)
+    pub q_offset: &'a [i64],
+    /// number of valid keys of each sequence; keys j >= kv_lens[b] are never read
+    pub kv_lens: &'a [i64],
+    pub mask: MaskView,
+    pub causal: bool,
+    /// multiplies q . k
+    pub scale: f32,
+}
+
+/// What is wrong with a problem: a message naming the argument, what was expected and what was
+/// given. The Python binding raises it as ValueError.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProblemError(pub String);
+
+impl fmt::Display for ProblemError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ProblemError {}
+
+macro_rules! reject {
+    ($($arg:tt)*) => {
+        return Err(ProblemError(format!($($arg)*)))
+    };
+}
+
+fn shape_string(shape: &[i64]) -> String {
+    let parts: Vec<String> = shape.iter().map(i64::to_string).collect();
+    format!("({})", parts.join(", "))
+}
+
+/// The address range `[lowest, highest + item)` that a strided view touches, or None when it
+/// has no element. Used to tell whether two views may share memory (the same test as NumPy's
+/// `may_share_memory`: bounds only, so interleaved views are conservatively reported).
+fn byte_extent(data: usize, shape: &[i64], stride: &[i64], item: i64) -> Option<(i128, i128)> {
+    if shape.iter().any(|&n| n <= 0) {
+        return None;
+    }
+    let base = data as i128;
+    let (mut lowest, mut highest) = (base, base);
+    for (&n, &s) in shape.iter().zip(stride) {
+        let reach = (n as i128 - 1) * s as i128 * item as i128;
+        if reach < 0 {
+            lowest += reach;
+        } else {
+            highest += reach;
+        }
+    }
+    Some((lowest, highest + item as i128))
+}
+
+fn extents_overlap(a: Option<(i128, i128)>, b: Option<(i128, i128)>) -> bool {
+    match (a, b) {
+        (Some((a0, a1)), Some((b0, b1))) => a0 < b1 && b0 < a1,
+        _ => false,
+    }
+}
+
+/// Whether two distinct indices of a view may address the same element. Sufficient test:
+/// sorted by |stride|, each axis of length > 1 must step past everything the smaller axes reach.
+/// Exotic interleaved layouts that do not overlap may be reported too; outputs never need them.
+fn may_overlap_itself(shape: &[i64], stride: &[i64]) -> bool {
+    if shape.iter().any(|&n| n <= 0) {
+        return false;
+    }
+    let mut axes: Vec<(i128, i128)> = shape
+        .iter()
+        .zip(stride)
+        .filter(|(&n, _)| n > 1)
+        .map(|(&n, &s)| (n as i128, (s as i128).abs()))
+        .collect();
+    axes.sort_by_key(|&(_, step)| step);
+    let mut reach: i128 = 0; // largest offset the smaller axes reach, in elements
+    for (n, step) in axes {
+        if step <= reach {
+            return true;
+        }
+        reach += (n - 1) * step;
+    }
+    false
+}
+
+fn check_shape(
+    name: &str,
+    expected: &str,
+    shape: &[i64],
+    matches: bool,
+) -> Result<(), ProblemError> {
+    if shape.iter().any(|&n| n < 0) || !matches {
+        reject!(
+            "{name}: expected shape {expected}, got {}",
+            shape_string(shape)
+        );
+    }
+    Ok(())
+}
+
+/// An empty view addresses nothing, so its strides do not matter (NumPy 2 sets them all to 0).
+fn check_unit_last_stride(
+    name: &str,
+    shape: &[i64; 4],
+    stride: &[i64; 4],
+) -> Result<(), ProblemError> {
+    if shape[3] > 1 && stride[3] != 1 && !shape.contains(&0) {
+        reject!(
+            "{name}: the last axis must have unit stride (contiguous rows), got a stride of {} elements",
+            stride[3]
+        );
+    }
+    Ok(())
+}
+
+fn check_data(name: &str, null: bool, shape: &[i64]) -> Result<(), ProblemError> {
+    if null && shape.iter().all(|&n| n > 0) {
+        reject!(
+            "{name}: data pointer is null but the shape {} is not empty",
+            shape_string(shape)
+        );
+    }
+    Ok(())
+}
+
+/// Checks everything a kernel relies on, except that the pointers are valid (the caller's
+/// promise, see [`crate::reference_kernel::attention_reference`]).
+///
+/// Shapes agree; Hq % Hkv == 0; the last axis of q, k, v and out has unit stride; q_offset and
+/// kv_lens have B entries, 0 <= kv_lens[b] <= Lk, q_offset[b] >= 0 when causal; lse is
+/// (B, Hq, Lq); scale is finite; out and lse do not overlap themselves, each other, or any input.
+pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
+    // 1. Shapes. q names B, Hq, Lq and D; k names Hkv and Lk; v names Dv.
+    let [batch, q_heads, q_len, head_dim] = p.q.shape;
+    check_shape(
+        "q",
+        "(B, Hq, Lq, D) with no negative length",
+        &p.q.shape,
+        true,
+    )?;
+    let [_, kv_heads, k_len, _] = p.k.shape;
+    check_shape(
+        "k",
+        &format!("(B={batch}, Hkv, Lk, D={head_dim})"),
+        &p.k.shape,
+        p.k.shape[0] == batch && p.k.shape[3] == head_dim,
+    )?;
+    let value_dim = p.v.shape[3];
+    check_shape(
+        "v",
+        &format!("(B={batch}, Hkv={kv_heads}, Lk={k_len}, Dv)"),
+        &p.v.shape,
+        p.v.shape[..3] == [batch, kv_heads, k_len],
+    )?;
+    check_shape(
+        "out",
+        &format!("(B={batch}, Hq={q_heads}, Lq={q_len}, Dv={value_dim})"),
+        &p.out.shape,
+        p.out.shape == [batch, q_heads, q_len, value_dim],
+    )?;
+    if p.lse.is_requested() {
+        check_shape(
+            "lse",
+            &format!("(B={batch}, Hq={q_heads}, Lq={q_len})"),
+            &p.lse.shape,
+            p.lse.shape == [batch, q_heads, q_len],
+        )?;
+    }
+
+    // 2. Grouped-query heads: query head h reads KV head h / (Hq / Hkv).
+    if q_heads > 0 && (kv_heads == 0 || q_heads % kv_heads != 0) {
+        reject!(
+            "k: the number of query heads Hq={q_heads} must be a multiple of the number of KV heads, got Hkv={kv_heads}"
+        );
+    }
+
+    // 3. Strides and pointers.
+    check_unit_last_stride("q", &p.q.shape, &p.q.stride)?;
+    check_unit_last_stride("k", &p.k.shape, &p.k.stride)?;
+    check_unit_last_stride("v", &p.v.shape, &p.v.stride)?;
+    check_unit_last_stride("out", &p.out.shape, &p.out.stride)?;
+    check_data("q", p.q.data.is_null(), &p.q.shape)?;
+    check_data("k", p.k.data.is_null(), &p.k.shape)?;
+    check_data("v", p.v.data.is_null(), &p.v.shape)?;
+    check_data("out", p.out.data.is_null(), &p.out.shape)?;
+    let mask_shape = [batch, q_heads, q_len, k_len];
+    if p.mask.kind != MaskKind::None {
+        check_data("mask", p.mask.data.is_null(), &mask_shape)?;
+    }
+
+    // 4. Per-sequence lengths and positions.
+    let batch_len = batch as usize;
+    if p.kv_lens.len() != batch_len {
+        reject!(
+            "kv_lens: expected shape (B={batch},), got ({},)",
+            p.kv_lens.len()
+        );
+    }
+    if p.q_offset.len() != batch_len {
+        reject!(
+            "q_offset: expected shape (B={batch},), got ({},)",
+            p.q_offset.len()
+        );
+    }
+    if let Some((b, &kv_len)) = p
+        .kv_lens
+        .iter()
+        .enumerate()
+        .find(|(_, &n)| !(0..=k_len).contains(&n))
+    {
+        reject!("kv_lens: expected values in [0, Lk={k_len}], got kv_lens[{b}]={kv_len}");
+    }
+    if p.causal {
+        if let Some((b, &offset)) = p.q_offset.iter().enumerate().find(|(_, &o)| o < 0) {
+            reject!("q_offset: expected values >= 0 when causal, got q_offset[{b}]={offset}");
+        }
+    }
+    if !p.scale.is_finite() {
+        reject!("scale: expected a finite float32, got {}", p.scale);
+    }
+
+    // 5. Outputs: every element written once, by one thread, never read as input.
+    if may_overlap_itself(&p.out.shape, &p.out.stride) {
+        reject!(
+            "out: its elements overlap each other (strides {}); pass an array with distinct elements",
+            shape_string(&p.out.stride)
+        );
+    }
+    let out_extent = byte_extent(p.out.data as usize, &p.out.shape, &p.out.stride, 4);
+    let lse_extent = if p.lse.is_requested() {
+        if may_overlap_itself(&p.lse.shape, &p.lse.stride) {
+            reject!(
+                "lse: its elements overlap each other (strides {}); pass an array with distinct elements",
+                shape_string(&p.lse.stride)
+            );
+        }
+        byte_extent(p.lse.data as usize, &p.lse.shape, &p.lse.stride, 4)
+    } else {
+        None
+    };
+    let mask_item = if p.mask.kind == MaskKind::Float { 4 } else { 1 };
+    let inputs = [
+        (
+            "q",
+            byte_extent(p.q.data as usize, &p.q.shape, &p.q.stride, 4),
+        ),
+        (
+            "k",
+            byte_extent(p.k.data as usize, &p.k.shape, &p.k.stride, 4),
+        ),
+        (
+            "v",
+            byte_extent(p.v.data as usize, &p.v.shape, &p.v.stride, 4),
+        ),
+        (
+            "mask",
+            match p.mask.kind {
+                MaskKind::None => None,
+                _ => byte_extent(p.mask.data as usize, &mask_shape, &p.mask.stride, mask_item),
+            },
+        ),
+        ("lse", lse_extent),
+    ];
+    for (output, extent) in [("out", out_extent), ("lse", lse_extent)] {
+        for &(input, input_extent) in &inputs {
+            if input != output && extents_overlap(extent, input_extent) {
+                reject!("{output}: its memory overlaps {input}; pass a separate output array");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn self_overlap() {
+        assert!(!may_overlap_itself(&[2, 3, 4, 5], &[60, 20, 5, 1]));
+        assert!(!may_overlap_itself(&[2, 3, 4, 5], &[5, 40, 10, -1]));
+        assert!(may_overlap_itself(&[2, 3, 4, 5], &[60, 0, 5, 1]));
+        assert!(may_overlap_itself(&[2, 3, 4, 5], &[60, 20, 4, 1]));
+        assert!(!may_overlap_itself(&[2, 1, 4, 5], &[20, 0, 5, 1]));
+        assert!(!may_overlap_itself(&[0, 3, 4, 5], &[0, 0, 0, 0]));
+    }
+
+    #[test]
+    fn extents() {
+        assert_eq!(byte_extent(100, &[2, 3], &[3, 1], 4), Some((100, 124)));
+        assert_eq!(byte_extent(100, &[2, 3], &[-3, 1], 4), Some((88, 112)));
+        assert_eq!(byte_extent(100, &[2, 0], &[3, 1], 4), None);
+        assert!(extents_overlap(Some((0, 8)), Some((4, 12))));
+        assert!(!extents_overlap(Some((0, 8)), Some((8, 12))));
+    }
+}

@@ -1,0 +1,240 @@
+//! The scalar reference kernel: the seeds' algorithm grown to the full contract. Written to be
+//! obviously right, not fast; every faster kernel is tested against it.
+//!
+//! Twin of `cpp/src/reference_kernel.cpp`: same passes, same order, same numerics.
+//!
+//! Shapes (see `problem.rs`):
+//!   q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq)
+//!   mask (B, Hq, Lq, Lk) bool or float bias; q_offset (B,), kv_lens (B,).
+//!   Query head h reads KV head h / group, group = Hq / Hkv.
+//!
+//! For each (sequence b, query head h) pair, for each query row i, in float64:
+//!   1. Scores of the visible keys. Key j is visible iff j < kv_lens[b], and (not causal or
+//!      j <= q_offset[b] + i), and (no bool mask or mask[b,h,i,j]). Its score is
+//!      scale * (q[b,h,i,:] . k[b,h/group,j,:]) + bias[b,h,i,j] (float mask only). A hidden key
+//!      scores -inf; keys j >= kv_lens[b] are not even looked at. row_max = the largest score.
+//!   2. A row whose row_max is -inf (no visible key, or every bias -inf) gets out = 0 and
+//!      lse = -inf, and stops here.
+//!   3. Weights: p_j = exp(score_j - row_max), row_sum = sum_j p_j.
+//!   4. Output: out[b,h,i,:] = sum_j (p_j / row_sum) * v[b,h/group,j,:], skipping every key whose
+//!      p_j is 0, so a hidden key's value never enters, not even as 0 * NaN.
+//!   5. lse[b,h,i] = row_max + ln(row_sum), when requested.
+//!
+//! Threads: the B*Hq (b, h) pairs, numbered b*Hq + h, are cut into `num_threads` contiguous
+//! chunks, chunk t = [pairs*t/threads, pairs*(t+1)/threads). Chunk 0 runs on the calling thread,
+//! the others on scoped threads started for this call. Each thread owns one score buffer (Lk)
+//! and one accumulator (Dv), reused for all its rows. Rows never depend on the split, so every
+//! thread count gives bit-identical results.
+
+use crate::problem::{check_problem, AttentionProblem, MaskKind, ProblemError};
+
+/// Computes attention for `p` with `num_threads` threads (0 is taken as 1), after
+/// [`check_problem`], whose error it returns without touching any memory.
+///
+/// # Safety
+///
+/// Every view in `p` must describe memory valid for its whole shape: q, k, v and the mask
+/// readable at every in-bounds index (k and v rows j >= kv_lens[b] excepted: they are never read),
+/// out and lse (when requested) writeable at every in-bounds index, and nothing else may write
+/// any of that memory, or read out or lse, during the call. check_problem then guarantees that
+/// out and lse overlap neither themselves nor any input, so the threads' writes are disjoint.
+pub unsafe fn attention_reference(
+    p: &AttentionProblem,
+    num_threads: usize,
+) -> Result<(), ProblemError> {
+    check_problem(p)?;
+    let [batch, q_heads, _, _] = p.q.shape;
+    let pairs = (batch * q_heads) as usize;
+    if pairs == 0 {
+        return Ok(());
+    }
+    let threads = num_threads.clamp(1, pairs);
+    let chunk = |t: usize| pairs * t / threads..pairs * (t + 1) / threads;
+    // SAFETY: forwarded from this function's contract; check_problem has passed.
+    let shared = unsafe { SharedProblem::new(p) };
+    if threads == 1 {
+        run_pairs(&shared, chunk(0));
+        return Ok(());
+    }
+    std::thread::scope(|scope| {
+        for t in 1..threads {
+            let shared = &shared;
+            scope.spawn(move || run_pairs(shared, chunk(t)));
+        }
+        run_pairs(&shared, chunk(0));
+    });
+    Ok(())
+}
+
+/// A checked problem whose memory the caller vouched for, shareable across the threads of one
+/// call. Raw pointers are neither Send nor Sync, so Rust needs this wrapper; C++ does not.
+struct SharedProblem<'p, 'a> {
+    p: &'p AttentionProblem<'a>,
+}
+
+impl<'p, 'a> SharedProblem<'p, 'a> {
+    /// # Safety
+    /// `p` has passed check_problem and meets the contract of [`attention_reference`].
+    unsafe fn new(p: &'p AttentionProblem<'a>) -> Self {
+        SharedProblem { p }
+    }
+}
+
+// SAFETY: the threads only read q, k, v and the mask, which nobody writes during the call, and
+// each writes the out and lse rows of its own (b, h) pairs; check_problem has proven that out
+// and lse do not overlap themselves, each other or the inputs, so no two threads touch the same
+// output element and no write is seen by a read.
+unsafe impl Sync for SharedProblem<'_, '_> {}
+
+/// Element offset of index `index` in a view with element strides `stride`.
+fn offset<const N: usize>(index: [i64; N], stride: &[i64; N]) -> isize {
+    index.iter().zip(stride).map(|(&i, &s)| i * s).sum::<i64>() as isize
+}
+
+/// The `len` contiguous floats at element offset `at` from `data`; empty when `len` is 0, without
+/// touching the pointer (NumPy may hand an empty array a dangling or null pointer).
+///
+/// # Safety
+/// When `len > 0`, `data + at` must be aligned and valid for reading `len` floats, and nobody may
+/// write them while the slice lives.
+unsafe fn row<'x>(data: *const f32, at: isize, len: i64) -> &'x [f32] {
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: forwarded from this function's contract.
+    unsafe { std::slice::from_raw_parts(data.offset(at), len as usize) }
+}
+
+/// Like [`row`], writeable.
+///
+/// # Safety
+/// When `len > 0`, `data + at` must be aligned and valid for writing `len` floats, and nobody
+/// else may access them while the slice lives.
+unsafe fn row_mut<'x>(data: *mut f32, at: isize, len: i64) -> &'x mut [f32] {
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: forwarded from this function's contract.
+    unsafe { std::slice::from_raw_parts_mut(data.offset(at), len as usize) }
+}
+
+/// Runs the (b, h) pairs numbered in `pair_range`, row by row.
+fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>) {
+    let p = shared.p;
+    let [_, q_heads, q_len, head_dim] = p.q.shape;
+    let [_, kv_heads, k_len, _] = p.k.shape;
+    let value_dim = p.v.shape[3];
+    let group = q_heads / kv_heads;
+    let scale = f64::from(p.scale);
+    let mut scores = vec![0.0f64; k_len as usize];
+    let mut acc = vec![0.0f64; value_dim as usize];
+
+    for pair in pair_range {
+        let b = pair as i64 / q_heads;
+        let h = pair as i64 % q_heads;
+        let kv_head = h / group;
+        let kv_len = p.kv_lens[b as usize];
+        for i in 0..q_len {
+            // The keys to look at: j < kv_len and, when causal, j <= q_offset[b] + i.
+            let key_end = if p.causal {
+                kv_len.min(p.q_offset[b as usize].saturating_add(i).saturating_add(1))
+            } else {
+                kv_len
+            };
+
+            // SAFETY: b < B, h < Hq, i < Lq: a valid q row of D elements, stride 1 (or D <= 1).
+            let q_row = unsafe { row(p.q.data, offset([b, h, i, 0], &p.q.stride), head_dim) };
+
+            // 1. Scores of the visible keys; hidden keys score -inf.
+            let mut row_max = f64::NEG_INFINITY;
+            for j in 0..key_end {
+                let score = match p.mask.kind {
+                    MaskKind::Bool if !mask_allows(shared, [b, h, i, j]) => f64::NEG_INFINITY,
+                    _ => {
+                        // SAFETY: j < kv_len <= Lk and kv_head < Hkv: a valid key row of D elements.
+                        let k_row = unsafe {
+                            row(p.k.data, offset([b, kv_head, j, 0], &p.k.stride), head_dim)
+                        };
+                        let dot: f64 = q_row
+                            .iter()
+                            .zip(k_row)
+                            .map(|(&x, &y)| f64::from(x) * f64::from(y))
+                            .sum();
+                        scale * dot + mask_bias(shared, [b, h, i, j])
+                    }
+                };
+                scores[j as usize] = score;
+                row_max = row_max.max(score);
+            }
+
+            // SAFETY: b < B, h < Hq, i < Lq: a valid out row of Dv elements, written only by the
+            // thread that owns pair (b, h).
+            let out_row =
+                unsafe { row_mut(p.out.data, offset([b, h, i, 0], &p.out.stride), value_dim) };
+
+            // 2. No visible key: zeros and lse = -inf, never NaN.
+            if row_max == f64::NEG_INFINITY {
+                out_row.fill(0.0);
+                write_lse(shared, [b, h, i], f32::NEG_INFINITY);
+                continue;
+            }
+
+            // 3. Weights, shifted by the row max so no exponential overflows.
+            let mut row_sum = 0.0f64;
+            for score in &mut scores[..key_end as usize] {
+                *score = (*score - row_max).exp();
+                row_sum += *score;
+            }
+
+            // 4. Mix the values of the keys that carry weight.
+            acc.fill(0.0);
+            for j in 0..key_end {
+                let weight = scores[j as usize];
+                if weight == 0.0 {
+                    continue; // hidden (or underflowed): its value must not enter, even as 0 * NaN
+                }
+                // SAFETY: j < kv_len <= Lk and kv_head < Hkv: a valid value row of Dv elements.
+                let v_row =
+                    unsafe { row(p.v.data, offset([b, kv_head, j, 0], &p.v.stride), value_dim) };
+                let weight = weight / row_sum;
+                for (a, &x) in acc.iter_mut().zip(v_row) {
+                    *a += weight * f64::from(x);
+                }
+            }
+            for (o, &a) in out_row.iter_mut().zip(&acc) {
+                *o = a as f32;
+            }
+
+            // 5. The natural-log softmax denominator.
+            write_lse(shared, [b, h, i], (row_max + row_sum.ln()) as f32);
+        }
+    }
+}
+
+/// Whether the bool mask lets row (b, h, i) attend to key j.
+fn mask_allows(shared: &SharedProblem, index: [i64; 4]) -> bool {
+    let mask = &shared.p.mask;
+    // SAFETY: a Bool mask is readable at every index of (B, Hq, Lq, Lk), and index is in bounds.
+    unsafe { *mask.data.offset(offset(index, &mask.stride)) != 0 }
+}
+
+/// The float mask's bias for row (b, h, i) and key j; 0 without a float mask.
+fn mask_bias(shared: &SharedProblem, index: [i64; 4]) -> f64 {
+    let mask = &shared.p.mask;
+    if mask.kind != MaskKind::Float {
+        return 0.0;
+    }
+    // SAFETY: a Float mask holds float32 elements (aligned: the caller's contract), readable at
+    // every index of (B, Hq, Lq, Lk), and index is in bounds.
+    unsafe { f64::from(*mask.data.cast::<f32>().offset(offset(index, &mask.stride))) }
+}
+
+/// Writes lse[b, h, i] when lse was requested.
+fn write_lse(shared: &SharedProblem, index: [i64; 3], value: f32) {
+    let lse = &shared.p.lse;
+    if lse.is_requested() {
+        // SAFETY: lse is (B, Hq, Lq) (checked), index is in bounds, and only the thread owning
+        // pair (b, h) writes this element.
+        unsafe { *lse.data.offset(offset(index, &lse.stride)) = value };
+    }
+}

@@ -1,0 +1,487 @@
+//! Test helpers: owned strided tensors, a safe way to run the kernel on them, and a naive float64
+//! attention written straight from the contract (docs/native_api.md) to compare against.
+#![allow(dead_code)] // each test file uses its own subset
+
+use twinattn::problem::{
+    AttentionProblem, LseView, MaskKind, MaskView, MutTensorView4, ProblemError, TensorView4,
+};
+use twinattn::reference_kernel::attention_reference;
+
+/// A small deterministic generator (xorshift64*), so tests need no crates.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    /// Uniform in [-1, 1).
+    pub fn next(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let bits = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40; // 24 bits
+        bits as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// An owned 4-D float32 tensor: a buffer and a strided view into it. Construction checks that
+/// every in-bounds index lands inside the buffer, which is what makes [`Case::run`] safe.
+#[derive(Clone, Debug)]
+pub struct Tensor {
+    pub buffer: Vec<f32>,
+    pub origin: usize,
+    pub shape: [i64; 4],
+    pub stride: [i64; 4],
+}
+
+fn contiguous_strides(shape: [i64; 4]) -> [i64; 4] {
+    [
+        shape[1] * shape[2] * shape[3],
+        shape[2] * shape[3],
+        shape[3],
+        1,
+    ]
+}
+
+impl Tensor {
+    pub fn from_fn(shape: [i64; 4], f: impl FnMut([i64; 4]) -> f32) -> Tensor {
+        let size = shape.iter().product::<i64>() as usize;
+        Tensor::with_layout(shape, contiguous_strides(shape), 0, size, f)
+    }
+
+    pub fn zeros(shape: [i64; 4]) -> Tensor {
+        Tensor::from_fn(shape, |_| 0.0)
+    }
+
+    pub fn random(shape: [i64; 4], rng: &mut Rng) -> Tensor {
+        Tensor::from_fn(shape, |_| rng.next())
+    }
+
+    /// From nested rows, shape (1, 1, rows, cols).
+    pub fn rows(rows: &[&[f32]]) -> Tensor {
+        let cols = rows.first().map_or(0, |r| r.len());
+        Tensor::from_fn([1, 1, rows.len() as i64, cols as i64], |[_, _, i, d]| {
+            rows[i as usize][d as usize]
+        })
+    }
+
+    /// A tensor at `origin` with `stride` inside a NaN-filled buffer of `buffer_len` floats:
+    /// every float the view does not cover is NaN, so a kernel reading outside it shows.
+    /// Panics unless every index of the view lands inside the buffer.
+    pub fn with_layout(
+        shape: [i64; 4],
+        stride: [i64; 4],
+        origin: usize,
+        buffer_len: usize,
+        mut f: impl FnMut([i64; 4]) -> f32,
+    ) -> Tensor {
+        let mut t = Tensor {
+            buffer: vec![f32::NAN; buffer_len],
+            origin,
+            shape,
+            stride,
+        };
+        let mut index = [0i64; 4];
+        if shape.iter().all(|&n| n > 0) {
+            loop {
+                let at = t.position(index);
+                t.buffer[at] = f(index);
+                if !next_index(&mut index, &shape) {
+                    break;
+                }
+            }
+        }
+        t
+    }
+
+    /// The same values in a new layout: axes stored in the order `order` (outermost first), the
+    /// axes listed in `reversed` stored backwards (negative strides), `pad` spare floats between
+    /// rows of the last axis. Values outside the view are NaN.
+    pub fn relayout(&self, order: [usize; 4], reversed: &[usize], pad: i64) -> Tensor {
+        let mut stride = [0i64; 4];
+        let mut step = 1i64;
+        for (rank, &axis) in order.iter().enumerate().rev() {
+            stride[axis] = step;
+            step *= self.shape[axis] + if rank == 3 { pad } else { 0 };
+        }
+        let size = step.max(1) as usize;
+        let mut origin = 0i64;
+        for &axis in reversed {
+            origin += (self.shape[axis] - 1) * stride[axis];
+            stride[axis] = -stride[axis];
+        }
+        Tensor::with_layout(self.shape, stride, origin as usize, size, |index| {
+            self.at(index)
+        })
+    }
+
+    fn position(&self, index: [i64; 4]) -> usize {
+        let at = self.origin as i64
+            + index
+                .iter()
+                .zip(&self.stride)
+                .map(|(i, s)| i * s)
+                .sum::<i64>();
+        assert!(
+            at >= 0 && (at as usize) < self.buffer.len(),
+            "view reaches outside its buffer"
+        );
+        at as usize
+    }
+
+    pub fn at(&self, index: [i64; 4]) -> f32 {
+        self.buffer[self.position(index)]
+    }
+
+    pub fn set(&mut self, index: [i64; 4], value: f32) {
+        let at = self.position(index);
+        self.buffer[at] = value;
+    }
+
+    pub fn view(&self) -> TensorView4 {
+        TensorView4 {
+            data: self.buffer.as_ptr().wrapping_add(self.origin),
+            shape: self.shape,
+            stride: self.stride,
+        }
+    }
+
+    pub fn view_mut(&mut self) -> MutTensorView4 {
+        MutTensorView4 {
+            data: self.buffer.as_mut_ptr().wrapping_add(self.origin),
+            shape: self.shape,
+            stride: self.stride,
+        }
+    }
+
+    /// All values in index order.
+    pub fn values(&self) -> Vec<f32> {
+        let mut values = Vec::new();
+        let mut index = [0i64; 4];
+        if self.shape.iter().all(|&n| n > 0) {
+            loop {
+                values.push(self.at(index));
+                if !next_index(&mut index, &self.shape) {
+                    break;
+                }
+            }
+        }
+        values
+    }
+
+    /// Rows `range` of axis 2 (the sequence axis), as a new contiguous tensor.
+    pub fn seq(&self, range: std::ops::Range<i64>) -> Tensor {
+        let shape = [
+            self.shape[0],
+            self.shape[1],
+            range.end - range.start,
+            self.shape[3],
+        ];
+        Tensor::from_fn(shape, |[b, h, i, d]| self.at([b, h, range.start + i, d]))
+    }
+}
+
+/// Advances a row-major index; false after the last one.
+pub fn next_index(index: &mut [i64; 4], shape: &[i64; 4]) -> bool {
+    for axis in (0..4).rev() {
+        index[axis] += 1;
+        if index[axis] < shape[axis] {
+            return true;
+        }
+        index[axis] = 0;
+    }
+    false
+}
+
+/// A mask over (B, Hq, Lq, Lk), owned; `stride` may hold zeros (broadcast).
+#[derive(Clone, Debug)]
+pub enum Mask {
+    None,
+    Bool { buffer: Vec<u8>, stride: [i64; 4] },
+    Float { buffer: Vec<f32>, stride: [i64; 4] },
+}
+
+impl Mask {
+    pub fn bool_from_fn(shape: [i64; 4], mut f: impl FnMut([i64; 4]) -> bool) -> Mask {
+        let t = Tensor::from_fn(shape, |index| if f(index) { 1.0 } else { 0.0 });
+        Mask::Bool {
+            buffer: t.buffer.iter().map(|&x| x as u8).collect(),
+            stride: t.stride,
+        }
+    }
+
+    pub fn float_from_fn(shape: [i64; 4], f: impl FnMut([i64; 4]) -> f32) -> Mask {
+        let t = Tensor::from_fn(shape, f);
+        Mask::Float {
+            buffer: t.buffer,
+            stride: t.stride,
+        }
+    }
+
+    fn offset(stride: &[i64; 4], index: [i64; 4]) -> usize {
+        index.iter().zip(stride).map(|(i, s)| i * s).sum::<i64>() as usize
+    }
+
+    /// (visible by the mask, bias)
+    pub fn at(&self, index: [i64; 4]) -> (bool, f64) {
+        match self {
+            Mask::None => (true, 0.0),
+            Mask::Bool { buffer, stride } => (buffer[Mask::offset(stride, index)] != 0, 0.0),
+            Mask::Float { buffer, stride } => {
+                (true, f64::from(buffer[Mask::offset(stride, index)]))
+            }
+        }
+    }
+}
+
+/// One attention call with owned inputs.
+#[derive(Clone, Debug)]
+pub struct Case {
+    pub q: Tensor,
+    pub k: Tensor,
+    pub v: Tensor,
+    pub q_offset: Vec<i64>,
+    pub kv_lens: Vec<i64>,
+    pub mask: Mask,
+    pub causal: bool,
+    pub scale: f32,
+}
+
+/// The kernel's results: out (B, Hq, Lq, Dv) and lse (B, Hq, Lq) flattened row-major.
+#[derive(Clone, Debug)]
+pub struct Output {
+    pub out: Tensor,
+    pub lse: Vec<f32>,
+}
+
+impl PartialEq for Tensor {
+    fn eq(&self, other: &Tensor) -> bool {
+        self.shape == other.shape && bits(&self.values()) == bits(&other.values())
+    }
+}
+
+/// Asserts two outputs are bit-identical (NaN and -inf included).
+pub fn assert_identical(a: &Output, b: &Output) {
+    assert_eq!(a.out.shape, b.out.shape);
+    assert_eq!(
+        bits(&a.out.values()),
+        bits(&b.out.values()),
+        "out differs:\n{:?}\n{:?}",
+        a.out.values(),
+        b.out.values()
+    );
+    assert_eq!(
+        bits(&a.lse),
+        bits(&b.lse),
+        "lse differs:\n{:?}\n{:?}",
+        a.lse,
+        b.lse
+    );
+}
+
+pub fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|x| x.to_bits()).collect()
+}
+
+impl Case {
+    /// Defaults: not causal, q_offset 0, every key valid, no mask, scale 1/sqrt(D).
+    pub fn new(q: Tensor, k: Tensor, v: Tensor) -> Case {
+        let batch = q.shape[0] as usize;
+        let scale = 1.0 / (q.shape[3].max(1) as f32).sqrt();
+        Case {
+            kv_lens: vec![k.shape[2]; batch],
+            q_offset: vec![0; batch],
+            mask: Mask::None,
+            causal: false,
+            scale,
+            q,
+            k,
+            v,
+        }
+    }
+
+    pub fn causal(mut self, q_offset: &[i64]) -> Case {
+        self.causal = true;
+        self.q_offset = q_offset.to_vec();
+        self
+    }
+
+    pub fn out_shape(&self) -> [i64; 4] {
+        [
+            self.q.shape[0],
+            self.q.shape[1],
+            self.q.shape[2],
+            self.v.shape[3],
+        ]
+    }
+
+    fn mask_shape(&self) -> [i64; 4] {
+        [
+            self.q.shape[0],
+            self.q.shape[1],
+            self.q.shape[2],
+            self.k.shape[2],
+        ]
+    }
+
+    /// Runs the kernel into a fresh contiguous out (pre-filled with NaN: every element must be
+    /// written) and lse.
+    pub fn run(&self, num_threads: usize) -> Result<Output, ProblemError> {
+        let shape = self.out_shape();
+        let mut out = Tensor::from_fn(shape, |_| f32::NAN);
+        let mut lse = vec![f32::NAN; (shape[0] * shape[1] * shape[2]) as usize];
+        self.run_into(&mut out, Some(&mut lse), num_threads)?;
+        Ok(Output { out, lse })
+    }
+
+    /// Runs the kernel into `out` (any layout) and, when given, a contiguous lse.
+    pub fn run_into(
+        &self,
+        out: &mut Tensor,
+        lse: Option<&mut Vec<f32>>,
+        num_threads: usize,
+    ) -> Result<(), ProblemError> {
+        let [batch, q_heads, q_len, _] = self.q.shape;
+        let lse = match lse {
+            Some(lse) => {
+                assert_eq!(
+                    lse.len() as i64,
+                    batch.max(0) * q_heads.max(0) * q_len.max(0)
+                );
+                LseView {
+                    data: lse.as_mut_ptr(),
+                    shape: [batch, q_heads, q_len],
+                    stride: [q_heads * q_len, q_len, 1],
+                }
+            }
+            None => LseView::NONE,
+        };
+        let mask_shape = self.mask_shape();
+        let mask = match &self.mask {
+            Mask::None => MaskView::NONE,
+            Mask::Bool { buffer, stride } => {
+                assert_mask_fits(buffer.len(), stride, &mask_shape);
+                MaskView {
+                    kind: MaskKind::Bool,
+                    data: buffer.as_ptr(),
+                    stride: *stride,
+                }
+            }
+            Mask::Float { buffer, stride } => {
+                assert_mask_fits(buffer.len(), stride, &mask_shape);
+                MaskView {
+                    kind: MaskKind::Float,
+                    data: buffer.as_ptr().cast(),
+                    stride: *stride,
+                }
+            }
+        };
+        let problem = AttentionProblem {
+            q: self.q.view(),
+            k: self.k.view(),
+            v: self.v.view(),
+            out: out.view_mut(),
+            lse,
+            q_offset: &self.q_offset,
+            kv_lens: &self.kv_lens,
+            mask,
+            causal: self.causal,
+            scale: self.scale,
+        };
+        // SAFETY: every view comes from an owned buffer that Tensor::with_layout (or
+        // assert_mask_fits) checked covers the view's whole shape when the shapes are consistent;
+        // when they are not, check_problem rejects the problem before any memory is touched. The
+        // buffers are borrowed (shared for inputs, exclusive for out and lse) for the whole call.
+        unsafe { attention_reference(&problem, num_threads) }
+    }
+}
+
+fn assert_mask_fits(len: usize, stride: &[i64; 4], shape: &[i64; 4]) {
+    if shape.iter().any(|&n| n <= 0) {
+        return;
+    }
+    let reach: i64 = shape.iter().zip(stride).map(|(n, s)| (n - 1) * s).sum();
+    assert!(
+        stride.iter().all(|&s| s >= 0) && (reach as usize) < len,
+        "mask buffer too small"
+    );
+}
+
+/// Attention straight from the contract, in float64, one row at a time: returns out (B, Hq, Lq, Dv)
+/// and lse (B, Hq, Lq) flattened row-major.
+pub fn naive(case: &Case) -> (Vec<f64>, Vec<f64>) {
+    let [batch, q_heads, q_len, head_dim] = case.q.shape;
+    let [_, kv_heads, k_len, _] = case.k.shape;
+    let value_dim = case.v.shape[3];
+    let mut out = Vec::new();
+    let mut lse = Vec::new();
+    for b in 0..batch {
+        for h in 0..q_heads {
+            let kv_head = h / (q_heads / kv_heads);
+            for i in 0..q_len {
+                let mut visible = Vec::new(); // (j, score)
+                for j in 0..k_len {
+                    let in_sequence = j < case.kv_lens[b as usize];
+                    let in_past = !case.causal || j <= case.q_offset[b as usize] + i;
+                    let (allowed, bias) = case.mask.at([b, h, i, j]);
+                    if in_sequence && in_past && allowed {
+                        let dot: f64 = (0..head_dim)
+                            .map(|d| {
+                                f64::from(case.q.at([b, h, i, d]))
+                                    * f64::from(case.k.at([b, kv_head, j, d]))
+                            })
+                            .sum();
+                        let score = f64::from(case.scale) * dot + bias;
+                        if score > f64::NEG_INFINITY {
+                            visible.push((j, score));
+                        }
+                    }
+                }
+                if visible.is_empty() {
+                    out.extend(std::iter::repeat_n(0.0, value_dim as usize));
+                    lse.push(f64::NEG_INFINITY);
+                    continue;
+                }
+                let row_max = visible
+                    .iter()
+                    .map(|&(_, s)| s)
+                    .fold(f64::NEG_INFINITY, f64::max);
+                let row_sum: f64 = visible.iter().map(|&(_, s)| (s - row_max).exp()).sum();
+                for d in 0..value_dim {
+                    out.push(
+                        visible
+                            .iter()
+                            .map(|&(j, s)| {
+                                (s - row_max).exp() / row_sum
+                                    * f64::from(case.v.at([b, kv_head, j, d]))
+                            })
+                            .sum(),
+                    );
+                }
+                lse.push(row_max + row_sum.ln());
+            }
+        }
+    }
+    (out, lse)
+}
+
+/// Asserts the kernel's output agrees with the naive float64 computation to float32 precision.
+pub fn assert_matches_naive(case: &Case, got: &Output) {
+    let (want_out, want_lse) = naive(case);
+    let got_out = got.out.values();
+    assert_eq!(got_out.len(), want_out.len());
+    for (n, (&g, &w)) in got_out.iter().zip(&want_out).enumerate() {
+        assert!(
+            (f64::from(g) - w).abs() <= 1e-6 + 1e-6 * w.abs(),
+            "out element {n}: got {g}, want {w}"
+        );
+    }
+    for (n, (&g, &w)) in got.lse.iter().zip(&want_lse).enumerate() {
+        let agree = if w == f64::NEG_INFINITY {
+            g == f32::NEG_INFINITY
+        } else {
+            (f64::from(g) - w).abs() <= 1e-6 + 1e-6 * w.abs()
+        };
+        assert!(agree, "lse element {n}: got {g}, want {w}");
+    }
+}
