@@ -1,0 +1,79 @@
+"""Which ports are built, and what they were built with."""
+
+from __future__ import annotations
+
+import importlib
+import platform
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from ._threads import get_num_threads
+from ._version import __version__
+
+NATIVE_PORTS = ("cpp", "rust")
+BACKENDS = ("auto", "cpp", "rust", "numpy")
+
+_HOW_TO_BUILD = {
+    "cpp": "reinstall twinattn from source with a C++17 compiler and CMake: pip install .",
+    "rust": (
+        "reinstall twinattn from source with Rust's cargo on PATH (https://rustup.rs): "
+        "pip install . (a build with -C cmake.define.TWINATTN_RUST=OFF leaves it out)"
+    ),
+}
+
+_modules: dict[str, ModuleType | None] = {}
+_errors: dict[str, str] = {}
+
+
+class BackendUnavailableError(RuntimeError):
+    """A native port was asked for that this installation does not have."""
+
+
+def _load(port: str) -> ModuleType | None:
+    if port not in _modules:
+        try:
+            _modules[port] = importlib.import_module(f"twinattn._{port}")
+        except ImportError as exc:
+            _modules[port] = None
+            _errors[port] = str(exc)
+    return _modules[port]
+
+
+def native_module(port: str) -> ModuleType:
+    """The native module of a port, or BackendUnavailableError saying how to build it."""
+    module = _load(port)
+    if module is None:
+        raise BackendUnavailableError(
+            f"backend={port!r} is not available in this installation "
+            f"({_errors.get(port, 'not built')}); to build it, {_HOW_TO_BUILD[port]}"
+        )
+    return module
+
+
+def backends() -> list[str]:
+    """The backends this installation can run, fastest native port first."""
+    return [port for port in NATIVE_PORTS if _load(port) is not None] + ["numpy"]
+
+
+def resolve_backend(backend: object) -> str:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    if backend == "auto":
+        return backends()[0]
+    return backend
+
+
+def build_info() -> dict[str, Any]:
+    """Per port: available or not, the instruction set chosen at run time, threads, compiler."""
+    info: dict[str, Any] = {"version": __version__, "machine": platform.machine()}
+    threads = get_num_threads()
+    for port in NATIVE_PORTS:
+        module = _load(port)
+        if module is None:
+            info[port] = {"available": False, "error": _errors.get(port, "not built")}
+        else:
+            info[port] = {"available": True, **module.build_info(), "threads": threads}
+    info["numpy"] = {"available": True, "isa": "numpy", "version": np.__version__, "threads": 1}
+    return info

@@ -1,0 +1,47 @@
+"""Thread count used by the native ports."""
+
+from __future__ import annotations
+
+import os
+
+_ENV = "TWINATTN_NUM_THREADS"
+_num_threads: int | None = None
+
+
+def _usable_cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))  # CPU affinity respected (Linux)
+    except AttributeError:  # pragma: no cover - platforms without sched_getaffinity
+        return max(1, os.cpu_count() or 1)
+
+
+def _check_count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
+        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
+    count = int(value)  # type: ignore[arg-type]
+    if count < 1:
+        raise ValueError(f"{name}: expected a positive int, got {count}")
+    return count
+
+
+def get_num_threads() -> int:
+    """Threads the native ports use when a call passes num_threads=None.
+
+    set_num_threads(n) wins; otherwise TWINATTN_NUM_THREADS when set; otherwise the usable cores
+    (CPU affinity respected).
+    """
+    if _num_threads is not None:
+        return _num_threads
+    env = os.environ.get(_ENV)
+    if env is not None and env.strip():
+        try:
+            return _check_count(_ENV, int(env))
+        except ValueError:
+            raise ValueError(f"{_ENV}: expected a positive int, got {env!r}") from None
+    return _usable_cores()
+
+
+def set_num_threads(n: int | None) -> None:
+    """Set the default thread count of the native ports; None restores the default."""
+    global _num_threads
+    _num_threads = None if n is None else _check_count("n", n)

@@ -1,0 +1,237 @@
+"""twinattn.attention: validation once, in Python, then one backend call.
+
+Every backend receives the same normalised problem, so every backend raises the same exceptions
+with the same messages:
+    q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) float32 (float64: numpy only), unit
+    last stride; q_offset and kv_lens int64 (B,); mask None or a (B, Hq, Lq, Lk) broadcast view,
+    bool or float; out (B, Hq, Lq, Dv); lse None or (B, Hq, Lq).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Union
+
+import numpy as np
+
+from . import reference
+from ._backends import native_module, resolve_backend
+from ._threads import _check_count, get_num_threads
+
+ArrayLike = Any
+Result = Union[np.ndarray, "tuple[np.ndarray, np.ndarray]"]
+
+_RANK_NAMES = {4: "(B, H, L, D)", 3: "(H, L, D)", 2: "(L, D)"}
+
+
+def _shape(a: np.ndarray) -> str:
+    return "(" + ", ".join(str(n) for n in a.shape) + ")"
+
+
+def _as_array(name: str, value: object) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if hasattr(value, "__array__") or isinstance(value, (list, tuple)):
+        return np.asarray(value)
+    raise TypeError(f"{name}: expected a numpy array, got {type(value).__name__}")
+
+
+def _check_float_dtype(name: str, a: np.ndarray, backend: str) -> None:
+    if a.dtype == np.float32:
+        return
+    if a.dtype == np.float64:
+        if backend == "numpy":
+            return
+        raise TypeError(
+            f"{name}: backend {backend!r} computes in float32 and does not cast silently; "
+            f"got float64: pass {name}.astype(np.float32), or use backend='numpy' for float64"
+        )
+    raise TypeError(f"{name}: expected float32, got {a.dtype}; convert with {name}.astype(np.float32)")
+
+
+def _unit_last_stride(a: np.ndarray) -> np.ndarray:
+    """The last axis must have unit stride; any other strides are read in place."""
+    if a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+        return np.ascontiguousarray(a)
+    return a
+
+
+def _per_sequence(name: str, value: object, batch: int) -> np.ndarray:
+    """An int or an int array (B,) as int64 (B,)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected an int or an int array of shape (B={batch},), got bool")
+    if isinstance(value, numbers.Integral):
+        return np.full(batch, int(value), dtype=np.int64)
+    arr = _as_array(name, value)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{name}: expected an int or an int array of shape (B={batch},), got dtype {arr.dtype}")
+    if arr.shape != (batch,):
+        raise ValueError(f"{name}: expected an int or an int array of shape (B={batch},), got shape {_shape(arr)}")
+    if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{name}: values must fit in int64, got {arr.max()}")
+    return arr.astype(np.int64)
+
+
+def _prepare_mask(attn_mask: object, dtype: np.dtype, full_shape: tuple[int, int, int, int]) -> np.ndarray:
+    mask = _as_array("attn_mask", attn_mask)
+    if mask.dtype.kind in "iu":
+        raise TypeError(
+            f"attn_mask: integer masks are ambiguous (is 1 'attend' or 'masked'?); got {mask.dtype}: "
+            "pass a bool mask (True = may attend) or a float additive bias"
+        )
+    if mask.dtype != np.bool_:
+        if mask.dtype.kind != "f" or (mask.dtype != dtype and not (dtype == np.float64 and mask.dtype == np.float32)):
+            raise TypeError(
+                f"attn_mask: expected bool (True = may attend) or {np.dtype(dtype).name} (additive bias), "
+                f"got {mask.dtype}"
+            )
+        mask = mask.astype(dtype, copy=False)
+    if mask.ndim > 4:
+        raise ValueError(f"attn_mask: expected at most 4 dimensions broadcastable to (B, Hq, Lq, Lk) = {full_shape}, got shape {_shape(mask)}")
+    try:
+        return np.broadcast_to(mask, full_shape)
+    except ValueError:
+        raise ValueError(
+            f"attn_mask: expected a shape broadcastable to (B, Hq, Lq, Lk) = {full_shape}, got {_shape(mask)}"
+        ) from None
+
+
+def _prepare_out(out: object, shape: tuple[int, ...], dtype: np.dtype, inputs: list[np.ndarray]) -> np.ndarray:
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out: expected a numpy array, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"out: expected dtype {np.dtype(dtype).name}, got {out.dtype}")
+    if out.shape != shape:
+        raise ValueError(f"out: expected shape {shape}, got {_shape(out)}")
+    if not out.flags.writeable:
+        raise ValueError("out: expected a writeable array, got a read-only one")
+    for name, a in zip(("q", "k", "v", "attn_mask"), inputs):
+        if a is not None and np.may_share_memory(out, a):
+            raise ValueError(f"out: must not overlap the memory of {name}")
+    return out
+
+
+def attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    causal: bool = False,
+    q_offset: int | ArrayLike | None = None,
+    kv_lens: ArrayLike | None = None,
+    attn_mask: ArrayLike | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    out: np.ndarray | None = None,
+    backend: str = "auto",
+    num_threads: int | None = None,
+) -> Result:
+    """Exact scaled-dot-product attention.
+
+    q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) -> out (B, Hq, Lq, Dv)
+    [and lse (B, Hq, Lq) with return_lse=True]. 3-D (H, L, D) and 2-D (L, D) inputs mean B=1 (and
+    H=1) and come back with the same rank. Query head h reads KV head h // (Hq // Hkv).
+
+    Query row i of sequence b sits at position q_offset[b] + i, key j at j. q_offset=None means
+    bottom-right alignment (q_offset = kv_len - Lq, the KV-cache case). causal=True shows key j to
+    row i iff j <= q_offset[b] + i. Keys j >= kv_lens[b] are padding, never read. attn_mask is
+    bool (True = may attend) or a float additive bias, broadcastable to (B, Hq, Lq, Lk). A row with
+    no visible key gives zeros and lse = -inf.
+    """
+    backend = resolve_backend(backend)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse: expected bool, got {type(return_lse).__name__}")
+    threads = get_num_threads() if num_threads is None else _check_count("num_threads", num_threads)
+
+    # Ranks and dtypes.
+    q, k, v = (_as_array(name, a) for name, a in (("q", q), ("k", k), ("v", v)))
+    rank = q.ndim
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.ndim not in _RANK_NAMES:
+            raise ValueError(f"{name}: expected 2, 3 or 4 dimensions (B, H, L, D), got shape {_shape(a)}")
+        if a.ndim != rank:
+            raise ValueError(f"{name}: expected {rank} dimensions {_RANK_NAMES[rank]} like q, got shape {_shape(a)}")
+        _check_float_dtype(name, a, backend)
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    dtype = q.dtype
+
+    # Shapes, in the 4-D form every backend sees (views, no copies).
+    q4, k4, v4 = (a.reshape((1,) * (4 - rank) + a.shape) if rank < 4 else a for a in (q, k, v))
+    batch, q_heads, q_len, head_dim = q4.shape
+    if k4.shape[0] != batch or k4.shape[3] != head_dim:
+        raise ValueError(f"k: expected shape (B={batch}, Hkv, Lk, D={head_dim}), got {_shape(k)}")
+    kv_heads, k_len = k4.shape[1], k4.shape[2]
+    if v4.shape[:3] != (batch, kv_heads, k_len):
+        raise ValueError(f"v: expected shape (B={batch}, Hkv={kv_heads}, Lk={k_len}, Dv), got {_shape(v)}")
+    value_dim = v4.shape[3]
+    if kv_heads == 0 and q_heads > 0 or kv_heads > 0 and q_heads % kv_heads != 0:
+        raise ValueError(
+            f"q, k: the query heads Hq={q_heads} must be a multiple of the key/value heads Hkv={kv_heads} "
+            "(grouped-query attention: query head h reads KV head h // (Hq // Hkv))"
+        )
+    q4, k4, v4 = (_unit_last_stride(a) for a in (q4, k4, v4))
+
+    # Positions and lengths.
+    if kv_lens is None:
+        lens = np.full(batch, k_len, dtype=np.int64)
+    else:
+        lens = _per_sequence("kv_lens", kv_lens, batch)
+        if lens.size and (lens.min() < 0 or lens.max() > k_len):
+            raise ValueError(f"kv_lens: expected values in [0, Lk={k_len}], got {lens.tolist()}")
+    if q_offset is None:
+        offsets = lens - q_len  # bottom-right: the queries are the last Lq positions
+        if causal and offsets.size and offsets.min() < 0:
+            raise ValueError(
+                f"q_offset: the default bottom-right alignment puts the queries at kv_len - Lq = "
+                f"{offsets.tolist()}, which is negative (Lq={q_len} > kv_len); for a right-padded batch "
+                "of prompts pass q_offset=0"
+            )
+    else:
+        offsets = _per_sequence("q_offset", q_offset, batch)
+        if offsets.size and offsets.min() < 0:
+            raise ValueError(f"q_offset: expected non-negative values, got {offsets.tolist()}")
+    offsets = np.maximum(offsets, 0)  # unused without causal; kept valid for the native checks
+
+    # Mask, scale, output.
+    full_shape = (batch, q_heads, q_len, k_len)
+    mask = None if attn_mask is None else _prepare_mask(attn_mask, dtype, full_shape)
+    if scale is None:
+        scale_value = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    else:
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+        scale_value = float(scale)
+        if not math.isfinite(scale_value):
+            raise ValueError(f"scale: expected a finite float, got {scale_value}")
+    out_shape = q.shape[:-1] + (value_dim,)
+    if out is None:
+        result = np.empty(out_shape, dtype=dtype)
+    else:
+        result = _prepare_out(out, out_shape, dtype, [q, k, v, None if attn_mask is None else mask])
+    out4 = result.reshape((1,) * (4 - rank) + out_shape) if rank < 4 else result
+    lse = np.empty((batch, q_heads, q_len), dtype=dtype) if return_lse else None
+
+    # Compute.
+    if backend == "numpy":
+        ref_out, ref_lse = reference.attention_reference(
+            q4, k4, v4, causal=bool(causal), q_offset=offsets, kv_lens=lens, mask=mask, scale=scale_value
+        )
+        out4[...] = ref_out
+        if lse is not None:
+            lse[...] = ref_lse
+    else:
+        target = out4 if out4.shape[-1] <= 1 or out4.strides[-1] == out4.itemsize else np.empty(out4.shape, dtype)
+        native_module(backend).attention_forward(
+            q4, k4, v4, target, lse, offsets, lens, mask, bool(causal), scale_value, threads
+        )
+        if target is not out4:
+            out4[...] = target
+
+    if not return_lse:
+        return result
+    assert lse is not None
+    return result, lse.reshape(q.shape[:-1])
