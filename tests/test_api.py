@@ -1,0 +1,81 @@
+"""The package surface: backends, build info, threads, version."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import numpy as np
+import pytest
+
+import twinattn
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_backends_lists_numpy_last() -> None:
+    names = twinattn.backends()
+    assert names[-1] == "numpy"
+    assert set(names) <= {"cpp", "rust", "numpy"}
+
+
+def test_build_info_per_port() -> None:
+    info = twinattn.build_info()
+    assert info["version"] == twinattn.__version__
+    for port in twinattn.backends():
+        entry = info[port]
+        assert entry["available"] is True
+        if port != "numpy":
+            assert entry["threads"] == twinattn.get_num_threads()
+            assert entry["isa"] in entry["isa_available"]
+            assert entry["version"] == twinattn.__version__
+            assert entry["compiler"]
+
+
+def test_unavailable_backend_says_how_to_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    from twinattn import _backends
+
+    monkeypatch.setitem(_backends._modules, "rust", None)
+    monkeypatch.setitem(_backends._errors, "rust", "No module named 'twinattn._rust'")
+    assert "rust" not in twinattn.backends()
+    assert twinattn.build_info()["rust"]["available"] is False
+    q = np.zeros((1, 2, 2), np.float32)
+    with pytest.raises(twinattn.BackendUnavailableError, match="cargo"):
+        twinattn.attention(q, q, q, backend="rust")
+
+
+def test_auto_picks_a_native_port_when_built() -> None:
+    q = np.random.default_rng(0).standard_normal((1, 2, 3, 4)).astype(np.float32)
+    np.testing.assert_allclose(
+        twinattn.attention(q, q, q, backend="auto"), twinattn.attention(q, q, q, backend="numpy"), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TWINATTN_NUM_THREADS", raising=False)
+    default = twinattn.get_num_threads()
+    assert default >= 1
+    monkeypatch.setenv("TWINATTN_NUM_THREADS", "3")
+    assert twinattn.get_num_threads() == 3
+    twinattn.set_num_threads(5)
+    try:
+        assert twinattn.get_num_threads() == 5
+        with pytest.raises(ValueError, match="n: expected a positive int"):
+            twinattn.set_num_threads(0)
+    finally:
+        twinattn.set_num_threads(None)
+    monkeypatch.setenv("TWINATTN_NUM_THREADS", "many")
+    with pytest.raises(ValueError, match="TWINATTN_NUM_THREADS"):
+        twinattn.get_num_threads()
+
+
+def test_versions_agree() -> None:
+    cargo = (ROOT / "rust" / "Cargo.toml").read_text()
+    match = re.search(r'^version\s*=\s*"([^"]+)"', cargo, re.M)
+    assert match and match.group(1) == twinattn.__version__
+
+
+def test_main_job_runs() -> None:
+    from twinattn.__main__ import main
+
+    assert main(["--seq-len", "64", "--repeat", "1"]) == 0

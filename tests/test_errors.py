@@ -1,0 +1,134 @@
+"""Every error path of the contract, on every backend, with the same exception and message."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+import twinattn
+
+RNG = np.random.default_rng(0)
+Q = RNG.standard_normal((2, 4, 5, 8)).astype(np.float32)
+K = RNG.standard_normal((2, 2, 7, 8)).astype(np.float32)
+V = RNG.standard_normal((2, 2, 7, 6)).astype(np.float32)
+
+# (id, kwargs overriding q/k/v/options, exception, substring of the message)
+CASES: list[tuple[str, dict[str, Any], type[Exception], str]] = [
+    ("q-float16", {"q": Q.astype(np.float16)}, TypeError, "q: expected float32, got float16"),
+    ("k-int", {"k": K.astype(np.int32)}, TypeError, "k: expected float32, got int32"),
+    ("q-not-array", {"q": "abc"}, TypeError, "q: expected a numpy array"),
+    ("q-rank5", {"q": Q[None]}, ValueError, "q: expected 2, 3 or 4 dimensions"),
+    ("k-rank3", {"k": K[0]}, ValueError, "k: expected 4 dimensions"),
+    ("batch-mismatch", {"k": K[:1], "v": V[:1]}, ValueError, "k: expected shape (B=2, Hkv, Lk, D=8)"),
+    ("head-dim-mismatch", {"k": K[..., :4]}, ValueError, "k: expected shape (B=2, Hkv, Lk, D=8)"),
+    ("v-len-mismatch", {"v": V[:, :, :3]}, ValueError, "v: expected shape (B=2, Hkv=2, Lk=7, Dv)"),
+    ("gqa-not-multiple", {"k": K[:, :1].repeat(3, 1), "v": V[:, :1].repeat(3, 1)}, ValueError, "multiple of the key/value heads Hkv=3"),
+    ("causal-not-bool", {"causal": 1}, TypeError, "causal: expected bool"),
+    ("negative-default-offset", {"causal": True, "kv_lens": [7, 3]}, ValueError, "pass q_offset=0"),
+    ("negative-offset", {"causal": True, "q_offset": -1}, ValueError, "q_offset: expected non-negative values"),
+    ("offset-shape", {"q_offset": [1, 2, 3]}, ValueError, "q_offset: expected an int or an int array of shape (B=2,)"),
+    ("offset-float", {"q_offset": np.array([1.0, 2.0])}, TypeError, "q_offset: expected an int or an int array"),
+    ("offset-bool", {"q_offset": True}, TypeError, "q_offset: expected an int or an int array"),
+    ("kv-lens-too-long", {"kv_lens": [8, 7]}, ValueError, "kv_lens: expected values in [0, Lk=7]"),
+    ("kv-lens-negative", {"kv_lens": [-1, 7]}, ValueError, "kv_lens: expected values in [0, Lk=7]"),
+    ("kv-lens-shape", {"kv_lens": [7]}, ValueError, "kv_lens: expected an int or an int array of shape (B=2,)"),
+    ("mask-int", {"attn_mask": np.ones((5, 7), dtype=np.int8)}, TypeError, "attn_mask: integer masks are ambiguous"),
+    ("mask-float64", {"attn_mask": np.zeros((5, 7))}, TypeError, "attn_mask: expected bool (True = may attend) or float32"),
+    ("mask-shape", {"attn_mask": np.ones((5, 6), dtype=bool)}, ValueError, "attn_mask: expected a shape broadcastable to (B, Hq, Lq, Lk) = (2, 4, 5, 7)"),
+    ("scale-nan", {"scale": float("nan")}, ValueError, "scale: expected a finite float"),
+    ("scale-str", {"scale": "1"}, TypeError, "scale: expected a float"),
+    ("out-shape", {"out": np.empty((2, 4, 5, 8), np.float32)}, ValueError, "out: expected shape (2, 4, 5, 6)"),
+    ("out-dtype", {"out": np.empty((2, 4, 5, 6), np.float64)}, TypeError, "out: expected dtype float32"),
+    ("out-readonly", {"out": np.broadcast_to(np.empty((1, 1, 1, 6), np.float32), (2, 4, 5, 6))}, ValueError, "out: expected a writeable array"),
+    ("num-threads-zero", {"num_threads": 0}, ValueError, "num_threads: expected a positive int"),
+    ("backend-name", {"backend": "cuda"}, ValueError, "backend: expected one of 'auto', 'cpp', 'rust', 'numpy'"),
+]
+
+
+@pytest.mark.parametrize("overrides, exc, message", [pytest.param(*c[1:], id=c[0]) for c in CASES])
+def test_error_paths(backend: str, overrides: dict[str, Any], exc: type[Exception], message: str) -> None:
+    args = {"q": Q, "k": K, "v": V, "backend": backend, **overrides}
+    q, k, v = args.pop("q"), args.pop("k"), args.pop("v")
+    with pytest.raises(exc) as info:
+        twinattn.attention(q, k, v, **args)
+    assert message in str(info.value)
+
+
+def test_out_overlapping_an_input_raises(backend: str) -> None:
+    buf = np.zeros((2, 4, 5, 8), dtype=np.float32)
+    with pytest.raises(ValueError, match="out: must not overlap the memory of q"):
+        twinattn.attention(buf, K, K, out=buf, backend=backend)
+
+
+def test_float64_only_on_numpy(native_backend: str) -> None:
+    with pytest.raises(TypeError, match="computes in float32 and does not cast silently"):
+        twinattn.attention(Q.astype(np.float64), K.astype(np.float64), V.astype(np.float64), backend=native_backend)
+    out = twinattn.attention(Q.astype(np.float64), K.astype(np.float64), V.astype(np.float64), backend="numpy")
+    assert out.dtype == np.float64
+
+
+def test_same_message_on_every_backend() -> None:
+    messages = set()
+    for backend in twinattn.backends():
+        with pytest.raises(ValueError) as info:
+            twinattn.attention(Q, K, V, kv_lens=[9, 1], backend=backend)
+        messages.add(str(info.value))
+    assert len(messages) == 1
+
+
+# ---- the native entry points, called directly -------------------------------------------------
+
+
+def _native_args(**overrides: Any) -> dict[str, Any]:
+    args: dict[str, Any] = dict(
+        q=Q, k=K, v=V, out=np.empty((2, 4, 5, 6), np.float32), lse=None,
+        q_offset=np.zeros(2, np.int64), kv_lens=np.full(2, 7, np.int64), mask=None,
+        causal=False, scale=0.5, num_threads=1,
+    )
+    args.update(overrides)
+    return args
+
+
+NATIVE_CASES: list[tuple[str, dict[str, Any], type[Exception]]] = [
+    ("q-float64", {"q": Q.astype(np.float64)}, TypeError),
+    ("q-rank3", {"q": Q[0]}, ValueError),
+    ("k-shape", {"k": K[:, :, :, :4]}, ValueError),
+    ("v-shape", {"v": V[:, :, :3]}, ValueError),
+    ("out-shape", {"out": np.empty((2, 4, 5, 5), np.float32)}, ValueError),
+    ("out-readonly", {"out": np.broadcast_to(np.empty((1, 1, 1, 6), np.float32), (2, 4, 5, 6))}, ValueError),
+    ("out-aliases-q", {"q": np.zeros((2, 4, 5, 6), np.float32)[..., :6], "out": None}, ValueError),
+    ("lse-shape", {"lse": np.empty((2, 4, 4), np.float32)}, ValueError),
+    ("q-offset-dtype", {"q_offset": np.zeros(2, np.int32)}, TypeError),
+    ("q-offset-negative", {"q_offset": np.array([-1, 0]), "causal": True}, ValueError),
+    ("kv-lens-too-long", {"kv_lens": np.array([8, 7])}, ValueError),
+    ("kv-lens-shape", {"kv_lens": np.array([7])}, ValueError),
+    ("mask-shape", {"mask": np.ones((2, 4, 5, 6), bool)}, ValueError),
+    ("mask-int", {"mask": np.ones((2, 4, 5, 7), np.int8)}, TypeError),
+    ("gqa", {"k": K[:, :1].repeat(3, 1), "v": V[:, :1].repeat(3, 1)}, ValueError),
+    ("last-stride", {"q": np.zeros((2, 4, 5, 16), np.float32)[..., ::2]}, ValueError),
+    ("threads", {"num_threads": 0}, ValueError),
+    ("scale-inf", {"scale": float("inf")}, ValueError),
+]
+
+
+@pytest.mark.parametrize("overrides, exc", [pytest.param(*c[1:], id=c[0]) for c in NATIVE_CASES])
+def test_native_entry_point_rejects_bad_input(native_backend: str, overrides: dict[str, Any], exc: type[Exception]) -> None:
+    module = importlib.import_module(f"twinattn._{native_backend}")
+    args = _native_args(**overrides)
+    if args["out"] is None:  # out aliasing q
+        args["out"] = args["q"]
+        args["v"] = np.zeros((2, 2, 7, 6), np.float32)
+    with pytest.raises(exc):
+        module.attention_forward(**args)
+
+
+def test_native_entry_point_accepts_good_input(native_backend: str) -> None:
+    module = importlib.import_module(f"twinattn._{native_backend}")
+    args = _native_args(lse=np.empty((2, 4, 5), np.float32))
+    module.attention_forward(**args)
+    want, want_lse = twinattn.attention(Q, K, V, scale=0.5, return_lse=True, backend="numpy")
+    np.testing.assert_allclose(args["out"], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(args["lse"], want_lse, rtol=1e-5, atol=1e-6)
