@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The test command: installs twinattn with its test extras into .venv (both native ports built
+# from source, build folders reused), then runs the Python tests on every backend, the C++ unit
+# tests (ctest) and the Rust unit tests (cargo test).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+JOBS=${JOBS:-$(nproc 2>/dev/null || echo 2)}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+VENV_PY=.venv/bin/python
+
+echo "== install (pip install .[test]) =="
+"$VENV_PY" -m pip install --quiet --upgrade pip
+CMAKE_BUILD_PARALLEL_LEVEL=$JOBS CARGO_BUILD_JOBS=$JOBS \
+  "$VENV_PY" -m pip install --quiet ".[test]"
+
+echo "== C++ unit tests (ctest) =="
+cmake -S cpp -B build/cpp-tests -G Ninja -DCMAKE_BUILD_TYPE=Release -DTWINATTN_BUILD_TESTS=ON >/dev/null
+cmake --build build/cpp-tests -j "$JOBS"
+ctest --test-dir build/cpp-tests --output-on-failure
+
+echo "== Rust unit tests (cargo test) =="
+(cd rust && CARGO_TARGET_DIR=../build/cargo-tests cargo test --release --locked -j "$JOBS")
+
+echo "== Python tests (pytest, every backend) =="
+# a port that failed to build must fail the run, not be skipped
+TWINATTN_REQUIRE_BACKENDS=cpp,rust "$VENV_PY" -m pytest "$@"
