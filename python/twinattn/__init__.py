@@ -4,6 +4,9 @@
     out = twinattn.attention(q, k, v, causal=True)          # q (B, Hq, Lq, D) float32
     twinattn.backends()                                      # ['cpp', 'rust', 'numpy']
     twinattn.build_info()                                    # ISA, threads, compiler per port
+
+The Python layer: twinattn.RotaryEmbedding, twinattn.KVCache, twinattn.nn.Attention (runs Hugging
+Face Llama attention weights) and twinattn.scaled_dot_product_attention (torch's signature).
 """
 
 from . import reference
@@ -11,14 +14,24 @@ from ._backends import BackendUnavailableError, backends, build_info
 from ._threads import get_num_threads, set_num_threads
 from ._version import __version__
 from .api import attention
+from .cache import CacheOverflowError, KVCache, kv_cache_bytes
+from .rope import RotaryEmbedding
+from .sdpa import scaled_dot_product_attention
+from . import nn
 
 __all__ = [
     "BackendUnavailableError",
+    "CacheOverflowError",
+    "KVCache",
+    "RotaryEmbedding",
     "__version__",
     "attention",
     "backends",
     "build_info",
     "get_num_threads",
+    "kv_cache_bytes",
+    "nn",
     "reference",
+    "scaled_dot_product_attention",
     "set_num_threads",
 ]

@@ -1,0 +1,251 @@
+"""A preallocated key/value cache for incremental decoding.
+
+Per layer: keys and values (B, Hkv, max_seq_len, D), and the number of tokens each sequence has
+stored, tracked as integers (never inferred from the data: a stored zero vector is a token).
+`update` writes each sequence's new tokens at that sequence's own length and returns views over
+the stored prefix, which twinattn.attention reads in place with kv_lens = seq_lens(layer):
+
+    cache = KVCache(num_layers=1, batch_size=2, num_kv_heads=8, head_dim=128, max_seq_len=4096)
+    q_offset = cache.seq_lens(0)                         # where the new tokens go
+    keys, values = cache.update(k_new, v_new, 0)         # (B, Hkv, max(seq_lens), D) views
+    out = twinattn.attention(q, keys, values, causal=True, q_offset=q_offset, kv_lens=cache.seq_lens(0))
+
+Payload bytes (the seeds' formula): 2 x layers x batch x KV-heads x tokens x head-width x bytes.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CacheOverflowError", "KVCache", "kv_cache_bytes"]
+
+
+class CacheOverflowError(ValueError):
+    """An update would store more tokens than max_seq_len; the cache is left unchanged."""
+
+
+def _count(name: str, value: object, *, positive: bool = False) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+    value = int(value)
+    if value < (1 if positive else 0):
+        raise ValueError(f"{name}: expected {'a positive' if positive else 'a non-negative'} int, got {value}")
+    return value
+
+
+def kv_cache_bytes(layers: int, batch: int, kv_heads: int, tokens: int, head_dim: int, bytes_per_entry: int) -> int:
+    """Payload bytes of a dense KV cache: 2 x layers x batch x kv_heads x tokens x head_dim x
+    bytes_per_entry (the 2 is keys and values; allocator overhead and metadata excluded).
+    32 layers, batch 1, 8 KV heads, 4096 tokens, width 128, 2 bytes: 512 MiB."""
+    counts = {
+        "layers": layers,
+        "batch": batch,
+        "kv_heads": kv_heads,
+        "tokens": tokens,
+        "head_dim": head_dim,
+        "bytes_per_entry": bytes_per_entry,
+    }
+    total = 2
+    for name, value in counts.items():
+        total *= _count(name, value)
+    return total
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return str(tuple(int(n) for n in shape))
+
+
+class KVCache:
+    """Keys and values of `num_layers` attention layers for a batch of sequences.
+
+    Every layer keeps its own per-sequence lengths: a model updates layer 0, then layer 1, ...,
+    and each layer's new tokens go at that layer's lengths.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_seq_len: int,
+        dtype: Any = np.float32,
+    ) -> None:
+        self.num_layers = _count("num_layers", num_layers, positive=True)
+        self.batch_size = _count("batch_size", batch_size)
+        self.num_kv_heads = _count("num_kv_heads", num_kv_heads, positive=True)
+        self.head_dim = _count("head_dim", head_dim, positive=True)
+        self.max_seq_len = _count("max_seq_len", max_seq_len)
+        self.dtype = np.dtype(dtype)
+        if self.dtype.kind != "f":
+            raise TypeError(f"dtype: expected a floating dtype (float32 for the native kernels), got {self.dtype}")
+        shape = (self.num_layers, self.batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim)
+        # np.zeros maps pages lazily: untouched capacity costs no memory until written.
+        self._keys = np.zeros(shape, dtype=self.dtype)
+        self._values = np.zeros(shape, dtype=self.dtype)
+        self._lens = np.zeros((self.num_layers, self.batch_size), dtype=np.int64)
+
+    # ---- inspection ------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the preallocated keys and values: kv_cache_bytes(layers, batch, kv_heads,
+        max_seq_len, head_dim, itemsize)."""
+        return int(self._keys.nbytes + self._values.nbytes)
+
+    def _layer(self, layer_idx: object) -> int:
+        if isinstance(layer_idx, (bool, np.bool_)) or not isinstance(layer_idx, numbers.Integral):
+            raise TypeError(f"layer_idx: expected an int, got {type(layer_idx).__name__}")
+        if not 0 <= int(layer_idx) < self.num_layers:
+            raise IndexError(f"layer_idx: expected 0 <= layer_idx < num_layers={self.num_layers}, got {int(layer_idx)}")
+        return int(layer_idx)
+
+    def seq_lens(self, layer_idx: int = 0) -> np.ndarray:
+        """Tokens stored per sequence in this layer, int64 (B,) (a copy)."""
+        return self._lens[self._layer(layer_idx)].copy()
+
+    def positions(self, num_new: int, layer_idx: int = 0) -> np.ndarray:
+        """Absolute positions (B, num_new) of the next num_new tokens of each sequence:
+        seq_lens(layer_idx)[:, None] + arange(num_new)."""
+        num_new = _count("num_new", num_new)
+        return self._lens[self._layer(layer_idx)][:, None] + np.arange(num_new, dtype=np.int64)
+
+    def keys(self, layer_idx: int = 0) -> np.ndarray:
+        """View (B, Hkv, max(seq_lens), D) of this layer's stored keys."""
+        layer = self._layer(layer_idx)
+        return self._keys[layer, :, :, : self._stored(layer)]
+
+    def values(self, layer_idx: int = 0) -> np.ndarray:
+        """View (B, Hkv, max(seq_lens), D) of this layer's stored values."""
+        layer = self._layer(layer_idx)
+        return self._values[layer, :, :, : self._stored(layer)]
+
+    def _stored(self, layer: int) -> int:
+        return int(self._lens[layer].max()) if self.batch_size else 0
+
+    # ---- writing ---------------------------------------------------------------------------
+
+    def _check_states(self, name: str, states: object) -> np.ndarray:
+        if not isinstance(states, np.ndarray):
+            raise TypeError(f"{name}: expected a numpy array (B, Hkv, L, D), got {type(states).__name__}")
+        if states.dtype != self.dtype:
+            raise TypeError(f"{name}: expected dtype {self.dtype} (the cache's), got {states.dtype}")
+        expected = (self.batch_size, self.num_kv_heads, self.head_dim)
+        if states.ndim != 4 or (states.shape[0], states.shape[1], states.shape[3]) != expected:
+            raise ValueError(
+                f"{name}: expected shape (B={self.batch_size}, Hkv={self.num_kv_heads}, L, D={self.head_dim}), "
+                f"got {_shape(states.shape)}"
+            )
+        return states
+
+    def update(
+        self,
+        key_states: np.ndarray,
+        value_states: np.ndarray,
+        layer_idx: int,
+        *,
+        num_new: object = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Append key_states and value_states (B, Hkv, L, D) to layer layer_idx, each sequence's
+        tokens at its own length, and return (keys, values): views (B, Hkv, max(seq_lens), D) of
+        the stored prefix. Sequence b's keys past seq_lens(layer_idx)[b] are not its own (pass
+        kv_lens=seq_lens(layer_idx) to attention).
+
+        num_new: None (every sequence appends all L tokens) or an int array (B,) with
+        0 <= num_new[b] <= L: sequence b appends only its first num_new[b] tokens, the rest of
+        its rows being right padding (a batch of prompts of different lengths).
+
+        Raises CacheOverflowError, leaving the cache unchanged, if a sequence would exceed
+        max_seq_len.
+        """
+        layer = self._layer(layer_idx)
+        keys = self._check_states("key_states", key_states)
+        values = self._check_states("value_states", value_states)
+        if values.shape != keys.shape:
+            raise ValueError(f"value_states: expected the shape of key_states {_shape(keys.shape)}, got {_shape(values.shape)}")
+        length = keys.shape[2]
+        if num_new is None:
+            counts = np.full(self.batch_size, length, dtype=np.int64)
+        else:
+            counts_arr = np.asarray(num_new)
+            if counts_arr.dtype.kind not in "iu":
+                raise TypeError(f"num_new: expected an int array of shape (B={self.batch_size},), got dtype {counts_arr.dtype}")
+            if counts_arr.shape != (self.batch_size,):
+                raise ValueError(
+                    f"num_new: expected an int array of shape (B={self.batch_size},), got shape {_shape(counts_arr.shape)}"
+                )
+            counts = counts_arr.astype(np.int64)
+            if counts.size and (counts.min() < 0 or counts.max() > length):
+                raise ValueError(f"num_new: expected values in [0, L={length}], got {counts.tolist()}")
+
+        lens = self._lens[layer]
+        ends = lens + counts
+        if ends.size and ends.max() > self.max_seq_len:
+            over = [b for b in range(self.batch_size) if ends[b] > self.max_seq_len]
+            raise CacheOverflowError(
+                f"KVCache layer {layer}: appending {counts.tolist()} tokens to sequences of lengths "
+                f"{lens.tolist()} exceeds max_seq_len={self.max_seq_len} for sequence(s) {over}; "
+                "the cache is unchanged (crop, reset, or allocate a longer cache)"
+            )
+
+        # Checked everything: now write. Equal lengths take one slice assignment.
+        if self.batch_size and (lens == lens[0]).all() and (counts == length).all():
+            start = int(lens[0])
+            self._keys[layer, :, :, start : start + length] = keys
+            self._values[layer, :, :, start : start + length] = values
+        else:
+            for b in range(self.batch_size):
+                start, count = int(lens[b]), int(counts[b])
+                self._keys[layer, b, :, start : start + count] = keys[b, :, :count]
+                self._values[layer, b, :, start : start + count] = values[b, :, :count]
+        self._lens[layer] = ends
+        return self.keys(layer), self.values(layer)
+
+    # ---- editing ---------------------------------------------------------------------------
+
+    def crop(self, n: int) -> None:
+        """Keep at most the first n tokens of every sequence in every layer (speculative decoding
+        rollback). n >= 0; sequences already shorter are unchanged."""
+        n = _count("n", n)
+        np.minimum(self._lens, n, out=self._lens)
+
+    def reset(self, batch_idx: object = None) -> None:
+        """Empty every sequence (batch_idx=None), or the sequence(s) batch_idx (an int or a list of
+        ints), in every layer, so a finished sequence's slot can take a new prompt."""
+        if batch_idx is None:
+            self._lens[:] = 0
+            return
+        arr = np.asarray(batch_idx)
+        if arr.dtype.kind not in "iu" or arr.ndim > 1:
+            raise TypeError(f"batch_idx: expected None, an int or a 1-D int array, got {batch_idx!r}")
+        arr = arr.reshape(-1).astype(np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.batch_size):
+            raise IndexError(f"batch_idx: expected values in [0, batch_size={self.batch_size}), got {arr.tolist()}")
+        self._lens[:, arr] = 0
+
+    def reorder(self, indices: object) -> None:
+        """Beam search: sequence b becomes the former sequence indices[b] (keys, values and lengths,
+        every layer). indices is an int array (B,) with values in [0, B); repeats are allowed."""
+        arr = np.asarray(indices)
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"indices: expected an int array of shape (B={self.batch_size},), got dtype {arr.dtype}")
+        if arr.shape != (self.batch_size,):
+            raise ValueError(f"indices: expected an int array of shape (B={self.batch_size},), got shape {_shape(arr.shape)}")
+        arr = arr.astype(np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.batch_size):
+            raise IndexError(f"indices: expected values in [0, batch_size={self.batch_size}), got {arr.tolist()}")
+        stored = int(self._lens.max()) if self._lens.size else 0
+        # Fancy indexing gathers into a temporary before the assignment, so overlapping moves are safe.
+        self._keys[:, :, :, :stored] = self._keys[:, arr, :, :stored]
+        self._values[:, :, :, :stored] = self._values[:, arr, :, :stored]
+        self._lens[:] = self._lens[:, arr]
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCache(num_layers={self.num_layers}, batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, dtype={self.dtype.name}, "
+            f"seq_lens(0)={self._lens[0].tolist()})"
+        )

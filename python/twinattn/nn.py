@@ -1,0 +1,260 @@
+"""Attention modules on NumPy arrays that run Hugging Face Llama attention weights.
+
+    attn = twinattn.nn.Attention(hidden_size=4096, num_heads=32, num_kv_heads=8,
+                                 rope=twinattn.RotaryEmbedding(128, base=500000.0))
+    attn.load_state_dict({name: w.numpy() for name, w in llama_layer.self_attn.state_dict().items()})
+    cache = twinattn.KVCache(num_layers=1, batch_size=1, num_kv_heads=8, head_dim=128, max_seq_len=4096)
+    y = attn(prompt_hidden, cache=cache)       # prefill (B, L, hidden) -> (B, L, hidden)
+    y = attn(next_hidden, cache=cache)         # decode: positions and offsets come from the cache
+
+The forward pass is Llama's: q, k, v = x W_q^T (+ b_q), ...; q and k rotated at their absolute
+positions; k and v appended to the cache (keys stored rotated, as Hugging Face does); causal
+attention of the new queries over the stored prefix with explicit q_offset (each sequence's
+cache length before the update) and kv_lens (after it), so sequences of different cached lengths
+batch together; out = attention x W_o^T (+ b_o).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Mapping
+
+import numpy as np
+
+from ._backends import BACKENDS, native_module, resolve_backend
+from .api import attention
+from .cache import KVCache
+from .rope import RotaryEmbedding
+
+__all__ = ["Attention"]
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__}")
+    if int(value) <= 0:
+        raise ValueError(f"{name}: expected a positive int, got {int(value)}")
+    return int(value)
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return str(tuple(int(n) for n in shape))
+
+
+class Attention:
+    """Multi-head, grouped-query (num_kv_heads < num_heads) or multi-query (num_kv_heads=1)
+    self-attention with Q/K/V/O projections, optional RoPE and an optional KV cache.
+
+    Weights are float32 in torch Linear orientation (out_features, in_features):
+        q_proj.weight (num_heads * head_dim, hidden_size)
+        k_proj.weight, v_proj.weight (num_kv_heads * head_dim, hidden_size)
+        o_proj.weight (hidden_size, num_heads * head_dim)
+    and, with bias=True, q_proj.bias ... o_proj.bias (out_features,). They start as torch's
+    Linear does, uniform in +-1/sqrt(in_features); load_state_dict replaces them.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        bias: bool = False,
+        rope: RotaryEmbedding | None = None,
+        backend: str = "auto",
+    ) -> None:
+        self.hidden_size = _positive_int("hidden_size", hidden_size)
+        self.num_heads = _positive_int("num_heads", num_heads)
+        self.num_kv_heads = self.num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads: expected a divisor of num_heads={self.num_heads} (grouped-query attention), "
+                f"got {self.num_kv_heads}"
+            )
+        if head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"head_dim: hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}; "
+                    "pass head_dim explicitly"
+                )
+            head_dim = self.hidden_size // self.num_heads
+        self.head_dim = _positive_int("head_dim", head_dim)
+        if not isinstance(bias, (bool, np.bool_)):
+            raise TypeError(f"bias: expected bool, got {type(bias).__name__}")
+        self.bias = bool(bias)
+        if rope is not None:
+            if not isinstance(rope, RotaryEmbedding):
+                raise TypeError(f"rope: expected None or a twinattn.RotaryEmbedding, got {type(rope).__name__}")
+            if rope.head_dim != self.head_dim:
+                raise ValueError(f"rope: expected a RotaryEmbedding with head_dim={self.head_dim}, got head_dim={rope.head_dim}")
+        self.rope = rope
+        if not isinstance(backend, str) or backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+        if backend not in ("auto", "numpy"):
+            native_module(backend)  # a port that is not built fails here, saying how to build it
+        self.backend = backend
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+
+        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self._shapes: dict[str, tuple[int, ...]] = {
+            "q_proj.weight": (q_out, self.hidden_size),
+            "k_proj.weight": (kv_out, self.hidden_size),
+            "v_proj.weight": (kv_out, self.hidden_size),
+            "o_proj.weight": (self.hidden_size, q_out),
+        }
+        if self.bias:
+            self._shapes.update(
+                {"q_proj.bias": (q_out,), "k_proj.bias": (kv_out,), "v_proj.bias": (kv_out,), "o_proj.bias": (self.hidden_size,)}
+            )
+        rng = np.random.default_rng()
+        self._params: dict[str, np.ndarray] = {}
+        for name, shape in self._shapes.items():
+            fan_in = self._shapes[name.replace(".bias", ".weight")][1]
+            bound = 1.0 / math.sqrt(fan_in)
+            self._params[name] = rng.uniform(-bound, bound, size=shape).astype(np.float32)
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Copies of the weights, under Hugging Face / torch names."""
+        return {name: value.copy() for name, value in self._params.items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load q_proj / k_proj / v_proj / o_proj weights (and biases when bias=True) in torch
+        Linear orientation (out_features, in_features). Values may be NumPy arrays or anything
+        with __array__ (a CPU torch tensor: pass tensor.detach() or .numpy()); float16, float32
+        and float64 are stored as float32. Every key must be present and no other key may be:
+        nothing is loaded unless everything checks."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict: expected a mapping of names to arrays, got {type(state_dict).__name__}")
+        missing = sorted(self._shapes.keys() - state_dict.keys())
+        unexpected = sorted(state_dict.keys() - self._shapes.keys())
+        if missing or unexpected:
+            raise KeyError(
+                f"state_dict: expected exactly the keys {sorted(self._shapes)}; missing {missing}, unexpected {unexpected}"
+                + ("" if self.bias or not any(k.endswith(".bias") for k in unexpected) else " (construct with bias=True)")
+            )
+        loaded: dict[str, np.ndarray] = {}
+        for name, shape in self._shapes.items():
+            value = np.asarray(state_dict[name])
+            if value.dtype.kind != "f":
+                raise TypeError(f"state_dict[{name!r}]: expected a float array, got dtype {value.dtype}")
+            if value.shape != shape:
+                orientation = " (out_features, in_features)" if name.endswith(".weight") else ""
+                raise ValueError(
+                    f"state_dict[{name!r}]: expected shape {_shape(shape)}{orientation}, got {_shape(value.shape)}"
+                )
+            loaded[name] = np.array(value, dtype=np.float32)  # a copy: later edits to the source do not leak in
+        self._params = loaded
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def _project(self, x: np.ndarray, name: str) -> np.ndarray:
+        y = x @ self._params[f"{name}.weight"].T
+        if self.bias:
+            y += self._params[f"{name}.bias"]
+        return y
+
+    def _positions(self, positions: object, batch: int, length: int, cache: KVCache | None, layer: int) -> np.ndarray:
+        if positions is None:
+            if cache is not None:
+                return cache.positions(length, layer)
+            return np.arange(length, dtype=np.int64)
+        arr = np.asarray(positions)
+        if arr.dtype.kind not in "iu":
+            raise TypeError(f"positions: expected an int array of shape (L,) or (B, L), got dtype {arr.dtype}")
+        if arr.shape not in ((length,), (batch, length)):
+            raise ValueError(f"positions: expected shape (L={length},) or (B={batch}, L={length}), got {_shape(arr.shape)}")
+        return arr
+
+    def __call__(
+        self,
+        hidden_states: np.ndarray,
+        *,
+        positions: object = None,
+        cache: KVCache | None = None,
+        layer_idx: int = 0,
+        attn_mask: object = None,
+        causal: bool = True,
+        num_new: object = None,
+    ) -> np.ndarray:
+        """hidden_states (B, L, hidden_size) float32 -> (B, L, hidden_size) float32.
+
+        positions: the absolute positions (L,) or (B, L) used by RoPE; default
+            cache.positions(L, layer_idx) with a cache, arange(L) without.
+        cache, layer_idx: keys and values are appended to cache layer layer_idx and the queries
+            attend over everything stored there; query row i of sequence b sits at cache slot
+            seq_lens[b] + i (q_offset), keys past each sequence's length are never read (kv_lens).
+        num_new: with a cache, an int array (B,): sequence b appends only its first num_new[b]
+            rows (a right-padded batch of prompts of different lengths; the outputs of the padding
+            rows are to be ignored).
+        attn_mask: passed to twinattn.attention (bool, True = may attend, or a float32 additive
+            bias) broadcastable to (B, num_heads, L, S), S the keys attended (the stored prefix with
+            a cache); it is applied on top of the causal mask.
+        causal: False for bidirectional attention (an encoder); True (Llama) by default.
+        """
+        if not isinstance(hidden_states, np.ndarray):
+            raise TypeError(f"hidden_states: expected a numpy array (B, L, hidden_size), got {type(hidden_states).__name__}")
+        if hidden_states.dtype != np.float32:
+            raise TypeError(
+                f"hidden_states: expected float32, got {hidden_states.dtype}; convert with hidden_states.astype(np.float32)"
+            )
+        if hidden_states.ndim != 3 or hidden_states.shape[2] != self.hidden_size:
+            raise ValueError(
+                f"hidden_states: expected shape (B, L, hidden_size={self.hidden_size}), got {_shape(hidden_states.shape)}"
+            )
+        if cache is not None:
+            if not isinstance(cache, KVCache):
+                raise TypeError(f"cache: expected None or a twinattn.KVCache, got {type(cache).__name__}")
+            expected = (hidden_states.shape[0], self.num_kv_heads, self.head_dim, np.dtype(np.float32))
+            got = (cache.batch_size, cache.num_kv_heads, cache.head_dim, cache.dtype)
+            if got != expected:
+                raise ValueError(
+                    "cache: expected (batch_size, num_kv_heads, head_dim, dtype) = "
+                    f"({expected[0]}, {expected[1]}, {expected[2]}, float32), got ({got[0]}, {got[1]}, {got[2]}, {got[3]})"
+                )
+            layer = cache._layer(layer_idx)
+        elif num_new is not None:
+            raise ValueError("num_new: only meaningful with a cache, got a value and cache=None")
+        else:
+            layer = 0
+        batch, length, _ = hidden_states.shape
+        pos = self._positions(positions, batch, length, cache, layer)
+
+        # Projections, split into heads: (B, L, H * D) -> (B, H, L, D).
+        q = self._project(hidden_states, "q_proj").reshape(batch, length, self.num_heads, self.head_dim)
+        k = self._project(hidden_states, "k_proj").reshape(batch, length, self.num_kv_heads, self.head_dim)
+        v = self._project(hidden_states, "v_proj").reshape(batch, length, self.num_kv_heads, self.head_dim)
+        q, k, v = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        if self.rope is not None:
+            q, k = self.rope.apply(q, pos), self.rope.apply(k, pos)
+
+        # Keys are cached rotated; the kernel gets each sequence's offset and length explicitly.
+        if cache is not None:
+            q_offset: Any = cache.seq_lens(layer)
+            keys, values = cache.update(np.ascontiguousarray(k), np.ascontiguousarray(v), layer, num_new=num_new)
+            kv_lens: Any = cache.seq_lens(layer)
+        else:
+            q_offset, kv_lens, keys, values = 0, None, k, v
+        out = attention(
+            q,
+            keys,
+            values,
+            causal=causal,
+            q_offset=q_offset if causal else None,
+            kv_lens=kv_lens,
+            attn_mask=attn_mask,
+            scale=self.scale,
+            backend=resolve_backend(self.backend),
+        )
+
+        # (B, H, L, D) -> (B, L, H * D) -> output projection.
+        merged = out.transpose(0, 2, 1, 3).reshape(batch, length, self.num_heads * self.head_dim)
+        return self._project(merged, "o_proj")
+
+    def __repr__(self) -> str:
+        return (
+            f"Attention(hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, bias={self.bias}, rope={self.rope!r}, backend={self.backend!r})"
+        )

@@ -1,0 +1,121 @@
+"""torch.nn.functional.scaled_dot_product_attention's signature and semantics, on NumPy arrays.
+
+    out = twinattn.scaled_dot_product_attention(q, k, v, is_causal=True)   # q (N, ..., L, E)
+
+Where torch's behaviour would be a silent surprise, this raises instead:
+- is_causal=True with L != S: torch aligns the causal mask to the upper left (query i sees keys
+  j <= i), which is wrong for queries that continue a cached sequence. Say which you mean with
+  causal_alignment="upper_left" (torch's) or "lower_right" (query i sees keys j <= i + S - L,
+  the KV-cache case). Square problems need no choice: the two coincide.
+- dropout_p != 0 raises NotImplementedError: this is an inference library.
+One documented difference: a row whose mask hides every key returns zeros (twinattn's contract),
+where torch's math backend before 2.5 returned NaN.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+from .api import attention
+
+__all__ = ["scaled_dot_product_attention"]
+
+_ALIGNMENTS = (None, "upper_left", "lower_right")
+
+
+def _shape(a: np.ndarray) -> str:
+    return "(" + ", ".join(str(n) for n in a.shape) + ")"
+
+
+def scaled_dot_product_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    attn_mask: Any = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_alignment: str | None = None,
+    backend: str = "auto",
+) -> np.ndarray:
+    """query (N, ..., Hq, L, E), key (N, ..., Hkv, S, E), value (N, ..., Hkv, S, Ev) -> (N, ..., Hq, L, Ev).
+
+    attn_mask: bool (True = takes part in attention) or a float additive bias, broadcastable to
+    (N, ..., Hq, L, S); not together with is_causal (as torch). enable_gqa=True lets Hq be a
+    multiple of Hkv, query head h reading KV head h // (Hq // Hkv) (torch's repeat_interleave).
+    Inputs of rank 2 to 4 go to twinattn.attention as they are; higher ranks have their leading
+    batch axes flattened into one.
+    """
+    q, k, v = (a if isinstance(a, np.ndarray) else np.asarray(a) for a in (query, key, value))
+    for name, a in (("query", q), ("key", k), ("value", v)):
+        if a.ndim < 2:
+            raise ValueError(f"{name}: expected at least 2 dimensions (..., L, E), got shape {_shape(a)}")
+    if not q.ndim == k.ndim == v.ndim:
+        raise ValueError(f"query, key, value: expected one rank, got shapes {_shape(q)}, {_shape(k)}, {_shape(v)}")
+
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}")
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p: twinattn computes inference attention only; expected 0.0, got {dropout_p}")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal: expected bool, got {type(is_causal).__name__}")
+    if not isinstance(enable_gqa, (bool, np.bool_)):
+        raise TypeError(f"enable_gqa: expected bool, got {type(enable_gqa).__name__}")
+    if causal_alignment not in _ALIGNMENTS:
+        raise ValueError(f"causal_alignment: expected one of {_ALIGNMENTS}, got {causal_alignment!r}")
+    if is_causal and attn_mask is not None:
+        raise ValueError("attn_mask: expected None when is_causal=True (as torch: pass one or the other), got a mask")
+
+    # Heads: torch without enable_gqa wants equal head counts.
+    if q.ndim >= 3:
+        q_heads, kv_heads = q.shape[-3], k.shape[-3]
+        if not enable_gqa and (kv_heads != q_heads or v.shape[-3] != q_heads):
+            raise ValueError(
+                f"key, value: expected {q_heads} heads like query (dim -3) when enable_gqa=False, got "
+                f"{kv_heads} and {v.shape[-3]}; pass enable_gqa=True for grouped-query attention"
+            )
+
+    # Causal alignment: only a non-square problem forces a choice.
+    q_len, k_len = q.shape[-2], k.shape[-2]
+    q_offset: int | None = None
+    if is_causal:
+        if q_len != k_len and causal_alignment is None:
+            raise ValueError(
+                f"is_causal: query length L={q_len} differs from key length S={k_len}, so the causal mask's "
+                "alignment matters: pass causal_alignment='upper_left' (torch's: query i sees keys j <= i) or "
+                "'lower_right' (query i sees keys j <= i + S - L, queries continuing a cached sequence)"
+            )
+        if causal_alignment == "lower_right":
+            if q_len > k_len:
+                raise ValueError(
+                    f"causal_alignment: 'lower_right' with L={q_len} > S={k_len} leaves the first {q_len - k_len} "
+                    "queries with no key; use 'upper_left' or fewer queries"
+                )
+            q_offset = k_len - q_len
+        else:
+            q_offset = 0
+
+    # Rank: twinattn.attention takes 2-D to 4-D; flatten further leading axes into the batch.
+    lead = q.shape[:-3]
+    if q.ndim > 4:
+        for name, a in (("key", k), ("value", v)):
+            if a.shape[:-3] != lead:
+                raise ValueError(f"{name}: expected leading dimensions {lead} like query, got shape {_shape(a)}")
+        q, k, v = (a.reshape((-1,) + a.shape[-3:]) for a in (q, k, v))
+        if attn_mask is not None:
+            mask = np.asarray(attn_mask)
+            full = lead + (q.shape[-3], q_len, k_len)
+            try:
+                mask = np.broadcast_to(mask, full)
+            except ValueError:
+                raise ValueError(f"attn_mask: expected a shape broadcastable to {full}, got {_shape(mask)}") from None
+            attn_mask = mask.reshape((-1,) + full[-3:])
+
+    out = attention(q, k, v, causal=bool(is_causal), q_offset=q_offset, attn_mask=attn_mask, scale=scale, backend=backend)
+    assert isinstance(out, np.ndarray)
+    return out.reshape(lead + out.shape[-3:]) if len(lead) > 1 else out
