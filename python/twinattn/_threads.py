@@ -8,11 +8,18 @@ _ENV = "TWINATTN_NUM_THREADS"
 _num_threads: int | None = None
 
 
+_cores: int | None = None
+
+
 def _usable_cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))  # CPU affinity respected (Linux)
-    except AttributeError:  # pragma: no cover - platforms without sched_getaffinity
-        return max(1, os.cpu_count() or 1)
+    """The cores this process may run on (CPU affinity respected), read once."""
+    global _cores
+    if _cores is None:
+        try:
+            _cores = max(1, len(os.sched_getaffinity(0)))  # Linux
+        except AttributeError:  # pragma: no cover - platforms without sched_getaffinity
+            _cores = max(1, os.cpu_count() or 1)
+    return _cores
 
 
 def _check_count(name: str, value: object) -> int:

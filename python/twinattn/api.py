@@ -50,6 +50,31 @@ def _check_float_dtype(name: str, a: np.ndarray, backend: str) -> None:
     raise TypeError(f"{name}: expected float32, got {a.dtype}; convert with {name}.astype(np.float32)")
 
 
+_FLOAT32 = np.dtype(np.float32)
+_filled_cache: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _resolve(backend: object) -> str:
+    port = _resolved.get(backend) if isinstance(backend, str) else None
+    return port if port is not None else resolve_backend(backend)
+
+
+_resolved: dict[str, str] = {"cpp": "cpp", "rust": "rust", "numpy": "numpy"}
+
+
+def _filled(batch: int, value: int) -> np.ndarray:
+    """A read-only int64 (B,) array of one value, cached: the common call allocates nothing here."""
+    key = (batch, value)
+    arr = _filled_cache.get(key)
+    if arr is None:
+        if len(_filled_cache) > 256:
+            _filled_cache.clear()
+        arr = np.full(batch, value, dtype=np.int64)
+        arr.flags.writeable = False
+        _filled_cache[key] = arr
+    return arr
+
+
 def _unit_last_stride(a: np.ndarray) -> np.ndarray:
     """The last axis must have unit stride; any other strides are read in place."""
     if a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
@@ -139,32 +164,42 @@ def attention(
     bool (True = may attend) or a float additive bias, broadcastable to (B, Hq, Lq, Lk). A row with
     no visible key gives zeros and lse = -inf.
     """
-    backend = resolve_backend(backend)
-    if not isinstance(causal, (bool, np.bool_)):
+    port = _resolve(backend)
+    if causal is not True and causal is not False and not isinstance(causal, np.bool_):
         raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
-    if not isinstance(return_lse, (bool, np.bool_)):
+    if return_lse is not True and return_lse is not False and not isinstance(return_lse, np.bool_):
         raise TypeError(f"return_lse: expected bool, got {type(return_lse).__name__}")
     threads = get_num_threads() if num_threads is None else _check_count("num_threads", num_threads)
 
     # Ranks and dtypes.
-    q, k, v = (_as_array(name, a) for name, a in (("q", q), ("k", k), ("v", v)))
+    if type(q) is not np.ndarray:
+        q = _as_array("q", q)
+    if type(k) is not np.ndarray:
+        k = _as_array("k", k)
+    if type(v) is not np.ndarray:
+        v = _as_array("v", v)
     rank = q.ndim
     for name, a in (("q", q), ("k", k), ("v", v)):
-        if a.ndim not in _RANK_NAMES:
-            raise ValueError(f"{name}: expected 2, 3 or 4 dimensions (B, H, L, D), got shape {_shape(a)}")
-        if a.ndim != rank:
+        if a.ndim != rank or rank not in _RANK_NAMES:
+            if a.ndim not in _RANK_NAMES:
+                raise ValueError(f"{name}: expected 2, 3 or 4 dimensions (B, H, L, D), got shape {_shape(a)}")
             raise ValueError(f"{name}: expected {rank} dimensions {_RANK_NAMES[rank]} like q, got shape {_shape(a)}")
-        _check_float_dtype(name, a, backend)
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if a.dtype != _FLOAT32:
+            _check_float_dtype(name, a, port)
     dtype = q.dtype
+    if k.dtype != dtype or v.dtype != dtype:
+        raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
     # Shapes, in the 4-D form every backend sees (views, no copies).
-    q4, k4, v4 = (a.reshape((1,) * (4 - rank) + a.shape) if rank < 4 else a for a in (q, k, v))
+    if rank == 4:
+        q4, k4, v4 = q, k, v
+    else:
+        lead = (1,) * (4 - rank)
+        q4, k4, v4 = q.reshape(lead + q.shape), k.reshape(lead + k.shape), v.reshape(lead + v.shape)
     batch, q_heads, q_len, head_dim = q4.shape
-    if k4.shape[0] != batch or k4.shape[3] != head_dim:
+    kv_batch, kv_heads, k_len, k_dim = k4.shape
+    if kv_batch != batch or k_dim != head_dim:
         raise ValueError(f"k: expected shape (B={batch}, Hkv, Lk, D={head_dim}), got {_shape(k)}")
-    kv_heads, k_len = k4.shape[1], k4.shape[2]
     if v4.shape[:3] != (batch, kv_heads, k_len):
         raise ValueError(f"v: expected shape (B={batch}, Hkv={kv_heads}, Lk={k_len}, Dv), got {_shape(v)}")
     value_dim = v4.shape[3]
@@ -173,32 +208,37 @@ def attention(
             f"q, k: the query heads Hq={q_heads} must be a multiple of the key/value heads Hkv={kv_heads} "
             "(grouped-query attention: query head h reads KV head h // (Hq // Hkv))"
         )
-    q4, k4, v4 = (_unit_last_stride(a) for a in (q4, k4, v4))
+    q4, k4, v4 = _unit_last_stride(q4), _unit_last_stride(k4), _unit_last_stride(v4)
 
     # Positions and lengths.
     if kv_lens is None:
-        lens = np.full(batch, k_len, dtype=np.int64)
+        lens = _filled(batch, k_len)
+        shortest = k_len
     else:
         lens = _per_sequence("kv_lens", kv_lens, batch)
-        if lens.size and (lens.min() < 0 or lens.max() > k_len):
+        shortest = int(lens.min()) if batch else k_len
+        if batch and (shortest < 0 or lens.max() > k_len):
             raise ValueError(f"kv_lens: expected values in [0, Lk={k_len}], got {lens.tolist()}")
     if q_offset is None:
-        offsets = lens - q_len  # bottom-right: the queries are the last Lq positions
-        if causal and offsets.size and offsets.min() < 0:
+        # bottom-right: the queries are the last Lq positions of each sequence
+        if causal and shortest < q_len and batch:
+            offsets = lens - q_len
             raise ValueError(
                 f"q_offset: the default bottom-right alignment puts the queries at kv_len - Lq = "
                 f"{offsets.tolist()}, which is negative (Lq={q_len} > kv_len); for a right-padded batch "
                 "of prompts pass q_offset=0"
             )
+        if kv_lens is None:
+            offsets = _filled(batch, max(k_len - q_len, 0))
+        else:
+            offsets = np.maximum(lens - q_len, 0)  # unused without causal; kept valid for the native checks
     else:
         offsets = _per_sequence("q_offset", q_offset, batch)
-        if offsets.size and offsets.min() < 0:
+        if batch and offsets.min() < 0:
             raise ValueError(f"q_offset: expected non-negative values, got {offsets.tolist()}")
-    offsets = np.maximum(offsets, 0)  # unused without causal; kept valid for the native checks
 
     # Mask, scale, output.
-    full_shape = (batch, q_heads, q_len, k_len)
-    mask = None if attn_mask is None else _prepare_mask(attn_mask, dtype, full_shape)
+    mask = None if attn_mask is None else _prepare_mask(attn_mask, dtype, (batch, q_heads, q_len, k_len))
     if scale is None:
         scale_value = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     else:
@@ -212,11 +252,11 @@ def attention(
         result = np.empty(out_shape, dtype=dtype)
     else:
         result = _prepare_out(out, out_shape, dtype, [q, k, v, None if attn_mask is None else mask])
-    out4 = result.reshape((1,) * (4 - rank) + out_shape) if rank < 4 else result
+    out4 = result if rank == 4 else result.reshape((1,) * (4 - rank) + out_shape)
     lse = np.empty((batch, q_heads, q_len), dtype=dtype) if return_lse else None
 
     # Compute.
-    if backend == "numpy":
+    if port == "numpy":
         ref_out, ref_lse = reference.attention_reference(
             q4, k4, v4, causal=bool(causal), q_offset=offsets, kv_lens=lens, mask=mask, scale=scale_value
         )
@@ -224,8 +264,8 @@ def attention(
         if lse is not None:
             lse[...] = ref_lse
     else:
-        target = out4 if out4.shape[-1] <= 1 or out4.strides[-1] == out4.itemsize else np.empty(out4.shape, dtype)
-        native_module(backend).attention_forward(
+        target = out4 if value_dim <= 1 or out4.strides[-1] == 4 else np.empty(out4.shape, dtype)
+        native_module(port).attention_forward(
             q4, k4, v4, target, lse, offsets, lens, mask, bool(causal), scale_value, threads
         )
         if target is not out4:
