@@ -1,0 +1,7 @@
+"""python -m twinattn.bench: the same as the twinattn-bench command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

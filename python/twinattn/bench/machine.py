@@ -1,0 +1,180 @@
+"""The machine a run measured, and its two ceilings, measured in the same run.
+
+GEMM ceiling: float32 C = A @ B through NumPy (n x n, 2 n^3 FLOPs), with NumPy's BLAS limited to
+the case's thread count; the OpenBLAS kernel that ran ("architecture", e.g. SkylakeX or Haswell)
+is named from threadpoolctl. OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE in the environment change that
+kernel (OPENBLAS_CORETYPE=Haswell halves the throughput on AVX-512 machines); they are reported.
+
+Read bandwidth: a buffer far larger than the last-level cache is summed by T Python threads at
+once, each reducing its own contiguous slice with np.add.reduce (NumPy releases the GIL in the
+reduction, so the slices are read in parallel). Bytes read / wall time is the read bandwidth of
+T threads. Bandwidth on these machines drifts by up to 1.5x over minutes, so decode cases are
+reported against a measurement taken right beside each of them (see the CLI).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+import numpy as np
+
+import twinattn
+
+GEMM_N = 2048
+READ_BYTES = 1 << 30  # 1 GiB: 32x the 32 MiB L3 of the development machines
+OPENBLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list[str]:
+    wanted = ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "asimd", "sve")
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    present = set(line.split(":", 1)[1].split())
+                    return [flag for flag in wanted if flag in present]
+    except OSError:
+        pass
+    return []
+
+
+def blas_info() -> dict[str, Any]:
+    """NumPy's BLAS as threadpoolctl sees it: library, version, kernel ("architecture"), threads."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return {"kernel": "unknown (install threadpoolctl to name it)"}
+    pools = [p for p in threadpool_info() if p.get("user_api") == "blas"]
+    # prefer the BLAS that NumPy itself loaded (torch may bring another)
+    pools.sort(key=lambda p: "numpy" not in str(p.get("filepath", "")))
+    if not pools:
+        return {"kernel": "unknown (threadpoolctl found no BLAS)"}
+    pool = pools[0]
+    return {
+        "library": pool.get("internal_api"),
+        "version": pool.get("version"),
+        "kernel": pool.get("architecture") or "unknown",
+        "threading_layer": pool.get("threading_layer"),
+        "num_threads": pool.get("num_threads"),
+        "filepath": pool.get("filepath"),
+    }
+
+
+def describe(backends: dict[str, str], threads: int) -> dict[str, Any]:
+    info = twinattn.build_info()
+    ports = {port: info[port] for port in ("cpp", "rust") if port in info}
+    return {
+        "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "arch": platform.machine(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "threads": threads,
+        "os": platform.platform(),
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "twinattn": twinattn.__version__,
+        "ports": ports,  # per native port: available, isa chosen at run time, threads, compiler
+        "isa": {port: p.get("isa") for port, p in ports.items() if p.get("available")},
+        "backends": backends,  # name -> version of everything timed
+        "blas": blas_info(),
+        "env": {name: os.environ.get(name) for name in OPENBLAS_ENV + ("TWINATTN_ISA", "TWINATTN_NUM_THREADS")},
+    }
+
+
+def _limit_blas(threads: int) -> Any:
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return None
+    return threadpool_limits(limits=threads, user_api="blas")
+
+
+def gemm_gflops(threads: int, n: Optional[int] = None, budget_s: float = 1.0, min_repeats: int = 3) -> dict[str, Any]:
+    """Median float32 n x n matrix-multiply throughput through NumPy with `threads` BLAS threads."""
+    n = n or GEMM_N
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    c = np.empty((n, n), dtype=np.float32)
+    limits = _limit_blas(threads)
+    try:
+        np.matmul(a, b, out=c)  # warm-up: BLAS threads started, pages touched
+        times: list[float] = []
+        start = time.perf_counter()
+        while len(times) < min_repeats or (time.perf_counter() - start < budget_s and len(times) < 50):
+            t0 = time.perf_counter()
+            np.matmul(a, b, out=c)
+            times.append(time.perf_counter() - t0)
+        kernel = blas_info().get("kernel")
+    finally:
+        if limits is not None:
+            limits.restore_original_limits()
+    median = statistics.median(times)
+    return {"gflops": 2 * n**3 / median / 1e9, "n": n, "threads": threads, "kernel": kernel, "repeats": len(times)}
+
+
+class ReadBandwidth:
+    """Read bandwidth of `threads` threads over a buffer much larger than the caches."""
+
+    def __init__(self, nbytes: Optional[int] = None) -> None:
+        self.nbytes = nbytes or READ_BYTES
+        self.buffer: Optional[np.ndarray] = None
+        self._pools: dict[int, ThreadPoolExecutor] = {}
+
+    def _data(self) -> np.ndarray:
+        if self.buffer is None:
+            self.buffer = np.ones(self.nbytes // 4, dtype=np.float32)  # written: every page is real
+        return self.buffer
+
+    def measure(self, threads: int, repeats: int = 5) -> dict[str, Any]:
+        data = self._data()
+        slices = np.array_split(data, threads)
+        if threads == 1:
+
+            def read() -> None:
+                np.add.reduce(data)
+        else:
+            pool = self._pools.get(threads)
+            if pool is None:
+                pool = self._pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="twinattn-bw")
+
+            def read() -> None:
+                list(pool.map(np.add.reduce, slices))
+
+        read()  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            read()
+            times.append(time.perf_counter() - t0)
+        median = statistics.median(times)
+        return {"gbps": data.nbytes / median / 1e9, "threads": threads, "bytes": data.nbytes, "repeats": repeats}
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.shutdown()
+        self._pools.clear()
+        self.buffer = None
+
+
+READ_METHOD = (
+    "np.add.reduce over a float32 buffer of {size}, split into one contiguous slice per thread, "
+    "the slices summed at once by {threads} Python thread(s) (NumPy releases the GIL); median of 5"
+)

@@ -1,0 +1,449 @@
+"""The benchmark command's logic, on tiny shapes: work counts, case selection, checks, the CLI.
+
+Timings are not tested (they are the machine's); what is tested is that the numbers are counted
+right, that a wrong result is reported as WRONG and never timed, and that the JSON holds what the
+README promises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import time
+from typing import Any, Optional
+
+import numpy as np
+import pytest
+from twinattn.bench import cases as bench_cases
+from twinattn.bench import cli, machine, measure, runners
+from twinattn.bench.cases import (
+    DECODE,
+    PREFILL,
+    Case,
+    check_output,
+    check_rows,
+    make_problem,
+    reference_rows,
+    work,
+)
+
+
+def tiny_case(
+    batch: int = 2,
+    q_heads: int = 4,
+    kv_heads: int = 2,
+    q_len: int = 5,
+    k_len: int = 9,
+    head_dim: int = 8,
+    value_dim: int = 6,
+    causal: bool = True,
+    kv_lens: Optional[tuple[int, ...]] = None,
+) -> Case:
+    return Case(
+        name="t",
+        group="t",
+        kind=DECODE if q_len == 1 else PREFILL,
+        batch=batch,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        q_len=q_len,
+        k_len=k_len,
+        head_dim=head_dim,
+        value_dim=value_dim,
+        causal=causal,
+        kv_lens=kv_lens,
+    )
+
+
+def brute_force(case: Case) -> tuple[int, int]:
+    """(visible pairs, keys read): the contract's rule, one (b, h, i, j) at a time."""
+    lens = case.kv_lens or (case.k_len,) * case.batch
+    pairs, read = 0, 0
+    for b in range(case.batch):
+        q_offset = lens[b] - case.q_len  # bottom-right alignment
+        seen = set()
+        for _head, i, j in itertools.product(range(case.q_heads), range(case.q_len), range(case.k_len)):
+            if j < lens[b] and (not case.causal or j <= q_offset + i):
+                pairs += 1
+                seen.add(j)
+        read += len(seen)
+    return pairs, read
+
+
+WORK_CASES = {
+    "square-causal": tiny_case(q_len=7, k_len=7),
+    "bottom-right": tiny_case(q_len=3, k_len=10),
+    "kv-lens": tiny_case(q_len=3, k_len=10, kv_lens=(4, 10)),
+    "kv-lens-non-causal": tiny_case(q_len=3, k_len=10, kv_lens=(0, 6), causal=False),
+    "decode": tiny_case(q_len=1, k_len=11),
+    "decode-batch": tiny_case(batch=3, q_len=1, k_len=11, kv_lens=(1, 5, 11)),
+    "mha": tiny_case(q_heads=3, kv_heads=3, q_len=6, k_len=6),
+    "one-row-one-key": tiny_case(batch=1, q_heads=1, kv_heads=1, q_len=1, k_len=1),
+}
+
+
+@pytest.mark.parametrize("case", WORK_CASES.values(), ids=WORK_CASES.keys())
+def test_work_counts_the_visible_pairs(case: Case) -> None:
+    pairs, read = brute_force(case)
+    w = work(case)
+    assert w.pairs == pairs
+    assert w.flops == 2 * pairs * (case.head_dim + case.value_dim)
+    assert w.kv_bytes == read * case.kv_heads * (case.head_dim + case.value_dim) * 4
+
+
+def test_work_of_the_standard_cases_in_closed_form() -> None:
+    suite = {c.name: c for c in bench_cases.standard_suite(2)}
+    n = 2048
+    assert work(suite["prefill-causal/N=2048"]).pairs == 32 * n * (n + 1) // 2
+    chunk = suite["chunk"]  # row i sees 3840 + i + 1 keys
+    assert work(chunk).pairs == 32 * sum(3840 + i + 1 for i in range(256))
+    assert work(suite["decode/N=32768"]).kv_bytes == 32768 * 8 * 256 * 4
+    batch = suite["decode-batch"]
+    assert batch.kv_lens is not None and min(batch.kv_lens) == 1024 and max(batch.kv_lens) == 8192
+    assert work(batch).pairs == 32 * sum(batch.kv_lens)
+
+
+def test_standard_suite_matches_the_issue() -> None:
+    suite = bench_cases.standard_suite(4)
+    groups = list(dict.fromkeys(c.group for c in suite))
+    assert groups == ["prefill-causal", "prefill-mha-d64", "chunk", "decode", "decode-batch", "tiny", "threads"]
+    assert [c.q_len for c in suite if c.group == "prefill-causal"] == [512, 1024, 2048, 4096]
+    assert [c.k_len for c in suite if c.group == "decode"] == [1024, 4096, 16384, 32768]
+    assert [c.threads for c in suite if c.group == "threads"] == [1, 4]
+    assert all(c.causal for c in suite)
+    tiny = next(c for c in suite if c.group == "tiny")
+    assert (tiny.batch, tiny.q_heads, tiny.kv_heads, tiny.q_len, tiny.head_dim) == (1, 1, 1, 16, 64)
+    assert {c.name for c in bench_cases.select(suite, None, quick=True)} == set(bench_cases.QUICK_CASES)
+
+
+def test_select_by_name_group_and_glob() -> None:
+    suite = bench_cases.standard_suite(2)
+    names = [c.name for c in bench_cases.select(suite, "tiny, decode/N=1024,prefill-causal", quick=False)]
+    assert names == [f"prefill-causal/N={n}" for n in (512, 1024, 2048, 4096)] + ["decode/N=1024", "tiny"]
+    assert [c.name for c in bench_cases.select(suite, "decode/*", quick=False)] == [
+        f"decode/N={n}" for n in (1024, 4096, 16384, 32768)
+    ]
+
+
+def test_unknown_case_lists_the_valid_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--cases", "prefill-causal,nope"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown case 'nope'" in err and "decode-batch" in err and "prefill-causal/N=4096" in err
+
+
+def test_unknown_or_missing_backend_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    table = runners.make_runners()
+    with pytest.raises(ValueError, match="unknown backend 'tensorflow'.*valid: cpp, rust, numpy, torch, onnxruntime"):
+        runners.parse_backends("numpy,tensorflow", table)
+    monkeypatch.setattr(runners.TorchRunner, "available", lambda self: "torch is not installed")
+    with pytest.raises(ValueError, match="'torch' is not available here: torch is not installed"):
+        runners.parse_backends("torch", table)
+    assert runners.parse_backends(" NumPy ,numpy", table) == ["numpy"]
+    if table["onnxruntime"].available() is None:
+        assert runners.parse_backends("ort,numpy,onnxruntime", table) == ["onnxruntime", "numpy"]
+
+
+@pytest.mark.parametrize("bad", [["--threads", "0"], ["--repeat", "x"], ["--time-budget", "-1"]])
+def test_bad_numbers_are_usage_errors(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(bad)
+    assert exc.value.code == 2
+    assert "expected a positive" in capsys.readouterr().err
+
+
+def test_list_prints_every_case(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    for case in bench_cases.standard_suite(2):
+        assert case.name in out
+
+
+# ----------------------------------------------------------------------------------------------
+# The check against the reference
+
+
+def test_reference_rows_agree_with_the_full_reference() -> None:
+    case = tiny_case(q_len=4, k_len=9, kv_lens=(6, 9))
+    problem = make_problem(case)
+    rows = check_rows(case)
+    full = pytest.importorskip("twinattn").attention(
+        problem.q.astype(np.float64),
+        problem.k.astype(np.float64),
+        problem.v.astype(np.float64),
+        causal=True,
+        kv_lens=problem.kv_lens,
+        backend="numpy",
+    )
+    expected = np.stack([full[b, h, i] for b, h, i in rows])
+    np.testing.assert_allclose(reference_rows(problem, rows), expected, rtol=1e-12, atol=1e-12)
+
+
+def _outputs(case: Case) -> tuple[Any, list[tuple[int, int, int]], np.ndarray, np.ndarray]:
+    import twinattn
+
+    problem = make_problem(case)
+    rows = check_rows(case)
+    good = twinattn.attention(problem.q, problem.k, problem.v, causal=True, kv_lens=problem.kv_lens, backend="numpy")
+    return problem, rows, reference_rows(problem, rows), good
+
+
+def test_check_passes_a_right_answer_and_catches_wrong_ones() -> None:
+    import twinattn
+
+    case = tiny_case(q_len=6, k_len=40, kv_lens=(40, 25))
+    problem, rows, expected, good = _outputs(case)
+    assert check_output(problem, good, rows, expected).ok
+    # off by one on the diagonal: top-left instead of bottom-right alignment
+    top_left = twinattn.attention(
+        problem.q, problem.k, problem.v, causal=True, q_offset=0, kv_lens=problem.kv_lens, backend="numpy"
+    )
+    # the future leaks backwards: not causal
+    future = twinattn.attention(problem.q, problem.k, problem.v, kv_lens=problem.kv_lens, backend="numpy")
+    unwritten = good.copy()
+    unwritten[0, 1, 2, 3] = np.nan  # an element outside the checked rows may be missed by the rows alone
+    wrong_shape = good[:, :, :-1]
+    for bad, reason in (
+        (top_left, "tolerance"),
+        (future, "tolerance"),
+        (unwritten, "non-finite"),
+        (wrong_shape, "output shape"),
+    ):
+        check = check_output(problem, bad, rows, expected)
+        assert not check.ok and reason in check.reason
+
+
+def test_check_catches_an_off_by_one_on_a_long_decode() -> None:
+    """The tolerance is relative: at N=4096 one extra key moves the output by ~1/N of its size."""
+    case = tiny_case(batch=1, q_heads=2, kv_heads=1, q_len=1, k_len=4096, head_dim=16, value_dim=16, kv_lens=(4095,))
+    problem, rows, expected, good = _outputs(case)
+    assert check_output(problem, good, rows, expected).ok
+    import twinattn
+
+    one_more = twinattn.attention(
+        problem.q, problem.k, problem.v, causal=True, backend="numpy", kv_lens=np.array([4096])
+    )
+    assert not check_output(problem, one_more, rows, expected).ok
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing rules
+
+
+class SleepyRunner(runners.TwinattnRunner):
+    """numpy, plus a sleep per call: a slow backend."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__("numpy")
+        self.seconds = seconds
+
+    def available(self) -> Optional[str]:
+        return None
+
+    def prepare(self, problem: Any, threads: int) -> runners.Prepared:
+        ready = super().prepare(problem, threads)
+        inner = ready.call
+
+        def call() -> object:
+            time.sleep(self.seconds)
+            return inner()
+
+        return runners.Prepared(call, ready.output)
+
+
+def _run_one(runner: runners.Runner, case: Case, **budget: Any) -> measure.Outcome:
+    problem = make_problem(case)
+    return measure.run_one(
+        runner, problem, 1, measure.Budget(**budget), measure.Rates(), measure.expected_rows(problem)
+    )
+
+
+def test_exact_repeat_count_and_warm_up() -> None:
+    outcome = _run_one(runners.NumpyRunner(), tiny_case(), repeat=7)
+    assert outcome.status == "ok" and outcome.times is not None and len(outcome.times) == 7
+    assert outcome.warmup >= 1 and outcome.check is not None and outcome.check.ok
+
+
+def test_time_budget_stops_repeating_after_min_repeats() -> None:
+    start = time.perf_counter()
+    outcome = _run_one(SleepyRunner(0.02), tiny_case(), time_s=0.01, min_repeats=3, warmup_s=0.0)
+    assert outcome.status == "ok" and outcome.times is not None and len(outcome.times) == 3
+    assert time.perf_counter() - start < 1.0
+
+
+def test_slow_first_call_is_skipped_with_a_note() -> None:
+    outcome = _run_one(SleepyRunner(0.05), tiny_case(), max_call_s=0.01)
+    assert outcome.status == "skipped" and outcome.note.startswith("too slow: first call")
+    assert outcome.times is None
+
+
+def test_predicted_slow_call_is_skipped_without_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    big = tiny_case(batch=1, q_len=1, k_len=64)
+    monkeypatch.setattr(measure, "PROBE_ABOVE_BYTES", 1)  # treat this case as "big": it is probed
+    outcome = _run_one(SleepyRunner(0.2), big, max_call_s=0.05)
+    assert outcome.status == "skipped" and "estimated" in outcome.note
+
+
+def test_scratch_memory_limit_skips() -> None:
+    outcome = _run_one(runners.NumpyRunner(), tiny_case(), memory_bytes=10)
+    assert outcome.status == "skipped" and "scratch" in outcome.note
+
+
+# ----------------------------------------------------------------------------------------------
+# The command, end to end, on tiny shapes
+
+
+@pytest.fixture
+def small_ceilings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(machine, "GEMM_N", 128)
+    monkeypatch.setattr(machine, "READ_BYTES", 4 << 20)
+    monkeypatch.setattr(cli, "_settle", lambda: None)
+
+
+QUICK_TINY = ["--quick", "--shrink", "64", "--time-budget", "0.01", "--threads", "2"]
+
+RESULT_FIELDS = {
+    "case",
+    "backend",
+    "threads",
+    "status",
+    "median_s",
+    "gflops",
+    "gbps",
+    "max_abs_err",
+    "pairs",
+    "flops",
+    "kv_bytes",
+    "speedup_vs_numpy",
+    "speedup_vs_torch",
+    "speedup_vs_best_peer",
+    "cpp_over_rust",
+    "gemm_fraction",
+}
+
+
+def test_quick_run_writes_the_promised_json(
+    small_ceilings: None, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "out.json"
+    assert cli.main(QUICK_TINY + ["--backends", "numpy", "--json", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "decode-batch" in captured.out and "GFLOP/s" in captured.out
+    assert "[" in captured.err and "done" in captured.err  # the progress bar is on stderr
+    doc = json.loads(path.read_text())
+    assert {"machine", "ceilings", "results"} <= doc.keys()
+    assert {"cpu", "isa", "threads", "numpy", "twinattn", "backends", "blas"} <= doc["machine"].keys()
+    assert doc["machine"]["threads"] == 2
+    assert doc["ceilings"]["gemm_gflops"] > 0 and doc["ceilings"]["read_gbps"] > 0
+    assert doc["ceilings"]["gemm_kernel"]
+    results = doc["results"]
+    assert {r["case"] for r in results} == set(bench_cases.QUICK_CASES)
+    for r in results:
+        assert RESULT_FIELDS <= r.keys()
+        assert r["status"] == "ok", r
+        assert r["gflops"] > 0 and r["max_abs_err"] < 1e-4
+        assert r["speedup_vs_numpy"] == pytest.approx(1.0)
+        if r["kind"] == "decode":
+            assert r["gbps"] > 0 and r["read_gbps_beside"] > 0 and r["read_fraction"] > 0
+        else:
+            assert r["gbps"] is None
+        assert r["gflops"] == pytest.approx(r["flops"] / r["median_s"] / 1e9)
+
+
+def test_wrong_results_are_reported_as_wrong(
+    small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class Broken(runners.NumpyRunner):
+        """Fast and wrong: top-left causal alignment."""
+
+        def prepare(self, problem: Any, threads: int) -> runners.Prepared:
+            import twinattn
+
+            out = np.empty(
+                (problem.case.batch, problem.case.q_heads, problem.case.q_len, problem.case.value_dim), np.float32
+            )
+
+            def call() -> object:
+                return twinattn.attention(
+                    problem.q,
+                    problem.k,
+                    problem.v,
+                    causal=True,
+                    q_offset=0,
+                    kv_lens=problem.kv_lens,
+                    out=out,
+                    backend="numpy",
+                )
+
+            return runners.Prepared(call, lambda: out)
+
+    table = runners.make_runners()
+    table["numpy"] = Broken()
+    monkeypatch.setattr(cli, "make_runners", lambda: table)
+    path = tmp_path / "out.json"
+    assert cli.main(QUICK_TINY + ["--backends", "numpy", "--cases", "chunk,tiny", "--json", str(path)]) == 1
+    out = capsys.readouterr().out
+    chunk_line = next(line for line in out.splitlines() if line.startswith("chunk"))
+    assert "WRONG" in chunk_line
+    rows = {r["case"]: r for r in json.loads(path.read_text())["results"]}
+    assert rows["chunk"]["status"] == "wrong"
+    assert rows["chunk"]["median_s"] is None and rows["chunk"]["gflops"] is None
+    assert rows["chunk"]["max_abs_err"] > rows["chunk"]["tolerance"]
+    assert rows["tiny"]["status"] == "ok"  # Lq == Lk: top-left is bottom-right
+
+
+def test_missing_peers_are_named_not_run(
+    small_ceilings: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(runners.TorchRunner, "available", lambda self: "torch is not installed")
+    monkeypatch.setattr(runners.OnnxRuntimeRunner, "available", lambda self: "onnxruntime and onnx not installed")
+    assert cli.main(QUICK_TINY + ["--cases", "tiny", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "torch (torch is not installed)" in out and "onnxruntime (onnxruntime and onnx not installed)" in out
+
+
+@pytest.mark.parametrize("peer,module", [("onnxruntime", "onnxruntime"), ("torch", "torch")])
+def test_peer_paths_agree_with_the_reference(peer: str, module: str) -> None:
+    pytest.importorskip(module)
+    runner = runners.make_runners()[peer]
+    if runner.available() is not None:
+        pytest.skip(runner.available() or "")
+    suite = [c.shrunk(64) for c in bench_cases.standard_suite(2)]
+    for case in suite:
+        if case.group in ("prefill-causal", "decode") and case.x not in (2048 // 64, 16384 // 64):
+            continue
+        outcome = _run_one(runner, case, repeat=1)
+        assert outcome.status == "ok", (case.name, outcome.note)
+
+
+def test_plot_is_written(small_ceilings: None, tmp_path: Any) -> None:
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    args = [
+        "--shrink",
+        "64",
+        "--time-budget",
+        "0.01",
+        "--backends",
+        "numpy",
+        "--no-progress",
+        "--cases",
+        "prefill-causal/N=512,prefill-causal/N=1024,decode/N=1024,decode/N=4096",
+        "--plot",
+        str(path),
+    ]
+    assert cli.main(args) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shrunk_case_keeps_its_shape_rules() -> None:
+    suite = bench_cases.standard_suite(2)
+    for case in suite:
+        small = case.shrunk(64)
+        assert small.q_len <= small.k_len
+        assert dataclasses.replace(small, name=case.name) == small  # the name is kept
+        if small.kv_lens is not None:
+            assert all(small.q_len <= n <= small.k_len for n in small.kv_lens)
+        assert work(small).pairs > 0
