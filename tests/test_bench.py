@@ -107,7 +107,16 @@ def test_work_of_the_standard_cases_in_closed_form() -> None:
 def test_standard_suite_matches_the_issue() -> None:
     suite = bench_cases.standard_suite(4)
     groups = list(dict.fromkeys(c.group for c in suite))
-    assert groups == ["prefill-causal", "prefill-mha-d64", "chunk", "decode", "decode-batch", "tiny", "threads"]
+    assert groups == [
+        "prefill-causal",
+        "prefill-mha-d64",
+        "chunk",
+        "decode",
+        "decode-batch",
+        "tiny",
+        "threads",
+        "layer-decode",
+    ]
     assert [c.q_len for c in suite if c.group == "prefill-causal"] == [512, 1024, 2048, 4096]
     assert [c.k_len for c in suite if c.group == "decode"] == [1024, 4096, 16384, 32768]
     assert [c.threads for c in suite if c.group == "threads"] == [1, 4]
@@ -322,6 +331,7 @@ RESULT_FIELDS = {
     "cpp_over_rust",
     "gemm_fraction",
 }
+LAYER_FIELDS = {"layer_s", "kernel_s", "overhead_s", "overhead_fraction", "kernel_repeats", "kernel_max_abs_err"}
 
 
 def test_quick_run_writes_the_promised_json(
@@ -341,10 +351,15 @@ def test_quick_run_writes_the_promised_json(
     results = doc["results"]
     assert {r["case"] for r in results} == set(bench_cases.QUICK_CASES)
     for r in results:
-        assert RESULT_FIELDS <= r.keys()
+        assert RESULT_FIELDS | LAYER_FIELDS <= r.keys()
         assert r["status"] == "ok", r
-        assert r["gflops"] > 0 and r["max_abs_err"] < 1e-4
+        assert r["max_abs_err"] < 1e-4
         assert r["speedup_vs_numpy"] == pytest.approx(1.0)
+        if r["kind"] == "layer":
+            assert r["gflops"] is None and r["gbps"] is None
+            assert r["layer_s"] == r["median_s"] and r["kernel_s"] > 0
+            continue
+        assert r["gflops"] > 0 and r["layer_s"] is None and r["kernel_s"] is None
         if r["kind"] == "decode":
             assert r["gbps"] > 0 and r["read_gbps_beside"] > 0 and r["read_fraction"] > 0
         else:
@@ -414,6 +429,8 @@ def test_peer_paths_agree_with_the_reference(peer: str, module: str) -> None:
     for case in suite:
         if case.group in ("prefill-causal", "decode") and case.x not in (2048 // 64, 16384 // 64):
             continue
+        if case.kind == bench_cases.LAYER:
+            continue  # twinattn backends only (test_peers_skip_the_layer_case)
         outcome = _run_one(runner, case, repeat=1)
         assert outcome.status == "ok", (case.name, outcome.note)
 
@@ -447,3 +464,168 @@ def test_shrunk_case_keeps_its_shape_rules() -> None:
         if small.kv_lens is not None:
             assert all(small.q_len <= n <= small.k_len for n in small.kv_lens)
         assert work(small).pairs > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer case: one nn.Attention decode step against the kernel alone
+
+
+def tiny_layer(cached: int = 40) -> Case:
+    return bench_cases.layer_decode_case(hidden_size=32, q_heads=4, kv_heads=2, head_dim=8, cached=cached)
+
+
+def _run_layer(runner: runners.Runner, case: Case, **budget: Any) -> measure.Outcome:
+    problem = bench_cases.make_layer_problem(case)
+    expected = bench_cases.layer_reference(problem)
+    return measure.run_layer(runner, problem, 1, measure.Budget(**budget), expected)
+
+
+def test_layer_case_matches_the_issue() -> None:
+    suite = {c.name: c for c in bench_cases.standard_suite(2)}
+    case = suite["layer-decode"]
+    assert case.kind == bench_cases.LAYER and "layer-decode" in bench_cases.QUICK_CASES
+    assert (case.hidden_size, case.q_heads, case.kv_heads, case.head_dim) == (4096, 32, 8, 128)
+    assert (case.batch, case.q_len, case.cached, case.k_len) == (1, 1, 4096, 4097)
+    assert work(case).kv_bytes == 4097 * 8 * 256 * 4  # the kernel reads the cache and the new token
+    small = case.shrunk(64)
+    assert (small.cached, small.k_len, small.hidden_size) == (64, 65, 4096)
+    assert "4096 cached" in case.shape_text()
+
+
+def test_layer_reference_is_the_library_step_in_float64() -> None:
+    """The independent float64 recomputation agrees with twinattn's own pieces run in float64
+    (RotaryEmbedding, twinattn.attention with the numpy backend), and with nn.Attention in float32."""
+    import twinattn
+
+    case = dataclasses.replace(tiny_layer(), q_len=3, k_len=43)  # a 3-token chunk: the causal rows
+    problem = bench_cases.make_layer_problem(case)
+    expected = bench_cases.layer_reference(problem)
+    w = {name: a.astype(np.float64) for name, a in problem.weights.items()}
+    x = problem.hidden.astype(np.float64)
+    rope = twinattn.RotaryEmbedding(case.head_dim, base=problem.rope_base)
+    positions = np.arange(problem.cached, problem.cached + case.q_len)
+
+    def heads(weight: str, count: int) -> np.ndarray:
+        return (x @ w[weight].T).reshape(1, case.q_len, count, case.head_dim).transpose(0, 2, 1, 3)
+
+    q = rope.apply(heads("q_proj.weight", case.q_heads), positions)
+    k = rope.apply(heads("k_proj.weight", case.kv_heads), positions)
+    keys = np.concatenate([problem.past_k.astype(np.float64), k], axis=2)
+    values = np.concatenate([problem.past_v.astype(np.float64), heads("v_proj.weight", case.kv_heads)], axis=2)
+    attn = twinattn.attention(q, keys, values, causal=True, backend="numpy")
+    np.testing.assert_allclose(expected.attn, attn, rtol=1e-10, atol=1e-12)
+    merged = attn.transpose(0, 2, 1, 3).reshape(1, case.q_len, -1)
+    np.testing.assert_allclose(expected.out, merged @ w["o_proj.weight"].T, rtol=1e-10, atol=1e-12)
+
+    layer = twinattn.nn.Attention(case.hidden_size, case.q_heads, case.kv_heads, rope=rope, backend="numpy")
+    layer.load_state_dict(problem.weights)
+    cache = twinattn.KVCache(1, 1, case.kv_heads, case.head_dim, case.k_len)
+    cache.update(problem.past_k, problem.past_v, 0)
+    assert bench_cases.check_close(layer(problem.hidden, cache=cache), expected.out).ok
+
+
+@pytest.mark.parametrize("backend", ["cpp", "rust", "numpy"])
+def test_layer_step_and_kernel_are_checked_and_timed(backend: str) -> None:
+    runner = runners.make_runners()[backend]
+    if runner.available() is not None:
+        pytest.skip(runner.available() or "")
+    outcome = _run_layer(runner, tiny_layer(), repeat=5)
+    assert outcome.status == "ok", outcome.note
+    assert outcome.times is not None and len(outcome.times) == 5
+    assert outcome.kernel_times is not None and len(outcome.kernel_times) == 5
+    assert outcome.check is not None and outcome.check.ok and outcome.check.max_abs_err < 1e-5
+    assert outcome.kernel_check is not None and outcome.kernel_check.ok
+
+
+def test_every_step_starts_from_the_same_cache() -> None:
+    """The cache is cropped back before every step: each step sees cached tokens, appends one."""
+    problem = bench_cases.make_layer_problem(tiny_layer(cached=9))
+    ready = runners.make_runners()["numpy"].prepare_layer(problem, 1)
+    try:
+        outputs = []
+        for _ in range(3):
+            ready.reset()
+            outputs.append(np.array(ready.step()))
+        np.testing.assert_array_equal(outputs[0], outputs[2])
+        with pytest.raises(ValueError, match="max_seq_len"):
+            ready.step()  # without the crop the cache (sized for one step) overflows
+    finally:
+        ready.close()
+
+
+class BrokenLayerRunner(runners.NumpyRunner):
+    """The numpy layer, wrong in one chosen way."""
+
+    def __init__(self, fault: str) -> None:
+        super().__init__()
+        self.fault = fault
+
+    def prepare_layer(self, problem: Any, threads: int) -> runners.PreparedLayer:
+        if self.fault == "rope-base":  # Llama 2's base with Llama 3's weights
+            problem = dataclasses.replace(problem, rope_base=10000.0)
+        ready = super().prepare_layer(problem, threads)
+        if self.fault == "kernel":  # the kernel alone answers for another head
+            inner = ready.kernel_output
+            ready.kernel_output = lambda: np.roll(inner(), 1, axis=1)
+        if self.fault == "no-crop":  # the cache is never cropped back: the second step has 2 new tokens
+            ready.reset = lambda: None
+        return ready
+
+
+@pytest.mark.parametrize("fault,status,words", [("rope-base", "wrong", "step output"), ("kernel", "wrong", "kernel")])
+def test_a_wrong_layer_is_reported_and_not_timed(fault: str, status: str, words: str) -> None:
+    outcome = _run_layer(BrokenLayerRunner(fault), tiny_layer(), repeat=3)
+    assert outcome.status == status and words in outcome.note and outcome.note.startswith("WRONG")
+    assert outcome.times is None and outcome.kernel_times is None
+
+
+def test_a_missed_crop_is_not_timed_as_ok() -> None:
+    outcome = _run_layer(BrokenLayerRunner("no-crop"), tiny_layer(), repeat=3)
+    assert outcome.status == "error" and "max_seq_len" in outcome.note and outcome.times is None
+
+
+def test_peers_skip_the_layer_case() -> None:
+    for runner in (runners.TorchRunner(), runners.OnnxRuntimeRunner()):
+        outcome = _run_layer(runner, tiny_layer())
+        assert outcome.status == "skipped" and outcome.note == "layer case: twinattn backends only"
+
+
+def _tiny_layer_suite(all_threads: int) -> list[Case]:
+    return [c for c in bench_cases.standard_suite(all_threads) if c.kind != bench_cases.LAYER] + [tiny_layer(64)]
+
+
+def test_layer_case_in_the_json_and_the_table(
+    small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cli, "standard_suite", _tiny_layer_suite)
+    path = tmp_path / "out.json"
+    args = ["--cases", "layer-decode", "--time-budget", "0.01", "--threads", "1", "--no-progress"]
+    assert cli.main(args + ["--backends", "numpy", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "nn.Attention decode step against the kernel alone" in out
+    line = next(line for line in out.splitlines() if line.startswith("layer-decode"))
+    assert "kernel alone" in line and "overhead" in line
+    (row,) = json.loads(path.read_text())["results"]
+    assert RESULT_FIELDS | LAYER_FIELDS <= row.keys()
+    assert row["kind"] == "layer" and row["status"] == "ok"
+    assert row["layer_s"] == row["median_s"] > 0 and row["kernel_s"] > 0
+    assert row["overhead_s"] == pytest.approx(row["layer_s"] - row["kernel_s"])
+    assert row["overhead_fraction"] == pytest.approx(row["overhead_s"] / row["layer_s"])
+    assert row["kernel_repeats"] >= 3 and row["kernel_max_abs_err"] < 1e-5
+    assert row["gflops"] is None and row["shape"]["hidden_size"] == 32 and row["shape"]["cached"] == 64
+
+
+def test_wrong_layer_fails_the_command(
+    small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(cli, "standard_suite", _tiny_layer_suite)
+    table = runners.make_runners()
+    table["numpy"] = BrokenLayerRunner("rope-base")
+    monkeypatch.setattr(cli, "make_runners", lambda: table)
+    path = tmp_path / "out.json"
+    args = ["--cases", "layer-decode", "--backends", "numpy", "--no-progress", "--json", str(path)]
+    assert cli.main(args) == 1
+    out = capsys.readouterr().out
+    assert "WRONG" in next(line for line in out.splitlines() if line.startswith("layer-decode"))
+    (row,) = json.loads(path.read_text())["results"]
+    assert row["status"] == "wrong" and row["layer_s"] is None and row["kernel_s"] is None

@@ -10,6 +10,11 @@ Work is counted exactly, from the visible (query row, key) pairs of every query 
     FLOPs = 2 x pairs x (D + Dv)          (Q.K^T and P.V, one multiply-add = 2 FLOPs)
     K/V bytes = sum_b kv_len[b] x Hkv x (D + Dv) x 4    (each K and V row read once)
 GB/s is reported for decode cases, where reading K and V is the cost.
+
+One case is a layer, not a kernel call: layer-decode times one decode step of twinattn.nn.Attention
+(q/k/v projections, RoPE, KV-cache append, attention, o_proj) on a cache of `k_len - q_len` tokens,
+and beside it twinattn.attention alone on the same cache views. Its work counts (pairs, FLOPs, K/V
+bytes) are the attention kernel's; its check is the whole step against a float64 recomputation.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 
 PREFILL = "prefill"
 DECODE = "decode"
+LAYER = "layer"  # one step of twinattn.nn.Attention with a KVCache (see LayerProblem)
 
 
 @dataclass(frozen=True)
@@ -32,7 +38,7 @@ class Case:
 
     name: str
     group: str
-    kind: str  # PREFILL (compute-bound) or DECODE (one query row per sequence, read-bound)
+    kind: str  # PREFILL (compute-bound), DECODE (one query row per sequence, read-bound) or LAYER
     batch: int
     q_heads: int
     kv_heads: int
@@ -45,6 +51,12 @@ class Case:
     threads: Optional[int] = None  # None: the run's thread count (--threads)
     x: int = 0  # N, for plots
     note: str = ""
+    hidden_size: int = 0  # LAYER: the model width of nn.Attention; 0 for a kernel case
+
+    @property
+    def cached(self) -> int:
+        """LAYER: tokens in the cache before the step (the step appends q_len more: k_len keys)."""
+        return self.k_len - self.q_len
 
     @property
     def lens(self) -> np.ndarray:
@@ -58,6 +70,11 @@ class Case:
         return self.lens - self.q_len
 
     def shape_text(self) -> str:
+        if self.kind == LAYER:
+            return (
+                f"nn.Attention hidden={self.hidden_size} Hq={self.q_heads} Hkv={self.kv_heads} D={self.head_dim} "
+                f"B={self.batch}: {self.q_len} new token{'s' if self.q_len > 1 else ''} on {self.cached} cached"
+            )
         lens = f", kv_lens {self.kv_lens[0]}..{self.kv_lens[-1]}" if self.kv_lens else ""
         heads = f"H={self.q_heads}" if self.q_heads == self.kv_heads else f"Hq={self.q_heads} Hkv={self.kv_heads}"
         return (
@@ -70,6 +87,9 @@ class Case:
         """The same case with every sequence length divided by `factor` (at least 1 key)."""
         if factor == 1:
             return self
+        if self.kind == LAYER:  # the cache is the sequence; the model width stays
+            cached = max(1, self.cached // factor)
+            return dataclasses.replace(self, k_len=cached + self.q_len, x=cached)
 
         def cut(n: int) -> int:
             return max(1, n // factor)
@@ -138,6 +158,26 @@ def _decode(n: int) -> Case:
     )
 
 
+def layer_decode_case(
+    hidden_size: int, q_heads: int, kv_heads: int, head_dim: int, cached: int, name: str = "layer-decode"
+) -> Case:
+    return Case(
+        name=name,
+        group=name,
+        kind=LAYER,
+        batch=1,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        q_len=1,
+        k_len=cached + 1,
+        head_dim=head_dim,
+        value_dim=head_dim,
+        x=cached,
+        hidden_size=hidden_size,
+        note=f"one nn.Attention decode step on a {cached}-token cache, and the kernel alone",
+    )
+
+
 def standard_suite(all_threads: int) -> list[Case]:
     """Issue 3's suite, float32, B=1 unless said. `all_threads` is the scaling case's top count."""
     cases = [_prefill("prefill-causal", n, 32, 8, 128) for n in (512, 1024, 2048, 4096)]
@@ -202,10 +242,12 @@ def standard_suite(all_threads: int) -> list[Case]:
                 note=f"prefill-causal N=2048 on {t} thread{'s' if t > 1 else ''}",
             )
         )
+    # issue 6, item 5: Llama-3-8B's attention layer, one decode step on a 4096-token cache
+    cases.append(layer_decode_case(hidden_size=4096, q_heads=32, kv_heads=8, head_dim=128, cached=4096))
     return cases
 
 
-QUICK_CASES = ("prefill-causal/N=2048", "chunk", "decode/N=16384", "decode-batch", "tiny")
+QUICK_CASES = ("prefill-causal/N=2048", "chunk", "decode/N=16384", "decode-batch", "tiny", "layer-decode")
 
 
 def select(suite: Sequence[Case], spec: Optional[str], quick: bool) -> list[Case]:
@@ -332,4 +374,129 @@ def check_output(
         return Check(False, err, scale, tolerance, "non-finite (or unwritten) output elements")
     if err > tolerance:
         return Check(False, err, scale, tolerance, f"max abs error {err:.2e} > tolerance {tolerance:.2e}")
+    return Check(True, err, scale, tolerance)
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer case: inputs and the float64 recomputation of the step
+
+ROPE_BASE = 500000.0  # Llama 3's rope_theta
+
+
+@dataclass
+class LayerProblem:
+    """One decode step's inputs, made once and shared (read-only) by every backend.
+
+    weights: torch Linear orientation (out_features, in_features), float32, for load_state_dict.
+    past_k, past_v: (B, Hkv, cached, D) what the cache holds before the step (keys as stored, i.e.
+    already rotated; random, so their positions do not matter). hidden: (B, q_len, hidden_size).
+    """
+
+    case: Case
+    hidden: np.ndarray
+    weights: dict[str, np.ndarray]
+    past_k: np.ndarray
+    past_v: np.ndarray
+    rope_base: float = ROPE_BASE
+
+    @property
+    def cached(self) -> int:
+        return self.case.cached
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.case.head_dim)
+
+
+def make_layer_problem(case: Case, seed: int = 0) -> LayerProblem:
+    """Random weights (normal / sqrt(in_features), so q, k, v and the output stay O(1)), hidden
+    state and cache, all float32 from a fixed seed."""
+    if case.kind != LAYER:
+        raise ValueError(f"make_layer_problem: {case.name} is not a layer case")
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape: int, scale: float = 1.0) -> np.ndarray:
+        a = rng.standard_normal(shape, dtype=np.float32)
+        if scale != 1.0:
+            a *= np.float32(scale)
+        a.flags.writeable = False  # shared by every backend: none may change them
+        return a
+
+    h, d = case.hidden_size, case.head_dim
+    q_out, kv_out = case.q_heads * d, case.kv_heads * d
+    weights = {
+        "q_proj.weight": normal(q_out, h, scale=h**-0.5),
+        "k_proj.weight": normal(kv_out, h, scale=h**-0.5),
+        "v_proj.weight": normal(kv_out, h, scale=h**-0.5),
+        "o_proj.weight": normal(h, q_out, scale=q_out**-0.5),
+    }
+    hidden = normal(case.batch, case.q_len, h)
+    past_k = normal(case.batch, case.kv_heads, case.cached, d)
+    past_v = normal(case.batch, case.kv_heads, case.cached, d)
+    return LayerProblem(case, hidden, weights, past_k, past_v)
+
+
+@dataclass
+class LayerExpected:
+    out: np.ndarray  # (B, q_len, hidden_size) float64: the step's output
+    attn: np.ndarray  # (B, Hq, q_len, D) float64: the attention output inside it (the kernel's result)
+
+
+def rope_rotate(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+    """Llama's default RoPE (rotate-half, every feature rotated) of x (..., L, D) at positions (L,),
+    in x's dtype; written out here so the check does not share twinattn.RotaryEmbedding's code."""
+    d = x.shape[-1]
+    inv_freq = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    theta = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # (L, D/2)
+    cos = np.concatenate([np.cos(theta)] * 2, axis=-1).astype(x.dtype)
+    sin = np.concatenate([np.sin(theta)] * 2, axis=-1).astype(x.dtype)
+    half = d // 2
+    rotated_half = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated_half * sin
+
+
+def layer_reference(problem: LayerProblem) -> LayerExpected:
+    """The step recomputed in float64 from the float32 inputs: projections, RoPE at positions
+    cached .. cached + q_len - 1, the new keys and values after the cached ones, causal attention
+    (row i sees keys j <= cached + i), output projection. nn.Attention takes float32 only, so this
+    is a direct NumPy recomputation rather than nn.Attention(backend="numpy") in float64."""
+    case = problem.case
+    b, length, d, hq, hkv = case.batch, case.q_len, case.head_dim, case.q_heads, case.kv_heads
+    w = {name: a.astype(np.float64) for name, a in problem.weights.items()}
+    x = problem.hidden.astype(np.float64)
+
+    def heads(a: np.ndarray, count: int) -> np.ndarray:  # (B, L, H * D) -> (B, H, L, D)
+        return a.reshape(b, length, count, d).transpose(0, 2, 1, 3)
+
+    positions = problem.cached + np.arange(length)
+    q = rope_rotate(heads(x @ w["q_proj.weight"].T, hq), positions, problem.rope_base)
+    k = rope_rotate(heads(x @ w["k_proj.weight"].T, hkv), positions, problem.rope_base)
+    v = heads(x @ w["v_proj.weight"].T, hkv)
+    keys = np.concatenate([problem.past_k.astype(np.float64), k], axis=2)  # (B, Hkv, S, D)
+    values = np.concatenate([problem.past_v.astype(np.float64), v], axis=2)
+    group = hq // hkv
+    qg = q.reshape(b, hkv, group, length, d)  # query head h reads KV head h // group
+    scores = qg @ keys[:, :, None].swapaxes(-1, -2) * problem.scale  # (B, Hkv, G, L, S)
+    visible = np.arange(keys.shape[2])[None, :] <= positions[:, None]  # (L, S)
+    scores = np.where(visible, scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    attn = (weights / weights.sum(axis=-1, keepdims=True)) @ values[:, :, None]  # (B, Hkv, G, L, D)
+    attn = attn.reshape(b, hq, length, d)
+    merged = attn.transpose(0, 2, 1, 3).reshape(b, length, hq * d)
+    return LayerExpected(out=merged @ w["o_proj.weight"].T, attn=attn)
+
+
+def check_close(got: object, expected: np.ndarray, what: str = "output") -> Check:
+    """Every element of `got` against the float64 `expected`, tolerance RELATIVE_TOLERANCE x the
+    largest |expected| (the rule of check_output, on the whole array)."""
+    got = np.asarray(got)
+    if got.shape != expected.shape:
+        return Check(False, math.inf, 0.0, 0.0, f"{what} shape {got.shape}, expected {expected.shape}")
+    scale = float(np.max(np.abs(expected))) if expected.size else 0.0
+    tolerance = RELATIVE_TOLERANCE * max(scale, 1e-3)
+    if not np.isfinite(got).all():
+        return Check(False, math.inf, scale, tolerance, f"non-finite {what} elements")
+    err = float(np.max(np.abs(got.astype(np.float64) - expected))) if got.size else 0.0
+    if err > tolerance:
+        return Check(False, err, scale, tolerance, f"{what}: max abs error {err:.2e} > tolerance {tolerance:.2e}")
     return Check(True, err, scale, tolerance)

@@ -3,7 +3,8 @@
 Backends: cpp and rust (twinattn's ports), numpy (the reference), and, when importable, torch
 (scaled_dot_product_attention) and onnxruntime (com.microsoft::GroupQueryAttention on the CPU).
 Every output is checked against a float64 reference before its time counts; a wrong result is
-reported as WRONG and the command exits with status 1.
+reported as WRONG and the command exits with status 1. The layer-decode case times one decode step
+of twinattn.nn.Attention on the twinattn backends and, beside it, the attention kernel alone.
 """
 
 from __future__ import annotations
@@ -18,8 +19,18 @@ from typing import Any, Optional, Sequence
 import twinattn
 
 from . import machine, report
-from .cases import DECODE, Case, make_problem, select, standard_suite, work
-from .measure import Budget, Outcome, Rates, expected_rows, run_one
+from .cases import (
+    DECODE,
+    LAYER,
+    Case,
+    layer_reference,
+    make_layer_problem,
+    make_problem,
+    select,
+    standard_suite,
+    work,
+)
+from .measure import Budget, Outcome, Rates, expected_rows, run_layer, run_one
 from .runners import Runner, make_runners, parse_backends
 
 EPILOG = """\
@@ -33,6 +44,14 @@ columns:
   vs ...    speedup: the other backend's median / this one's (>1: this one is faster);
             "peer" is the fastest of torch and onnxruntime present
   max err   max |out - float64 reference| over the checked rows
+
+layer-decode (twinattn backends only; torch and onnxruntime are skipped):
+  median    one twinattn.nn.Attention decode step, hidden 4096, Hq 32 / Hkv 8, D 128, on a
+            4096-token KVCache: q/k/v projections, RoPE, cache append, attention over 4097 keys,
+            o_proj; the cache is cropped back to 4096 tokens before every step, untimed
+  kernel    twinattn.attention alone with the arguments the step passes it (same cache views)
+  overhead  step - kernel: what the Python layer (projections included) adds to the kernel
+  max err   max |step output - float64 recomputation of the step| over the whole output
 
 examples:
   twinattn-bench --quick
@@ -186,6 +205,10 @@ def _row(case: Case, backend: str, threads: int, outcome: Outcome) -> dict[str, 
     w = work(case)
     median = outcome.median_s if outcome.status == "ok" else None
     check = outcome.check
+    layer = case.kind == LAYER
+    kernel = outcome.kernel_median_s if layer and median is not None else None
+    overhead = median - kernel if median is not None and kernel is not None else None
+    kernel_check = outcome.kernel_check
     return {
         "case": case.name,
         "group": case.group,
@@ -200,13 +223,24 @@ def _row(case: Case, backend: str, threads: int, outcome: Outcome) -> dict[str, 
         "repeats": len(outcome.times) if outcome.times else 0,
         "warmup": outcome.warmup,
         "first_call_s": outcome.first_call_s,
-        "gflops": w.flops / median / 1e9 if median else None,
+        # the layer case: pairs, flops and kv_bytes are its attention kernel's; a rate over the
+        # step's time would mix in the projections, so none is given
+        "gflops": w.flops / median / 1e9 if median and not layer else None,
         "gbps": w.kv_bytes / median / 1e9 if median and case.kind == DECODE else None,
         "pairs": w.pairs,
         "flops": w.flops,
         "kv_bytes": w.kv_bytes,
         "max_abs_err": check.max_abs_err if check else None,
         "tolerance": check.tolerance if check else None,
+        # layer case only (None elsewhere): median step, median kernel alone, step - kernel
+        "layer_s": median if layer else None,
+        "kernel_s": kernel,
+        "overhead_s": overhead,
+        "overhead_fraction": overhead / median if overhead is not None and median else None,
+        "kernel_min_s": min(outcome.kernel_times) if kernel is not None and outcome.kernel_times else None,
+        "kernel_repeats": len(outcome.kernel_times) if layer and outcome.kernel_times else 0,
+        "kernel_max_abs_err": kernel_check.max_abs_err if kernel_check else None,
+        "cache_cropped": "before every step, untimed" if layer and median is not None else None,
         "shape": {
             "batch": case.batch,
             "q_heads": case.q_heads,
@@ -217,6 +251,8 @@ def _row(case: Case, backend: str, threads: int, outcome: Outcome) -> dict[str, 
             "value_dim": case.value_dim,
             "causal": case.causal,
             "kv_lens": list(case.kv_lens) if case.kv_lens else None,
+            "hidden_size": case.hidden_size or None,
+            "cached": case.cached if layer else None,
         },
     }
 
@@ -235,6 +271,9 @@ def run(
     rates = Rates()
     for case in cases:
         case_threads = case.threads or threads
+        if case.kind == LAYER:
+            rows.extend(_run_layer_case(case, backends, runners, case_threads, budget, progress))
+            continue
         progress.show(f"{case.name}: making inputs and the reference")
         problem = make_problem(case)
         expected = expected_rows(problem)
@@ -258,6 +297,23 @@ def run(
         del problem
     progress.show("done")
     report.add_comparisons(rows)
+    return rows
+
+
+def _run_layer_case(
+    case: Case, backends: Sequence[str], runners: dict[str, Runner], threads: int, budget: Budget, progress: Progress
+) -> list[dict[str, Any]]:
+    progress.show(f"{case.name}: making weights, cache and the float64 step")
+    problem = make_layer_problem(case)
+    expected = layer_reference(problem)
+    rows = []
+    for backend in backends:
+        progress.show(f"{case.name} on {backend}")
+        outcome = run_layer(runners[backend], problem, threads, budget, expected, between=_settle)
+        row = _row(case, backend, threads, outcome)
+        row["gemm_fraction"] = None
+        rows.append(row)
+        progress.step()
     return rows
 
 
@@ -386,6 +442,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print()
         print("C++ against Rust (ratio of median times; < 1: C++ faster):")
         print(ports)
+    layers = report.layer_table(rows)
+    if layers:
+        print()
+        print(
+            "nn.Attention decode step against the kernel alone "
+            "(overhead = step - kernel: projections, RoPE, cache append, o_proj, Python):"
+        )
+        print(layers)
     if skipped_peers:
         print()
         print("not run: " + "; ".join(f"{name} ({why})" for name, why in skipped_peers.items()))

@@ -9,6 +9,11 @@
    each timed alone with perf_counter and the garbage collector off: at least `min_repeats`,
    then more until `time_s` is spent (or exactly --repeat calls).
 4. The last timed call's output is checked again, so what was timed is what was checked.
+
+The layer case (run_layer) follows the same rules for one nn.Attention decode step, with the
+cache cropped back before every step (outside the timed region), then times the attention kernel
+alone on the same cache views the same way; the step's output and the kernel's are both checked
+against the float64 recomputation, before and after timing.
 """
 
 from __future__ import annotations
@@ -26,15 +31,19 @@ import numpy as np
 from .cases import (
     DECODE,
     Case,
+    LAYER,
     Check,
+    LayerExpected,
+    LayerProblem,
     Problem,
+    check_close,
     check_output,
     check_rows,
     make_problem,
     reference_rows,
     work,
 )
-from .runners import Runner, prepared
+from .runners import Runner, prepared, prepared_layer
 
 
 @dataclass
@@ -56,10 +65,17 @@ class Outcome:
     warmup: int = 0
     first_call_s: Optional[float] = None
     check: Optional[Check] = None
+    # the layer case: the attention kernel alone, timed beside the step (times are the steps')
+    kernel_times: Optional[list[float]] = None
+    kernel_check: Optional[Check] = None
 
     @property
     def median_s(self) -> Optional[float]:
         return statistics.median(self.times) if self.times else None
+
+    @property
+    def kernel_median_s(self) -> Optional[float]:
+        return statistics.median(self.kernel_times) if self.kernel_times else None
 
 
 # A case this small is simply run: probing it would cost as much as running it.
@@ -128,6 +144,8 @@ def run_one(
 ) -> Outcome:
     """Check, warm up and time `runner` on `problem` (see the module docstring)."""
     case = problem.case
+    if case.kind == LAYER:
+        raise ValueError(f"run_one: {case.name} is a layer case; use run_layer")
     why = runner.supports(case)
     if why is not None:
         return Outcome("skipped", f"unsupported: {why}")
@@ -171,13 +189,88 @@ def run_one(
         return Outcome("error", f"error: {detail}")
 
 
-def _warm_up(call: Callable[[], Any], first: float, budget: Budget) -> int:
+def run_layer(
+    runner: Runner,
+    problem: LayerProblem,
+    threads: int,
+    budget: Budget,
+    expected: LayerExpected,
+    between: Callable[[], None] = lambda: None,
+) -> Outcome:
+    """Check, warm up and time one nn.Attention step, the cache cropped back before each step
+    (untimed); then the kernel alone on the same views. `times` are the steps', `kernel_times`
+    the kernel's."""
+    case = problem.case
+    why = runner.supports(case)
+    if why is not None:
+        return Outcome("skipped", why)
+    need = runner.peak_bytes(case)
+    if need > budget.memory_bytes:
+        return Outcome("skipped", f"needs ~{_fmt_bytes(need)} of scratch (> {_fmt_bytes(budget.memory_bytes)} allowed)")
+    try:
+        between()
+        with prepared_layer(runner, problem, threads) as ready:
+            ready.reset()
+            t0 = time.perf_counter()
+            ready.step()
+            first = time.perf_counter() - t0
+            check = check_close(ready.output(), expected.out, "step output")
+            if not check.ok:
+                return Outcome("wrong", f"WRONG: {check.reason}", first_call_s=first, check=check)
+            t0 = time.perf_counter()
+            ready.kernel()
+            kernel_first = time.perf_counter() - t0
+            kernel_check = check_close(ready.kernel_output(), expected.attn, "kernel output")
+            if not kernel_check.ok:
+                return Outcome(
+                    "wrong", f"WRONG: {kernel_check.reason}", first_call_s=first, check=check, kernel_check=kernel_check
+                )
+            if first > budget.max_call_s:
+                return Outcome(
+                    "skipped",
+                    f"too slow: first step {first:.1f} s (> {budget.max_call_s:g} s budget)",
+                    first_call_s=first,
+                    check=check,
+                )
+            warmup = _warm_up(ready.step, first, budget, untimed=ready.reset)
+            times = _time_calls(ready.step, budget, untimed=ready.reset)
+            after = check_close(ready.output(), expected.out, "step output")
+            _warm_up(ready.kernel, kernel_first, budget)
+            kernel_times = _time_calls(ready.kernel, budget)
+            kernel_after = check_close(ready.kernel_output(), expected.attn, "kernel output")
+            note = "; ".join(ready.notes)
+        for final, what in ((after, "step"), (kernel_after, "kernel")):
+            if not final.ok:
+                return Outcome("wrong", f"WRONG after timing ({what}): {final.reason}", first_call_s=first, check=final)
+        check = after if after.max_abs_err > check.max_abs_err else check
+        kernel_check = kernel_after if kernel_after.max_abs_err > kernel_check.max_abs_err else kernel_check
+        return Outcome(
+            "ok",
+            note,
+            times=times,
+            warmup=warmup,
+            first_call_s=first,
+            check=check,
+            kernel_times=kernel_times,
+            kernel_check=kernel_check,
+        )
+    except Exception as exc:  # noqa: BLE001 - one backend failing must not stop the run
+        detail = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        return Outcome("error", f"error: {detail}")
+
+
+def _warm_up(
+    call: Callable[[], Any], first: float, budget: Budget, untimed: Optional[Callable[[], Any]] = None
+) -> int:
     """One more call after the checked one, more (up to 10) while they are cheap. A call of over
     half a second needs none beyond the checked one: that call started the threads, touched the
-    pages and filled the caches that a call this long can keep."""
+    pages and filled the caches that a call this long can keep. `untimed` runs before each call,
+    outside its time."""
     count, spent = 0, first
     min_count = 0 if first > 0.5 else 1
     while count < min_count or (spent < budget.warmup_s and count < 10):
+        if untimed is not None:
+            untimed()
         t0 = time.perf_counter()
         call()
         spent += time.perf_counter() - t0
@@ -185,7 +278,11 @@ def _warm_up(call: Callable[[], Any], first: float, budget: Budget) -> int:
     return count
 
 
-def _time_calls(call: Callable[[], Any], budget: Budget) -> list[float]:
+def _time_calls(
+    call: Callable[[], Any], budget: Budget, untimed: Optional[Callable[[], Any]] = None
+) -> list[float]:
+    """Each call timed alone; `untimed` (the layer case's cache crop) runs before each, outside
+    its time but inside the budget's."""
     times: list[float] = []
     enabled = gc.isenabled()
     gc.disable()
@@ -199,6 +296,8 @@ def _time_calls(call: Callable[[], Any], budget: Budget) -> list[float]:
                 time.perf_counter() - start >= budget.time_s or len(times) >= budget.max_repeats
             ):
                 break
+            if untimed is not None:
+                untimed()
             t0 = time.perf_counter()
             call()
             times.append(time.perf_counter() - t0)

@@ -93,7 +93,14 @@ def _cells(row: dict[str, Any]) -> list[str]:
         cells += ["WRONG"] + ["-"] * 7 + [_num(err, ".1e")]
     else:
         cells += ["-"] * 9
-    cells.append(row.get("note") or "")
+    note = row.get("note") or ""
+    if ok and row.get("layer_s") is not None:
+        layer = (
+            f"one decode step; kernel alone {fmt_time(row.get('kernel_s'))}, "
+            f"overhead {fmt_time(row.get('overhead_s'))} ({_pct(row.get('overhead_fraction'))})"
+        )
+        note = f"{layer}; {note}" if note else layer
+    cells.append(note)
     return cells
 
 
@@ -141,6 +148,29 @@ def port_table(rows: Sequence[dict[str, Any]]) -> str:
         return ""
     head = f"{'case':<24} {'cpp':>10} {'rust':>10} {'cpp/rust':>9}"
     return "\n".join([head, "-" * len(head)] + lines)
+
+
+def layer_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The layer case, backend by backend: the step, the kernel alone, and what the layer adds."""
+    layer_rows = [r for r in rows if r.get("kind") == "layer"]
+    if not layer_rows:
+        return ""
+    head = (
+        f"{'case':<16} {'backend':<11} {'thr':>3} {'step':>10} {'kernel':>10} {'overhead':>10} "
+        f"{'of step':>7} {'max err':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in layer_rows:
+        if r["status"] == "ok":
+            lines.append(
+                f"{r['case']:<16} {r['backend']:<11} {r['threads']:>3} {fmt_time(r['layer_s']):>10} "
+                f"{fmt_time(r['kernel_s']):>10} {fmt_time(r['overhead_s']):>10} "
+                f"{_pct(r['overhead_fraction']):>7} {_num(r.get('max_abs_err'), '.1e'):>8}"
+            )
+        else:
+            status = "WRONG" if r["status"] == "wrong" else r["status"]
+            lines.append(f"{r['case']:<16} {r['backend']:<11} {r['threads']:>3} {status:>10}  {r.get('note') or ''}")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,6 +11,14 @@ is the one thing timed; `output` hands back the latest result as (B, Hq, Lq, Dv)
     onnxruntime  a one-node model of com.microsoft::GroupQueryAttention on the CPU provider;
                  with a KV cache (Lq < Lk) the cache is bound in place through IOBinding
                  (past_key and present_key share one buffer), so no cache copy is timed
+
+The layer case (kind LAYER) runs on twinattn's backends only, through `prepare_layer`: a
+twinattn.nn.Attention(backend=port) with the problem's weights (load_state_dict) and a KVCache
+holding the problem's cached tokens. `step` is one decode step; `reset` crops the cache back
+(untimed, before every step, so every step does the same work); `kernel` is twinattn.attention
+alone with the arguments the layer passes it (the step's q, the cache views, q_offset, kv_lens).
+The native threads (twinattn.set_num_threads) and NumPy's BLAS threads (the projections) are both
+set to the run's thread count; both are restored on close.
 """
 
 from __future__ import annotations
@@ -25,17 +33,29 @@ import numpy as np
 
 import twinattn
 
-from .cases import Case, Problem
+from .cases import LAYER, Case, LayerProblem, Problem
 
 PEERS = ("torch", "onnxruntime")
 ALL_BACKENDS = ("cpp", "rust", "numpy") + PEERS
 ALIASES = {"ort": "onnxruntime", "c++": "cpp"}
+LAYER_ONLY = "layer case: twinattn backends only"
 
 
 @dataclass
 class Prepared:
     call: Callable[[], object]  # the timed call
     output: Callable[[], np.ndarray]  # the latest output as (B, Hq, Lq, Dv), outside timing
+    close: Callable[[], None] = lambda: None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PreparedLayer:
+    step: Callable[[], object]  # the timed call: one nn.Attention step with the cache
+    reset: Callable[[], None]  # crop the cache back to the problem's cached tokens (untimed)
+    kernel: Callable[[], object]  # twinattn.attention alone, as the step calls it (timed apart)
+    output: Callable[[], np.ndarray]  # the latest step output (B, q_len, hidden_size)
+    kernel_output: Callable[[], np.ndarray]  # the latest kernel output (B, Hq, q_len, D)
     close: Callable[[], None] = lambda: None
     notes: list[str] = field(default_factory=list)
 
@@ -54,7 +74,7 @@ class Runner:
 
     def supports(self, case: Case) -> Optional[str]:
         """None when this backend can run the case, else why not."""
-        return None
+        return LAYER_ONLY if case.kind == LAYER else None
 
     def peak_bytes(self, case: Case) -> int:
         """Memory one call needs beyond its inputs and output (for skipping huge cases)."""
@@ -62,6 +82,9 @@ class Runner:
 
     def prepare(self, problem: Problem, threads: int) -> Prepared:
         raise NotImplementedError
+
+    def prepare_layer(self, problem: LayerProblem, threads: int) -> PreparedLayer:
+        raise NotImplementedError(LAYER_ONLY)
 
 
 def _nan_output(case: Case) -> np.ndarray:
@@ -93,6 +116,78 @@ class TwinattnRunner(Runner):
             return twinattn.attention(q, k, v, causal=causal, kv_lens=lens, out=out, backend=name, num_threads=threads)
 
         return Prepared(call, lambda: out)
+
+    def supports(self, case: Case) -> Optional[str]:
+        return None
+
+    def prepare_layer(self, problem: LayerProblem, threads: int) -> PreparedLayer:
+        case, name = problem.case, self.name
+        rope = twinattn.RotaryEmbedding(case.head_dim, base=problem.rope_base)
+        layer = twinattn.nn.Attention(
+            hidden_size=case.hidden_size,
+            num_heads=case.q_heads,
+            num_kv_heads=case.kv_heads,
+            head_dim=case.head_dim,
+            rope=rope,
+            backend=name,
+        )
+        layer.load_state_dict(problem.weights)
+        cached, length = problem.cached, case.q_len
+        cache = twinattn.KVCache(
+            num_layers=1,
+            batch_size=case.batch,
+            num_kv_heads=case.kv_heads,
+            head_dim=case.head_dim,
+            max_seq_len=case.k_len,  # exactly one step's room: a missed crop overflows, loudly
+        )
+        cache.update(problem.past_k, problem.past_v, 0)
+        hidden = problem.hidden
+
+        # The kernel alone gets what nn.Attention passes it: the new queries (projected and rotated
+        # as the layer does it), views of the cache after the append, q_offset and kv_lens.
+        positions = cache.positions(length, 0)
+
+        def heads(weight: str, count: int) -> np.ndarray:
+            y = hidden @ problem.weights[weight].T
+            return y.reshape(case.batch, length, count, case.head_dim).transpose(0, 2, 1, 3)
+
+        q = rope.apply(heads("q_proj.weight", case.q_heads), positions)
+        k_new = np.ascontiguousarray(rope.apply(heads("k_proj.weight", case.kv_heads), positions))
+        v_new = np.ascontiguousarray(heads("v_proj.weight", case.kv_heads))
+        q_offset = cache.seq_lens(0)
+        keys, values = cache.update(k_new, v_new, 0)  # the step writes these same rows again
+        kv_lens = cache.seq_lens(0)
+        cache.crop(cached)
+
+        previous_threads = twinattn.get_num_threads()
+        twinattn.set_num_threads(threads)
+        limits = _blas_limits(threads)
+        notes: list[str] = []
+        if limits is None:
+            notes.append("BLAS threads not limited (threadpoolctl missing)")
+        result: dict[str, Any] = {}
+
+        def reset() -> None:
+            cache.crop(cached)
+
+        def step() -> object:
+            result["out"] = layer(hidden, cache=cache)
+            return result["out"]
+
+        def kernel() -> object:
+            result["kernel"] = twinattn.attention(
+                q, keys, values, causal=True, q_offset=q_offset, kv_lens=kv_lens, scale=layer.scale, backend=name
+            )
+            return result["kernel"]
+
+        def close() -> None:
+            twinattn.set_num_threads(previous_threads)
+            if limits is not None:
+                limits.restore_original_limits()
+
+        return PreparedLayer(
+            step, reset, kernel, lambda: result["out"], lambda: result["kernel"], close=close, notes=notes
+        )
 
 
 class NumpyRunner(TwinattnRunner):
@@ -217,6 +312,8 @@ class OnnxRuntimeRunner(Runner):
         return f"onnxruntime {importlib.import_module('onnxruntime').__version__}"
 
     def supports(self, case: Case) -> Optional[str]:
+        if case.kind == LAYER:
+            return LAYER_ONLY
         if not case.causal:
             return "GroupQueryAttention is causal only"
         if case.head_dim != case.value_dim:
@@ -358,6 +455,15 @@ def make_runners() -> dict[str, Runner]:
 @contextlib.contextmanager
 def prepared(runner: Runner, problem: Problem, threads: int) -> Any:
     ready = runner.prepare(problem, threads)
+    try:
+        yield ready
+    finally:
+        ready.close()
+
+
+@contextlib.contextmanager
+def prepared_layer(runner: Runner, problem: LayerProblem, threads: int) -> Any:
+    ready = runner.prepare_layer(problem, threads)
     try:
         yield ready
     finally:
