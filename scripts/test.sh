@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: installs twinattn with its test extras into .venv (both native ports built
-# from source, build folders reused), then runs the Python tests on every backend, the C++ unit
-# tests (ctest) and the Rust unit tests (cargo test).
+# from source, build folders reused), type-checks the package (mypy), then runs the Python tests
+# on every backend, the C++ unit tests (ctest) and the Rust unit tests (cargo test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,6 +14,10 @@ echo "== install (pip install .[test]) =="
 "$VENV_PY" -m pip install --quiet --upgrade pip
 CMAKE_BUILD_PARALLEL_LEVEL=$JOBS CARGO_BUILD_JOBS=$JOBS \
   "$VENV_PY" -m pip install --quiet ".[test]"
+
+echo "== type checks (mypy --strict on the package) =="
+# [tool.mypy] in pyproject.toml: python/twinattn under --strict
+"$VENV_PY" -m mypy
 
 echo "== C++ unit tests (ctest) =="
 cmake -S cpp -B build/cpp-tests -G Ninja -DCMAKE_BUILD_TYPE=Release -DTWINATTN_BUILD_TESTS=ON >/dev/null

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import SupportsIndex, cast
 
 _ENV = "TWINATTN_NUM_THREADS"
 _num_threads: int | None = None
@@ -25,7 +26,7 @@ def _usable_cores() -> int:
 def _check_count(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
         raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
-    count = int(value)  # type: ignore[arg-type]
+    count = int(cast(SupportsIndex, value))
     if count < 1:
         raise ValueError(f"{name}: expected a positive int, got {count}")
     return count

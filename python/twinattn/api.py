@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Union
+from typing import Any, Literal, Union, overload
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from . import reference
 from ._backends import native_module, resolve_backend
 from ._threads import _check_count, get_num_threads
 
-ArrayLike = Any
 Result = Union[np.ndarray, "tuple[np.ndarray, np.ndarray]"]
 
 _RANK_NAMES = {4: "(B, H, L, D)", 3: "(H, L, D)", 2: "(L, D)"}
@@ -122,7 +122,9 @@ def _prepare_mask(attn_mask: object, dtype: np.dtype, full_shape: tuple[int, int
         ) from None
 
 
-def _prepare_out(out: object, shape: tuple[int, ...], dtype: np.dtype, inputs: list[np.ndarray]) -> np.ndarray:
+def _prepare_out(
+    out: object, shape: tuple[int, ...], dtype: np.dtype, inputs: list[np.ndarray | None]
+) -> np.ndarray:
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out: expected a numpy array, got {type(out).__name__}")
     if out.dtype != dtype:
@@ -135,6 +137,61 @@ def _prepare_out(out: object, shape: tuple[int, ...], dtype: np.dtype, inputs: l
         if a is not None and np.may_share_memory(out, a):
             raise ValueError(f"out: must not overlap the memory of {name}")
     return out
+
+
+# return_lse=False (the default) gives out; return_lse=True gives (out, lse)
+@overload
+def attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    causal: bool = False,
+    q_offset: int | ArrayLike | None = None,
+    kv_lens: ArrayLike | None = None,
+    attn_mask: ArrayLike | None = None,
+    scale: float | None = None,
+    return_lse: Literal[False] = False,
+    out: np.ndarray | None = None,
+    backend: str = "auto",
+    num_threads: int | None = None,
+) -> np.ndarray: ...
+
+
+@overload
+def attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    causal: bool = False,
+    q_offset: int | ArrayLike | None = None,
+    kv_lens: ArrayLike | None = None,
+    attn_mask: ArrayLike | None = None,
+    scale: float | None = None,
+    return_lse: Literal[True],
+    out: np.ndarray | None = None,
+    backend: str = "auto",
+    num_threads: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+@overload
+def attention(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    *,
+    causal: bool = False,
+    q_offset: int | ArrayLike | None = None,
+    kv_lens: ArrayLike | None = None,
+    attn_mask: ArrayLike | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+    out: np.ndarray | None = None,
+    backend: str = "auto",
+    num_threads: int | None = None,
+) -> Result: ...
 
 
 def attention(

@@ -105,13 +105,15 @@ class KVCache:
 
     def seq_lens(self, layer_idx: int = 0) -> np.ndarray:
         """Tokens stored per sequence in this layer, int64 (B,) (a copy)."""
-        return self._lens[self._layer(layer_idx)].copy()
+        lens: np.ndarray = self._lens[self._layer(layer_idx)]
+        return lens.copy()
 
     def positions(self, num_new: int, layer_idx: int = 0) -> np.ndarray:
         """Absolute positions (B, num_new) of the next num_new tokens of each sequence:
         seq_lens(layer_idx)[:, None] + arange(num_new)."""
         num_new = _count("num_new", num_new)
-        return self._lens[self._layer(layer_idx)][:, None] + np.arange(num_new, dtype=np.int64)
+        lens: np.ndarray = self._lens[self._layer(layer_idx)]
+        return lens[:, None] + np.arange(num_new, dtype=np.int64)
 
     def keys(self, layer_idx: int = 0) -> np.ndarray:
         """View (B, Hkv, max(seq_lens), D) of this layer's stored keys."""

@@ -21,6 +21,7 @@ import numbers
 from typing import Any, Mapping
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from ._backends import BACKENDS, native_module, resolve_backend
 from .api import attention
@@ -151,7 +152,7 @@ class Attention:
     # ---- forward ---------------------------------------------------------------------------
 
     def _project(self, x: np.ndarray, name: str) -> np.ndarray:
-        y = x @ self._params[f"{name}.weight"].T
+        y: np.ndarray = x @ self._params[f"{name}.weight"].T
         if self.bias:
             y += self._params[f"{name}.bias"]
         return y
@@ -175,7 +176,7 @@ class Attention:
         positions: object = None,
         cache: KVCache | None = None,
         layer_idx: int = 0,
-        attn_mask: object = None,
+        attn_mask: ArrayLike | None = None,
         causal: bool = True,
         num_new: object = None,
     ) -> np.ndarray:

@@ -105,8 +105,8 @@ class RotaryEmbedding:
         self.scaling: dict[str, Any] = self._check_scaling(scaling)
         self.rope_type: str = self.scaling["rope_type"]
         # Pair p's exponent 2p / rotary_dim, and its unscaled inverse frequency, in float64.
-        self._exponent = np.arange(0, self.rotary_dim, 2, dtype=np.float64) / self.rotary_dim
-        self._default_inv_freq = self.base ** (-self._exponent)
+        self._exponent: np.ndarray = np.arange(0, self.rotary_dim, 2, dtype=np.float64) / self.rotary_dim
+        self._default_inv_freq: np.ndarray = self.base ** (-self._exponent)
         self.attention_factor = 1.0
         self.inv_freq = self._static_inv_freq()
 
@@ -165,7 +165,8 @@ class RotaryEmbedding:
         s = self.scaling
         inv_freq = self._default_inv_freq
         if self.rope_type == "linear":
-            return inv_freq / s["factor"]
+            factor: float = s["factor"]
+            return inv_freq / factor
         if self.rope_type == "yarn":
             return self._yarn_inv_freq()
         if self.rope_type == "llama3":
@@ -174,19 +175,21 @@ class RotaryEmbedding:
 
     def _dynamic_inv_freq(self, seq_len: int) -> np.ndarray:
         """Dynamic NTK: the base grows with the sequence length once it exceeds the original context."""
-        factor = self.scaling["factor"]
-        original = self.scaling["original_max_position_embeddings"]
+        factor: float = self.scaling["factor"]
+        original: int = self.scaling["original_max_position_embeddings"]
         n = max(seq_len, original)
         d = self.rotary_dim
         base = self.base * (factor * n / original - (factor - 1.0)) ** (d / (d - 2))
-        return base ** (-self._exponent)
+        inv_freq: np.ndarray = base ** (-self._exponent)
+        return inv_freq
 
     def _yarn_inv_freq(self) -> np.ndarray:
         """YaRN (Peng et al. 2023): pairs that rotate many times within the original context keep
         their frequency (extrapolation), slow pairs are interpolated by `factor`, and a linear ramp
         over pair indices blends the two between the beta_fast and beta_slow rotation counts."""
         s = self.scaling
-        factor, original = s["factor"], s["original_max_position_embeddings"]
+        factor: float = s["factor"]
+        original: int = s["original_max_position_embeddings"]
         beta_fast, beta_slow = s.get("beta_fast", 32.0), s.get("beta_slow", 1.0)
         d = self.rotary_dim
         if "attention_factor" in s:
@@ -249,7 +252,8 @@ class RotaryEmbedding:
     def angles(self, positions: object) -> np.ndarray:
         """float64 angles positions[..., None] * inv_freq, shape positions.shape + (rotary_dim / 2,)."""
         arr = self._check_positions(positions)
-        return arr.astype(np.float64)[..., None] * self.inv_freq_for(arr)
+        angles: np.ndarray = arr.astype(np.float64)[..., None] * self.inv_freq_for(arr)
+        return angles
 
     def cos_sin(self, positions: object, dtype: Any = np.float32) -> tuple[np.ndarray, np.ndarray]:
         """cos and sin, shape positions.shape + (rotary_dim,), in the layout of the rotated features

@@ -452,7 +452,8 @@ def rope_rotate(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray
     sin = np.concatenate([np.sin(theta)] * 2, axis=-1).astype(x.dtype)
     half = d // 2
     rotated_half = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated_half * sin
+    rotated: np.ndarray = x * cos + rotated_half * sin
+    return rotated
 
 
 def layer_reference(problem: LayerProblem) -> LayerExpected:

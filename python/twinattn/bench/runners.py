@@ -148,7 +148,7 @@ class TwinattnRunner(Runner):
         positions = cache.positions(length, 0)
 
         def heads(weight: str, count: int) -> np.ndarray:
-            y = hidden @ problem.weights[weight].T
+            y: np.ndarray = hidden @ problem.weights[weight].T
             return y.reshape(case.batch, length, count, case.head_dim).transpose(0, 2, 1, 3)
 
         q = rope.apply(heads("q_proj.weight", case.q_heads), positions)
