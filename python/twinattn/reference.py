@@ -28,6 +28,23 @@ def attention_reference(
     mask: np.ndarray | None,
     scale: float,
 ) -> tuple[np.ndarray, np.ndarray]:
+    # Non-finite inputs (NaN, inf, overflowing scores) are the caller's: they propagate into the
+    # result as IEEE arithmetic says, without warnings.
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        return _attention_reference(q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, mask=mask, scale=scale)
+
+
+def _attention_reference(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    causal: bool,
+    q_offset: np.ndarray,
+    kv_lens: np.ndarray,
+    mask: np.ndarray | None,
+    scale: float,
+) -> tuple[np.ndarray, np.ndarray]:
     dtype = q.dtype
     batch, q_heads, q_len, _ = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
@@ -75,8 +92,7 @@ def attention_reference(
         for b, h, i in np.ndindex(*weights.shape[:-1]):
             keys = legal[b, h, i]
             out[b, h, i] = weights[b, h, i, keys] @ v[b, h, keys]
-    with np.errstate(divide="ignore"):
-        lse = np.where(empty_row, -np.inf, safe_max + np.log(np.where(empty_row, 1, row_sum)))
+    lse = np.where(empty_row, -np.inf, safe_max + np.log(np.where(empty_row, 1, row_sum)))
     return out.astype(dtype, copy=False), lse[..., 0].astype(dtype, copy=False)
 
 
