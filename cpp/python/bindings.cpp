@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "twinattn/constants.hpp"
+#include "twinattn/flash_attention.hpp"
 #include "twinattn/problem.hpp"
 #include "twinattn/reference_kernel.hpp"
 
@@ -125,7 +127,10 @@ std::vector<int64_t> int64_per_sequence(const py::handle& object, const char* na
     return values;
 }
 
-void attention_forward(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
+using Kernel = void (*)(const AttentionProblem&, int);
+
+// Checks and converts the arguments, then runs `kernel` without the GIL.
+void run_attention(Kernel kernel, const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
                        const py::object& out_obj, const py::object& lse_obj,
                        const py::object& q_offset_obj, const py::object& kv_lens_obj,
                        const py::object& mask_obj, bool causal, double scale, int num_threads) {
@@ -208,7 +213,33 @@ void attention_forward(const py::object& q_obj, const py::object& k_obj, const p
     try {
         check_problem(problem);
         py::gil_scoped_release release;
-        attention_reference(problem, num_threads);
+        kernel(problem, num_threads);
+    } catch (const std::invalid_argument& error) {
+        throw py::value_error(error.what());
+    }
+}
+
+// The fast kernel with the instruction set in use (docs/kernels.md).
+void attention_forward_py(const py::object& q, const py::object& k, const py::object& v,
+                          const py::object& out, const py::object& lse, const py::object& q_offset,
+                          const py::object& kv_lens, const py::object& mask, bool causal,
+                          double scale, int num_threads) {
+    run_attention(&twinattn::attention_forward, q, k, v, out, lse, q_offset, kv_lens, mask, causal,
+                  scale, num_threads);
+}
+
+// The plain scalar reference kernel, which every fast path is tested against.
+void attention_reference_py(const py::object& q, const py::object& k, const py::object& v,
+                            const py::object& out, const py::object& lse, const py::object& q_offset,
+                            const py::object& kv_lens, const py::object& mask, bool causal,
+                            double scale, int num_threads) {
+    run_attention(&twinattn::attention_reference, q, k, v, out, lse, q_offset, kv_lens, mask,
+                  causal, scale, num_threads);
+}
+
+void set_isa_py(const std::string& name) {
+    try {
+        twinattn::set_isa(name);
     } catch (const std::invalid_argument& error) {
         throw py::value_error(error.what());
     }
@@ -228,12 +259,34 @@ std::string compiler_name() {
 
 py::dict build_info() {
     py::dict info;
-    info["isa"] = "scalar";
+    info["isa"] = current_isa();
     py::list available;
-    available.append("scalar");
+    for (const std::string& name : available_isas()) available.append(name);
     info["isa_available"] = available;
     info["compiler"] = compiler_name();
     info["version"] = TWINATTN_VERSION;
+    // Every shared constant (constants.hpp), keyed as the Rust constants lowercased.
+    py::dict constants;
+    constants["q_tile_rows"] = kQTileRows;
+    constants["micro_rows"] = kMicroRows;
+    constants["key_block"] = kKeyBlock;
+    constants["key_panel"] = kKeyPanel;
+    constants["split_key_chunk"] = kSplitKeyChunk;
+    constants["avx512_score_vectors"] = kAvx512ScoreVectors;
+    constants["avx512_value_vectors"] = kAvx512ValueVectors;
+    constants["avx2_score_vectors"] = kAvx2ScoreVectors;
+    constants["avx2_value_vectors"] = kAvx2ValueVectors;
+    constants["scalar_width"] = kScalarWidth;
+    constants["scalar_score_vectors"] = kScalarScoreVectors;
+    constants["scalar_value_vectors"] = kScalarValueVectors;
+    constants["exp2_degree"] = kExp2Degree;
+    py::list coefficients;
+    for (float c : kExp2Coefficients) coefficients.append(static_cast<double>(c));
+    constants["exp2_coefficients"] = coefficients;
+    constants["exp2_min"] = static_cast<double>(kExp2Min);
+    constants["log2_e"] = static_cast<double>(kLog2E);
+    constants["ln2"] = static_cast<double>(kLn2);
+    info["constants"] = constants;
     return info;
 }
 
@@ -241,10 +294,23 @@ py::dict build_info() {
 
 PYBIND11_MODULE(_cpp, m) {
     m.doc() = "twinattn's C++ port (private; use the twinattn package).";
-    m.def("attention_forward", &attention_forward, py::arg("q"), py::arg("k"), py::arg("v"),
+    // TWINATTN_ISA naming an instruction set this build or CPU cannot run fails the import.
+    try {
+        init_isa_from_environment();
+    } catch (const std::invalid_argument& error) {
+        throw py::value_error(error.what());
+    }
+    m.def("attention_forward", &attention_forward_py, py::arg("q"), py::arg("k"), py::arg("v"),
           py::arg("out"), py::arg("lse"), py::arg("q_offset"), py::arg("kv_lens"), py::arg("mask"),
           py::arg("causal"), py::arg("scale"), py::arg("num_threads"),
-          "Exact scaled-dot-product attention into out (and lse); see docs/native_api.md.");
+          "Exact scaled-dot-product attention into out (and lse) with the fast kernel and the "
+          "instruction set in use; see docs/native_api.md.");
+    m.def("attention_reference", &attention_reference_py, py::arg("q"), py::arg("k"), py::arg("v"),
+          py::arg("out"), py::arg("lse"), py::arg("q_offset"), py::arg("kv_lens"), py::arg("mask"),
+          py::arg("causal"), py::arg("scale"), py::arg("num_threads"),
+          "attention_forward computed by the plain scalar reference kernel (for tests).");
+    m.def("set_isa", &set_isa_py, py::arg("name"),
+          "Switches the instruction set among build_info()['isa_available']; ValueError otherwise.");
     m.def("build_info", &build_info,
           "Instruction set in use, those available, compiler and version of this build.");
 }

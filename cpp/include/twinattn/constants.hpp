@@ -1,0 +1,62 @@
+// Every tuning number and polynomial coefficient of the fast kernels (docs/kernels.md, "Shared
+// constants"). The Rust twin is rust/src/constants.rs: the same values under the same names in
+// Rust's case (kKeyBlock <-> KEY_BLOCK). build_info()["constants"] reports them as snake_case
+// keys (key_block), and a test checks that the two ports agree. Change both ports together.
+#pragma once
+
+#include <cstdint>
+
+namespace twinattn {
+
+// ---- Tiles ------------------------------------------------------------------------------------
+
+// Packed query rows per prefill work item (one tile). A multiple of kMicroRows; 12 positions x 4
+// heads for GQA 32/8. Groups with at most this many packed rows (rows_per_group = Lq * Hq / Hkv)
+// take the split-key path instead.
+constexpr int64_t kQTileRows = 48;
+// Rows of the register-blocked micro-kernels (S = Q K^T and O += P V).
+constexpr int64_t kMicroRows = 6;
+// Keys per key block: one S block of kQTileRows x kKeyBlock scores, one online-softmax step.
+constexpr int64_t kKeyBlock = 256;
+// Keys per packed K^T panel: panel[d][key], kKeyPanel keys wide, D deep, zero-padded.
+// A multiple of every vector width (16 floats for AVX-512, 8 for AVX2 and the scalar type).
+constexpr int64_t kKeyPanel = 32;
+// Keys per split-key work item (decode and short chunks).
+constexpr int64_t kSplitKeyChunk = 1024;
+
+static_assert(kQTileRows % kMicroRows == 0, "tiles are whole micro-kernel strips");
+static_assert(kKeyBlock % kKeyPanel == 0, "key blocks are whole panels");
+static_assert(kSplitKeyChunk % kKeyBlock == 0, "split-key chunks are whole key blocks");
+
+// ---- Register blocking per instruction set (vectors per micro-kernel row) ----------------------
+// S micro-kernel: kMicroRows rows x (ScoreVectors x width) keys; P.V micro-kernel: kMicroRows
+// rows x (ValueVectors x width) value columns.
+//   AVX-512 (16 floats, 32 registers): 6 x 32 keys (12 accumulators), 6 x 64 columns (24).
+//   AVX2 (8 floats, 16 registers):     6 x 16 keys (12 accumulators), 6 x 16 columns (12).
+//   scalar (a plain array of 8 floats, auto-vectorised where the compiler can): as AVX2.
+constexpr int kAvx512ScoreVectors = 2;
+constexpr int kAvx512ValueVectors = 4;
+constexpr int kAvx2ScoreVectors = 2;
+constexpr int kAvx2ValueVectors = 2;
+constexpr int kScalarWidth = 8;
+constexpr int kScalarScoreVectors = 2;
+constexpr int kScalarValueVectors = 2;
+
+// ---- exp2 ------------------------------------------------------------------------------------
+// exp2(x) for x <= 0: x is clamped to >= kExp2Min, split as x = n + f with n = floor(x) and
+// f in [0, 1); 2^f = c0 + c1 f + ... + c6 f^6 (Horner, float32 FMAs), then 2^n is added to the
+// exponent bits. At x = kExp2Min, 2^n has a zero exponent field, so exp2(-inf) is exactly 0.
+// Coefficients: a relative-error minimax fit of 2^f on [0, 1) (Lawson's algorithm, degree 6,
+// rounded to float32); measured relative error in float32 Horner <= 8.4e-8 (about 1.4 ulp).
+constexpr int kExp2Degree = 6;
+constexpr float kExp2Coefficients[kExp2Degree + 1] = {
+    1.0f, 0.693147004f, 0.24022983f, 0.0554833412f, 0.00967884064f, 0.00124396884f,
+    0.000217022549f,
+};
+constexpr float kExp2Min = -127.0f;
+
+// log2(e) (folded into Q with the scale) and ln(2) (lse = ln 2 * (m + log2 l)).
+constexpr float kLog2E = 1.44269504088896340736f;
+constexpr float kLn2 = 0.693147180559945309417f;
+
+}  // namespace twinattn

@@ -1,0 +1,34 @@
+// The fast kernel: FlashAttention-2-style exact forward pass (docs/kernels.md), with run-time
+// instruction-set dispatch. Same contract and results (within float32 rounding) as
+// attention_reference (reference_kernel.hpp), which every path is tested against.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "twinattn/problem.hpp"
+
+namespace twinattn {
+
+// Computes out (and lse when requested) for the whole problem with the current instruction
+// set. Calls check_problem first and throws std::invalid_argument on a bad problem or
+// num_threads < 1. Uses the calling thread plus up to num_threads - 1 workers of a persistent
+// pool; a call that finds the pool busy runs on its own thread. Results do not depend on
+// num_threads. Safe to call concurrently from several threads.
+void attention_forward(const AttentionProblem& problem, int num_threads);
+
+// ---- Instruction-set dispatch (dispatch.cpp) ---------------------------------------------------
+// "avx512" (AVX-512F), "avx2" (AVX2 + FMA), "scalar" (portable): the names this build and this
+// CPU can run, fastest first.
+std::vector<std::string> available_isas();
+// The instruction set attention_forward uses now: TWINATTN_ISA when it is set (read once, at
+// first use), else the fastest available one.
+std::string current_isa();
+// Switches the instruction set; throws std::invalid_argument naming the available ones.
+void set_isa(const std::string& name);
+// Throws std::invalid_argument with a clear message when TWINATTN_ISA names an instruction set
+// that this build or CPU cannot run (attention_forward throws the same until set_isa is
+// called). The Python module calls it at import, so a bad value fails the import loudly.
+void init_isa_from_environment();
+
+}  // namespace twinattn

@@ -1,0 +1,127 @@
+// Run-time instruction-set dispatch: the CPU is detected once, TWINATTN_ISA forces a path, and
+// the chosen kernels are cached behind an atomic index (set_isa may switch them at run time).
+#include <atomic>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "dispatch.hpp"
+#include "twinattn/flash_attention.hpp"
+
+namespace twinattn {
+namespace {
+
+enum IsaIndex { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kIsaCount = 3 };
+const char* const kIsaNames[kIsaCount] = {"scalar", "avx2", "avx512"};
+
+struct CpuSupport {
+    bool isa[kIsaCount];
+};
+
+// What this build compiled and this CPU (and OS, for the wide registers) can run.
+CpuSupport detect() {
+    CpuSupport support{{true, false, false}};
+#if defined(TWINATTN_HAVE_X86_KERNELS) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    support.isa[kAvx2] = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    support.isa[kAvx512] = support.isa[kAvx2] && __builtin_cpu_supports("avx512f");
+#endif
+    return support;
+}
+
+const CpuSupport& cpu() {
+    static const CpuSupport support = detect();
+    return support;
+}
+
+// Only ever called for an instruction set the CPU supports: the AVX units may use their
+// instructions anywhere, even to build the table.
+FlashKernels kernels_for(int isa) {
+#if defined(TWINATTN_HAVE_X86_KERNELS)
+    if (isa == kAvx512) return flash_kernels_avx512();
+    if (isa == kAvx2) return flash_kernels_avx2();
+#endif
+    (void)isa;
+    return flash_kernels_scalar();
+}
+
+struct Dispatch {
+    FlashKernels table[kIsaCount];
+    std::atomic<int> current{kScalar};
+    // Non-empty while TWINATTN_ISA names an instruction set that cannot run here and set_isa
+    // has not been called since: attention_forward and init_isa_from_environment then throw.
+    std::string environment_error;
+    std::atomic<bool> environment_failed{false};
+};
+
+int fastest() {
+    for (int isa = kIsaCount - 1; isa > kScalar; --isa)
+        if (cpu().isa[isa]) return isa;
+    return kScalar;
+}
+
+std::string available_list() {
+    std::string text;
+    for (const std::string& name : available_isas()) text += (text.empty() ? "" : ", ") + name;
+    return text;
+}
+
+int isa_index(const std::string& name, const char* what) {
+    for (int isa = 0; isa < kIsaCount; ++isa)
+        if (name == kIsaNames[isa] && cpu().isa[isa]) return isa;
+    throw std::invalid_argument(std::string(what) + ": expected one of the instruction sets this build and CPU can run (" +
+                                available_list() + "), got '" + name + "'");
+}
+
+Dispatch& dispatch() {
+    // Built once, thread-safely: the kernel table, then the initial choice (TWINATTN_ISA or the
+    // fastest available one).
+    static Dispatch* state = [] {
+        Dispatch* d = new Dispatch();
+        for (int isa = 0; isa < kIsaCount; ++isa)
+            d->table[isa] = cpu().isa[isa] ? kernels_for(isa) : kernels_for(kScalar);
+        d->current.store(fastest());
+        const char* value = std::getenv("TWINATTN_ISA");
+        if (value != nullptr && *value != '\0') {
+            try {
+                d->current.store(isa_index(value, "TWINATTN_ISA"));
+            } catch (const std::invalid_argument& error) {
+                d->environment_error = error.what();
+                d->environment_failed.store(true);
+            }
+        }
+        return d;
+    }();
+    return *state;
+}
+
+}  // namespace
+
+std::vector<std::string> available_isas() {
+    std::vector<std::string> names;
+    for (int isa = kIsaCount - 1; isa >= 0; --isa)
+        if (cpu().isa[isa]) names.emplace_back(kIsaNames[isa]);
+    return names;
+}
+
+std::string current_isa() { return kIsaNames[dispatch().current.load()]; }
+
+void set_isa(const std::string& name) {
+    Dispatch& d = dispatch();
+    d.current.store(isa_index(name, "isa"));
+    d.environment_failed.store(false);
+}
+
+void init_isa_from_environment() {
+    Dispatch& d = dispatch();
+    if (d.environment_failed.load()) throw std::invalid_argument(d.environment_error);
+}
+
+FlashKernels current_kernels() {
+    Dispatch& d = dispatch();
+    if (d.environment_failed.load()) throw std::invalid_argument(d.environment_error);
+    return d.table[d.current.load()];
+}
+
+}  // namespace twinattn

@@ -1,0 +1,254 @@
+// attention_forward: planning of the fast kernel (docs/kernels.md, steps 1, 2, 5, 6, 7).
+//
+// Shapes (strides in elements, see problem.hpp):
+//   q   (B, Hq,  Lq, D)      k (B, Hkv, Lk, D)      v (B, Hkv, Lk, Dv)
+//   out (B, Hq,  Lq, Dv)     lse (B, Hq, Lq)        mask (B, Hq, Lq, Lk)
+// G = Hq / Hkv query heads share a KV head; their rows are packed, position-major, into
+// rows_per_group = Lq * G packed rows per (b, kv_head) (flash_kernel.hpp).
+//
+//   1. Plan: rows_per_group > kQTileRows -> prefill (tiles of packed rows), else split-key.
+//   2. Prefill: pack K^T panels of every (b, kv_head) once (parallel), then the tiles
+//      (b, kv_head, tile) most expensive first, each against all of its visible keys.
+//   6. Split-key: items (b, kv_head, chunk of kSplitKeyChunk keys) write partial (m, l, O);
+//      a second parallel pass merges each group's partials by log-sum-exp. A group with one
+//      chunk writes out directly.
+// Buffers: per-thread scratch (thread_local, grown on demand, reused across calls) and, on the
+// calling thread, the packed K and the partials (thread_local too, so concurrent callers on
+// different threads never share them).
+#include "twinattn/flash_attention.hpp"
+
+#include <math.h>  // exp2f, log2f
+
+#include <algorithm>
+#include <cstdlib>
+#include <limits>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "dispatch.hpp"
+#include "flash_kernel.hpp"
+#include "thread_pool.hpp"
+#include "twinattn/constants.hpp"
+
+namespace twinattn {
+
+int64_t flash_row_key_end(const AttentionProblem& p, int64_t b, int64_t group, int64_t r) {
+    const int64_t kv_len = p.kv_lens != nullptr ? p.kv_lens[b] : p.k.shape[2];
+    if (!p.causal) return kv_len;
+    const int64_t position = r / group;
+    if (p.q_offset[b] >= kv_len - position) return kv_len;  // written so huge offsets cannot overflow
+    return p.q_offset[b] + position + 1;
+}
+
+namespace {
+
+// A 64-byte aligned buffer that only grows; its contents are not preserved when it grows.
+template <typename T>
+class GrowBuffer {
+public:
+    GrowBuffer() = default;
+    GrowBuffer(const GrowBuffer&) = delete;
+    GrowBuffer& operator=(const GrowBuffer&) = delete;
+    ~GrowBuffer() { std::free(data_); }
+
+    T* reserve(int64_t count) {
+        if (count > capacity_) {
+            const size_t bytes = (static_cast<size_t>(count) * sizeof(T) + 63) / 64 * 64;
+            T* grown = static_cast<T*>(std::aligned_alloc(64, bytes));
+            if (grown == nullptr) throw std::bad_alloc();
+            std::free(data_);
+            data_ = grown;
+            capacity_ = count;
+        }
+        return data_;
+    }
+
+private:
+    T* data_ = nullptr;
+    int64_t capacity_ = 0;
+};
+
+// Everything one thread needs for a work item (flash_kernel.hpp, ThreadScratch).
+struct ScratchBuffers {
+    GrowBuffer<float> q_tile, scores, out_acc, row_max, row_sum, rescale, key_panels;
+    GrowBuffer<int64_t> row_key_end;
+
+    ThreadScratch get(int64_t D, int64_t value_stride, bool split_key) {
+        ThreadScratch s;
+        s.q_tile = q_tile.reserve(kQTileRows * std::max<int64_t>(D, 1));
+        s.scores = scores.reserve(kQTileRows * kKeyBlock);
+        s.out_acc = out_acc.reserve(kQTileRows * std::max<int64_t>(value_stride, 1));
+        s.row_max = row_max.reserve(kQTileRows);
+        s.row_sum = row_sum.reserve(kQTileRows);
+        s.rescale = rescale.reserve(kQTileRows);
+        s.row_key_end = row_key_end.reserve(kQTileRows);
+        s.key_panels = split_key ? key_panels.reserve(kKeyBlock * std::max<int64_t>(D, 1)) : nullptr;
+        return s;
+    }
+};
+
+ScratchBuffers& thread_scratch() {
+    thread_local ScratchBuffers buffers;
+    return buffers;
+}
+
+// Buffers owned by the calling thread for the length of one call.
+struct CallerBuffers {
+    GrowBuffer<float> packed_keys, partial_out, partial_max, partial_sum;
+};
+
+CallerBuffers& caller_buffers() {
+    thread_local CallerBuffers buffers;
+    return buffers;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+struct CostedItem {
+    WorkItem item;
+    int64_t cost;  // visible keys times rows: items are taken most expensive first
+};
+
+void run_items(const FlashPlan& plan, const FlashKernels& kernels, std::vector<CostedItem>& items,
+               int num_threads, bool split_key) {
+    std::stable_sort(items.begin(), items.end(),
+                     [](const CostedItem& a, const CostedItem& b) { return a.cost > b.cost; });
+    parallel_for(static_cast<int64_t>(items.size()), num_threads, [&](int64_t index, int) {
+        const ThreadScratch scratch =
+            thread_scratch().get(plan.head_dim, plan.value_stride, split_key);
+        kernels.attend_rows(plan, items[static_cast<size_t>(index)].item, scratch);
+    });
+}
+
+// 2. Prefill: K^T panels of every (b, kv_head), then the tiles.
+void run_prefill(FlashPlan& plan, const FlashKernels& kernels, int num_threads) {
+    const AttentionProblem& p = *plan.problem;
+    const int64_t B = p.q.shape[0], Hkv = p.k.shape[1], D = plan.head_dim;
+    plan.panels_per_head = ceil_div(p.k.shape[2], kKeyPanel);
+    float* packed = caller_buffers().packed_keys.reserve(
+        std::max<int64_t>(B * Hkv * plan.panels_per_head * D * kKeyPanel, 1));
+    plan.packed_keys = packed;
+
+    // Pack only the keys some row may see: up to the last packed row's visible end.
+    parallel_for(B * Hkv, num_threads, [&](int64_t head, int) {
+        const int64_t b = head / Hkv, kv_head = head % Hkv;
+        const int64_t key_end = flash_row_key_end(p, b, plan.group, plan.rows_per_group - 1);
+        kernels.pack_keys(p, b, kv_head, 0, key_end,
+                          packed + head * plan.panels_per_head * D * kKeyPanel);
+    });
+
+    const int64_t tiles = ceil_div(plan.rows_per_group, kQTileRows);
+    std::vector<CostedItem> items;
+    items.reserve(static_cast<size_t>(B * Hkv * tiles));
+    for (int64_t b = 0; b < B; ++b)
+        for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head)
+            for (int64_t tile = 0; tile < tiles; ++tile) {
+                const int64_t row_begin = tile * kQTileRows;
+                const int64_t row_end = std::min(row_begin + kQTileRows, plan.rows_per_group);
+                const int64_t last_key = flash_row_key_end(p, b, plan.group, row_end - 1);
+                items.push_back(CostedItem{
+                    WorkItem{b, kv_head, row_begin, row_end, 0, last_key, -1},
+                    (last_key + kKeyBlock) * (row_end - row_begin)});
+            }
+    run_items(plan, kernels, items, num_threads, false);
+}
+
+// 6. Split-key: chunks of every group's visible keys, then the log-sum-exp merge.
+void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads) {
+    const AttentionProblem& p = *plan.problem;
+    const int64_t B = p.q.shape[0], Hkv = p.k.shape[1], Dv = plan.value_dim;
+    const int64_t rows = plan.rows_per_group;
+
+    std::vector<int64_t> slot_base(static_cast<size_t>(B) + 1, 0);  // first slot of (b, kv_head 0)
+    std::vector<CostedItem> items;
+    for (int64_t b = 0; b < B; ++b) {
+        const int64_t key_end = flash_row_key_end(p, b, plan.group, rows - 1);
+        const int64_t chunks = std::max<int64_t>(1, ceil_div(key_end, kSplitKeyChunk));
+        slot_base[b + 1] = slot_base[b] + (chunks > 1 ? chunks * Hkv : 0);
+        for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head)
+            for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+                const int64_t key_begin = chunk * kSplitKeyChunk;
+                const int64_t chunk_end = std::min(key_begin + kSplitKeyChunk, key_end);
+                const int64_t slot = chunks > 1 ? slot_base[b] + kv_head * chunks + chunk : -1;
+                items.push_back(CostedItem{
+                    WorkItem{b, kv_head, 0, rows, key_begin, chunks > 1 ? chunk_end : key_end, slot},
+                    (chunk_end - key_begin + kKeyBlock) * rows});
+            }
+    }
+    const int64_t slots = slot_base[B];
+    if (slots > 0) {
+        CallerBuffers& buffers = caller_buffers();
+        plan.partial_out = buffers.partial_out.reserve(std::max<int64_t>(slots * rows * Dv, 1));
+        plan.partial_max = buffers.partial_max.reserve(slots * rows);
+        plan.partial_sum = buffers.partial_sum.reserve(slots * rows);
+    }
+    run_items(plan, kernels, items, num_threads, true);
+    if (slots == 0) return;
+
+    // Merge: m* = max m_c, l* = sum l_c 2^(m_c - m*), O = sum O_c 2^(m_c - m*) / l*, in chunk order.
+    const int64_t G = plan.group;
+    parallel_for(B * Hkv, num_threads, [&](int64_t head, int) {
+        const int64_t b = head / Hkv, kv_head = head % Hkv;
+        const int64_t chunks = (slot_base[b + 1] - slot_base[b]) / Hkv;
+        if (chunks == 0) return;  // one chunk: written directly
+        const int64_t first_slot = slot_base[b] + kv_head * chunks;
+        for (int64_t r = 0; r < rows; ++r) {
+            float m_star = -std::numeric_limits<float>::infinity();
+            for (int64_t c = 0; c < chunks; ++c)
+                m_star = std::max(m_star, plan.partial_max[(first_slot + c) * rows + r]);
+            const int64_t h = kv_head * G + r % G, i = r / G;
+            float* dst = p.out.data + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
+            for (int64_t d = 0; d < Dv; ++d) dst[d] = 0.0f;
+            float l_star = 0.0f;
+            if (m_star != -std::numeric_limits<float>::infinity()) {
+                for (int64_t c = 0; c < chunks; ++c) {
+                    const int64_t slot_row = (first_slot + c) * rows + r;
+                    const float l_c = plan.partial_sum[slot_row];
+                    if (l_c == 0.0f) continue;
+                    const float weight = exp2f(plan.partial_max[slot_row] - m_star);
+                    l_star += l_c * weight;
+                    const float* o_c = plan.partial_out + slot_row * Dv;
+                    for (int64_t d = 0; d < Dv; ++d) dst[d] += o_c[d] * weight;
+                }
+            }
+            if (l_star != 0.0f) {
+                const float inverse = 1.0f / l_star;
+                for (int64_t d = 0; d < Dv; ++d) dst[d] *= inverse;
+            }
+            if (p.lse.data != nullptr)
+                p.lse.data[b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2]] =
+                    l_star == 0.0f ? -std::numeric_limits<float>::infinity()
+                                   : kLn2 * (m_star + log2f(l_star));
+        }
+    });
+}
+
+}  // namespace
+
+void attention_forward(const AttentionProblem& p, int num_threads) {
+    check_problem(p);
+    if (num_threads < 1)
+        throw std::invalid_argument("num_threads: expected >= 1, got " + std::to_string(num_threads));
+    const FlashKernels kernels = current_kernels();
+    const int64_t B = p.q.shape[0], Hq = p.q.shape[1], Lq = p.q.shape[2];
+    if (B == 0 || Hq == 0 || Lq == 0) return;
+
+    // 1. Plan.
+    FlashPlan plan{};
+    plan.problem = &p;
+    plan.group = Hq / p.k.shape[1];
+    plan.rows_per_group = Lq * plan.group;
+    plan.head_dim = p.q.shape[3];
+    plan.value_dim = p.v.shape[3];
+    plan.value_stride = (plan.value_dim + 15) / 16 * 16;
+    plan.q_multiplier = p.scale * kLog2E;
+    plan.has_mask = p.mask.kind != MaskKind::None;
+    if (plan.rows_per_group > kQTileRows)
+        run_prefill(plan, kernels, num_threads);
+    else
+        run_split_key(plan, kernels, num_threads);
+}
+
+}  // namespace twinattn

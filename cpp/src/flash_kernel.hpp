@@ -1,0 +1,452 @@
+// The tile kernel of the fast path (docs/kernels.md, steps 2-6), written once over a vector type
+// V (simd_scalar.hpp, simd_avx2.hpp, simd_avx512.hpp) and compiled once per instruction set by
+// flash_scalar.cpp, flash_avx2.cpp and flash_avx512.cpp, each with its own -m flags.
+//
+// One work item = a set of packed rows of one (sequence b, KV head) against a key range:
+//   packed row r is query position i = r / G of query head h = kv_head * G + r % G, at absolute
+//   position q_offset[b] + i (G = Hq / Hkv). Rows [row_begin, row_end), at most kQTileRows.
+//   Keys [key_begin, key_end), visited in key blocks of kKeyBlock keys.
+// Shapes of the per-thread scratch (ThreadScratch), rows <= kQTileRows (strips of kMicroRows
+// rows, the last strip as many as remain: no padding rows):
+//   q_tile   (rows, D)            Q rows times scale * log2(e)
+//   scores   (rows, kKeyBlock)    S, then P, of one key block
+//   out_acc  (rows, value_stride) unnormalised O
+//   row_max, row_sum, rescale (rows)   m (base 2), l, and alpha of the current block
+//   key_panels (kKeyBlock / kKeyPanel panels of (D, kKeyPanel))   split-key path only
+//
+// ODR note: these templates are instantiated with a different vector type in every translation
+// unit, and the code below uses no inline non-template function and no standard container, so
+// no AVX-512 code can be picked by the linker for the portable path.
+#pragma once
+
+#include <math.h>  // exp2f, log2f: plain C functions, nothing inline (ODR note)
+
+#include <cstdint>
+#include <limits>
+
+#include "twinattn/constants.hpp"
+#include "twinattn/problem.hpp"
+
+namespace twinattn {
+
+// What every work item of one call shares (built by flash_attention.cpp).
+struct FlashPlan {
+    const AttentionProblem* problem;
+    int64_t group;           // G = Hq / Hkv
+    int64_t rows_per_group;  // Lq * G packed rows per (b, kv_head)
+    int64_t head_dim;        // D
+    int64_t value_dim;       // Dv
+    int64_t value_stride;    // row stride of out_acc: Dv rounded up to a multiple of 16
+    float q_multiplier;      // scale * log2(e)
+    bool has_mask;
+    // Prefill: the K^T panels of every (b, kv_head), panels_per_head panels each, panel p of
+    // (b, kv_head) at packed_keys + ((b * Hkv + kv_head) * panels_per_head + p) * D * kKeyPanel.
+    // nullptr on the split-key path (each item packs its own blocks).
+    const float* packed_keys;
+    int64_t panels_per_head;
+    // Split-key partials, slot s holding rows_per_group rows: out (Dv floats each), m, l.
+    float* partial_out;
+    float* partial_max;
+    float* partial_sum;
+};
+
+struct WorkItem {
+    int64_t b, kv_head;
+    int64_t row_begin, row_end;  // packed rows
+    int64_t key_begin, key_end;  // key range; each row also stops at its own visible end
+    int64_t partial_slot;        // < 0: write out and lse; else the partials slot to write
+};
+
+struct ThreadScratch {
+    float* q_tile;
+    float* scores;
+    float* out_acc;
+    float* row_max;
+    float* row_sum;
+    float* rescale;
+    int64_t* row_key_end;
+    float* key_panels;
+};
+
+using AttendRowsFn = void (*)(const FlashPlan& plan, const WorkItem& item, const ThreadScratch& scratch);
+// Packs keys [key_begin, key_end) of one (b, kv_head) into K^T panels at dst (the first panel
+// holds keys key_begin ...); the last panel's columns past key_end are zero.
+using PackKeysFn = void (*)(const AttentionProblem& problem, int64_t b, int64_t kv_head,
+                            int64_t key_begin, int64_t key_end, float* dst);
+
+struct FlashKernels {
+    const char* isa;
+    AttendRowsFn attend_rows;
+    PackKeysFn pack_keys;
+};
+
+// Defined in flash_{scalar,avx2,avx512}.cpp (the last two only when built for x86-64).
+FlashKernels flash_kernels_scalar();
+FlashKernels flash_kernels_avx2();
+FlashKernels flash_kernels_avx512();
+
+// One past the last key packed row r of (b, *) may see by length and position (defined in
+// flash_attention.cpp; deliberately not inline, see the ODR note above).
+int64_t flash_row_key_end(const AttentionProblem& p, int64_t b, int64_t group, int64_t r);
+
+namespace flash {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Split-key path: memory is streamed while the core computes. During S of a block its V rows
+// are prefetched (one panel's keys before each panel), during P.V the next block's K rows (one
+// row per key), so neither phase waits for memory that the other could have fetched.
+struct BlockStream {
+    const float* k_rows;  // next block's K rows
+    const float* v_rows;  // this block's V rows
+    int64_t k_stride, v_stride;  // elements
+    int64_t k_row_bytes, v_row_bytes;
+    int64_t keys;  // keys of the next block (K prefetch); this block's V: all its keys
+};
+
+template <class V>
+struct Kernel {
+    using Reg = typename V::Reg;
+    static constexpr int64_t W = V::kWidth;
+
+    static int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+
+    // ---- 2. Packing ---------------------------------------------------------------------------
+    static void pack_keys(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_begin,
+                          int64_t key_end, float* dst) {
+        const int64_t D = p.k.shape[3], key_stride = p.k.stride[2];
+        const float* k_head = p.k.data + b * p.k.stride[0] + kv_head * p.k.stride[1];
+        for (int64_t panel_begin = key_begin; panel_begin < key_end; panel_begin += kKeyPanel) {
+            const int64_t keys = key_end - panel_begin < kKeyPanel ? key_end - panel_begin : kKeyPanel;
+            const float* k_rows = k_head + panel_begin * key_stride;
+            int64_t d_done = 0;
+            if (keys == kKeyPanel) {  // whole panel: W x W blocks transposed in registers
+                for (; d_done + W <= D; d_done += W)
+                    for (int64_t j = 0; j < kKeyPanel; j += W) {
+                        Reg block[W];
+                        for (int64_t t = 0; t < W; ++t) block[t] = V::load(k_rows + (j + t) * key_stride + d_done);
+                        V::transpose(block);
+                        for (int64_t t = 0; t < W; ++t) V::store(dst + (d_done + t) * kKeyPanel + j, block[t]);
+                    }
+            }
+            for (int64_t j = 0; j < keys; ++j) {  // the rest, element by element
+                const float* k_row = k_rows + j * key_stride;
+                for (int64_t d = d_done; d < D; ++d) dst[d * kKeyPanel + j] = k_row[d];
+            }
+            for (int64_t j = keys; j < kKeyPanel; ++j)
+                for (int64_t d = 0; d < D; ++d) dst[d * kKeyPanel + j] = 0.0f;
+            dst += D * kKeyPanel;
+        }
+    }
+
+    // ---- 3a. S = Q K^T: R (<= kMicroRows) rows x kScoreVectors vectors of keys ---------------
+    // q: R rows of D; panel: (D, kKeyPanel) already offset to the first key column;
+    // scores: R rows of stride kKeyBlock.
+    template <int R>
+    static void score_micro(const float* q, int64_t D, const float* panel, float* scores) {
+        constexpr int SV = V::kScoreVectors;
+        Reg acc[R][SV];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+            for (int v = 0; v < SV; ++v) acc[r][v] = V::zero();
+        for (int64_t d = 0; d < D; ++d) {
+            Reg keys[SV];
+#pragma GCC unroll 4
+            for (int v = 0; v < SV; ++v) keys[v] = V::load(panel + d * kKeyPanel + v * W);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const Reg q_rd = V::broadcast(q[r * D + d]);
+#pragma GCC unroll 4
+                for (int v = 0; v < SV; ++v) acc[r][v] = V::fma(q_rd, keys[v], acc[r][v]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+            for (int v = 0; v < SV; ++v) V::store(scores + r * kKeyBlock + v * W, acc[r][v]);
+    }
+
+    // S for one strip of R rows against every panel of the block (n keys).
+    template <int R>
+    static void strip_scores(const float* q, int64_t D, const float* panels, int64_t n, float* scores,
+                             const BlockStream* stream) {
+        constexpr int64_t keys_per_micro = V::kScoreVectors * W;
+        for (int64_t panel = 0; panel * kKeyPanel < n; ++panel) {
+            if (stream != nullptr)
+                for (int64_t key = panel * kKeyPanel; key < n && key < (panel + 1) * kKeyPanel; ++key) {
+                    const char* v_row = reinterpret_cast<const char*>(stream->v_rows + key * stream->v_stride);
+                    for (int64_t line = 0; line < stream->v_row_bytes; line += 64) V::prefetch(v_row + line);
+                }
+            for (int64_t column = 0; column < kKeyPanel && panel * kKeyPanel + column < n;
+                 column += keys_per_micro)
+                score_micro<R>(q, D, panels + panel * D * kKeyPanel + column,
+                               scores + panel * kKeyPanel + column);
+        }
+    }
+
+    // S for all rows: strips of kMicroRows rows, the last strip as many rows as remain (no
+    // padding rows are computed).
+    static void block_scores(const float* q_tile, int64_t D, int64_t rows, const float* panels,
+                             int64_t n, float* scores, const BlockStream* stream) {
+        static_assert(kMicroRows == 6, "the switch below lists the strip heights 1..kMicroRows");
+        for (int64_t r = 0; r < rows; r += kMicroRows) {
+            const float* q = q_tile + r * D;
+            float* s = scores + r * kKeyBlock;
+            switch (rows - r < kMicroRows ? rows - r : kMicroRows) {
+                case 1: strip_scores<1>(q, D, panels, n, s, r == 0 ? stream : nullptr); break;
+                case 2: strip_scores<2>(q, D, panels, n, s, r == 0 ? stream : nullptr); break;
+                case 3: strip_scores<3>(q, D, panels, n, s, r == 0 ? stream : nullptr); break;
+                case 4: strip_scores<4>(q, D, panels, n, s, r == 0 ? stream : nullptr); break;
+                case 5: strip_scores<5>(q, D, panels, n, s, r == 0 ? stream : nullptr); break;
+                default: strip_scores<6>(q, D, panels, n, s, r == 0 ? stream : nullptr); break;
+            }
+        }
+    }
+
+    // ---- 3d. O = alpha O + P V: R (<= kMicroRows) rows x NV vectors of value columns -----------------
+    // kTail: the last vector holds only `tail` columns. kSafe: a row whose p is 0 (a hidden key)
+    // skips the key, so a NaN in a hidden value never enters (0 * NaN = NaN).
+    template <int R, int NV, bool kTail, bool kSafe>
+    static void value_micro(const float* probs, int64_t n, const float* v_rows, int64_t v_stride,
+                            float* out, int64_t out_stride, const float* rescale, bool do_rescale,
+                            int64_t tail, const BlockStream* next) {
+        Reg acc[R][NV] = {};  // (= {}: silences a false -Wuninitialized)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+            const Reg alpha = V::broadcast(rescale[r]);
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) {
+                acc[r][v] = V::load(out + r * out_stride + v * W);
+                if (do_rescale) acc[r][v] = V::mul(acc[r][v], alpha);
+            }
+        }
+        for (int64_t key = 0; key < n; ++key) {
+            if (next != nullptr && key < next->keys) {  // next block's K (keys <= 0: none)
+                const char* k_next = reinterpret_cast<const char*>(next->k_rows + key * next->k_stride);
+                for (int64_t line = 0; line < next->k_row_bytes; line += 64) V::prefetch(k_next + line);
+            }
+            const float* v_row = v_rows + key * v_stride;
+            Reg values[NV];
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v)
+                values[v] = (kTail && v == NV - 1) ? V::load_tail(v_row + v * W, tail)
+                                                    : V::load(v_row + v * W);
+            if (kSafe) {
+                bool all_visible = true;
+#pragma GCC unroll 8
+                for (int r = 0; r < R; ++r) all_visible &= probs[r * kKeyBlock + key] != 0.0f;
+                if (!all_visible) {
+                    for (int r = 0; r < R; ++r) {
+                        const float p = probs[r * kKeyBlock + key];
+                        if (p == 0.0f) continue;
+                        const Reg p_r = V::broadcast(p);
+#pragma GCC unroll 4
+                        for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(p_r, values[v], acc[r][v]);
+                    }
+                    continue;
+                }
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+                const Reg p_r = V::broadcast(probs[r * kKeyBlock + key]);
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(p_r, values[v], acc[r][v]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+            for (int v = 0; v < NV; ++v) V::store(out + r * out_stride + v * W, acc[r][v]);
+    }
+
+    // O for one strip of R rows: column blocks of kValueVectors vectors, then single vectors,
+    // then the masked tail.
+    template <int R, bool kSafe>
+    static void strip_values(const float* probs, int64_t n, const float* v_rows, int64_t v_stride,
+                             float* out, int64_t out_stride, int64_t Dv, const float* rescale,
+                             const BlockStream* next) {
+        constexpr int NV = V::kValueVectors;
+        bool do_rescale = false;
+        for (int s = 0; s < R; ++s) do_rescale |= rescale[s] != 1.0f;
+        int64_t c = 0;
+        for (; c + NV * W <= Dv; c += NV * W)
+            value_micro<R, NV, false, kSafe>(probs, n, v_rows + c, v_stride, out + c, out_stride,
+                                             rescale, do_rescale, 0, c == 0 ? next : nullptr);
+        for (; c + W <= Dv; c += W)
+            value_micro<R, 1, false, kSafe>(probs, n, v_rows + c, v_stride, out + c, out_stride,
+                                            rescale, do_rescale, 0, c == 0 ? next : nullptr);
+        if (c < Dv)
+            value_micro<R, 1, true, kSafe>(probs, n, v_rows + c, v_stride, out + c, out_stride,
+                                           rescale, do_rescale, Dv - c, c == 0 ? next : nullptr);
+    }
+
+    template <bool kSafe>
+    static void block_values(const float* scores, int64_t rows, int64_t n, const float* v_rows,
+                             int64_t v_stride, float* out_acc, int64_t out_stride, int64_t Dv,
+                             const float* rescale, const BlockStream* next) {
+        for (int64_t r = 0; r < rows; r += kMicroRows) {
+            const float* probs = scores + r * kKeyBlock;
+            float* out = out_acc + r * out_stride;
+            const float* alpha = rescale + r;
+            switch (rows - r < kMicroRows ? rows - r : kMicroRows) {
+                case 1: strip_values<1, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha, r == 0 ? next : nullptr); break;
+                case 2: strip_values<2, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha, r == 0 ? next : nullptr); break;
+                case 3: strip_values<3, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha, r == 0 ? next : nullptr); break;
+                case 4: strip_values<4, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha, r == 0 ? next : nullptr); break;
+                case 5: strip_values<5, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha, r == 0 ? next : nullptr); break;
+                default: strip_values<6, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha, r == 0 ? next : nullptr); break;
+            }
+        }
+    }
+
+    // ---- The work item: steps 1-4 of docs/kernels.md for rows x keys --------------------------
+    static void attend_rows(const FlashPlan& plan, const WorkItem& item, const ThreadScratch& s) {
+        const AttentionProblem& p = *plan.problem;
+        const int64_t G = plan.group, D = plan.head_dim, Dv = plan.value_dim;
+        const int64_t out_stride = plan.value_stride;
+        const int64_t rows = item.row_end - item.row_begin;
+        const int64_t b = item.b;
+
+        // 2. The Q tile, times scale * log2(e); each row's visible end; m = -inf, l = 0, O = 0.
+        const Reg multiplier = V::broadcast(plan.q_multiplier);
+        for (int64_t r = 0; r < rows; ++r) {
+            float* q_dst = s.q_tile + r * D;
+            const int64_t packed = item.row_begin + r;
+            const int64_t h = item.kv_head * G + packed % G, i = packed / G;
+            const float* q_src = p.q.data + b * p.q.stride[0] + h * p.q.stride[1] + i * p.q.stride[2];
+            int64_t d = 0;
+            for (; d + W <= D; d += W) V::store(q_dst + d, V::mul(V::load(q_src + d), multiplier));
+            if (d < D) V::store_tail(q_dst + d, V::mul(V::load_tail(q_src + d, D - d), multiplier), D - d);
+            s.row_key_end[r] = flash_row_key_end(p, b, G, packed);
+            s.row_max[r] = kNegInf;
+            s.row_sum[r] = 0.0f;
+            for (int64_t c = 0; c < out_stride; ++c) s.out_acc[r * out_stride + c] = 0.0f;
+        }
+
+        // 3. Key blocks up to the last key any row sees (rows are ordered by position).
+        const int64_t key_stop =
+            s.row_key_end[rows - 1] < item.key_end ? s.row_key_end[rows - 1] : item.key_end;
+        const float* k_head_panels =
+            plan.packed_keys == nullptr
+                ? nullptr
+                : plan.packed_keys + (b * p.k.shape[1] + item.kv_head) * plan.panels_per_head * D * kKeyPanel;
+        const float* v_head = p.v.data + b * p.v.stride[0] + item.kv_head * p.v.stride[1];
+        const float* k_head = p.k.data + b * p.k.stride[0] + item.kv_head * p.k.stride[1];
+        for (int64_t key_block = item.key_begin; key_block < key_stop; key_block += kKeyBlock) {
+            const int64_t n = key_stop - key_block < kKeyBlock ? key_stop - key_block : kKeyBlock;
+            const int64_t n_padded = round_up(n, W);
+            const float* panels;
+            if (k_head_panels != nullptr) {
+                panels = k_head_panels + (key_block / kKeyPanel) * D * kKeyPanel;
+            } else {
+                pack_keys(p, b, item.kv_head, key_block, key_block + n, s.key_panels);
+                panels = s.key_panels;
+            }
+            // Split-key path only: this block's V and the next block's K are streamed meanwhile.
+            const float* v_rows = v_head + key_block * p.v.stride[2];
+            const int64_t next_block = key_block + kKeyBlock;
+            const BlockStream stream{k_head + next_block * p.k.stride[2], v_rows, p.k.stride[2],
+                                   p.v.stride[2], D * 4, Dv * 4,
+                                   key_stop - next_block < kKeyBlock ? key_stop - next_block : kKeyBlock};
+            const BlockStream* prefetch = k_head_panels == nullptr ? &stream : nullptr;
+            // (a) S = Q K^T.
+            block_scores(s.q_tile, D, rows, panels, n, s.scores, prefetch);
+            // (b) Mask only blocks that cross a row's visible end, or when a mask is given.
+            const bool masked = plan.has_mask || s.row_key_end[0] < key_block + n;
+            if (masked) mask_block(plan, item, s, rows, key_block, n);
+            for (int64_t r = 0; r < rows; ++r)
+                for (int64_t j = n; j < n_padded; ++j) s.scores[r * kKeyBlock + j] = kNegInf;
+            // (c) Online softmax.
+            for (int64_t r = 0; r < rows; ++r) softmax_row(s.scores + r * kKeyBlock, n_padded, s, r);
+            // (d) O = alpha O + P V.
+            if (masked)
+                block_values<true>(s.scores, rows, n, v_rows, p.v.stride[2], s.out_acc,
+                                   out_stride, Dv, s.rescale, prefetch);
+            else
+                block_values<false>(s.scores, rows, n, v_rows, p.v.stride[2], s.out_acc,
+                                    out_stride, Dv, s.rescale, prefetch);
+        }
+
+        // 4. Finish: out = O / l and lse, or the partial (m, l, O) of this key range.
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t packed = item.row_begin + r;
+            const float* o = s.out_acc + r * out_stride;
+            if (item.partial_slot >= 0) {
+                const int64_t slot_row = item.partial_slot * plan.rows_per_group + packed;
+                float* dst = plan.partial_out + slot_row * Dv;
+                for (int64_t c = 0; c < Dv; ++c) dst[c] = o[c];
+                plan.partial_max[slot_row] = s.row_max[r];
+                plan.partial_sum[slot_row] = s.row_sum[r];
+                continue;
+            }
+            const int64_t h = item.kv_head * G + packed % G, i = packed / G;
+            float* dst = p.out.data + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
+            const float l = s.row_sum[r];
+            const Reg inverse = V::broadcast(l == 0.0f ? 0.0f : 1.0f / l);
+            int64_t c = 0;
+            for (; c + W <= Dv; c += W) V::store(dst + c, V::mul(V::load(o + c), inverse));
+            if (c < Dv) V::store_tail(dst + c, V::mul(V::load(o + c), inverse), Dv - c);
+            if (p.lse.data != nullptr) {
+                float* lse = p.lse.data + b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2];
+                *lse = l == 0.0f ? kNegInf : kLn2 * (s.row_max[r] + log2f(l));
+            }
+        }
+    }
+
+    // 3b. -inf past each row's visible end (index arithmetic); the bool / float mask, read
+    // through its strides, on the keys before it.
+    static void mask_block(const FlashPlan& plan, const WorkItem& item, const ThreadScratch& s,
+                           int64_t rows, int64_t key_block, int64_t n) {
+        const AttentionProblem& p = *plan.problem;
+        for (int64_t r = 0; r < rows; ++r) {
+            float* row = s.scores + r * kKeyBlock;
+            const int64_t visible = s.row_key_end[r] - key_block;  // keys [0, visible) may be seen
+            for (int64_t j = visible < 0 ? 0 : visible; j < n; ++j) row[j] = kNegInf;
+            if (!plan.has_mask) continue;
+            const int64_t packed = item.row_begin + r;
+            const int64_t h = item.kv_head * plan.group + packed % plan.group, i = packed / plan.group;
+            const int64_t mask_row = item.b * p.mask.stride[0] + h * p.mask.stride[1] + i * p.mask.stride[2];
+            const int64_t end = visible < n ? visible : n;
+            if (p.mask.kind == MaskKind::Bool) {
+                const unsigned char* mask = static_cast<const unsigned char*>(p.mask.data) + mask_row;
+                for (int64_t j = 0; j < end; ++j)
+                    if (mask[(key_block + j) * p.mask.stride[3]] == 0) row[j] = kNegInf;
+            } else {
+                const float* bias = static_cast<const float*>(p.mask.data) + mask_row;
+                for (int64_t j = 0; j < end; ++j) {
+                    const float bias_j = bias[(key_block + j) * p.mask.stride[3]];
+                    row[j] = bias_j == kNegInf ? kNegInf : row[j] + bias_j * kLog2E;
+                }
+            }
+        }
+    }
+
+    // 3c. m_new = max(m, rowmax S), alpha = 2^(m - m_new), P = 2^(S - m_new), l = l alpha + sum P.
+    static void softmax_row(float* row, int64_t n_padded, const ThreadScratch& s, int64_t r) {
+        Reg running = V::broadcast(kNegInf);
+        for (int64_t j = 0; j < n_padded; j += W) running = V::max(running, V::load(row + j));
+        const float block_max = V::reduce_max(running);
+        const float m_old = s.row_max[r];
+        const float m_new = block_max > m_old ? block_max : m_old;
+        if (m_new == kNegInf) {  // nothing visible yet: P = 0, nothing to rescale
+            for (int64_t j = 0; j < n_padded; j += W) V::store(row + j, V::zero());
+            s.rescale[r] = 1.0f;
+            return;
+        }
+        const float alpha = m_old == m_new ? 1.0f : exp2f(m_old - m_new);  // m_old = -inf: 0
+        const Reg shift = V::broadcast(m_new);
+        Reg sum = V::zero();
+        for (int64_t j = 0; j < n_padded; j += W) {
+            const Reg prob = V::exp2(V::sub(V::load(row + j), shift));
+            V::store(row + j, prob);
+            sum = V::add(sum, prob);
+        }
+        s.rescale[r] = alpha;
+        s.row_sum[r] = s.row_sum[r] * alpha + V::reduce_sum(sum);
+        s.row_max[r] = m_new;
+    }
+};
+
+}  // namespace flash
+}  // namespace twinattn

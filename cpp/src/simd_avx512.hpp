@@ -1,0 +1,97 @@
+// The AVX-512F vector type of the fast kernels: 16 floats. Included only by flash_avx512.cpp,
+// which is compiled with -mavx512f -mfma (nothing here may run on a CPU without AVX-512F).
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "twinattn/constants.hpp"
+
+namespace twinattn {
+
+struct VecAvx512 {
+    using Reg = __m512;
+    static constexpr int kWidth = 16;
+    static constexpr int kScoreVectors = kAvx512ScoreVectors;
+    static constexpr int kValueVectors = kAvx512ValueVectors;
+    static constexpr const char* kName = "avx512";
+
+    static Reg zero() { return _mm512_setzero_ps(); }
+    static Reg broadcast(float x) { return _mm512_set1_ps(x); }
+    static Reg load(const float* p) { return _mm512_loadu_ps(p); }
+    static void store(float* p, Reg x) { _mm512_storeu_ps(p, x); }
+    static __mmask16 tail_mask(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+    // The first n (< kWidth) lanes; the others are 0 and their memory is never touched.
+    static Reg load_tail(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(tail_mask(n), p); }
+    static void store_tail(float* p, Reg x, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), x); }
+    static Reg fma(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+    static Reg mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
+    static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+    static Reg sub(Reg a, Reg b) { return _mm512_sub_ps(a, b); }
+    static Reg max(Reg a, Reg b) { return _mm512_max_ps(a, b); }
+
+    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0.
+    static Reg exp2(Reg x) {
+        x = _mm512_max_ps(x, _mm512_set1_ps(kExp2Min));
+        const Reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        const Reg f = _mm512_sub_ps(x, n);
+        Reg p = _mm512_set1_ps(kExp2Coefficients[kExp2Degree]);
+        for (int c = kExp2Degree - 1; c >= 0; --c)
+            p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Coefficients[c]));
+        const __m512i bits = _mm512_slli_epi32(
+            _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+        return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    }
+
+    // Horizontal reductions in a fixed order: halves folded 256, 128, 64, 32 bits.
+    static float reduce_max(Reg x) {
+        __m256 h = _mm256_max_ps(_mm512_castps512_ps256(x),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+        __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+        q = _mm_max_ss(q, _mm_shuffle_ps(q, q, 1));
+        return _mm_cvtss_f32(q);
+    }
+    static float reduce_sum(Reg x) {
+        __m256 h = _mm256_add_ps(_mm512_castps512_ps256(x),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+        __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+        return _mm_cvtss_f32(q);
+    }
+
+    // rows[i] = row i of a 16 x 16 block -> rows[d] = column d (for packing K^T panels).
+    static void transpose(Reg rows[kWidth]) {
+        Reg u[16];
+        for (int g = 0; g < 4; ++g) {  // 4 x 4 transposes inside every 128-bit lane
+            const Reg* r = rows + 4 * g;
+            const __m512d t0 = _mm512_castps_pd(_mm512_unpacklo_ps(r[0], r[1]));
+            const __m512d t1 = _mm512_castps_pd(_mm512_unpackhi_ps(r[0], r[1]));
+            const __m512d t2 = _mm512_castps_pd(_mm512_unpacklo_ps(r[2], r[3]));
+            const __m512d t3 = _mm512_castps_pd(_mm512_unpackhi_ps(r[2], r[3]));
+            u[4 * g + 0] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+            u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+            u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+            u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+        }
+        // u[4g + c] lane L = rows 4g..4g+3 of column 4L + c; gather the four g per column.
+        for (int c = 0; c < 4; ++c) {
+            const Reg even01 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x88);
+            const Reg odd01 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xdd);
+            const Reg even23 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x88);
+            const Reg odd23 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xdd);
+            rows[c] = _mm512_shuffle_f32x4(even01, even23, 0x88);
+            rows[4 + c] = _mm512_shuffle_f32x4(odd01, odd23, 0x88);
+            rows[8 + c] = _mm512_shuffle_f32x4(even01, even23, 0xdd);
+            rows[12 + c] = _mm512_shuffle_f32x4(odd01, odd23, 0xdd);
+        }
+    }
+
+    // T0: measured +16% on decode at 32k keys over hardware prefetching alone (T1 gained nothing).
+    static void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+};
+
+}  // namespace twinattn
