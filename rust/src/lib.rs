@@ -1,14 +1,22 @@
 //! twinattn's Rust port: exact scaled-dot-product attention for CPUs.
 //!
 //! The kernels know nothing of Python: `problem` describes one call as strided views and checks
-//! it, `reference_kernel` computes it. `python` (feature "python") is the thin PyO3 binding that
-//! Python imports as `twinattn._rust`.
+//! it, `reference_kernel` computes it plainly, `flash_attention` fast (tiles planned there,
+//! computed by `flash_kernel` over the vector types of `simd`, on the threads of `thread_pool`,
+//! with the instruction set chosen by `dispatch`; every number in `constants`). `python`
+//! (feature "python") is the thin PyO3 binding that Python imports as `twinattn._rust`.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod constants;
+pub mod dispatch;
+pub mod flash_attention;
+pub mod flash_kernel;
 pub mod problem;
 pub mod reference_kernel;
+pub mod simd;
+pub mod thread_pool;
 
 #[cfg(feature = "python")]
 mod python;

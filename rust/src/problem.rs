@@ -179,15 +179,17 @@ fn may_overlap_itself(shape: &[i64], stride: &[i64]) -> bool {
     false
 }
 
+/// `expected` is only formatted on failure: a small call must not pay for error messages.
 fn check_shape(
     name: &str,
-    expected: &str,
+    expected: impl FnOnce() -> String,
     shape: &[i64],
     matches: bool,
 ) -> Result<(), ProblemError> {
     if shape.iter().any(|&n| n < 0) || !matches {
         reject!(
-            "{name}: expected shape {expected}, got {}",
+            "{name}: expected shape {}, got {}",
+            expected(),
             shape_string(shape)
         );
     }
@@ -230,34 +232,34 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
     let [batch, q_heads, q_len, head_dim] = p.q.shape;
     check_shape(
         "q",
-        "(B, Hq, Lq, D) with no negative length",
+        || "(B, Hq, Lq, D) with no negative length".to_owned(),
         &p.q.shape,
         true,
     )?;
     let [_, kv_heads, k_len, _] = p.k.shape;
     check_shape(
         "k",
-        &format!("(B={batch}, Hkv, Lk, D={head_dim})"),
+        || format!("(B={batch}, Hkv, Lk, D={head_dim})"),
         &p.k.shape,
         p.k.shape[0] == batch && p.k.shape[3] == head_dim,
     )?;
     let value_dim = p.v.shape[3];
     check_shape(
         "v",
-        &format!("(B={batch}, Hkv={kv_heads}, Lk={k_len}, Dv)"),
+        || format!("(B={batch}, Hkv={kv_heads}, Lk={k_len}, Dv)"),
         &p.v.shape,
         p.v.shape[..3] == [batch, kv_heads, k_len],
     )?;
     check_shape(
         "out",
-        &format!("(B={batch}, Hq={q_heads}, Lq={q_len}, Dv={value_dim})"),
+        || format!("(B={batch}, Hq={q_heads}, Lq={q_len}, Dv={value_dim})"),
         &p.out.shape,
         p.out.shape == [batch, q_heads, q_len, value_dim],
     )?;
     if p.lse.is_requested() {
         check_shape(
             "lse",
-            &format!("(B={batch}, Hq={q_heads}, Lq={q_len})"),
+            || format!("(B={batch}, Hq={q_heads}, Lq={q_len})"),
             &p.lse.shape,
             p.lse.shape == [batch, q_heads, q_len],
         )?;

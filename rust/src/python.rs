@@ -14,8 +14,17 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::constants::ConstantValue;
 use crate::problem::{AttentionProblem, LseView, MaskKind, MaskView, MutTensorView4, TensorView4};
-use crate::reference_kernel::attention_reference;
+
+/// Which kernel a call runs.
+#[derive(Clone, Copy)]
+enum Kernel {
+    /// the fast kernel with the dispatched instruction set (flash_attention.rs)
+    Fast,
+    /// the plain reference kernel (reference_kernel.rs)
+    Reference,
+}
 
 /// `obj` as a NumPy array whose dtype is one of `dtypes`, with `ndim` dimensions, aligned,
 /// every byte stride a multiple of the item size. Returns the array and the index of its dtype.
@@ -26,8 +35,11 @@ fn checked_array<'a, 'py>(
     ndim: usize,
     axes: &str,
 ) -> PyResult<(&'a Bound<'py, PyUntypedArray>, usize)> {
-    let expected: Vec<&str> = dtypes.iter().map(|(label, _)| *label).collect();
-    let expected = expected.join(" or ");
+    // formatted only on failure: a small call must not pay for error messages
+    let expected = || {
+        let labels: Vec<&str> = dtypes.iter().map(|(label, _)| *label).collect();
+        labels.join(" or ")
+    };
     let array = obj.cast::<PyUntypedArray>().map_err(|_| {
         let type_name = obj
             .get_type()
@@ -35,13 +47,15 @@ fn checked_array<'a, 'py>(
             .map(|n| n.to_string())
             .unwrap_or_else(|_| "?".to_owned());
         PyTypeError::new_err(format!(
-            "{name}: expected a numpy.ndarray of {expected}, got {type_name}"
+            "{name}: expected a numpy.ndarray of {}, got {type_name}",
+            expected()
         ))
     })?;
     let given = array.dtype();
     let Some(kind) = dtypes.iter().position(|(_, d)| given.is_equiv_to(d)) else {
         return Err(PyTypeError::new_err(format!(
-            "{name}: expected {expected}, got {given}"
+            "{name}: expected {}, got {given}",
+            expected()
         )));
     };
     if array.ndim() != ndim {
@@ -85,24 +99,31 @@ fn float32_view<'a, 'py>(
     Ok(array.cast::<PyArray4<f32>>()?)
 }
 
-/// A (B,) int64 array copied into a Vec (B numbers; the big arrays are never copied).
+/// A (B,) int64 array copied into a Vec (B numbers; the big arrays are never copied). Copied
+/// while the GIL is held, without rust-numpy's borrow tracking (which costs more than the copy
+/// on a small call): only this module takes writeable borrows, and only of float32 outputs.
 fn int64_vector(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
     let (array, _) = checked_array(name, obj, &[("int64", dtype::<i64>(obj.py()))], 1, "(B,)")?;
-    let array = array.cast::<PyArray1<i64>>()?;
-    let values = array
-        .try_readonly()
-        .map_err(|e| PyValueError::new_err(format!("{name}: {e}")))?;
-    Ok(values.as_array().to_vec())
+    let len = array.shape()[0];
+    let stride = array.strides()[0] / 8; // checked: a multiple of the item size
+    let data = array.cast::<PyArray1<i64>>()?.data().cast_const();
+    Ok((0..len)
+        .map(|i| {
+            // SAFETY: an aligned (checked) int64 array of `len` elements `stride` apart, read
+            // under the GIL.
+            unsafe { *data.offset(i as isize * stride) }
+        })
+        .collect())
 }
 
 /// ValueError unless NumPy says the array is writeable (checked before the overlap checks, so a
 /// read-only broadcast `out` is reported as read-only).
-fn require_writeable(name: &str, array: &Bound<'_, PyAny>) -> PyResult<()> {
-    if !array
-        .getattr("flags")?
-        .getattr("writeable")?
-        .extract::<bool>()?
-    {
+fn require_writeable(name: &str, array: &Bound<'_, PyUntypedArray>) -> PyResult<()> {
+    // SAFETY: `array` is a live NumPy array (its type was checked); reading the flags field is
+    // what NumPy's own PyArray_FLAGS macro does, and far cheaper than `array.flags.writeable`.
+    let flags =
+        unsafe { (*numpy::npyffi::objects::_PyArray_GET_ITEM_DATA(array.as_array_ptr())).flags };
+    if flags & numpy::npyffi::NPY_ARRAY_WRITEABLE == 0 {
         return Err(PyValueError::new_err(format!(
             "{name}: expected a writeable array, got a read-only one"
         )));
@@ -131,18 +152,26 @@ struct DetachedProblem<'a>(AttentionProblem<'a>);
 unsafe impl Send for DetachedProblem<'_> {}
 
 impl DetachedProblem<'_> {
-    fn run(self, num_threads: usize) -> Result<(), crate::problem::ProblemError> {
+    fn run(self, num_threads: usize, kernel: Kernel) -> Result<(), crate::problem::ProblemError> {
         // SAFETY: every view was built from a live, aligned NumPy array of exactly that shape
         // and those strides, and the borrows taken by the caller keep Rust code from writing the
         // inputs or touching the outputs during the call.
-        unsafe { attention_reference(&self.0, num_threads) }
+        unsafe {
+            match kernel {
+                Kernel::Fast => crate::flash_attention::attention_forward(&self.0, num_threads),
+                Kernel::Reference => {
+                    crate::reference_kernel::attention_reference(&self.0, num_threads)
+                }
+            }
+        }
     }
 }
 
 /// attention_forward(q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads)
 /// --
 ///
-/// Computes out (and lse when given) in place. See docs/native_api.md.
+/// Computes out (and lse when given) in place with the fast kernel and the instruction set in
+/// use (set_isa). See docs/native_api.md.
 #[pyfunction]
 #[pyo3(signature = (q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads))]
 #[allow(clippy::too_many_arguments)]
@@ -159,6 +188,78 @@ fn attention_forward<'py>(
     causal: bool,
     scale: f64,
     num_threads: i64,
+) -> PyResult<()> {
+    run_kernel(
+        py,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        q_offset,
+        kv_lens,
+        mask,
+        causal,
+        scale,
+        num_threads,
+        Kernel::Fast,
+    )
+}
+
+/// attention_reference(q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads)
+/// --
+///
+/// As attention_forward, with the plain reference kernel (the scalar twin every fast path is
+/// tested against).
+#[pyfunction]
+#[pyo3(signature = (q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads))]
+#[allow(clippy::too_many_arguments)]
+fn attention_reference<'py>(
+    py: Python<'py>,
+    q: &Bound<'py, PyAny>,
+    k: &Bound<'py, PyAny>,
+    v: &Bound<'py, PyAny>,
+    out: &Bound<'py, PyAny>,
+    lse: Option<&Bound<'py, PyAny>>,
+    q_offset: &Bound<'py, PyAny>,
+    kv_lens: &Bound<'py, PyAny>,
+    mask: Option<&Bound<'py, PyAny>>,
+    causal: bool,
+    scale: f64,
+    num_threads: i64,
+) -> PyResult<()> {
+    run_kernel(
+        py,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        q_offset,
+        kv_lens,
+        mask,
+        causal,
+        scale,
+        num_threads,
+        Kernel::Reference,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_kernel<'py>(
+    py: Python<'py>,
+    q: &Bound<'py, PyAny>,
+    k: &Bound<'py, PyAny>,
+    v: &Bound<'py, PyAny>,
+    out: &Bound<'py, PyAny>,
+    lse: Option<&Bound<'py, PyAny>>,
+    q_offset: &Bound<'py, PyAny>,
+    kv_lens: &Bound<'py, PyAny>,
+    mask: Option<&Bound<'py, PyAny>>,
+    causal: bool,
+    scale: f64,
+    num_threads: i64,
+    kernel: Kernel,
 ) -> PyResult<()> {
     // 1. Types, ranks and strides of every argument.
     let q = float32_view("q", q, "(B, Hq, Lq, D)")?;
@@ -198,9 +299,9 @@ fn attention_forward<'py>(
             Some((array, kind))
         }
     };
-    require_writeable("out", out.as_any())?;
+    require_writeable("out", out.as_untyped())?;
     if let Some(lse) = lse {
-        require_writeable("lse", lse.as_any())?;
+        require_writeable("lse", lse.as_untyped())?;
     }
     let q_offset = int64_vector("q_offset", q_offset)?;
     let kv_lens = int64_vector("kv_lens", kv_lens)?;
@@ -291,25 +392,47 @@ fn attention_forward<'py>(
     // 4. Compute without the GIL.
     let job = DetachedProblem(problem);
     let threads = usize::try_from(num_threads).unwrap_or(usize::MAX);
-    py.detach(move || job.run(threads))
+    py.detach(move || job.run(threads, kernel))
         .map_err(|e| PyValueError::new_err(e.0))
 }
 
-/// build_info() -> dict: the instruction set chosen at run time, those available, the compiler
-/// and the package version.
+/// build_info() -> dict: the instruction set chosen at run time, those available (fastest
+/// first), the compiler, the package version and the shared constants (constants.rs).
 #[pyfunction]
 fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     let info = PyDict::new(py);
-    info.set_item("isa", "scalar")?;
-    info.set_item("isa_available", vec!["scalar"])?;
+    info.set_item("isa", crate::dispatch::current_isa())?;
+    info.set_item("isa_available", crate::dispatch::available_isas())?;
     info.set_item("compiler", env!("TWINATTN_RUSTC_VERSION"))?;
     info.set_item("version", env!("CARGO_PKG_VERSION"))?;
+    let constants = PyDict::new(py);
+    for (name, value) in crate::constants::shared_constants() {
+        match value {
+            ConstantValue::Int(x) => constants.set_item(name, x)?,
+            ConstantValue::Float(x) => constants.set_item(name, f64::from(x))?,
+            ConstantValue::Floats(xs) => {
+                constants.set_item(name, xs.iter().map(|&x| f64::from(x)).collect::<Vec<_>>())?
+            }
+        }
+    }
+    info.set_item("constants", constants)?;
     Ok(info)
+}
+
+/// set_isa(name) -> None: switches the instruction set of attention_forward among
+/// build_info()["isa_available"]; ValueError naming the available ones otherwise.
+#[pyfunction]
+fn set_isa(name: &str) -> PyResult<()> {
+    crate::dispatch::set_isa(name).map_err(PyValueError::new_err)
 }
 
 #[pymodule]
 fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    // A TWINATTN_ISA this build or CPU cannot run fails the import, loudly.
+    crate::dispatch::init_isa_from_environment().map_err(PyValueError::new_err)?;
     m.add_function(wrap_pyfunction!(attention_forward, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_reference, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
+    m.add_function(wrap_pyfunction!(set_isa, m)?)?;
     Ok(())
 }

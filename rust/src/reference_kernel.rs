@@ -16,8 +16,9 @@
 //!   2. A row whose row_max is -inf (no visible key, or every bias -inf) gets out = 0 and
 //!      lse = -inf, and stops here.
 //!   3. Weights: p_j = exp(score_j - row_max), row_sum = sum_j p_j.
-//!   4. Output: out[b,h,i,:] = sum_j (p_j / row_sum) * v[b,h/group,j,:], skipping every key whose
-//!      p_j is 0, so a hidden key's value never enters, not even as 0 * NaN.
+//!   4. Output: out[b,h,i,:] = sum_j (p_j / row_sum) * v[b,h/group,j,:], skipping every hidden
+//!      key (score -inf), so its value never enters, not even as 0 * NaN. A visible key whose
+//!      weight underflows to 0 is not skipped (as in C++ and NumPy: 0 * NaN stays NaN).
 //!   5. lse[b,h,i] = row_max + ln(row_sum), when requested.
 //!
 //! Threads: the B*Hq (b, h) pairs, numbered b*Hq + h, are cut into `num_threads` contiguous
@@ -179,20 +180,21 @@ fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>) {
                 continue;
             }
 
-            // 3. Weights, shifted by the row max so no exponential overflows.
+            // 3. Weights, shifted by the row max so no exponential overflows. A hidden key's
+            // score stays -inf (its weight is exp(-inf) = 0), which step 4 reads to skip it.
             let mut row_sum = 0.0f64;
-            for score in &mut scores[..key_end as usize] {
-                *score = (*score - row_max).exp();
-                row_sum += *score;
+            for &score in &scores[..key_end as usize] {
+                row_sum += (score - row_max).exp();
             }
 
-            // 4. Mix the values of the keys that carry weight.
+            // 4. Mix the values of the visible keys.
             acc.fill(0.0);
             for j in 0..key_end {
-                let weight = scores[j as usize];
-                if weight == 0.0 {
-                    continue; // hidden (or underflowed): its value must not enter, even as 0 * NaN
+                let score = scores[j as usize];
+                if score == f64::NEG_INFINITY {
+                    continue; // hidden: its value must not enter, even as 0 * NaN
                 }
+                let weight = (score - row_max).exp();
                 // SAFETY: j < kv_len <= Lk and kv_head < Hkv: a valid value row of Dv elements.
                 let v_row =
                     unsafe { row(p.v.data, offset([b, kv_head, j, 0], &p.v.stride), value_dim) };

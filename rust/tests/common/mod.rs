@@ -2,10 +2,63 @@
 //! attention written straight from the contract (docs/native_api.md) to compare against.
 #![allow(dead_code)] // each test file uses its own subset
 
+use std::cell::Cell;
 use twinattn::problem::{
     AttentionProblem, LseView, MaskKind, MaskView, MutTensorView4, ProblemError, TensorView4,
 };
 use twinattn::reference_kernel::attention_reference;
+
+/// Which kernel [`Case::run`] calls on this thread: the plain reference kernel, or the fast
+/// kernel with one instruction set's kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    Reference,
+    Fast(&'static str),
+}
+
+thread_local! {
+    static KERNEL: Cell<Kernel> = const { Cell::new(Kernel::Reference) };
+}
+
+/// Runs `test` with `kernel` selected on this thread (each test runs on its own thread). A fast
+/// instruction set this CPU cannot run skips the test (with a note on stderr).
+pub fn with_kernel(kernel: Kernel, test: fn()) {
+    if let Kernel::Fast(isa) = kernel {
+        if twinattn::dispatch::kernels_for(isa).is_none() {
+            eprintln!("skipped: {isa} is not available on this CPU");
+            return;
+        }
+    }
+    KERNEL.with(|k| k.set(kernel));
+    test();
+}
+
+/// Runs `case` with `kernel` (whose instruction set must be available), then restores this
+/// thread's selection.
+pub fn run_with(kernel: Kernel, case: &Case, threads: usize) -> Output {
+    let previous = KERNEL.with(|k| k.replace(kernel));
+    let result = case.run(threads).unwrap();
+    KERNEL.with(|k| k.set(previous));
+    result
+}
+
+/// The kernel selected on this thread.
+pub fn kernel() -> Kernel {
+    KERNEL.with(|k| k.get())
+}
+
+/// Exactly equal for the reference kernel; within 2 ulp for the fast kernel, whose base-2
+/// softmax turns ln into log2 and back (lse = ln 2 * (m + log2 l)).
+pub fn assert_lse_eq(got: f32, want: f32) {
+    if kernel() == Kernel::Reference {
+        assert_eq!(got, want);
+    } else {
+        assert!(
+            (got - want).abs() <= 2.0 * f32::EPSILON * want.abs().max(1.0),
+            "{got} vs {want}"
+        );
+    }
+}
 
 /// A small deterministic generator (xorshift64*), so tests need no crates.
 pub struct Rng(u64);
@@ -392,7 +445,16 @@ impl Case {
         // assert_mask_fits) checked covers the view's whole shape when the shapes are consistent;
         // when they are not, check_problem rejects the problem before any memory is touched. The
         // buffers are borrowed (shared for inputs, exclusive for out and lse) for the whole call.
-        unsafe { attention_reference(&problem, num_threads) }
+        unsafe {
+            match kernel() {
+                Kernel::Reference => attention_reference(&problem, num_threads),
+                Kernel::Fast(isa) => twinattn::flash_attention::attention_forward_with(
+                    &problem,
+                    num_threads,
+                    twinattn::dispatch::kernels_for(isa).expect("checked by with_kernel"),
+                ),
+            }
+        }
     }
 }
 
@@ -465,14 +527,28 @@ pub fn naive(case: &Case) -> (Vec<f64>, Vec<f64>) {
     (out, lse)
 }
 
-/// Asserts the kernel's output agrees with the naive float64 computation to float32 precision.
+/// Asserts the kernel's output agrees with the naive float64 computation to float32 precision
+/// (the reference kernel computes in float64 and rounds once; the fast kernel accumulates in
+/// float32 and gets a tolerance that grows with the number of keys and the head width).
 pub fn assert_matches_naive(case: &Case, got: &Output) {
+    let tolerance = match kernel() {
+        Kernel::Reference => 1e-6,
+        Kernel::Fast(_) => {
+            let terms = (case.k.shape[2].max(1) + case.q.shape[3].max(1)) as f64;
+            8.0 * f64::from(f32::EPSILON) * terms.sqrt().max(4.0)
+        }
+    };
+    assert_close_to_naive(case, got, tolerance);
+}
+
+/// Asserts |got - want| <= tolerance * (1 + |want|) for every out and lse element.
+pub fn assert_close_to_naive(case: &Case, got: &Output, tolerance: f64) {
     let (want_out, want_lse) = naive(case);
     let got_out = got.out.values();
     assert_eq!(got_out.len(), want_out.len());
     for (n, (&g, &w)) in got_out.iter().zip(&want_out).enumerate() {
         assert!(
-            (f64::from(g) - w).abs() <= 1e-6 + 1e-6 * w.abs(),
+            (f64::from(g) - w).abs() <= tolerance * (1.0 + w.abs()),
             "out element {n}: got {g}, want {w}"
         );
     }
@@ -480,7 +556,7 @@ pub fn assert_matches_naive(case: &Case, got: &Output) {
         let agree = if w == f64::NEG_INFINITY {
             g == f32::NEG_INFINITY
         } else {
-            (f64::from(g) - w).abs() <= 1e-6 + 1e-6 * w.abs()
+            (f64::from(g) - w).abs() <= tolerance * (1.0 + w.abs())
         };
         assert!(agree, "lse element {n}: got {g}, want {w}");
     }

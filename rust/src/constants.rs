@@ -1,0 +1,103 @@
+//! Every tuning number and polynomial coefficient of the fast kernels (docs/kernels.md, "Shared
+//! constants"). Twin of `cpp/include/twinattn/constants.hpp`: the same values under the same
+//! names in Rust's case (kKeyBlock <-> KEY_BLOCK). `build_info()["constants"]` reports them as
+//! snake_case keys (key_block), and a test checks that the two ports agree. Change both together.
+
+// ---- Tiles -------------------------------------------------------------------------------------
+
+/// Packed query rows per prefill work item (one tile). A multiple of [`MICRO_ROWS`]; 12 positions
+/// x 4 heads for GQA 32/8. Groups with at most this many packed rows (rows_per_group =
+/// Lq * Hq / Hkv) take the split-key path instead.
+pub const Q_TILE_ROWS: usize = 48;
+/// Rows of the register-blocked micro-kernels (S = Q K^T and O += P V).
+pub const MICRO_ROWS: usize = 6;
+/// Keys per key block: one S block of Q_TILE_ROWS x KEY_BLOCK scores, one online-softmax step.
+pub const KEY_BLOCK: usize = 256;
+/// Keys per packed K^T panel: panel[d][key], KEY_PANEL keys wide, D deep, zero-padded.
+/// A multiple of every vector width (16 floats for AVX-512, 8 for AVX2 and the scalar type).
+pub const KEY_PANEL: usize = 32;
+/// Keys per split-key work item (decode and short chunks).
+pub const SPLIT_KEY_CHUNK: usize = 1024;
+
+const _: () = assert!(
+    Q_TILE_ROWS.is_multiple_of(MICRO_ROWS),
+    "tiles are whole micro-kernel strips"
+);
+const _: () = assert!(
+    KEY_BLOCK.is_multiple_of(KEY_PANEL),
+    "key blocks are whole panels"
+);
+const _: () = assert!(
+    SPLIT_KEY_CHUNK.is_multiple_of(KEY_BLOCK),
+    "split-key chunks are whole key blocks"
+);
+
+// ---- Register blocking per instruction set (vectors per micro-kernel row) ---------------------
+// S micro-kernel: MICRO_ROWS rows x (score vectors x width) keys; P.V micro-kernel: MICRO_ROWS
+// rows x (value vectors x width) value columns.
+//   AVX-512 (16 floats, 32 registers): 6 x 32 keys (12 accumulators), 6 x 64 columns (24).
+//   AVX2 (8 floats, 16 registers):     6 x 16 keys (12 accumulators), 6 x 16 columns (12).
+//   scalar (a plain array of 8 floats, auto-vectorised where the compiler can): as AVX2.
+pub const AVX512_SCORE_VECTORS: usize = 2;
+pub const AVX512_VALUE_VECTORS: usize = 4;
+pub const AVX2_SCORE_VECTORS: usize = 2;
+pub const AVX2_VALUE_VECTORS: usize = 2;
+pub const SCALAR_WIDTH: usize = 8;
+pub const SCALAR_SCORE_VECTORS: usize = 2;
+pub const SCALAR_VALUE_VECTORS: usize = 2;
+
+// ---- exp2 ------------------------------------------------------------------------------------
+// exp2(x) for x <= 0: x is clamped to >= EXP2_MIN, split as x = n + f with n = floor(x) and
+// f in [0, 1); 2^f = c0 + c1 f + ... + c6 f^6 (Horner, float32 FMAs), then 2^n is added to the
+// exponent bits. At x = EXP2_MIN, 2^n has a zero exponent field, so exp2(-inf) is exactly 0.
+// Coefficients: a relative-error minimax fit of 2^f on [0, 1) (Lawson's algorithm, degree 6,
+// rounded to float32); relative error in float32 Horner <= 8.4e-8 (about 1.4 ulp).
+pub const EXP2_DEGREE: usize = 6;
+// c1 is a fitted coefficient that happens to be close to ln 2, not ln 2 itself.
+#[allow(clippy::approx_constant)]
+pub const EXP2_COEFFICIENTS: [f32; EXP2_DEGREE + 1] = [
+    1.0,
+    0.693_147,
+    0.240_229_83,
+    0.055_483_34,
+    0.009_678_841,
+    0.001_243_968_8,
+    0.000_217_022_55,
+];
+pub const EXP2_MIN: f32 = -127.0;
+
+/// log2(e) (folded into Q with the scale) and ln(2) (lse = ln 2 * (m + log2 l)).
+pub const LOG2_E: f32 = std::f32::consts::LOG2_E;
+pub const LN2: f32 = std::f32::consts::LN_2;
+
+/// Every constant above as (snake_case name, value), for `build_info()["constants"]`.
+pub fn shared_constants() -> Vec<(&'static str, ConstantValue)> {
+    use ConstantValue::{Float, Floats, Int};
+    vec![
+        ("q_tile_rows", Int(Q_TILE_ROWS as i64)),
+        ("micro_rows", Int(MICRO_ROWS as i64)),
+        ("key_block", Int(KEY_BLOCK as i64)),
+        ("key_panel", Int(KEY_PANEL as i64)),
+        ("split_key_chunk", Int(SPLIT_KEY_CHUNK as i64)),
+        ("avx512_score_vectors", Int(AVX512_SCORE_VECTORS as i64)),
+        ("avx512_value_vectors", Int(AVX512_VALUE_VECTORS as i64)),
+        ("avx2_score_vectors", Int(AVX2_SCORE_VECTORS as i64)),
+        ("avx2_value_vectors", Int(AVX2_VALUE_VECTORS as i64)),
+        ("scalar_width", Int(SCALAR_WIDTH as i64)),
+        ("scalar_score_vectors", Int(SCALAR_SCORE_VECTORS as i64)),
+        ("scalar_value_vectors", Int(SCALAR_VALUE_VECTORS as i64)),
+        ("exp2_degree", Int(EXP2_DEGREE as i64)),
+        ("exp2_coefficients", Floats(EXP2_COEFFICIENTS.to_vec())),
+        ("exp2_min", Float(EXP2_MIN)),
+        ("log2_e", Float(LOG2_E)),
+        ("ln2", Float(LN2)),
+    ]
+}
+
+/// The value of one shared constant.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ConstantValue {
+    Int(i64),
+    Float(f32),
+    Floats(Vec<f32>),
+}

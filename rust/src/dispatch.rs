@@ -1,0 +1,140 @@
+//! Run-time instruction-set dispatch: the CPU is detected once, TWINATTN_ISA forces a path, and
+//! the chosen kernels are cached behind an atomic index (set_isa may switch them at run time).
+//! Twin of `cpp/src/dispatch.cpp`.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::OnceLock;
+
+use crate::flash_kernel::FlashKernels;
+
+const SCALAR: usize = 0;
+const AVX2: usize = 1;
+const AVX512: usize = 2;
+const ISA_COUNT: usize = 3;
+const ISA_NAMES: [&str; ISA_COUNT] = ["scalar", "avx2", "avx512"];
+
+/// What this build compiled and this CPU (and OS, for the wide registers) can run.
+fn detect() -> [bool; ISA_COUNT] {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        let avx512 = avx2 && is_x86_feature_detected!("avx512f");
+        [true, avx2, avx512]
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        [true, false, false]
+    }
+}
+
+fn cpu() -> &'static [bool; ISA_COUNT] {
+    static SUPPORT: OnceLock<[bool; ISA_COUNT]> = OnceLock::new();
+    SUPPORT.get_or_init(detect)
+}
+
+fn table(isa: usize) -> FlashKernels {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if isa == AVX512 {
+            return crate::flash_kernel::avx512::KERNELS;
+        }
+        if isa == AVX2 {
+            return crate::flash_kernel::avx2::KERNELS;
+        }
+    }
+    let _ = isa;
+    crate::flash_kernel::scalar::KERNELS
+}
+
+struct Dispatch {
+    current: AtomicUsize,
+    /// Some while TWINATTN_ISA names an instruction set that cannot run here and set_isa has
+    /// not been called since: attention_forward and init_isa_from_environment then fail.
+    environment_error: Option<String>,
+    environment_failed: AtomicBool,
+}
+
+fn fastest() -> usize {
+    (SCALAR + 1..ISA_COUNT)
+        .rev()
+        .find(|&isa| cpu()[isa])
+        .unwrap_or(SCALAR)
+}
+
+fn isa_index(name: &str, what: &str) -> Result<usize, String> {
+    (0..ISA_COUNT)
+        .find(|&isa| name == ISA_NAMES[isa] && cpu()[isa])
+        .ok_or_else(|| {
+            format!(
+                "{what}: expected one of the instruction sets this build and CPU can run ({}), got '{name}'",
+                available_isas().join(", ")
+            )
+        })
+}
+
+fn dispatch() -> &'static Dispatch {
+    // Built once, thread-safely: the initial choice (TWINATTN_ISA or the fastest available one).
+    static STATE: OnceLock<Dispatch> = OnceLock::new();
+    STATE.get_or_init(|| {
+        let mut current = fastest();
+        let mut environment_error = None;
+        if let Ok(value) = std::env::var("TWINATTN_ISA") {
+            if !value.is_empty() {
+                match isa_index(&value, "TWINATTN_ISA") {
+                    Ok(isa) => current = isa,
+                    Err(error) => environment_error = Some(error),
+                }
+            }
+        }
+        Dispatch {
+            current: AtomicUsize::new(current),
+            environment_failed: AtomicBool::new(environment_error.is_some()),
+            environment_error,
+        }
+    })
+}
+
+/// "avx512" (AVX-512F), "avx2" (AVX2 + FMA), "scalar" (portable): the names this build and
+/// this CPU can run, fastest first.
+pub fn available_isas() -> Vec<&'static str> {
+    (0..ISA_COUNT)
+        .rev()
+        .filter(|&isa| cpu()[isa])
+        .map(|isa| ISA_NAMES[isa])
+        .collect()
+}
+
+/// The instruction set attention_forward uses now.
+pub fn current_isa() -> &'static str {
+    ISA_NAMES[dispatch().current.load(Ordering::Relaxed)]
+}
+
+/// Switches the instruction set; the error names the available ones.
+pub fn set_isa(name: &str) -> Result<(), String> {
+    let d = dispatch();
+    d.current.store(isa_index(name, "isa")?, Ordering::Relaxed);
+    d.environment_failed.store(false, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Applies TWINATTN_ISA (if set and non-empty); an error with a clear message when it names an
+/// instruction set that this build or CPU cannot run. The Python module calls it at import.
+pub fn init_isa_from_environment() -> Result<(), String> {
+    let d = dispatch();
+    match &d.environment_error {
+        Some(error) if d.environment_failed.load(Ordering::Relaxed) => Err(error.clone()),
+        _ => Ok(()),
+    }
+}
+
+/// The kernels of the instruction set in use.
+pub fn current_kernels() -> Result<FlashKernels, String> {
+    init_isa_from_environment()?;
+    Ok(table(dispatch().current.load(Ordering::Relaxed)))
+}
+
+/// The kernels of the named instruction set, if this build and CPU can run it (for tests that
+/// exercise every path without touching the process-wide choice).
+pub fn kernels_for(name: &str) -> Option<FlashKernels> {
+    isa_index(name, "isa").ok().map(table)
+}

@@ -1,0 +1,422 @@
+//! The fast kernel's planning (docs/kernels.md, steps 1, 2, 6 and 7): prefill tiles vs split-key
+//! decode, K packing, work items, merging partials. Twin of `cpp/src/flash_attention.cpp`.
+//!
+//! Shapes (see problem.rs): q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) ->
+//! out (B, Hq, Lq, Dv), lse (B, Hq, Lq). G = Hq / Hkv query heads share each KV head and are
+//! packed into one set of rows_per_group = Lq * G rows per (b, kv_head) (flash_kernel.rs).
+//!
+//! Passes:
+//!   prefill (rows_per_group > Q_TILE_ROWS):
+//!     1. pack K^T panels of every (b, kv_head) up to its last visible key (parallel over groups);
+//!     2. work items (b, kv_head, tile of Q_TILE_ROWS rows), most visible keys first.
+//!   split-key (rows_per_group <= Q_TILE_ROWS):
+//!     1. work items (b, kv_head, chunk of SPLIT_KEY_CHUNK keys), all rows each, most keys
+//!        first; a group with one chunk writes out directly, the others write partials;
+//!     2. merge the partials of each group by log-sum-exp (parallel over groups).
+
+use std::cell::RefCell;
+
+use crate::constants::{KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, Q_TILE_ROWS, SPLIT_KEY_CHUNK};
+use crate::dispatch::current_kernels;
+use crate::flash_kernel::{flash_row_key_end, FlashKernels, FlashPlan, ThreadScratch, WorkItem};
+use crate::problem::{check_problem, AttentionProblem, MaskKind, ProblemError};
+use crate::thread_pool::parallel_for;
+
+/// A float buffer whose data starts on a 64-byte boundary, grown on demand and reused: the
+/// pages stay mapped across calls, so no call pays page faults twice.
+#[derive(Default)]
+struct AlignedBuffer {
+    storage: Vec<f32>,
+}
+
+impl AlignedBuffer {
+    /// A pointer to at least `len` floats (contents unspecified), 64-byte aligned.
+    fn ensure(&mut self, len: usize) -> *mut f32 {
+        if self.storage.len() < len + 16 {
+            self.storage = vec![0.0; len + 16];
+        }
+        let misalign = (self.storage.as_ptr() as usize / 4) % 16;
+        let start = (16 - misalign) % 16;
+        self.storage[start..].as_mut_ptr()
+    }
+}
+
+/// The scratch of one thread (flash_kernel.rs, ThreadScratch), kept for the thread's life.
+#[derive(Default)]
+struct ScratchBuffers {
+    q_tile: AlignedBuffer,
+    scores: AlignedBuffer,
+    out_acc: AlignedBuffer,
+    rows: AlignedBuffer,
+    row_key_end: Vec<usize>,
+    key_panels: AlignedBuffer,
+}
+
+impl ScratchBuffers {
+    fn view(&mut self, head_dim: usize, value_stride: usize, split_key: bool) -> ThreadScratch {
+        let rows = self.rows.ensure(3 * Q_TILE_ROWS);
+        if self.row_key_end.len() < Q_TILE_ROWS {
+            self.row_key_end.resize(Q_TILE_ROWS, 0);
+        }
+        ThreadScratch {
+            q_tile: self.q_tile.ensure(Q_TILE_ROWS * head_dim),
+            scores: self.scores.ensure(Q_TILE_ROWS * KEY_BLOCK),
+            out_acc: self.out_acc.ensure(Q_TILE_ROWS * value_stride),
+            row_max: rows,
+            // SAFETY: rows holds 3 * Q_TILE_ROWS floats.
+            row_sum: unsafe { rows.add(Q_TILE_ROWS) },
+            // SAFETY: as above.
+            rescale: unsafe { rows.add(2 * Q_TILE_ROWS) },
+            row_key_end: self.row_key_end.as_mut_ptr(),
+            key_panels: if split_key {
+                self.key_panels.ensure(KEY_BLOCK * head_dim)
+            } else {
+                std::ptr::null_mut()
+            },
+        }
+    }
+}
+
+thread_local! {
+    static SCRATCH: RefCell<ScratchBuffers> = RefCell::new(ScratchBuffers::default());
+}
+
+/// Buffers owned by the calling thread for the length of one call (packed K, partials);
+/// thread-local, so concurrent callers on different threads never share them.
+#[derive(Default)]
+struct CallerBuffers {
+    packed_keys: AlignedBuffer,
+    partials: AlignedBuffer,
+}
+
+thread_local! {
+    static CALLER_BUFFERS: RefCell<CallerBuffers> = RefCell::new(CallerBuffers::default());
+}
+
+/// Raw pointers shared by the items of one call. Rust needs this wrapper to send them to the
+/// pool's threads; C++ does not.
+struct Shared<T>(T);
+// SAFETY: the items of one call write disjoint parts of the buffers behind these pointers
+// (distinct groups, rows or partial slots) and read only what no item writes during that pass.
+unsafe impl<T> Sync for Shared<T> {}
+
+impl<T: Copy> Shared<T> {
+    /// The pointer (a method, so closures capture the Sync wrapper, not the raw field).
+    fn get(&self) -> T {
+        self.0
+    }
+}
+
+/// Runs `item` with this thread's scratch.
+fn with_scratch(
+    head_dim: usize,
+    value_stride: usize,
+    split_key: bool,
+    f: impl FnOnce(&ThreadScratch),
+) {
+    SCRATCH.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut buffers) => f(&buffers.view(head_dim, value_stride, split_key)),
+        // Not reachable through parallel_for (items never nest); stay correct regardless.
+        Err(_) => f(&ScratchBuffers::default().view(head_dim, value_stride, split_key)),
+    });
+}
+
+/// Computes out (and lse when requested) for the whole problem with the current instruction
+/// set and `num_threads` threads (0 is taken as 1), after [`check_problem`].
+///
+/// # Safety
+/// As [`crate::reference_kernel::attention_reference`]: every view in `p` describes memory
+/// valid for its whole shape, nobody else writes the inputs or touches the outputs meanwhile.
+pub unsafe fn attention_forward(
+    p: &AttentionProblem,
+    num_threads: usize,
+) -> Result<(), ProblemError> {
+    let kernels = current_kernels().map_err(ProblemError)?;
+    // SAFETY: forwarded.
+    unsafe { attention_forward_with(p, num_threads, kernels) }
+}
+
+/// [`attention_forward`] with the kernels of a given instruction set (tests use every one).
+///
+/// # Safety
+/// As [`attention_forward`], and the CPU supports `kernels`' instruction set (take them from
+/// [`crate::dispatch::kernels_for`]).
+pub unsafe fn attention_forward_with(
+    p: &AttentionProblem,
+    num_threads: usize,
+    kernels: FlashKernels,
+) -> Result<(), ProblemError> {
+    check_problem(p)?;
+    let [batch, q_heads, q_len, head_dim] = p.q.shape.map(|n| n as usize);
+    if batch == 0 || q_heads == 0 || q_len == 0 {
+        return Ok(());
+    }
+    let threads = num_threads.max(1);
+
+    // 1. Plan.
+    let group = q_heads / p.k.shape[1] as usize;
+    let value_dim = p.v.shape[3] as usize;
+    let mut plan = FlashPlan {
+        problem: p,
+        group,
+        rows_per_group: q_len * group,
+        head_dim,
+        value_dim,
+        value_stride: value_dim.div_ceil(16) * 16,
+        q_multiplier: p.scale * LOG2_E,
+        has_mask: p.mask.kind != MaskKind::None,
+        packed_keys: std::ptr::null(),
+        panels_per_head: 0,
+        partial_out: std::ptr::null_mut(),
+        partial_max: std::ptr::null_mut(),
+        partial_sum: std::ptr::null_mut(),
+    };
+    CALLER_BUFFERS.with(|cell| {
+        let mut owned = CallerBuffers::default();
+        let mut borrowed = cell.try_borrow_mut();
+        // Not reachable through the binding (a call never nests); stay correct regardless.
+        let buffers = match borrowed.as_deref_mut() {
+            Ok(buffers) => buffers,
+            Err(_) => &mut owned,
+        };
+        if plan.rows_per_group > Q_TILE_ROWS {
+            run_prefill(&mut plan, kernels, threads, buffers);
+        } else {
+            run_split_key(&mut plan, kernels, threads, buffers);
+        }
+    });
+    Ok(())
+}
+
+/// A work item and its cost (visible keys times rows): items are taken most expensive first.
+struct CostedItem {
+    item: WorkItem,
+    cost: usize,
+}
+
+fn run_items(
+    plan: &FlashPlan,
+    kernels: FlashKernels,
+    items: &mut [CostedItem],
+    threads: usize,
+    split_key: bool,
+) {
+    items.sort_by_key(|costed| std::cmp::Reverse(costed.cost)); // stable, as in C++
+    let items = &*items;
+    parallel_for(items.len(), threads, &|index, _| {
+        with_scratch(plan.head_dim, plan.value_stride, split_key, |scratch| {
+            // SAFETY: the plan was built from a checked problem whose memory is valid
+            // (attention_forward's contract), the item is one of its own, the scratch is this
+            // thread's and sized for the plan, and the kernels' ISA is available.
+            unsafe { (kernels.attend_rows)(plan, &items[index].item, scratch) };
+        });
+    });
+}
+
+/// 2. Prefill: K^T panels of every (b, kv_head), then the tiles.
+fn run_prefill(
+    plan: &mut FlashPlan,
+    kernels: FlashKernels,
+    threads: usize,
+    buffers: &mut CallerBuffers,
+) {
+    let p = plan.problem;
+    let (batch, kv_heads, d_len) = (p.q.shape[0] as usize, p.k.shape[1] as usize, plan.head_dim);
+    plan.panels_per_head = (p.k.shape[2] as usize).div_ceil(KEY_PANEL);
+    let head_floats = plan.panels_per_head * d_len * KEY_PANEL;
+    let packed = Shared(buffers.packed_keys.ensure(batch * kv_heads * head_floats));
+    plan.packed_keys = packed.get();
+
+    // Pack only the keys some row may see: up to the last packed row's visible end.
+    let plan_ref = &*plan;
+    parallel_for(batch * kv_heads, threads, &|head, _| {
+        let (b, kv_head) = (head / kv_heads, head % kv_heads);
+        let p = plan_ref.problem;
+        let key_end = flash_row_key_end(p, b, plan_ref.group, plan_ref.rows_per_group - 1);
+        // SAFETY: the problem is checked and its memory valid (attention_forward's contract);
+        // head `head` writes only its own panels, inside the buffer sized above.
+        unsafe {
+            (kernels.pack_keys)(
+                p,
+                b,
+                kv_head,
+                0,
+                key_end,
+                packed.get().add(head * head_floats),
+            )
+        };
+    });
+
+    let tiles = plan.rows_per_group.div_ceil(Q_TILE_ROWS);
+    let mut items = Vec::with_capacity(batch * kv_heads * tiles);
+    for b in 0..batch {
+        for kv_head in 0..kv_heads {
+            for tile in 0..tiles {
+                let row_begin = tile * Q_TILE_ROWS;
+                let row_end = (row_begin + Q_TILE_ROWS).min(plan.rows_per_group);
+                let last_key = flash_row_key_end(p, b, plan.group, row_end - 1);
+                items.push(CostedItem {
+                    item: WorkItem {
+                        b,
+                        kv_head,
+                        row_begin,
+                        row_end,
+                        key_begin: 0,
+                        key_end: last_key,
+                        partial_slot: None,
+                    },
+                    cost: (last_key + KEY_BLOCK) * (row_end - row_begin),
+                });
+            }
+        }
+    }
+    run_items(plan, kernels, &mut items, threads, false);
+}
+
+/// 6. Split-key: chunks of every group's visible keys, then the log-sum-exp merge.
+fn run_split_key(
+    plan: &mut FlashPlan,
+    kernels: FlashKernels,
+    threads: usize,
+    buffers: &mut CallerBuffers,
+) {
+    let p = plan.problem;
+    let (batch, kv_heads, value_dim) =
+        (p.q.shape[0] as usize, p.k.shape[1] as usize, plan.value_dim);
+    let rows = plan.rows_per_group;
+
+    let mut slot_base = vec![0usize; batch + 1]; // first slot of (b, kv_head 0)
+    let mut items = Vec::new();
+    for b in 0..batch {
+        let key_end = flash_row_key_end(p, b, plan.group, rows - 1);
+        let chunks = key_end.div_ceil(SPLIT_KEY_CHUNK).max(1);
+        slot_base[b + 1] = slot_base[b] + if chunks > 1 { chunks * kv_heads } else { 0 };
+        for kv_head in 0..kv_heads {
+            for chunk in 0..chunks {
+                let key_begin = chunk * SPLIT_KEY_CHUNK;
+                let chunk_end = (key_begin + SPLIT_KEY_CHUNK).min(key_end);
+                items.push(CostedItem {
+                    item: WorkItem {
+                        b,
+                        kv_head,
+                        row_begin: 0,
+                        row_end: rows,
+                        key_begin,
+                        key_end: if chunks > 1 { chunk_end } else { key_end },
+                        partial_slot: (chunks > 1).then(|| slot_base[b] + kv_head * chunks + chunk),
+                    },
+                    cost: (chunk_end.saturating_sub(key_begin) + KEY_BLOCK) * rows,
+                });
+            }
+        }
+    }
+    let slots = slot_base[batch];
+    if slots > 0 {
+        let slot_rows = slots * rows;
+        let partials = buffers.partials.ensure(slot_rows * (value_dim + 2));
+        plan.partial_out = partials;
+        // SAFETY: the buffer holds slot_rows * (Dv + 2) floats.
+        plan.partial_max = unsafe { partials.add(slot_rows * value_dim) };
+        // SAFETY: as above.
+        plan.partial_sum = unsafe { partials.add(slot_rows * (value_dim + 1)) };
+    }
+    run_items(plan, kernels, &mut items, threads, true);
+    if slots == 0 {
+        return;
+    }
+
+    // Merge, in chunk order.
+    let plan_ref = &*plan;
+    let slot_base = &slot_base;
+    parallel_for(batch * kv_heads, threads, &|head, _| {
+        let (b, kv_head) = (head / kv_heads, head % kv_heads);
+        let chunks = (slot_base[b + 1] - slot_base[b]) / kv_heads;
+        if chunks == 0 {
+            return; // one chunk: written directly
+        }
+        // SAFETY: the partials of these slots were written by the items above; this group's
+        // out and lse rows are written by this item only.
+        unsafe {
+            merge_partials(
+                plan_ref,
+                b,
+                kv_head,
+                slot_base[b] + kv_head * chunks,
+                chunks,
+            )
+        };
+    });
+}
+
+/// Step 6's merge: for every row of group (b, kv_head), chunks in order, `m* = max_c m_c`,
+/// `l* = sum_c l_c 2^(m_c - m*)`, `out = sum_c O_c 2^(m_c - m*) / l*` and
+/// `lse = ln 2 (m* + log2 l*)`.
+///
+/// # Safety
+/// Partial slots first_slot..first_slot + chunks of the plan hold this group's rows; the views
+/// of the plan's problem are valid.
+unsafe fn merge_partials(
+    plan: &FlashPlan,
+    b: usize,
+    kv_head: usize,
+    first_slot: usize,
+    chunks: usize,
+) {
+    let p = plan.problem;
+    let (group, value_dim, rows) = (plan.group, plan.value_dim, plan.rows_per_group);
+    let stride = |axis: usize| p.out.stride[axis] as isize;
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        for r in 0..rows {
+            let mut m_star = f32::NEG_INFINITY;
+            for c in 0..chunks {
+                let m = *plan.partial_max.add((first_slot + c) * rows + r);
+                if m_star < m {
+                    m_star = m;
+                }
+            }
+            let (h, i) = (kv_head * group + r % group, r / group);
+            let dst = p
+                .out
+                .data
+                .offset(b as isize * stride(0) + h as isize * stride(1) + i as isize * stride(2));
+            for d in 0..value_dim {
+                *dst.add(d) = 0.0;
+            }
+            let mut l_star = 0.0f32;
+            if m_star != f32::NEG_INFINITY {
+                for c in 0..chunks {
+                    let slot_row = (first_slot + c) * rows + r;
+                    let l_c = *plan.partial_sum.add(slot_row);
+                    if l_c == 0.0 {
+                        continue;
+                    }
+                    let weight = (*plan.partial_max.add(slot_row) - m_star).exp2();
+                    l_star += l_c * weight;
+                    let o_c = plan.partial_out.add(slot_row * value_dim);
+                    for d in 0..value_dim {
+                        *dst.add(d) += *o_c.add(d) * weight;
+                    }
+                }
+            }
+            if l_star != 0.0 {
+                let inverse = 1.0 / l_star;
+                for d in 0..value_dim {
+                    *dst.add(d) *= inverse;
+                }
+            }
+            if p.lse.is_requested() {
+                let lse = p.lse.data.offset(
+                    b as isize * p.lse.stride[0] as isize
+                        + h as isize * p.lse.stride[1] as isize
+                        + i as isize * p.lse.stride[2] as isize,
+                );
+                *lse = if l_star == 0.0 {
+                    f32::NEG_INFINITY
+                } else {
+                    LN2 * (m_star + l_star.log2())
+                };
+            }
+        }
+    }
+}

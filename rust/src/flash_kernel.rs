@@ -1,0 +1,740 @@
+//! The tile kernel of the fast path (docs/kernels.md, steps 2-6), written once over a vector
+//! type V (simd/scalar.rs, simd/avx2.rs, simd/avx512.rs) and compiled once per instruction set:
+//! `#[target_feature]` entry functions at the bottom call the `#[inline(always)]` generic code
+//! (C++: one translation unit per instruction set with its own -m flags). Twin of
+//! `cpp/src/flash_kernel.hpp` + `cpp/src/flash_{scalar,avx2,avx512}.cpp`.
+//!
+//! One work item = a set of packed rows of one (sequence b, KV head) against a key range:
+//!   packed row r is query position i = r / G of query head h = kv_head * G + r % G, at absolute
+//!   position q_offset[b] + i (G = Hq / Hkv). Rows [row_begin, row_end), at most Q_TILE_ROWS.
+//!   Keys [key_begin, key_end), visited in key blocks of KEY_BLOCK keys.
+//! Shapes of the per-thread scratch (ThreadScratch), rows padded to a multiple of MICRO_ROWS:
+//!   q_tile   (rows, D)            Q rows times scale * log2(e)
+//!   scores   (rows, KEY_BLOCK)    S, then P, of one key block
+//!   out_acc  (rows, value_stride) unnormalised O
+//!   row_max, row_sum, rescale (rows)   m (base 2), l, and alpha of the current block
+//!   key_panels (KEY_BLOCK / KEY_PANEL panels of (D, KEY_PANEL))   split-key path only
+//!
+//! Everything here works on raw pointers that the planner (flash_attention.rs) derived from a
+//! checked problem; the functions are `unsafe` with that as their contract.
+
+use crate::constants::{KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, MICRO_ROWS};
+use crate::problem::{AttentionProblem, MaskKind};
+use crate::simd::Vector;
+
+/// What every work item of one call shares (built by flash_attention.rs).
+pub struct FlashPlan<'p, 'a> {
+    pub problem: &'p AttentionProblem<'a>,
+    /// G = Hq / Hkv
+    pub group: usize,
+    /// Lq * G packed rows per (b, kv_head)
+    pub rows_per_group: usize,
+    /// D
+    pub head_dim: usize,
+    /// Dv
+    pub value_dim: usize,
+    /// row stride of out_acc: Dv rounded up to a multiple of 16
+    pub value_stride: usize,
+    /// scale * log2(e)
+    pub q_multiplier: f32,
+    pub has_mask: bool,
+    /// Prefill: the K^T panels of every (b, kv_head), panels_per_head panels each, panel p of
+    /// (b, kv_head) at packed_keys + ((b * Hkv + kv_head) * panels_per_head + p) * D * KEY_PANEL.
+    /// Null on the split-key path (each item packs its own blocks).
+    pub packed_keys: *const f32,
+    pub panels_per_head: usize,
+    /// Split-key partials, slot s holding rows_per_group rows: out (Dv floats each), m, l.
+    pub partial_out: *mut f32,
+    pub partial_max: *mut f32,
+    pub partial_sum: *mut f32,
+}
+
+// SAFETY: the plan is read-only while work items run; the memory behind its pointers is
+// written by the items in disjoint parts (flash_attention.rs), so sharing it among the pool's
+// threads is sound. (Raw pointers are neither Send nor Sync in Rust; C++ has no such rule.)
+unsafe impl Sync for FlashPlan<'_, '_> {}
+
+/// One work item.
+#[derive(Clone, Copy, Debug)]
+pub struct WorkItem {
+    pub b: usize,
+    pub kv_head: usize,
+    /// packed rows [row_begin, row_end)
+    pub row_begin: usize,
+    pub row_end: usize,
+    /// key range; each row also stops at its own visible end
+    pub key_begin: usize,
+    pub key_end: usize,
+    /// None: write out and lse; Some(slot): the partials slot to write
+    pub partial_slot: Option<usize>,
+}
+
+/// Per-thread scratch, sized by the planner (see the module documentation).
+pub struct ThreadScratch {
+    pub q_tile: *mut f32,
+    pub scores: *mut f32,
+    pub out_acc: *mut f32,
+    pub row_max: *mut f32,
+    pub row_sum: *mut f32,
+    pub rescale: *mut f32,
+    pub row_key_end: *mut usize,
+    pub key_panels: *mut f32,
+}
+
+/// Runs one work item. # Safety: see [`attend_rows`].
+pub type AttendRowsFn = unsafe fn(&FlashPlan, &WorkItem, &ThreadScratch);
+/// Packs keys [key_begin, key_end) of one (b, kv_head) into K^T panels at dst (the first panel
+/// holds keys key_begin ...); the last panel's columns past key_end are zero.
+/// # Safety: see [`pack_keys`].
+pub type PackKeysFn = unsafe fn(&AttentionProblem, usize, usize, usize, usize, *mut f32);
+
+/// The kernels of one instruction set.
+#[derive(Clone, Copy)]
+pub struct FlashKernels {
+    pub isa: &'static str,
+    pub attend_rows: AttendRowsFn,
+    pub pack_keys: PackKeysFn,
+}
+
+/// One past the last key packed row r of sequence b may see by length and position.
+pub fn flash_row_key_end(p: &AttentionProblem, b: usize, group: usize, r: usize) -> usize {
+    let kv_len = p.kv_lens[b] as usize;
+    if !p.causal {
+        return kv_len;
+    }
+    let last_visible = p.q_offset[b].saturating_add((r / group) as i64); // q_offset >= 0 when causal
+    kv_len.min(last_visible.saturating_add(1) as usize)
+}
+
+fn round_up(n: usize, m: usize) -> usize {
+    n.div_ceil(m) * m
+}
+
+/// Element offset of an index in a strided view.
+#[inline(always)]
+fn at<const N: usize>(index: [usize; N], stride: &[i64; N]) -> isize {
+    let mut offset = 0i64;
+    for axis in 0..N {
+        offset += index[axis] as i64 * stride[axis];
+    }
+    offset as isize
+}
+
+// ---- 2. Packing ------------------------------------------------------------------------------
+
+/// # Safety
+/// `p` is a checked problem whose views are valid; b < B, kv_head < Hkv, key_end <= kv_lens[b];
+/// `dst` is valid for writing ceil((key_end - key_begin) / KEY_PANEL) * D * KEY_PANEL floats.
+#[inline(always)]
+pub unsafe fn pack_keys<V: Vector>(
+    p: &AttentionProblem,
+    b: usize,
+    kv_head: usize,
+    key_begin: usize,
+    key_end: usize,
+    mut dst: *mut f32,
+) {
+    let d_len = p.k.shape[3] as usize;
+    // SAFETY: forwarded from this function's contract: every key row read is < kv_lens[b], every
+    // write lies inside dst's panels.
+    unsafe {
+        let k_head =
+            p.k.data
+                .offset(at([b, kv_head], &[p.k.stride[0], p.k.stride[1]]));
+        let mut panel_begin = key_begin;
+        let key_stride = p.k.stride[2] as isize;
+        while panel_begin < key_end {
+            let keys = (key_end - panel_begin).min(KEY_PANEL);
+            let panel_rows = k_head.offset(panel_begin as isize * key_stride);
+            for j in 0..keys {
+                let k_row = panel_rows.offset(j as isize * key_stride);
+                for d in 0..d_len {
+                    *dst.add(d * KEY_PANEL + j) = *k_row.add(d);
+                }
+            }
+            for j in keys..KEY_PANEL {
+                for d in 0..d_len {
+                    *dst.add(d * KEY_PANEL + j) = 0.0;
+                }
+            }
+            dst = dst.add(d_len * KEY_PANEL);
+            panel_begin += KEY_PANEL;
+        }
+    }
+}
+
+// ---- 3a. S = Q K^T: MICRO_ROWS rows x SCORE_VECTORS vectors of keys ---------------------------
+
+/// Accumulator arrays are sized for the widest blocking; only the first SV / NV are used (the
+/// loops have constant bounds after monomorphisation, so the compiler keeps them in registers).
+/// (C++ sizes them with the template parameter; Rust cannot size an array by an associated
+/// constant of a generic parameter on stable.)
+const MAX_VECTORS: usize = 4;
+
+/// q: MICRO_ROWS rows of D; panel: (D, KEY_PANEL) already offset to the first key column;
+/// scores: MICRO_ROWS rows of stride KEY_BLOCK.
+///
+/// # Safety
+/// V's instruction set is available; the pointers cover what is described above.
+#[inline(always)]
+unsafe fn score_micro<V: Vector>(q: *const f32, d_len: usize, panel: *const f32, scores: *mut f32) {
+    let sv = V::SCORE_VECTORS;
+    let w = V::WIDTH;
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let mut acc = [[V::zero(); MAX_VECTORS]; MICRO_ROWS];
+        for d in 0..d_len {
+            let mut keys = [V::zero(); MAX_VECTORS];
+            for (v, key) in keys.iter_mut().enumerate().take(sv) {
+                *key = V::load(panel.add(d * KEY_PANEL + v * w));
+            }
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let q_rd = V::broadcast(*q.add(r * d_len + d));
+                for v in 0..sv {
+                    acc_r[v] = V::fma(q_rd, keys[v], acc_r[v]);
+                }
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (v, &a) in acc_r.iter().enumerate().take(sv) {
+                a.store(scores.add(r * KEY_BLOCK + v * w));
+            }
+        }
+    }
+}
+
+/// S for padded_rows rows against the panels holding the block's keys (n keys).
+///
+/// # Safety
+/// As [`score_micro`], for every micro tile.
+#[inline(always)]
+unsafe fn block_scores<V: Vector>(
+    q_tile: *const f32,
+    d_len: usize,
+    padded_rows: usize,
+    panels: *const f32,
+    n: usize,
+    scores: *mut f32,
+) {
+    let keys_per_micro = V::SCORE_VECTORS * V::WIDTH;
+    let mut panel = 0;
+    while panel * KEY_PANEL < n {
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            let panel_data = panels.add(panel * d_len * KEY_PANEL);
+            let mut column = 0;
+            while column < KEY_PANEL && panel * KEY_PANEL + column < n {
+                for r in (0..padded_rows).step_by(MICRO_ROWS) {
+                    score_micro::<V>(
+                        q_tile.add(r * d_len),
+                        d_len,
+                        panel_data.add(column),
+                        scores.add(r * KEY_BLOCK + panel * KEY_PANEL + column),
+                    );
+                }
+                column += keys_per_micro;
+            }
+        }
+        panel += 1;
+    }
+}
+
+// ---- 3d. O = alpha O + P V: MICRO_ROWS rows x NV vectors of value columns ----------------------
+
+/// TAIL: the last vector holds only `tail` columns. SAFE: a row whose p is 0 (a hidden key)
+/// skips the key, so a NaN in a hidden value never enters (0 * NaN = NaN).
+///
+/// # Safety
+/// V's instruction set is available; probs: MICRO_ROWS rows of stride KEY_BLOCK, n keys;
+/// v_rows: n value rows of stride v_stride, each readable for the columns used; out:
+/// MICRO_ROWS rows of stride out_stride, NV * WIDTH floats each; rescale: MICRO_ROWS floats.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn value_micro<V: Vector, const NV: usize, const TAIL: bool, const SAFE: bool>(
+    probs: *const f32,
+    n: usize,
+    v_rows: *const f32,
+    v_stride: isize,
+    out: *mut f32,
+    out_stride: usize,
+    rescale: *const f32,
+    do_rescale: bool,
+    tail: usize,
+) {
+    let w = V::WIDTH;
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let mut acc = [[V::zero(); NV]; MICRO_ROWS];
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            let alpha = V::broadcast(*rescale.add(r));
+            for (v, a) in acc_r.iter_mut().enumerate() {
+                *a = V::load(out.add(r * out_stride + v * w));
+                if do_rescale {
+                    *a = V::mul(*a, alpha);
+                }
+            }
+        }
+        for key in 0..n {
+            let v_row = v_rows.offset(key as isize * v_stride);
+            let mut values = [V::zero(); NV];
+            for (v, value) in values.iter_mut().enumerate() {
+                *value = if TAIL && v == NV - 1 {
+                    V::load_tail(v_row.add(v * w), tail)
+                } else {
+                    V::load(v_row.add(v * w))
+                };
+            }
+            if SAFE {
+                // Row by row (C++ first tests whether all MICRO_ROWS weights are nonzero and
+                // then runs the plain loop; here that kept six weights in registers beside 24
+                // accumulators, and the AVX-512 build spilled three accumulators to the stack).
+                for (r, acc_r) in acc.iter_mut().enumerate() {
+                    let p = *probs.add(r * KEY_BLOCK + key);
+                    if p == 0.0 {
+                        continue;
+                    }
+                    let p_r = V::broadcast(p);
+                    for v in 0..NV {
+                        acc_r[v] = V::fma(p_r, values[v], acc_r[v]);
+                    }
+                }
+                continue;
+            }
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let p_r = V::broadcast(*probs.add(r * KEY_BLOCK + key));
+                for v in 0..NV {
+                    acc_r[v] = V::fma(p_r, values[v], acc_r[v]);
+                }
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (v, &a) in acc_r.iter().enumerate() {
+                a.store(out.add(r * out_stride + v * w));
+            }
+        }
+    }
+}
+
+/// The full-width micro-kernel for V's VALUE_VECTORS (a const argument cannot be an associated
+/// constant of a generic parameter on stable Rust, hence the match; C++ passes it directly).
+///
+/// # Safety
+/// As [`value_micro`].
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn value_micro_full<V: Vector, const SAFE: bool>(
+    probs: *const f32,
+    n: usize,
+    v_rows: *const f32,
+    v_stride: isize,
+    out: *mut f32,
+    out_stride: usize,
+    rescale: *const f32,
+    do_rescale: bool,
+) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        match V::VALUE_VECTORS {
+            4 => value_micro::<V, 4, false, SAFE>(
+                probs, n, v_rows, v_stride, out, out_stride, rescale, do_rescale, 0,
+            ),
+            2 => value_micro::<V, 2, false, SAFE>(
+                probs, n, v_rows, v_stride, out, out_stride, rescale, do_rescale, 0,
+            ),
+            _ => unreachable!("VALUE_VECTORS is 2 or 4"),
+        }
+    }
+}
+
+/// # Safety
+/// As [`value_micro`], for every micro tile: padded_rows rows, Dv columns.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn block_values<V: Vector, const SAFE: bool>(
+    scores: *const f32,
+    padded_rows: usize,
+    n: usize,
+    v_rows: *const f32,
+    v_stride: isize,
+    out_acc: *mut f32,
+    out_stride: usize,
+    value_dim: usize,
+    rescale: *const f32,
+) {
+    let w = V::WIDTH;
+    let nv = V::VALUE_VECTORS;
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        for r in (0..padded_rows).step_by(MICRO_ROWS) {
+            let mut do_rescale = false;
+            for s in 0..MICRO_ROWS {
+                do_rescale |= *rescale.add(r + s) != 1.0;
+            }
+            let probs = scores.add(r * KEY_BLOCK);
+            let out = out_acc.add(r * out_stride);
+            let rescale = rescale.add(r);
+            let mut c = 0;
+            while c + nv * w <= value_dim {
+                value_micro_full::<V, SAFE>(
+                    probs,
+                    n,
+                    v_rows.add(c),
+                    v_stride,
+                    out.add(c),
+                    out_stride,
+                    rescale,
+                    do_rescale,
+                );
+                c += nv * w;
+            }
+            while c + w <= value_dim {
+                value_micro::<V, 1, false, SAFE>(
+                    probs,
+                    n,
+                    v_rows.add(c),
+                    v_stride,
+                    out.add(c),
+                    out_stride,
+                    rescale,
+                    do_rescale,
+                    0,
+                );
+                c += w;
+            }
+            if c < value_dim {
+                value_micro::<V, 1, true, SAFE>(
+                    probs,
+                    n,
+                    v_rows.add(c),
+                    v_stride,
+                    out.add(c),
+                    out_stride,
+                    rescale,
+                    do_rescale,
+                    value_dim - c,
+                );
+            }
+        }
+    }
+}
+
+// ---- The work item: steps 1-4 of docs/kernels.md for rows x keys ------------------------------
+
+/// # Safety
+/// V's instruction set is available; `plan` was built by flash_attention.rs from a checked
+/// problem whose views are valid; `item` is one of its work items; `s` points to scratch sized
+/// for the plan and used by no other thread.
+#[inline(always)]
+pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
+    let p = plan.problem;
+    let w = V::WIDTH;
+    let (group, d_len, value_dim) = (plan.group, plan.head_dim, plan.value_dim);
+    let out_stride = plan.value_stride;
+    let rows = item.row_end - item.row_begin;
+    let padded_rows = round_up(rows, MICRO_ROWS);
+    let b = item.b;
+    // SAFETY: forwarded from this function's contract: every index below stays inside the
+    // checked views (rows < Lq * G, keys < row_key_end <= kv_lens[b]) or the sized scratch.
+    unsafe {
+        // 2. The Q tile, times scale * log2(e); each row's visible end; m = -inf, l = 0, O = 0.
+        let multiplier = V::broadcast(plan.q_multiplier);
+        for r in 0..padded_rows {
+            let q_dst = s.q_tile.add(r * d_len);
+            if r < rows {
+                let packed = item.row_begin + r;
+                let (h, i) = (item.kv_head * group + packed % group, packed / group);
+                let q_src = p.q.data.offset(at(
+                    [b, h, i],
+                    &[p.q.stride[0], p.q.stride[1], p.q.stride[2]],
+                ));
+                let mut d = 0;
+                while d + w <= d_len {
+                    V::mul(V::load(q_src.add(d)), multiplier).store(q_dst.add(d));
+                    d += w;
+                }
+                if d < d_len {
+                    V::mul(V::load_tail(q_src.add(d), d_len - d), multiplier)
+                        .store_tail(q_dst.add(d), d_len - d);
+                }
+                *s.row_key_end.add(r) = flash_row_key_end(p, b, group, packed);
+            } else {
+                // padding rows: zero queries that see what the last real row sees
+                for d in 0..d_len {
+                    *q_dst.add(d) = 0.0;
+                }
+                *s.row_key_end.add(r) = *s.row_key_end.add(rows - 1);
+            }
+            *s.row_max.add(r) = f32::NEG_INFINITY;
+            *s.row_sum.add(r) = 0.0;
+            for c in 0..out_stride {
+                *s.out_acc.add(r * out_stride + c) = 0.0;
+            }
+        }
+
+        // 3. Key blocks up to the last key any row sees (rows are ordered by position).
+        let key_stop = (*s.row_key_end.add(rows - 1)).min(item.key_end);
+        let k_head_panels = if plan.packed_keys.is_null() {
+            std::ptr::null()
+        } else {
+            plan.packed_keys.add(
+                (b * p.k.shape[1] as usize + item.kv_head)
+                    * plan.panels_per_head
+                    * d_len
+                    * KEY_PANEL,
+            )
+        };
+        let v_head =
+            p.v.data
+                .offset(at([b, item.kv_head], &[p.v.stride[0], p.v.stride[1]]));
+        let v_stride = p.v.stride[2] as isize;
+        let mut key_block = item.key_begin;
+        while key_block < key_stop {
+            let n = (key_stop - key_block).min(KEY_BLOCK);
+            let n_padded = round_up(n, w);
+            let panels = if k_head_panels.is_null() {
+                pack_keys::<V>(p, b, item.kv_head, key_block, key_block + n, s.key_panels);
+                s.key_panels.cast_const()
+            } else {
+                k_head_panels.add((key_block / KEY_PANEL) * d_len * KEY_PANEL)
+            };
+            // (a) S = Q K^T.
+            block_scores::<V>(s.q_tile, d_len, padded_rows, panels, n, s.scores);
+            // (b) Mask only blocks that cross a row's visible end, or when a mask is given.
+            let masked = plan.has_mask || *s.row_key_end < key_block + n;
+            if masked {
+                mask_block(plan, item, s, rows, padded_rows, key_block, n);
+            }
+            for r in 0..padded_rows {
+                for j in n..n_padded {
+                    *s.scores.add(r * KEY_BLOCK + j) = f32::NEG_INFINITY;
+                }
+            }
+            // (c) Online softmax.
+            for r in 0..padded_rows {
+                softmax_row::<V>(s.scores.add(r * KEY_BLOCK), n_padded, s, r);
+            }
+            // (d) O = alpha O + P V.
+            let v_rows = v_head.offset(key_block as isize * v_stride);
+            if masked {
+                block_values::<V, true>(
+                    s.scores,
+                    padded_rows,
+                    n,
+                    v_rows,
+                    v_stride,
+                    s.out_acc,
+                    out_stride,
+                    value_dim,
+                    s.rescale,
+                );
+            } else {
+                block_values::<V, false>(
+                    s.scores,
+                    padded_rows,
+                    n,
+                    v_rows,
+                    v_stride,
+                    s.out_acc,
+                    out_stride,
+                    value_dim,
+                    s.rescale,
+                );
+            }
+            key_block += KEY_BLOCK;
+        }
+
+        // 4. Finish: out = O / l and lse, or the partial (m, l, O) of this key range.
+        for r in 0..rows {
+            let packed = item.row_begin + r;
+            let o = s.out_acc.add(r * out_stride);
+            if let Some(slot) = item.partial_slot {
+                let slot_row = slot * plan.rows_per_group + packed;
+                std::ptr::copy_nonoverlapping(
+                    o,
+                    plan.partial_out.add(slot_row * value_dim),
+                    value_dim,
+                );
+                *plan.partial_max.add(slot_row) = *s.row_max.add(r);
+                *plan.partial_sum.add(slot_row) = *s.row_sum.add(r);
+                continue;
+            }
+            let (h, i) = (item.kv_head * group + packed % group, packed / group);
+            let dst = p.out.data.offset(at(
+                [b, h, i],
+                &[p.out.stride[0], p.out.stride[1], p.out.stride[2]],
+            ));
+            let l = *s.row_sum.add(r);
+            let inverse = V::broadcast(if l == 0.0 { 0.0 } else { 1.0 / l });
+            let mut c = 0;
+            while c + w <= value_dim {
+                V::mul(V::load(o.add(c)), inverse).store(dst.add(c));
+                c += w;
+            }
+            if c < value_dim {
+                V::mul(V::load(o.add(c)), inverse).store_tail(dst.add(c), value_dim - c);
+            }
+            if p.lse.is_requested() {
+                let lse = p.lse.data.offset(at([b, h, i], &p.lse.stride));
+                *lse = if l == 0.0 {
+                    f32::NEG_INFINITY
+                } else {
+                    LN2 * (*s.row_max.add(r) + l.log2())
+                };
+            }
+        }
+    }
+}
+
+/// 3b. -inf past each row's visible end (index arithmetic); the bool / float mask, read through
+/// its strides, on the keys before it. Padding rows get the suffix only.
+///
+/// # Safety
+/// As [`attend_rows`].
+#[inline(always)]
+unsafe fn mask_block(
+    plan: &FlashPlan,
+    item: &WorkItem,
+    s: &ThreadScratch,
+    rows: usize,
+    padded_rows: usize,
+    key_block: usize,
+    n: usize,
+) {
+    let p = plan.problem;
+    // SAFETY: forwarded from this function's contract; mask indices are in bounds (r < rows,
+    // key_block + j < row_key_end <= Lk).
+    unsafe {
+        for r in 0..padded_rows {
+            let row = s.scores.add(r * KEY_BLOCK);
+            let visible = (*s.row_key_end.add(r)).saturating_sub(key_block); // keys [0, visible)
+            for j in visible..n {
+                *row.add(j) = f32::NEG_INFINITY;
+            }
+            if !plan.has_mask || r >= rows {
+                continue;
+            }
+            let packed = item.row_begin + r;
+            let (h, i) = (
+                item.kv_head * plan.group + packed % plan.group,
+                packed / plan.group,
+            );
+            let mask_row = at(
+                [item.b, h, i],
+                &[p.mask.stride[0], p.mask.stride[1], p.mask.stride[2]],
+            );
+            let key_stride = p.mask.stride[3] as isize;
+            let end = visible.min(n);
+            if p.mask.kind == MaskKind::Bool {
+                let mask = p.mask.data.offset(mask_row);
+                for j in 0..end {
+                    if *mask.offset((key_block + j) as isize * key_stride) == 0 {
+                        *row.add(j) = f32::NEG_INFINITY;
+                    }
+                }
+            } else {
+                let bias = p.mask.data.cast::<f32>().offset(mask_row);
+                for j in 0..end {
+                    let bias_j = *bias.offset((key_block + j) as isize * key_stride);
+                    *row.add(j) = if bias_j == f32::NEG_INFINITY {
+                        f32::NEG_INFINITY
+                    } else {
+                        *row.add(j) + bias_j * LOG2_E
+                    };
+                }
+            }
+        }
+    }
+}
+
+/// 3c. m_new = max(m, rowmax S), alpha = 2^(m - m_new), P = 2^(S - m_new), l = l alpha + sum P.
+///
+/// # Safety
+/// V's instruction set is available; row holds n_padded (a multiple of WIDTH) floats; r indexes
+/// the scratch rows.
+#[inline(always)]
+unsafe fn softmax_row<V: Vector>(row: *mut f32, n_padded: usize, s: &ThreadScratch, r: usize) {
+    let w = V::WIDTH;
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let mut running = V::broadcast(f32::NEG_INFINITY);
+        for j in (0..n_padded).step_by(w) {
+            running = V::max(running, V::load(row.add(j)));
+        }
+        let block_max = V::reduce_max(running);
+        let m_old = *s.row_max.add(r);
+        let m_new = if block_max > m_old { block_max } else { m_old };
+        if m_new == f32::NEG_INFINITY {
+            // nothing visible yet: P = 0, nothing to rescale
+            for j in (0..n_padded).step_by(w) {
+                V::zero().store(row.add(j));
+            }
+            *s.rescale.add(r) = 1.0;
+            return;
+        }
+        let alpha = if m_old == m_new {
+            1.0
+        } else {
+            (m_old - m_new).exp2()
+        }; // m_old = -inf: 0
+        let shift = V::broadcast(m_new);
+        let mut sum = V::zero();
+        for j in (0..n_padded).step_by(w) {
+            let prob = V::exp2(V::sub(V::load(row.add(j)), shift));
+            prob.store(row.add(j));
+            sum = V::add(sum, prob);
+        }
+        *s.rescale.add(r) = alpha;
+        *s.row_sum.add(r) = *s.row_sum.add(r) * alpha + V::reduce_sum(sum);
+        *s.row_max.add(r) = m_new;
+    }
+}
+
+// ---- One compiled copy per instruction set -----------------------------------------------------
+
+macro_rules! isa_kernels {
+    ($module:ident, $vector:ty, $name:literal, $($feature:literal)?) => {
+        pub mod $module {
+            use super::*;
+
+            /// # Safety
+            /// The CPU supports this instruction set; otherwise as [`super::attend_rows`].
+            $(#[target_feature(enable = $feature)])?
+            pub unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
+                // SAFETY: forwarded; the dispatcher only hands this out after detection.
+                unsafe { super::attend_rows::<$vector>(plan, item, s) }
+            }
+
+            /// # Safety
+            /// The CPU supports this instruction set; otherwise as [`super::pack_keys`].
+            $(#[target_feature(enable = $feature)])?
+            pub unsafe fn pack_keys(
+                p: &AttentionProblem,
+                b: usize,
+                kv_head: usize,
+                key_begin: usize,
+                key_end: usize,
+                dst: *mut f32,
+            ) {
+                // SAFETY: forwarded, as in attend_rows.
+                unsafe { super::pack_keys::<$vector>(p, b, kv_head, key_begin, key_end, dst) }
+            }
+
+            pub const KERNELS: FlashKernels = FlashKernels {
+                isa: $name,
+                attend_rows,
+                pack_keys,
+            };
+        }
+    };
+}
+
+isa_kernels!(scalar, crate::simd::scalar::Scalar, "scalar",);
+#[cfg(target_arch = "x86_64")]
+isa_kernels!(avx2, crate::simd::avx2::Avx2, "avx2", "avx2,fma");
+#[cfg(target_arch = "x86_64")]
+isa_kernels!(
+    avx512,
+    crate::simd::avx512::Avx512,
+    "avx512",
+    "avx512f,avx2,fma"
+);

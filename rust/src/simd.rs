@@ -1,0 +1,75 @@
+//! The vector types of the fast kernels: one per instruction set, all behind [`Vector`], so the
+//! tile kernel (`flash_kernel.rs`) is written once and compiled once per instruction set.
+//!
+//! Twin of `cpp/src/simd_{scalar,avx2,avx512}.hpp`: the same operations, the same exp2
+//! polynomial (constants.rs), the same horizontal reduction order (halves folded).
+//!
+//! Soundness: a value of an AVX type exists only once its instruction set has been detected, so
+//! its constructors (`zero`, `broadcast`, `load*`) are `unsafe` with that requirement, and the
+//! arithmetic on existing values is safe. (C++ needs no such split: its per-ISA translation
+//! units are simply never called on a CPU without the instructions.)
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2;
+#[cfg(target_arch = "x86_64")]
+pub mod avx512;
+pub mod scalar;
+
+/// A vector of `WIDTH` floats with the operations the tile kernel needs.
+pub trait Vector: Copy {
+    /// Floats per vector.
+    const WIDTH: usize;
+    /// Vectors of keys per S micro-kernel row (constants.rs).
+    const SCORE_VECTORS: usize;
+    /// Vectors of value columns per P.V micro-kernel row (constants.rs).
+    const VALUE_VECTORS: usize;
+    /// The instruction set's name, as `build_info()["isa"]` reports it.
+    const NAME: &'static str;
+
+    /// All lanes 0.
+    ///
+    /// # Safety
+    /// The CPU supports this type's instruction set.
+    unsafe fn zero() -> Self;
+    /// All lanes `x`.
+    ///
+    /// # Safety
+    /// As [`Vector::zero`].
+    unsafe fn broadcast(x: f32) -> Self;
+    /// `WIDTH` floats from `p` (any alignment).
+    ///
+    /// # Safety
+    /// As [`Vector::zero`], and `p` is valid for reading `WIDTH` floats.
+    unsafe fn load(p: *const f32) -> Self;
+    /// The first `n` (< `WIDTH`) floats from `p`; the other lanes are 0 and their memory is
+    /// never touched.
+    ///
+    /// # Safety
+    /// As [`Vector::zero`], and `p` is valid for reading `n` floats.
+    unsafe fn load_tail(p: *const f32, n: usize) -> Self;
+    /// Writes `WIDTH` floats to `p`.
+    ///
+    /// # Safety
+    /// `p` is valid for writing `WIDTH` floats.
+    unsafe fn store(self, p: *mut f32);
+    /// Writes the first `n` (< `WIDTH`) lanes to `p`; the memory after them is not touched.
+    ///
+    /// # Safety
+    /// `p` is valid for writing `n` floats.
+    unsafe fn store_tail(self, p: *mut f32, n: usize);
+    /// A hint to fetch the cache line holding `p`; never faults.
+    fn prefetch(p: *const f32);
+    /// `a * b + c` (fused on the SIMD types, two roundings on the scalar type, as in C++).
+    fn fma(a: Self, b: Self, c: Self) -> Self;
+    fn mul(a: Self, b: Self) -> Self;
+    fn add(a: Self, b: Self) -> Self;
+    fn sub(a: Self, b: Self) -> Self;
+    /// Per lane `a > b ? a : b` (x86 semantics: `b` when either is NaN).
+    fn max(a: Self, b: Self) -> Self;
+    /// 2^x for x <= 0 (constants.rs, "exp2"); -inf gives exactly 0.
+    fn exp2(x: Self) -> Self;
+    /// The largest lane, halves folded (lanes i and i + WIDTH/2, then i and i + WIDTH/4, ...).
+    fn reduce_max(x: Self) -> f32;
+    /// The sum of the lanes, halves folded like [`Vector::reduce_max`].
+    fn reduce_sum(x: Self) -> f32;
+}

@@ -1,0 +1,136 @@
+//! The AVX2 + FMA vector type: 8 floats. Twin of `cpp/src/simd_avx2.hpp`. Only code compiled
+//! inside `#[target_feature(enable = "avx2,fma")]` functions uses it (flash_kernel.rs), and
+//! values exist only after AVX2 and FMA were detected (see simd.rs), which is what makes the
+//! intrinsic calls below sound.
+
+use std::arch::x86_64::*;
+
+use super::Vector;
+use crate::constants::{
+    AVX2_SCORE_VECTORS, AVX2_VALUE_VECTORS, EXP2_COEFFICIENTS, EXP2_DEGREE, EXP2_MIN,
+};
+
+#[derive(Clone, Copy, Debug)]
+pub struct Avx2(__m256);
+
+/// Lanes [0, n) set.
+///
+/// # Safety
+/// The CPU supports AVX2.
+#[inline(always)]
+unsafe fn tail_mask(n: usize) -> __m256i {
+    // SAFETY: the caller guarantees AVX2.
+    unsafe {
+        _mm256_cmpgt_epi32(
+            _mm256_set1_epi32(n as i32),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+        )
+    }
+}
+
+impl Vector for Avx2 {
+    const WIDTH: usize = 8;
+    const SCORE_VECTORS: usize = AVX2_SCORE_VECTORS;
+    const VALUE_VECTORS: usize = AVX2_VALUE_VECTORS;
+    const NAME: &'static str = "avx2";
+
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        // SAFETY: the caller guarantees AVX2.
+        Avx2(unsafe { _mm256_setzero_ps() })
+    }
+    #[inline(always)]
+    unsafe fn broadcast(x: f32) -> Self {
+        // SAFETY: the caller guarantees AVX2.
+        Avx2(unsafe { _mm256_set1_ps(x) })
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        // SAFETY: the caller guarantees AVX2 and 8 readable floats at p.
+        Avx2(unsafe { _mm256_loadu_ps(p) })
+    }
+    #[inline(always)]
+    unsafe fn load_tail(p: *const f32, n: usize) -> Self {
+        // SAFETY: AVX2 and n readable floats at p; masked-off lanes are never accessed.
+        Avx2(unsafe { _mm256_maskload_ps(p, tail_mask(n)) })
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        // SAFETY: the caller guarantees 8 writeable floats at p; self proves AVX2.
+        unsafe { _mm256_storeu_ps(p, self.0) }
+    }
+    #[inline(always)]
+    unsafe fn store_tail(self, p: *mut f32, n: usize) {
+        // SAFETY: n writeable floats at p; masked-off lanes are never accessed.
+        unsafe { _mm256_maskstore_ps(p, tail_mask(n), self.0) }
+    }
+    #[inline(always)]
+    fn prefetch(p: *const f32) {
+        // SAFETY: a prefetch never faults, whatever the address; SSE is baseline on x86-64.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>()) }
+    }
+
+    #[inline(always)]
+    fn fma(a: Self, b: Self, c: Self) -> Self {
+        // SAFETY: a value of this type proves AVX2 and FMA (see simd.rs).
+        Avx2(unsafe { _mm256_fmadd_ps(a.0, b.0, c.0) })
+    }
+    #[inline(always)]
+    fn mul(a: Self, b: Self) -> Self {
+        // SAFETY: as in fma.
+        Avx2(unsafe { _mm256_mul_ps(a.0, b.0) })
+    }
+    #[inline(always)]
+    fn add(a: Self, b: Self) -> Self {
+        // SAFETY: as in fma.
+        Avx2(unsafe { _mm256_add_ps(a.0, b.0) })
+    }
+    #[inline(always)]
+    fn sub(a: Self, b: Self) -> Self {
+        // SAFETY: as in fma.
+        Avx2(unsafe { _mm256_sub_ps(a.0, b.0) })
+    }
+    #[inline(always)]
+    fn max(a: Self, b: Self) -> Self {
+        // SAFETY: as in fma.
+        Avx2(unsafe { _mm256_max_ps(a.0, b.0) })
+    }
+    #[inline(always)]
+    fn exp2(x: Self) -> Self {
+        // SAFETY: as in fma.
+        unsafe {
+            let x = _mm256_max_ps(x.0, _mm256_set1_ps(EXP2_MIN));
+            let n = _mm256_floor_ps(x);
+            let f = _mm256_sub_ps(x, n);
+            let mut p = _mm256_set1_ps(EXP2_COEFFICIENTS[EXP2_DEGREE]);
+            for c in (0..EXP2_DEGREE).rev() {
+                p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_COEFFICIENTS[c]));
+            }
+            let bits = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+                _mm256_cvtps_epi32(n),
+                _mm256_set1_epi32(127),
+            ));
+            Avx2(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)))
+        }
+    }
+    #[inline(always)]
+    fn reduce_max(x: Self) -> f32 {
+        // SAFETY: as in fma.
+        unsafe {
+            let mut q = _mm_max_ps(_mm256_castps256_ps128(x.0), _mm256_extractf128_ps::<1>(x.0));
+            q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+            q = _mm_max_ss(q, _mm_shuffle_ps::<1>(q, q));
+            _mm_cvtss_f32(q)
+        }
+    }
+    #[inline(always)]
+    fn reduce_sum(x: Self) -> f32 {
+        // SAFETY: as in fma.
+        unsafe {
+            let mut q = _mm_add_ps(_mm256_castps256_ps128(x.0), _mm256_extractf128_ps::<1>(x.0));
+            q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+            q = _mm_add_ss(q, _mm_shuffle_ps::<1>(q, q));
+            _mm_cvtss_f32(q)
+        }
+    }
+}

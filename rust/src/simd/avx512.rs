@@ -1,0 +1,134 @@
+//! The AVX-512F vector type: 16 floats. Twin of `cpp/src/simd_avx512.hpp`. Only code compiled
+//! inside `#[target_feature(enable = "avx512f,avx2,fma")]` functions uses it (flash_kernel.rs),
+//! and values exist only after AVX-512F was detected (see simd.rs), which is what makes the
+//! intrinsic calls below sound.
+
+use std::arch::x86_64::*;
+
+use super::Vector;
+use crate::constants::{
+    AVX512_SCORE_VECTORS, AVX512_VALUE_VECTORS, EXP2_COEFFICIENTS, EXP2_DEGREE, EXP2_MIN,
+};
+
+#[derive(Clone, Copy, Debug)]
+pub struct Avx512(__m512);
+
+#[inline(always)]
+fn tail_mask(n: usize) -> __mmask16 {
+    ((1u32 << n) - 1) as __mmask16
+}
+
+impl Vector for Avx512 {
+    const WIDTH: usize = 16;
+    const SCORE_VECTORS: usize = AVX512_SCORE_VECTORS;
+    const VALUE_VECTORS: usize = AVX512_VALUE_VECTORS;
+    const NAME: &'static str = "avx512";
+
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        // SAFETY: the caller guarantees AVX-512F.
+        Avx512(unsafe { _mm512_setzero_ps() })
+    }
+    #[inline(always)]
+    unsafe fn broadcast(x: f32) -> Self {
+        // SAFETY: the caller guarantees AVX-512F.
+        Avx512(unsafe { _mm512_set1_ps(x) })
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        // SAFETY: the caller guarantees AVX-512F and 16 readable floats at p.
+        Avx512(unsafe { _mm512_loadu_ps(p) })
+    }
+    #[inline(always)]
+    unsafe fn load_tail(p: *const f32, n: usize) -> Self {
+        // SAFETY: AVX-512F and n readable floats at p; masked-off lanes are never accessed.
+        Avx512(unsafe { _mm512_maskz_loadu_ps(tail_mask(n), p) })
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        // SAFETY: the caller guarantees 16 writeable floats at p; self proves AVX-512F.
+        unsafe { _mm512_storeu_ps(p, self.0) }
+    }
+    #[inline(always)]
+    unsafe fn store_tail(self, p: *mut f32, n: usize) {
+        // SAFETY: n writeable floats at p; masked-off lanes are never accessed.
+        unsafe { _mm512_mask_storeu_ps(p, tail_mask(n), self.0) }
+    }
+    #[inline(always)]
+    fn prefetch(p: *const f32) {
+        // SAFETY: a prefetch never faults, whatever the address; SSE is baseline on x86-64.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>()) }
+    }
+
+    #[inline(always)]
+    fn fma(a: Self, b: Self, c: Self) -> Self {
+        // SAFETY: a value of this type proves AVX-512F (see simd.rs).
+        Avx512(unsafe { _mm512_fmadd_ps(a.0, b.0, c.0) })
+    }
+    #[inline(always)]
+    fn mul(a: Self, b: Self) -> Self {
+        // SAFETY: as in fma.
+        Avx512(unsafe { _mm512_mul_ps(a.0, b.0) })
+    }
+    #[inline(always)]
+    fn add(a: Self, b: Self) -> Self {
+        // SAFETY: as in fma.
+        Avx512(unsafe { _mm512_add_ps(a.0, b.0) })
+    }
+    #[inline(always)]
+    fn sub(a: Self, b: Self) -> Self {
+        // SAFETY: as in fma.
+        Avx512(unsafe { _mm512_sub_ps(a.0, b.0) })
+    }
+    #[inline(always)]
+    fn max(a: Self, b: Self) -> Self {
+        // SAFETY: as in fma.
+        Avx512(unsafe { _mm512_max_ps(a.0, b.0) })
+    }
+    #[inline(always)]
+    fn exp2(x: Self) -> Self {
+        // SAFETY: as in fma.
+        unsafe {
+            let x = _mm512_max_ps(x.0, _mm512_set1_ps(EXP2_MIN));
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(x);
+            let f = _mm512_sub_ps(x, n);
+            let mut p = _mm512_set1_ps(EXP2_COEFFICIENTS[EXP2_DEGREE]);
+            for c in (0..EXP2_DEGREE).rev() {
+                p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_COEFFICIENTS[c]));
+            }
+            let bits = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+                _mm512_cvtps_epi32(n),
+                _mm512_set1_epi32(127),
+            ));
+            Avx512(_mm512_mul_ps(p, _mm512_castsi512_ps(bits)))
+        }
+    }
+    #[inline(always)]
+    fn reduce_max(x: Self) -> f32 {
+        // SAFETY: as in fma (AVX-512F implies AVX and SSE).
+        unsafe {
+            let h = _mm256_max_ps(
+                _mm512_castps512_ps256(x.0),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x.0))),
+            );
+            let mut q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+            q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+            q = _mm_max_ss(q, _mm_shuffle_ps::<1>(q, q));
+            _mm_cvtss_f32(q)
+        }
+    }
+    #[inline(always)]
+    fn reduce_sum(x: Self) -> f32 {
+        // SAFETY: as in fma.
+        unsafe {
+            let h = _mm256_add_ps(
+                _mm512_castps512_ps256(x.0),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x.0))),
+            );
+            let mut q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+            q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+            q = _mm_add_ss(q, _mm_shuffle_ps::<1>(q, q));
+            _mm_cvtss_f32(q)
+        }
+    }
+}

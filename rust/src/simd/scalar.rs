@@ -1,0 +1,135 @@
+//! The portable vector type: a plain array of SCALAR_WIDTH floats, element by element in fixed
+//! order. Same tiled algorithm as the SIMD paths; the compiler may vectorise the loops with the
+//! baseline instruction set (SSE2 on x86-64), never more. Twin of `cpp/src/simd_scalar.hpp`.
+
+use super::Vector;
+use crate::constants::{
+    EXP2_COEFFICIENTS, EXP2_DEGREE, EXP2_MIN, SCALAR_SCORE_VECTORS, SCALAR_VALUE_VECTORS,
+    SCALAR_WIDTH,
+};
+
+const W: usize = SCALAR_WIDTH;
+
+#[derive(Clone, Copy, Debug)]
+pub struct Scalar([f32; W]);
+
+impl Scalar {
+    #[inline(always)]
+    fn map2(a: Self, b: Self, f: impl Fn(f32, f32) -> f32) -> Self {
+        Scalar(std::array::from_fn(|i| f(a.0[i], b.0[i])))
+    }
+}
+
+/// 2^x of one lane (constants.rs, "exp2"), as `VecScalar::exp2_lane` in C++.
+#[inline(always)]
+pub fn exp2_lane(x: f32) -> f32 {
+    // also maps NaN to EXP2_MIN, as the SIMD max does not; a NaN score never reaches exp2 (masked)
+    let x = if x >= EXP2_MIN { x } else { EXP2_MIN };
+    let mut whole = x as i32; // rounds toward zero: floor for x <= 0 is one less unless whole
+    if whole as f32 > x {
+        whole -= 1;
+    }
+    let f = x - whole as f32;
+    let mut p = EXP2_COEFFICIENTS[EXP2_DEGREE];
+    for c in (0..EXP2_DEGREE).rev() {
+        p = p * f + EXP2_COEFFICIENTS[c];
+    }
+    p * f32::from_bits(((whole + 127) as u32) << 23)
+}
+
+impl Vector for Scalar {
+    const WIDTH: usize = W;
+    const SCORE_VECTORS: usize = SCALAR_SCORE_VECTORS;
+    const VALUE_VECTORS: usize = SCALAR_VALUE_VECTORS;
+    const NAME: &'static str = "scalar";
+
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        Scalar([0.0; W])
+    }
+    #[inline(always)]
+    unsafe fn broadcast(x: f32) -> Self {
+        Scalar([x; W])
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        // SAFETY: the caller guarantees W readable floats at p.
+        Scalar(unsafe { p.cast::<[f32; W]>().read_unaligned() })
+    }
+    #[inline(always)]
+    unsafe fn load_tail(p: *const f32, n: usize) -> Self {
+        Scalar(std::array::from_fn(|i| {
+            if i < n {
+                // SAFETY: the caller guarantees n readable floats at p, and i < n.
+                unsafe { *p.add(i) }
+            } else {
+                0.0
+            }
+        }))
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        // SAFETY: the caller guarantees W writeable floats at p.
+        unsafe { p.cast::<[f32; W]>().write_unaligned(self.0) }
+    }
+    #[inline(always)]
+    unsafe fn store_tail(self, p: *mut f32, n: usize) {
+        for (i, &x) in self.0.iter().enumerate().take(n) {
+            // SAFETY: the caller guarantees n writeable floats at p, and i < n.
+            unsafe { *p.add(i) = x };
+        }
+    }
+    #[inline(always)]
+    fn prefetch(_p: *const f32) {}
+
+    #[inline(always)]
+    fn fma(a: Self, b: Self, c: Self) -> Self {
+        Scalar(std::array::from_fn(|i| a.0[i] * b.0[i] + c.0[i]))
+    }
+    #[inline(always)]
+    fn mul(a: Self, b: Self) -> Self {
+        Self::map2(a, b, |x, y| x * y)
+    }
+    #[inline(always)]
+    fn add(a: Self, b: Self) -> Self {
+        Self::map2(a, b, |x, y| x + y)
+    }
+    #[inline(always)]
+    fn sub(a: Self, b: Self) -> Self {
+        Self::map2(a, b, |x, y| x - y)
+    }
+    #[inline(always)]
+    fn max(a: Self, b: Self) -> Self {
+        Self::map2(a, b, |x, y| if x > y { x } else { y })
+    }
+    #[inline(always)]
+    fn exp2(x: Self) -> Self {
+        Scalar(x.0.map(exp2_lane))
+    }
+    #[inline(always)]
+    fn reduce_max(mut x: Self) -> f32 {
+        let mut half = W / 2;
+        while half >= 1 {
+            for i in 0..half {
+                x.0[i] = if x.0[i] > x.0[i + half] {
+                    x.0[i]
+                } else {
+                    x.0[i + half]
+                };
+            }
+            half /= 2;
+        }
+        x.0[0]
+    }
+    #[inline(always)]
+    fn reduce_sum(mut x: Self) -> f32 {
+        let mut half = W / 2;
+        while half >= 1 {
+            for i in 0..half {
+                x.0[i] += x.0[i + half];
+            }
+            half /= 2;
+        }
+        x.0[0]
+    }
+}

@@ -1,0 +1,215 @@
+//! The fast kernel, on every instruction set this CPU runs: the shared contract checks
+//! (contract.rs: the seeds' checks among them), then sweeps around the tile sizes (MICRO_ROWS 6,
+//! vectors of 8/16, Q_TILE_ROWS 48, KEY_BLOCK 256, SPLIT_KEY_CHUNK 1024) against the plain
+//! reference kernel and the float64 naive computation, split-key decode over 32k keys, and
+//! scalar-vs-SIMD agreement.
+
+extern crate _rust as twinattn;
+
+mod common;
+#[macro_use]
+mod contract;
+
+use common::{assert_close_to_naive, assert_identical, Case, Kernel, Mask, Output, Rng, Tensor};
+
+mod scalar {
+    contract_tests!(crate::common::Kernel::Fast("scalar"));
+}
+mod avx2 {
+    contract_tests!(crate::common::Kernel::Fast("avx2"));
+}
+mod avx512 {
+    contract_tests!(crate::common::Kernel::Fast("avx512"));
+}
+
+const ISAS: [&str; 3] = ["scalar", "avx2", "avx512"];
+
+/// The ISAs this CPU runs.
+fn isas() -> Vec<&'static str> {
+    ISAS.into_iter()
+        .filter(|isa| twinattn::dispatch::kernels_for(isa).is_some())
+        .collect()
+}
+
+fn run_on(kernel: Kernel, case: &Case, threads: usize) -> Output {
+    common::run_with(kernel, case, threads)
+}
+
+/// |fast - reference| within a float32 tolerance that grows with the keys summed over.
+fn assert_close_to_reference(case: &Case, fast: &Output, reference: &Output, what: &str) {
+    let keys = case.k.shape[2].max(1) as f32;
+    let width = case.q.shape[3].max(1) as f32;
+    let tolerance = 16.0 * f32::EPSILON * (keys + width).sqrt().max(4.0);
+    let (f, r) = (fast.out.values(), reference.out.values());
+    assert_eq!(f.len(), r.len());
+    for (n, (&a, &b)) in f.iter().zip(&r).enumerate() {
+        assert!(
+            (a - b).abs() <= tolerance * (1.0 + b.abs()),
+            "{what}: out element {n}: fast {a}, reference {b}"
+        );
+    }
+    for (n, (&a, &b)) in fast.lse.iter().zip(&reference.lse).enumerate() {
+        let ok = if b == f32::NEG_INFINITY {
+            a == b
+        } else {
+            (a - b).abs() <= tolerance * (1.0 + b.abs())
+        };
+        assert!(ok, "{what}: lse element {n}: fast {a}, reference {b}");
+    }
+}
+
+/// Every ISA against the reference kernel, and the reference against naive (small cases).
+fn check_all_isas(case: &Case, threads: usize, what: &str) {
+    let reference = run_on(Kernel::Reference, case, threads);
+    for isa in isas() {
+        let fast = run_on(Kernel::Fast(isa), case, threads);
+        assert_close_to_reference(case, &fast, &reference, &format!("{isa} {what}"));
+    }
+}
+
+fn random_case(rng: &mut Rng, shape: (i64, i64, i64, i64, i64, i64, i64)) -> Case {
+    let (b, hq, hkv, lq, lk, d, dv) = shape;
+    Case::new(
+        Tensor::random([b, hq, lq, d], rng),
+        Tensor::random([b, hkv, lk, d], rng),
+        Tensor::random([b, hkv, lk, dv], rng),
+    )
+}
+
+#[test]
+fn tile_boundaries_match_reference() {
+    let mut rng = Rng::new(101);
+    // (B, Hq, Hkv, Lq, Lk, D, Dv) just below, at and above 6, 16, 48, 64, 256.
+    let shapes = [
+        (1, 1, 1, 5, 15, 7, 9),
+        (1, 1, 1, 6, 16, 16, 16),
+        (1, 1, 1, 7, 17, 17, 15),
+        (1, 4, 1, 12, 64, 64, 63),
+        (1, 4, 1, 13, 65, 65, 64),
+        (2, 2, 2, 47, 255, 63, 65),
+        (1, 1, 1, 48, 256, 48, 48),
+        (1, 1, 1, 49, 257, 49, 47),
+        (1, 2, 1, 64, 300, 256, 256),
+        (1, 1, 1, 65, 513, 255, 257),
+        (1, 8, 2, 11, 300, 80, 80),
+        (1, 6, 3, 96, 513, 32, 48),
+        (1, 3, 1, 130, 130, 3, 1),
+    ];
+    for shape in shapes {
+        let case = random_case(&mut rng, shape);
+        check_all_isas(&case, 2, &format!("{shape:?} full"));
+        let mut causal = case.clone().causal(&vec![0; shape.0 as usize]);
+        if shape.3 <= shape.4 {
+            causal.q_offset = vec![shape.4 - shape.3; shape.0 as usize];
+        }
+        check_all_isas(&causal, 2, &format!("{shape:?} causal"));
+    }
+}
+
+#[test]
+fn causal_offsets_kv_lens_and_masks() {
+    let mut rng = Rng::new(103);
+    let base = random_case(&mut rng, (3, 8, 2, 50, 600, 64, 32)).causal(&[550, 100, 0]);
+    let mut case = base.clone();
+    case.kv_lens = vec![600, 257, 0];
+    for b in 0..2 {
+        for j in 257..600 {
+            for d in 0..64 {
+                case.k.set([1, b, j, d], f32::NAN); // padding is never read
+            }
+            for d in 0..32 {
+                case.v.set([1, b, j, d], f32::NAN);
+            }
+        }
+    }
+    check_all_isas(&case, 2, "kv_lens");
+    let shape = [3, 8, 50, 600];
+    let mut bool_case = case.clone();
+    bool_case.mask = Mask::bool_from_fn(shape, |[b, h, i, j]| {
+        (b * 7 + h * 3 + i * 5 + j * 11) % 10 != 0
+    });
+    check_all_isas(&bool_case, 2, "bool mask");
+    let mut float_case = case.clone();
+    float_case.mask = Mask::float_from_fn(shape, |[_, h, i, j]| {
+        if (300..310).contains(&j) {
+            f32::NEG_INFINITY
+        } else {
+            0.01 * ((h * 13 + i * 7 + j * 3) % 17) as f32 - 0.08
+        }
+    });
+    check_all_isas(&float_case, 3, "float mask");
+    // without causal, a padded bidirectional batch
+    let mut bidirectional = case.clone();
+    bidirectional.causal = false;
+    check_all_isas(&bidirectional, 2, "bidirectional");
+}
+
+#[test]
+fn grouped_query_heads_against_naive() {
+    let mut rng = Rng::new(107);
+    for &(hq, hkv, lq) in &[(32, 8, 13), (8, 1, 7), (6, 3, 20), (4, 4, 1)] {
+        let case = random_case(&mut rng, (1, hq, hkv, lq, 70, 32, 24)).causal(&[57]);
+        for isa in isas() {
+            let got = run_on(Kernel::Fast(isa), &case, 2);
+            assert_close_to_naive(&case, &got, 2e-6);
+        }
+    }
+}
+
+#[test]
+fn decode_with_32k_keys_and_split_key_merge() {
+    let mut rng = Rng::new(109);
+    for &(lq, lk) in &[
+        (1, 32768),
+        (4, 20000),
+        (1, 1023),
+        (1, 1025),
+        (1, 2049),
+        (3, 4096),
+    ] {
+        let mut case = random_case(&mut rng, (2, 8, 2, lq, lk, 64, 48)).causal(&[lk - lq, 100]);
+        case.kv_lens = vec![lk, (lk / 2).max(101)];
+        check_all_isas(&case, 2, &format!("decode Lq={lq} Lk={lk}"));
+    }
+}
+
+#[test]
+fn thread_counts_give_identical_results() {
+    let mut rng = Rng::new(113);
+    for &(lq, lk) in &[(1, 5000), (200, 700)] {
+        let case = random_case(&mut rng, (2, 8, 2, lq, lk, 64, 64)).causal(&[lk - lq, 0]);
+        for isa in isas() {
+            let one = run_on(Kernel::Fast(isa), &case, 1);
+            for threads in [2, 3, 8] {
+                assert_identical(&one, &run_on(Kernel::Fast(isa), &case, threads));
+            }
+        }
+    }
+}
+
+#[test]
+fn scalar_and_simd_paths_agree() {
+    let mut rng = Rng::new(127);
+    let case = random_case(&mut rng, (1, 8, 2, 100, 900, 128, 128)).causal(&[800]);
+    let scalar = run_on(Kernel::Fast("scalar"), &case, 2);
+    let reference = run_on(Kernel::Reference, &case, 2);
+    for isa in isas() {
+        assert_eq!(twinattn::dispatch::kernels_for(isa).unwrap().isa, isa);
+        let simd = run_on(Kernel::Fast(isa), &case, 2);
+        assert_close_to_reference(&case, &simd, &scalar, &format!("{isa} vs scalar"));
+        // float32 accumulation: not the float64 reference's bits (so the fast path really ran)
+        assert_ne!(
+            common::bits(&simd.out.values()),
+            common::bits(&reference.out.values())
+        );
+    }
+    // the two SIMD paths have different vector widths, hence different rounding
+    if isas().len() == 3 {
+        let avx2 = run_on(Kernel::Fast("avx2"), &case, 2);
+        let avx512 = run_on(Kernel::Fast("avx512"), &case, 2);
+        assert_ne!(
+            common::bits(&avx2.out.values()),
+            common::bits(&avx512.out.values())
+        );
+    }
+}
