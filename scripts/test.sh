@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command: installs twinattn with its test extras into .venv (both native ports built
-# from source, build folders reused), type-checks the package (mypy), then runs the Python tests
+# from source, build folders reused), type-checks the package and the native stubs (mypy, stubtest), then runs the Python tests
 # on every backend, the C++ unit tests (ctest) and the Rust unit tests (cargo test).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,9 +15,12 @@ echo "== install (pip install .[test]) =="
 CMAKE_BUILD_PARALLEL_LEVEL=$JOBS CARGO_BUILD_JOBS=$JOBS \
   "$VENV_PY" -m pip install --quiet ".[test]"
 
-echo "== type checks (mypy --strict on the package) =="
+echo "== type checks (mypy --strict on the package, stubtest on the native modules' stubs) =="
 # [tool.mypy] in pyproject.toml: python/twinattn under --strict
 "$VENV_PY" -m mypy
+# the installed _cpp and _rust against python/twinattn/_cpp.pyi and _rust.pyi (names, and for PyO3
+# the full signatures; pybind11 functions carry no __text_signature__, so only their names)
+"$VENV_PY" -m mypy.stubtest twinattn._cpp twinattn._rust
 
 echo "== C++ unit tests (ctest) =="
 cmake -S cpp -B build/cpp-tests -G Ninja -DCMAKE_BUILD_TYPE=Release -DTWINATTN_BUILD_TESTS=ON >/dev/null

@@ -1,0 +1,60 @@
+"""Type stubs for twinattn._rust, the Rust (PyO3) port (private: use the twinattn package).
+
+Hand-written from docs/native_api.md; `python -m mypy.stubtest twinattn._cpp twinattn._rust`
+(run by scripts/test.sh) checks them against the built module. Both native modules expose the
+same four functions with the same signatures, so _cpp.pyi and _rust.pyi differ only in this
+docstring and __all__.
+"""
+
+from typing import Any
+
+from typing_extensions import TypeAlias
+
+import numpy as np
+from numpy.typing import NDArray
+
+# PyO3 lists the module's functions in __all__ (pybind11 does not, so _cpp.pyi has none)
+__all__ = ["attention_forward", "attention_reference", "build_info", "set_isa"]
+
+# float32 (B, H, L, D) tensors; (B, Hq, Lq) for lse; int64 (B,) for q_offset and kv_lens
+_F32: TypeAlias = NDArray[np.float32]
+_I64: TypeAlias = NDArray[np.int64]
+# bool (True = may attend) or float32 additive bias, shape exactly (B, Hq, Lq, Lk)
+_Mask: TypeAlias = NDArray[np.bool_] | NDArray[np.float32]
+
+def attention_forward(
+    q: _F32,
+    k: _F32,
+    v: _F32,
+    out: _F32,
+    lse: _F32 | None,
+    q_offset: _I64,
+    kv_lens: _I64,
+    mask: _Mask | None,
+    causal: bool,
+    scale: float,
+    num_threads: int,
+) -> None:
+    """Exact attention into out (and lse) with the fast kernel and the ISA in use (set_isa)."""
+
+def attention_reference(
+    q: _F32,
+    k: _F32,
+    v: _F32,
+    out: _F32,
+    lse: _F32 | None,
+    q_offset: _I64,
+    kv_lens: _I64,
+    mask: _Mask | None,
+    causal: bool,
+    scale: float,
+    num_threads: int,
+) -> None:
+    """As attention_forward, computed by the plain scalar reference kernel (for tests)."""
+
+def set_isa(name: str) -> None:
+    """Switches the instruction set among build_info()["isa_available"]; ValueError otherwise."""
+
+def build_info() -> dict[str, Any]:
+    """{"isa": str, "isa_available": list[str], "compiler": str, "version": str,
+    "constants": dict[str, int | float | list[float]]}."""

@@ -1,0 +1,209 @@
+"""Every instruction-set path of both native ports against the float64 reference and against
+each port's plain reference kernel; the two ports against each other.
+
+The fast kernels tile queries (kQTileRows packed rows, kMicroRows micro-kernel rows) and keys
+(kKeyBlock, kSplitKeyChunk for decode); the sizes below sit just below, at and above those
+boundaries. Tolerances: see helpers.py (a multiple of the error float32 arithmetic makes on the
+same problem, plus a few units of roundoff).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+import twinattn
+from conftest import _require
+from helpers import UNIT_ROUNDOFF, assert_close_to_reference, assert_lse_close, rand
+
+ISAS = ("scalar", "avx2", "avx512")
+
+
+def _module(port: str) -> ModuleType:
+    return importlib.import_module(f"twinattn._{port}")
+
+
+@pytest.fixture(params=[(port, isa) for port in ("cpp", "rust") for isa in ISAS], ids=lambda p: f"{p[0]}-{p[1]}")
+def port_isa(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    port, isa = request.param
+    _require(port)
+    module = _module(port)
+    info = module.build_info()
+    if isa not in info["isa_available"]:
+        pytest.skip(f"{port}: {isa} not available on this CPU/build ({info['isa_available']})")
+    previous = info["isa"]
+    module.set_isa(isa)
+    try:
+        assert module.build_info()["isa"] == isa
+        yield port, isa
+    finally:
+        module.set_isa(previous)
+
+
+# (B, Hq, Hkv, Lq, Lk, D, Dv) around the tile sizes: micro rows 6, vectors of 8/16 lanes, query
+# tiles of 48 packed rows, key blocks of 256, split-key chunks of 1024.
+BOUNDARY_SHAPES = [
+    (1, 1, 1, 5, 15, 7, 9),
+    (1, 1, 1, 6, 16, 16, 16),
+    (1, 1, 1, 7, 17, 17, 15),
+    (1, 4, 1, 12, 64, 64, 63),
+    (1, 4, 1, 13, 65, 65, 64),
+    (2, 2, 2, 47, 255, 63, 65),
+    (1, 1, 1, 48, 256, 128, 128),
+    (1, 1, 1, 49, 257, 129, 127),
+    (1, 8, 2, 11, 300, 80, 80),
+    (1, 8, 2, 13, 300, 80, 80),
+    (1, 6, 3, 96, 513, 32, 48),
+    (1, 2, 2, 97, 97, 256, 256),
+    (2, 4, 4, 1, 1023, 64, 64),
+    (2, 4, 4, 1, 1025, 64, 64),
+    (1, 32, 8, 1, 2049, 128, 128),
+    (1, 3, 1, 130, 130, 3, 1),
+]
+
+
+@pytest.mark.parametrize("shape", BOUNDARY_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_tile_boundaries_match_reference(port_isa: tuple[str, str], shape: tuple[int, ...], causal: bool) -> None:
+    port, _ = port_isa
+    b, hq, hkv, lq, lk, d, dv = shape
+    rng = np.random.default_rng(sum(shape))
+    q, k, v = rand(rng, b, hq, lq, d), rand(rng, b, hkv, lk, d), rand(rng, b, hkv, lk, dv)
+    kwargs: dict[str, Any] = {"causal": causal}
+    if causal and lq > lk:
+        kwargs["q_offset"] = 0
+    out, lse = twinattn.attention(q, k, v, return_lse=True, backend=port, **kwargs)
+    assert_close_to_reference(out, q, k, v, **kwargs)
+    assert_lse_close(lse, q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
+def test_offsets_lengths_masks(port_isa: tuple[str, str], mask_kind: str) -> None:
+    port, _ = port_isa
+    rng = np.random.default_rng(7)
+    q, k, v = rand(rng, 3, 8, 50, 64), rand(rng, 3, 2, 600, 64), rand(rng, 3, 2, 600, 32)
+    kv_lens = np.array([600, 257, 0])
+    q_offset = np.array([550, 100, 0])
+    mask: np.ndarray | None = None
+    if mask_kind == "bool":
+        mask = rng.random((3, 1, 50, 600)) < 0.9
+    elif mask_kind == "float":
+        mask = rng.standard_normal((8, 1, 600)).astype(np.float32)
+        mask[:, :, 300:310] = -np.inf
+    k[1, :, 257:] = np.nan  # padding is never read
+    v[1, :, 257:] = np.nan
+    kwargs = dict(causal=True, q_offset=q_offset, kv_lens=kv_lens, attn_mask=mask)
+    out, lse = twinattn.attention(q, k, v, return_lse=True, backend=port, **kwargs)
+    assert_close_to_reference(out, q, k, v, **kwargs)
+    assert_lse_close(lse, q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("q_len", [1, 4, 16])
+def test_long_cache_decode(port_isa: tuple[str, str], q_len: int) -> None:
+    port, _ = port_isa
+    rng = np.random.default_rng(q_len)
+    lk = 32768
+    q, k, v = rand(rng, 2, 8, q_len, 64), rand(rng, 2, 2, lk, 64), rand(rng, 2, 2, lk, 64)
+    kv_lens = np.array([lk, 20000])
+    out, lse = twinattn.attention(q, k, v, causal=True, kv_lens=kv_lens, return_lse=True, backend=port)
+    assert_close_to_reference(out, q, k, v, causal=True, kv_lens=kv_lens)
+    assert_lse_close(lse, q, k, v, causal=True, kv_lens=kv_lens)
+
+
+def test_thread_counts_agree(port_isa: tuple[str, str]) -> None:
+    port, _ = port_isa
+    rng = np.random.default_rng(3)
+    for lq, lk in ((1, 5000), (200, 700)):
+        q, k, v = rand(rng, 2, 8, lq, 64), rand(rng, 2, 2, lk, 64), rand(rng, 2, 2, lk, 64)
+        one = twinattn.attention(q, k, v, causal=True, backend=port, num_threads=1)
+        for threads in (2, 3, 8):
+            many = twinattn.attention(q, k, v, causal=True, backend=port, num_threads=threads)
+            np.testing.assert_allclose(many, one, rtol=0, atol=16 * UNIT_ROUNDOFF * float(np.abs(v).max()))
+
+
+def _native_args(q: np.ndarray, k: np.ndarray, v: np.ndarray, **overrides: Any) -> dict[str, Any]:
+    b, hq, lq, _ = q.shape
+    args: dict[str, Any] = dict(
+        q=q, k=k, v=v, out=np.empty((b, hq, lq, v.shape[-1]), np.float32), lse=np.empty((b, hq, lq), np.float32),
+        q_offset=np.zeros(b, np.int64), kv_lens=np.full(b, k.shape[2], np.int64), mask=None,
+        causal=False, scale=float(q.shape[-1]) ** -0.5, num_threads=2,
+    )
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fast_path_matches_plain_kernel(port_isa: tuple[str, str], seed: int) -> None:
+    """The fast kernel against the same port's plain reference kernel, called directly."""
+    port, _ = port_isa
+    module = _module(port)
+    rng = np.random.default_rng(100 + seed)
+    b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    hq = hkv * int(rng.choice([1, 2, 4]))
+    lq, lk = int(rng.integers(1, 120)), int(rng.integers(1, 1500))
+    d, dv = int(rng.choice([16, 64, 80, 128])), int(rng.choice([16, 64, 96, 128]))
+    q, k, v = rand(rng, b, hq, lq, d), rand(rng, b, hkv, lk, d), rand(rng, b, hkv, lk, dv)
+    offsets = rng.integers(0, lk + 1, b).astype(np.int64)
+    lens = rng.integers(0, lk + 1, b).astype(np.int64)
+    fast = _native_args(q, k, v, q_offset=offsets, kv_lens=lens, causal=True)
+    plain = _native_args(q, k, v, q_offset=offsets, kv_lens=lens, causal=True)
+    module.attention_forward(**fast)
+    module.attention_reference(**plain)
+    tol = 64 * UNIT_ROUNDOFF * float(np.abs(v).max())
+    np.testing.assert_allclose(fast["out"], plain["out"], rtol=0, atol=tol)
+    np.testing.assert_array_equal(np.isneginf(fast["lse"]), np.isneginf(plain["lse"]))
+    finite = np.isfinite(plain["lse"])
+    np.testing.assert_allclose(fast["lse"][finite], plain["lse"][finite], rtol=0, atol=64 * UNIT_ROUNDOFF * max(1.0, float(np.abs(plain["lse"][finite]).max(initial=0))))
+
+
+def test_ports_agree_with_each_other() -> None:
+    """C++ and Rust on a shared random sweep, each on its default (best) instruction set."""
+    _require("cpp")
+    _require("rust")
+    rng = np.random.default_rng(2024)
+    for _ in range(12):
+        hkv = int(rng.integers(1, 4))
+        hq = hkv * int(rng.choice([1, 2, 4, 8]))
+        lq, lk = int(rng.integers(1, 200)), int(rng.integers(1, 2000))
+        d = int(rng.choice([32, 64, 128]))
+        q, k, v = rand(rng, 1, hq, lq, d), rand(rng, 1, hkv, lk, d), rand(rng, 1, hkv, lk, d)
+        kwargs = dict(causal=bool(rng.integers(0, 2)), q_offset=int(rng.integers(0, lk + 1)))
+        cpp = twinattn.attention(q, k, v, backend="cpp", **kwargs)
+        rust = twinattn.attention(q, k, v, backend="rust", **kwargs)
+        np.testing.assert_allclose(cpp, rust, rtol=0, atol=64 * UNIT_ROUNDOFF * float(np.abs(v).max()))
+
+
+def test_ports_share_constants() -> None:
+    _require("cpp")
+    _require("rust")
+    cpp, rust = _module("cpp").build_info()["constants"], _module("rust").build_info()["constants"]
+    assert cpp == rust
+    assert cpp["q_tile_rows"] % cpp["micro_rows"] == 0
+
+
+def test_set_isa_rejects_unknown(native_backend: str) -> None:
+    module = _module(native_backend)
+    with pytest.raises(ValueError, match="sse9"):
+        module.set_isa("sse9")
+    assert module.build_info()["isa"] in module.build_info()["isa_available"]
+
+
+@pytest.mark.parametrize("value, ok", [("scalar", True), ("quantum", False)])
+def test_twinattn_isa_environment_variable(native_backend: str, value: str, ok: bool) -> None:
+    code = f"import twinattn._{native_backend} as m; print(m.build_info()['isa'])"
+    env = {**os.environ, "TWINATTN_ISA": value}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    if ok:
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == value
+    else:
+        assert result.returncode != 0
+        assert "TWINATTN_ISA" in result.stderr and value in result.stderr
