@@ -272,6 +272,7 @@ py::dict build_info() {
     constants["key_block"] = kKeyBlock;
     constants["key_panel"] = kKeyPanel;
     constants["split_key_chunk"] = kSplitKeyChunk;
+    constants["direct_score_rows"] = kDirectScoreRows;
     constants["avx512_score_vectors"] = kAvx512ScoreVectors;
     constants["avx512_value_vectors"] = kAvx512ValueVectors;
     constants["avx2_score_vectors"] = kAvx2ScoreVectors;
@@ -279,6 +280,9 @@ py::dict build_info() {
     constants["scalar_width"] = kScalarWidth;
     constants["scalar_score_vectors"] = kScalarScoreVectors;
     constants["scalar_value_vectors"] = kScalarValueVectors;
+    constants["avx512_direct_strip_rows"] = kAvx512DirectStripRows;
+    constants["avx2_direct_strip_rows"] = kAvx2DirectStripRows;
+    constants["scalar_direct_strip_rows"] = kScalarDirectStripRows;
     constants["exp2_degree"] = kExp2Degree;
     py::list coefficients;
     for (float c : kExp2Coefficients) coefficients.append(static_cast<double>(c));

@@ -15,6 +15,7 @@ struct VecAvx2 {
     static constexpr int kWidth = 8;
     static constexpr int kScoreVectors = kAvx2ScoreVectors;
     static constexpr int kValueVectors = kAvx2ValueVectors;
+    static constexpr int kDirectStripRows = kAvx2DirectStripRows;
     static constexpr const char* kName = "avx2";
 
     static Reg zero() { return _mm256_setzero_ps(); }
@@ -59,6 +60,23 @@ struct VecAvx2 {
         q = _mm_add_ps(q, _mm_movehl_ps(q, q));
         q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
         return _mm_cvtss_f32(q);
+    }
+
+    // Direct scores (flash_kernel.hpp, direct_batch): the accumulators a0..a3 of four keys ->
+    // one vector whose lane 4g + k is key k's sum over lanes 4g..4g+3 of a_k, in the order
+    // (a_k[4g] + a_k[4g+2]) + (a_k[4g+1] + a_k[4g+3]) (g = 128-bit group).
+    static Reg reduce4(Reg a0, Reg a1, Reg a2, Reg a3) {
+        const Reg t01 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+        const Reg t23 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+        const __m256d lo = _mm256_unpacklo_pd(_mm256_castps_pd(t01), _mm256_castps_pd(t23));
+        const __m256d hi = _mm256_unpackhi_pd(_mm256_castps_pd(t01), _mm256_castps_pd(t23));
+        return _mm256_add_ps(_mm256_castpd_ps(lo), _mm256_castpd_ps(hi));
+    }
+    // y[0..1] (two batches of four keys, as reduce4 leaves them) -> 8 scores: lane 4b + k is
+    // batch b's lane k summed over the two groups: g0 + g1.
+    static Reg fold_groups(const Reg y[kWidth / 4]) {
+        return _mm256_add_ps(_mm256_permute2f128_ps(y[0], y[1], 0x20),
+                             _mm256_permute2f128_ps(y[0], y[1], 0x31));
     }
 
     // rows[i] = row i of an 8 x 8 block -> rows[d] = column d (for packing K^T panels).

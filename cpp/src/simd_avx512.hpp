@@ -16,6 +16,7 @@ struct VecAvx512 {
     static constexpr int kWidth = 16;
     static constexpr int kScoreVectors = kAvx512ScoreVectors;
     static constexpr int kValueVectors = kAvx512ValueVectors;
+    static constexpr int kDirectStripRows = kAvx512DirectStripRows;
     static constexpr const char* kName = "avx512";
 
     static Reg zero() { return _mm512_setzero_ps(); }
@@ -62,6 +63,28 @@ struct VecAvx512 {
         q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
         return _mm_cvtss_f32(q);
     }
+
+    // Direct scores (flash_kernel.hpp, direct_batch): the accumulators a0..a3 of four keys ->
+    // one vector whose lane 4g + k is key k's sum over lanes 4g..4g+3 of a_k, in the order
+    // (a_k[4g] + a_k[4g+2]) + (a_k[4g+1] + a_k[4g+3]) (g = 128-bit group).
+    static Reg reduce4(Reg a0, Reg a1, Reg a2, Reg a3) {
+        const Reg t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+        const Reg t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+        const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23));
+        const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23));
+        return _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    // y[0..3] (four batches of four keys, as reduce4 leaves them) -> 16 scores: lane 4b + k is
+    // batch b's lane k summed over the four groups, halves folded: (g0 + g2) + (g1 + g3).
+    static Reg fold_groups(const Reg y[kWidth / 4]) {
+        const Reg z01 = _mm512_add_ps(shuffle_groups<0x44>(y[0], y[1]), shuffle_groups<0xee>(y[0], y[1]));
+        const Reg z23 = _mm512_add_ps(shuffle_groups<0x44>(y[2], y[3]), shuffle_groups<0xee>(y[2], y[3]));
+        return _mm512_add_ps(shuffle_groups<0x88>(z01, z23), shuffle_groups<0xdd>(z01, z23));
+    }
+    // _mm512_shuffle_f32x4 (the masked form with every lane selected: GCC 12 warns about the
+    // unmasked form's undefined pass-through when inlined here).
+    template <int kImm>
+    static Reg shuffle_groups(Reg a, Reg b) { return _mm512_mask_shuffle_f32x4(a, 0xffff, a, b, kImm); }
 
     // rows[i] = row i of a 16 x 16 block -> rows[d] = column d (for packing K^T panels).
     static void transpose(Reg rows[kWidth]) {

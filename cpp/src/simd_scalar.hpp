@@ -17,6 +17,7 @@ struct VecScalar {
     static constexpr int kWidth = kScalarWidth;
     static constexpr int kScoreVectors = kScalarScoreVectors;
     static constexpr int kValueVectors = kScalarValueVectors;
+    static constexpr int kDirectStripRows = kScalarDirectStripRows;
     static constexpr const char* kName = "scalar";
 
     static Reg zero() { return broadcast(0.0f); }
@@ -102,6 +103,33 @@ struct VecScalar {
         for (int half = kWidth / 2; half >= 1; half /= 2)
             for (int i = 0; i < half; ++i) x.lane[i] += x.lane[i + half];
         return x.lane[0];
+    }
+
+    // Direct scores, in the order the SIMD types define (groups of four lanes = their 128-bit
+    // groups): lane 4g + k = (a_k[4g] + a_k[4g+2]) + (a_k[4g+1] + a_k[4g+3]).
+    static Reg reduce4(Reg a0, Reg a1, Reg a2, Reg a3) {
+        const Reg* a[4] = {&a0, &a1, &a2, &a3};
+        Reg r;
+        for (int g = 0; g < kWidth / 4; ++g)
+            for (int k = 0; k < 4; ++k) {
+                const float* x = a[k]->lane + 4 * g;
+                r.lane[4 * g + k] = (x[0] + x[2]) + (x[1] + x[3]);
+            }
+        return r;
+    }
+    // y[b] (kWidth / 4 batches of four keys) -> kWidth scores: lane 4b + k = batch b's lane k
+    // summed over the groups, halves folded.
+    static Reg fold_groups(const Reg y[kWidth / 4]) {
+        Reg r;
+        for (int b = 0; b < kWidth / 4; ++b)
+            for (int k = 0; k < 4; ++k) {
+                float s[kWidth / 4];
+                for (int g = 0; g < kWidth / 4; ++g) s[g] = y[b].lane[4 * g + k];
+                for (int half = kWidth / 8; half >= 1; half /= 2)
+                    for (int g = 0; g < half; ++g) s[g] += s[g + half];
+                r.lane[4 * b + k] = s[0];
+            }
+        return r;
     }
 
     // rows[i] = row i of a kWidth x kWidth block -> rows[d] = column d.

@@ -19,6 +19,13 @@ pub const KEY_PANEL: usize = 32;
 /// Keys per split-key work item (decode and short chunks).
 pub const SPLIT_KEY_CHUNK: usize = 1024;
 
+/// Split-key groups with at most this many packed rows (decode with G <= 8) compute S directly
+/// from the K rows in place (no K^T panels): vectorised over D, one accumulator per (row, key),
+/// 4 keys at a time, reduced to one vector of scores per row (docs/kernels.md, step 6).
+/// Measured (AVX-512, 32k keys, D = 128): G = 8 direct 14.2-15.0 ms vs panels 16.1-17.2 ms;
+/// G = 7 a tie (15.3-15.5 ms both).
+pub const DIRECT_SCORE_ROWS: usize = 8;
+
 const _: () = assert!(
     Q_TILE_ROWS.is_multiple_of(MICRO_ROWS),
     "tiles are whole micro-kernel strips"
@@ -45,6 +52,11 @@ pub const AVX2_VALUE_VECTORS: usize = 2;
 pub const SCALAR_WIDTH: usize = 8;
 pub const SCALAR_SCORE_VECTORS: usize = 2;
 pub const SCALAR_VALUE_VECTORS: usize = 2;
+// Direct scores: rows per strip (each strip holds rows x 4 keys accumulators over the D loop).
+//   AVX-512: 6 x 4 = 24 accumulators + 4 key vectors; AVX2: 2 x 4 = 8 + 4; scalar: as AVX2.
+pub const AVX512_DIRECT_STRIP_ROWS: usize = 6;
+pub const AVX2_DIRECT_STRIP_ROWS: usize = 2;
+pub const SCALAR_DIRECT_STRIP_ROWS: usize = 2;
 
 // ---- exp2 ------------------------------------------------------------------------------------
 // exp2(x) for x <= 0: x is clamped to >= EXP2_MIN, split as x = n + f with n = floor(x) and
@@ -79,6 +91,7 @@ pub fn shared_constants() -> Vec<(&'static str, ConstantValue)> {
         ("key_block", Int(KEY_BLOCK as i64)),
         ("key_panel", Int(KEY_PANEL as i64)),
         ("split_key_chunk", Int(SPLIT_KEY_CHUNK as i64)),
+        ("direct_score_rows", Int(DIRECT_SCORE_ROWS as i64)),
         ("avx512_score_vectors", Int(AVX512_SCORE_VECTORS as i64)),
         ("avx512_value_vectors", Int(AVX512_VALUE_VECTORS as i64)),
         ("avx2_score_vectors", Int(AVX2_SCORE_VECTORS as i64)),
@@ -86,6 +99,9 @@ pub fn shared_constants() -> Vec<(&'static str, ConstantValue)> {
         ("scalar_width", Int(SCALAR_WIDTH as i64)),
         ("scalar_score_vectors", Int(SCALAR_SCORE_VECTORS as i64)),
         ("scalar_value_vectors", Int(SCALAR_VALUE_VECTORS as i64)),
+        ("avx512_direct_strip_rows", Int(AVX512_DIRECT_STRIP_ROWS as i64)),
+        ("avx2_direct_strip_rows", Int(AVX2_DIRECT_STRIP_ROWS as i64)),
+        ("scalar_direct_strip_rows", Int(SCALAR_DIRECT_STRIP_ROWS as i64)),
         ("exp2_degree", Int(EXP2_DEGREE as i64)),
         ("exp2_coefficients", Floats(EXP2_COEFFICIENTS.to_vec())),
         ("exp2_min", Float(EXP2_MIN)),

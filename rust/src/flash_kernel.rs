@@ -18,7 +18,7 @@
 //! Everything here works on raw pointers that the planner (flash_attention.rs) derived from a
 //! checked problem; the functions are `unsafe` with that as their contract.
 
-use crate::constants::{KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, MICRO_ROWS};
+use crate::constants::{DIRECT_SCORE_ROWS, KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, MICRO_ROWS};
 use crate::problem::{AttentionProblem, MaskKind};
 use crate::simd::Vector;
 
@@ -236,6 +236,126 @@ unsafe fn block_scores<V: Vector>(
             }
         }
         panel += 1;
+    }
+}
+
+// ---- 3a'. Direct S (split-key groups of at most DIRECT_SCORE_ROWS rows, docs step 6) ------------
+
+/// K is read in place (its rows are contiguous): no K^T panel. One batch of four keys k[0..3]
+/// against R rows of q: one accumulator per (row, key) over the D loop, WIDTH floats at a time
+/// (the last chunk a masked tail load of q and k: lanes past D are 0 and never read), then each
+/// row's four accumulators reduced to one vector by [`Vector::reduce4`], into y[r][batch].
+///
+/// # Safety
+/// V's instruction set is available; q: R rows of d_len floats; k: four rows of d_len floats.
+#[inline(always)]
+unsafe fn direct_batch<V: Vector, const R: usize>(
+    q: *const f32,
+    d_len: usize,
+    k: &[*const f32; 4],
+    y: &mut [[V; 4]; R],
+    batch: usize,
+) {
+    let w = V::WIDTH;
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let mut acc = [[V::zero(); 4]; R];
+        let mut d = 0;
+        while d + w <= d_len {
+            let keys: [V; 4] = std::array::from_fn(|t| V::load(k[t].add(d)));
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let q_r = V::load(q.add(r * d_len + d));
+                for t in 0..4 {
+                    acc_r[t] = V::fma(q_r, keys[t], acc_r[t]);
+                }
+            }
+            d += w;
+        }
+        if d < d_len {
+            let tail = d_len - d;
+            let keys: [V; 4] = std::array::from_fn(|t| V::load_tail(k[t].add(d), tail));
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let q_r = V::load_tail(q.add(r * d_len + d), tail);
+                for t in 0..4 {
+                    acc_r[t] = V::fma(q_r, keys[t], acc_r[t]);
+                }
+            }
+        }
+        for (y_r, acc_r) in y.iter_mut().zip(acc.iter()) {
+            y_r[batch] = V::reduce4(acc_r[0], acc_r[1], acc_r[2], acc_r[3]);
+        }
+    }
+}
+
+/// S of R rows for keys [j0, j0 + WIDTH) of the block: WIDTH / 4 batches of four keys, then per
+/// row [`Vector::fold_groups`] into WIDTH scores. A key at or past n (past the block's end) is
+/// never read: a batch wholly past n is 0, a key past n inside a batch reuses key n - 1; both
+/// scores are overwritten with -inf before the softmax.
+///
+/// # Safety
+/// V's instruction set is available; q: R rows of d_len floats; k_rows: n rows of stride
+/// k_stride, d_len floats each; scores: R rows of stride KEY_BLOCK, j0 + WIDTH <= KEY_BLOCK.
+#[inline(always)]
+unsafe fn direct_strip<V: Vector, const R: usize>(
+    q: *const f32,
+    d_len: usize,
+    k_rows: *const f32,
+    k_stride: isize,
+    j0: usize,
+    n: usize,
+    scores: *mut f32,
+) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let mut y = [[V::zero(); 4]; R];
+        for batch in 0..V::WIDTH / 4 {
+            let first = j0 + 4 * batch;
+            if first >= n {
+                continue; // y stays 0
+            }
+            let k: [*const f32; 4] =
+                std::array::from_fn(|t| k_rows.offset((first + t).min(n - 1) as isize * k_stride));
+            direct_batch::<V, R>(q, d_len, &k, &mut y, batch);
+        }
+        for (r, y_r) in y.iter().enumerate() {
+            V::fold_groups(y_r).store(scores.add(r * KEY_BLOCK + j0));
+        }
+    }
+}
+
+/// S for all rows (<= DIRECT_SCORE_ROWS) against the block's n keys read in place: groups of
+/// WIDTH keys, each in strips of V::DIRECT_STRIP_ROWS rows (the last strip as many as remain).
+///
+/// # Safety
+/// As [`direct_strip`], for rows rows of q_tile and scores.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn direct_block_scores<V: Vector>(
+    q_tile: *const f32,
+    d_len: usize,
+    rows: usize,
+    k_rows: *const f32,
+    k_stride: isize,
+    n: usize,
+    scores: *mut f32,
+) {
+    let strip = V::DIRECT_STRIP_ROWS;
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        for j0 in (0..n).step_by(V::WIDTH) {
+            for r in (0..rows).step_by(strip) {
+                let q = q_tile.add(r * d_len);
+                let s = scores.add(r * KEY_BLOCK);
+                match (rows - r).min(strip) {
+                    1 => direct_strip::<V, 1>(q, d_len, k_rows, k_stride, j0, n, s),
+                    2 => direct_strip::<V, 2>(q, d_len, k_rows, k_stride, j0, n, s),
+                    3 => direct_strip::<V, 3>(q, d_len, k_rows, k_stride, j0, n, s),
+                    4 => direct_strip::<V, 4>(q, d_len, k_rows, k_stride, j0, n, s),
+                    5 => direct_strip::<V, 5>(q, d_len, k_rows, k_stride, j0, n, s),
+                    _ => direct_strip::<V, 6>(q, d_len, k_rows, k_stride, j0, n, s),
+                }
+            }
+        }
     }
 }
 
@@ -487,18 +607,42 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
             p.v.data
                 .offset(at([b, item.kv_head], &[p.v.stride[0], p.v.stride[1]]));
         let v_stride = p.v.stride[2] as isize;
+        let k_head =
+            p.k.data
+                .offset(at([b, item.kv_head], &[p.k.stride[0], p.k.stride[1]]));
+        let k_stride = p.k.stride[2] as isize;
+        // Split-key groups of few rows read K in place (3a'); the others pack K^T panels.
+        let direct = plan.packed_keys.is_null() && rows <= DIRECT_SCORE_ROWS;
         let mut key_block = item.key_begin;
         while key_block < key_stop {
             let n = (key_stop - key_block).min(KEY_BLOCK);
             let n_padded = round_up(n, w);
-            let panels = if k_head_panels.is_null() {
-                pack_keys::<V>(p, b, item.kv_head, key_block, key_block + n, s.key_panels);
-                s.key_panels.cast_const()
-            } else {
-                k_head_panels.add((key_block / KEY_PANEL) * d_len * KEY_PANEL)
-            };
             // (a) S = Q K^T.
-            block_scores::<V>(s.q_tile, d_len, padded_rows, panels, n, s.scores);
+            if direct {
+                direct_block_scores::<V>(
+                    s.q_tile,
+                    d_len,
+                    rows,
+                    k_head.offset(key_block as isize * k_stride),
+                    k_stride,
+                    n,
+                    s.scores,
+                );
+                // padding rows (zero queries): S = 0, as the panels would give for finite keys
+                for r in rows..padded_rows {
+                    for j in 0..n {
+                        *s.scores.add(r * KEY_BLOCK + j) = 0.0;
+                    }
+                }
+            } else {
+                let panels = if k_head_panels.is_null() {
+                    pack_keys::<V>(p, b, item.kv_head, key_block, key_block + n, s.key_panels);
+                    s.key_panels.cast_const()
+                } else {
+                    k_head_panels.add((key_block / KEY_PANEL) * d_len * KEY_PANEL)
+                };
+                block_scores::<V>(s.q_tile, d_len, padded_rows, panels, n, s.scores);
+            }
             // (b) Mask only blocks that cross a row's visible end, or when a mask is given.
             let masked = plan.has_mask || *s.row_key_end < key_block + n;
             if masked {

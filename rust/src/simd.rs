@@ -23,6 +23,8 @@ pub trait Vector: Copy {
     const SCORE_VECTORS: usize;
     /// Vectors of value columns per P.V micro-kernel row (constants.rs).
     const VALUE_VECTORS: usize;
+    /// Rows per direct-score strip (constants.rs, DIRECT_SCORE_ROWS).
+    const DIRECT_STRIP_ROWS: usize;
     /// The instruction set's name, as `build_info()["isa"]` reports it.
     const NAME: &'static str;
 
@@ -72,4 +74,12 @@ pub trait Vector: Copy {
     fn reduce_max(x: Self) -> f32;
     /// The sum of the lanes, halves folded like [`Vector::reduce_max`].
     fn reduce_sum(x: Self) -> f32;
+    /// Direct scores: the accumulators of four keys -> one vector whose lane 4g + k is key k's
+    /// sum over lanes 4g..4g+3 of a[k], in the order (a[4g] + a[4g+2]) + (a[4g+1] + a[4g+3])
+    /// (g = a group of four lanes, the SIMD types' 128-bit groups).
+    fn reduce4(a0: Self, a1: Self, a2: Self, a3: Self) -> Self;
+    /// y[0..WIDTH/4] (batches of four keys, as [`Vector::reduce4`] leaves them) -> WIDTH scores:
+    /// lane 4b + k is batch b's lane k summed over the groups, halves folded. (Entries of `y`
+    /// past WIDTH/4 are ignored.)
+    fn fold_groups(y: &[Self; 4]) -> Self;
 }

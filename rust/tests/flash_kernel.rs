@@ -173,6 +173,51 @@ fn decode_with_32k_keys_and_split_key_merge() {
     }
 }
 
+/// Direct split-key scores (rows_per_group <= DIRECT_SCORE_ROWS: every G here at Lq = 1; at
+/// Lq = 3, G >= 3 takes the panels): D around the vector widths, kv_len around the 4-key batches, the vector
+/// width, the key block and the chunk, masks and NaN in hidden keys (as the C++ sweep).
+#[test]
+fn direct_split_key_scores_against_reference() {
+    const _: () = assert!(twinattn::constants::DIRECT_SCORE_ROWS == 8);
+    let mut rng = Rng::new(131);
+    let mut i = 0i64;
+    for d in [1i64, 15, 16, 17, 64, 80, 128, 129] {
+        for g in 1i64..=8 {
+            for lk in [1i64, 3, 4, 5, 15, 16, 17, 33, 255, 257, 1023, 1025] {
+                i += 1;
+                if (d + g + lk + i - 1) % 5 != 0 && lk != 17 {
+                    continue;
+                }
+                let lq = if i % 4 == 0 { 3 } else { 1 };
+                let mut case = random_case(&mut rng, (2, 2 * g, 2, lq, lk + 3, d, 24));
+                case.kv_lens = vec![lk, (lk / 2).max(1)];
+                for b in 0..2 {
+                    for kvh in 0..2 {
+                        for j in case.kv_lens[b as usize]..lk + 3 {
+                            for x in 0..d {
+                                case.k.set([b, kvh, j, x], f32::NAN);
+                            }
+                            for x in 0..24 {
+                                case.v.set([b, kvh, j, x], f32::NAN);
+                            }
+                        }
+                    }
+                }
+                if i % 2 == 0 {
+                    case = case.causal(&[lk - 1, (lk / 2).max(1) - 1]);
+                }
+                let shape = [2, 2 * g, lq, lk + 3];
+                case.mask = match i % 3 {
+                    0 => Mask::bool_from_fn(shape, |[b, h, _, j]| (b + h + j) % 4 != 1),
+                    1 => Mask::float_from_fn(shape, |[_, h, _, j]| ((h * 7 + j) % 5) as f32 * -0.5),
+                    _ => Mask::None,
+                };
+                check_all_isas(&case, 2, &format!("direct D={d} G={g} Lk={lk}"));
+            }
+        }
+    }
+}
+
 #[test]
 fn thread_counts_give_identical_results() {
     let mut rng = Rng::new(113);

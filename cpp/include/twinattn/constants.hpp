@@ -24,6 +24,13 @@ constexpr int64_t kKeyPanel = 32;
 // Keys per split-key work item (decode and short chunks).
 constexpr int64_t kSplitKeyChunk = 1024;
 
+// Split-key groups with at most this many packed rows (decode with G <= 8) compute S directly
+// from the K rows in place (no K^T panels): vectorised over D, one accumulator per (row, key),
+// 4 keys at a time, reduced to one vector of scores per row (docs/kernels.md, step 6).
+// Measured (AVX-512, 32k keys, D = 128): G = 8 direct 14.2-15.0 ms vs panels 16.1-17.2 ms;
+// G = 7 a tie (15.3-15.5 ms both).
+constexpr int64_t kDirectScoreRows = 8;
+
 static_assert(kQTileRows % kMicroRows == 0, "tiles are whole micro-kernel strips");
 static_assert(kKeyBlock % kKeyPanel == 0, "key blocks are whole panels");
 static_assert(kSplitKeyChunk % kKeyBlock == 0, "split-key chunks are whole key blocks");
@@ -41,6 +48,11 @@ constexpr int kAvx2ValueVectors = 2;
 constexpr int kScalarWidth = 8;
 constexpr int kScalarScoreVectors = 2;
 constexpr int kScalarValueVectors = 2;
+// Direct scores: rows per strip (each strip holds rows x 4 keys accumulators over the D loop).
+//   AVX-512: 6 x 4 = 24 accumulators + 4 key vectors; AVX2: 2 x 4 = 8 + 4; scalar: as AVX2.
+constexpr int kAvx512DirectStripRows = 6;
+constexpr int kAvx2DirectStripRows = 2;
+constexpr int kScalarDirectStripRows = 2;
 
 // ---- exp2 ------------------------------------------------------------------------------------
 // exp2(x) for x <= 0: x is clamped to >= kExp2Min, split as x = n + f with n = floor(x) and

@@ -7,7 +7,7 @@ use std::arch::x86_64::*;
 
 use super::Vector;
 use crate::constants::{
-    AVX2_SCORE_VECTORS, AVX2_VALUE_VECTORS, EXP2_COEFFICIENTS, EXP2_DEGREE, EXP2_MIN,
+    AVX2_DIRECT_STRIP_ROWS, AVX2_SCORE_VECTORS, AVX2_VALUE_VECTORS, EXP2_COEFFICIENTS, EXP2_DEGREE, EXP2_MIN,
 };
 
 #[derive(Clone, Copy, Debug)]
@@ -32,6 +32,7 @@ impl Vector for Avx2 {
     const WIDTH: usize = 8;
     const SCORE_VECTORS: usize = AVX2_SCORE_VECTORS;
     const VALUE_VECTORS: usize = AVX2_VALUE_VECTORS;
+    const DIRECT_STRIP_ROWS: usize = AVX2_DIRECT_STRIP_ROWS;
     const NAME: &'static str = "avx2";
 
     #[inline(always)]
@@ -131,6 +132,27 @@ impl Vector for Avx2 {
             q = _mm_add_ps(q, _mm_movehl_ps(q, q));
             q = _mm_add_ss(q, _mm_shuffle_ps::<1>(q, q));
             _mm_cvtss_f32(q)
+        }
+    }
+    #[inline(always)]
+    fn reduce4(a0: Self, a1: Self, a2: Self, a3: Self) -> Self {
+        // SAFETY: as in fma.
+        unsafe {
+            let t01 = _mm256_add_ps(_mm256_unpacklo_ps(a0.0, a1.0), _mm256_unpackhi_ps(a0.0, a1.0));
+            let t23 = _mm256_add_ps(_mm256_unpacklo_ps(a2.0, a3.0), _mm256_unpackhi_ps(a2.0, a3.0));
+            let lo = _mm256_unpacklo_pd(_mm256_castps_pd(t01), _mm256_castps_pd(t23));
+            let hi = _mm256_unpackhi_pd(_mm256_castps_pd(t01), _mm256_castps_pd(t23));
+            Avx2(_mm256_add_ps(_mm256_castpd_ps(lo), _mm256_castpd_ps(hi)))
+        }
+    }
+    #[inline(always)]
+    fn fold_groups(y: &[Self; 4]) -> Self {
+        // SAFETY: as in fma.
+        unsafe {
+            Avx2(_mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(y[0].0, y[1].0),
+                _mm256_permute2f128_ps::<0x31>(y[0].0, y[1].0),
+            ))
         }
     }
 }

@@ -7,7 +7,7 @@ use std::arch::x86_64::*;
 
 use super::Vector;
 use crate::constants::{
-    AVX512_SCORE_VECTORS, AVX512_VALUE_VECTORS, EXP2_COEFFICIENTS, EXP2_DEGREE, EXP2_MIN,
+    AVX512_DIRECT_STRIP_ROWS, AVX512_SCORE_VECTORS, AVX512_VALUE_VECTORS, EXP2_COEFFICIENTS, EXP2_DEGREE, EXP2_MIN,
 };
 
 #[derive(Clone, Copy, Debug)]
@@ -22,6 +22,7 @@ impl Vector for Avx512 {
     const WIDTH: usize = 16;
     const SCORE_VECTORS: usize = AVX512_SCORE_VECTORS;
     const VALUE_VECTORS: usize = AVX512_VALUE_VECTORS;
+    const DIRECT_STRIP_ROWS: usize = AVX512_DIRECT_STRIP_ROWS;
     const NAME: &'static str = "avx512";
 
     #[inline(always)]
@@ -129,6 +130,35 @@ impl Vector for Avx512 {
             q = _mm_add_ps(q, _mm_movehl_ps(q, q));
             q = _mm_add_ss(q, _mm_shuffle_ps::<1>(q, q));
             _mm_cvtss_f32(q)
+        }
+    }
+    #[inline(always)]
+    fn reduce4(a0: Self, a1: Self, a2: Self, a3: Self) -> Self {
+        // SAFETY: as in fma.
+        unsafe {
+            let t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0.0, a1.0), _mm512_unpackhi_ps(a0.0, a1.0));
+            let t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2.0, a3.0), _mm512_unpackhi_ps(a2.0, a3.0));
+            let lo = _mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23));
+            let hi = _mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23));
+            Avx512(_mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi)))
+        }
+    }
+    #[inline(always)]
+    fn fold_groups(y: &[Self; 4]) -> Self {
+        // SAFETY: as in fma.
+        unsafe {
+            let z01 = _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x44>(y[0].0, y[1].0),
+                _mm512_shuffle_f32x4::<0xee>(y[0].0, y[1].0),
+            );
+            let z23 = _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x44>(y[2].0, y[3].0),
+                _mm512_shuffle_f32x4::<0xee>(y[2].0, y[3].0),
+            );
+            Avx512(_mm512_add_ps(
+                _mm512_shuffle_f32x4::<0x88>(z01, z23),
+                _mm512_shuffle_f32x4::<0xdd>(z01, z23),
+            ))
         }
     }
 }

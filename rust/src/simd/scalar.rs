@@ -4,7 +4,7 @@
 
 use super::Vector;
 use crate::constants::{
-    EXP2_COEFFICIENTS, EXP2_DEGREE, EXP2_MIN, SCALAR_SCORE_VECTORS, SCALAR_VALUE_VECTORS,
+    EXP2_COEFFICIENTS, EXP2_DEGREE, EXP2_MIN, SCALAR_DIRECT_STRIP_ROWS, SCALAR_SCORE_VECTORS, SCALAR_VALUE_VECTORS,
     SCALAR_WIDTH,
 };
 
@@ -41,6 +41,7 @@ impl Vector for Scalar {
     const WIDTH: usize = W;
     const SCORE_VECTORS: usize = SCALAR_SCORE_VECTORS;
     const VALUE_VECTORS: usize = SCALAR_VALUE_VECTORS;
+    const DIRECT_STRIP_ROWS: usize = SCALAR_DIRECT_STRIP_ROWS;
     const NAME: &'static str = "scalar";
 
     #[inline(always)]
@@ -131,5 +132,38 @@ impl Vector for Scalar {
             half /= 2;
         }
         x.0[0]
+    }
+    #[inline(always)]
+    fn reduce4(a0: Self, a1: Self, a2: Self, a3: Self) -> Self {
+        let a = [a0, a1, a2, a3];
+        let mut r = [0.0; W];
+        for g in 0..W / 4 {
+            for (k, a_k) in a.iter().enumerate() {
+                let x = &a_k.0[4 * g..4 * g + 4];
+                r[4 * g + k] = (x[0] + x[2]) + (x[1] + x[3]);
+            }
+        }
+        Scalar(r)
+    }
+    #[inline(always)]
+    fn fold_groups(y: &[Self; 4]) -> Self {
+        let mut r = [0.0; W];
+        for (b, y_b) in y.iter().enumerate().take(W / 4) {
+            for k in 0..4 {
+                let mut s = [0.0f32; W / 4];
+                for (g, s_g) in s.iter_mut().enumerate() {
+                    *s_g = y_b.0[4 * g + k];
+                }
+                let mut half = W / 8;
+                while half >= 1 {
+                    for g in 0..half {
+                        s[g] += s[g + half];
+                    }
+                    half /= 2;
+                }
+                r[4 * b + k] = s[0];
+            }
+        }
+        Scalar(r)
     }
 }

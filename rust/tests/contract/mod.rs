@@ -96,10 +96,12 @@ pub fn chunked_causal_runs_equal_full_run() {
                 case.kv_lens = vec![end, end];
                 let got = case.run(1).unwrap();
                 for (b, h, i, d) in iproduct(2, q_heads, end - start, 6) {
+                    // A short chunk may take the split-key direct-score path, whose dot products
+                    // sum D in another order than the full run's panels: equal to float32
+                    // rounding of the scores (a few ulp of the output), not bit for bit.
                     let (g, w) = (got.out.at([b, h, i, d]), full.out.at([b, h, start + i, d]));
-                    assert_eq!(
-                        g.to_bits(),
-                        w.to_bits(),
+                    assert!(
+                        (g - w).abs() <= 8.0 * f32::EPSILON * (1.0 + w.abs()),
                         "N={prompt_len} chunk={chunk} start={start}: {g} vs {w}"
                     );
                 }
@@ -204,10 +206,13 @@ pub fn grouped_query_heads_read_their_kv_head() {
                 one_head(&case.v, h / group),
             );
             let single = single.run(1).unwrap();
+            // One head alone may take another path than the packed group (direct scores vs
+            // panels, a different summation order of D): equal to float32 rounding.
             for (b, _, i, d) in iproduct(2, 1, 5, 3) {
-                assert_eq!(
-                    single.out.at([b, 0, i, d]).to_bits(),
-                    got.out.at([b, h, i, d]).to_bits()
+                let (s, g) = (single.out.at([b, 0, i, d]), got.out.at([b, h, i, d]));
+                assert!(
+                    (s - g).abs() <= 8.0 * f32::EPSILON * (1.0 + g.abs()),
+                    "head {h}: {s} vs {g}"
                 );
             }
         }
