@@ -8,7 +8,8 @@
 //!   packed row r is query position i = r / G of query head h = kv_head * G + r % G, at absolute
 //!   position q_offset[b] + i (G = Hq / Hkv). Rows [row_begin, row_end), at most Q_TILE_ROWS.
 //!   Keys [key_begin, key_end), visited in key blocks of KEY_BLOCK keys.
-//! Shapes of the per-thread scratch (ThreadScratch), rows padded to a multiple of MICRO_ROWS:
+//! Shapes of the per-thread scratch (ThreadScratch), rows <= Q_TILE_ROWS (strips of MICRO_ROWS
+//! rows, the last strip as many as remain: no padding rows):
 //!   q_tile   (rows, D)            Q rows times scale * log2(e)
 //!   scores   (rows, KEY_BLOCK)    S, then P, of one key block
 //!   out_acc  (rows, value_stride) unnormalised O
@@ -163,7 +164,7 @@ pub unsafe fn pack_keys<V: Vector>(
     }
 }
 
-// ---- 3a. S = Q K^T: MICRO_ROWS rows x SCORE_VECTORS vectors of keys ---------------------------
+// ---- 3a. S = Q K^T: R (<= MICRO_ROWS) rows x SCORE_VECTORS vectors of keys -------------------
 
 /// Accumulator arrays are sized for the widest blocking; only the first SV / NV are used (the
 /// loops have constant bounds after monomorphisation, so the compiler keeps them in registers).
@@ -171,18 +172,23 @@ pub unsafe fn pack_keys<V: Vector>(
 /// constant of a generic parameter on stable.)
 const MAX_VECTORS: usize = 4;
 
-/// q: MICRO_ROWS rows of D; panel: (D, KEY_PANEL) already offset to the first key column;
-/// scores: MICRO_ROWS rows of stride KEY_BLOCK.
+/// q: R rows of D; panel: (D, KEY_PANEL) already offset to the first key column;
+/// scores: R rows of stride KEY_BLOCK.
 ///
 /// # Safety
 /// V's instruction set is available; the pointers cover what is described above.
 #[inline(always)]
-unsafe fn score_micro<V: Vector>(q: *const f32, d_len: usize, panel: *const f32, scores: *mut f32) {
+unsafe fn score_micro<V: Vector, const R: usize>(
+    q: *const f32,
+    d_len: usize,
+    panel: *const f32,
+    scores: *mut f32,
+) {
     let sv = V::SCORE_VECTORS;
     let w = V::WIDTH;
     // SAFETY: forwarded from this function's contract.
     unsafe {
-        let mut acc = [[V::zero(); MAX_VECTORS]; MICRO_ROWS];
+        let mut acc = [[V::zero(); MAX_VECTORS]; R];
         for d in 0..d_len {
             let mut keys = [V::zero(); MAX_VECTORS];
             for (v, key) in keys.iter_mut().enumerate().take(sv) {
@@ -203,7 +209,10 @@ unsafe fn score_micro<V: Vector>(q: *const f32, d_len: usize, panel: *const f32,
     }
 }
 
-/// S for padded_rows rows against the panels holding the block's keys (n keys).
+/// S for all rows against the panels holding the block's keys (n keys): strips of MICRO_ROWS
+/// rows, the last strip as many rows as remain (no padding rows are computed). (C++ runs strip
+/// by strip over every panel; here every micro column of keys runs over all strips while its
+/// panel columns are in L1: the same sums, each score computed once in the same order.)
 ///
 /// # Safety
 /// As [`score_micro`], for every micro tile.
@@ -211,11 +220,17 @@ unsafe fn score_micro<V: Vector>(q: *const f32, d_len: usize, panel: *const f32,
 unsafe fn block_scores<V: Vector>(
     q_tile: *const f32,
     d_len: usize,
-    padded_rows: usize,
+    rows: usize,
     panels: *const f32,
     n: usize,
     scores: *mut f32,
 ) {
+    const {
+        assert!(
+            MICRO_ROWS == 6,
+            "the match below lists the strip heights 1..MICRO_ROWS"
+        )
+    };
     let keys_per_micro = V::SCORE_VECTORS * V::WIDTH;
     let mut panel = 0;
     while panel * KEY_PANEL < n {
@@ -224,13 +239,18 @@ unsafe fn block_scores<V: Vector>(
             let panel_data = panels.add(panel * d_len * KEY_PANEL);
             let mut column = 0;
             while column < KEY_PANEL && panel * KEY_PANEL + column < n {
-                for r in (0..padded_rows).step_by(MICRO_ROWS) {
-                    score_micro::<V>(
-                        q_tile.add(r * d_len),
-                        d_len,
-                        panel_data.add(column),
-                        scores.add(r * KEY_BLOCK + panel * KEY_PANEL + column),
-                    );
+                for r in (0..rows).step_by(MICRO_ROWS) {
+                    let q = q_tile.add(r * d_len);
+                    let k = panel_data.add(column);
+                    let out = scores.add(r * KEY_BLOCK + panel * KEY_PANEL + column);
+                    match (rows - r).min(MICRO_ROWS) {
+                        1 => score_micro::<V, 1>(q, d_len, k, out),
+                        2 => score_micro::<V, 2>(q, d_len, k, out),
+                        3 => score_micro::<V, 3>(q, d_len, k, out),
+                        4 => score_micro::<V, 4>(q, d_len, k, out),
+                        5 => score_micro::<V, 5>(q, d_len, k, out),
+                        _ => score_micro::<V, 6>(q, d_len, k, out),
+                    }
                 }
                 column += keys_per_micro;
             }
@@ -359,18 +379,24 @@ unsafe fn direct_block_scores<V: Vector>(
     }
 }
 
-// ---- 3d. O = alpha O + P V: MICRO_ROWS rows x NV vectors of value columns ----------------------
+// ---- 3d. O = alpha O + P V: R (<= MICRO_ROWS) rows x NV vectors of value columns -------------
 
 /// TAIL: the last vector holds only `tail` columns. SAFE: a row whose p is 0 (a hidden key)
 /// skips the key, so a NaN in a hidden value never enters (0 * NaN = NaN).
 ///
 /// # Safety
-/// V's instruction set is available; probs: MICRO_ROWS rows of stride KEY_BLOCK, n keys;
+/// V's instruction set is available; probs: R rows of stride KEY_BLOCK, n keys;
 /// v_rows: n value rows of stride v_stride, each readable for the columns used; out:
-/// MICRO_ROWS rows of stride out_stride, NV * WIDTH floats each; rescale: MICRO_ROWS floats.
+/// R rows of stride out_stride, NV * WIDTH floats each; rescale: R floats.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn value_micro<V: Vector, const NV: usize, const TAIL: bool, const SAFE: bool>(
+unsafe fn value_micro<
+    V: Vector,
+    const R: usize,
+    const NV: usize,
+    const TAIL: bool,
+    const SAFE: bool,
+>(
     probs: *const f32,
     n: usize,
     v_rows: *const f32,
@@ -384,7 +410,7 @@ unsafe fn value_micro<V: Vector, const NV: usize, const TAIL: bool, const SAFE: 
     let w = V::WIDTH;
     // SAFETY: forwarded from this function's contract.
     unsafe {
-        let mut acc = [[V::zero(); NV]; MICRO_ROWS];
+        let mut acc = [[V::zero(); NV]; R];
         for (r, acc_r) in acc.iter_mut().enumerate() {
             let alpha = V::broadcast(*rescale.add(r));
             for (v, a) in acc_r.iter_mut().enumerate() {
@@ -405,7 +431,7 @@ unsafe fn value_micro<V: Vector, const NV: usize, const TAIL: bool, const SAFE: 
                 };
             }
             if SAFE {
-                // Row by row (C++ first tests whether all MICRO_ROWS weights are nonzero and
+                // Row by row (C++ first tests whether all R weights are nonzero and
                 // then runs the plain loop; here that kept six weights in registers beside 24
                 // accumulators, and the AVX-512 build spilled three accumulators to the stack).
                 for (r, acc_r) in acc.iter_mut().enumerate() {
@@ -442,7 +468,7 @@ unsafe fn value_micro<V: Vector, const NV: usize, const TAIL: bool, const SAFE: 
 /// As [`value_micro`].
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn value_micro_full<V: Vector, const SAFE: bool>(
+unsafe fn value_micro_full<V: Vector, const R: usize, const SAFE: bool>(
     probs: *const f32,
     n: usize,
     v_rows: *const f32,
@@ -455,10 +481,10 @@ unsafe fn value_micro_full<V: Vector, const SAFE: bool>(
     // SAFETY: forwarded from this function's contract.
     unsafe {
         match V::VALUE_VECTORS {
-            4 => value_micro::<V, 4, false, SAFE>(
+            4 => value_micro::<V, R, 4, false, SAFE>(
                 probs, n, v_rows, v_stride, out, out_stride, rescale, do_rescale, 0,
             ),
-            2 => value_micro::<V, 2, false, SAFE>(
+            2 => value_micro::<V, R, 2, false, SAFE>(
                 probs, n, v_rows, v_stride, out, out_stride, rescale, do_rescale, 0,
             ),
             _ => unreachable!("VALUE_VECTORS is 2 or 4"),
@@ -466,17 +492,19 @@ unsafe fn value_micro_full<V: Vector, const SAFE: bool>(
     }
 }
 
+/// O for one strip of R rows: column blocks of VALUE_VECTORS vectors, then single vectors,
+/// then the masked tail.
+///
 /// # Safety
-/// As [`value_micro`], for every micro tile: padded_rows rows, Dv columns.
+/// As [`value_micro`], for R rows and Dv columns.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn block_values<V: Vector, const SAFE: bool>(
-    scores: *const f32,
-    padded_rows: usize,
+unsafe fn strip_values<V: Vector, const R: usize, const SAFE: bool>(
+    probs: *const f32,
     n: usize,
     v_rows: *const f32,
     v_stride: isize,
-    out_acc: *mut f32,
+    out: *mut f32,
     out_stride: usize,
     value_dim: usize,
     rescale: *const f32,
@@ -485,54 +513,97 @@ unsafe fn block_values<V: Vector, const SAFE: bool>(
     let nv = V::VALUE_VECTORS;
     // SAFETY: forwarded from this function's contract.
     unsafe {
-        for r in (0..padded_rows).step_by(MICRO_ROWS) {
-            let mut do_rescale = false;
-            for s in 0..MICRO_ROWS {
-                do_rescale |= *rescale.add(r + s) != 1.0;
-            }
+        let mut do_rescale = false;
+        for s in 0..R {
+            do_rescale |= *rescale.add(s) != 1.0;
+        }
+        let mut c = 0;
+        while c + nv * w <= value_dim {
+            value_micro_full::<V, R, SAFE>(
+                probs,
+                n,
+                v_rows.add(c),
+                v_stride,
+                out.add(c),
+                out_stride,
+                rescale,
+                do_rescale,
+            );
+            c += nv * w;
+        }
+        while c + w <= value_dim {
+            value_micro::<V, R, 1, false, SAFE>(
+                probs,
+                n,
+                v_rows.add(c),
+                v_stride,
+                out.add(c),
+                out_stride,
+                rescale,
+                do_rescale,
+                0,
+            );
+            c += w;
+        }
+        if c < value_dim {
+            value_micro::<V, R, 1, true, SAFE>(
+                probs,
+                n,
+                v_rows.add(c),
+                v_stride,
+                out.add(c),
+                out_stride,
+                rescale,
+                do_rescale,
+                value_dim - c,
+            );
+        }
+    }
+}
+
+/// O for all rows: strips of MICRO_ROWS rows, the last strip as many rows as remain.
+///
+/// # Safety
+/// As [`value_micro`], for every strip: rows rows, Dv columns.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn block_values<V: Vector, const SAFE: bool>(
+    scores: *const f32,
+    rows: usize,
+    n: usize,
+    v_rows: *const f32,
+    v_stride: isize,
+    out_acc: *mut f32,
+    out_stride: usize,
+    value_dim: usize,
+    rescale: *const f32,
+) {
+    const {
+        assert!(
+            MICRO_ROWS == 6,
+            "the match below lists the strip heights 1..MICRO_ROWS"
+        )
+    };
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        for r in (0..rows).step_by(MICRO_ROWS) {
             let probs = scores.add(r * KEY_BLOCK);
             let out = out_acc.add(r * out_stride);
-            let rescale = rescale.add(r);
-            let mut c = 0;
-            while c + nv * w <= value_dim {
-                value_micro_full::<V, SAFE>(
-                    probs,
-                    n,
-                    v_rows.add(c),
-                    v_stride,
-                    out.add(c),
-                    out_stride,
-                    rescale,
-                    do_rescale,
-                );
-                c += nv * w;
+            let alpha = rescale.add(r);
+            macro_rules! strip {
+                ($r:literal) => {
+                    strip_values::<V, $r, SAFE>(
+                        probs, n, v_rows, v_stride, out, out_stride, value_dim, alpha,
+                    )
+                };
             }
-            while c + w <= value_dim {
-                value_micro::<V, 1, false, SAFE>(
-                    probs,
-                    n,
-                    v_rows.add(c),
-                    v_stride,
-                    out.add(c),
-                    out_stride,
-                    rescale,
-                    do_rescale,
-                    0,
-                );
-                c += w;
-            }
-            if c < value_dim {
-                value_micro::<V, 1, true, SAFE>(
-                    probs,
-                    n,
-                    v_rows.add(c),
-                    v_stride,
-                    out.add(c),
-                    out_stride,
-                    rescale,
-                    do_rescale,
-                    value_dim - c,
-                );
+            match (rows - r).min(MICRO_ROWS) {
+                1 => strip!(1),
+                2 => strip!(2),
+                3 => strip!(3),
+                4 => strip!(4),
+                5 => strip!(5),
+                _ => strip!(6),
             }
         }
     }
@@ -551,39 +622,30 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
     let (group, d_len, value_dim) = (plan.group, plan.head_dim, plan.value_dim);
     let out_stride = plan.value_stride;
     let rows = item.row_end - item.row_begin;
-    let padded_rows = round_up(rows, MICRO_ROWS);
     let b = item.b;
     // SAFETY: forwarded from this function's contract: every index below stays inside the
     // checked views (rows < Lq * G, keys < row_key_end <= kv_lens[b]) or the sized scratch.
     unsafe {
         // 2. The Q tile, times scale * log2(e); each row's visible end; m = -inf, l = 0, O = 0.
         let multiplier = V::broadcast(plan.q_multiplier);
-        for r in 0..padded_rows {
+        for r in 0..rows {
             let q_dst = s.q_tile.add(r * d_len);
-            if r < rows {
-                let packed = item.row_begin + r;
-                let (h, i) = (item.kv_head * group + packed % group, packed / group);
-                let q_src = p.q.data.offset(at(
-                    [b, h, i],
-                    &[p.q.stride[0], p.q.stride[1], p.q.stride[2]],
-                ));
-                let mut d = 0;
-                while d + w <= d_len {
-                    V::mul(V::load(q_src.add(d)), multiplier).store(q_dst.add(d));
-                    d += w;
-                }
-                if d < d_len {
-                    V::mul(V::load_tail(q_src.add(d), d_len - d), multiplier)
-                        .store_tail(q_dst.add(d), d_len - d);
-                }
-                *s.row_key_end.add(r) = flash_row_key_end(p, b, group, packed);
-            } else {
-                // padding rows: zero queries that see what the last real row sees
-                for d in 0..d_len {
-                    *q_dst.add(d) = 0.0;
-                }
-                *s.row_key_end.add(r) = *s.row_key_end.add(rows - 1);
+            let packed = item.row_begin + r;
+            let (h, i) = (item.kv_head * group + packed % group, packed / group);
+            let q_src = p.q.data.offset(at(
+                [b, h, i],
+                &[p.q.stride[0], p.q.stride[1], p.q.stride[2]],
+            ));
+            let mut d = 0;
+            while d + w <= d_len {
+                V::mul(V::load(q_src.add(d)), multiplier).store(q_dst.add(d));
+                d += w;
             }
+            if d < d_len {
+                V::mul(V::load_tail(q_src.add(d), d_len - d), multiplier)
+                    .store_tail(q_dst.add(d), d_len - d);
+            }
+            *s.row_key_end.add(r) = flash_row_key_end(p, b, group, packed);
             *s.row_max.add(r) = f32::NEG_INFINITY;
             *s.row_sum.add(r) = 0.0;
             for c in 0..out_stride {
@@ -628,12 +690,6 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
                     n,
                     s.scores,
                 );
-                // padding rows (zero queries): S = 0, as the panels would give for finite keys
-                for r in rows..padded_rows {
-                    for j in 0..n {
-                        *s.scores.add(r * KEY_BLOCK + j) = 0.0;
-                    }
-                }
             } else {
                 let panels = if k_head_panels.is_null() {
                     pack_keys::<V>(p, b, item.kv_head, key_block, key_block + n, s.key_panels);
@@ -641,46 +697,32 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
                 } else {
                     k_head_panels.add((key_block / KEY_PANEL) * d_len * KEY_PANEL)
                 };
-                block_scores::<V>(s.q_tile, d_len, padded_rows, panels, n, s.scores);
+                block_scores::<V>(s.q_tile, d_len, rows, panels, n, s.scores);
             }
             // (b) Mask only blocks that cross a row's visible end, or when a mask is given.
             let masked = plan.has_mask || *s.row_key_end < key_block + n;
             if masked {
-                mask_block(plan, item, s, rows, padded_rows, key_block, n);
+                mask_block(plan, item, s, rows, key_block, n);
             }
-            for r in 0..padded_rows {
+            for r in 0..rows {
                 for j in n..n_padded {
                     *s.scores.add(r * KEY_BLOCK + j) = f32::NEG_INFINITY;
                 }
             }
             // (c) Online softmax.
-            for r in 0..padded_rows {
+            for r in 0..rows {
                 softmax_row::<V>(s.scores.add(r * KEY_BLOCK), n_padded, s, r);
             }
             // (d) O = alpha O + P V.
             let v_rows = v_head.offset(key_block as isize * v_stride);
             if masked {
                 block_values::<V, true>(
-                    s.scores,
-                    padded_rows,
-                    n,
-                    v_rows,
-                    v_stride,
-                    s.out_acc,
-                    out_stride,
-                    value_dim,
+                    s.scores, rows, n, v_rows, v_stride, s.out_acc, out_stride, value_dim,
                     s.rescale,
                 );
             } else {
                 block_values::<V, false>(
-                    s.scores,
-                    padded_rows,
-                    n,
-                    v_rows,
-                    v_stride,
-                    s.out_acc,
-                    out_stride,
-                    value_dim,
+                    s.scores, rows, n, v_rows, v_stride, s.out_acc, out_stride, value_dim,
                     s.rescale,
                 );
             }
@@ -730,7 +772,7 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
 }
 
 /// 3b. -inf past each row's visible end (index arithmetic); the bool / float mask, read through
-/// its strides, on the keys before it. Padding rows get the suffix only.
+/// its strides, on the keys before it.
 ///
 /// # Safety
 /// As [`attend_rows`].
@@ -740,7 +782,6 @@ unsafe fn mask_block(
     item: &WorkItem,
     s: &ThreadScratch,
     rows: usize,
-    padded_rows: usize,
     key_block: usize,
     n: usize,
 ) {
@@ -748,13 +789,13 @@ unsafe fn mask_block(
     // SAFETY: forwarded from this function's contract; mask indices are in bounds (r < rows,
     // key_block + j < row_key_end <= Lk).
     unsafe {
-        for r in 0..padded_rows {
+        for r in 0..rows {
             let row = s.scores.add(r * KEY_BLOCK);
             let visible = (*s.row_key_end.add(r)).saturating_sub(key_block); // keys [0, visible)
             for j in visible..n {
                 *row.add(j) = f32::NEG_INFINITY;
             }
-            if !plan.has_mask || r >= rows {
+            if !plan.has_mask {
                 continue;
             }
             let packed = item.row_begin + r;
