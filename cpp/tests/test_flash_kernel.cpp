@@ -280,17 +280,17 @@ std::vector<Case> contract_cases() {
         cases.push_back(c);
     }
     // Direct split-key scores (rows_per_group <= kDirectScoreRows: every G here at Lq = 1; at
-    // Lq = 3, G >= 3 takes the panels): D around the vector widths, kv_len around the 4-key batches, the vector
+    // Lq = 4, G <= 6 is direct (4 strips at G = 6) and G >= 7 takes the panels): D around the vector widths, kv_len around the 4-key batches, the vector
     // width, the key block and the chunk, masks and NaN in hidden keys.
     {
-        static_assert(kDirectScoreRows == 8, "the sweep below straddles the direct path's bound");
+        static_assert(kDirectScoreRows == 24, "the sweep below straddles the direct path's bound");
         int64_t i = 0;
         for (int64_t D : {1, 15, 16, 17, 64, 80, 128, 129})
             for (int64_t G = 1; G <= 8; ++G)
                 for (int64_t lk : {1, 3, 4, 5, 15, 16, 17, 33, 255, 257, 1023, 1025}) {
                     if ((D + G + lk + i++) % 5 != 0 && lk != 17) continue;
                     Case c;
-                    c.B = 2, c.Hkv = 2, c.Hq = 2 * G, c.Lq = i % 4 == 0 ? 3 : 1, c.Lk = lk + 3, c.D = D, c.Dv = 24;
+                    c.B = 2, c.Hkv = 2, c.Hq = 2 * G, c.Lq = i % 4 == 0 ? 4 : 1, c.Lk = lk + 3, c.D = D, c.Dv = 24;
                     c.kv_lens = {lk, std::max<int64_t>(1, lk / 2)};
                     c.causal = i % 2 == 0;
                     c.mask = i % 3 == 0 ? Mask::Bool : i % 3 == 1 ? Mask::Float : Mask::None;

@@ -174,11 +174,11 @@ fn decode_with_32k_keys_and_split_key_merge() {
 }
 
 /// Direct split-key scores (rows_per_group <= DIRECT_SCORE_ROWS: every G here at Lq = 1; at
-/// Lq = 3, G >= 3 takes the panels): D around the vector widths, kv_len around the 4-key batches, the vector
+/// Lq = 4, G <= 6 is direct (4 strips at G = 6) and G >= 7 takes the panels): D around the vector widths, kv_len around the 4-key batches, the vector
 /// width, the key block and the chunk, masks and NaN in hidden keys (as the C++ sweep).
 #[test]
 fn direct_split_key_scores_against_reference() {
-    const _: () = assert!(twinattn::constants::DIRECT_SCORE_ROWS == 8);
+    const _: () = assert!(twinattn::constants::DIRECT_SCORE_ROWS == 24);
     let mut rng = Rng::new(131);
     let mut i = 0i64;
     for d in [1i64, 15, 16, 17, 64, 80, 128, 129] {
@@ -188,7 +188,7 @@ fn direct_split_key_scores_against_reference() {
                 if (d + g + lk + i - 1) % 5 != 0 && lk != 17 {
                     continue;
                 }
-                let lq = if i % 4 == 0 { 3 } else { 1 };
+                let lq = if i % 4 == 0 { 4 } else { 1 };
                 let mut case = random_case(&mut rng, (2, 2 * g, 2, lq, lk + 3, d, 24));
                 case.kv_lens = vec![lk, (lk / 2).max(1)];
                 for b in 0..2 {

@@ -24,12 +24,13 @@ constexpr int64_t kKeyPanel = 32;
 // Keys per split-key work item (decode and short chunks).
 constexpr int64_t kSplitKeyChunk = 1024;
 
-// Split-key groups with at most this many packed rows (decode with G <= 8) compute S directly
-// from the K rows in place (no K^T panels): vectorised over D, one accumulator per (row, key),
-// 4 keys at a time, reduced to one vector of scores per row (docs/kernels.md, step 6).
-// Measured (AVX-512, 32k keys, D = 128): G = 8 direct 14.2-15.0 ms vs panels 16.1-17.2 ms;
-// G = 7 a tie (15.3-15.5 ms both).
-constexpr int64_t kDirectScoreRows = 8;
+// Split-key groups with at most this many packed rows (decode, and GQA 32/8 chunks of up to 6
+// queries) compute S directly from the K rows in place (no K^T panels): vectorised over D, one
+// accumulator per (row, key), 4 keys at a time, reduced to one vector of scores per row
+// (docs/kernels.md, step 6). Measured (AVX-512, 2 threads, G = 4, D = 128, direct vs panels):
+// 32k keys, 12 rows 14.4 vs 20.0 ms, 16 rows 19.6 vs 23.3, 24 rows 25.8 vs 29.1, 32 rows a tie
+// (33.2 vs 33.4), 48 rows 46.4 vs 43.9; 16k keys, 28 rows 14.3 vs 15.0.
+constexpr int64_t kDirectScoreRows = 24;
 
 static_assert(kQTileRows % kMicroRows == 0, "tiles are whole micro-kernel strips");
 static_assert(kKeyBlock % kKeyPanel == 0, "key blocks are whole panels");
