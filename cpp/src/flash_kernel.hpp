@@ -93,17 +93,6 @@ namespace flash {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Split-key panel path: memory is streamed while the core computes. During S of a block its V rows
-// are prefetched (one panel's keys before each panel), during P.V the next block's K rows (one
-// row per key), so neither phase waits for memory that the other could have fetched.
-struct BlockStream {
-    const float* k_rows;  // next block's K rows
-    const float* v_rows;  // this block's V rows
-    int64_t k_stride, v_stride;  // elements
-    int64_t k_row_bytes, v_row_bytes;
-    int64_t keys;  // keys of the next block (K prefetch); this block's V: all its keys
-};
-
 template <class V>
 struct Kernel {
     using Reg = typename V::Reg;
@@ -169,15 +158,9 @@ struct Kernel {
 
     // S for one strip of R rows against every panel of the block (n keys).
     template <int R>
-    static void strip_scores(const float* q, int64_t D, const float* panels, int64_t n, float* scores,
-                             const BlockStream* stream) {
+    static void strip_scores(const float* q, int64_t D, const float* panels, int64_t n, float* scores) {
         constexpr int64_t keys_per_micro = V::kScoreVectors * W;
         for (int64_t panel = 0; panel * kKeyPanel < n; ++panel) {
-            if (stream != nullptr)
-                for (int64_t key = panel * kKeyPanel; key < n && key < (panel + 1) * kKeyPanel; ++key) {
-                    const char* v_row = reinterpret_cast<const char*>(stream->v_rows + key * stream->v_stride);
-                    for (int64_t line = 0; line < stream->v_row_bytes; line += 64) V::prefetch(v_row + line);
-                }
             for (int64_t column = 0; column < kKeyPanel && panel * kKeyPanel + column < n;
                  column += keys_per_micro)
                 score_micro<R>(q, D, panels + panel * D * kKeyPanel + column,
@@ -188,18 +171,18 @@ struct Kernel {
     // S for all rows: strips of kMicroRows rows, the last strip as many rows as remain (no
     // padding rows are computed).
     static void block_scores(const float* q_tile, int64_t D, int64_t rows, const float* panels,
-                             int64_t n, float* scores, const BlockStream* stream) {
+                             int64_t n, float* scores) {
         static_assert(kMicroRows == 6, "the switch below lists the strip heights 1..kMicroRows");
         for (int64_t r = 0; r < rows; r += kMicroRows) {
             const float* q = q_tile + r * D;
             float* s = scores + r * kKeyBlock;
             switch (rows - r < kMicroRows ? rows - r : kMicroRows) {
-                case 1: strip_scores<1>(q, D, panels, n, s, r == 0 ? stream : nullptr); break;
-                case 2: strip_scores<2>(q, D, panels, n, s, r == 0 ? stream : nullptr); break;
-                case 3: strip_scores<3>(q, D, panels, n, s, r == 0 ? stream : nullptr); break;
-                case 4: strip_scores<4>(q, D, panels, n, s, r == 0 ? stream : nullptr); break;
-                case 5: strip_scores<5>(q, D, panels, n, s, r == 0 ? stream : nullptr); break;
-                default: strip_scores<6>(q, D, panels, n, s, r == 0 ? stream : nullptr); break;
+                case 1: strip_scores<1>(q, D, panels, n, s); break;
+                case 2: strip_scores<2>(q, D, panels, n, s); break;
+                case 3: strip_scores<3>(q, D, panels, n, s); break;
+                case 4: strip_scores<4>(q, D, panels, n, s); break;
+                case 5: strip_scores<5>(q, D, panels, n, s); break;
+                default: strip_scores<6>(q, D, panels, n, s); break;
             }
         }
     }
@@ -269,8 +252,6 @@ struct Kernel {
 
     // S for all rows (<= kDirectScoreRows) against the block's n keys read in place: groups of
     // W keys, each in strips of V::kDirectStripRows rows (the last strip as many as remain).
-    // No software prefetch: K and V are plain forward streams that the hardware prefetcher
-    // follows (prefetching V here and the next K during P.V measured 15-20% slower at 16k-32k keys).
     static void direct_block_scores(const float* q_tile, int64_t D, int64_t rows, const float* k_rows,
                                     int64_t k_stride, int64_t n, float* scores) {
         constexpr int64_t SR = V::kDirectStripRows;
@@ -297,7 +278,7 @@ struct Kernel {
     template <int R, int NV, bool kTail, bool kSafe>
     static void value_micro(const float* probs, int64_t n, const float* v_rows, int64_t v_stride,
                             float* out, int64_t out_stride, const float* rescale, bool do_rescale,
-                            int64_t tail, const BlockStream* next) {
+                            int64_t tail) {
         Reg acc[R][NV] = {};  // (= {}: silences a false -Wuninitialized)
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
@@ -309,10 +290,6 @@ struct Kernel {
             }
         }
         for (int64_t key = 0; key < n; ++key) {
-            if (next != nullptr && key < next->keys) {  // next block's K (keys <= 0: none)
-                const char* k_next = reinterpret_cast<const char*>(next->k_rows + key * next->k_stride);
-                for (int64_t line = 0; line < next->k_row_bytes; line += 64) V::prefetch(k_next + line);
-            }
             const float* v_row = v_rows + key * v_stride;
             Reg values[NV];
 #pragma GCC unroll 4
@@ -351,38 +328,37 @@ struct Kernel {
     // then the masked tail.
     template <int R, bool kSafe>
     static void strip_values(const float* probs, int64_t n, const float* v_rows, int64_t v_stride,
-                             float* out, int64_t out_stride, int64_t Dv, const float* rescale,
-                             const BlockStream* next) {
+                             float* out, int64_t out_stride, int64_t Dv, const float* rescale) {
         constexpr int NV = V::kValueVectors;
         bool do_rescale = false;
         for (int s = 0; s < R; ++s) do_rescale |= rescale[s] != 1.0f;
         int64_t c = 0;
         for (; c + NV * W <= Dv; c += NV * W)
             value_micro<R, NV, false, kSafe>(probs, n, v_rows + c, v_stride, out + c, out_stride,
-                                             rescale, do_rescale, 0, c == 0 ? next : nullptr);
+                                             rescale, do_rescale, 0);
         for (; c + W <= Dv; c += W)
             value_micro<R, 1, false, kSafe>(probs, n, v_rows + c, v_stride, out + c, out_stride,
-                                            rescale, do_rescale, 0, c == 0 ? next : nullptr);
+                                            rescale, do_rescale, 0);
         if (c < Dv)
             value_micro<R, 1, true, kSafe>(probs, n, v_rows + c, v_stride, out + c, out_stride,
-                                           rescale, do_rescale, Dv - c, c == 0 ? next : nullptr);
+                                           rescale, do_rescale, Dv - c);
     }
 
     template <bool kSafe>
     static void block_values(const float* scores, int64_t rows, int64_t n, const float* v_rows,
                              int64_t v_stride, float* out_acc, int64_t out_stride, int64_t Dv,
-                             const float* rescale, const BlockStream* next) {
+                             const float* rescale) {
         for (int64_t r = 0; r < rows; r += kMicroRows) {
             const float* probs = scores + r * kKeyBlock;
             float* out = out_acc + r * out_stride;
             const float* alpha = rescale + r;
             switch (rows - r < kMicroRows ? rows - r : kMicroRows) {
-                case 1: strip_values<1, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha, r == 0 ? next : nullptr); break;
-                case 2: strip_values<2, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha, r == 0 ? next : nullptr); break;
-                case 3: strip_values<3, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha, r == 0 ? next : nullptr); break;
-                case 4: strip_values<4, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha, r == 0 ? next : nullptr); break;
-                case 5: strip_values<5, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha, r == 0 ? next : nullptr); break;
-                default: strip_values<6, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha, r == 0 ? next : nullptr); break;
+                case 1: strip_values<1, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha); break;
+                case 2: strip_values<2, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha); break;
+                case 3: strip_values<3, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha); break;
+                case 4: strip_values<4, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha); break;
+                case 5: strip_values<5, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha); break;
+                default: strip_values<6, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha); break;
             }
         }
     }
@@ -432,20 +408,15 @@ struct Kernel {
                 pack_keys(p, b, item.kv_head, key_block, key_block + n, s.key_panels);
                 panels = s.key_panels;
             }
-            // Split-key path only: this block's V and the next block's K are streamed meanwhile.
+            // No software prefetch on any path: K and V are read as forward streams that the
+            // hardware prefetcher follows (docs/kernels.md, step 6).
             const float* v_rows = v_head + key_block * p.v.stride[2];
-            const int64_t next_block = key_block + kKeyBlock;
-            const BlockStream stream{k_head + next_block * p.k.stride[2], v_rows, p.k.stride[2],
-                                   p.v.stride[2], D * 4, Dv * 4,
-                                   key_stop - next_block < kKeyBlock ? key_stop - next_block : kKeyBlock};
-            // (The direct path prefetches nothing: see direct_block_scores.)
-            const BlockStream* prefetch = k_head_panels == nullptr && !direct ? &stream : nullptr;
             // (a) S = Q K^T.
             if (direct)
                 direct_block_scores(s.q_tile, D, rows, k_head + key_block * p.k.stride[2], p.k.stride[2],
                                     n, s.scores);
             else
-                block_scores(s.q_tile, D, rows, panels, n, s.scores, prefetch);
+                block_scores(s.q_tile, D, rows, panels, n, s.scores);
             // (b) Mask only blocks that cross a row's visible end, or when a mask is given.
             const bool masked = plan.has_mask || s.row_key_end[0] < key_block + n;
             if (masked) mask_block(plan, item, s, rows, key_block, n);
@@ -456,10 +427,10 @@ struct Kernel {
             // (d) O = alpha O + P V.
             if (masked)
                 block_values<true>(s.scores, rows, n, v_rows, p.v.stride[2], s.out_acc,
-                                   out_stride, Dv, s.rescale, prefetch);
+                                   out_stride, Dv, s.rescale);
             else
                 block_values<false>(s.scores, rows, n, v_rows, p.v.stride[2], s.out_acc,
-                                    out_stride, Dv, s.rescale, prefetch);
+                                    out_stride, Dv, s.rescale);
         }
 
         // 4. Finish: out = O / l and lse, or the partial (m, l, O) of this key range.

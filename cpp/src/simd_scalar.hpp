@@ -142,7 +142,6 @@ struct VecScalar {
             }
     }
 
-    static void prefetch(const void*) {}
 };
 
 }  // namespace twinattn

@@ -59,8 +59,6 @@ pub trait Vector: Copy {
     /// # Safety
     /// `p` is valid for writing `n` floats.
     unsafe fn store_tail(self, p: *mut f32, n: usize);
-    /// A hint to fetch the cache line holding `p`; never faults.
-    fn prefetch(p: *const f32);
     /// `a * b + c` (fused on the SIMD types, two roundings on the scalar type, as in C++).
     fn fma(a: Self, b: Self, c: Self) -> Self;
     fn mul(a: Self, b: Self) -> Self;

@@ -66,12 +66,6 @@ impl Vector for Avx2 {
         unsafe { _mm256_maskstore_ps(p, tail_mask(n), self.0) }
     }
     #[inline(always)]
-    fn prefetch(p: *const f32) {
-        // SAFETY: a prefetch never faults, whatever the address; SSE is baseline on x86-64.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>()) }
-    }
-
-    #[inline(always)]
     fn fma(a: Self, b: Self, c: Self) -> Self {
         // SAFETY: a value of this type proves AVX2 and FMA (see simd.rs).
         Avx2(unsafe { _mm256_fmadd_ps(a.0, b.0, c.0) })

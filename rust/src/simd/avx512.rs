@@ -56,12 +56,6 @@ impl Vector for Avx512 {
         unsafe { _mm512_mask_storeu_ps(p, tail_mask(n), self.0) }
     }
     #[inline(always)]
-    fn prefetch(p: *const f32) {
-        // SAFETY: a prefetch never faults, whatever the address; SSE is baseline on x86-64.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>()) }
-    }
-
-    #[inline(always)]
     fn fma(a: Self, b: Self, c: Self) -> Self {
         // SAFETY: a value of this type proves AVX-512F (see simd.rs).
         Avx512(unsafe { _mm512_fmadd_ps(a.0, b.0, c.0) })

@@ -81,9 +81,6 @@ impl Vector for Scalar {
         }
     }
     #[inline(always)]
-    fn prefetch(_p: *const f32) {}
-
-    #[inline(always)]
     fn fma(a: Self, b: Self, c: Self) -> Self {
         Scalar(std::array::from_fn(|i| a.0[i] * b.0[i] + c.0[i]))
     }
