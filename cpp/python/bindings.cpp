@@ -272,6 +272,7 @@ py::dict build_info() {
     constants["key_block"] = kKeyBlock;
     constants["key_panel"] = kKeyPanel;
     constants["split_key_chunk"] = kSplitKeyChunk;
+    constants["pool_spin_microseconds"] = kPoolSpinMicroseconds;
     constants["direct_score_rows"] = kDirectScoreRows;
     constants["avx512_score_vectors"] = kAvx512ScoreVectors;
     constants["avx512_value_vectors"] = kAvx512ValueVectors;

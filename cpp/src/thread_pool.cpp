@@ -5,15 +5,26 @@
 // workers; workers 1..wanted take items from the shared counter, then report done. The caller
 // takes items too, then waits until every wanted worker has reported. Workers that were not
 // wanted for this job go back to sleep at once.
+//
+// Waiting (a worker for its next job, the caller for the workers' reports) first spins for up to
+// kPoolSpinMicroseconds on an atomic copy of the generation / pending count, then sleeps on the
+// condition variable; the mutex-guarded values stay the ones that decide.
 #include "thread_pool.hpp"
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <exception>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include "twinattn/constants.hpp"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 namespace twinattn {
 namespace {
@@ -40,12 +51,15 @@ public:
             items_ = items;
             wanted_ = wanted;
             pending_ = wanted;
+            pending_atomic_.store(wanted, std::memory_order_relaxed);
             next_item_.store(0, std::memory_order_relaxed);
             error_ = nullptr;
             ++generation_;
+            generation_atomic_.store(generation_, std::memory_order_release);
         }
         wake_.notify_all();
         take_items(0);
+        spin_until([&] { return pending_atomic_.load(std::memory_order_acquire) == 0; });
         std::unique_lock<std::mutex> lock(state_mutex_);
         done_.wait(lock, [&] { return pending_ == 0; });
         fn_ = nullptr;
@@ -84,6 +98,7 @@ private:
 
     void worker_loop(int thread, uint64_t seen) {
         for (;;) {
+            spin_until([&] { return generation_atomic_.load(std::memory_order_acquire) != seen; });
             {
                 std::unique_lock<std::mutex> lock(state_mutex_);
                 wake_.wait(lock, [&] { return generation_ != seen; });
@@ -92,6 +107,7 @@ private:
             }
             take_items(thread);
             std::lock_guard<std::mutex> lock(state_mutex_);
+            pending_atomic_.fetch_sub(1, std::memory_order_release);
             if (--pending_ == 0) done_.notify_one();
         }
     }
@@ -107,6 +123,22 @@ private:
     int pending_ = 0;
     std::exception_ptr error_;
     std::atomic<int64_t> next_item_{0};
+    // Copies of generation_ and pending_ for spinning without the mutex.
+    std::atomic<uint64_t> generation_atomic_{0};
+    std::atomic<int> pending_atomic_{0};
+
+    // Returns once done() holds or kPoolSpinMicroseconds have passed (the caller then sleeps).
+    template <class Done>
+    static void spin_until(Done done) {
+        const auto stop = std::chrono::steady_clock::now() + std::chrono::microseconds(kPoolSpinMicroseconds);
+        for (int i = 1;; ++i) {
+            if (done()) return;
+#if defined(__x86_64__) || defined(_M_X64)
+            _mm_pause();
+#endif
+            if (i % 64 == 0 && std::chrono::steady_clock::now() >= stop) return;
+        }
+    }
 };
 
 }  // namespace

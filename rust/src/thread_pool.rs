@@ -16,13 +16,20 @@
 //! items too, then waits until every wanted worker has reported. Workers that were not wanted
 //! for this job go back to sleep at once.
 //!
+//! Waiting (a worker for its next job, the caller for the workers' reports) first spins for up
+//! to POOL_SPIN_MICROSECONDS on an atomic copy of the generation / pending count, then sleeps on
+//! the condition variable; the mutex-guarded values stay the ones that decide.
+//!
 //! Hand-rolled rather than rayon so that both ports schedule the same way (one shared counter,
 //! the caller participating, a busy pool meaning "run here"); rayon's work stealing splits
 //! ranges recursively and blocks a second caller until the pool is free.
 
 use std::any::Any;
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::constants::POOL_SPIN_MICROSECONDS;
 use std::sync::{Condvar, Mutex, MutexGuard, OnceLock, TryLockError};
 
 /// The function of one job: `f(item, thread)`.
@@ -52,6 +59,25 @@ struct Pool {
     wake: Condvar,
     done: Condvar,
     next_item: AtomicUsize,
+    /// Copies of State::generation and State::pending for spinning without the mutex.
+    generation_atomic: AtomicU64,
+    pending_atomic: AtomicUsize,
+}
+
+/// Returns once `done()` holds or POOL_SPIN_MICROSECONDS have passed (the caller then sleeps).
+fn spin_until(done: impl Fn() -> bool) {
+    let stop = Instant::now() + Duration::from_micros(POOL_SPIN_MICROSECONDS);
+    let mut i = 1u32;
+    loop {
+        if done() {
+            return;
+        }
+        std::hint::spin_loop();
+        if i.is_multiple_of(64) && Instant::now() >= stop {
+            return;
+        }
+        i = i.wrapping_add(1);
+    }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -79,6 +105,8 @@ impl Pool {
             wake: Condvar::new(),
             done: Condvar::new(),
             next_item: AtomicUsize::new(0),
+            generation_atomic: AtomicU64::new(0),
+            pending_atomic: AtomicUsize::new(0),
         })
     }
 
@@ -104,12 +132,16 @@ impl Pool {
             state.items = items;
             state.wanted = wanted;
             state.pending = wanted;
+            self.pending_atomic.store(wanted, Ordering::Relaxed);
             state.panic = None;
             self.next_item.store(0, Ordering::Relaxed);
             state.generation += 1;
+            self.generation_atomic
+                .store(state.generation, Ordering::Release);
         }
         self.wake.notify_all();
         self.take_items(f, items, 0);
+        spin_until(|| self.pending_atomic.load(Ordering::Acquire) == 0);
         let mut state = lock(&self.state);
         while state.pending != 0 {
             state = self.done.wait(state).unwrap_or_else(|p| p.into_inner());
@@ -154,6 +186,7 @@ impl Pool {
 
     fn worker_loop(&self, thread: usize, mut seen: u64) {
         loop {
+            spin_until(|| self.generation_atomic.load(Ordering::Acquire) != seen);
             let (job, items) = {
                 let mut state = lock(&self.state);
                 while state.generation == seen {
@@ -173,6 +206,7 @@ impl Pool {
             let f = unsafe { &*job.0 };
             self.take_items(f, items, thread);
             let mut state = lock(&self.state);
+            self.pending_atomic.fetch_sub(1, Ordering::Release);
             state.pending -= 1;
             if state.pending == 0 {
                 self.done.notify_one();

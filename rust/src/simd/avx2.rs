@@ -7,7 +7,8 @@ use std::arch::x86_64::*;
 
 use super::Vector;
 use crate::constants::{
-    AVX2_DIRECT_STRIP_ROWS, AVX2_SCORE_VECTORS, AVX2_VALUE_VECTORS, EXP2_COEFFICIENTS, EXP2_DEGREE, EXP2_MIN,
+    AVX2_DIRECT_STRIP_ROWS, AVX2_SCORE_VECTORS, AVX2_VALUE_VECTORS, EXP2_COEFFICIENTS, EXP2_DEGREE,
+    EXP2_MIN,
 };
 
 #[derive(Clone, Copy, Debug)]
@@ -132,8 +133,14 @@ impl Vector for Avx2 {
     fn reduce4(a0: Self, a1: Self, a2: Self, a3: Self) -> Self {
         // SAFETY: as in fma.
         unsafe {
-            let t01 = _mm256_add_ps(_mm256_unpacklo_ps(a0.0, a1.0), _mm256_unpackhi_ps(a0.0, a1.0));
-            let t23 = _mm256_add_ps(_mm256_unpacklo_ps(a2.0, a3.0), _mm256_unpackhi_ps(a2.0, a3.0));
+            let t01 = _mm256_add_ps(
+                _mm256_unpacklo_ps(a0.0, a1.0),
+                _mm256_unpackhi_ps(a0.0, a1.0),
+            );
+            let t23 = _mm256_add_ps(
+                _mm256_unpacklo_ps(a2.0, a3.0),
+                _mm256_unpackhi_ps(a2.0, a3.0),
+            );
             let lo = _mm256_unpacklo_pd(_mm256_castps_pd(t01), _mm256_castps_pd(t23));
             let hi = _mm256_unpackhi_pd(_mm256_castps_pd(t01), _mm256_castps_pd(t23));
             Avx2(_mm256_add_ps(_mm256_castpd_ps(lo), _mm256_castpd_ps(hi)))

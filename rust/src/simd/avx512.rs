@@ -7,7 +7,8 @@ use std::arch::x86_64::*;
 
 use super::Vector;
 use crate::constants::{
-    AVX512_DIRECT_STRIP_ROWS, AVX512_SCORE_VECTORS, AVX512_VALUE_VECTORS, EXP2_COEFFICIENTS, EXP2_DEGREE, EXP2_MIN,
+    AVX512_DIRECT_STRIP_ROWS, AVX512_SCORE_VECTORS, AVX512_VALUE_VECTORS, EXP2_COEFFICIENTS,
+    EXP2_DEGREE, EXP2_MIN,
 };
 
 #[derive(Clone, Copy, Debug)]
@@ -130,8 +131,14 @@ impl Vector for Avx512 {
     fn reduce4(a0: Self, a1: Self, a2: Self, a3: Self) -> Self {
         // SAFETY: as in fma.
         unsafe {
-            let t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0.0, a1.0), _mm512_unpackhi_ps(a0.0, a1.0));
-            let t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2.0, a3.0), _mm512_unpackhi_ps(a2.0, a3.0));
+            let t01 = _mm512_add_ps(
+                _mm512_unpacklo_ps(a0.0, a1.0),
+                _mm512_unpackhi_ps(a0.0, a1.0),
+            );
+            let t23 = _mm512_add_ps(
+                _mm512_unpacklo_ps(a2.0, a3.0),
+                _mm512_unpackhi_ps(a2.0, a3.0),
+            );
             let lo = _mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23));
             let hi = _mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23));
             Avx512(_mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi)))
