@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from twinattn.bench import cases as bench_cases
 from twinattn.bench import cli, machine, measure, runners
+from twinattn.bench import report as bench_report
 from twinattn.bench.cases import (
     DECODE,
     PREFILL,
@@ -298,6 +299,77 @@ def test_predicted_slow_call_is_skipped_without_running(monkeypatch: pytest.Monk
 def test_scratch_memory_limit_skips() -> None:
     outcome = _run_one(runners.NumpyRunner(), tiny_case(), memory_bytes=10)
     assert outcome.status == "skipped" and "scratch" in outcome.note
+
+
+class LoggingRunner(runners.TwinattnRunner):
+    """numpy under another name, logging each call's name: shows the order of the calls."""
+
+    def __init__(self, name: str, log: list[str], wrong: bool = False) -> None:
+        super().__init__("numpy")
+        self.name, self.log, self.wrong = name, log, wrong
+
+    def available(self) -> Optional[str]:
+        return None
+
+    def prepare(self, problem: Any, threads: int) -> runners.Prepared:
+        ready = runners.NumpyRunner().prepare(problem, threads)
+
+        def call() -> object:
+            self.log.append(self.name)
+            return ready.call()
+
+        def output() -> np.ndarray:
+            out = ready.output()
+            return out + 1.0 if self.wrong else out
+
+        return runners.Prepared(call, output)
+
+
+def test_alternate_timing_takes_turns_and_checks_both() -> None:
+    log: list[str] = []
+    problem = make_problem(tiny_case())
+    budget = measure.Budget(repeat=4, warmup_s=0.0)
+    pair = [LoggingRunner("a", log), LoggingRunner("b", log)]
+    times, why = measure.run_pair(pair, problem, 1, budget, measure.expected_rows(problem))
+    assert why == "" and times is not None and [len(t) for t in times] == [4, 4]
+    # checked call and one warm-up each, then rounds in turn, the order reversed every round
+    assert log[4:] == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    broken = [LoggingRunner("a", []), LoggingRunner("b", [], wrong=True)]
+    times, why = measure.run_pair(broken, problem, 1, budget, measure.expected_rows(problem))
+    assert times is None and why.startswith("b WRONG")
+
+
+def test_port_ratio_comes_from_the_alternate_timing() -> None:
+    def row(backend: str, median: float, paired: Optional[float]) -> dict[str, Any]:
+        return {"case": "c", "backend": backend, "status": "ok", "median_s": median, "paired_median_s": paired}
+
+    rows = [row("cpp", 1.0, 3.0), row("rust", 2.0, 4.0)]
+    bench_report.add_comparisons(rows)
+    assert rows[0]["cpp_over_rust"] == pytest.approx(0.75)
+    table = bench_report.port_table(rows)
+    assert "0.750" in table and "separate" not in table
+    rows = [row("cpp", 1.0, None), row("rust", 2.0, None)]  # the alternate timing failed
+    bench_report.add_comparisons(rows)
+    assert rows[0]["cpp_over_rust"] == pytest.approx(0.5)
+    assert "(separate runs)" in bench_report.port_table(rows)
+
+
+@pytest.mark.skipif(
+    not {"cpp", "rust"} <= set(__import__("twinattn").backends()), reason="needs both native ports"
+)
+def test_both_ports_are_timed_alternately_in_a_run(
+    small_ceilings: None, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "out.json"
+    args = ["--cases", "tiny,decode/N=1024", "--shrink", "64", "--time-budget", "0.01", "--no-progress"]
+    assert cli.main(args + ["--backends", "cpp,rust", "--json", str(path)]) == 0
+    assert "C++ against Rust, timed alternately" in capsys.readouterr().out
+    results = json.loads(path.read_text())["results"]
+    assert len(results) == 4
+    for case in ("tiny", "decode/N=1024"):
+        cpp, rust = (next(r for r in results if r["case"] == case and r["backend"] == b) for b in ("cpp", "rust"))
+        assert cpp["paired_repeats"] >= 3 and rust["paired_repeats"] == cpp["paired_repeats"]
+        assert cpp["cpp_over_rust"] == pytest.approx(cpp["paired_median_s"] / rust["paired_median_s"])
 
 
 # ----------------------------------------------------------------------------------------------

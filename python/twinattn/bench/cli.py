@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import statistics
 import sys
 import time
 from typing import Any, Optional, Sequence
@@ -30,7 +31,7 @@ from .cases import (
     standard_suite,
     work,
 )
-from .measure import Budget, Outcome, Rates, expected_rows, run_layer, run_one
+from .measure import Budget, Outcome, Rates, expected_rows, run_layer, run_layer_pair, run_one, run_pair
 from .runners import Runner, make_runners, parse_backends
 
 EPILOG = """\
@@ -294,6 +295,12 @@ def run(
                 row["read_fraction"] = row["gbps"] / row["read_gbps_beside"] if row["gbps"] else None
             rows.append(row)
             progress.step()
+        if _pairable(rows, case, backends):
+            progress.show(f"{case.name}: cpp and rust alternately")
+            _settle()
+            pair = run_pair([runners[p] for p in PORTS], problem, case_threads, budget, expected)
+            _record_pair(rows, case, pair)
+            progress.step()
         del problem
     progress.show("done")
     report.add_comparisons(rows)
@@ -314,7 +321,36 @@ def _run_layer_case(
         row["gemm_fraction"] = None
         rows.append(row)
         progress.step()
+    if _pairable(rows, case, backends):
+        progress.show(f"{case.name}: cpp and rust alternately")
+        _settle()
+        _record_pair(rows, case, run_layer_pair([runners[p] for p in PORTS], problem, threads, budget, expected))
+        progress.step()
     return rows
+
+
+PORTS = ("cpp", "rust")
+
+
+def _pairable(rows: Sequence[dict[str, Any]], case: Case, backends: Sequence[str]) -> bool:
+    """Both ports are being compared and both ran this case."""
+    ok = {r["backend"] for r in rows if r["case"] == case.name and r["status"] == "ok"}
+    return all(p in backends for p in PORTS) and all(p in ok for p in PORTS)
+
+
+def _record_pair(
+    rows: list[dict[str, Any]], case: Case, pair: tuple[Optional[list[list[float]]], str]
+) -> None:
+    """The alternate timing's median (and its call count, or why it failed) on both ports' rows."""
+    times, why = pair
+    for row in rows:
+        if row["case"] != case.name or row["backend"] not in PORTS:
+            continue
+        if times is None:
+            row["paired_median_s"], row["paired_repeats"], row["paired_note"] = None, 0, why
+        else:
+            mine = times[PORTS.index(row["backend"])]
+            row["paired_median_s"], row["paired_repeats"] = statistics.median(mine), len(mine)
 
 
 def measure_ceilings(
@@ -402,7 +438,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         max_call_s=args.max_call or (3.0 if args.quick else 10.0),
         memory_bytes=int(0.4 * _memory_available()),
     )
-    progress = Progress(len(cases) * len(backends), enabled=not args.no_progress)
+    pairs = len(cases) if all(p in backends for p in PORTS) else 0  # the ports timed alternately
+    progress = Progress(len(cases) * len(backends) + pairs, enabled=not args.no_progress)
     bandwidth = machine.ReadBandwidth()
     started = time.perf_counter()
     try:
@@ -440,7 +477,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ports = report.port_table(rows)
     if ports:
         print()
-        print("C++ against Rust (ratio of median times; < 1: C++ faster):")
+        print("C++ against Rust, timed alternately call by call (ratio of median times; < 1: C++ faster):")
         print(ports)
     layers = report.layer_table(rows)
     if layers:

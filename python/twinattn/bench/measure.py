@@ -14,17 +14,23 @@ The layer case (run_layer) follows the same rules for one nn.Attention decode st
 cache cropped back before every step (outside the timed region), then times the attention kernel
 alone on the same cache views the same way; the step's output and the kernel's are both checked
 against the float64 recomputation, before and after timing.
+
+The two native ports are then timed once more, alternately (run_pair): both prepared at once,
+calls taken in turns (C++ then Rust, Rust then C++ in the next round, and so on), each timed
+alone, both outputs checked before and after. Machines like these drift by tens of percent over
+seconds; drift then slows both ports alike, so the C++/Rust ratio is read from these medians.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import statistics
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -257,6 +263,98 @@ def run_layer(
     except Exception as exc:  # noqa: BLE001 - one backend failing must not stop the run
         detail = traceback.format_exception_only(type(exc), exc)[-1].strip()
         return Outcome("error", f"error: {detail}")
+
+
+def run_pair(
+    runners: Sequence[Runner],
+    problem: Problem,
+    threads: int,
+    budget: Budget,
+    expected: tuple[list[tuple[int, int, int]], np.ndarray],
+) -> tuple[Optional[list[list[float]]], str]:
+    """`runners` timed alternately on `problem` (see the module docstring): one list of times per
+    runner, or None and why not."""
+    rows, reference = expected
+    try:
+        with contextlib.ExitStack() as stack:
+            ready = [stack.enter_context(prepared(runner, problem, threads)) for runner in runners]
+            for runner, r in zip(runners, ready):
+                t0 = time.perf_counter()
+                r.call()
+                first = time.perf_counter() - t0
+                check = check_output(problem, r.output(), rows, reference)
+                if not check.ok:
+                    return None, f"{runner.name} WRONG: {check.reason}"
+                _warm_up(r.call, first, budget)
+            times = _time_alternately([r.call for r in ready], budget)
+            for runner, r in zip(runners, ready):
+                after = check_output(problem, r.output(), rows, reference)
+                if not after.ok:
+                    return None, f"{runner.name} WRONG after timing: {after.reason}"
+        return times, ""
+    except Exception as exc:  # noqa: BLE001 - reported, never fatal
+        return None, "error: " + traceback.format_exception_only(type(exc), exc)[-1].strip()
+
+
+def run_layer_pair(
+    runners: Sequence[Runner], problem: LayerProblem, threads: int, budget: Budget, expected: LayerExpected
+) -> tuple[Optional[list[list[float]]], str]:
+    """As run_pair for the layer case's decode step, the cache cropped back (untimed) before each."""
+    try:
+        with contextlib.ExitStack() as stack:
+            ready = [stack.enter_context(prepared_layer(runner, problem, threads)) for runner in runners]
+            for runner, r in zip(runners, ready):
+                r.reset()
+                t0 = time.perf_counter()
+                r.step()
+                first = time.perf_counter() - t0
+                check = check_close(r.output(), expected.out, "step output")
+                if not check.ok:
+                    return None, f"{runner.name} WRONG: {check.reason}"
+                _warm_up(r.step, first, budget, untimed=r.reset)
+            times = _time_alternately([r.step for r in ready], budget, untimed=[r.reset for r in ready])
+            for runner, r in zip(runners, ready):
+                after = check_close(r.output(), expected.out, "step output")
+                if not after.ok:
+                    return None, f"{runner.name} WRONG after timing: {after.reason}"
+        return times, ""
+    except Exception as exc:  # noqa: BLE001 - reported, never fatal
+        return None, "error: " + traceback.format_exception_only(type(exc), exc)[-1].strip()
+
+
+def _time_alternately(
+    calls: Sequence[Callable[[], Any]],
+    budget: Budget,
+    untimed: Optional[Sequence[Callable[[], Any]]] = None,
+) -> list[list[float]]:
+    """Rounds of one timed call each, the order reversed every round, until every call has
+    min_repeats times and len(calls) x time_s is spent (or exactly --repeat times each)."""
+    times: list[list[float]] = [[] for _ in calls]
+    order = list(range(len(calls)))
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        while True:
+            done = len(times[0])
+            if budget.repeat is not None:
+                if done >= budget.repeat:
+                    break
+            elif done >= budget.min_repeats and (
+                time.perf_counter() - start >= budget.time_s * len(calls) or done >= budget.max_repeats
+            ):
+                break
+            for i in order:
+                if untimed is not None:
+                    untimed[i]()
+                t0 = time.perf_counter()
+                calls[i]()
+                times[i].append(time.perf_counter() - t0)
+            order.reverse()
+    finally:
+        if enabled:
+            gc.enable()
+    return times
 
 
 def _warm_up(

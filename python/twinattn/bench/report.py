@@ -23,7 +23,7 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
         numpy_s, torch_s = time_of(backends, "numpy"), time_of(backends, "torch")
         peers = {p: time_of(backends, p) for p in PEERS}
         best_peer = min(((s, p) for p, s in peers.items() if s is not None), default=None)
-        cpp_s, rust_s = time_of(backends, "cpp"), time_of(backends, "rust")
+        cpp_s, rust_s = port_times(backends)
         ratio = cpp_s / rust_s if cpp_s and rust_s else None
         for row in backends.values():
             mine = row["median_s"] if row["status"] == "ok" else None
@@ -32,6 +32,17 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
             row["best_peer"] = best_peer[1] if best_peer else None
             row["speedup_vs_best_peer"] = best_peer[0] / mine if mine and best_peer else None
             row["cpp_over_rust"] = ratio
+
+
+def port_times(ports: dict[str, dict[str, Any]]) -> tuple[Optional[float], Optional[float]]:
+    """The C++ and Rust medians to compare: those of the alternate timing when it ran, else (an
+    older JSON, or the alternate timing failed) those of the separate runs."""
+    cpp, rust = ports.get("cpp"), ports.get("rust")
+    if cpp is None or rust is None or cpp["status"] != "ok" or rust["status"] != "ok":
+        return None, None
+    if cpp.get("paired_median_s") and rust.get("paired_median_s"):
+        return cpp["paired_median_s"], rust["paired_median_s"]
+    return cpp["median_s"], rust["median_s"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,16 +145,16 @@ def port_table(rows: Sequence[dict[str, Any]]) -> str:
     for case, ports in cases.items():
         if len(ports) < 2:
             continue
-        cpp, rust = ports["cpp"], ports["rust"]
-        ratio = cpp.get("cpp_over_rust")
+        cpp_s, rust_s = port_times(ports)
+        ratio = cpp_s / rust_s if cpp_s and rust_s else None
         verdict = (
             "-" if ratio is None else ("C++ faster" if ratio < 0.97 else "Rust faster" if ratio > 1.03 else "within 3%")
         )
-        lines.append(
-            f"{case:<24} {fmt_time(cpp['median_s'] if cpp['status'] == 'ok' else None):>10} "
-            f"{fmt_time(rust['median_s'] if rust['status'] == 'ok' else None):>10} "
-            f"{_num(ratio, '.3f'):>9}  {verdict}"
-        )
+        paired = bool(ports["cpp"].get("paired_median_s") and ports["rust"].get("paired_median_s"))
+        why = ports["cpp"].get("paired_note") or ""
+        if ratio is not None and not paired:
+            verdict += " (separate runs" + (f"; alternate timing failed: {why}" if why else "") + ")"
+        lines.append(f"{case:<24} {fmt_time(cpp_s):>10} {fmt_time(rust_s):>10} {_num(ratio, '.3f'):>9}  {verdict}")
     if not lines:
         return ""
     head = f"{'case':<24} {'cpp':>10} {'rust':>10} {'cpp/rust':>9}"
