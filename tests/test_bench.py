@@ -358,15 +358,16 @@ def test_port_ratio_comes_from_the_alternate_timing() -> None:
     not {"cpp", "rust"} <= set(__import__("twinattn").backends()), reason="needs both native ports"
 )
 def test_both_ports_are_timed_alternately_in_a_run(
-    small_ceilings: None, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+    small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    monkeypatch.setattr(cli, "standard_suite", _tiny_layer_suite)
     path = tmp_path / "out.json"
-    args = ["--cases", "tiny,decode/N=1024", "--shrink", "64", "--time-budget", "0.01", "--no-progress"]
+    args = ["--cases", "tiny,decode/N=1024,layer-decode", "--shrink", "64", "--time-budget", "0.01", "--no-progress"]
     assert cli.main(args + ["--backends", "cpp,rust", "--json", str(path)]) == 0
     assert "C++ against Rust, timed alternately" in capsys.readouterr().out
     results = json.loads(path.read_text())["results"]
-    assert len(results) == 4
-    for case in ("tiny", "decode/N=1024"):
+    assert len(results) == 6
+    for case in ("tiny", "decode/N=1024", "layer-decode"):
         cpp, rust = (next(r for r in results if r["case"] == case and r["backend"] == b) for b in ("cpp", "rust"))
         assert cpp["paired_repeats"] >= 3 and rust["paired_repeats"] == cpp["paired_repeats"]
         assert cpp["cpp_over_rust"] == pytest.approx(cpp["paired_median_s"] / rust["paired_median_s"])

@@ -265,6 +265,40 @@ def run_layer(
         return Outcome("error", f"error: {detail}")
 
 
+@dataclass
+class _Turn:
+    """One backend's part in an alternate timing."""
+
+    name: str
+    call: Callable[[], Any]  # the timed call
+    check: Callable[[], Check]  # its latest output against the reference
+    reset: Optional[Callable[[], Any]] = None  # untimed, before each call
+
+
+def _checker(output: Callable[[], np.ndarray], check: Callable[[np.ndarray], Check]) -> Callable[[], Check]:
+    return lambda: check(output())
+
+
+def _take_turns(turns: Sequence[_Turn], budget: Budget) -> tuple[Optional[list[list[float]]], str]:
+    """Check and warm up each, time them alternately, check each again."""
+    for turn in turns:
+        if turn.reset is not None:
+            turn.reset()
+        t0 = time.perf_counter()
+        turn.call()
+        first = time.perf_counter() - t0
+        check = turn.check()
+        if not check.ok:
+            return None, f"{turn.name} WRONG: {check.reason}"
+        _warm_up(turn.call, first, budget, untimed=turn.reset)
+    times = _time_alternately([t.call for t in turns], budget, untimed=[t.reset for t in turns])
+    for turn in turns:
+        after = turn.check()
+        if not after.ok:
+            return None, f"{turn.name} WRONG after timing: {after.reason}"
+    return times, ""
+
+
 def run_pair(
     runners: Sequence[Runner],
     problem: Problem,
@@ -277,21 +311,12 @@ def run_pair(
     rows, reference = expected
     try:
         with contextlib.ExitStack() as stack:
-            ready = [stack.enter_context(prepared(runner, problem, threads)) for runner in runners]
-            for runner, r in zip(runners, ready):
-                t0 = time.perf_counter()
-                r.call()
-                first = time.perf_counter() - t0
-                check = check_output(problem, r.output(), rows, reference)
-                if not check.ok:
-                    return None, f"{runner.name} WRONG: {check.reason}"
-                _warm_up(r.call, first, budget)
-            times = _time_alternately([r.call for r in ready], budget)
-            for runner, r in zip(runners, ready):
-                after = check_output(problem, r.output(), rows, reference)
-                if not after.ok:
-                    return None, f"{runner.name} WRONG after timing: {after.reason}"
-        return times, ""
+            turns = []
+            for runner in runners:
+                ready = stack.enter_context(prepared(runner, problem, threads))
+                check = _checker(ready.output, lambda out: check_output(problem, out, rows, reference))
+                turns.append(_Turn(runner.name, ready.call, check))
+            return _take_turns(turns, budget)
     except Exception as exc:  # noqa: BLE001 - reported, never fatal
         return None, "error: " + traceback.format_exception_only(type(exc), exc)[-1].strip()
 
@@ -302,22 +327,12 @@ def run_layer_pair(
     """As run_pair for the layer case's decode step, the cache cropped back (untimed) before each."""
     try:
         with contextlib.ExitStack() as stack:
-            ready = [stack.enter_context(prepared_layer(runner, problem, threads)) for runner in runners]
-            for runner, r in zip(runners, ready):
-                r.reset()
-                t0 = time.perf_counter()
-                r.step()
-                first = time.perf_counter() - t0
-                check = check_close(r.output(), expected.out, "step output")
-                if not check.ok:
-                    return None, f"{runner.name} WRONG: {check.reason}"
-                _warm_up(r.step, first, budget, untimed=r.reset)
-            times = _time_alternately([r.step for r in ready], budget, untimed=[r.reset for r in ready])
-            for runner, r in zip(runners, ready):
-                after = check_close(r.output(), expected.out, "step output")
-                if not after.ok:
-                    return None, f"{runner.name} WRONG after timing: {after.reason}"
-        return times, ""
+            turns = []
+            for runner in runners:
+                ready = stack.enter_context(prepared_layer(runner, problem, threads))
+                check = _checker(ready.output, lambda out: check_close(out, expected.out, "step output"))
+                turns.append(_Turn(runner.name, ready.step, check, ready.reset))
+            return _take_turns(turns, budget)
     except Exception as exc:  # noqa: BLE001 - reported, never fatal
         return None, "error: " + traceback.format_exception_only(type(exc), exc)[-1].strip()
 
@@ -325,7 +340,7 @@ def run_layer_pair(
 def _time_alternately(
     calls: Sequence[Callable[[], Any]],
     budget: Budget,
-    untimed: Optional[Sequence[Callable[[], Any]]] = None,
+    untimed: Optional[Sequence[Optional[Callable[[], Any]]]] = None,
 ) -> list[list[float]]:
     """Rounds of one timed call each, the order reversed every round, until every call has
     min_repeats times and len(calls) x time_s is spent (or exactly --repeat times each)."""
@@ -345,8 +360,9 @@ def _time_alternately(
             ):
                 break
             for i in order:
-                if untimed is not None:
-                    untimed[i]()
+                reset = untimed[i] if untimed is not None else None
+                if reset is not None:
+                    reset()
                 t0 = time.perf_counter()
                 calls[i]()
                 times[i].append(time.perf_counter() - t0)
