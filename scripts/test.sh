@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: installs twinattn with its test extras into .venv (both native ports built
 # from source, build folders reused), type-checks the package and the native stubs (mypy, stubtest), then runs the Python tests
-# on every backend, the C++ unit tests (ctest) and the Rust unit tests (cargo test).
+# on every backend, the C++ unit tests (ctest), the Rust unit tests (cargo test) and the Rust
+# lints (rustfmt, clippy).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,6 +30,16 @@ ctest --test-dir build/cpp-tests --output-on-failure
 
 echo "== Rust unit tests (cargo test) =="
 (cd rust && CARGO_TARGET_DIR=../build/cargo-tests cargo test --release --locked -j "$JOBS")
+
+echo "== Rust lints (cargo fmt --check, cargo clippy -D warnings, with and without the binding) =="
+if cargo clippy --version >/dev/null 2>&1 && cargo fmt --version >/dev/null 2>&1; then
+  (cd rust && cargo fmt --check \
+    && CARGO_TARGET_DIR=../build/cargo-tests cargo clippy --release --locked --all-targets -j "$JOBS" -- -D warnings \
+    && PYO3_PYTHON="$(cd .. && pwd)/$VENV_PY" CARGO_TARGET_DIR=../build/cargo-tests \
+       cargo clippy --release --locked --features python -j "$JOBS" -- -D warnings)
+else
+  echo "skipped: this Rust toolchain has no clippy / rustfmt (rustup component add clippy rustfmt)"
+fi
 
 echo "== Python tests (pytest, every backend) =="
 # a port that failed to build must fail the run, not be skipped
