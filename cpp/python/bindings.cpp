@@ -278,11 +278,14 @@ py::dict build_info() {
     constants["avx512_value_vectors"] = kAvx512ValueVectors;
     constants["avx2_score_vectors"] = kAvx2ScoreVectors;
     constants["avx2_value_vectors"] = kAvx2ValueVectors;
+    constants["neon_score_vectors"] = kNeonScoreVectors;
+    constants["neon_value_vectors"] = kNeonValueVectors;
     constants["scalar_width"] = kScalarWidth;
     constants["scalar_score_vectors"] = kScalarScoreVectors;
     constants["scalar_value_vectors"] = kScalarValueVectors;
     constants["avx512_direct_strip_rows"] = kAvx512DirectStripRows;
     constants["avx2_direct_strip_rows"] = kAvx2DirectStripRows;
+    constants["neon_direct_strip_rows"] = kNeonDirectStripRows;
     constants["scalar_direct_strip_rows"] = kScalarDirectStripRows;
     constants["exp2_degree"] = kExp2Degree;
     py::list coefficients;

@@ -12,8 +12,10 @@
 namespace twinattn {
 namespace {
 
-enum IsaIndex { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kIsaCount = 3 };
-const char* const kIsaNames[kIsaCount] = {"scalar", "avx2", "avx512"};
+// Slowest first. NEON and the x86 sets are never in the same build, so "fastest available" is
+// the highest index either way.
+enum IsaIndex { kScalar = 0, kNeon = 1, kAvx2 = 2, kAvx512 = 3, kIsaCount = 4 };
+const char* const kIsaNames[kIsaCount] = {"scalar", "neon", "avx2", "avx512"};
 
 struct CpuSupport {
     bool isa[kIsaCount];
@@ -21,7 +23,10 @@ struct CpuSupport {
 
 // What this build compiled and this CPU (and OS, for the wide registers) can run.
 CpuSupport detect() {
-    CpuSupport support{{true, false, false}};
+    CpuSupport support{{true, false, false, false}};
+#if defined(TWINATTN_HAVE_NEON_KERNELS)
+    support.isa[kNeon] = true;  // NEON is part of the AArch64 baseline: nothing to ask
+#endif
 #if defined(TWINATTN_HAVE_X86_KERNELS) && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
     support.isa[kAvx2] = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -38,6 +43,9 @@ const CpuSupport& cpu() {
 // Only ever called for an instruction set the CPU supports: the AVX units may use their
 // instructions anywhere, even to build the table.
 FlashKernels kernels_for(int isa) {
+#if defined(TWINATTN_HAVE_NEON_KERNELS)
+    if (isa == kNeon) return flash_kernels_neon();
+#endif
 #if defined(TWINATTN_HAVE_X86_KERNELS)
     if (isa == kAvx512) return flash_kernels_avx512();
     if (isa == kAvx2) return flash_kernels_avx2();

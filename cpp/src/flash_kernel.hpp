@@ -84,6 +84,7 @@ struct FlashKernels {
 FlashKernels flash_kernels_scalar();
 FlashKernels flash_kernels_avx2();
 FlashKernels flash_kernels_avx512();
+FlashKernels flash_kernels_neon();  // flash_neon.cpp, only when built for AArch64
 
 // One past the last key packed row r of (b, *) may see by length and position (defined in
 // flash_attention.cpp; deliberately not inline, see the ODR note above).

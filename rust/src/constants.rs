@@ -14,7 +14,8 @@ pub const MICRO_ROWS: usize = 6;
 /// Keys per key block: one S block of Q_TILE_ROWS x KEY_BLOCK scores, one online-softmax step.
 pub const KEY_BLOCK: usize = 256;
 /// Keys per packed K^T panel: panel[d][key], KEY_PANEL keys wide, D deep, zero-padded.
-/// A multiple of every vector width (16 floats for AVX-512, 8 for AVX2 and the scalar type).
+/// A multiple of every vector width (16 floats for AVX-512, 8 for AVX2, NEON and the scalar
+/// type).
 pub const KEY_PANEL: usize = 32;
 /// Keys per split-key work item (decode and short chunks).
 pub const SPLIT_KEY_CHUNK: usize = 1024;
@@ -54,18 +55,24 @@ pub const POOL_SPIN_MICROSECONDS: u64 = 100;
 // rows x (value vectors x width) value columns.
 //   AVX-512 (16 floats, 32 registers): 6 x 32 keys (12 accumulators), 6 x 64 columns (24).
 //   AVX2 (8 floats, 16 registers):     6 x 16 keys (12 accumulators), 6 x 16 columns (12).
+//   NEON (AArch64, 32 128-bit registers): a width-8 vector is two of them, so AVX2's blocking
+//   fits: 6 x 16 keys = 24 accumulator registers + 4 for the keys + 1 broadcast; as AVX2.
 //   scalar (a plain array of 8 floats, auto-vectorised where the compiler can): as AVX2.
 pub const AVX512_SCORE_VECTORS: usize = 2;
 pub const AVX512_VALUE_VECTORS: usize = 4;
 pub const AVX2_SCORE_VECTORS: usize = 2;
 pub const AVX2_VALUE_VECTORS: usize = 2;
+pub const NEON_SCORE_VECTORS: usize = 2;
+pub const NEON_VALUE_VECTORS: usize = 2;
 pub const SCALAR_WIDTH: usize = 8;
 pub const SCALAR_SCORE_VECTORS: usize = 2;
 pub const SCALAR_VALUE_VECTORS: usize = 2;
 // Direct scores: rows per strip (each strip holds rows x 4 keys accumulators over the D loop).
-//   AVX-512: 6 x 4 = 24 accumulators + 4 key vectors; AVX2: 2 x 4 = 8 + 4; scalar: as AVX2.
+//   AVX-512: 6 x 4 = 24 accumulators + 4 key vectors; AVX2: 2 x 4 = 8 + 4; NEON and scalar: as
+//   AVX2.
 pub const AVX512_DIRECT_STRIP_ROWS: usize = 6;
 pub const AVX2_DIRECT_STRIP_ROWS: usize = 2;
+pub const NEON_DIRECT_STRIP_ROWS: usize = 2;
 pub const SCALAR_DIRECT_STRIP_ROWS: usize = 2;
 
 // ---- exp2 ------------------------------------------------------------------------------------
@@ -107,6 +114,8 @@ pub fn shared_constants() -> Vec<(&'static str, ConstantValue)> {
         ("avx512_value_vectors", Int(AVX512_VALUE_VECTORS as i64)),
         ("avx2_score_vectors", Int(AVX2_SCORE_VECTORS as i64)),
         ("avx2_value_vectors", Int(AVX2_VALUE_VECTORS as i64)),
+        ("neon_score_vectors", Int(NEON_SCORE_VECTORS as i64)),
+        ("neon_value_vectors", Int(NEON_VALUE_VECTORS as i64)),
         ("scalar_width", Int(SCALAR_WIDTH as i64)),
         ("scalar_score_vectors", Int(SCALAR_SCORE_VECTORS as i64)),
         ("scalar_value_vectors", Int(SCALAR_VALUE_VECTORS as i64)),
@@ -115,6 +124,7 @@ pub fn shared_constants() -> Vec<(&'static str, ConstantValue)> {
             Int(AVX512_DIRECT_STRIP_ROWS as i64),
         ),
         ("avx2_direct_strip_rows", Int(AVX2_DIRECT_STRIP_ROWS as i64)),
+        ("neon_direct_strip_rows", Int(NEON_DIRECT_STRIP_ROWS as i64)),
         (
             "scalar_direct_strip_rows",
             Int(SCALAR_DIRECT_STRIP_ROWS as i64),

@@ -7,24 +7,33 @@ use std::sync::OnceLock;
 
 use crate::flash_kernel::FlashKernels;
 
+// Slowest first. NEON and the x86 sets are never in the same build, so "fastest available" is
+// the highest index either way. The indices of sets another architecture's build lacks are only
+// defined there (they would be dead code here); their names stay, never available.
 const SCALAR: usize = 0;
-const AVX2: usize = 1;
-const AVX512: usize = 2;
-const ISA_COUNT: usize = 3;
-const ISA_NAMES: [&str; ISA_COUNT] = ["scalar", "avx2", "avx512"];
+#[cfg(target_arch = "aarch64")]
+const NEON: usize = 1;
+#[cfg(target_arch = "x86_64")]
+const AVX2: usize = 2;
+#[cfg(target_arch = "x86_64")]
+const AVX512: usize = 3;
+const ISA_COUNT: usize = 4;
+const ISA_NAMES: [&str; ISA_COUNT] = ["scalar", "neon", "avx2", "avx512"];
 
 /// What this build compiled and this CPU (and OS, for the wide registers) can run.
 fn detect() -> [bool; ISA_COUNT] {
+    let mut support = [false; ISA_COUNT];
+    support[SCALAR] = true;
+    #[cfg(target_arch = "aarch64")]
+    {
+        support[NEON] = true; // NEON is part of the AArch64 baseline: nothing to ask
+    }
     #[cfg(target_arch = "x86_64")]
     {
-        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-        let avx512 = avx2 && is_x86_feature_detected!("avx512f");
-        [true, avx2, avx512]
+        support[AVX2] = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        support[AVX512] = support[AVX2] && is_x86_feature_detected!("avx512f");
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        [true, false, false]
-    }
+    support
 }
 
 fn cpu() -> &'static [bool; ISA_COUNT] {
@@ -40,6 +49,12 @@ fn table(isa: usize) -> FlashKernels {
         }
         if isa == AVX2 {
             return crate::flash_kernel::avx2::KERNELS;
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if isa == NEON {
+            return crate::flash_kernel::neon::KERNELS;
         }
     }
     let _ = isa;
@@ -94,8 +109,8 @@ fn dispatch() -> &'static Dispatch {
     })
 }
 
-/// "avx512" (AVX-512F), "avx2" (AVX2 + FMA), "scalar" (portable): the names this build and
-/// this CPU can run, fastest first.
+/// "avx512" (AVX-512F), "avx2" (AVX2 + FMA), "neon" (AArch64), "scalar" (portable): the names
+/// this build and this CPU can run, fastest first.
 pub fn available_isas() -> Vec<&'static str> {
     (0..ISA_COUNT)
         .rev()

@@ -1,8 +1,8 @@
 //! The tile kernel of the fast path (docs/kernels.md, steps 2-6), written once over a vector
-//! type V (simd/scalar.rs, simd/avx2.rs, simd/avx512.rs) and compiled once per instruction set:
-//! `#[target_feature]` entry functions at the bottom call the `#[inline(always)]` generic code
-//! (C++: one translation unit per instruction set with its own -m flags). Twin of
-//! `cpp/src/flash_kernel.hpp` + `cpp/src/flash_{scalar,avx2,avx512}.cpp`.
+//! type V (simd/scalar.rs, simd/avx2.rs, simd/avx512.rs, simd/neon.rs) and compiled once per
+//! instruction set: `#[target_feature]` entry functions at the bottom call the `#[inline(always)]`
+//! generic code (C++: one translation unit per instruction set with its own -m flags). Twin of
+//! `cpp/src/flash_kernel.hpp` + `cpp/src/flash_{scalar,avx2,avx512,neon}.cpp`.
 //!
 //! One work item = a set of packed rows of one (sequence b, KV head) against a key range:
 //!   packed row r is query position i = r / G of query head h = kv_head * G + r % G, at absolute
@@ -923,3 +923,5 @@ isa_kernels!(
     "avx512",
     "avx512f,avx2,fma"
 );
+#[cfg(target_arch = "aarch64")]
+isa_kernels!(neon, crate::simd::neon::Neon, "neon", "neon");

@@ -1,18 +1,21 @@
 //! The vector types of the fast kernels: one per instruction set, all behind [`Vector`], so the
 //! tile kernel (`flash_kernel.rs`) is written once and compiled once per instruction set.
 //!
-//! Twin of `cpp/src/simd_{scalar,avx2,avx512}.hpp`: the same operations, the same exp2
+//! Twin of `cpp/src/simd_{scalar,avx2,avx512,neon}.hpp`: the same operations, the same exp2
 //! polynomial (constants.rs), the same horizontal reduction order (halves folded).
 //!
 //! Soundness: a value of an AVX type exists only once its instruction set has been detected, so
 //! its constructors (`zero`, `broadcast`, `load*`) are `unsafe` with that requirement, and the
 //! arithmetic on existing values is safe. (C++ needs no such split: its per-ISA translation
-//! units are simply never called on a CPU without the instructions.)
+//! units are simply never called on a CPU without the instructions.) NEON is part of every
+//! AArch64 CPU, so for the NEON type that requirement always holds.
 
 #[cfg(target_arch = "x86_64")]
 pub mod avx2;
 #[cfg(target_arch = "x86_64")]
 pub mod avx512;
+#[cfg(target_arch = "aarch64")]
+pub mod neon;
 pub mod scalar;
 
 /// A vector of `WIDTH` floats with the operations the tile kernel needs.

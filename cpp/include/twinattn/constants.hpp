@@ -49,18 +49,24 @@ constexpr int64_t kPoolSpinMicroseconds = 100;
 // rows x (ValueVectors x width) value columns.
 //   AVX-512 (16 floats, 32 registers): 6 x 32 keys (12 accumulators), 6 x 64 columns (24).
 //   AVX2 (8 floats, 16 registers):     6 x 16 keys (12 accumulators), 6 x 16 columns (12).
+//   NEON (AArch64, 32 128-bit registers): a width-8 vector is two of them, so AVX2's blocking
+//   fits: 6 x 16 keys = 24 accumulator registers + 4 for the keys + 1 broadcast; as AVX2.
 //   scalar (a plain array of 8 floats, auto-vectorised where the compiler can): as AVX2.
 constexpr int kAvx512ScoreVectors = 2;
 constexpr int kAvx512ValueVectors = 4;
 constexpr int kAvx2ScoreVectors = 2;
 constexpr int kAvx2ValueVectors = 2;
+constexpr int kNeonScoreVectors = 2;
+constexpr int kNeonValueVectors = 2;
 constexpr int kScalarWidth = 8;
 constexpr int kScalarScoreVectors = 2;
 constexpr int kScalarValueVectors = 2;
 // Direct scores: rows per strip (each strip holds rows x 4 keys accumulators over the D loop).
-//   AVX-512: 6 x 4 = 24 accumulators + 4 key vectors; AVX2: 2 x 4 = 8 + 4; scalar: as AVX2.
+//   AVX-512: 6 x 4 = 24 accumulators + 4 key vectors; AVX2: 2 x 4 = 8 + 4; NEON and scalar: as
+//   AVX2.
 constexpr int kAvx512DirectStripRows = 6;
 constexpr int kAvx2DirectStripRows = 2;
+constexpr int kNeonDirectStripRows = 2;
 constexpr int kScalarDirectStripRows = 2;
 
 // ---- exp2 ------------------------------------------------------------------------------------
