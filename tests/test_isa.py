@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import platform
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,7 +25,8 @@ import twinattn
 from conftest import _require
 from helpers import UNIT_ROUNDOFF, assert_close_to_reference, assert_lse_close, rand
 
-ISAS = ("scalar", "avx2", "avx512")
+# the instruction sets a build for this machine's architecture may offer
+ISAS = ("scalar", "neon") if platform.machine().lower() in ("aarch64", "arm64") else ("scalar", "avx2", "avx512")
 
 
 def _module(port: str) -> ModuleType:
@@ -164,21 +166,39 @@ def test_fast_path_matches_plain_kernel(port_isa: tuple[str, str], seed: int) ->
     np.testing.assert_allclose(fast["lse"][finite], plain["lse"][finite], rtol=0, atol=64 * UNIT_ROUNDOFF * max(1.0, float(np.abs(plain["lse"][finite]).max(initial=0))))
 
 
-def test_ports_agree_with_each_other() -> None:
-    """C++ and Rust on a shared random sweep, each on its default (best) instruction set."""
+@pytest.mark.parametrize("isa", ISAS)
+def test_ports_agree_bit_for_bit(isa: str) -> None:
+    """C++ and Rust on a shared random sweep (GQA, causal or not, offsets, kv_lens, masks, lse) on
+    the same instruction set: one algorithm, the same operations in the same order, so the same
+    bits (C++ is built with -ffp-contract=off: GCC fusing a*b + c on its own broke this)."""
     _require("cpp")
     _require("rust")
-    rng = np.random.default_rng(2024)
-    for _ in range(12):
-        hkv = int(rng.integers(1, 4))
-        hq = hkv * int(rng.choice([1, 2, 4, 8]))
-        lq, lk = int(rng.integers(1, 200)), int(rng.integers(1, 2000))
-        d = int(rng.choice([32, 64, 128]))
-        q, k, v = rand(rng, 1, hq, lq, d), rand(rng, 1, hkv, lk, d), rand(rng, 1, hkv, lk, d)
-        kwargs = dict(causal=bool(rng.integers(0, 2)), q_offset=int(rng.integers(0, lk + 1)))
-        cpp = twinattn.attention(q, k, v, backend="cpp", **kwargs)
-        rust = twinattn.attention(q, k, v, backend="rust", **kwargs)
-        np.testing.assert_allclose(cpp, rust, rtol=0, atol=64 * UNIT_ROUNDOFF * float(np.abs(v).max()))
+    cpp_module, rust_module = _module("cpp"), _module("rust")
+    if isa not in cpp_module.build_info()["isa_available"] or isa not in rust_module.build_info()["isa_available"]:
+        pytest.skip(f"{isa} not available to both ports on this CPU/build")
+    previous = cpp_module.build_info()["isa"], rust_module.build_info()["isa"]
+    cpp_module.set_isa(isa)
+    rust_module.set_isa(isa)
+    try:
+        rng = np.random.default_rng(2024)
+        for _ in range(16):
+            b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 4))
+            hq = hkv * int(rng.choice([1, 2, 4, 8]))
+            lk = int(rng.integers(1, 1500))
+            lq = int(rng.integers(1, min(120, lk) + 1))
+            d, dv = int(rng.choice([17, 32, 64, 128])), int(rng.choice([24, 64, 128]))
+            q, k, v = rand(rng, b, hq, lq, d), rand(rng, b, hkv, lk, d), rand(rng, b, hkv, lk, dv)
+            kwargs: dict[str, Any] = dict(causal=bool(rng.integers(0, 2)), return_lse=True)
+            kwargs["kv_lens"] = rng.integers(0 if not kwargs["causal"] else lq, lk + 1, size=b)
+            if rng.integers(0, 3) == 0:
+                kwargs["attn_mask"] = rng.random((b, hq, lq, lk)) > 0.3
+            out_cpp, lse_cpp = twinattn.attention(q, k, v, backend="cpp", **kwargs)
+            out_rust, lse_rust = twinattn.attention(q, k, v, backend="rust", **kwargs)
+            np.testing.assert_array_equal(out_cpp, out_rust)
+            np.testing.assert_array_equal(lse_cpp, lse_rust)
+    finally:
+        cpp_module.set_isa(previous[0])
+        rust_module.set_isa(previous[1])
 
 
 def test_ports_share_constants() -> None:
