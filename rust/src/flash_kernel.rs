@@ -142,14 +142,35 @@ pub unsafe fn pack_keys<V: Vector>(
         let k_head =
             p.k.data
                 .offset(at([b, kv_head], &[p.k.stride[0], p.k.stride[1]]));
+        let w = V::WIDTH;
         let mut panel_begin = key_begin;
         let key_stride = p.k.stride[2] as isize;
         while panel_begin < key_end {
             let keys = (key_end - panel_begin).min(KEY_PANEL);
             let panel_rows = k_head.offset(panel_begin as isize * key_stride);
+            let mut d_done = 0;
+            if keys == KEY_PANEL {
+                // whole panel: WIDTH x WIDTH blocks transposed in registers
+                let mut block = [V::zero(); MAX_WIDTH];
+                while d_done + w <= d_len {
+                    for j in (0..KEY_PANEL).step_by(w) {
+                        for (t, row) in block.iter_mut().enumerate().take(w) {
+                            *row = V::load(
+                                panel_rows.offset((j + t) as isize * key_stride).add(d_done),
+                            );
+                        }
+                        V::transpose(&mut block[..w]);
+                        for (t, column) in block.iter().enumerate().take(w) {
+                            column.store(dst.add((d_done + t) * KEY_PANEL + j));
+                        }
+                    }
+                    d_done += w;
+                }
+            }
             for j in 0..keys {
+                // the rest, element by element
                 let k_row = panel_rows.offset(j as isize * key_stride);
-                for d in 0..d_len {
+                for d in d_done..d_len {
                     *dst.add(d * KEY_PANEL + j) = *k_row.add(d);
                 }
             }
@@ -171,6 +192,8 @@ pub unsafe fn pack_keys<V: Vector>(
 /// (C++ sizes them with the template parameter; Rust cannot size an array by an associated
 /// constant of a generic parameter on stable.)
 const MAX_VECTORS: usize = 4;
+/// The widest vector type's WIDTH (AVX-512: 16 floats): the transpose block of [`pack_keys`].
+const MAX_WIDTH: usize = 16;
 
 /// q: R rows of D; panel: (D, KEY_PANEL) already offset to the first key column;
 /// scores: R rows of stride KEY_BLOCK.

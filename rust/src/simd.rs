@@ -83,4 +83,7 @@ pub trait Vector: Copy {
     /// lane 4b + k is batch b's lane k summed over the groups, halves folded. (Entries of `y`
     /// past WIDTH/4 are ignored.)
     fn fold_groups(y: &[Self; 4]) -> Self;
+    /// `rows[i]` = row i of a `WIDTH` x `WIDTH` block -> `rows[d]` = column d (for packing K^T
+    /// panels). `rows` holds exactly `WIDTH` vectors.
+    fn transpose(rows: &mut [Self]);
 }

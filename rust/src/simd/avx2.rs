@@ -156,4 +156,29 @@ impl Vector for Avx2 {
             ))
         }
     }
+    #[inline(always)]
+    fn transpose(rows: &mut [Self]) {
+        debug_assert_eq!(rows.len(), 8);
+        // SAFETY: as in fma.
+        unsafe {
+            let mut u = [_mm256_setzero_ps(); 8];
+            for g in 0..2 {
+                // 4 x 4 transposes inside both 128-bit lanes
+                let r = &rows[4 * g..4 * g + 4];
+                let t0 = _mm256_castps_pd(_mm256_unpacklo_ps(r[0].0, r[1].0));
+                let t1 = _mm256_castps_pd(_mm256_unpackhi_ps(r[0].0, r[1].0));
+                let t2 = _mm256_castps_pd(_mm256_unpacklo_ps(r[2].0, r[3].0));
+                let t3 = _mm256_castps_pd(_mm256_unpackhi_ps(r[2].0, r[3].0));
+                u[4 * g] = _mm256_castpd_ps(_mm256_unpacklo_pd(t0, t2));
+                u[4 * g + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(t0, t2));
+                u[4 * g + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(t1, t3));
+                u[4 * g + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(t1, t3));
+            }
+            // u[4g + c] lane L = rows 4g..4g+3 of column 4L + c.
+            for c in 0..4 {
+                rows[c] = Avx2(_mm256_permute2f128_ps::<0x20>(u[c], u[4 + c]));
+                rows[4 + c] = Avx2(_mm256_permute2f128_ps::<0x31>(u[c], u[4 + c]));
+            }
+        }
+    }
 }

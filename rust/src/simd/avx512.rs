@@ -162,4 +162,35 @@ impl Vector for Avx512 {
             ))
         }
     }
+    #[inline(always)]
+    fn transpose(rows: &mut [Self]) {
+        debug_assert_eq!(rows.len(), 16);
+        // SAFETY: as in fma.
+        unsafe {
+            let mut u = [_mm512_setzero_ps(); 16];
+            for g in 0..4 {
+                // 4 x 4 transposes inside every 128-bit lane
+                let r = &rows[4 * g..4 * g + 4];
+                let t0 = _mm512_castps_pd(_mm512_unpacklo_ps(r[0].0, r[1].0));
+                let t1 = _mm512_castps_pd(_mm512_unpackhi_ps(r[0].0, r[1].0));
+                let t2 = _mm512_castps_pd(_mm512_unpacklo_ps(r[2].0, r[3].0));
+                let t3 = _mm512_castps_pd(_mm512_unpackhi_ps(r[2].0, r[3].0));
+                u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
+                u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
+                u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
+                u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+            }
+            // u[4g + c] lane L = rows 4g..4g+3 of column 4L + c; gather the four g per column.
+            for c in 0..4 {
+                let even01 = _mm512_shuffle_f32x4::<0x88>(u[c], u[4 + c]);
+                let odd01 = _mm512_shuffle_f32x4::<0xdd>(u[c], u[4 + c]);
+                let even23 = _mm512_shuffle_f32x4::<0x88>(u[8 + c], u[12 + c]);
+                let odd23 = _mm512_shuffle_f32x4::<0xdd>(u[8 + c], u[12 + c]);
+                rows[c] = Avx512(_mm512_shuffle_f32x4::<0x88>(even01, even23));
+                rows[4 + c] = Avx512(_mm512_shuffle_f32x4::<0x88>(odd01, odd23));
+                rows[8 + c] = Avx512(_mm512_shuffle_f32x4::<0xdd>(even01, even23));
+                rows[12 + c] = Avx512(_mm512_shuffle_f32x4::<0xdd>(odd01, odd23));
+            }
+        }
+    }
 }

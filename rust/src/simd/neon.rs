@@ -174,6 +174,39 @@ impl Vector for Neon {
         // SAFETY: as in zero.
         unsafe { Neon(vaddq_f32(y[0].0, y[0].1), vaddq_f32(y[1].0, y[1].1)) }
     }
+    /// The four 4 x 4 quadrants transposed, the two off the diagonal swapped.
+    #[inline(always)]
+    fn transpose(rows: &mut [Self]) {
+        debug_assert_eq!(rows.len(), 8);
+        let mut lo: [float32x4_t; 8] = std::array::from_fn(|i| rows[i].0);
+        let mut hi: [float32x4_t; 8] = std::array::from_fn(|i| rows[i].1);
+        let (lo_top, lo_bottom) = lo.split_at_mut(4);
+        let (hi_top, hi_bottom) = hi.split_at_mut(4);
+        transpose4(lo_top); // rows 0-3 of columns 0-3
+        transpose4(hi_bottom); // rows 4-7 of columns 4-7
+        transpose4(hi_top); // rows 0-3 of columns 4-7
+        transpose4(lo_bottom); // rows 4-7 of columns 0-3
+        for c in 0..4 {
+            rows[c] = Neon(lo[c], lo[4 + c]);
+            rows[4 + c] = Neon(hi[c], hi[4 + c]);
+        }
+    }
+}
+
+/// `r[i]` = row i of a 4 x 4 block -> `r[c]` = column c.
+#[inline(always)]
+fn transpose4(r: &mut [float32x4_t]) {
+    // SAFETY: NEON is part of the AArch64 baseline (as in zero).
+    unsafe {
+        let t0 = vreinterpretq_f64_f32(vtrn1q_f32(r[0], r[1])); // r0[0] r1[0] r0[2] r1[2]
+        let t1 = vreinterpretq_f64_f32(vtrn2q_f32(r[0], r[1])); // r0[1] r1[1] r0[3] r1[3]
+        let t2 = vreinterpretq_f64_f32(vtrn1q_f32(r[2], r[3]));
+        let t3 = vreinterpretq_f64_f32(vtrn2q_f32(r[2], r[3]));
+        r[0] = vreinterpretq_f32_f64(vtrn1q_f64(t0, t2));
+        r[1] = vreinterpretq_f32_f64(vtrn1q_f64(t1, t3));
+        r[2] = vreinterpretq_f32_f64(vtrn2q_f64(t0, t2));
+        r[3] = vreinterpretq_f32_f64(vtrn2q_f64(t1, t3));
+    }
 }
 
 #[cfg(test)]

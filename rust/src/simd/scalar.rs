@@ -163,4 +163,15 @@ impl Vector for Scalar {
         }
         Scalar(r)
     }
+    #[inline(always)]
+    fn transpose(rows: &mut [Self]) {
+        debug_assert_eq!(rows.len(), W);
+        for i in 0..W {
+            for j in i + 1..W {
+                let x = rows[i].0[j];
+                rows[i].0[j] = rows[j].0[i];
+                rows[j].0[i] = x;
+            }
+        }
+    }
 }
