@@ -86,10 +86,10 @@ def kv_cache_bytes(
     missing = [name for name, value in named.items() if value is None]
     if missing:
         raise TypeError(f"kv_cache_bytes: missing keyword argument(s) {', '.join(missing)}")
-    counts = {"layers": layers, "batch": batch, "kv_heads": kv_heads, **named}
+    counts: dict[str, object] = {"layers": layers, "batch": batch, "kv_heads": kv_heads, **named}
     total = 2
-    for name, value in counts.items():
-        total *= _count(name, value)
+    for name, count in counts.items():
+        total *= _count(name, count)
     return total
 
 
