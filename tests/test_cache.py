@@ -13,24 +13,48 @@ MiB, GiB = 2**20, 2**30
 
 
 def test_seed_worked_figures() -> None:
-    assert twinattn.kv_cache_bytes(32, 1, 8, 4096, 128, 2) == 512 * MiB
-    assert twinattn.kv_cache_bytes(32, 1, 32, 4096, 128, 2) == 2 * GiB
+    assert twinattn.kv_cache_bytes(32, 1, 8, head_dim=128, tokens=4096, bytes_per_entry=2) == 512 * MiB
+    assert twinattn.kv_cache_bytes(32, 1, 32, head_dim=128, tokens=4096, bytes_per_entry=2) == 2 * GiB
     # Doubling both cache length and batch quadruples the storage (the seeds' check-yourself).
-    assert twinattn.kv_cache_bytes(32, 2, 8, 8192, 128, 2) == 4 * 512 * MiB
+    assert twinattn.kv_cache_bytes(32, 2, 8, head_dim=128, tokens=8192, bytes_per_entry=2) == 4 * 512 * MiB
 
 
 def test_nbytes_is_the_formula() -> None:
     cache = twinattn.KVCache(num_layers=3, batch_size=2, num_kv_heads=4, head_dim=16, max_seq_len=40)
     assert cache.nbytes == 2 * 3 * 2 * 4 * 40 * 16 * 4
-    assert cache.nbytes == twinattn.kv_cache_bytes(3, 2, 4, 40, 16, 4)
-    assert twinattn.KVCache(1, 1, 2, 8, 10, dtype=np.float64).nbytes == twinattn.kv_cache_bytes(1, 1, 2, 10, 8, 8)
+    assert cache.nbytes == twinattn.kv_cache_bytes(3, 2, 4, head_dim=16, tokens=40, bytes_per_entry=4)
+    wide = twinattn.KVCache(1, 1, 2, 8, 10, dtype=np.float64)  # head_dim 8, max_seq_len 10
+    assert wide.nbytes == twinattn.kv_cache_bytes(1, 1, 2, head_dim=8, tokens=10, bytes_per_entry=8)
+
+
+def test_kv_cache_bytes_old_positional_order_is_deprecated_and_still_counts() -> None:
+    # The former order (layers, batch, kv_heads, tokens, head_dim, bytes_per_entry), all positional.
+    # Distinct primes: an argument dropped, repeated or left at its default would change the
+    # bytes (a swap of tokens and head_dim cannot, the product being the same either way).
+    expected = 2 * 2 * 3 * 5 * 7 * 11 * 13
+    with pytest.warns(DeprecationWarning, match=r"name them, in KVCache's order"):
+        old = twinattn.kv_cache_bytes(2, 3, 5, 7, 11, 13)
+    assert old == expected
+    assert twinattn.kv_cache_bytes(2, 3, 5, head_dim=11, tokens=7, bytes_per_entry=13) == expected
+    # Old order with the trailing arguments named: tokens is the 4th positional one.
+    with pytest.warns(DeprecationWarning):
+        assert twinattn.kv_cache_bytes(2, 3, 5, 7, head_dim=11, bytes_per_entry=13) == expected
+    # The old order's tokens check still names tokens.
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match=r"tokens: expected a non-negative int, got -1"):
+        twinattn.kv_cache_bytes(1, 1, 1, -1, 1, 2)
 
 
 def test_kv_cache_bytes_rejects_bad_counts() -> None:
     with pytest.raises(ValueError, match=r"tokens: expected a non-negative int, got -1"):
-        twinattn.kv_cache_bytes(1, 1, 1, -1, 1, 2)
+        twinattn.kv_cache_bytes(1, 1, 1, head_dim=1, tokens=-1, bytes_per_entry=2)
     with pytest.raises(TypeError, match=r"bytes_per_entry: expected an int, got float"):
-        twinattn.kv_cache_bytes(1, 1, 1, 1, 1, 2.0)
+        twinattn.kv_cache_bytes(1, 1, 1, head_dim=1, tokens=1, bytes_per_entry=2.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"missing keyword argument\(s\) tokens"):
+        twinattn.kv_cache_bytes(1, 1, 1, head_dim=1, bytes_per_entry=2)
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match=r"got head_dim both by position and by keyword"):
+        twinattn.kv_cache_bytes(1, 1, 1, 4, 8, head_dim=8, bytes_per_entry=2)
+    with pytest.raises(TypeError, match=r"expected at most 6 arguments, got 7 positional ones"):
+        twinattn.kv_cache_bytes(1, 1, 1, 1, 1, 1, 1)
 
 
 def test_update_appends_at_each_sequence_length() -> None:

@@ -19,7 +19,7 @@ _HOW_TO_BUILD = {
     "cpp": "reinstall twinattn from source with a C++17 compiler and CMake: pip install .",
     "rust": (
         "reinstall twinattn from source with Rust's cargo on PATH (https://rustup.rs): "
-        "pip install . (a build with -C cmake.define.TWINATTN_RUST=OFF leaves it out)"
+        "pip install . (a build with --config-settings=cmake.define.TWINATTN_RUST=OFF leaves it out)"
     ),
 }
 

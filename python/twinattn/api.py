@@ -209,17 +209,92 @@ def attention(
     backend: str = "auto",
     num_threads: int | None = None,
 ) -> Result:
-    """Exact scaled-dot-product attention.
+    """Exact scaled-dot-product attention on the CPU: softmax(scale * q k^T + bias) v.
 
-    q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) -> out (B, Hq, Lq, Dv)
-    [and lse (B, Hq, Lq) with return_lse=True]. 3-D (H, L, D) and 2-D (L, D) inputs mean B=1 (and
-    H=1) and come back with the same rank. Query head h reads KV head h // (Hq // Hkv).
+    Every backend gets the same checked arguments and gives the same result within float32
+    rounding (the cpp and rust backends bit for bit); the whole contract is in docs/contract.md.
 
-    Query row i of sequence b sits at position q_offset[b] + i, key j at j. q_offset=None means
-    bottom-right alignment (q_offset = kv_len - Lq, the KV-cache case). causal=True shows key j to
-    row i iff j <= q_offset[b] + i. Keys j >= kv_lens[b] are padding, never read. attn_mask is
-    bool (True = may attend) or a float additive bias, broadcastable to (B, Hq, Lq, Lk). A row with
-    no visible key gives zeros and lse = -inf.
+    Parameters
+    ----------
+    q : array_like, shape (B, Hq, Lq, D), (Hq, Lq, D) or (Lq, D)
+        Queries. 3-D inputs mean B=1 and 2-D inputs B=1 and Hq=1; the results come back with
+        the same rank. float32; float64 only with backend="numpy". Nothing is cast silently.
+    k : array_like, shape (B, Hkv, Lk, D), same rank and dtype as q
+        Keys. Grouped-query attention: Hq must be a multiple of Hkv, and query head h reads
+        KV head h // (Hq // Hkv) (Hkv == Hq is multi-head, Hkv == 1 multi-query).
+    v : array_like, shape (B, Hkv, Lk, Dv), same rank and dtype as q
+        Values. Dv may differ from D. Any strides on the B, H and L axes of q, k and v are read
+        in place (``cache[:, :, :n]``, ``x.swapaxes(1, 2)``); an array whose last axis is not
+        contiguous is copied once.
+    causal : bool, default False
+        Key j is visible to query row i of sequence b only if j <= q_offset[b] + i.
+    q_offset : None, int or int array of shape (B,), default None
+        Absolute position of query row 0 of each sequence (keys sit at positions 0, 1, ...);
+        non-negative. None means bottom-right alignment, q_offset[b] = kv_lens[b] - Lq: the
+        queries are the last Lq positions of the sequence, as when decoding after a KV cache.
+        Used only with causal=True. For a right-padded batch of prompts pass q_offset=0.
+    kv_lens : None, int or int array of shape (B,), default None
+        Number of valid keys of each sequence, 0 <= kv_lens[b] <= Lk; None means Lk. Keys
+        j >= kv_lens[b] are padding: never read, whatever they hold.
+    attn_mask : None or array_like broadcastable to (B, Hq, Lq, Lk), default None
+        bool: True means the key may be attended (torch's polarity); float (q's dtype): an
+        additive bias, -inf hiding the key. Applied on top of causal and kv_lens. Integer masks
+        are refused, their polarity being ambiguous.
+    scale : float, optional
+        Factor applied to q k^T; None (the default) means 1 / sqrt(D). Must be finite.
+    return_lse : bool, default False
+        Also return lse, the natural log of each row's softmax denominator:
+        lse[b, h, i] = log(sum over visible j of exp(scale * q_i . k_j + bias_ij)).
+    out : numpy.ndarray, optional
+        A writeable array of the output's shape and dtype, written in place and returned. It
+        must not share memory with q, k, v or attn_mask. Any strides.
+    backend : {"auto", "cpp", "rust", "numpy"}, default "auto"
+        "auto" takes the first of twinattn.backends() (a native port when one is built);
+        "numpy" is the float64-capable reference.
+    num_threads : int, optional
+        Threads for the native ports (>= 1); None means twinattn.get_num_threads(): the value
+        of twinattn.set_num_threads(), else TWINATTN_NUM_THREADS, else the usable cores.
+        Results do not depend on it. The numpy backend ignores it.
+
+    Returns
+    -------
+    out : numpy.ndarray, shape (..., Hq, Lq, Dv), q's rank and dtype
+        A row with no visible key is all zeros (masking never produces NaN).
+    lse : numpy.ndarray, shape (..., Hq, Lq), only with return_lse=True
+        -inf for a row with no visible key.
+
+    Raises
+    ------
+    TypeError
+        An argument of the wrong type: q, k, v, attn_mask or out not an array; a dtype other
+        than float32 (float64 outside backend="numpy"); q, k and v of different dtypes; an
+        integer mask; causal or return_lse not a bool; q_offset, kv_lens or num_threads not
+        ints; scale not a real number; out of the wrong dtype.
+    ValueError
+        A wrong rank or shape (k, v, attn_mask or out not matching q); Hq not a multiple of
+        Hkv; kv_lens outside [0, Lk]; a negative q_offset, or with causal=True a default
+        q_offset that comes out negative (Lq > kv_len); a scale that is not finite; num_threads
+        below 1; out read-only or overlapping an input; an unknown backend name.
+    BackendUnavailableError
+        backend="cpp" or "rust" names a port this installation was built without; the message
+        says how to build it.
+
+    Notes
+    -----
+    Non-finite values: a NaN or inf in any visible position of q, k, v or a float mask gives
+    the same NaN/inf pattern in out and lse as the float64 reference. Positions that are not
+    visible (kv_lens padding, a False bool mask, a -inf bias, keys outside causality) are never
+    read and never matter.
+
+    The native ports release the GIL while they compute; calls from several Python threads at
+    once are safe.
+
+    Examples
+    --------
+    >>> q = np.ones((1, 32, 16, 128), np.float32)    # 16 new queries
+    >>> k = v = np.ones((1, 8, 1040, 128), np.float32)  # 1024 cached keys + 16
+    >>> attention(q, k, v, causal=True).shape         # queries at positions 1024..1039
+    (1, 32, 16, 128)
     """
     port = _resolve(backend)
     if causal is not True and causal is not False and not isinstance(causal, np.bool_):

@@ -10,12 +10,14 @@ the stored prefix, which twinattn.attention reads in place with kv_lens = seq_le
     keys, values = cache.update(k_new, v_new, 0)         # (B, Hkv, max(seq_lens), D) views
     out = twinattn.attention(q, keys, values, causal=True, q_offset=q_offset, kv_lens=cache.seq_lens(0))
 
-Payload bytes (the seeds' formula): 2 x layers x batch x KV-heads x tokens x head-width x bytes.
+Payload bytes: kv_cache_bytes(layers, batch, kv_heads, head_dim=..., tokens=..., bytes_per_entry=...),
+2 x layers x batch x KV heads x head width x tokens x bytes per entry.
 """
 
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any
 
 import numpy as np
@@ -36,21 +38,58 @@ def _count(name: str, value: object, *, positive: bool = False) -> int:
     return value
 
 
-def kv_cache_bytes(layers: int, batch: int, kv_heads: int, tokens: int, head_dim: int, bytes_per_entry: int) -> int:
-    """Payload bytes of a dense KV cache: 2 x layers x batch x kv_heads x tokens x head_dim x
+_KV_CACHE_BYTES_OLD_ORDER = ("tokens", "head_dim", "bytes_per_entry")
+
+
+def kv_cache_bytes(
+    layers: int,
+    batch: int,
+    kv_heads: int,
+    *deprecated_positional: int,
+    head_dim: int | None = None,
+    tokens: int | None = None,
+    bytes_per_entry: int | None = None,
+) -> int:
+    """Payload bytes of a dense KV cache: 2 x layers x batch x kv_heads x head_dim x tokens x
     bytes_per_entry (the 2 is keys and values; allocator overhead and metadata excluded).
-    32 layers, batch 1, 8 KV heads, 4096 tokens, width 128, 2 bytes: 512 MiB."""
-    counts = {
-        "layers": layers,
-        "batch": batch,
-        "kv_heads": kv_heads,
-        "tokens": tokens,
-        "head_dim": head_dim,
-        "bytes_per_entry": bytes_per_entry,
-    }
+
+    head_dim, tokens and bytes_per_entry are keyword-only, named in the order of
+    KVCache(num_layers, batch_size, num_kv_heads, head_dim, max_seq_len): two ints of the same
+    kind cannot be told apart by position, so naming them is what keeps them from being swapped.
+
+    >>> kv_cache_bytes(32, 1, 8, head_dim=128, tokens=4096, bytes_per_entry=2) == 512 * 2**20
+    True
+
+    The former all-positional order kv_cache_bytes(layers, batch, kv_heads, tokens, head_dim,
+    bytes_per_entry) still works and gives the same bytes, with a DeprecationWarning.
+
+    Raises TypeError for a count that is not an int (or a missing one), ValueError for a
+    negative one.
+    """
+    named = {"head_dim": head_dim, "tokens": tokens, "bytes_per_entry": bytes_per_entry}
+    if deprecated_positional:
+        if len(deprecated_positional) > len(_KV_CACHE_BYTES_OLD_ORDER):
+            raise TypeError(
+                f"kv_cache_bytes: expected at most 6 arguments, got {3 + len(deprecated_positional)} positional ones"
+            )
+        warnings.warn(
+            "kv_cache_bytes(layers, batch, kv_heads, tokens, head_dim, bytes_per_entry) with positional "
+            "tokens and head_dim is deprecated: name them, in KVCache's order: "
+            "kv_cache_bytes(layers, batch, kv_heads, head_dim=..., tokens=..., bytes_per_entry=...)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        for name, value in zip(_KV_CACHE_BYTES_OLD_ORDER, deprecated_positional):
+            if named[name] is not None:
+                raise TypeError(f"kv_cache_bytes: got {name} both by position and by keyword")
+            named[name] = value
+    missing = [name for name, value in named.items() if value is None]
+    if missing:
+        raise TypeError(f"kv_cache_bytes: missing keyword argument(s) {', '.join(missing)}")
+    counts: dict[str, object] = {"layers": layers, "batch": batch, "kv_heads": kv_heads, **named}
     total = 2
-    for name, value in counts.items():
-        total *= _count(name, value)
+    for name, count in counts.items():
+        total *= _count(name, count)
     return total
 
 
@@ -92,8 +131,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the preallocated keys and values: kv_cache_bytes(layers, batch, kv_heads,
-        max_seq_len, head_dim, itemsize)."""
+        """Bytes of the preallocated keys and values: kv_cache_bytes(num_layers, batch_size,
+        num_kv_heads, head_dim=head_dim, tokens=max_seq_len, bytes_per_entry=dtype.itemsize)."""
         return int(self._keys.nbytes + self._values.nbytes)
 
     def _layer(self, layer_idx: object) -> int:

@@ -43,13 +43,67 @@ def scaled_dot_product_attention(
     causal_alignment: str | None = None,
     backend: str = "auto",
 ) -> np.ndarray:
-    """query (N, ..., Hq, L, E), key (N, ..., Hkv, S, E), value (N, ..., Hkv, S, Ev) -> (N, ..., Hq, L, Ev).
+    """torch.nn.functional.scaled_dot_product_attention on NumPy arrays, computed by twinattn.
 
-    attn_mask: bool (True = takes part in attention) or a float additive bias, broadcastable to
-    (N, ..., Hq, L, S); not together with is_causal (as torch). enable_gqa=True lets Hq be a
-    multiple of Hkv, query head h reading KV head h // (Hq // Hkv) (torch's repeat_interleave).
-    Inputs of rank 2 to 4 go to twinattn.attention as they are; higher ranks have their leading
-    batch axes flattened into one.
+    Takes torch's arguments in torch's order, with torch's meaning, and raises where torch would
+    silently surprise (see causal_alignment). Computed by twinattn.attention, whose contract
+    (docs/contract.md) applies: float32 in and out, nothing cast silently.
+
+    Parameters
+    ----------
+    query : array_like, shape (N, ..., Hq, L, E)
+        float32 (float64 only with backend="numpy"). Ranks 2 to 4 are passed on as they are
+        ((L, E) and (Hq, L, E) meaning N=1); higher ranks have their leading axes flattened
+        into one batch axis and restored on the way out.
+    key : array_like, shape (N, ..., Hkv, S, E), same rank and dtype as query
+    value : array_like, shape (N, ..., Hkv, S, Ev), same rank and dtype as query
+    attn_mask : array_like, optional
+        Broadcastable to (N, ..., Hq, L, S). bool: True means the key takes part in attention
+        (torch's polarity); float of query's dtype: an additive bias. Integer masks are
+        refused. Not together with is_causal=True (as in torch).
+    dropout_p : float, default 0.0
+        Must be 0.0: twinattn computes inference attention only.
+    is_causal : bool, default False
+        Causal mask. When L != S, causal_alignment must say how it is aligned.
+    scale : float, optional
+        Factor applied to query key^T; None (the default) means 1 / sqrt(E), as in torch.
+    enable_gqa : bool, default False
+        Allow Hq to be a multiple of Hkv: query head h reads KV head h // (Hq // Hkv) (torch's
+        repeat_interleave). Without it, query, key and value need equal head counts (dim -3).
+    causal_alignment : {None, "upper_left", "lower_right"}, keyword-only, default None
+        Where the causal diagonal sits when is_causal=True and L != S. "upper_left" is torch's
+        (query i sees keys j <= i); "lower_right" puts the queries at the end of the sequence
+        (query i sees keys j <= i + S - L, queries continuing a cached sequence; needs L <= S).
+        None is allowed only when L == S, where the two coincide.
+    backend : {"auto", "cpp", "rust", "numpy"}, keyword-only, default "auto"
+        As in twinattn.attention. The thread count is twinattn.get_num_threads().
+
+    Returns
+    -------
+    numpy.ndarray, shape (N, ..., Hq, L, Ev), query's dtype
+        A row whose mask hides every key is all zeros (torch's math backend before 2.5 gave
+        NaN there).
+
+    Raises
+    ------
+    TypeError
+        dropout_p not a real number; is_causal or enable_gqa not a bool; a dtype other than
+        float32 (float64 outside backend="numpy"); mixed dtypes; an integer mask.
+    ValueError
+        Inputs of rank below 2 or of different ranks, or mismatched shapes; unequal head counts
+        without enable_gqa, or Hq not a multiple of Hkv with it; attn_mask given with
+        is_causal=True, or not broadcastable; is_causal=True with L != S and no
+        causal_alignment; causal_alignment="lower_right" with L > S; an unknown
+        causal_alignment or backend; a scale that is not finite.
+    NotImplementedError
+        dropout_p != 0.
+    BackendUnavailableError
+        backend names a port this installation was built without.
+
+    Notes
+    -----
+    Non-finite values follow twinattn.attention: a NaN or inf in any visible position gives the
+    float64 reference's NaN/inf pattern; hidden positions are never read.
     """
     q, k, v = (a if isinstance(a, np.ndarray) else np.asarray(a) for a in (query, key, value))
     for name, a in (("query", q), ("key", k), ("value", v)):
