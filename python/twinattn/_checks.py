@@ -15,6 +15,8 @@ def shape_str(shape: Iterable[int]) -> str:
 
 def count(name: str, value: object, *, positive: bool = True) -> int:
     """An int (a Python or NumPy integer, not a bool) that is >= 1, or >= 0 when not positive."""
+    if type(value) is int and value >= positive:  # the common case, without the ABC check below
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     result = int(value)
@@ -30,7 +32,7 @@ def elements_overlap(a: np.ndarray) -> bool:
     must step past everything the smaller axes reach. Exotic interleaved layouts that do not
     overlap are reported too; an output never needs one.
     """
-    if a.size == 0:
+    if a.size == 0 or a.flags.c_contiguous:  # the common case, decided by NumPy's flag
         return False
     reach = a.itemsize - 1  # the last byte the smaller axes reach
     for step, length in sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1):
