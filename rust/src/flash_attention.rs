@@ -158,14 +158,16 @@ fn with_scratch(
     split_key: bool,
     f: impl FnOnce(&ThreadScratch),
 ) -> Result<(), ProblemError> {
-    SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut buffers) => Ok(f(&buffers.view(head_dim, value_stride, split_key)?)),
+    SCRATCH.with(|cell| {
+        let mut owned = ScratchBuffers::default();
+        let mut borrowed = cell.try_borrow_mut();
         // Not reachable through parallel_for (items never nest); stay correct regardless.
-        Err(_) => Ok(f(&ScratchBuffers::default().view(
-            head_dim,
-            value_stride,
-            split_key,
-        )?)),
+        let buffers = match borrowed.as_deref_mut() {
+            Ok(buffers) => buffers,
+            Err(_) => &mut owned,
+        };
+        f(&buffers.view(head_dim, value_stride, split_key)?);
+        Ok(())
     })
 }
 

@@ -98,7 +98,7 @@ fn as_array<'a, 'py>(
             tuple_string(array.strides())
         )));
     }
-    if data_of(array) as usize % item as usize != 0 {
+    if !(data_of(array) as usize).is_multiple_of(item as usize) {
         return Err(PyValueError::new_err(format!(
             "{name}: expected data aligned to its item size {item}, got a misaligned array"
         )));
