@@ -1,14 +1,16 @@
-// twinattn._cpp: the Python face of the C++ port (docs/native_api.md). Thin on purpose: it
-// checks and converts NumPy arrays into an AttentionProblem without copying or casting,
-// releases the GIL and calls the kernel. The algorithm lives in cpp/src/.
+// twinattn._cpp: the Python face of the C++ port (docs/native_api.md). It only converts: NumPy
+// arrays into an AttentionProblem without copying or casting (TypeError / ValueError when an
+// argument cannot be viewed so), releases the GIL and calls the kernel, whose core checks the
+// problem (check_problem). Twin of rust/src/python.rs: same steps, same messages.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <stdexcept>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "twinattn/constants.hpp"
@@ -25,78 +27,55 @@ using namespace twinattn;
 
 namespace {
 
-std::string str(const py::handle& object) { return py::str(object).cast<std::string>(); }
+std::string type_name(const py::handle& object) {
+    return py::type::handle_of(object).attr("__name__").cast<std::string>();
+}
 
-std::string shape_of(const py::array& array) {
+// "(2, 3)", "(2,)", "()": Python's tuple notation.
+std::string tuple_string(const py::ssize_t* values, py::ssize_t count) {
     std::string text = "(";
-    for (py::ssize_t axis = 0; axis < array.ndim(); ++axis)
-        text += (axis ? ", " : "") + std::to_string(array.shape(axis));
-    return text + (array.ndim() == 1 ? ",)" : ")");
+    for (py::ssize_t i = 0; i < count; ++i) text += (i ? ", " : "") + std::to_string(values[i]);
+    return text + (count == 1 ? ",)" : ")");
 }
 
-// The argument as an ndarray, never converted: lists and other objects raise TypeError.
-py::array as_ndarray(const py::handle& object, const char* name) {
+enum class Dtype { Float32, Int64, BoolOrFloat32 };
+
+// The argument as an ndarray of the expected dtype and rank whose elements can be addressed by
+// element strides (byte strides multiples of the item size, data aligned). Nothing is copied.
+py::array as_array(const py::handle& object, const char* name, Dtype dtype, py::ssize_t ndim,
+                   const char* axes) {
     if (!py::isinstance<py::array>(object))
-        throw py::type_error(std::string(name) + ": expected a numpy.ndarray, got " +
-                             str(py::type::handle_of(object).attr("__name__")));
-    return py::reinterpret_borrow<py::array>(object);
-}
-
-// Exact dtype matches: dtype equality also rejects non-native byte order.
-bool is_float32(const py::array& a) { return a.dtype().equal(py::dtype::of<float>()); }
-bool is_int64(const py::array& a) { return a.dtype().equal(py::dtype::of<int64_t>()); }
-bool is_bool(const py::array& a) { return a.dtype().kind() == 'b'; }
-
-void require_dtype(const py::array& a, bool ok, const char* name, const char* expected) {
-    if (!ok)
+        throw py::type_error(std::string(name) + ": expected a numpy.ndarray, got " + type_name(object));
+    const auto a = py::reinterpret_borrow<py::array>(object);
+    // dtype equality also rejects non-native byte order
+    const bool is_float32 = a.dtype().equal(py::dtype::of<float>());
+    const bool ok = dtype == Dtype::Float32 ? is_float32
+                    : dtype == Dtype::Int64 ? a.dtype().equal(py::dtype::of<int64_t>())
+                                            : is_float32 || a.dtype().equal(py::dtype::of<bool>());
+    if (!ok) {
+        const char* expected = dtype == Dtype::Float32 ? "float32"
+                               : dtype == Dtype::Int64 ? "int64"
+                                                       : "bool or float32";
         throw py::type_error(std::string(name) + ": expected dtype " + expected + ", got " +
-                             str(a.dtype()));
-}
-
-// Rank, whole-element byte strides and aligned data, so element strides are exact.
-void require_layout(const py::array& a, const char* name, py::ssize_t ndim, const char* axes) {
+                             py::str(a.dtype()).cast<std::string>());
+    }
     if (a.ndim() != ndim)
-        throw py::value_error(std::string(name) + ": expected ndim " + std::to_string(ndim) +
-                              " " + axes + ", got ndim " + std::to_string(a.ndim()) +
-                              " with shape " + shape_of(a));
+        throw py::value_error(std::string(name) + ": expected " + std::to_string(ndim) +
+                              " dimensions " + axes + ", got shape " + tuple_string(a.shape(), a.ndim()));
+    if (a.size() == 0) return a;  // no element to address
     for (py::ssize_t axis = 0; axis < ndim; ++axis)
-        if (a.size() > 0 && a.strides(axis) % a.itemsize() != 0)
+        if (a.strides(axis) % a.itemsize() != 0)
             throw py::value_error(std::string(name) + ": expected byte strides that are multiples of the item size " +
-                                  std::to_string(a.itemsize()) + ", got " +
-                                  std::to_string(a.strides(axis)) + " on axis " + std::to_string(axis));
-    if (a.size() > 0 && reinterpret_cast<std::uintptr_t>(a.data()) % a.itemsize() != 0)
+                                  std::to_string(a.itemsize()) + ", got strides " + tuple_string(a.strides(), ndim));
+    if (reinterpret_cast<std::uintptr_t>(a.data()) % static_cast<std::uintptr_t>(a.itemsize()) != 0)
         throw py::value_error(std::string(name) + ": expected data aligned to its item size " +
                               std::to_string(a.itemsize()) + ", got a misaligned array");
+    return a;
 }
 
 void require_writeable(const py::array& a, const char* name) {
     if (!a.writeable())
         throw py::value_error(std::string(name) + ": expected a writeable array, got a read-only one");
-}
-
-// [lowest byte, highest byte] that an array's elements occupy; empty arrays occupy none.
-struct ByteExtent {
-    bool empty;
-    std::uintptr_t lowest, highest;
-};
-
-ByteExtent byte_extent(const py::array& a) {
-    if (a.size() == 0) return ByteExtent{true, 0, 0};
-    std::intptr_t low = 0, high = 0;
-    for (py::ssize_t axis = 0; axis < a.ndim(); ++axis) {
-        const std::intptr_t span = static_cast<std::intptr_t>(a.strides(axis)) * (a.shape(axis) - 1);
-        (span < 0 ? low : high) += span;
-    }
-    const auto base = reinterpret_cast<std::uintptr_t>(a.data());
-    return ByteExtent{false, base + low, base + high + static_cast<std::uintptr_t>(a.itemsize()) - 1};
-}
-
-void require_disjoint(const py::array& written, const char* written_name, const py::array& other,
-                      const char* other_name) {
-    const ByteExtent w = byte_extent(written), o = byte_extent(other);
-    if (!w.empty && !o.empty && w.lowest <= o.highest && o.lowest <= w.highest)
-        throw py::value_error(std::string(written_name) + ": expected memory disjoint from " +
-                              other_name + ", got arrays that overlap");
 }
 
 template <typename View, int Rank>
@@ -113,83 +92,87 @@ TensorView4 tensor_view(const py::array& a) {
     return view;
 }
 
-// A (B,) int64 array copied out (it is tiny, and the copy frees the kernel from its strides).
-std::vector<int64_t> int64_per_sequence(const py::handle& object, const char* name, int64_t batch) {
-    const py::array a = as_ndarray(object, name);
-    require_dtype(a, is_int64(a), name, "int64");
-    require_layout(a, name, 1, "(B,)");
+// A (B,) int64 array copied out (B numbers; the copy frees the kernel from its strides).
+std::vector<int64_t> per_sequence(const py::handle& object, const char* name, int64_t batch) {
+    const py::array a = as_array(object, name, Dtype::Int64, 1, "(B,)");
     if (a.shape(0) != batch)
         throw py::value_error(std::string(name) + ": expected shape (B=" + std::to_string(batch) +
-                              ",), got " + shape_of(a));
+                              ",), got " + tuple_string(a.shape(), 1));
     std::vector<int64_t> values(static_cast<size_t>(batch));
     const char* base = static_cast<const char*>(a.data());
     for (int64_t b = 0; b < batch; ++b) std::memcpy(&values[b], base + b * a.strides(0), sizeof(int64_t));
     return values;
 }
 
+// Python scalars, converted by hand so that both ports word every failure alike.
+bool as_bool(const py::handle& object, const char* name) {
+    if (!PyBool_Check(object.ptr()))
+        throw py::type_error(std::string(name) + ": expected a bool, got " + type_name(object));
+    return object.ptr() == Py_True;
+}
+
+double as_float(const py::handle& object, const char* name) {
+    const double value = PyBool_Check(object.ptr()) ? -1.0 : PyFloat_AsDouble(object.ptr());
+    if (PyBool_Check(object.ptr()) || (value == -1.0 && PyErr_Occurred())) {
+        PyErr_Clear();
+        throw py::type_error(std::string(name) + ": expected a float, got " + type_name(object));
+    }
+    return value;
+}
+
+// Any int (operator.index), saturated to int64: the core then says what range it accepts.
+int64_t as_int64(const py::handle& object, const char* name) {
+    PyObject* index = PyBool_Check(object.ptr()) ? nullptr : PyNumber_Index(object.ptr());
+    if (index == nullptr) {
+        PyErr_Clear();
+        throw py::type_error(std::string(name) + ": expected an int, got " + type_name(object));
+    }
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(index, &overflow);
+    Py_DECREF(index);
+    if (overflow != 0) return overflow > 0 ? INT64_MAX : INT64_MIN;
+    return value;
+}
+
 using Kernel = void (*)(const AttentionProblem&, int);
 
-// Checks and converts the arguments, then runs `kernel` without the GIL.
-void run_attention(Kernel kernel, const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
-                       const py::object& out_obj, const py::object& lse_obj,
-                       const py::object& q_offset_obj, const py::object& kv_lens_obj,
-                       const py::object& mask_obj, bool causal, double scale, int num_threads) {
-    // 1. Arrays, dtypes and layouts; nothing is converted or copied.
-    const py::array q = as_ndarray(q_obj, "q"), k = as_ndarray(k_obj, "k"), v = as_ndarray(v_obj, "v");
-    py::array out = as_ndarray(out_obj, "out");
-    require_dtype(q, is_float32(q), "q", "float32");
-    require_dtype(k, is_float32(k), "k", "float32");
-    require_dtype(v, is_float32(v), "v", "float32");
-    require_dtype(out, is_float32(out), "out", "float32");
-    require_layout(q, "q", 4, "(B, Hq, Lq, D)");
-    require_layout(k, "k", 4, "(B, Hkv, Lk, D)");
-    require_layout(v, "v", 4, "(B, Hkv, Lk, Dv)");
-    require_layout(out, "out", 4, "(B, Hq, Lq, Dv)");
+// Converts the arguments and runs `kernel`, which checks them, without the GIL.
+void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
+                const py::handle& v_obj, const py::handle& out_obj, const py::handle& lse_obj,
+                const py::handle& q_offset_obj, const py::handle& kv_lens_obj,
+                const py::handle& mask_obj, const py::handle& causal_obj,
+                const py::handle& scale_obj, const py::handle& num_threads_obj) {
+    // 1. Arrays: dtypes, ranks, addressable elements; writeable outputs; the mask's shape.
+    const py::array q = as_array(q_obj, "q", Dtype::Float32, 4, "(B, Hq, Lq, D)");
+    const py::array k = as_array(k_obj, "k", Dtype::Float32, 4, "(B, Hkv, Lk, D)");
+    const py::array v = as_array(v_obj, "v", Dtype::Float32, 4, "(B, Hkv, Lk, Dv)");
+    py::array out = as_array(out_obj, "out", Dtype::Float32, 4, "(B, Hq, Lq, Dv)");
     require_writeable(out, "out");
-
-    py::array lse;
-    const bool has_lse = !lse_obj.is_none();
+    py::array lse, mask;  // default-constructed: empty arrays, used only when given
+    const bool has_lse = !lse_obj.is_none(), has_mask = !mask_obj.is_none();
     if (has_lse) {
-        lse = as_ndarray(lse_obj, "lse");
-        require_dtype(lse, is_float32(lse), "lse", "float32");
-        require_layout(lse, "lse", 3, "(B, Hq, Lq)");
+        lse = as_array(lse_obj, "lse", Dtype::Float32, 3, "(B, Hq, Lq)");
         require_writeable(lse, "lse");
     }
-
-    py::array mask;
-    MaskKind mask_kind = MaskKind::None;
-    const bool has_mask = !mask_obj.is_none();
     if (has_mask) {
-        mask = as_ndarray(mask_obj, "mask");
-        mask_kind = is_bool(mask) ? MaskKind::Bool : is_float32(mask) ? MaskKind::Float : MaskKind::None;
-        require_dtype(mask, mask_kind != MaskKind::None, "mask",
-                      "bool (True = may attend) or float32 (additive bias)");
-        require_layout(mask, "mask", 4, "(B, Hq, Lq, Lk)");
+        mask = as_array(mask_obj, "mask", Dtype::BoolOrFloat32, 4, "(B, Hq, Lq, Lk)");
         const py::ssize_t expected[4] = {q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
-        for (int axis = 0; axis < 4; ++axis)
-            if (mask.shape(axis) != expected[axis])
-                throw py::value_error("mask: expected shape (B=" + std::to_string(expected[0]) +
-                                      ", Hq=" + std::to_string(expected[1]) + ", Lq=" +
-                                      std::to_string(expected[2]) + ", Lk=" +
-                                      std::to_string(expected[3]) + "), got " + shape_of(mask));
+        if (!std::equal(expected, expected + 4, mask.shape()))
+            throw py::value_error("mask: expected shape (B=" + std::to_string(expected[0]) +
+                                  ", Hq=" + std::to_string(expected[1]) + ", Lq=" +
+                                  std::to_string(expected[2]) + ", Lk=" +
+                                  std::to_string(expected[3]) + "), got " +
+                                  tuple_string(mask.shape(), 4));
     }
+    const std::vector<int64_t> q_offset = per_sequence(q_offset_obj, "q_offset", q.shape(0));
+    const std::vector<int64_t> kv_lens = per_sequence(kv_lens_obj, "kv_lens", q.shape(0));
 
-    const std::vector<int64_t> q_offset = int64_per_sequence(q_offset_obj, "q_offset", q.shape(0));
-    const std::vector<int64_t> kv_lens = int64_per_sequence(kv_lens_obj, "kv_lens", q.shape(0));
+    // 2. Scalars.
+    const bool causal = as_bool(causal_obj, "causal");
+    const double scale = as_float(scale_obj, "scale");
+    const int64_t num_threads = as_int64(num_threads_obj, "num_threads");
 
-    // 2. What is written must not alias what is read (nor each other).
-    const std::pair<const py::array*, const char*> inputs[] = {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&mask, "mask"}};
-    for (const auto& input : inputs) {
-        if (input.first == &mask && !has_mask) continue;
-        require_disjoint(out, "out", *input.first, input.second);
-        if (has_lse) require_disjoint(lse, "lse", *input.first, input.second);
-    }
-    if (has_lse) require_disjoint(out, "out", lse, "lse");
-
-    if (num_threads < 1)
-        throw py::value_error("num_threads: expected >= 1, got " + std::to_string(num_threads));
-
-    // 3. The problem, checked by the core before the GIL is released.
+    // 3. The problem: views over the arrays' memory.
     AttentionProblem problem{};
     problem.q = tensor_view(q);
     problem.k = tensor_view(k);
@@ -201,45 +184,55 @@ void run_attention(Kernel kernel, const py::object& q_obj, const py::object& k_o
         problem.lse.data = static_cast<float*>(lse.mutable_data());
         fill_shape_strides<LseView, 3>(lse, problem.lse);
     }
-    problem.mask = MaskView{mask_kind, has_mask ? mask.data() : nullptr, {0, 0, 0, 0}};
-    if (has_mask)
-        for (int axis = 0; axis < 4; ++axis) problem.mask.stride[axis] = mask.strides(axis) / mask.itemsize();
+    problem.mask = MaskView{MaskKind::None, nullptr, {0, 0, 0, 0}};
+    if (has_mask) {
+        problem.mask.kind = mask.dtype().kind() == 'b' ? MaskKind::Bool : MaskKind::Float;
+        problem.mask.data = mask.data();
+        for (int axis = 0; axis < 4; ++axis)
+            problem.mask.stride[axis] = mask.strides(axis) / mask.itemsize();
+    }
     problem.q_offset = q_offset.data();
     problem.kv_lens = kv_lens.data();
     problem.causal = causal;
     problem.scale = static_cast<float>(scale);  // out of float range becomes inf: rejected
 
-    // std::invalid_argument -> ValueError (pybind11 maps it too; this makes it explicit).
+    // 4. The kernel without the GIL; it checks the problem first (check_problem, once per call).
+    // std::invalid_argument is ValueError, std::bad_alloc MemoryError, with Rust's messages.
     try {
-        check_problem(problem);
+        const int threads = check_num_threads(num_threads);
         py::gil_scoped_release release;
-        kernel(problem, num_threads);
+        kernel(problem, threads);
     } catch (const std::invalid_argument& error) {
         throw py::value_error(error.what());
+    } catch (const std::bad_alloc&) {
+        PyErr_SetString(PyExc_MemoryError, kOutOfMemoryMessage);
+        throw py::error_already_set();
     }
 }
 
 // The fast kernel with the instruction set in use (docs/kernels.md).
 void attention_forward_py(const py::object& q, const py::object& k, const py::object& v,
                           const py::object& out, const py::object& lse, const py::object& q_offset,
-                          const py::object& kv_lens, const py::object& mask, bool causal,
-                          double scale, int num_threads) {
-    run_attention(&twinattn::attention_forward, q, k, v, out, lse, q_offset, kv_lens, mask, causal,
-                  scale, num_threads);
+                          const py::object& kv_lens, const py::object& mask, const py::object& causal,
+                          const py::object& scale, const py::object& num_threads) {
+    run_kernel(&twinattn::attention_forward, q, k, v, out, lse, q_offset, kv_lens, mask, causal,
+               scale, num_threads);
 }
 
 // The plain scalar reference kernel, which every fast path is tested against.
 void attention_reference_py(const py::object& q, const py::object& k, const py::object& v,
                             const py::object& out, const py::object& lse, const py::object& q_offset,
-                            const py::object& kv_lens, const py::object& mask, bool causal,
-                            double scale, int num_threads) {
-    run_attention(&twinattn::attention_reference, q, k, v, out, lse, q_offset, kv_lens, mask,
-                  causal, scale, num_threads);
+                            const py::object& kv_lens, const py::object& mask, const py::object& causal,
+                            const py::object& scale, const py::object& num_threads) {
+    run_kernel(&twinattn::attention_reference, q, k, v, out, lse, q_offset, kv_lens, mask,
+               causal, scale, num_threads);
 }
 
-void set_isa_py(const std::string& name) {
+void set_isa_py(const py::object& name) {
+    if (!PyUnicode_Check(name.ptr()))
+        throw py::type_error("name: expected a str, got " + type_name(name));
     try {
-        twinattn::set_isa(name);
+        twinattn::set_isa(name.cast<std::string>());
     } catch (const std::invalid_argument& error) {
         throw py::value_error(error.what());
     }
@@ -302,12 +295,9 @@ py::dict build_info() {
 
 PYBIND11_MODULE(_cpp, m) {
     m.doc() = "twinattn's C++ port (private; use the twinattn package).";
-    // TWINATTN_ISA naming an instruction set this build or CPU cannot run fails the import.
-    try {
-        init_isa_from_environment();
-    } catch (const std::invalid_argument& error) {
-        throw py::value_error(error.what());
-    }
+    // TWINATTN_ISA naming an instruction set this build or CPU cannot run fails the import:
+    // pybind11 raises the std::invalid_argument as ImportError with its message, as Rust does.
+    init_isa_from_environment();
     m.def("attention_forward", &attention_forward_py, py::arg("q"), py::arg("k"), py::arg("v"),
           py::arg("out"), py::arg("lse"), py::arg("q_offset"), py::arg("kv_lens"), py::arg("mask"),
           py::arg("causal"), py::arg("scale"), py::arg("num_threads"),

@@ -229,8 +229,7 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
 
 void attention_forward(const AttentionProblem& p, int num_threads) {
     check_problem(p);
-    if (num_threads < 1)
-        throw std::invalid_argument("num_threads: expected >= 1, got " + std::to_string(num_threads));
+    check_num_threads(num_threads);
     const FlashKernels kernels = current_kernels();
     const int64_t B = p.q.shape[0], Hq = p.q.shape[1], Lq = p.q.shape[2];
     if (B == 0 || Hq == 0 || Lq == 0) return;

@@ -1,9 +1,14 @@
 // check_problem: everything the kernels rely on, checked once per call, so that no kernel can
-// read or write out of bounds whatever its caller passes.
+// read or write out of bounds (or race on an output) whatever its caller passes. Twin of
+// rust/src/problem.rs: the same checks in the same order, with the same messages.
 #include "twinattn/problem.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <sstream>
+#include <utility>
 #include <stdexcept>
 #include <string>
 
@@ -66,8 +71,72 @@ void check_unit_last_stride(const char* argument, const char* axis_name, const i
              " elements");
 }
 
+// 128-bit arithmetic (GCC and Clang): the strides of an as_strided view may be anything.
+__extension__ typedef __int128 int128;
+
+// Byte addresses [lowest, end) that a strided view's elements occupy; empty views occupy none.
+struct Extent {
+    bool empty;
+    int128 lowest, end;
+};
+
+Extent extent(const void* data, const int64_t* shape, const int64_t* stride, int rank,
+              int64_t item) {
+    if (element_count(shape, rank) == 0) return Extent{true, 0, 0};
+    int128 lowest = static_cast<int128>(reinterpret_cast<std::uintptr_t>(data));
+    int128 highest = lowest;
+    for (int axis = 0; axis < rank; ++axis) {
+        const int128 reach = static_cast<int128>(shape[axis] - 1) * stride[axis] * item;
+        (reach < 0 ? lowest : highest) += reach;
+    }
+    return Extent{false, lowest, highest + item};
+}
+
+bool overlap(const Extent& a, const Extent& b) {
+    return !a.empty && !b.empty && a.lowest < b.end && b.lowest < a.end;
+}
+
+// Whether two distinct indices of a view may address the same element. Sufficient test: sorted
+// by |stride|, each axis of length > 1 must step past everything the smaller axes reach (exotic
+// interleaved layouts that do not overlap are reported too; outputs never need them).
+bool may_overlap_itself(const int64_t* shape, const int64_t* stride, int rank) {
+    if (element_count(shape, rank) == 0) return false;
+    std::pair<int128, int128> axes[4];  // (|stride|, length), sorted as they come (insertion)
+    int count = 0;
+    for (int axis = 0; axis < rank && axis < 4; ++axis) {
+        if (shape[axis] <= 1) continue;
+        const std::pair<int128, int128> next{
+            stride[axis] < 0 ? -static_cast<int128>(stride[axis]) : stride[axis], shape[axis]};
+        int at = count++;
+        for (; at > 0 && next < axes[at - 1]; --at) axes[at] = axes[at - 1];
+        axes[at] = next;
+    }
+    int128 reach = 0;  // the largest offset the smaller axes reach, in elements
+    for (int axis = 0; axis < count; ++axis) {
+        if (axes[axis].first <= reach) return true;
+        reach += (axes[axis].second - 1) * axes[axis].first;
+    }
+    return false;
+}
+
+void check_distinct_elements(const char* argument, const int64_t* shape, const int64_t* stride,
+                             int rank) {
+    if (may_overlap_itself(shape, stride, rank))
+        fail(std::string(argument) + ": expected elements that do not overlap each other, got strides " +
+             shape_string(stride, rank));
+}
+
+std::string number_string(float value) {
+    if (std::isnan(value)) return "nan";  // printf would say "-nan" for some NaNs, Rust "NaN"
+    if (std::isinf(value)) return value < 0 ? "-inf" : "inf";
+    std::ostringstream text;
+    text << value;
+    return text.str();
+}
+
 }  // namespace
 
+// The order of the checks, and every message, is the same in problem.rs.
 void check_problem(const AttentionProblem& p) {
     // 1. Shapes: q defines B, Hq, Lq, D; k defines Hkv, Lk; v defines Dv.
     const Dim free_b{"B", -1}, free_hq{"Hq", -1}, free_lq{"Lq", -1}, free_d{"D", -1};
@@ -93,48 +162,72 @@ void check_problem(const AttentionProblem& p) {
         check_shape("lse", p.lse.shape, lse_dims, 3);
     }
 
-    // 2. Grouped-query heads: every KV head serves Hq / Hkv query heads.
-    if (q_heads >= 1 && kv_heads < 1)
-        fail("k: expected Hkv >= 1 when Hq=" + std::to_string(q_heads) + ", got Hkv=" +
-             std::to_string(kv_heads));
-    if (kv_heads >= 1 && q_heads % kv_heads != 0)
-        fail("k: expected Hq % Hkv == 0 (query heads Hq=" + std::to_string(q_heads) +
-             " shared evenly by KV heads), got Hkv=" + std::to_string(kv_heads));
+    // 2. Grouped-query heads: query head h reads KV head h / (Hq / Hkv).
+    if (q_heads > 0 && (kv_heads == 0 || q_heads % kv_heads != 0))
+        fail("k: expected Hkv dividing Hq=" + std::to_string(q_heads) +
+             " (query head h reads KV head h // (Hq // Hkv)), got Hkv=" + std::to_string(kv_heads));
 
     // 3. Memory: data present when non-empty, unit stride on the feature axes.
+    const int64_t mask_shape[4] = {batch, q_heads, q_len, key_len};
     check_data("q", p.q.data, p.q.shape, 4);
     check_data("k", p.k.data, p.k.shape, 4);
     check_data("v", p.v.data, p.v.shape, 4);
     check_data("out", p.out.data, p.out.shape, 4);
+    if (p.mask.kind != MaskKind::None) check_data("mask", p.mask.data, mask_shape, 4);
     check_unit_last_stride("q", "D", p.q.shape, p.q.stride);
     check_unit_last_stride("k", "D", p.k.shape, p.k.stride);
     check_unit_last_stride("v", "Dv", p.v.shape, p.v.stride);
     check_unit_last_stride("out", "Dv", p.out.shape, p.out.stride);
-    if (p.mask.kind != MaskKind::None) {
-        const int64_t mask_shape[4] = {batch, q_heads, q_len, key_len};
-        check_data("mask", p.mask.data, mask_shape, 4);
-    }
 
-    // 4. Per-sequence lengths and positions.
+    // 4. Per-sequence lengths and positions (the C++ views carry no length: B entries each).
     if (batch > 0 && p.causal && p.q_offset == nullptr)
         fail("q_offset: expected one offset per sequence (B=" + std::to_string(batch) +
              ") when causal, got none");
-    for (int64_t seq = 0; seq < batch; ++seq) {
-        if (p.kv_lens != nullptr && (p.kv_lens[seq] < 0 || p.kv_lens[seq] > key_len))
-            fail("kv_lens[" + std::to_string(seq) + "]: expected 0 <= kv_lens[b] <= Lk=" +
-                 std::to_string(key_len) + ", got " + std::to_string(p.kv_lens[seq]));
-        if (p.causal && p.q_offset[seq] < 0)
-            fail("q_offset[" + std::to_string(seq) + "]: expected >= 0 when causal, got " +
-                 std::to_string(p.q_offset[seq]));
-    }
+    for (int64_t seq = 0; p.kv_lens != nullptr && seq < batch; ++seq)
+        if (p.kv_lens[seq] < 0 || p.kv_lens[seq] > key_len)
+            fail("kv_lens: expected values in [0, Lk=" + std::to_string(key_len) + "], got kv_lens[" +
+                 std::to_string(seq) + "]=" + std::to_string(p.kv_lens[seq]));
+    for (int64_t seq = 0; p.causal && seq < batch; ++seq)
+        if (p.q_offset[seq] < 0)
+            fail("q_offset: expected values >= 0 when causal, got q_offset[" + std::to_string(seq) +
+                 "]=" + std::to_string(p.q_offset[seq]));
 
     // 5. Scale.
-    if (!std::isfinite(p.scale)) {
-        std::ostringstream given;
-        given << p.scale;
-        fail("scale: expected a finite number, got " + given.str());
-    }
+    if (!std::isfinite(p.scale))
+        fail("scale: expected a finite number, got " + number_string(p.scale));
+
+    // 6. Outputs: every element written once, by one thread, never read as input.
+    check_distinct_elements("out", p.out.shape, p.out.stride, 4);
+    if (p.lse.data != nullptr) check_distinct_elements("lse", p.lse.shape, p.lse.stride, 3);
+    const Extent out = extent(p.out.data, p.out.shape, p.out.stride, 4, 4);
+    const Extent lse = p.lse.data != nullptr ? extent(p.lse.data, p.lse.shape, p.lse.stride, 3, 4)
+                                             : Extent{true, 0, 0};
+    const Extent mask = p.mask.kind == MaskKind::None
+                            ? Extent{true, 0, 0}
+                            : extent(p.mask.data, mask_shape, p.mask.stride, 4,
+                                     p.mask.kind == MaskKind::Float ? 4 : 1);
+    const std::pair<const char*, Extent> inputs[] = {
+        {"q", extent(p.q.data, p.q.shape, p.q.stride, 4, 4)},
+        {"k", extent(p.k.data, p.k.shape, p.k.stride, 4, 4)},
+        {"v", extent(p.v.data, p.v.shape, p.v.stride, 4, 4)},
+        {"mask", mask},
+        {"lse", lse}};
+    const std::pair<const char*, Extent> outputs[] = {{"out", out}, {"lse", lse}};
+    for (const auto& output : outputs)
+        for (const auto& input : inputs)
+            if (std::strcmp(input.first, output.first) != 0 && overlap(output.second, input.second))
+                fail(std::string(output.first) + ": expected memory disjoint from " + input.first +
+                     ", got arrays that overlap");
 }
+
+int check_num_threads(int64_t num_threads) {
+    if (num_threads < 1)
+        fail("num_threads: expected an int >= 1, got " + std::to_string(num_threads));
+    return static_cast<int>(std::min<int64_t>(num_threads, std::numeric_limits<int>::max()));
+}
+
+const char* const kOutOfMemoryMessage =
+    "out of memory: the kernel's scratch buffers for this call could not be allocated";
 
 TensorView4 contiguous_view(const float* data, int64_t d0, int64_t d1, int64_t d2, int64_t d3) {
     return TensorView4{data, {d0, d1, d2, d3}, {d1 * d2 * d3, d2 * d3, d3, 1}};

@@ -139,9 +139,7 @@ void attend_pairs(const AttentionProblem& p, int64_t pair_begin, int64_t pair_en
 
 void attention_reference(const AttentionProblem& p, int num_threads) {
     check_problem(p);
-    if (num_threads < 1)
-        throw std::invalid_argument("num_threads: expected >= 1, got " +
-                                    std::to_string(num_threads));
+    check_num_threads(num_threads);
     const int64_t pair_count = p.q.shape[0] * p.q.shape[1];
     if (pair_count == 0 || p.q.shape[2] == 0) return;
 

@@ -417,9 +417,9 @@ void test_rejects_bad_problems() {
     Storage out(1, 1, 1, 8, false);
     std::vector<float> lse(1);
     AttentionProblem p = in.problem(out, lse);
-    CHECK_THROWS(std::invalid_argument, attention_forward(p, 0), "num_threads");
+    CHECK_THROWS(std::invalid_argument, attention_forward(p, 0), "num_threads: expected an int >= 1, got 0");
     p.scale = std::numeric_limits<float>::infinity();
-    CHECK_THROWS(std::invalid_argument, attention_forward(p, 1), "scale");
+    CHECK_THROWS(std::invalid_argument, attention_forward(p, 1), "scale: expected a finite number, got inf");
 }
 
 }  // namespace

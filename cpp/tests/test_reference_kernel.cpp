@@ -562,11 +562,12 @@ void test_check_problem_rejects() {
     p = good;
     p.q.shape[1] = 3;
     p.out.shape[1] = 3;
-    CHECK_THROWS(std::invalid_argument, check_problem(p), "Hq % Hkv");
+    CHECK_THROWS(std::invalid_argument, check_problem(p),
+                 "k: expected Hkv dividing Hq=3 (query head h reads KV head h // (Hq // Hkv)), got Hkv=2");
     p = good;
     p.k.shape[1] = 0;
     p.v.shape[1] = 0;
-    CHECK_THROWS(std::invalid_argument, check_problem(p), "k: expected Hkv >= 1");
+    CHECK_THROWS(std::invalid_argument, check_problem(p), "k: expected Hkv dividing Hq=4 (query head h reads KV head h // (Hq // Hkv)), got Hkv=0");
     p = good;
     p.q.stride[3] = 2;
     CHECK_THROWS(std::invalid_argument, check_problem(p), "q: expected unit stride on the last axis (D=8), got stride 2");
@@ -576,15 +577,15 @@ void test_check_problem_rejects() {
     p = good;
     const int64_t too_long[] = {5, 6};
     p.kv_lens = too_long;
-    CHECK_THROWS(std::invalid_argument, check_problem(p), "kv_lens[1]: expected 0 <= kv_lens[b] <= Lk=5, got 6");
+    CHECK_THROWS(std::invalid_argument, check_problem(p), "kv_lens: expected values in [0, Lk=5], got kv_lens[1]=6");
     p = good;
     const int64_t negative_len[] = {-1, 3};
     p.kv_lens = negative_len;
-    CHECK_THROWS(std::invalid_argument, check_problem(p), "kv_lens[0]");
+    CHECK_THROWS(std::invalid_argument, check_problem(p), "kv_lens: expected values in [0, Lk=5], got kv_lens[0]=-1");
     p = good;
     const int64_t negative_offset[] = {0, -1};
     p.q_offset = negative_offset;
-    CHECK_THROWS(std::invalid_argument, check_problem(p), "q_offset[1]: expected >= 0 when causal, got -1");
+    CHECK_THROWS(std::invalid_argument, check_problem(p), "q_offset: expected values >= 0 when causal, got q_offset[1]=-1");
     p.causal = false;  // q_offset is unused without causal
     check_problem(p);
     p.q_offset = nullptr;
@@ -598,8 +599,8 @@ void test_check_problem_rejects() {
     p = good;
     p.scale = std::numeric_limits<float>::quiet_NaN();
     CHECK_THROWS(std::invalid_argument, check_problem(p), "scale: expected a finite number, got nan");
-    p.scale = kInf;
-    CHECK_THROWS(std::invalid_argument, check_problem(p), "scale");
+    p.scale = -kInf;
+    CHECK_THROWS(std::invalid_argument, check_problem(p), "scale: expected a finite number, got -inf");
     p = good;
     p.mask = MaskView{MaskKind::Bool, nullptr, {0, 0, 0, 0}};
     CHECK_THROWS(std::invalid_argument, check_problem(p), "mask");
@@ -615,11 +616,38 @@ void test_check_problem_rejects() {
     p = good;
     p.q.shape[2] = -1;
     CHECK_THROWS(std::invalid_argument, check_problem(p), "q: expected shape");
+    // Outputs: elements that alias each other, or memory shared with an input.
+    p = good;
+    p.out.stride[1] = 0;  // every head writes the same rows
+    CHECK_THROWS(std::invalid_argument, check_problem(p),
+                 "out: expected elements that do not overlap each other, got strides (72, 0, 6, 1)");
+    p = good;
+    p.out.stride[2] = 4;  // rows of 6 floats 4 apart
+    p.out.stride[1] = 12;
+    p.out.stride[0] = 48;
+    CHECK_THROWS(std::invalid_argument, check_problem(p), "out: expected elements that do not overlap each other");
+    p = good;
+    p.out = MutTensorView4{const_cast<float*>(p.q.data), {2, 4, 3, 6}, {96, 24, 8, 1}};  // inside q
+    CHECK_THROWS(std::invalid_argument, check_problem(p), "out: expected memory disjoint from q, got arrays that overlap");
+    p = good;
+    p.lse = LseView{const_cast<float*>(p.v.data), {2, 4, 3}, {12, 3, 1}};  // inside v
+    CHECK_THROWS(std::invalid_argument, check_problem(p), "lse: expected memory disjoint from v, got arrays that overlap");
+    p = good;
+    p.lse = LseView{out.data.data() + 3, {2, 4, 3}, {12, 3, 1}};
+    CHECK_THROWS(std::invalid_argument, check_problem(p), "out: expected memory disjoint from lse, got arrays that overlap");
+    p = good;
+    std::vector<float> lse_storage(24);
+    p.lse = LseView{lse_storage.data(), {2, 4, 3}, {3, 3, 1}};  // sequences 0 and 1 share heads
+    CHECK_THROWS(std::invalid_argument, check_problem(p), "lse: expected elements that do not overlap each other, got strides (3, 3, 1)");
+    p.lse = contiguous_lse_view(lse_storage.data(), 2, 4, 3);
+    check_problem(p);
+    CHECK(check_num_threads(int64_t{1} << 40) == std::numeric_limits<int>::max());
+    CHECK_THROWS(std::invalid_argument, check_num_threads(-5), "num_threads: expected an int >= 1, got -5");
     // The kernel checks too, and rejects num_threads < 1.
     p = good;
     p.kv_lens = too_long;
-    CHECK_THROWS(std::invalid_argument, attention_reference(p, 1), "kv_lens[1]");
-    CHECK_THROWS(std::invalid_argument, attention_reference(good, 0), "num_threads: expected >= 1, got 0");
+    CHECK_THROWS(std::invalid_argument, attention_reference(p, 1), "kv_lens: expected values in [0, Lk=5], got kv_lens[1]=6");
+    CHECK_THROWS(std::invalid_argument, attention_reference(good, 0), "num_threads: expected an int >= 1, got 0");
 }
 
 }  // namespace

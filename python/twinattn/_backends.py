@@ -25,6 +25,9 @@ _HOW_TO_BUILD = {
 
 _modules: dict[str, ModuleType | None] = {}
 _errors: dict[str, str] = {}
+# A port that is built but failed to load (TWINATTN_ISA naming an instruction set it cannot run,
+# say): its ImportError message, raised again by every call that needs the port.
+_refusals: dict[str, str] = {}
 
 
 class BackendUnavailableError(RuntimeError):
@@ -32,12 +35,23 @@ class BackendUnavailableError(RuntimeError):
 
 
 def _load(port: str) -> ModuleType | None:
-    if port not in _modules:
+    """The port's module; None when it is not built; ImportError when it is built but refuses
+    to load.
+
+    Both native modules raise the same ImportError at import for a bad TWINATTN_ISA (naming the
+    variable, the value and the instruction sets available): a user who set one gets that error
+    from every call that needs the port, never a silently missing port.
+    """
+    if port not in _modules and port not in _refusals:
         try:
             _modules[port] = importlib.import_module(f"twinattn._{port}")
-        except ImportError as exc:
+        except ModuleNotFoundError as exc:
             _modules[port] = None
             _errors[port] = str(exc)
+        except ImportError as exc:
+            _refusals[port] = str(exc)
+    if port in _refusals:
+        raise ImportError(_refusals[port])
     return _modules[port]
 
 
@@ -53,7 +67,11 @@ def native_module(port: str) -> ModuleType:
 
 
 def backends() -> list[str]:
-    """The backends this installation can run, fastest native port first."""
+    """The backends this installation can run, fastest native port first.
+
+    Raises ImportError when a built port refuses to load (TWINATTN_ISA naming an instruction set
+    it cannot run).
+    """
     return [port for port in NATIVE_PORTS if _load(port) is not None] + ["numpy"]
 
 

@@ -2,9 +2,11 @@
 
 Hand-written from docs/native_api.md; `python -m mypy.stubtest twinattn._cpp twinattn._rust`
 (run by scripts/test.sh) checks them against the built module. Both native modules expose the
-same four functions with the same signatures, so _cpp.pyi and _rust.pyi differ only in this
-docstring and __all__. They stay two files on purpose: re-exported from _cpp.pyi, the Rust
-functions' signatures (which PyO3 exposes and pybind11 does not) would go unchecked by stubtest.
+same four functions with the same signatures, and raise the same exceptions with the same
+messages (docs/native_api.md lists them; tests/test_port_parity.py compares the two), so
+_cpp.pyi and _rust.pyi differ only in this docstring and __all__. They stay two files on
+purpose: re-exported from _cpp.pyi, the Rust functions' signatures (which PyO3 exposes and
+pybind11 does not) would go unchecked by stubtest.
 """
 
 from typing import Any

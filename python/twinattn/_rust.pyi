@@ -2,8 +2,9 @@
 
 Hand-written from docs/native_api.md; `python -m mypy.stubtest twinattn._cpp twinattn._rust`
 (run by scripts/test.sh) checks them against the built module. Both native modules expose the
-same four functions with the same signatures, so _cpp.pyi and _rust.pyi differ only in this
-docstring and __all__.
+same four functions with the same signatures, and raise the same exceptions with the same
+messages (docs/native_api.md lists them; tests/test_port_parity.py compares the two), so
+_cpp.pyi and _rust.pyi differ only in this docstring and __all__.
 """
 
 from typing import Any

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import SupportsIndex, cast
+
+from ._checks import count
 
 _ENV = "TWINATTN_NUM_THREADS"
 _num_threads: int | None = None
@@ -23,15 +24,6 @@ def _usable_cores() -> int:
     return _cores
 
 
-def _check_count(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) and not hasattr(value, "__index__"):
-        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__} {value!r}")
-    count = int(cast(SupportsIndex, value))
-    if count < 1:
-        raise ValueError(f"{name}: expected a positive int, got {count}")
-    return count
-
-
 def get_num_threads() -> int:
     """Threads the native ports use when a call passes num_threads=None.
 
@@ -43,7 +35,7 @@ def get_num_threads() -> int:
     env = os.environ.get(_ENV)
     if env is not None and env.strip():
         try:
-            return _check_count(_ENV, int(env))
+            return count(_ENV, int(env))
         except ValueError:
             raise ValueError(f"{_ENV}: expected a positive int, got {env!r}") from None
     return _usable_cores()
@@ -52,4 +44,4 @@ def get_num_threads() -> int:
 def set_num_threads(n: int | None) -> None:
     """Set the default thread count of the native ports; None restores the default."""
     global _num_threads
-    _num_threads = None if n is None else _check_count("n", n)
+    _num_threads = None if n is None else count("n", n)

@@ -18,15 +18,12 @@ from numpy.typing import ArrayLike
 
 from . import reference
 from ._backends import native_module, resolve_backend
-from ._threads import _check_count, get_num_threads
+from ._checks import count, elements_overlap, shape_str
+from ._threads import get_num_threads
 
 Result = Union[np.ndarray, "tuple[np.ndarray, np.ndarray]"]
 
 _RANK_NAMES = {4: "(B, H, L, D)", 3: "(H, L, D)", 2: "(L, D)"}
-
-
-def _shape(a: np.ndarray) -> str:
-    return "(" + ", ".join(str(n) for n in a.shape) + ")"
 
 
 def _as_array(name: str, value: object) -> np.ndarray:
@@ -51,6 +48,8 @@ def _check_float_dtype(name: str, a: np.ndarray, backend: str) -> None:
 
 
 _FLOAT32 = np.dtype(np.float32)
+# the smallest magnitude that rounds to inf in float32 (half an ulp above its largest finite value)
+_FLOAT32_OVERFLOW = 2.0**128 * (1 - 2.0**-25)
 _filled_cache: dict[tuple[int, int], np.ndarray] = {}
 
 
@@ -92,7 +91,7 @@ def _per_sequence(name: str, value: object, batch: int) -> np.ndarray:
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{name}: expected an int or an int array of shape (B={batch},), got dtype {arr.dtype}")
     if arr.shape != (batch,):
-        raise ValueError(f"{name}: expected an int or an int array of shape (B={batch},), got shape {_shape(arr)}")
+        raise ValueError(f"{name}: expected an int or an int array of shape (B={batch},), got shape {shape_str(arr.shape)}")
     if arr.dtype.kind == "u" and arr.size and arr.max() > np.iinfo(np.int64).max:
         raise ValueError(f"{name}: values must fit in int64, got {arr.max()}")
     return arr.astype(np.int64)
@@ -113,12 +112,12 @@ def _prepare_mask(attn_mask: object, dtype: np.dtype, full_shape: tuple[int, int
             )
         mask = mask.astype(dtype, copy=False)
     if mask.ndim > 4:
-        raise ValueError(f"attn_mask: expected at most 4 dimensions broadcastable to (B, Hq, Lq, Lk) = {full_shape}, got shape {_shape(mask)}")
+        raise ValueError(f"attn_mask: expected at most 4 dimensions broadcastable to (B, Hq, Lq, Lk) = {full_shape}, got shape {shape_str(mask.shape)}")
     try:
         return np.broadcast_to(mask, full_shape)
     except ValueError:
         raise ValueError(
-            f"attn_mask: expected a shape broadcastable to (B, Hq, Lq, Lk) = {full_shape}, got {_shape(mask)}"
+            f"attn_mask: expected a shape broadcastable to (B, Hq, Lq, Lk) = {full_shape}, got {shape_str(mask.shape)}"
         ) from None
 
 
@@ -130,9 +129,15 @@ def _prepare_out(
     if out.dtype != dtype:
         raise TypeError(f"out: expected dtype {np.dtype(dtype).name}, got {out.dtype}")
     if out.shape != shape:
-        raise ValueError(f"out: expected shape {shape}, got {_shape(out)}")
+        raise ValueError(f"out: expected shape {shape}, got {shape_str(out.shape)}")
     if not out.flags.writeable:
         raise ValueError("out: expected a writeable array, got a read-only one")
+    if elements_overlap(out):
+        # each element is written by one thread: aliased elements would race (and be wrong)
+        raise ValueError(
+            f"out: expected an array whose elements do not overlap each other, got strides {out.strides} "
+            f"(bytes) for shape {shape_str(out.shape)}: pass a fresh array such as np.empty({shape_str(out.shape)}, np.{np.dtype(dtype).name})"
+        )
     for name, a in zip(("q", "k", "v", "attn_mask"), inputs):
         if a is not None and np.may_share_memory(out, a):
             raise ValueError(f"out: must not overlap the memory of {name}")
@@ -301,7 +306,7 @@ def attention(
         raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
     if return_lse is not True and return_lse is not False and not isinstance(return_lse, np.bool_):
         raise TypeError(f"return_lse: expected bool, got {type(return_lse).__name__}")
-    threads = get_num_threads() if num_threads is None else _check_count("num_threads", num_threads)
+    threads = get_num_threads() if num_threads is None else count("num_threads", num_threads)
 
     # Ranks and dtypes.
     if type(q) is not np.ndarray:
@@ -314,8 +319,8 @@ def attention(
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a.ndim != rank or rank not in _RANK_NAMES:
             if a.ndim not in _RANK_NAMES:
-                raise ValueError(f"{name}: expected 2, 3 or 4 dimensions (B, H, L, D), got shape {_shape(a)}")
-            raise ValueError(f"{name}: expected {rank} dimensions {_RANK_NAMES[rank]} like q, got shape {_shape(a)}")
+                raise ValueError(f"{name}: expected 2, 3 or 4 dimensions (B, H, L, D), got shape {shape_str(a.shape)}")
+            raise ValueError(f"{name}: expected {rank} dimensions {_RANK_NAMES[rank]} like q, got shape {shape_str(a.shape)}")
         if a.dtype != _FLOAT32:
             _check_float_dtype(name, a, port)
     dtype = q.dtype
@@ -331,9 +336,9 @@ def attention(
     batch, q_heads, q_len, head_dim = q4.shape
     kv_batch, kv_heads, k_len, k_dim = k4.shape
     if kv_batch != batch or k_dim != head_dim:
-        raise ValueError(f"k: expected shape (B={batch}, Hkv, Lk, D={head_dim}), got {_shape(k)}")
+        raise ValueError(f"k: expected shape (B={batch}, Hkv, Lk, D={head_dim}), got {shape_str(k.shape)}")
     if v4.shape[:3] != (batch, kv_heads, k_len):
-        raise ValueError(f"v: expected shape (B={batch}, Hkv={kv_heads}, Lk={k_len}, Dv), got {_shape(v)}")
+        raise ValueError(f"v: expected shape (B={batch}, Hkv={kv_heads}, Lk={k_len}, Dv), got {shape_str(v.shape)}")
     value_dim = v4.shape[3]
     if kv_heads == 0 and q_heads > 0 or kv_heads > 0 and q_heads % kv_heads != 0:
         raise ValueError(
@@ -379,6 +384,8 @@ def attention(
         scale_value = float(scale)
         if not math.isfinite(scale_value):
             raise ValueError(f"scale: expected a finite float, got {scale_value}")
+        if dtype == _FLOAT32 and abs(scale_value) >= _FLOAT32_OVERFLOW:
+            raise ValueError(f"scale: expected a finite float, got {scale_value}, which is inf in float32")
     out_shape = q.shape[:-1] + (value_dim,)
     if out is None:
         result = np.empty(out_shape, dtype=dtype)

@@ -22,20 +22,13 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import count, shape_str
+
 __all__ = ["CacheOverflowError", "KVCache", "kv_cache_bytes"]
 
 
 class CacheOverflowError(ValueError):
     """An update would store more tokens than max_seq_len; the cache is left unchanged."""
-
-
-def _count(name: str, value: object, *, positive: bool = False) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    value = int(value)
-    if value < (1 if positive else 0):
-        raise ValueError(f"{name}: expected {'a positive' if positive else 'a non-negative'} int, got {value}")
-    return value
 
 
 _KV_CACHE_BYTES_OLD_ORDER = ("tokens", "head_dim", "bytes_per_entry")
@@ -88,13 +81,9 @@ def kv_cache_bytes(
         raise TypeError(f"kv_cache_bytes: missing keyword argument(s) {', '.join(missing)}")
     counts: dict[str, object] = {"layers": layers, "batch": batch, "kv_heads": kv_heads, **named}
     total = 2
-    for name, count in counts.items():
-        total *= _count(name, count)
+    for name, value in counts.items():
+        total *= count(name, value, positive=False)
     return total
-
-
-def _shape(shape: tuple[int, ...]) -> str:
-    return str(tuple(int(n) for n in shape))
 
 
 class KVCache:
@@ -113,11 +102,11 @@ class KVCache:
         max_seq_len: int,
         dtype: Any = np.float32,
     ) -> None:
-        self.num_layers = _count("num_layers", num_layers, positive=True)
-        self.batch_size = _count("batch_size", batch_size)
-        self.num_kv_heads = _count("num_kv_heads", num_kv_heads, positive=True)
-        self.head_dim = _count("head_dim", head_dim, positive=True)
-        self.max_seq_len = _count("max_seq_len", max_seq_len)
+        self.num_layers = count("num_layers", num_layers)
+        self.batch_size = count("batch_size", batch_size, positive=False)
+        self.num_kv_heads = count("num_kv_heads", num_kv_heads)
+        self.head_dim = count("head_dim", head_dim)
+        self.max_seq_len = count("max_seq_len", max_seq_len, positive=False)
         self.dtype = np.dtype(dtype)
         if self.dtype.kind != "f":
             raise TypeError(f"dtype: expected a floating dtype (float32 for the native kernels), got {self.dtype}")
@@ -150,7 +139,7 @@ class KVCache:
     def positions(self, num_new: int, layer_idx: int = 0) -> np.ndarray:
         """Absolute positions (B, num_new) of the next num_new tokens of each sequence:
         seq_lens(layer_idx)[:, None] + arange(num_new)."""
-        num_new = _count("num_new", num_new)
+        num_new = count("num_new", num_new, positive=False)
         lens: np.ndarray = self._lens[self._layer(layer_idx)]
         return lens[:, None] + np.arange(num_new, dtype=np.int64)
 
@@ -178,7 +167,7 @@ class KVCache:
         if states.ndim != 4 or (states.shape[0], states.shape[1], states.shape[3]) != expected:
             raise ValueError(
                 f"{name}: expected shape (B={self.batch_size}, Hkv={self.num_kv_heads}, L, D={self.head_dim}), "
-                f"got {_shape(states.shape)}"
+                f"got {shape_str(states.shape)}"
             )
         return states
 
@@ -206,7 +195,7 @@ class KVCache:
         keys = self._check_states("key_states", key_states)
         values = self._check_states("value_states", value_states)
         if values.shape != keys.shape:
-            raise ValueError(f"value_states: expected the shape of key_states {_shape(keys.shape)}, got {_shape(values.shape)}")
+            raise ValueError(f"value_states: expected the shape of key_states {shape_str(keys.shape)}, got {shape_str(values.shape)}")
         length = keys.shape[2]
         if num_new is None:
             counts = np.full(self.batch_size, length, dtype=np.int64)
@@ -216,7 +205,7 @@ class KVCache:
                 raise TypeError(f"num_new: expected an int array of shape (B={self.batch_size},), got dtype {counts_arr.dtype}")
             if counts_arr.shape != (self.batch_size,):
                 raise ValueError(
-                    f"num_new: expected an int array of shape (B={self.batch_size},), got shape {_shape(counts_arr.shape)}"
+                    f"num_new: expected an int array of shape (B={self.batch_size},), got shape {shape_str(counts_arr.shape)}"
                 )
             counts = counts_arr.astype(np.int64)
             if counts.size and (counts.min() < 0 or counts.max() > length):
@@ -250,7 +239,7 @@ class KVCache:
     def crop(self, n: int) -> None:
         """Keep at most the first n tokens of every sequence in every layer (speculative decoding
         rollback). n >= 0; sequences already shorter are unchanged."""
-        n = _count("n", n)
+        n = count("n", n, positive=False)
         np.minimum(self._lens, n, out=self._lens)
 
     def reset(self, batch_idx: object = None) -> None:
@@ -274,7 +263,7 @@ class KVCache:
         if arr.dtype.kind not in "iu":
             raise TypeError(f"indices: expected an int array of shape (B={self.batch_size},), got dtype {arr.dtype}")
         if arr.shape != (self.batch_size,):
-            raise ValueError(f"indices: expected an int array of shape (B={self.batch_size},), got shape {_shape(arr.shape)}")
+            raise ValueError(f"indices: expected an int array of shape (B={self.batch_size},), got shape {shape_str(arr.shape)}")
         arr = arr.astype(np.int64)
         if arr.size and (arr.min() < 0 or arr.max() >= self.batch_size):
             raise IndexError(f"indices: expected values in [0, batch_size={self.batch_size}), got {arr.tolist()}")

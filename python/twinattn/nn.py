@@ -23,24 +23,13 @@ from typing import Any, Mapping
 import numpy as np
 from numpy.typing import ArrayLike
 
+from ._checks import count, shape_str
 from ._backends import BACKENDS, native_module, resolve_backend
 from .api import attention
 from .cache import KVCache
 from .rope import RotaryEmbedding
 
 __all__ = ["Attention"]
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__}")
-    if int(value) <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {int(value)}")
-    return int(value)
-
-
-def _shape(shape: tuple[int, ...]) -> str:
-    return str(tuple(int(n) for n in shape))
 
 
 class Attention:
@@ -65,9 +54,9 @@ class Attention:
         rope: RotaryEmbedding | None = None,
         backend: str = "auto",
     ) -> None:
-        self.hidden_size = _positive_int("hidden_size", hidden_size)
-        self.num_heads = _positive_int("num_heads", num_heads)
-        self.num_kv_heads = self.num_heads if num_kv_heads is None else _positive_int("num_kv_heads", num_kv_heads)
+        self.hidden_size = count("hidden_size", hidden_size)
+        self.num_heads = count("num_heads", num_heads)
+        self.num_kv_heads = self.num_heads if num_kv_heads is None else count("num_kv_heads", num_kv_heads)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_kv_heads: expected a divisor of num_heads={self.num_heads} (grouped-query attention), "
@@ -80,7 +69,7 @@ class Attention:
                     "pass head_dim explicitly"
                 )
             head_dim = self.hidden_size // self.num_heads
-        self.head_dim = _positive_int("head_dim", head_dim)
+        self.head_dim = count("head_dim", head_dim)
         if not isinstance(bias, (bool, np.bool_)):
             raise TypeError(f"bias: expected bool, got {type(bias).__name__}")
         self.bias = bool(bias)
@@ -144,7 +133,7 @@ class Attention:
             if value.shape != shape:
                 orientation = " (out_features, in_features)" if name.endswith(".weight") else ""
                 raise ValueError(
-                    f"state_dict[{name!r}]: expected shape {_shape(shape)}{orientation}, got {_shape(value.shape)}"
+                    f"state_dict[{name!r}]: expected shape {shape_str(shape)}{orientation}, got {shape_str(value.shape)}"
                 )
             loaded[name] = np.array(value, dtype=np.float32)  # a copy: later edits to the source do not leak in
         self._params = loaded
@@ -166,7 +155,7 @@ class Attention:
         if arr.dtype.kind not in "iu":
             raise TypeError(f"positions: expected an int array of shape (L,) or (B, L), got dtype {arr.dtype}")
         if arr.shape not in ((length,), (batch, length)):
-            raise ValueError(f"positions: expected shape (L={length},) or (B={batch}, L={length}), got {_shape(arr.shape)}")
+            raise ValueError(f"positions: expected shape (L={length},) or (B={batch}, L={length}), got {shape_str(arr.shape)}")
         return arr
 
     def __call__(
@@ -203,7 +192,7 @@ class Attention:
             )
         if hidden_states.ndim != 3 or hidden_states.shape[2] != self.hidden_size:
             raise ValueError(
-                f"hidden_states: expected shape (B, L, hidden_size={self.hidden_size}), got {_shape(hidden_states.shape)}"
+                f"hidden_states: expected shape (B, L, hidden_size={self.hidden_size}), got {shape_str(hidden_states.shape)}"
             )
         if cache is not None:
             if not isinstance(cache, KVCache):

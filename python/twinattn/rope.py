@@ -35,6 +35,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from ._checks import count
+
 __all__ = ["RotaryEmbedding", "ROPE_TYPES"]
 
 # rope_type -> (required keys, optional keys), "rope_type" itself not included.
@@ -52,14 +54,6 @@ ROPE_TYPES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     ),
 }
 _ALWAYS_ALLOWED = frozenset({"rope_type", "type", "rope_theta"})
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name}: expected a positive int, got {type(value).__name__}")
-    if int(value) <= 0:
-        raise ValueError(f"{name}: expected a positive int, got {int(value)}")
-    return int(value)
 
 
 def _positive_float(name: str, value: object) -> float:
@@ -92,8 +86,8 @@ class RotaryEmbedding:
         interleaved: bool = False,
         scaling: Mapping[str, Any] | None = None,
     ) -> None:
-        self.head_dim = _positive_int("head_dim", head_dim)
-        self.rotary_dim = self.head_dim if rotary_dim is None else _positive_int("rotary_dim", rotary_dim)
+        self.head_dim = count("head_dim", head_dim)
+        self.rotary_dim = self.head_dim if rotary_dim is None else count("rotary_dim", rotary_dim)
         if self.rotary_dim > self.head_dim:
             raise ValueError(f"rotary_dim: expected at most head_dim={self.head_dim}, got {self.rotary_dim}")
         if self.rotary_dim % 2:
@@ -140,7 +134,7 @@ class RotaryEmbedding:
         checked: dict[str, Any] = {"rope_type": rope_type}
         for key, value in params.items():
             if key == "original_max_position_embeddings":
-                checked[key] = _positive_int(f"scaling[{key!r}]", value)
+                checked[key] = count(f"scaling[{key!r}]", value)
             elif key == "truncate":
                 if not isinstance(value, (bool, np.bool_)):
                     raise TypeError(f"scaling['truncate']: expected bool, got {type(value).__name__}")

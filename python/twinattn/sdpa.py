@@ -19,15 +19,12 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import shape_str
 from .api import attention
 
 __all__ = ["scaled_dot_product_attention"]
 
 _ALIGNMENTS = (None, "upper_left", "lower_right")
-
-
-def _shape(a: np.ndarray) -> str:
-    return "(" + ", ".join(str(n) for n in a.shape) + ")"
 
 
 def scaled_dot_product_attention(
@@ -108,9 +105,9 @@ def scaled_dot_product_attention(
     q, k, v = (a if isinstance(a, np.ndarray) else np.asarray(a) for a in (query, key, value))
     for name, a in (("query", q), ("key", k), ("value", v)):
         if a.ndim < 2:
-            raise ValueError(f"{name}: expected at least 2 dimensions (..., L, E), got shape {_shape(a)}")
+            raise ValueError(f"{name}: expected at least 2 dimensions (..., L, E), got shape {shape_str(a.shape)}")
     if not q.ndim == k.ndim == v.ndim:
-        raise ValueError(f"query, key, value: expected one rank, got shapes {_shape(q)}, {_shape(k)}, {_shape(v)}")
+        raise ValueError(f"query, key, value: expected one rank, got shapes {shape_str(q.shape)}, {shape_str(k.shape)}, {shape_str(v.shape)}")
 
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p: expected a float, got {type(dropout_p).__name__}")
@@ -159,7 +156,7 @@ def scaled_dot_product_attention(
     if q.ndim > 4:
         for name, a in (("key", k), ("value", v)):
             if a.shape[:-3] != lead:
-                raise ValueError(f"{name}: expected leading dimensions {lead} like query, got shape {_shape(a)}")
+                raise ValueError(f"{name}: expected leading dimensions {lead} like query, got shape {shape_str(a.shape)}")
         q, k, v = (a.reshape((-1,) + a.shape[-3:]) for a in (q, k, v))
         if attn_mask is not None:
             mask = np.asarray(attn_mask)
@@ -167,7 +164,7 @@ def scaled_dot_product_attention(
             try:
                 mask = np.broadcast_to(mask, full)
             except ValueError:
-                raise ValueError(f"attn_mask: expected a shape broadcastable to {full}, got {_shape(mask)}") from None
+                raise ValueError(f"attn_mask: expected a shape broadcastable to {full}, got {shape_str(mask.shape)}") from None
             attn_mask = mask.reshape((-1,) + full[-3:])
 
     out = attention(q, k, v, causal=bool(is_causal), q_offset=q_offset, attn_mask=attn_mask, scale=scale, backend=backend)

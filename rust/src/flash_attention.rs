@@ -14,30 +14,69 @@
 //!        first; a group with one chunk writes out directly, the others write partials;
 //!     2. merge the partials of each group by log-sum-exp (parallel over groups).
 
+use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::constants::{KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, Q_TILE_ROWS, SPLIT_KEY_CHUNK};
 use crate::dispatch::current_kernels;
 use crate::flash_kernel::{flash_row_key_end, FlashKernels, FlashPlan, ThreadScratch, WorkItem};
-use crate::problem::{check_problem, AttentionProblem, MaskKind, ProblemError};
+use crate::problem::{
+    check_num_threads, check_problem, try_filled, AttentionProblem, MaskKind, ProblemError,
+};
 use crate::thread_pool::parallel_for;
 
 /// A float buffer whose data starts on a 64-byte boundary, grown on demand and reused: the
-/// pages stay mapped across calls, so no call pays page faults twice.
-#[derive(Default)]
+/// pages stay mapped across calls, so no call pays page faults twice. Allocation is fallible
+/// (C++'s GrowBuffer throws std::bad_alloc; this returns the out-of-memory error).
 struct AlignedBuffer {
-    storage: Vec<f32>,
+    data: *mut f32,
+    capacity: usize,
+}
+
+impl Default for AlignedBuffer {
+    fn default() -> Self {
+        AlignedBuffer {
+            data: std::ptr::null_mut(),
+            capacity: 0,
+        }
+    }
 }
 
 impl AlignedBuffer {
-    /// A pointer to at least `len` floats (contents unspecified), 64-byte aligned.
-    fn ensure(&mut self, len: usize) -> *mut f32 {
-        if self.storage.len() < len + 16 {
-            self.storage = vec![0.0; len + 16];
+    fn layout(len: usize) -> Option<Layout> {
+        Layout::from_size_align(len.checked_mul(4)?.max(64), 64).ok()
+    }
+
+    /// A pointer to at least `len` zero-initialised or previously written floats, 64-byte aligned.
+    fn ensure(&mut self, len: usize) -> Result<*mut f32, ProblemError> {
+        if len > self.capacity || self.data.is_null() {
+            let layout = Self::layout(len).ok_or_else(ProblemError::out_of_memory)?;
+            // SAFETY: the layout has a non-zero size.
+            let grown = unsafe { alloc_zeroed(layout) }.cast::<f32>();
+            if grown.is_null() {
+                return Err(ProblemError::out_of_memory());
+            }
+            self.release();
+            self.data = grown;
+            self.capacity = len;
         }
-        let misalign = (self.storage.as_ptr() as usize / 4) % 16;
-        let start = (16 - misalign) % 16;
-        self.storage[start..].as_mut_ptr()
+        Ok(self.data)
+    }
+
+    fn release(&mut self) {
+        if let Some(layout) = Self::layout(self.capacity).filter(|_| !self.data.is_null()) {
+            // SAFETY: data was allocated by ensure with this very layout.
+            unsafe { dealloc(self.data.cast::<u8>(), layout) };
+        }
+        self.data = std::ptr::null_mut();
+        self.capacity = 0;
+    }
+}
+
+impl Drop for AlignedBuffer {
+    fn drop(&mut self) {
+        self.release();
     }
 }
 
@@ -53,15 +92,20 @@ struct ScratchBuffers {
 }
 
 impl ScratchBuffers {
-    fn view(&mut self, head_dim: usize, value_stride: usize, split_key: bool) -> ThreadScratch {
-        let rows = self.rows.ensure(3 * Q_TILE_ROWS);
+    fn view(
+        &mut self,
+        head_dim: usize,
+        value_stride: usize,
+        split_key: bool,
+    ) -> Result<ThreadScratch, ProblemError> {
+        let rows = self.rows.ensure(3 * Q_TILE_ROWS)?;
         if self.row_key_end.len() < Q_TILE_ROWS {
-            self.row_key_end.resize(Q_TILE_ROWS, 0);
+            self.row_key_end = try_filled(Q_TILE_ROWS, 0)?;
         }
-        ThreadScratch {
-            q_tile: self.q_tile.ensure(Q_TILE_ROWS * head_dim),
-            scores: self.scores.ensure(Q_TILE_ROWS * KEY_BLOCK),
-            out_acc: self.out_acc.ensure(Q_TILE_ROWS * value_stride),
+        Ok(ThreadScratch {
+            q_tile: self.q_tile.ensure(Q_TILE_ROWS * head_dim)?,
+            scores: self.scores.ensure(Q_TILE_ROWS * KEY_BLOCK)?,
+            out_acc: self.out_acc.ensure(Q_TILE_ROWS * value_stride)?,
             row_max: rows,
             // SAFETY: rows holds 3 * Q_TILE_ROWS floats.
             row_sum: unsafe { rows.add(Q_TILE_ROWS) },
@@ -69,11 +113,11 @@ impl ScratchBuffers {
             rescale: unsafe { rows.add(2 * Q_TILE_ROWS) },
             row_key_end: self.row_key_end.as_mut_ptr(),
             key_panels: if split_key {
-                self.key_panels.ensure(KEY_BLOCK * head_dim)
+                self.key_panels.ensure(KEY_BLOCK * head_dim)?
             } else {
                 std::ptr::null_mut()
             },
-        }
+        })
     }
 }
 
@@ -107,22 +151,30 @@ impl<T: Copy> Shared<T> {
     }
 }
 
-/// Runs `item` with this thread's scratch.
+/// Runs `item` with this thread's scratch, or returns the error of its allocation.
 fn with_scratch(
     head_dim: usize,
     value_stride: usize,
     split_key: bool,
     f: impl FnOnce(&ThreadScratch),
-) {
-    SCRATCH.with(|cell| match cell.try_borrow_mut() {
-        Ok(mut buffers) => f(&buffers.view(head_dim, value_stride, split_key)),
+) -> Result<(), ProblemError> {
+    SCRATCH.with(|cell| {
+        let mut owned = ScratchBuffers::default();
+        let mut borrowed = cell.try_borrow_mut();
         // Not reachable through parallel_for (items never nest); stay correct regardless.
-        Err(_) => f(&ScratchBuffers::default().view(head_dim, value_stride, split_key)),
-    });
+        let buffers = match borrowed.as_deref_mut() {
+            Ok(buffers) => buffers,
+            Err(_) => &mut owned,
+        };
+        f(&buffers.view(head_dim, value_stride, split_key)?);
+        Ok(())
+    })
 }
 
 /// Computes out (and lse when requested) for the whole problem with the current instruction
-/// set and `num_threads` threads (0 is taken as 1), after [`check_problem`].
+/// set and `num_threads` threads, after [`check_problem`] and [`check_num_threads`]. A scratch
+/// buffer that cannot be allocated gives [`ProblemError::out_of_memory`] (out is then
+/// unspecified).
 ///
 /// # Safety
 /// As [`crate::reference_kernel::attention_reference`]: every view in `p` describes memory
@@ -147,11 +199,11 @@ pub unsafe fn attention_forward_with(
     kernels: FlashKernels,
 ) -> Result<(), ProblemError> {
     check_problem(p)?;
+    let threads = check_num_threads(i64::try_from(num_threads).unwrap_or(i64::MAX))?;
     let [batch, q_heads, q_len, head_dim] = p.q.shape.map(|n| n as usize);
     if batch == 0 || q_heads == 0 || q_len == 0 {
         return Ok(());
     }
-    let threads = num_threads.max(1);
 
     // 1. Plan.
     let group = q_heads / p.k.shape[1] as usize;
@@ -180,12 +232,11 @@ pub unsafe fn attention_forward_with(
             Err(_) => &mut owned,
         };
         if plan.rows_per_group > Q_TILE_ROWS {
-            run_prefill(&mut plan, kernels, threads, buffers);
+            run_prefill(&mut plan, kernels, threads, buffers)
         } else {
-            run_split_key(&mut plan, kernels, threads, buffers);
+            run_split_key(&mut plan, kernels, threads, buffers)
         }
-    });
-    Ok(())
+    })
 }
 
 /// A work item and its cost (visible keys times rows): items are taken most expensive first.
@@ -200,17 +251,26 @@ fn run_items(
     items: &mut [CostedItem],
     threads: usize,
     split_key: bool,
-) {
+) -> Result<(), ProblemError> {
     items.sort_by_key(|costed| std::cmp::Reverse(costed.cost)); // stable, as in C++
     let items = &*items;
+    // C++ rethrows a worker's std::bad_alloc on the caller; here the failed item sets this flag.
+    let out_of_memory = AtomicBool::new(false);
     parallel_for(items.len(), threads, &|index, _| {
-        with_scratch(plan.head_dim, plan.value_stride, split_key, |scratch| {
+        let attended = with_scratch(plan.head_dim, plan.value_stride, split_key, |scratch| {
             // SAFETY: the plan was built from a checked problem whose memory is valid
             // (attention_forward's contract), the item is one of its own, the scratch is this
             // thread's and sized for the plan, and the kernels' ISA is available.
             unsafe { (kernels.attend_rows)(plan, &items[index].item, scratch) };
         });
+        if attended.is_err() {
+            out_of_memory.store(true, Ordering::Relaxed);
+        }
     });
+    match out_of_memory.load(Ordering::Relaxed) {
+        true => Err(ProblemError::out_of_memory()),
+        false => Ok(()),
+    }
 }
 
 /// 2. Prefill: K^T panels of every (b, kv_head), then the tiles.
@@ -219,12 +279,16 @@ fn run_prefill(
     kernels: FlashKernels,
     threads: usize,
     buffers: &mut CallerBuffers,
-) {
+) -> Result<(), ProblemError> {
     let p = plan.problem;
     let (batch, kv_heads, d_len) = (p.q.shape[0] as usize, p.k.shape[1] as usize, plan.head_dim);
     plan.panels_per_head = (p.k.shape[2] as usize).div_ceil(KEY_PANEL);
     let head_floats = plan.panels_per_head * d_len * KEY_PANEL;
-    let packed = Shared(buffers.packed_keys.ensure(batch * kv_heads * head_floats));
+    let packed_floats = [batch, kv_heads, head_floats]
+        .into_iter()
+        .try_fold(1usize, usize::checked_mul)
+        .ok_or_else(ProblemError::out_of_memory)?;
+    let packed = Shared(buffers.packed_keys.ensure(packed_floats)?);
     plan.packed_keys = packed.get();
 
     // Pack only the keys some row may see: up to the last packed row's visible end.
@@ -248,7 +312,10 @@ fn run_prefill(
     });
 
     let tiles = plan.rows_per_group.div_ceil(Q_TILE_ROWS);
-    let mut items = Vec::with_capacity(batch * kv_heads * tiles);
+    let mut items = Vec::new();
+    items
+        .try_reserve_exact(batch * kv_heads * tiles)
+        .map_err(|_| ProblemError::out_of_memory())?;
     for b in 0..batch {
         for kv_head in 0..kv_heads {
             for tile in 0..tiles {
@@ -270,7 +337,7 @@ fn run_prefill(
             }
         }
     }
-    run_items(plan, kernels, &mut items, threads, false);
+    run_items(plan, kernels, &mut items, threads, false)
 }
 
 /// 6. Split-key: chunks of every group's visible keys, then the log-sum-exp merge.
@@ -279,17 +346,20 @@ fn run_split_key(
     kernels: FlashKernels,
     threads: usize,
     buffers: &mut CallerBuffers,
-) {
+) -> Result<(), ProblemError> {
     let p = plan.problem;
     let (batch, kv_heads, value_dim) =
         (p.q.shape[0] as usize, p.k.shape[1] as usize, plan.value_dim);
     let rows = plan.rows_per_group;
 
-    let mut slot_base = vec![0usize; batch + 1]; // first slot of (b, kv_head 0)
+    let mut slot_base = try_filled(batch + 1, 0usize)?; // first slot of (b, kv_head 0)
     let mut items = Vec::new();
     for b in 0..batch {
         let key_end = flash_row_key_end(p, b, plan.group, rows - 1);
         let chunks = key_end.div_ceil(SPLIT_KEY_CHUNK).max(1);
+        items
+            .try_reserve(chunks * kv_heads)
+            .map_err(|_| ProblemError::out_of_memory())?;
         slot_base[b + 1] = slot_base[b] + if chunks > 1 { chunks * kv_heads } else { 0 };
         for kv_head in 0..kv_heads {
             for chunk in 0..chunks {
@@ -313,16 +383,16 @@ fn run_split_key(
     let slots = slot_base[batch];
     if slots > 0 {
         let slot_rows = slots * rows;
-        let partials = buffers.partials.ensure(slot_rows * (value_dim + 2));
+        let partials = buffers.partials.ensure(slot_rows * (value_dim + 2))?;
         plan.partial_out = partials;
         // SAFETY: the buffer holds slot_rows * (Dv + 2) floats.
         plan.partial_max = unsafe { partials.add(slot_rows * value_dim) };
         // SAFETY: as above.
         plan.partial_sum = unsafe { partials.add(slot_rows * (value_dim + 1)) };
     }
-    run_items(plan, kernels, &mut items, threads, true);
+    run_items(plan, kernels, &mut items, threads, true)?;
     if slots == 0 {
-        return;
+        return Ok(());
     }
 
     // Merge, in chunk order.
@@ -346,6 +416,7 @@ fn run_split_key(
             )
         };
     });
+    Ok(())
 }
 
 /// Step 6's merge: for every row of group (b, kv_head), chunks in order, `m* = max_c m_c`,

@@ -104,10 +104,25 @@ pub struct AttentionProblem<'a> {
     pub scale: f32,
 }
 
-/// What is wrong with a problem: a message naming the argument, what was expected and what was
-/// given. The Python binding raises it as ValueError.
+/// What is wrong with a call: a message naming the argument, what was expected and what was
+/// given (the Python binding raises it as ValueError), or [`OUT_OF_MEMORY`] when a kernel's
+/// scratch could not be allocated (raised as MemoryError). The messages are C++'s, word for word.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProblemError(pub String);
+
+/// The message of a failed scratch allocation; C++'s kOutOfMemoryMessage.
+pub const OUT_OF_MEMORY: &str =
+    "out of memory: the kernel's scratch buffers for this call could not be allocated";
+
+impl ProblemError {
+    pub fn out_of_memory() -> Self {
+        ProblemError(OUT_OF_MEMORY.to_owned())
+    }
+
+    pub fn is_out_of_memory(&self) -> bool {
+        self.0 == OUT_OF_MEMORY
+    }
+}
 
 impl fmt::Display for ProblemError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -117,15 +132,31 @@ impl fmt::Display for ProblemError {
 
 impl std::error::Error for ProblemError {}
 
+/// A zero-filled vector of `len` elements, or [`ProblemError::out_of_memory`] where `vec!`
+/// would abort the process (as C++ throws std::bad_alloc where this returns the error).
+pub fn try_filled<T: Clone>(len: usize, value: T) -> Result<Vec<T>, ProblemError> {
+    let mut vector = Vec::new();
+    vector
+        .try_reserve_exact(len)
+        .map_err(|_| ProblemError::out_of_memory())?;
+    vector.resize(len, value);
+    Ok(vector)
+}
+
 macro_rules! reject {
     ($($arg:tt)*) => {
         return Err(ProblemError(format!($($arg)*)))
     };
 }
 
+/// "(2, 3)", "(2,)": Python's tuple notation, as the C++ twin writes shapes.
 fn shape_string(shape: &[i64]) -> String {
     let parts: Vec<String> = shape.iter().map(i64::to_string).collect();
-    format!("({})", parts.join(", "))
+    if parts.len() == 1 {
+        format!("({},)", parts[0])
+    } else {
+        format!("({})", parts.join(", "))
+    }
 }
 
 /// The address range `[lowest, highest + item)` that a strided view touches, or None when it
@@ -166,17 +197,27 @@ fn may_overlap_itself(shape: &[i64], stride: &[i64]) -> bool {
         .iter()
         .zip(stride)
         .filter(|(&n, _)| n > 1)
-        .map(|(&n, &s)| (n as i128, (s as i128).abs()))
+        .map(|(&n, &s)| ((s as i128).abs(), n as i128))
         .collect();
-    axes.sort_by_key(|&(_, step)| step);
+    axes.sort();
     let mut reach: i128 = 0; // largest offset the smaller axes reach, in elements
-    for (n, step) in axes {
+    for (step, n) in axes {
         if step <= reach {
             return true;
         }
         reach += (n - 1) * step;
     }
     false
+}
+
+fn check_distinct_elements(name: &str, shape: &[i64], stride: &[i64]) -> Result<(), ProblemError> {
+    if may_overlap_itself(shape, stride) {
+        reject!(
+            "{name}: expected elements that do not overlap each other, got strides {}",
+            shape_string(stride)
+        );
+    }
+    Ok(())
 }
 
 /// `expected` is only formatted on failure: a small call must not pay for error messages.
@@ -199,12 +240,14 @@ fn check_shape(
 /// An empty view addresses nothing, so its strides do not matter (NumPy 2 sets them all to 0).
 fn check_unit_last_stride(
     name: &str,
+    axis_name: &str,
     shape: &[i64; 4],
     stride: &[i64; 4],
 ) -> Result<(), ProblemError> {
     if shape[3] > 1 && stride[3] != 1 && !shape.contains(&0) {
         reject!(
-            "{name}: the last axis must have unit stride (contiguous rows), got a stride of {} elements",
+            "{name}: expected unit stride on the last axis ({axis_name}={}), got stride {} elements",
+            shape[3],
             stride[3]
         );
     }
@@ -214,15 +257,34 @@ fn check_unit_last_stride(
 fn check_data(name: &str, null: bool, shape: &[i64]) -> Result<(), ProblemError> {
     if null && shape.iter().all(|&n| n > 0) {
         reject!(
-            "{name}: data pointer is null but the shape {} is not empty",
+            "{name}: expected data for a non-empty array of shape {}, got a null pointer",
             shape_string(shape)
         );
     }
     Ok(())
 }
 
+/// C++'s spelling of a float in messages ("nan", "inf", "-inf" for the non-finite ones).
+fn number_string(value: f32) -> String {
+    if value.is_nan() {
+        "nan".to_owned()
+    } else {
+        value.to_string()
+    }
+}
+
+/// The thread count of a call: an error unless `num_threads >= 1`; the count as a usize
+/// otherwise (the kernels start at most one thread per work item).
+pub fn check_num_threads(num_threads: i64) -> Result<usize, ProblemError> {
+    if num_threads < 1 {
+        reject!("num_threads: expected an int >= 1, got {num_threads}");
+    }
+    Ok(usize::try_from(num_threads).unwrap_or(usize::MAX))
+}
+
 /// Checks everything a kernel relies on, except that the pointers are valid (the caller's
-/// promise, see [`crate::reference_kernel::attention_reference`]).
+/// promise, see [`crate::reference_kernel::attention_reference`]). Twin of C++'s check_problem:
+/// the same checks in the same order, with the same messages.
 ///
 /// Shapes agree; Hq % Hkv == 0; the last axis of q, k, v and out has unit stride; q_offset and
 /// kv_lens have B entries, 0 <= kv_lens[b] <= Lk, q_offset[b] >= 0 when causal; lse is
@@ -230,12 +292,7 @@ fn check_data(name: &str, null: bool, shape: &[i64]) -> Result<(), ProblemError>
 pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
     // 1. Shapes. q names B, Hq, Lq and D; k names Hkv and Lk; v names Dv.
     let [batch, q_heads, q_len, head_dim] = p.q.shape;
-    check_shape(
-        "q",
-        || "(B, Hq, Lq, D) with no negative length".to_owned(),
-        &p.q.shape,
-        true,
-    )?;
+    check_shape("q", || "(B, Hq, Lq, D)".to_owned(), &p.q.shape, true)?;
     let [_, kv_heads, k_len, _] = p.k.shape;
     check_shape(
         "k",
@@ -268,37 +325,35 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
     // 2. Grouped-query heads: query head h reads KV head h / (Hq / Hkv).
     if q_heads > 0 && (kv_heads == 0 || q_heads % kv_heads != 0) {
         reject!(
-            "k: the number of query heads Hq={q_heads} must be a multiple of the number of KV heads, got Hkv={kv_heads}"
+            "k: expected Hkv dividing Hq={q_heads} (query head h reads KV head h // (Hq // Hkv)), got Hkv={kv_heads}"
         );
     }
 
-    // 3. Strides and pointers.
-    check_unit_last_stride("q", &p.q.shape, &p.q.stride)?;
-    check_unit_last_stride("k", &p.k.shape, &p.k.stride)?;
-    check_unit_last_stride("v", &p.v.shape, &p.v.stride)?;
-    check_unit_last_stride("out", &p.out.shape, &p.out.stride)?;
+    // 3. Memory: data present when non-empty, unit stride on the feature axes.
+    let mask_shape = [batch, q_heads, q_len, k_len];
     check_data("q", p.q.data.is_null(), &p.q.shape)?;
     check_data("k", p.k.data.is_null(), &p.k.shape)?;
     check_data("v", p.v.data.is_null(), &p.v.shape)?;
     check_data("out", p.out.data.is_null(), &p.out.shape)?;
-    let mask_shape = [batch, q_heads, q_len, k_len];
     if p.mask.kind != MaskKind::None {
         check_data("mask", p.mask.data.is_null(), &mask_shape)?;
     }
+    check_unit_last_stride("q", "D", &p.q.shape, &p.q.stride)?;
+    check_unit_last_stride("k", "D", &p.k.shape, &p.k.stride)?;
+    check_unit_last_stride("v", "Dv", &p.v.shape, &p.v.stride)?;
+    check_unit_last_stride("out", "Dv", &p.out.shape, &p.out.stride)?;
 
-    // 4. Per-sequence lengths and positions.
+    // 4. Per-sequence lengths and positions. The slices carry their length, so Rust checks it
+    // here; C++ takes B entries on trust (its binding checks the arrays' shape, with the same
+    // message).
     let batch_len = batch as usize;
-    if p.kv_lens.len() != batch_len {
-        reject!(
-            "kv_lens: expected shape (B={batch},), got ({},)",
-            p.kv_lens.len()
-        );
-    }
-    if p.q_offset.len() != batch_len {
-        reject!(
-            "q_offset: expected shape (B={batch},), got ({},)",
-            p.q_offset.len()
-        );
+    for (name, values) in [("q_offset", p.q_offset), ("kv_lens", p.kv_lens)] {
+        if values.len() != batch_len {
+            reject!(
+                "{name}: expected shape (B={batch},), got ({},)",
+                values.len()
+            );
+        }
     }
     if let Some((b, &kv_len)) = p
         .kv_lens
@@ -313,25 +368,22 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
             reject!("q_offset: expected values >= 0 when causal, got q_offset[{b}]={offset}");
         }
     }
+
+    // 5. Scale.
     if !p.scale.is_finite() {
-        reject!("scale: expected a finite float32, got {}", p.scale);
+        reject!(
+            "scale: expected a finite number, got {}",
+            number_string(p.scale)
+        );
     }
 
-    // 5. Outputs: every element written once, by one thread, never read as input.
-    if may_overlap_itself(&p.out.shape, &p.out.stride) {
-        reject!(
-            "out: its elements overlap each other (strides {}); pass an array with distinct elements",
-            shape_string(&p.out.stride)
-        );
+    // 6. Outputs: every element written once, by one thread, never read as input.
+    check_distinct_elements("out", &p.out.shape, &p.out.stride)?;
+    if p.lse.is_requested() {
+        check_distinct_elements("lse", &p.lse.shape, &p.lse.stride)?;
     }
     let out_extent = byte_extent(p.out.data as usize, &p.out.shape, &p.out.stride, 4);
     let lse_extent = if p.lse.is_requested() {
-        if may_overlap_itself(&p.lse.shape, &p.lse.stride) {
-            reject!(
-                "lse: its elements overlap each other (strides {}); pass an array with distinct elements",
-                shape_string(&p.lse.stride)
-            );
-        }
         byte_extent(p.lse.data as usize, &p.lse.shape, &p.lse.stride, 4)
     } else {
         None
@@ -362,7 +414,7 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
     for (output, extent) in [("out", out_extent), ("lse", lse_extent)] {
         for &(input, input_extent) in &inputs {
             if input != output && extents_overlap(extent, input_extent) {
-                reject!("{output}: its memory overlaps {input}; pass a separate output array");
+                reject!("{output}: expected memory disjoint from {input}, got arrays that overlap");
             }
         }
     }

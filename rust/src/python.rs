@@ -1,21 +1,19 @@
-//! The PyO3 binding, imported as `twinattn._rust`. Thin: it converts NumPy arrays to views
-//! without copying, checks what the kernel relies on, releases the GIL and calls the kernel.
-//! The contract is docs/native_api.md. Twin of `cpp/python/bindings.cpp`.
-//!
-//! Errors: TypeError for a wrong type or dtype, ValueError for a wrong rank, shape, stride,
-//! range or overlap. Nothing here panics on user input; should the kernel ever panic, PyO3
-//! turns the panic into a Python exception instead of aborting the interpreter.
+//! The PyO3 binding, imported as `twinattn._rust`. It only converts: NumPy arrays into an
+//! AttentionProblem without copying or casting (TypeError / ValueError when an argument cannot
+//! be viewed so), releases the GIL and calls the kernel, whose core checks the problem
+//! (check_problem). The contract is docs/native_api.md. Twin of `cpp/python/bindings.cpp`: same
+//! steps, same messages. Nothing here panics on user input.
 
-use numpy::{
-    dtype, PyArray1, PyArray3, PyArray4, PyArrayDescrMethods, PyArrayMethods, PyReadonlyArray4,
-    PyUntypedArray, PyUntypedArrayMethods,
-};
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use numpy::{dtype, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::{PyImportError, PyMemoryError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBool, PyDict, PyString};
 
 use crate::constants::ConstantValue;
-use crate::problem::{AttentionProblem, LseView, MaskKind, MaskView, MutTensorView4, TensorView4};
+use crate::problem::{
+    check_num_threads, AttentionProblem, LseView, MaskKind, MaskView, MutTensorView4, ProblemError,
+    TensorView4,
+};
 
 /// Which kernel a call runs.
 #[derive(Clone, Copy)]
@@ -26,101 +24,102 @@ enum Kernel {
     Reference,
 }
 
-/// `obj` as a NumPy array whose dtype is one of `dtypes`, with `ndim` dimensions, aligned,
-/// every byte stride a multiple of the item size. Returns the array and the index of its dtype.
-fn checked_array<'a, 'py>(
-    name: &str,
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|name| name.to_string())
+        .unwrap_or_else(|_| "?".to_owned())
+}
+
+/// "(2, 3)", "(2,)", "()": Python's tuple notation.
+fn tuple_string<T: ToString>(values: &[T]) -> String {
+    let parts: Vec<String> = values.iter().map(T::to_string).collect();
+    if parts.len() == 1 {
+        format!("({},)", parts[0])
+    } else {
+        format!("({})", parts.join(", "))
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Dtype {
+    Float32,
+    Int64,
+    BoolOrFloat32,
+}
+
+/// The argument as an ndarray of the expected dtype and rank whose elements can be addressed by
+/// element strides (byte strides multiples of the item size, data aligned). Nothing is copied.
+fn as_array<'a, 'py>(
     obj: &'a Bound<'py, PyAny>,
-    dtypes: &[(&str, Bound<'py, numpy::PyArrayDescr>)],
+    name: &str,
+    expected: Dtype,
     ndim: usize,
     axes: &str,
-) -> PyResult<(&'a Bound<'py, PyUntypedArray>, usize)> {
-    // formatted only on failure: a small call must not pay for error messages
-    let expected = || {
-        let labels: Vec<&str> = dtypes.iter().map(|(label, _)| *label).collect();
-        labels.join(" or ")
-    };
+) -> PyResult<&'a Bound<'py, PyUntypedArray>> {
+    let py = obj.py();
     let array = obj.cast::<PyUntypedArray>().map_err(|_| {
-        let type_name = obj
-            .get_type()
-            .name()
-            .map(|n| n.to_string())
-            .unwrap_or_else(|_| "?".to_owned());
         PyTypeError::new_err(format!(
-            "{name}: expected a numpy.ndarray of {}, got {type_name}",
-            expected()
+            "{name}: expected a numpy.ndarray, got {}",
+            type_name(obj)
         ))
     })?;
+    // equivalence also rejects non-native byte order
     let given = array.dtype();
-    let Some(kind) = dtypes.iter().position(|(_, d)| given.is_equiv_to(d)) else {
-        return Err(PyTypeError::new_err(format!(
-            "{name}: expected {}, got {given}",
-            expected()
-        )));
+    let is_float32 = given.is_equiv_to(&dtype::<f32>(py));
+    let ok = match expected {
+        Dtype::Float32 => is_float32,
+        Dtype::Int64 => given.is_equiv_to(&dtype::<i64>(py)),
+        Dtype::BoolOrFloat32 => is_float32 || given.is_equiv_to(&dtype::<bool>(py)),
     };
+    if !ok {
+        let expected = match expected {
+            Dtype::Float32 => "float32",
+            Dtype::Int64 => "int64",
+            Dtype::BoolOrFloat32 => "bool or float32",
+        };
+        return Err(PyTypeError::new_err(format!(
+            "{name}: expected dtype {expected}, got {given}"
+        )));
+    }
     if array.ndim() != ndim {
         return Err(PyValueError::new_err(format!(
-            "{name}: expected a {ndim}-dimensional array {axes}, got {} dimensions",
-            array.ndim()
+            "{name}: expected {ndim} dimensions {axes}, got shape {}",
+            tuple_string(array.shape())
         )));
+    }
+    if array.is_empty() {
+        return Ok(array); // no element to address
     }
     let item = given.itemsize() as isize;
     if array.strides().iter().any(|&s| s % item != 0) {
         return Err(PyValueError::new_err(format!(
-            "{name}: every byte stride must be a multiple of the item size {item}, got strides {:?}",
-            array.strides()
+            "{name}: expected byte strides that are multiples of the item size {item}, got strides {}",
+            tuple_string(array.strides())
         )));
     }
-    if !array.is_aligned() {
+    if !(data_of(array) as usize).is_multiple_of(item as usize) {
         return Err(PyValueError::new_err(format!(
-            "{name}: expected an aligned array (data aligned to {item} bytes)"
+            "{name}: expected data aligned to its item size {item}, got a misaligned array"
         )));
     }
-    Ok((array, kind))
+    Ok(array)
 }
 
-fn shape_of<const N: usize>(array: &Bound<'_, PyUntypedArray>) -> [i64; N] {
-    std::array::from_fn(|axis| array.shape()[axis] as i64)
+fn data_of(array: &Bound<'_, PyUntypedArray>) -> *mut u8 {
+    // SAFETY: `array` is a live NumPy array (its type was checked); reading its data field is
+    // what NumPy's own PyArray_DATA macro does.
+    unsafe {
+        (*numpy::npyffi::objects::_PyArray_GET_ITEM_DATA(array.as_array_ptr()))
+            .data
+            .cast::<u8>()
+    }
 }
 
-/// Element strides of an array whose byte strides are multiples of its item size.
-fn strides_of<const N: usize>(array: &Bound<'_, PyUntypedArray>) -> [i64; N] {
-    let item = array.dtype().itemsize() as i64;
-    std::array::from_fn(|axis| array.strides()[axis] as i64 / item)
-}
-
-fn float32_view<'a, 'py>(
-    name: &str,
-    obj: &'a Bound<'py, PyAny>,
-    axes: &str,
-) -> PyResult<&'a Bound<'py, PyArray4<f32>>> {
-    let py = obj.py();
-    let (array, _) = checked_array(name, obj, &[("float32", dtype::<f32>(py))], 4, axes)?;
-    Ok(array.cast::<PyArray4<f32>>()?)
-}
-
-/// A (B,) int64 array copied into a Vec (B numbers; the big arrays are never copied). Copied
-/// while the GIL is held, without rust-numpy's borrow tracking (which costs more than the copy
-/// on a small call): only this module takes writeable borrows, and only of float32 outputs.
-fn int64_vector(name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
-    let (array, _) = checked_array(name, obj, &[("int64", dtype::<i64>(obj.py()))], 1, "(B,)")?;
-    let len = array.shape()[0];
-    let stride = array.strides()[0] / 8; // checked: a multiple of the item size
-    let data = array.cast::<PyArray1<i64>>()?.data().cast_const();
-    Ok((0..len)
-        .map(|i| {
-            // SAFETY: an aligned (checked) int64 array of `len` elements `stride` apart, read
-            // under the GIL.
-            unsafe { *data.offset(i as isize * stride) }
-        })
-        .collect())
-}
-
-/// ValueError unless NumPy says the array is writeable (checked before the overlap checks, so a
-/// read-only broadcast `out` is reported as read-only).
-fn require_writeable(name: &str, array: &Bound<'_, PyUntypedArray>) -> PyResult<()> {
-    // SAFETY: `array` is a live NumPy array (its type was checked); reading the flags field is
-    // what NumPy's own PyArray_FLAGS macro does, and far cheaper than `array.flags.writeable`.
+/// ValueError unless NumPy says the array is writeable.
+fn require_writeable(array: &Bound<'_, PyUntypedArray>, name: &str) -> PyResult<()> {
+    // SAFETY: as in data_of; the flags field is what NumPy's PyArray_FLAGS macro reads, and far
+    // cheaper than `array.flags.writeable`.
     let flags =
         unsafe { (*numpy::npyffi::objects::_PyArray_GET_ITEM_DATA(array.as_array_ptr())).flags };
     if flags & numpy::npyffi::NPY_ARRAY_WRITEABLE == 0 {
@@ -131,31 +130,96 @@ fn require_writeable(name: &str, array: &Bound<'_, PyUntypedArray>) -> PyResult<
     Ok(())
 }
 
-fn borrow_error(name: &str, error: numpy::BorrowError) -> PyErr {
-    PyValueError::new_err(match error {
-        numpy::BorrowError::NotWriteable => format!("{name}: expected a writeable array, got a read-only one"),
-        // AlreadyBorrowed (non_exhaustive enum, hence the wildcard)
-        _ => format!(
-            "{name}: its memory is in use by another argument of this call or by a concurrent call; \
-             pass a separate output array"
-        ),
-    })
+fn shape_of<const N: usize>(array: &Bound<'_, PyUntypedArray>) -> [i64; N] {
+    std::array::from_fn(|axis| array.shape()[axis] as i64)
+}
+
+/// Element strides (the byte strides divided by the item size).
+fn strides_of<const N: usize>(array: &Bound<'_, PyUntypedArray>) -> [i64; N] {
+    let item = array.dtype().itemsize() as i64;
+    std::array::from_fn(|axis| array.strides()[axis] as i64 / item)
+}
+
+/// A (B,) int64 array copied into a Vec (B numbers; the copy frees the kernel from its strides).
+fn per_sequence(obj: &Bound<'_, PyAny>, name: &str, batch: usize) -> PyResult<Vec<i64>> {
+    let array = as_array(obj, name, Dtype::Int64, 1, "(B,)")?;
+    if array.shape()[0] != batch {
+        return Err(PyValueError::new_err(format!(
+            "{name}: expected shape (B={batch},), got {}",
+            tuple_string(array.shape())
+        )));
+    }
+    let stride = array.strides()[0] / 8; // checked: a multiple of the item size
+    let data = data_of(array).cast::<i64>().cast_const();
+    Ok((0..batch as isize)
+        // SAFETY: an aligned (checked) int64 array of `batch` elements `stride` apart, read
+        // under the GIL.
+        .map(|b| unsafe { *data.offset(b * stride) })
+        .collect())
+}
+
+// Python scalars, converted by hand so that both ports word every failure alike.
+fn as_bool(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
+    match obj.cast::<PyBool>() {
+        Ok(value) => Ok(value.is_true()),
+        Err(_) => Err(PyTypeError::new_err(format!(
+            "{name}: expected a bool, got {}",
+            type_name(obj)
+        ))),
+    }
+}
+
+fn as_float(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
+    // f64 extraction is PyFloat_AsDouble, as in C++
+    match obj.extract::<f64>() {
+        Ok(value) if !obj.is_instance_of::<PyBool>() => Ok(value),
+        _ => Err(PyTypeError::new_err(format!(
+            "{name}: expected a float, got {}",
+            type_name(obj)
+        ))),
+    }
+}
+
+/// Any int (operator.index), saturated to i64: the core then says what range it accepts.
+fn as_int64(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i64> {
+    let type_error =
+        || PyTypeError::new_err(format!("{name}: expected an int, got {}", type_name(obj)));
+    if obj.is_instance_of::<PyBool>() {
+        return Err(type_error());
+    }
+    match obj.extract::<i64>() {
+        Ok(value) => Ok(value),
+        Err(error) if error.is_instance_of::<PyOverflowError>(obj.py()) => {
+            Ok(if obj.lt(0)? { i64::MIN } else { i64::MAX })
+        }
+        Err(_) => Err(type_error()),
+    }
+}
+
+/// ValueError, or MemoryError for a failed scratch allocation: C++'s std::invalid_argument and
+/// std::bad_alloc.
+fn raise(error: ProblemError) -> PyErr {
+    if error.is_out_of_memory() {
+        PyMemoryError::new_err(error.0)
+    } else {
+        PyValueError::new_err(error.0)
+    }
 }
 
 /// A checked problem handed to the thread that computes while the GIL is released. Raw pointers
 /// are not Send, so Rust needs this wrapper; C++ does not.
 struct DetachedProblem<'a>(AttentionProblem<'a>);
 
-// SAFETY: the views point into NumPy arrays that the calling frame keeps alive and borrowed
-// (readonly for the inputs, readwrite for the outputs, through rust-numpy's borrow tracking)
-// until the detached computation has returned.
+// SAFETY: the views point into NumPy arrays that the calling frame keeps alive until the detached
+// computation has returned.
 unsafe impl Send for DetachedProblem<'_> {}
 
 impl DetachedProblem<'_> {
-    fn run(self, num_threads: usize, kernel: Kernel) -> Result<(), crate::problem::ProblemError> {
-        // SAFETY: every view was built from a live, aligned NumPy array of exactly that shape
-        // and those strides, and the borrows taken by the caller keep Rust code from writing the
-        // inputs or touching the outputs during the call.
+    fn run(self, num_threads: usize, kernel: Kernel) -> Result<(), ProblemError> {
+        // SAFETY: every view was built from a live, aligned NumPy array of exactly that shape and
+        // those strides; the kernel runs check_problem (outputs overlapping neither each other
+        // nor the inputs, indices in bounds) before it touches memory. As in C++ (and NumPy), another thread that writes these arrays during
+        // the call races with it; that is the caller's to avoid.
         unsafe {
             match kernel {
                 Kernel::Fast => crate::flash_attention::attention_forward(&self.0, num_threads),
@@ -176,33 +240,33 @@ impl DetachedProblem<'_> {
 #[pyo3(signature = (q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads))]
 #[allow(clippy::too_many_arguments)]
 fn attention_forward<'py>(
-    py: Python<'py>,
     q: &Bound<'py, PyAny>,
     k: &Bound<'py, PyAny>,
     v: &Bound<'py, PyAny>,
     out: &Bound<'py, PyAny>,
-    lse: Option<&Bound<'py, PyAny>>,
+    lse: &Bound<'py, PyAny>,
     q_offset: &Bound<'py, PyAny>,
     kv_lens: &Bound<'py, PyAny>,
-    mask: Option<&Bound<'py, PyAny>>,
-    causal: bool,
-    scale: f64,
-    num_threads: i64,
+    mask: &Bound<'py, PyAny>,
+    causal: &Bound<'py, PyAny>,
+    scale: &Bound<'py, PyAny>,
+    num_threads: &Bound<'py, PyAny>,
 ) -> PyResult<()> {
     run_kernel(
-        py,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        q_offset,
-        kv_lens,
-        mask,
-        causal,
-        scale,
-        num_threads,
         Kernel::Fast,
+        [
+            q,
+            k,
+            v,
+            out,
+            lse,
+            q_offset,
+            kv_lens,
+            mask,
+            causal,
+            scale,
+            num_threads,
+        ],
     )
 }
 
@@ -215,185 +279,122 @@ fn attention_forward<'py>(
 #[pyo3(signature = (q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads))]
 #[allow(clippy::too_many_arguments)]
 fn attention_reference<'py>(
-    py: Python<'py>,
     q: &Bound<'py, PyAny>,
     k: &Bound<'py, PyAny>,
     v: &Bound<'py, PyAny>,
     out: &Bound<'py, PyAny>,
-    lse: Option<&Bound<'py, PyAny>>,
+    lse: &Bound<'py, PyAny>,
     q_offset: &Bound<'py, PyAny>,
     kv_lens: &Bound<'py, PyAny>,
-    mask: Option<&Bound<'py, PyAny>>,
-    causal: bool,
-    scale: f64,
-    num_threads: i64,
+    mask: &Bound<'py, PyAny>,
+    causal: &Bound<'py, PyAny>,
+    scale: &Bound<'py, PyAny>,
+    num_threads: &Bound<'py, PyAny>,
 ) -> PyResult<()> {
     run_kernel(
-        py,
-        q,
-        k,
-        v,
-        out,
-        lse,
-        q_offset,
-        kv_lens,
-        mask,
-        causal,
-        scale,
-        num_threads,
         Kernel::Reference,
+        [
+            q,
+            k,
+            v,
+            out,
+            lse,
+            q_offset,
+            kv_lens,
+            mask,
+            causal,
+            scale,
+            num_threads,
+        ],
     )
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_kernel<'py>(
-    py: Python<'py>,
-    q: &Bound<'py, PyAny>,
-    k: &Bound<'py, PyAny>,
-    v: &Bound<'py, PyAny>,
-    out: &Bound<'py, PyAny>,
-    lse: Option<&Bound<'py, PyAny>>,
-    q_offset: &Bound<'py, PyAny>,
-    kv_lens: &Bound<'py, PyAny>,
-    mask: Option<&Bound<'py, PyAny>>,
-    causal: bool,
-    scale: f64,
-    num_threads: i64,
-    kernel: Kernel,
-) -> PyResult<()> {
-    // 1. Types, ranks and strides of every argument.
-    let q = float32_view("q", q, "(B, Hq, Lq, D)")?;
-    let k = float32_view("k", k, "(B, Hkv, Lk, D)")?;
-    let v = float32_view("v", v, "(B, Hkv, Lk, Dv)")?;
-    let out = float32_view("out", out, "(B, Hq, Lq, Dv)")?;
-    let lse = match lse {
-        None => None,
-        Some(obj) => {
-            let (array, _) = checked_array(
-                "lse",
-                obj,
-                &[("float32", dtype::<f32>(py))],
-                3,
-                "(B, Hq, Lq)",
-            )?;
-            Some(array.cast::<PyArray3<f32>>()?)
+/// Converts the arguments and runs `kernel`, which checks them, without the GIL.
+fn run_kernel(kernel: Kernel, args: [&Bound<'_, PyAny>; 11]) -> PyResult<()> {
+    let [q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads] = args;
+    // 1. Arrays: dtypes, ranks, addressable elements; writeable outputs; the mask's shape.
+    let q = as_array(q, "q", Dtype::Float32, 4, "(B, Hq, Lq, D)")?;
+    let k = as_array(k, "k", Dtype::Float32, 4, "(B, Hkv, Lk, D)")?;
+    let v = as_array(v, "v", Dtype::Float32, 4, "(B, Hkv, Lk, Dv)")?;
+    let out = as_array(out, "out", Dtype::Float32, 4, "(B, Hq, Lq, Dv)")?;
+    require_writeable(out, "out")?;
+    let lse = match lse.is_none() {
+        true => None,
+        false => {
+            let lse = as_array(lse, "lse", Dtype::Float32, 3, "(B, Hq, Lq)")?;
+            require_writeable(lse, "lse")?;
+            Some(lse)
         }
     };
-    let mask = match mask {
-        None => None,
-        Some(obj) => {
-            let dtypes = [("bool", dtype::<bool>(py)), ("float32", dtype::<f32>(py))];
-            let (array, kind) = checked_array("mask", obj, &dtypes, 4, "(B, Hq, Lq, Lk)")?;
-            let kind = if kind == 0 {
-                MaskKind::Bool
-            } else {
-                MaskKind::Float
-            };
-            let (b, h, lq, lk) = (q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[2]);
-            if array.shape() != [b, h, lq, lk] {
+    let mask = match mask.is_none() {
+        true => None,
+        false => {
+            let mask = as_array(mask, "mask", Dtype::BoolOrFloat32, 4, "(B, Hq, Lq, Lk)")?;
+            let expected = [q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[2]];
+            if mask.shape() != expected {
+                let [b, hq, lq, lk] = expected;
                 return Err(PyValueError::new_err(format!(
-                    "mask: expected shape (B={b}, Hq={h}, Lq={lq}, Lk={lk}) (broadcast it first), got ({})",
-                    array.shape().iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
+                    "mask: expected shape (B={b}, Hq={hq}, Lq={lq}, Lk={lk}), got {}",
+                    tuple_string(mask.shape())
                 )));
             }
-            Some((array, kind))
+            Some(mask)
         }
     };
-    require_writeable("out", out.as_untyped())?;
-    if let Some(lse) = lse {
-        require_writeable("lse", lse.as_untyped())?;
-    }
-    let q_offset = int64_vector("q_offset", q_offset)?;
-    let kv_lens = int64_vector("kv_lens", kv_lens)?;
-    if num_threads < 1 {
-        return Err(PyValueError::new_err(format!(
-            "num_threads: expected an int >= 1, got {num_threads}"
-        )));
-    }
+    let q_offset = per_sequence(q_offset, "q_offset", q.shape()[0])?;
+    let kv_lens = per_sequence(kv_lens, "kv_lens", q.shape()[0])?;
 
-    // 2. The problem, checked before any memory is touched.
-    let tensor = |array: &Bound<'py, PyArray4<f32>>| TensorView4 {
-        data: array.data().cast_const(),
-        shape: shape_of(array.as_untyped()),
-        stride: strides_of(array.as_untyped()),
+    // 2. Scalars.
+    let causal = as_bool(causal, "causal")?;
+    let scale = as_float(scale, "scale")?;
+    let num_threads = as_int64(num_threads, "num_threads")?;
+
+    // 3. The problem: views over the arrays' memory.
+    let tensor = |array: &Bound<'_, PyUntypedArray>| TensorView4 {
+        data: data_of(array).cast::<f32>().cast_const(),
+        shape: shape_of(array),
+        stride: strides_of(array),
     };
     let problem = AttentionProblem {
         q: tensor(q),
         k: tensor(k),
         v: tensor(v),
         out: MutTensorView4 {
-            data: out.data(),
-            shape: shape_of(out.as_untyped()),
-            stride: strides_of(out.as_untyped()),
+            data: data_of(out).cast::<f32>(),
+            shape: shape_of(out),
+            stride: strides_of(out),
         },
         lse: match lse {
             None => LseView::NONE,
             Some(lse) => LseView {
-                data: lse.data(),
-                shape: shape_of(lse.as_untyped()),
-                stride: strides_of(lse.as_untyped()),
+                data: data_of(lse).cast::<f32>(),
+                shape: shape_of(lse),
+                stride: strides_of(lse),
             },
         },
         q_offset: &q_offset,
         kv_lens: &kv_lens,
         mask: match mask {
             None => MaskView::NONE,
-            Some((array, kind)) => MaskView {
-                kind,
-                data: match kind {
-                    MaskKind::Bool => array
-                        .cast::<PyArray4<bool>>()?
-                        .data()
-                        .cast_const()
-                        .cast::<u8>(),
-                    _ => array
-                        .cast::<PyArray4<f32>>()?
-                        .data()
-                        .cast_const()
-                        .cast::<u8>(),
+            Some(mask) => MaskView {
+                kind: match mask.dtype().is_equiv_to(&dtype::<bool>(mask.py())) {
+                    true => MaskKind::Bool,
+                    false => MaskKind::Float,
                 },
-                stride: strides_of(array),
+                data: data_of(mask).cast_const(),
+                stride: strides_of(mask),
             },
         },
         causal,
-        scale: scale as f32,
-    };
-    crate::problem::check_problem(&problem).map_err(|e| PyValueError::new_err(e.0))?;
-
-    // 3. Borrows held for the whole computation: readonly inputs, readwrite outputs.
-    let _inputs: [PyReadonlyArray4<f32>; 3] = [
-        q.try_readonly().map_err(|e| borrow_error("q", e))?,
-        k.try_readonly().map_err(|e| borrow_error("k", e))?,
-        v.try_readonly().map_err(|e| borrow_error("v", e))?,
-    ];
-    let (_bool_mask_borrow, _float_mask_borrow) = match mask {
-        Some((array, MaskKind::Bool)) => {
-            let array = array.cast::<PyArray4<bool>>()?;
-            (
-                Some(array.try_readonly().map_err(|e| borrow_error("mask", e))?),
-                None,
-            )
-        }
-        Some((array, _)) => {
-            let array = array.cast::<PyArray4<f32>>()?;
-            (
-                None,
-                Some(array.try_readonly().map_err(|e| borrow_error("mask", e))?),
-            )
-        }
-        None => (None, None),
-    };
-    let _out_borrow = out.try_readwrite().map_err(|e| borrow_error("out", e))?;
-    let _lse_borrow = match lse {
-        Some(lse) => Some(lse.try_readwrite().map_err(|e| borrow_error("lse", e))?),
-        None => None,
+        scale: scale as f32, // out of float range becomes inf: rejected
     };
 
-    // 4. Compute without the GIL.
+    // 4. The kernel without the GIL; it checks the problem first (check_problem, once per call).
+    let threads = check_num_threads(num_threads).map_err(raise)?;
     let job = DetachedProblem(problem);
-    let threads = usize::try_from(num_threads).unwrap_or(usize::MAX);
-    py.detach(move || job.run(threads, kernel))
-        .map_err(|e| PyValueError::new_err(e.0))
+    q.py()
+        .detach(move || job.run(threads, kernel))
+        .map_err(raise)
 }
 
 /// build_info() -> dict: the instruction set chosen at run time, those available (fastest
@@ -422,14 +423,18 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// set_isa(name) -> None: switches the instruction set of attention_forward among
 /// build_info()["isa_available"]; ValueError naming the available ones otherwise.
 #[pyfunction]
-fn set_isa(name: &str) -> PyResult<()> {
-    crate::dispatch::set_isa(name).map_err(PyValueError::new_err)
+fn set_isa(name: &Bound<'_, PyAny>) -> PyResult<()> {
+    let name = name.cast::<PyString>().map_err(|_| {
+        PyTypeError::new_err(format!("name: expected a str, got {}", type_name(name)))
+    })?;
+    crate::dispatch::set_isa(&name.to_cow()?).map_err(PyValueError::new_err)
 }
 
 #[pymodule]
 fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    // A TWINATTN_ISA this build or CPU cannot run fails the import, loudly.
-    crate::dispatch::init_isa_from_environment().map_err(PyValueError::new_err)?;
+    // A TWINATTN_ISA this build or CPU cannot run fails the import, loudly: ImportError with
+    // the message, as pybind11 raises C++'s std::invalid_argument there.
+    crate::dispatch::init_isa_from_environment().map_err(PyImportError::new_err)?;
     m.add_function(wrap_pyfunction!(attention_forward, m)?)?;
     m.add_function(wrap_pyfunction!(attention_reference, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;

@@ -27,10 +27,13 @@
 //! and one accumulator (Dv), reused for all its rows. Rows never depend on the split, so every
 //! thread count gives bit-identical results.
 
-use crate::problem::{check_problem, AttentionProblem, MaskKind, ProblemError};
+use crate::problem::{
+    check_num_threads, check_problem, try_filled, AttentionProblem, MaskKind, ProblemError,
+};
 
-/// Computes attention for `p` with `num_threads` threads (0 is taken as 1), after
-/// [`check_problem`], whose error it returns without touching any memory.
+/// Computes attention for `p` with `num_threads` threads, after [`check_problem`] and
+/// [`check_num_threads`], whose errors it returns without touching any memory; a scratch buffer
+/// that cannot be allocated gives [`ProblemError::out_of_memory`].
 ///
 /// # Safety
 ///
@@ -44,27 +47,45 @@ pub unsafe fn attention_reference(
     num_threads: usize,
 ) -> Result<(), ProblemError> {
     check_problem(p)?;
-    let [batch, q_heads, _, _] = p.q.shape;
+    let threads = check_num_threads(i64::try_from(num_threads).unwrap_or(i64::MAX))?;
+    let [batch, q_heads, q_len, _] = p.q.shape;
     let pairs = (batch * q_heads) as usize;
-    if pairs == 0 {
+    if pairs == 0 || q_len == 0 {
         return Ok(());
     }
-    let threads = num_threads.clamp(1, pairs);
+    let threads = threads.min(pairs);
     let chunk = |t: usize| pairs * t / threads..pairs * (t + 1) / threads;
+
+    // Scratch for every thread, allocated here so that a failed allocation reaches the caller
+    // (as C++'s std::bad_alloc does) instead of aborting the process.
+    let mut scratch = Vec::new();
+    scratch
+        .try_reserve_exact(threads)
+        .map_err(|_| ProblemError::out_of_memory())?;
+    for _ in 0..threads {
+        scratch.push(RowScratch {
+            scores: try_filled(p.k.shape[2] as usize, 0.0)?,
+            acc: try_filled(p.v.shape[3] as usize, 0.0)?,
+        });
+    }
+
     // SAFETY: forwarded from this function's contract; check_problem has passed.
     let shared = unsafe { SharedProblem::new(p) };
-    if threads == 1 {
-        run_pairs(&shared, chunk(0));
-        return Ok(());
-    }
+    let (first, others) = scratch.split_first_mut().expect("threads >= 1");
     std::thread::scope(|scope| {
-        for t in 1..threads {
+        for (t, scratch) in others.iter_mut().enumerate() {
             let shared = &shared;
-            scope.spawn(move || run_pairs(shared, chunk(t)));
+            scope.spawn(move || run_pairs(shared, chunk(t + 1), scratch));
         }
-        run_pairs(&shared, chunk(0));
+        run_pairs(&shared, chunk(0), first);
     });
     Ok(())
+}
+
+/// One thread's buffers: the scores of a row (Lk) and its output accumulator (Dv).
+struct RowScratch {
+    scores: Vec<f64>,
+    acc: Vec<f64>,
 }
 
 /// A checked problem whose memory the caller vouched for, shareable across the threads of one
@@ -120,15 +141,14 @@ unsafe fn row_mut<'x>(data: *mut f32, at: isize, len: i64) -> &'x mut [f32] {
 }
 
 /// Runs the (b, h) pairs numbered in `pair_range`, row by row.
-fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>) {
+fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>, scratch: &mut RowScratch) {
     let p = shared.p;
     let [_, q_heads, q_len, head_dim] = p.q.shape;
-    let [_, kv_heads, k_len, _] = p.k.shape;
+    let [_, kv_heads, _, _] = p.k.shape;
     let value_dim = p.v.shape[3];
     let group = q_heads / kv_heads;
     let scale = f64::from(p.scale);
-    let mut scores = vec![0.0f64; k_len as usize];
-    let mut acc = vec![0.0f64; value_dim as usize];
+    let RowScratch { scores, acc } = scratch;
 
     for pair in pair_range {
         let b = pair as i64 / q_heads;
@@ -203,7 +223,7 @@ fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>) {
                     *a += weight * f64::from(x);
                 }
             }
-            for (o, &a) in out_row.iter_mut().zip(&acc) {
+            for (o, &a) in out_row.iter_mut().zip(acc.iter()) {
                 *o = a as f32;
             }
 

@@ -60,8 +60,17 @@ struct AttentionProblem {
 
 // Throws std::invalid_argument naming the argument, what was expected and what was given,
 // e.g. "k: expected shape (B=2, Hkv, Lk, D=64), got (2, 4, 10, 32)". After it returns, the
-// kernels may index every element of every view without further checks.
+// kernels may index every element of every view without further checks, and no two threads
+// write the same output element. Same checks, order and messages as Rust's check_problem.
 void check_problem(const AttentionProblem& problem);
+
+// The thread count of a call: throws std::invalid_argument unless num_threads >= 1; returns it
+// capped to what an int holds (the kernels start at most one thread per work item).
+int check_num_threads(int64_t num_threads);
+
+// The message of the MemoryError both ports raise when a kernel's scratch cannot be allocated
+// (the kernels throw std::bad_alloc; the binding raises MemoryError with this text).
+extern const char* const kOutOfMemoryMessage;
 
 // Row-major (contiguous) views over shape (d0, d1, d2, d3); a convenience for tests and for
 // callers that own contiguous buffers.

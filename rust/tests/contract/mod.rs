@@ -386,7 +386,8 @@ pub fn thread_counts_give_identical_results() {
     .causal(&[2, 0, 1]);
     case.kv_lens = vec![11, 9, 4];
     let one = case.run(1).unwrap();
-    for threads in [0, 2, 3, 5, 12, 64] {
+    // 0 is an error (check_problem_rejects_bad_problems); any larger count only caps the threads
+    for threads in [2, 3, 5, 12, 64, usize::MAX] {
         assert_identical(&one, &case.run(threads).unwrap());
     }
 }
@@ -465,12 +466,16 @@ pub fn check_problem_rejects_bad_problems() {
     let mut case = good.clone();
     case.k = Tensor::zeros([2, 3, 10, 64]);
     case.v = Tensor::zeros([2, 3, 10, 16]);
-    assert!(
-        error_of(&case).contains("Hq=8 must be a multiple of the number of KV heads, got Hkv=3")
+    assert_eq!(
+        error_of(&case),
+        "k: expected Hkv dividing Hq=8 (query head h reads KV head h // (Hq // Hkv)), got Hkv=3"
     );
     case.k = Tensor::zeros([2, 0, 10, 64]);
     case.v = Tensor::zeros([2, 0, 10, 16]);
-    assert!(error_of(&case).contains("got Hkv=0"));
+    assert_eq!(
+        error_of(&case),
+        "k: expected Hkv dividing Hq=8 (query head h reads KV head h // (Hq // Hkv)), got Hkv=0"
+    );
 
     let mut case = good.clone();
     case.kv_lens = vec![10, 11];
@@ -497,17 +502,25 @@ pub fn check_problem_rejects_bad_problems() {
     case.q_offset = vec![0, 0, 0];
     assert_eq!(error_of(&case), "q_offset: expected shape (B=2,), got (3,)");
 
-    for scale in [f32::NAN, f32::INFINITY] {
+    for (scale, given) in [
+        (f32::NAN, "nan"),
+        (-f32::NAN, "nan"),
+        (f32::INFINITY, "inf"),
+        (f32::NEG_INFINITY, "-inf"),
+    ] {
         let mut case = good.clone();
         case.scale = scale;
-        assert!(error_of(&case).starts_with("scale: expected a finite float32"));
+        assert_eq!(
+            error_of(&case),
+            format!("scale: expected a finite number, got {given}")
+        );
     }
 
     let mut case = good.clone();
     case.q = good.q.relayout([0, 1, 3, 2], &[], 0); // D axis not unit-stride
     assert_eq!(
         error_of(&case),
-        "q: the last axis must have unit stride (contiguous rows), got a stride of 3 elements"
+        "q: expected unit stride on the last axis (D=64), got stride 3 elements"
     );
 
     let mut out = Tensor::zeros([2, 8, 3, 15]);
@@ -517,11 +530,21 @@ pub fn check_problem_rejects_bad_problems() {
     );
     // out whose elements overlap (stride 0 over heads)
     let mut out = Tensor::with_layout([2, 8, 3, 16], [48, 0, 16, 1], 0, 96, |_| 0.0);
-    assert!(good
-        .run_into(&mut out, None, 1)
-        .unwrap_err()
-        .0
-        .starts_with("out: its elements overlap each other"));
+    assert_eq!(
+        good.run_into(&mut out, None, 1).unwrap_err().0,
+        "out: expected elements that do not overlap each other, got strides (48, 0, 16, 1)"
+    );
+    // a thread count of 0 is rejected, as in C++ (it used to be taken as 1)
+    let mut out = Tensor::zeros([2, 8, 3, 16]);
+    assert_eq!(
+        good.run_into(&mut out, None, 0).unwrap_err().0,
+        "num_threads: expected an int >= 1, got 0"
+    );
+    assert_eq!(
+        twinattn::problem::check_num_threads(-7).unwrap_err().0,
+        "num_threads: expected an int >= 1, got -7"
+    );
+    assert_eq!(twinattn::problem::check_num_threads(1 << 40), Ok(1 << 40));
 }
 
 pub fn check_problem_rejects_overlapping_outputs_and_bad_lse() {
@@ -575,19 +598,19 @@ pub fn check_problem_rejects_overlapping_outputs_and_bad_lse() {
     let err = |p: AttentionProblem| check_problem(&p).unwrap_err().0;
     assert_eq!(
         err(problem(view(4, [1, 1, 2, 4]), LseView::NONE)),
-        "out: its memory overlaps q; pass a separate output array"
+        "out: expected memory disjoint from q, got arrays that overlap"
     );
     assert_eq!(
         err(problem(view(20, [1, 1, 2, 4]), LseView::NONE)),
-        "out: its memory overlaps v; pass a separate output array"
+        "out: expected memory disjoint from v, got arrays that overlap"
     );
     assert_eq!(
         err(problem(view(24, [1, 1, 2, 4]), lse_at(30, 2))),
-        "out: its memory overlaps lse; pass a separate output array"
+        "out: expected memory disjoint from lse, got arrays that overlap"
     );
     assert_eq!(
         err(problem(view(24, [1, 1, 2, 4]), lse_at(9, 2))),
-        "lse: its memory overlaps k; pass a separate output array"
+        "lse: expected memory disjoint from k, got arrays that overlap"
     );
     assert_eq!(
         err(problem(view(24, [1, 1, 2, 4]), lse_at(32, 3))),

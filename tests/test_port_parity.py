@@ -1,0 +1,318 @@
+"""The two native ports behave identically on every input, bad inputs included.
+
+Every test here calls BOTH native modules (twinattn._cpp and twinattn._rust) directly, or both
+through twinattn, and asserts the same exception type AND the same message (and, for good
+input, the same output). docs/native_api.md is the contract these tests hold the ports to.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from types import ModuleType
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+import twinattn
+from helpers import assert_close_to_reference
+
+PORTS = ("cpp", "rust")
+KERNELS = ("attention_forward", "attention_reference")
+
+RNG = np.random.default_rng(11)
+Q = RNG.standard_normal((2, 4, 5, 8)).astype(np.float32)
+K = RNG.standard_normal((2, 2, 7, 8)).astype(np.float32)
+V = RNG.standard_normal((2, 2, 7, 6)).astype(np.float32)
+OUT_SHAPE = (2, 4, 5, 6)
+
+
+@pytest.fixture(scope="module")
+def modules() -> dict[str, ModuleType]:
+    required = {p.strip() for p in os.environ.get("TWINATTN_REQUIRE_BACKENDS", "").split(",") if p.strip()}
+    found: dict[str, ModuleType] = {}
+    for port in PORTS:
+        try:
+            found[port] = importlib.import_module(f"twinattn._{port}")
+        except ImportError as exc:
+            if port in required:
+                pytest.fail(f"backend {port!r} is required (TWINATTN_REQUIRE_BACKENDS) but not available: {exc}")
+            pytest.skip(f"comparing the ports needs both; {port!r} is not built: {exc}")
+    return found
+
+
+def _args(**overrides: Any) -> dict[str, Any]:
+    args: dict[str, Any] = dict(
+        q=Q, k=K, v=V, out=np.zeros(OUT_SHAPE, np.float32), lse=None,
+        q_offset=np.zeros(2, np.int64), kv_lens=np.full(2, 7, np.int64), mask=None,
+        causal=False, scale=0.5, num_threads=1,
+    )
+    args.update(overrides)
+    return args
+
+
+def _outcome(call: Callable[[], object]) -> tuple[str, str]:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the point is to compare whatever is raised
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+def _strided(shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
+    """A writeable float32 view with arbitrary byte strides over a zeroed, aligned buffer (NumPy
+    checks that it stays inside the buffer)."""
+    buffer = np.zeros(4096 + 64, np.uint8)
+    return np.ndarray(shape, np.float32, buffer=buffer, offset=(-buffer.ctypes.data) % 64, strides=strides)
+
+
+def _misaligned(shape: tuple[int, ...]) -> np.ndarray:
+    raw = np.zeros(int(np.prod(shape)) * 4 + 8, np.uint8)
+    start = 1 + (-raw.ctypes.data) % 4  # data address 1 byte past a multiple of 4
+    return np.ndarray(shape, np.float32, buffer=raw, offset=start)
+
+
+_shared = np.zeros((2, 4, 5, 8), np.float32)  # q and out over the same memory
+_mask_and_out = np.zeros((2, 4, 5, 7), np.float32)
+
+# (id, overrides, exception type, the message both ports must give, in full)
+BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
+    # conversion (the bindings)
+    ("q-list", {"q": Q.tolist()}, TypeError, "q: expected a numpy.ndarray, got list"),
+    ("q-float64", {"q": Q.astype(np.float64)}, TypeError, "q: expected dtype float32, got float64"),
+    ("k-float16", {"k": K.astype(np.float16)}, TypeError, "k: expected dtype float32, got float16"),
+    ("v-big-endian", {"v": V.astype(">f4")}, TypeError, "v: expected dtype float32, got >f4"),
+    ("out-int32", {"out": np.zeros(OUT_SHAPE, np.int32)}, TypeError, "out: expected dtype float32, got int32"),
+    ("q-rank3", {"q": Q[0]}, ValueError, "q: expected 4 dimensions (B, Hq, Lq, D), got shape (4, 5, 8)"),
+    ("k-rank5", {"k": K[None]}, ValueError, "k: expected 4 dimensions (B, Hkv, Lk, D), got shape (1, 2, 2, 7, 8)"),
+    ("out-rank1", {"out": np.zeros(6, np.float32)}, ValueError, "out: expected 4 dimensions (B, Hq, Lq, Dv), got shape (6,)"),
+    ("q-byte-strides", {"q": _strided((2, 4, 5, 8), (640, 160, 32, 2))}, ValueError,
+     "q: expected byte strides that are multiples of the item size 4, got strides (640, 160, 32, 2)"),
+    ("k-misaligned", {"k": _misaligned((2, 2, 7, 8))}, ValueError,
+     "k: expected data aligned to its item size 4, got a misaligned array"),
+    ("out-readonly", {"out": np.broadcast_to(np.zeros((1, 1, 1, 6), np.float32), OUT_SHAPE)}, ValueError,
+     "out: expected a writeable array, got a read-only one"),
+    ("lse-dtype", {"lse": np.zeros((2, 4, 5))}, TypeError, "lse: expected dtype float32, got float64"),
+    ("lse-rank", {"lse": np.zeros((2, 4), np.float32)}, ValueError, "lse: expected 3 dimensions (B, Hq, Lq), got shape (2, 4)"),
+    ("lse-readonly", {"lse": np.broadcast_to(np.zeros(1, np.float32), (2, 4, 5))}, ValueError,
+     "lse: expected a writeable array, got a read-only one"),
+    ("mask-int8", {"mask": np.ones((2, 4, 5, 7), np.int8)}, TypeError, "mask: expected dtype bool or float32, got int8"),
+    ("mask-float64", {"mask": np.zeros((2, 4, 5, 7))}, TypeError, "mask: expected dtype bool or float32, got float64"),
+    ("mask-rank", {"mask": np.ones((5, 7), bool)}, ValueError, "mask: expected 4 dimensions (B, Hq, Lq, Lk), got shape (5, 7)"),
+    ("mask-shape", {"mask": np.ones((2, 4, 5, 6), bool)}, ValueError,
+     "mask: expected shape (B=2, Hq=4, Lq=5, Lk=7), got (2, 4, 5, 6)"),
+    ("q-offset-int32", {"q_offset": np.zeros(2, np.int32)}, TypeError, "q_offset: expected dtype int64, got int32"),
+    ("q-offset-int", {"q_offset": 0}, TypeError, "q_offset: expected a numpy.ndarray, got int"),
+    ("q-offset-rank", {"q_offset": np.zeros((2, 1), np.int64)}, ValueError, "q_offset: expected 1 dimensions (B,), got shape (2, 1)"),
+    ("q-offset-shape", {"q_offset": np.zeros(3, np.int64)}, ValueError, "q_offset: expected shape (B=2,), got (3,)"),
+    ("kv-lens-shape", {"kv_lens": np.array([7])}, ValueError, "kv_lens: expected shape (B=2,), got (1,)"),
+    ("causal-int", {"causal": 1}, TypeError, "causal: expected a bool, got int"),
+    ("causal-none", {"causal": None}, TypeError, "causal: expected a bool, got NoneType"),
+    ("scale-str", {"scale": "0.5"}, TypeError, "scale: expected a float, got str"),
+    ("scale-bool", {"scale": True}, TypeError, "scale: expected a float, got bool"),
+    ("num-threads-float", {"num_threads": 2.0}, TypeError, "num_threads: expected an int, got float"),
+    ("num-threads-bool", {"num_threads": True}, TypeError, "num_threads: expected an int, got bool"),
+    ("num-threads-none", {"num_threads": None}, TypeError, "num_threads: expected an int, got NoneType"),
+    # invariants (the cores' check_problem)
+    ("k-batch", {"k": K[:1], "v": V[:1]}, ValueError, "k: expected shape (B=2, Hkv, Lk, D=8), got (1, 2, 7, 8)"),
+    ("k-head-dim", {"k": K[..., :4]}, ValueError, "k: expected shape (B=2, Hkv, Lk, D=8), got (2, 2, 7, 4)"),
+    ("v-len", {"v": V[:, :, :3]}, ValueError, "v: expected shape (B=2, Hkv=2, Lk=7, Dv), got (2, 2, 3, 6)"),
+    ("v-heads", {"v": V[:, :1]}, ValueError, "v: expected shape (B=2, Hkv=2, Lk=7, Dv), got (2, 1, 7, 6)"),
+    ("out-shape", {"out": np.zeros((2, 4, 5, 5), np.float32)}, ValueError,
+     "out: expected shape (B=2, Hq=4, Lq=5, Dv=6), got (2, 4, 5, 5)"),
+    ("lse-shape", {"lse": np.zeros((2, 4, 4), np.float32)}, ValueError, "lse: expected shape (B=2, Hq=4, Lq=5), got (2, 4, 4)"),
+    ("gqa", {"k": np.repeat(K[:, :1], 3, 1), "v": np.repeat(V[:, :1], 3, 1)}, ValueError,
+     "k: expected Hkv dividing Hq=4 (query head h reads KV head h // (Hq // Hkv)), got Hkv=3"),
+    ("gqa-zero-kv-heads", {"k": K[:, :0], "v": V[:, :0]}, ValueError,
+     "k: expected Hkv dividing Hq=4 (query head h reads KV head h // (Hq // Hkv)), got Hkv=0"),
+    ("q-last-stride", {"q": np.zeros((2, 4, 5, 16), np.float32)[..., ::2]}, ValueError,
+     "q: expected unit stride on the last axis (D=8), got stride 2 elements"),
+    ("out-last-stride", {"out": np.zeros((2, 4, 5, 12), np.float32)[..., ::2]}, ValueError,
+     "out: expected unit stride on the last axis (Dv=6), got stride 2 elements"),
+    ("kv-lens-too-long", {"kv_lens": np.array([7, 8])}, ValueError, "kv_lens: expected values in [0, Lk=7], got kv_lens[1]=8"),
+    ("kv-lens-negative", {"kv_lens": np.array([-1, 7])}, ValueError, "kv_lens: expected values in [0, Lk=7], got kv_lens[0]=-1"),
+    ("q-offset-negative", {"q_offset": np.array([0, -2]), "causal": True}, ValueError,
+     "q_offset: expected values >= 0 when causal, got q_offset[1]=-2"),
+    ("scale-nan", {"scale": float("nan")}, ValueError, "scale: expected a finite number, got nan"),
+    ("scale-minus-inf", {"scale": float("-inf")}, ValueError, "scale: expected a finite number, got -inf"),
+    ("scale-beyond-float32", {"scale": 1e39}, ValueError, "scale: expected a finite number, got inf"),
+    ("out-overlaps-itself", {"out": _strided(OUT_SHAPE, (480, 0, 24, 4))}, ValueError,
+     "out: expected elements that do not overlap each other, got strides (120, 0, 6, 1)"),
+    ("out-rows-interleaved", {"out": _strided(OUT_SHAPE, (480, 120, 16, 4))}, ValueError,
+     "out: expected elements that do not overlap each other, got strides (120, 30, 4, 1)"),
+    ("lse-overlaps-itself", {"lse": _strided((2, 4, 5), (80, 4, 4))}, ValueError,
+     "lse: expected elements that do not overlap each other, got strides (20, 1, 1)"),
+    ("out-aliases-q", {"q": _shared, "out": _shared[..., :6], "v": np.zeros((2, 2, 7, 6), np.float32)}, ValueError,
+     "out: expected memory disjoint from q, got arrays that overlap"),
+    ("out-aliases-mask", {"mask": _mask_and_out, "out": _mask_and_out[..., :6]}, ValueError,
+     "out: expected memory disjoint from mask, got arrays that overlap"),
+    ("lse-aliases-k", {"lse": K.reshape(-1)[:40].reshape(2, 4, 5)}, ValueError,
+     "lse: expected memory disjoint from k, got arrays that overlap"),
+    ("num-threads-zero", {"num_threads": 0}, ValueError, "num_threads: expected an int >= 1, got 0"),
+    ("num-threads-negative", {"num_threads": -3}, ValueError, "num_threads: expected an int >= 1, got -3"),
+    ("num-threads-beyond-int64", {"num_threads": -(2**70)}, ValueError,
+     "num_threads: expected an int >= 1, got -9223372036854775808"),
+]
+
+
+@pytest.mark.parametrize("overrides, exc, message", [pytest.param(*c[1:], id=c[0]) for c in BAD_CALLS])
+def test_bad_native_call_same_error_in_both_ports(
+    modules: dict[str, ModuleType], overrides: dict[str, Any], exc: type[Exception], message: str
+) -> None:
+    outcomes = {}
+    for port, module in modules.items():
+        for kernel in KERNELS:
+            args = _args(**overrides)
+            outcomes[port, kernel] = _outcome(lambda: getattr(module, kernel)(**args))
+    assert set(outcomes.values()) == {(exc.__name__, message)}, outcomes
+
+
+def test_lse_overlapping_out_same_error_in_both_ports(modules: dict[str, ModuleType]) -> None:
+    buffer = np.zeros(2 * 4 * 5 * 6 + 40, np.float32)
+    outcomes = set()
+    for module in modules.values():
+        out = buffer[:240].reshape(OUT_SHAPE)
+        lse = buffer[200:240].reshape(2, 4, 5)
+        outcomes.add(_outcome(lambda: module.attention_forward(**_args(out=out, lse=lse))))
+    assert outcomes == {("ValueError", "out: expected memory disjoint from lse, got arrays that overlap")}
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 2**31, 2**40, 2**70], ids=["1", "2", "2^31", "2^40", "2^70"])
+def test_any_positive_thread_count_runs_in_both_ports(modules: dict[str, ModuleType], num_threads: int) -> None:
+    # C++ used to raise TypeError above 2^31 - 1, and Rust took 0 as 1: now both run any count
+    # >= 1 (a count only caps the threads; there are never more than work items) with the same
+    # bits, and reject the rest with the same message (BAD_CALLS).
+    results = {}
+    for port, module in modules.items():
+        for kernel in KERNELS:
+            args = _args(lse=np.zeros((2, 4, 5), np.float32), num_threads=num_threads, causal=True,
+                         q_offset=np.array([2, 0]), kv_lens=np.array([7, 4]))
+            getattr(module, kernel)(**args)
+            results[port, kernel] = args["out"], args["lse"]
+            assert_close_to_reference(args["out"], Q, K, V, causal=True, q_offset=np.array([2, 0]),
+                                      kv_lens=np.array([7, 4]), scale=0.5)
+    for kernel in KERNELS:
+        for a, b in zip(results["cpp", kernel], results["rust", kernel]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_set_isa_same_errors_in_both_ports(modules: dict[str, ModuleType]) -> None:
+    for bad, exc in (("sse9", "ValueError"), (3, "TypeError"), (None, "TypeError")):
+        outcomes = {_outcome(lambda: module.set_isa(bad)) for module in modules.values()}
+        assert len(outcomes) == 1 and next(iter(outcomes))[0] == exc, outcomes
+    available = modules["cpp"].build_info()["isa_available"]
+    assert available == modules["rust"].build_info()["isa_available"]
+    assert {_outcome(lambda: m.set_isa("sse9"))[1] for m in modules.values()} == {
+        "isa: expected one of the instruction sets this build and CPU can run "
+        f"({', '.join(available)}), got 'sse9'"
+    }
+
+
+# ---- (a) an out whose elements alias each other, through the public API --------------------------
+
+
+def test_self_overlapping_out_rejected_by_every_backend(backend: str) -> None:
+    base = np.zeros(4 * 5 * 6 + 6, np.float32)
+    # rows of out step 1 float: out[b, h, i, :] and out[b, h, i + 1, :] share 5 of their 6 floats
+    out = np.lib.stride_tricks.as_strided(base, shape=OUT_SHAPE, strides=(0, 120, 4, 4))
+    with pytest.raises(ValueError) as info:
+        twinattn.attention(Q, K, V, out=out, backend=backend)
+    assert str(info.value) == (
+        "out: expected an array whose elements do not overlap each other, got strides (0, 120, 4, 4) (bytes) "
+        "for shape (2, 4, 5, 6): pass a fresh array such as np.empty((2, 4, 5, 6), np.float32)"
+    )
+    assert not base.any()  # nothing was written
+
+
+# ---- (b) a bad TWINATTN_ISA: loud, and the same from both ports ---------------------------------
+
+_ISA_PROBE = r"""
+import json, sys
+import numpy as np
+results = {}
+def outcome(name, call):
+    try:
+        call()
+        results[name] = ["no error", ""]
+    except Exception as exc:
+        results[name] = [type(exc).__name__, str(exc)]
+import importlib
+for port in ("cpp", "rust"):
+    outcome("import " + port, lambda: importlib.import_module("twinattn._" + port))
+import twinattn
+q = np.zeros((1, 1, 2, 4), np.float32)
+outcome("backends", twinattn.backends)
+outcome("build_info", twinattn.build_info)
+for backend in ("auto", "cpp", "rust", "numpy"):
+    outcome("attention " + backend, lambda: twinattn.attention(q, q, q, backend=backend))
+print(json.dumps(results))
+"""
+
+
+def _probe(code: str, env: dict[str, str]) -> dict[str, list[str]]:
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return dict(json.loads(result.stdout.strip().splitlines()[-1]))
+
+
+def test_bad_twinattn_isa_same_error_from_both_ports_and_the_api(modules: dict[str, ModuleType]) -> None:
+    available = ", ".join(modules["cpp"].build_info()["isa_available"])
+    expected = ["ImportError", f"TWINATTN_ISA: expected one of the instruction sets this build and CPU can run ({available}), got 'quantum'"]
+    results = _probe(_ISA_PROBE, {"TWINATTN_ISA": "quantum"})
+    for name in ("import cpp", "import rust", "backends", "build_info", "attention auto", "attention cpp", "attention rust"):
+        assert results[name] == expected, (name, results)
+    assert results["attention numpy"] == ["no error", ""]  # NumPy does not read TWINATTN_ISA
+
+
+def test_good_twinattn_isa_still_loads_both_ports(modules: dict[str, ModuleType]) -> None:
+    results = _probe(_ISA_PROBE, {"TWINATTN_ISA": "scalar"})
+    assert all(outcome == ["no error", ""] for outcome in results.values()), results
+
+
+# ---- (e) out of memory: MemoryError from both ports, the interpreter alive -----------------------
+
+_OOM_PROBE = r"""
+import importlib, json, resource
+import numpy as np
+modules = [importlib.import_module("twinattn._" + port) for port in ("cpp", "rust")]
+# Keys broadcast over 2^31 positions cost no memory, but the kernels' scratch for them (packed K
+# panels, a score per key) would take 8-128 GiB; the address-space limit makes that allocation
+# fail at once on any machine, without touching memory.
+with open("/proc/self/status") as status:
+    vm_kib = next(int(line.split()[1]) for line in status if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, ((vm_kib + 2 * 1024 * 1024) * 1024, resource.getrlimit(resource.RLIMIT_AS)[1]))
+key_len = 2**31
+q = np.ones((1, 1, 256, 16), np.float32)  # 256 rows: the prefill path, which packs K
+k = np.broadcast_to(np.ones((1, 1, 1, 16), np.float32), (1, 1, key_len, 16))
+results = []
+for module in modules:
+    for kernel in ("attention_forward", "attention_reference"):
+        out = np.zeros((1, 1, 256, 16), np.float32)
+        try:
+            getattr(module, kernel)(q, k, k, out, None, np.zeros(1, np.int64), np.full(1, key_len, np.int64),
+                                    None, False, 0.25, 2)
+            results.append(["no error", ""])
+        except Exception as exc:
+            results.append([type(exc).__name__, str(exc)])
+# still alive, and still computing
+small = np.ones((1, 1, 2, 4), np.float32)
+for module in modules:
+    out = np.zeros_like(small)
+    module.attention_forward(small, small, small, out, None, np.zeros(1, np.int64), np.full(1, 2, np.int64),
+                             None, False, 0.5, 2)
+    results.append(["ok" if np.all(out == 1.0) else "wrong", ""])
+print(json.dumps(results))
+"""
+
+
+def test_out_of_memory_raises_memory_error_in_both_ports(modules: dict[str, ModuleType]) -> None:
+    result = subprocess.run([sys.executable, "-c", _OOM_PROBE], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"the interpreter died (rc={result.returncode}): {result.stderr[-2000:]}"
+    results = json.loads(result.stdout.strip().splitlines()[-1])
+    message = "out of memory: the kernel's scratch buffers for this call could not be allocated"
+    assert results == [["MemoryError", message]] * 4 + [["ok", ""]] * 2, results
