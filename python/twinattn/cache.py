@@ -81,8 +81,8 @@ def kv_cache_bytes(
         raise TypeError(f"kv_cache_bytes: missing keyword argument(s) {', '.join(missing)}")
     counts: dict[str, object] = {"layers": layers, "batch": batch, "kv_heads": kv_heads, **named}
     total = 2
-    for name, value in counts.items():
-        total *= count(name, value, positive=False)
+    for name, given in counts.items():
+        total *= count(name, given, positive=False)
     return total
 
 
