@@ -261,11 +261,17 @@ def test_exact_repeat_count_and_warm_up() -> None:
     assert outcome.warmup >= 1 and outcome.check is not None and outcome.check.ok
 
 
-def test_time_budget_stops_repeating_after_min_repeats() -> None:
-    start = time.perf_counter()
-    outcome = _run_one(SleepyRunner(0.02), tiny_case(), time_s=0.01, min_repeats=3, warmup_s=0.0)
-    assert outcome.status == "ok" and outcome.times is not None and len(outcome.times) == 3
-    assert time.perf_counter() - start < 1.0
+@pytest.mark.parametrize(
+    "seconds,budget,repeats",
+    [
+        (0.02, {"time_s": 0.01, "min_repeats": 3}, 3),  # the budget is spent: min_repeats, no more
+        (0.0, {"time_s": 60.0, "min_repeats": 3}, 7),  # not spent: on to max_repeats
+    ],
+    ids=["spent", "not-spent"],
+)
+def test_time_budget_decides_the_number_of_calls(seconds: float, budget: dict[str, float], repeats: int) -> None:
+    outcome = _run_one(SleepyRunner(seconds), tiny_case(), max_repeats=7, warmup_s=0.0, **budget)
+    assert outcome.status == "ok" and outcome.times is not None and len(outcome.times) == repeats
 
 
 def test_slow_first_call_is_skipped_with_a_note() -> None:
