@@ -10,6 +10,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
+import subprocess
+import sys
 import time
 from typing import Any, Optional
 
@@ -160,6 +163,21 @@ def test_list_prints_every_case(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for case in suite.standard_suite(2):
         assert case.name in out
+
+
+def test_output_into_a_closed_pipe_ends_quietly() -> None:
+    """`twinattn-bench --list | head -3`: the reader has gone; no traceback, the status of a tool
+    killed by SIGPIPE (141)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # no reader: every write fails with EPIPE, whatever the timing
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "twinattn.bench", "--list"], stdout=write_end, stderr=subprocess.PIPE, text=True
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == 141
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 import time
 from typing import Callable, Optional, Sequence
@@ -129,6 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """twinattn-bench; a reader that goes away early (`twinattn-bench --list | head -3`) ends the
+    command quietly, as it ends any Unix tool, with status 141 (128 + SIGPIPE)."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        # what is still buffered must not be written again at exit: point stdout at /dev/null
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     threads = args.threads or twinattn.get_num_threads()
