@@ -368,6 +368,15 @@ def test_alternate_timing_takes_turns_and_checks_both() -> None:
     assert times is None and why.startswith("b WRONG")
 
 
+@pytest.mark.parametrize(
+    "seconds,text", [(5e-5, "50.0 us"), (0.07191, "71.91 ms"), (2.5, "2.50 s"), (-0.07191, "-71.91 ms"), (-5e-5, "-50.0 us")]
+)
+def test_times_are_printed_in_their_unit(seconds: float, text: str) -> None:
+    """The layer's overhead (step - kernel) can come out negative on a noisy machine: it keeps
+    its unit (it used to print as -71911.2 us)."""
+    assert bench_report.fmt_time(seconds) == text
+
+
 def test_port_ratio_comes_from_the_alternate_timing() -> None:
     def row(backend: str, median: float, paired: Optional[float]) -> dict[str, Any]:
         return {"case": "c", "backend": backend, "status": "ok", "median_s": median, "paired_median_s": paired}

@@ -167,9 +167,9 @@ def port_times(ports: dict[str, dict[str, Any]]) -> tuple[Optional[float], Optio
 def fmt_time(s: Optional[float]) -> str:
     if s is None:
         return "-"
-    if s < 1e-3:
+    if abs(s) < 1e-3:  # abs: the layer's overhead (step - kernel) can come out negative
         return f"{s * 1e6:.1f} us"
-    if s < 1:
+    if abs(s) < 1:
         return f"{s * 1e3:.2f} ms"
     return f"{s:.2f} s"
 
