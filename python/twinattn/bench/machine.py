@@ -31,28 +31,22 @@ READ_BYTES = 1 << 30  # 1 GiB: 32x the 32 MiB L3 of the development machines
 OPENBLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
 
 
-def cpu_model() -> str:
+def _cpuinfo(*keys: str) -> Optional[str]:
+    """The value of the first /proc/cpuinfo line that starts with one of `keys`."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(keys)), None)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return None
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> list[str]:
-    wanted = ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "asimd", "sve")
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    present = set(line.split(":", 1)[1].split())
-                    return [flag for flag in wanted if flag in present]
-    except OSError:
-        pass
-    return []
+    present = set((_cpuinfo("flags", "Features") or "").split())
+    return [flag for flag in ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "asimd", "sve") if flag in present]
 
 
 def blas_info() -> dict[str, Any]:

@@ -91,13 +91,7 @@ def result_row(
         "kernel_max_abs_err": kernel_check.max_abs_err if kernel_check else None,
         "cache_cropped": "before every step, untimed" if layer and median is not None else None,
         "shape": {
-            "batch": case.batch,
-            "q_heads": case.q_heads,
-            "kv_heads": case.kv_heads,
-            "q_len": case.q_len,
-            "k_len": case.k_len,
-            "head_dim": case.head_dim,
-            "value_dim": case.value_dim,
+            **{k: getattr(case, k) for k in ("batch", "q_heads", "kv_heads", "q_len", "k_len", "head_dim", "value_dim")},
             "causal": case.causal,
             "kv_lens": list(case.kv_lens) if case.kv_lens else None,
             "hidden_size": case.hidden_size or None,
@@ -182,21 +176,9 @@ def _pct(x: Optional[float]) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-COLUMNS = (
-    ("case", "<"),
-    ("backend", "<"),
-    ("thr", ">"),
-    ("median", ">"),
-    ("GFLOP/s", ">"),
-    ("%gemm", ">"),
-    ("GB/s", ">"),
-    ("%read", ">"),
-    ("vs numpy", ">"),
-    ("vs torch", ">"),
-    ("vs peer", ">"),
-    ("max err", ">"),
-    ("note", "<"),
-)
+NUMBERS = ("thr", "median", "GFLOP/s", "%gemm", "GB/s", "%read", "vs numpy", "vs torch", "vs peer", "max err")
+# (heading, alignment) of the table's columns: text left, numbers right; the note runs to the end of the line
+COLUMNS = [("case", "<"), ("backend", "<")] + [(name, ">") for name in NUMBERS] + [("note", "<")]
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
