@@ -116,6 +116,8 @@ class TwinattnRunner(Runner):
         return None
 
     def prepare(self, problem: AnyProblem, threads: int) -> Prepared:
+        layer = isinstance(problem, LayerProblem)
+        parts = self._layer_parts(problem) if isinstance(problem, LayerProblem) else self._call(problem, threads)
         previous_threads = twinattn.get_num_threads()
         twinattn.set_num_threads(threads)
         limits = blas_limits(threads)  # NumPy's BLAS: the numpy backend and the layer's projections
@@ -125,11 +127,10 @@ class TwinattnRunner(Runner):
             if limits is not None:
                 limits.restore_original_limits()
 
-        notes = []
-        if limits is None and (self.name == "numpy" or isinstance(problem, LayerProblem)):
-            notes.append("BLAS threads not limited (threadpoolctl missing)")
-        if isinstance(problem, LayerProblem):
-            return Prepared(self._layer_parts(problem), close, notes)
+        missing = limits is None and (self.name == "numpy" or layer)
+        return Prepared(parts, close, ["BLAS threads not limited (threadpoolctl missing)"] if missing else [])
+
+    def _call(self, problem: Problem, threads: int) -> list[Part]:
         case, name = problem.case, self.name
         out = np.full((case.batch, case.q_heads, case.q_len, case.value_dim), np.nan, dtype=np.float32)
         q, k, v, causal, lens = problem.q, problem.k, problem.v, case.causal, problem.kv_lens
@@ -137,7 +138,7 @@ class TwinattnRunner(Runner):
         def call() -> object:
             return twinattn.attention(q, k, v, causal=causal, kv_lens=lens, out=out, backend=name, num_threads=threads)
 
-        return Prepared([Part(call, lambda: out)], close, notes)
+        return [Part(call, lambda: out)]
 
     def _layer_parts(self, problem: LayerProblem) -> list[Part]:
         case, name, cached, hidden = problem.case, self.name, problem.cached, problem.hidden
