@@ -41,7 +41,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             names = peers.parse_backends(spec, peers.make_runners()) if spec else list(peers.make_runners())
             metafunc.parametrize("backend", names)
     except ValueError as exc:  # the CLI's messages, with these options' names
-        raise pytest.UsageError(str(exc).replace("--cases", "--bench-cases").replace("--backends", "--bench-backends"))
+        message = str(exc).replace("--cases", "--bench-cases").replace("--backends", "--bench-backends")
+        raise pytest.UsageError(message) from None
 
 
 @pytest.fixture(scope="session")
