@@ -10,24 +10,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
+import subprocess
+import sys
 import time
 from typing import Any, Optional
 
 import numpy as np
 import pytest
-from twinattn.bench import cases as bench_cases
-from twinattn.bench import cli, machine, measure, runners
+import twinattn
+from twinattn.bench import cli, machine, peers, suite, timing
 from twinattn.bench import report as bench_report
-from twinattn.bench.cases import (
-    DECODE,
-    PREFILL,
-    Case,
-    check_output,
-    check_rows,
-    make_problem,
-    reference_rows,
-    work,
-)
+from twinattn.bench.suite import DECODE, PREFILL, Case, check_rows, make_problem, work
 
 
 def tiny_case(
@@ -94,20 +88,20 @@ def test_work_counts_the_visible_pairs(case: Case) -> None:
 
 
 def test_work_of_the_standard_cases_in_closed_form() -> None:
-    suite = {c.name: c for c in bench_cases.standard_suite(2)}
+    cases = {c.name: c for c in suite.standard_suite(2)}
     n = 2048
-    assert work(suite["prefill-causal/N=2048"]).pairs == 32 * n * (n + 1) // 2
-    chunk = suite["chunk"]  # row i sees 3840 + i + 1 keys
+    assert work(cases["prefill-causal/N=2048"]).pairs == 32 * n * (n + 1) // 2
+    chunk = cases["chunk"]  # row i sees 3840 + i + 1 keys
     assert work(chunk).pairs == 32 * sum(3840 + i + 1 for i in range(256))
-    assert work(suite["decode/N=32768"]).kv_bytes == 32768 * 8 * 256 * 4
-    batch = suite["decode-batch"]
+    assert work(cases["decode/N=32768"]).kv_bytes == 32768 * 8 * 256 * 4
+    batch = cases["decode-batch"]
     assert batch.kv_lens is not None and min(batch.kv_lens) == 1024 and max(batch.kv_lens) == 8192
     assert work(batch).pairs == 32 * sum(batch.kv_lens)
 
 
-def test_standard_suite_matches_the_issue() -> None:
-    suite = bench_cases.standard_suite(4)
-    groups = list(dict.fromkeys(c.group for c in suite))
+def test_standard_suite_is_the_documented_one() -> None:
+    cases = suite.standard_suite(4)
+    groups = list(dict.fromkeys(c.group for c in cases))
     assert groups == [
         "prefill-causal",
         "prefill-mha-d64",
@@ -118,20 +112,20 @@ def test_standard_suite_matches_the_issue() -> None:
         "threads",
         "layer-decode",
     ]
-    assert [c.q_len for c in suite if c.group == "prefill-causal"] == [512, 1024, 2048, 4096]
-    assert [c.k_len for c in suite if c.group == "decode"] == [1024, 4096, 16384, 32768]
-    assert [c.threads for c in suite if c.group == "threads"] == [1, 4]
-    assert all(c.causal for c in suite)
-    tiny = next(c for c in suite if c.group == "tiny")
+    assert [c.q_len for c in cases if c.group == "prefill-causal"] == [512, 1024, 2048, 4096]
+    assert [c.k_len for c in cases if c.group == "decode"] == [1024, 4096, 16384, 32768]
+    assert [c.threads for c in cases if c.group == "threads"] == [1, 4]
+    assert all(c.causal for c in cases)
+    tiny = next(c for c in cases if c.group == "tiny")
     assert (tiny.batch, tiny.q_heads, tiny.kv_heads, tiny.q_len, tiny.head_dim) == (1, 1, 1, 16, 64)
-    assert {c.name for c in bench_cases.select(suite, None, quick=True)} == set(bench_cases.QUICK_CASES)
+    assert {c.name for c in suite.select(cases, None, quick=True)} == set(suite.QUICK_CASES)
 
 
 def test_select_by_name_group_and_glob() -> None:
-    suite = bench_cases.standard_suite(2)
-    names = [c.name for c in bench_cases.select(suite, "tiny, decode/N=1024,prefill-causal", quick=False)]
+    cases = suite.standard_suite(2)
+    names = [c.name for c in suite.select(cases, "tiny, decode/N=1024,prefill-causal", quick=False)]
     assert names == [f"prefill-causal/N={n}" for n in (512, 1024, 2048, 4096)] + ["decode/N=1024", "tiny"]
-    assert [c.name for c in bench_cases.select(suite, "decode/*", quick=False)] == [
+    assert [c.name for c in suite.select(cases, "decode/*", quick=False)] == [
         f"decode/N={n}" for n in (1024, 4096, 16384, 32768)
     ]
 
@@ -145,15 +139,15 @@ def test_unknown_case_lists_the_valid_ones(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_unknown_or_missing_backend_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    table = runners.make_runners()
+    table = peers.make_runners()
     with pytest.raises(ValueError, match="unknown backend 'tensorflow'.*valid: cpp, rust, numpy, torch, onnxruntime"):
-        runners.parse_backends("numpy,tensorflow", table)
-    monkeypatch.setattr(runners.TorchRunner, "available", lambda self: "torch is not installed")
+        peers.parse_backends("numpy,tensorflow", table)
+    monkeypatch.setattr(peers.TorchRunner, "available", lambda self: "torch is not installed")
     with pytest.raises(ValueError, match="'torch' is not available here: torch is not installed"):
-        runners.parse_backends("torch", table)
-    assert runners.parse_backends(" NumPy ,numpy", table) == ["numpy"]
-    if table["onnxruntime"].available() is None:
-        assert runners.parse_backends("ort,numpy,onnxruntime", table) == ["onnxruntime", "numpy"]
+        peers.parse_backends("torch", table)
+    assert peers.parse_backends(" NumPy ,numpy", table) == ["numpy"]
+    monkeypatch.setattr(peers.OnnxRuntimeRunner, "available", lambda self: None)
+    assert peers.parse_backends("ort,numpy,onnxruntime", table) == ["onnxruntime", "numpy"]
 
 
 @pytest.mark.parametrize("bad", [["--threads", "0"], ["--repeat", "x"], ["--time-budget", "-1"]])
@@ -167,8 +161,23 @@ def test_bad_numbers_are_usage_errors(bad: list[str], capsys: pytest.CaptureFixt
 def test_list_prints_every_case(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--list"]) == 0
     out = capsys.readouterr().out
-    for case in bench_cases.standard_suite(2):
+    for case in suite.standard_suite(2):
         assert case.name in out
+
+
+def test_output_into_a_closed_pipe_ends_quietly() -> None:
+    """`twinattn-bench --list | head -3`: the reader has gone; no traceback, the status of a tool
+    killed by SIGPIPE (141)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # no reader: every write fails with EPIPE, whatever the timing
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "twinattn.bench", "--list"], stdout=write_end, stderr=subprocess.PIPE, text=True
+        )
+    finally:
+        os.close(write_end)
+    assert done.stderr == ""
+    assert done.returncode == 141
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,10 +185,14 @@ def test_list_prints_every_case(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_reference_rows_agree_with_the_full_reference() -> None:
+    """Each checked row, masked to the keys visible_keys_per_row gives it, is the row of one full
+    causal call with kv_lens (the contract's rule)."""
     case = tiny_case(q_len=4, k_len=9, kv_lens=(6, 9))
     problem = make_problem(case)
-    rows = check_rows(case)
-    full = pytest.importorskip("twinattn").attention(
+    assert isinstance(problem, suite.Problem)
+    rows, reference = problem.expected
+    assert rows == check_rows(case)
+    full = twinattn.attention(
         problem.q.astype(np.float64),
         problem.k.astype(np.float64),
         problem.v.astype(np.float64),
@@ -188,24 +201,20 @@ def test_reference_rows_agree_with_the_full_reference() -> None:
         backend="numpy",
     )
     expected = np.stack([full[b, h, i] for b, h, i in rows])
-    np.testing.assert_allclose(reference_rows(problem, rows), expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(reference, expected, rtol=1e-12, atol=1e-12)
 
 
-def _outputs(case: Case) -> tuple[Any, list[tuple[int, int, int]], np.ndarray, np.ndarray]:
-    import twinattn
-
+def _outputs(case: Case) -> tuple[Any, np.ndarray]:
     problem = make_problem(case)
-    rows = check_rows(case)
+    assert isinstance(problem, suite.Problem)
     good = twinattn.attention(problem.q, problem.k, problem.v, causal=True, kv_lens=problem.kv_lens, backend="numpy")
-    return problem, rows, reference_rows(problem, rows), good
+    return problem, good
 
 
 def test_check_passes_a_right_answer_and_catches_wrong_ones() -> None:
-    import twinattn
-
     case = tiny_case(q_len=6, k_len=40, kv_lens=(40, 25))
-    problem, rows, expected, good = _outputs(case)
-    assert check_output(problem, good, rows, expected).ok
+    problem, good = _outputs(case)
+    assert problem.check(good).ok
     # off by one on the diagonal: top-left instead of bottom-right alignment
     top_left = twinattn.attention(
         problem.q, problem.k, problem.v, causal=True, q_offset=0, kv_lens=problem.kv_lens, backend="numpy"
@@ -221,66 +230,66 @@ def test_check_passes_a_right_answer_and_catches_wrong_ones() -> None:
         (unwritten, "non-finite"),
         (wrong_shape, "output shape"),
     ):
-        check = check_output(problem, bad, rows, expected)
+        check = problem.check(bad)
         assert not check.ok and reason in check.reason
 
 
 def test_check_catches_an_off_by_one_on_a_long_decode() -> None:
     """The tolerance is relative: at N=4096 one extra key moves the output by ~1/N of its size."""
     case = tiny_case(batch=1, q_heads=2, kv_heads=1, q_len=1, k_len=4096, head_dim=16, value_dim=16, kv_lens=(4095,))
-    problem, rows, expected, good = _outputs(case)
-    assert check_output(problem, good, rows, expected).ok
-    import twinattn
-
+    problem, good = _outputs(case)
+    assert problem.check(good).ok
     one_more = twinattn.attention(
         problem.q, problem.k, problem.v, causal=True, backend="numpy", kv_lens=np.array([4096])
     )
-    assert not check_output(problem, one_more, rows, expected).ok
+    assert not problem.check(one_more).ok
 
 
 # ----------------------------------------------------------------------------------------------
 # Timing rules
 
 
-class SleepyRunner(runners.TwinattnRunner):
+class SleepyRunner(peers.NumpyRunner):
     """numpy, plus a sleep per call: a slow backend."""
 
     def __init__(self, seconds: float) -> None:
-        super().__init__("numpy")
+        super().__init__()
         self.seconds = seconds
 
-    def available(self) -> Optional[str]:
-        return None
-
-    def prepare(self, problem: Any, threads: int) -> runners.Prepared:
+    def prepare(self, problem: Any, threads: int) -> peers.Prepared:
         ready = super().prepare(problem, threads)
-        inner = ready.call
+        part = ready.parts[0]
+        inner = part.call
 
         def call() -> object:
             time.sleep(self.seconds)
             return inner()
 
-        return runners.Prepared(call, ready.output)
+        part.call = call
+        return ready
 
 
-def _run_one(runner: runners.Runner, case: Case, **budget: Any) -> measure.Outcome:
-    problem = make_problem(case)
-    return measure.run_one(
-        runner, problem, 1, measure.Budget(**budget), measure.Rates(), measure.expected_rows(problem)
-    )
+def _run_one(runner: peers.Runner, case: Case, **budget: Any) -> timing.Outcome:
+    return timing.run_one(runner, make_problem(case), 1, timing.Budget(**budget))
 
 
 def test_exact_repeat_count_and_warm_up() -> None:
-    outcome = _run_one(runners.NumpyRunner(), tiny_case(), repeat=7)
+    outcome = _run_one(peers.NumpyRunner(), tiny_case(), repeat=7)
     assert outcome.status == "ok" and outcome.times is not None and len(outcome.times) == 7
     assert outcome.warmup >= 1 and outcome.check is not None and outcome.check.ok
 
 
-def test_time_budget_stops_repeating_after_min_repeats() -> None:
-    start = time.perf_counter()
-    outcome = _run_one(SleepyRunner(0.02), tiny_case(), time_s=0.01, min_repeats=3, warmup_s=0.0)
-    assert outcome.status == "ok" and outcome.times is not None and len(outcome.times) == 3
-    assert time.perf_counter() - start < 1.0
+@pytest.mark.parametrize(
+    "seconds,budget,repeats",
+    [
+        (0.02, {"time_s": 0.01, "min_repeats": 3}, 3),  # the budget is spent: min_repeats, no more
+        (0.0, {"time_s": 60.0, "min_repeats": 3}, 7),  # not spent: on to max_repeats
+    ],
+    ids=["spent", "not-spent"],
+)
+def test_time_budget_decides_the_number_of_calls(seconds: float, budget: dict[str, float], repeats: int) -> None:
+    outcome = _run_one(SleepyRunner(seconds), tiny_case(), max_repeats=7, warmup_s=0.0, **budget)
+    assert outcome.status == "ok" and outcome.times is not None and len(outcome.times) == repeats
 
 
 def test_slow_first_call_is_skipped_with_a_note() -> None:
@@ -291,52 +300,81 @@ def test_slow_first_call_is_skipped_with_a_note() -> None:
 
 def test_predicted_slow_call_is_skipped_without_running(monkeypatch: pytest.MonkeyPatch) -> None:
     big = tiny_case(batch=1, q_len=1, k_len=64)
-    monkeypatch.setattr(measure, "PROBE_ABOVE_BYTES", 1)  # treat this case as "big": it is probed
+    monkeypatch.setattr(timing, "PROBE_ABOVE_BYTES", 1)  # treat this case as "big": it is probed
     outcome = _run_one(SleepyRunner(0.2), big, max_call_s=0.05)
     assert outcome.status == "skipped" and "estimated" in outcome.note
 
 
 def test_scratch_memory_limit_skips() -> None:
-    outcome = _run_one(runners.NumpyRunner(), tiny_case(), memory_bytes=10)
+    outcome = _run_one(peers.NumpyRunner(), tiny_case(), memory_bytes=10)
     assert outcome.status == "skipped" and "scratch" in outcome.note
 
 
-class LoggingRunner(runners.TwinattnRunner):
+class DriftingRunner(peers.NumpyRunner):
+    """Right on its first call, wrong from the second on: only the check after timing sees it."""
+
+    def prepare(self, problem: Any, threads: int) -> peers.Prepared:
+        ready = super().prepare(problem, threads)
+        part, calls = ready.parts[0], []
+        call, output = part.call, part.output
+
+        def counted() -> object:
+            calls.append(1)
+            return call()
+
+        part.call = counted
+        part.output = lambda: output() + (1.0 if len(calls) > 1 else 0.0)
+        return ready
+
+
+def test_a_result_that_goes_wrong_while_timed_is_wrong() -> None:
+    outcome = _run_one(DriftingRunner(), tiny_case(), repeat=3)
+    assert outcome.status == "wrong" and outcome.note.startswith("WRONG after timing") and outcome.times is None
+
+
+class LoggingRunner(peers.NumpyRunner):
     """numpy under another name, logging each call's name: shows the order of the calls."""
 
     def __init__(self, name: str, log: list[str], wrong: bool = False) -> None:
-        super().__init__("numpy")
+        super().__init__()
         self.name, self.log, self.wrong = name, log, wrong
 
-    def available(self) -> Optional[str]:
-        return None
-
-    def prepare(self, problem: Any, threads: int) -> runners.Prepared:
-        ready = runners.NumpyRunner().prepare(problem, threads)
+    def prepare(self, problem: Any, threads: int) -> peers.Prepared:
+        ready = peers.NumpyRunner().prepare(problem, threads)  # this runner's name is not a backend
+        inner = ready.parts[0]
 
         def call() -> object:
             self.log.append(self.name)
-            return ready.call()
+            return inner.call()
 
         def output() -> np.ndarray:
-            out = ready.output()
+            out = inner.output()
             return out + 1.0 if self.wrong else out
 
-        return runners.Prepared(call, output)
+        ready.parts = [peers.Part(call, output)]
+        return ready
 
 
 def test_alternate_timing_takes_turns_and_checks_both() -> None:
     log: list[str] = []
     problem = make_problem(tiny_case())
-    budget = measure.Budget(repeat=4, warmup_s=0.0)
-    pair = [LoggingRunner("a", log), LoggingRunner("b", log)]
-    times, why = measure.run_pair(pair, problem, 1, budget, measure.expected_rows(problem))
+    budget = timing.Budget(repeat=4, warmup_s=0.0)
+    times, why = timing.run_pair([LoggingRunner("a", log), LoggingRunner("b", log)], problem, 1, budget)
     assert why == "" and times is not None and [len(t) for t in times] == [4, 4]
     # checked call and one warm-up each, then rounds in turn, the order reversed every round
-    assert log[4:] == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert log == ["a", "a", "b", "b"] + ["a", "b", "b", "a", "a", "b", "b", "a"]
     broken = [LoggingRunner("a", []), LoggingRunner("b", [], wrong=True)]
-    times, why = measure.run_pair(broken, problem, 1, budget, measure.expected_rows(problem))
+    times, why = timing.run_pair(broken, problem, 1, budget)
     assert times is None and why.startswith("b WRONG")
+
+
+@pytest.mark.parametrize(
+    "seconds,text", [(5e-5, "50.0 us"), (0.07191, "71.91 ms"), (2.5, "2.50 s"), (-0.07191, "-71.91 ms"), (-5e-5, "-50.0 us")]
+)
+def test_times_are_printed_in_their_unit(seconds: float, text: str) -> None:
+    """The layer's overhead (step - kernel) can come out negative on a noisy machine: it keeps
+    its unit (it used to print as -71911.2 us)."""
+    assert bench_report.fmt_time(seconds) == text
 
 
 def test_port_ratio_comes_from_the_alternate_timing() -> None:
@@ -381,7 +419,7 @@ def test_both_ports_are_timed_alternately_in_a_run(
 def small_ceilings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(machine, "GEMM_N", 128)
     monkeypatch.setattr(machine, "READ_BYTES", 4 << 20)
-    monkeypatch.setattr(cli, "_settle", lambda: None)
+    monkeypatch.setattr(machine, "settle", lambda: None)
 
 
 QUICK_TINY = ["--quick", "--shrink", "64", "--time-budget", "0.01", "--threads", "2"]
@@ -422,7 +460,7 @@ def test_quick_run_writes_the_promised_json(
     assert doc["ceilings"]["gemm_gflops"] > 0 and doc["ceilings"]["read_gbps"] > 0
     assert doc["ceilings"]["gemm_kernel"]
     results = doc["results"]
-    assert {r["case"] for r in results} == set(bench_cases.QUICK_CASES)
+    assert {r["case"] for r in results} == set(suite.QUICK_CASES)
     for r in results:
         assert RESULT_FIELDS | LAYER_FIELDS <= r.keys()
         assert r["status"] == "ok", r
@@ -443,12 +481,10 @@ def test_quick_run_writes_the_promised_json(
 def test_wrong_results_are_reported_as_wrong(
     small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    class Broken(runners.NumpyRunner):
+    class Broken(peers.NumpyRunner):
         """Fast and wrong: top-left causal alignment."""
 
-        def prepare(self, problem: Any, threads: int) -> runners.Prepared:
-            import twinattn
-
+        def prepare(self, problem: Any, threads: int) -> peers.Prepared:
             out = np.empty(
                 (problem.case.batch, problem.case.q_heads, problem.case.q_len, problem.case.value_dim), np.float32
             )
@@ -465,9 +501,9 @@ def test_wrong_results_are_reported_as_wrong(
                     backend="numpy",
                 )
 
-            return runners.Prepared(call, lambda: out)
+            return peers.Prepared([peers.Part(call, lambda: out)])
 
-    table = runners.make_runners()
+    table = peers.make_runners()
     table["numpy"] = Broken()
     monkeypatch.setattr(cli, "make_runners", lambda: table)
     path = tmp_path / "out.json"
@@ -485,8 +521,8 @@ def test_wrong_results_are_reported_as_wrong(
 def test_missing_peers_are_named_not_run(
     small_ceilings: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(runners.TorchRunner, "available", lambda self: "torch is not installed")
-    monkeypatch.setattr(runners.OnnxRuntimeRunner, "available", lambda self: "onnxruntime and onnx not installed")
+    monkeypatch.setattr(peers.TorchRunner, "available", lambda self: "torch is not installed")
+    monkeypatch.setattr(peers.OnnxRuntimeRunner, "available", lambda self: "onnxruntime and onnx not installed")
     assert cli.main(QUICK_TINY + ["--cases", "tiny", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "torch (torch is not installed)" in out and "onnxruntime (onnxruntime and onnx not installed)" in out
@@ -495,14 +531,13 @@ def test_missing_peers_are_named_not_run(
 @pytest.mark.parametrize("peer,module", [("onnxruntime", "onnxruntime"), ("torch", "torch")])
 def test_peer_paths_agree_with_the_reference(peer: str, module: str) -> None:
     pytest.importorskip(module)
-    runner = runners.make_runners()[peer]
+    runner = peers.make_runners()[peer]
     if runner.available() is not None:
         pytest.skip(runner.available() or "")
-    suite = [c.shrunk(64) for c in bench_cases.standard_suite(2)]
-    for case in suite:
+    for case in [c.shrunk(64) for c in suite.standard_suite(2)]:
         if case.group in ("prefill-causal", "decode") and case.x not in (2048 // 64, 16384 // 64):
             continue
-        if case.kind == bench_cases.LAYER:
+        if case.kind == suite.LAYER:
             continue  # twinattn backends only (test_peers_skip_the_layer_case)
         outcome = _run_one(runner, case, repeat=1)
         assert outcome.status == "ok", (case.name, outcome.note)
@@ -529,8 +564,7 @@ def test_plot_is_written(small_ceilings: None, tmp_path: Any) -> None:
 
 
 def test_shrunk_case_keeps_its_shape_rules() -> None:
-    suite = bench_cases.standard_suite(2)
-    for case in suite:
+    for case in suite.standard_suite(2):
         small = case.shrunk(64)
         assert small.q_len <= small.k_len
         assert dataclasses.replace(small, name=case.name) == small  # the name is kept
@@ -544,19 +578,12 @@ def test_shrunk_case_keeps_its_shape_rules() -> None:
 
 
 def tiny_layer(cached: int = 40) -> Case:
-    return bench_cases.layer_decode_case(hidden_size=32, q_heads=4, kv_heads=2, head_dim=8, cached=cached)
+    return suite.layer_decode_case(hidden_size=32, q_heads=4, kv_heads=2, head_dim=8, cached=cached)
 
 
-def _run_layer(runner: runners.Runner, case: Case, **budget: Any) -> measure.Outcome:
-    problem = bench_cases.make_layer_problem(case)
-    expected = bench_cases.layer_reference(problem)
-    return measure.run_layer(runner, problem, 1, measure.Budget(**budget), expected)
-
-
-def test_layer_case_matches_the_issue() -> None:
-    suite = {c.name: c for c in bench_cases.standard_suite(2)}
-    case = suite["layer-decode"]
-    assert case.kind == bench_cases.LAYER and "layer-decode" in bench_cases.QUICK_CASES
+def test_layer_case_is_llama3_8b_attention() -> None:
+    case = {c.name: c for c in suite.standard_suite(2)}["layer-decode"]
+    assert case.kind == suite.LAYER and "layer-decode" in suite.QUICK_CASES
     assert (case.hidden_size, case.q_heads, case.kv_heads, case.head_dim) == (4096, 32, 8, 128)
     assert (case.batch, case.q_len, case.cached, case.k_len) == (1, 1, 4096, 4097)
     assert work(case).kv_bytes == 4097 * 8 * 256 * 4  # the kernel reads the cache and the new token
@@ -565,44 +592,39 @@ def test_layer_case_matches_the_issue() -> None:
     assert "4096 cached" in case.shape_text()
 
 
-def test_layer_reference_is_the_library_step_in_float64() -> None:
-    """The independent float64 recomputation agrees with twinattn's own pieces run in float64
-    (RotaryEmbedding, twinattn.attention with the numpy backend), and with nn.Attention in float32."""
-    import twinattn
+def _layer_problem(case: Case) -> suite.LayerProblem:
+    problem = make_problem(case)
+    assert isinstance(problem, suite.LayerProblem)
+    return problem
 
-    case = dataclasses.replace(tiny_layer(), q_len=3, k_len=43)  # a 3-token chunk: the causal rows
-    problem = bench_cases.make_layer_problem(case)
-    expected = bench_cases.layer_reference(problem)
-    w = {name: a.astype(np.float64) for name, a in problem.weights.items()}
-    x = problem.hidden.astype(np.float64)
-    rope = twinattn.RotaryEmbedding(case.head_dim, base=problem.rope_base)
-    positions = np.arange(problem.cached, problem.cached + case.q_len)
 
-    def heads(weight: str, count: int) -> np.ndarray:
-        return (x @ w[weight].T).reshape(1, case.q_len, count, case.head_dim).transpose(0, 2, 1, 3)
-
-    q = rope.apply(heads("q_proj.weight", case.q_heads), positions)
-    k = rope.apply(heads("k_proj.weight", case.kv_heads), positions)
-    keys = np.concatenate([problem.past_k.astype(np.float64), k], axis=2)
-    values = np.concatenate([problem.past_v.astype(np.float64), heads("v_proj.weight", case.kv_heads)], axis=2)
-    attn = twinattn.attention(q, keys, values, causal=True, backend="numpy")
-    np.testing.assert_allclose(expected.attn, attn, rtol=1e-10, atol=1e-12)
-    merged = attn.transpose(0, 2, 1, 3).reshape(1, case.q_len, -1)
-    np.testing.assert_allclose(expected.out, merged @ w["o_proj.weight"].T, rtol=1e-10, atol=1e-12)
-
-    layer = twinattn.nn.Attention(case.hidden_size, case.q_heads, case.kv_heads, rope=rope, backend="numpy")
-    layer.load_state_dict(problem.weights)
-    cache = twinattn.KVCache(1, 1, case.kv_heads, case.head_dim, case.k_len)
-    cache.update(problem.past_k, problem.past_v, 0)
-    assert bench_cases.check_close(layer(problem.hidden, cache=cache), expected.out).ok
+def test_layer_reference_agrees_with_nn_attention_token_by_token() -> None:
+    """The float64 step of a 3-token chunk (RotaryEmbedding, a float64 KVCache and the NumPy
+    reference, all in one call) against nn.Attention in float32 taking the 3 tokens one decode
+    step at a time: the same positions, offsets and causal rows, reached another way. A layer
+    with Llama 2's RoPE base instead of Llama 3's fails the same check."""
+    problem = _layer_problem(dataclasses.replace(tiny_layer(), q_len=3, k_len=43))
+    case = problem.case
+    expected, attn = problem.expected
+    assert expected.shape == (1, 3, case.hidden_size) and attn.shape == (1, case.q_heads, 3, case.head_dim)
+    for base, ok in ((problem.rope_base, True), (10000.0, False)):
+        rope = twinattn.RotaryEmbedding(case.head_dim, base=base)
+        layer = twinattn.nn.Attention(case.hidden_size, case.q_heads, case.kv_heads, rope=rope, backend="numpy")
+        layer.load_state_dict(problem.weights)
+        cache = problem.cache()
+        steps = [layer(problem.hidden[:, i : i + 1], cache=cache) for i in range(3)]
+        check = suite.check_close(np.concatenate(steps, axis=1), expected)
+        assert check.ok == ok, check
+        if ok:
+            assert check.max_abs_err < 1e-5
 
 
 @pytest.mark.parametrize("backend", ["cpp", "rust", "numpy"])
 def test_layer_step_and_kernel_are_checked_and_timed(backend: str) -> None:
-    runner = runners.make_runners()[backend]
+    runner = peers.make_runners()[backend]
     if runner.available() is not None:
         pytest.skip(runner.available() or "")
-    outcome = _run_layer(runner, tiny_layer(), repeat=5)
+    outcome = _run_one(runner, tiny_layer(), repeat=5)
     assert outcome.status == "ok", outcome.note
     assert outcome.times is not None and len(outcome.times) == 5
     assert outcome.kernel_times is not None and len(outcome.kernel_times) == 5
@@ -612,59 +634,57 @@ def test_layer_step_and_kernel_are_checked_and_timed(backend: str) -> None:
 
 def test_every_step_starts_from_the_same_cache() -> None:
     """The cache is cropped back before every step: each step sees cached tokens, appends one."""
-    problem = bench_cases.make_layer_problem(tiny_layer(cached=9))
-    ready = runners.make_runners()["numpy"].prepare_layer(problem, 1)
-    try:
+    with peers.prepared(peers.NumpyRunner(), make_problem(tiny_layer(cached=9)), 1) as ready:
+        step = ready.parts[0]
         outputs = []
         for _ in range(3):
-            ready.reset()
-            outputs.append(np.array(ready.step()))
+            step.reset()
+            outputs.append(np.array(step.call()))
         np.testing.assert_array_equal(outputs[0], outputs[2])
         with pytest.raises(ValueError, match="max_seq_len"):
-            ready.step()  # without the crop the cache (sized for one step) overflows
-    finally:
-        ready.close()
+            step.call()  # without the crop the cache (sized for one step) overflows
 
 
-class BrokenLayerRunner(runners.NumpyRunner):
+class BrokenLayerRunner(peers.NumpyRunner):
     """The numpy layer, wrong in one chosen way."""
 
     def __init__(self, fault: str) -> None:
         super().__init__()
         self.fault = fault
 
-    def prepare_layer(self, problem: Any, threads: int) -> runners.PreparedLayer:
+    def prepare(self, problem: Any, threads: int) -> peers.Prepared:
         if self.fault == "rope-base":  # Llama 2's base with Llama 3's weights
             problem = dataclasses.replace(problem, rope_base=10000.0)
-        ready = super().prepare_layer(problem, threads)
+        ready = super().prepare(problem, threads)
+        step, kernel = ready.parts
         if self.fault == "kernel":  # the kernel alone answers for another head
-            inner = ready.kernel_output
-            ready.kernel_output = lambda: np.roll(inner(), 1, axis=1)
+            inner = kernel.output
+            kernel.output = lambda: np.roll(inner(), 1, axis=1)
         if self.fault == "no-crop":  # the cache is never cropped back: the second step has 2 new tokens
-            ready.reset = lambda: None
+            step.reset = lambda: None
         return ready
 
 
 @pytest.mark.parametrize("fault,status,words", [("rope-base", "wrong", "step output"), ("kernel", "wrong", "kernel")])
 def test_a_wrong_layer_is_reported_and_not_timed(fault: str, status: str, words: str) -> None:
-    outcome = _run_layer(BrokenLayerRunner(fault), tiny_layer(), repeat=3)
+    outcome = _run_one(BrokenLayerRunner(fault), tiny_layer(), repeat=3)
     assert outcome.status == status and words in outcome.note and outcome.note.startswith("WRONG")
     assert outcome.times is None and outcome.kernel_times is None
 
 
 def test_a_missed_crop_is_not_timed_as_ok() -> None:
-    outcome = _run_layer(BrokenLayerRunner("no-crop"), tiny_layer(), repeat=3)
+    outcome = _run_one(BrokenLayerRunner("no-crop"), tiny_layer(), repeat=3)
     assert outcome.status == "error" and "max_seq_len" in outcome.note and outcome.times is None
 
 
 def test_peers_skip_the_layer_case() -> None:
-    for runner in (runners.TorchRunner(), runners.OnnxRuntimeRunner()):
-        outcome = _run_layer(runner, tiny_layer())
+    for runner in (peers.TorchRunner(), peers.OnnxRuntimeRunner()):
+        outcome = _run_one(runner, tiny_layer())
         assert outcome.status == "skipped" and outcome.note == "layer case: twinattn backends only"
 
 
 def _tiny_layer_suite(all_threads: int) -> list[Case]:
-    return [c for c in bench_cases.standard_suite(all_threads) if c.kind != bench_cases.LAYER] + [tiny_layer(64)]
+    return [c for c in suite.standard_suite(all_threads) if c.kind != suite.LAYER] + [tiny_layer(64)]
 
 
 def test_layer_case_in_the_json_and_the_table(
@@ -692,7 +712,7 @@ def test_wrong_layer_fails_the_command(
     small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setattr(cli, "standard_suite", _tiny_layer_suite)
-    table = runners.make_runners()
+    table = peers.make_runners()
     table["numpy"] = BrokenLayerRunner("rope-base")
     monkeypatch.setattr(cli, "make_runners", lambda: table)
     path = tmp_path / "out.json"

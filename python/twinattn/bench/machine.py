@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -31,28 +31,22 @@ READ_BYTES = 1 << 30  # 1 GiB: 32x the 32 MiB L3 of the development machines
 OPENBLAS_ENV = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
 
 
-def cpu_model() -> str:
+def _cpuinfo(*keys: str) -> Optional[str]:
+    """The value of the first /proc/cpuinfo line that starts with one of `keys`."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(keys)), None)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return None
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> list[str]:
-    wanted = ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "asimd", "sve")
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    present = set(line.split(":", 1)[1].split())
-                    return [flag for flag in wanted if flag in present]
-    except OSError:
-        pass
-    return []
+    present = set((_cpuinfo("flags", "Features") or "").split())
+    return [flag for flag in ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "asimd", "sve") if flag in present]
 
 
 def blas_info() -> dict[str, Any]:
@@ -98,12 +92,31 @@ def describe(backends: dict[str, str], threads: int) -> dict[str, Any]:
     }
 
 
-def _limit_blas(threads: int) -> Any:
+def blas_limits(threads: int) -> Any:
+    """NumPy's BLAS limited to `threads` (undo with .restore_original_limits()), or None without
+    threadpoolctl."""
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:
         return None
     return threadpool_limits(limits=threads, user_api="blas")
+
+
+def settle() -> None:
+    """Let the previous library's worker threads stop spinning (OpenBLAS, OpenMP, ORT's pool) so
+    they do not steal cores from the next measurement."""
+    time.sleep(0.1)
+
+
+def memory_available() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
 
 
 def gemm_gflops(threads: int, n: Optional[int] = None, budget_s: float = 1.0, min_repeats: int = 3) -> dict[str, Any]:
@@ -113,7 +126,7 @@ def gemm_gflops(threads: int, n: Optional[int] = None, budget_s: float = 1.0, mi
     a = rng.standard_normal((n, n), dtype=np.float32)
     b = rng.standard_normal((n, n), dtype=np.float32)
     c = np.empty((n, n), dtype=np.float32)
-    limits = _limit_blas(threads)
+    limits = blas_limits(threads)
     try:
         np.matmul(a, b, out=c)  # warm-up: BLAS threads started, pages touched
         times: list[float] = []
@@ -178,3 +191,32 @@ READ_METHOD = (
     "np.add.reduce over a float32 buffer of {size}, split into one contiguous slice per thread, "
     "the slices summed at once by {threads} Python thread(s) (NumPy releases the GIL); median of 5"
 )
+
+
+def measure_ceilings(
+    thread_counts: Sequence[int], quick: bool, bandwidth: ReadBandwidth, show: Callable[[str], None]
+) -> dict[str, Any]:
+    """GEMM and read bandwidth for every thread count of the run; the top-level figures are the
+    largest count's. `show` reports progress."""
+    by_threads: dict[str, dict[str, Any]] = {}
+    for t in thread_counts:
+        show(f"ceilings: NumPy float32 GEMM and read bandwidth, {t} thread(s)")
+        settle()
+        gemm = gemm_gflops(t, budget_s=0.5 if quick else 1.5)
+        settle()
+        read = bandwidth.measure(t)
+        by_threads[str(t)] = {
+            "gemm_gflops": gemm["gflops"],
+            "gemm_kernel": gemm["kernel"],
+            "gemm_n": gemm["n"],
+            "read_gbps": read["gbps"],
+        }
+    top = by_threads[str(max(thread_counts))]
+    return {
+        "gemm_gflops": top["gemm_gflops"],
+        "read_gbps": top["read_gbps"],
+        "gemm_kernel": top["gemm_kernel"],
+        "gemm_method": f"numpy.matmul float32 {GEMM_N}x{GEMM_N}, median, BLAS threads = case threads",
+        "read_method": READ_METHOD.format(size=f"{bandwidth.nbytes >> 20} MiB", threads="T"),
+        "by_threads": by_threads,
+    }

@@ -1,12 +1,121 @@
-"""What a run reports: result rows with derived figures, the table on stdout, JSON, and the plot."""
+"""What a run reports: progress on stderr, result rows with derived figures, the text on stdout
+(header, table, C++/Rust and layer tables), JSON, and the plot."""
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Any, Optional, Sequence
+import statistics
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-PEERS = ("torch", "onnxruntime")
+from .peers import PEERS, PORTS
+from .suite import DECODE, LAYER, Case, work
+
+if TYPE_CHECKING:
+    from .timing import Outcome
+
+
+class Progress:
+    """A plain progress bar on stderr (one line per step when stderr is not a terminal)."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.start = time.perf_counter()
+
+    def show(self, label: str) -> None:
+        if not self.enabled:
+            return
+        filled = 24 * self.done // max(self.total, 1)
+        text = (
+            f"[{'#' * filled}{'.' * (24 - filled)}] {self.done}/{self.total} "
+            f"{time.perf_counter() - self.start:5.0f}s  {label}"
+        )
+        sys.stderr.write("\r\x1b[2K" + text[:160] if self.tty else text + "\n")
+        sys.stderr.flush()
+
+    def step(self) -> None:
+        self.done += 1
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()
+
+
+def result_row(
+    case: Case, backend: str, threads: int, outcome: "Outcome", gemm_gflops: Optional[float], beside: list[float]
+) -> dict[str, Any]:
+    """One (case, backend) of the JSON's results: the outcome, the work, and the rates against
+    the GEMM ceiling and the read bandwidth measured beside the run (`beside`, decode only)."""
+    w = work(case)
+    median = outcome.median_s if outcome.status == "ok" else None
+    check, kernel_check = outcome.check, outcome.kernel_check
+    layer = case.kind == LAYER
+    kernel = outcome.kernel_median_s if layer and median is not None else None
+    overhead = median - kernel if median is not None and kernel is not None else None
+    # the layer case: pairs, flops and kv_bytes are its attention kernel's; a rate over the step's
+    # time would mix in the projections, so none is given
+    gflops = w.flops / median / 1e9 if median and not layer else None
+    gbps = w.kv_bytes / median / 1e9 if median and case.kind == DECODE else None
+    row: dict[str, Any] = {
+        "case": case.name,
+        "group": case.group,
+        "kind": case.kind,
+        "x": case.x,
+        "backend": backend,
+        "threads": threads,
+        "status": outcome.status,
+        "note": outcome.note,
+        "median_s": median,
+        "min_s": min(outcome.times) if median is not None and outcome.times else None,
+        "repeats": len(outcome.times) if outcome.times else 0,
+        "warmup": outcome.warmup,
+        "first_call_s": outcome.first_call_s,
+        "gflops": gflops,
+        "gbps": gbps,
+        "pairs": w.pairs,
+        "flops": w.flops,
+        "kv_bytes": w.kv_bytes,
+        "max_abs_err": check.max_abs_err if check else None,
+        "tolerance": check.tolerance if check else None,
+        # layer case only (None elsewhere): median step, median kernel alone, step - kernel
+        "layer_s": median if layer else None,
+        "kernel_s": kernel,
+        "overhead_s": overhead,
+        "overhead_fraction": overhead / median if overhead is not None and median else None,
+        "kernel_min_s": min(outcome.kernel_times) if kernel is not None and outcome.kernel_times else None,
+        "kernel_repeats": len(outcome.kernel_times) if layer and outcome.kernel_times else 0,
+        "kernel_max_abs_err": kernel_check.max_abs_err if kernel_check else None,
+        "cache_cropped": "before every step, untimed" if layer and median is not None else None,
+        "shape": {
+            **{k: getattr(case, k) for k in ("batch", "q_heads", "kv_heads", "q_len", "k_len", "head_dim", "value_dim")},
+            "causal": case.causal,
+            "kv_lens": list(case.kv_lens) if case.kv_lens else None,
+            "hidden_size": case.hidden_size or None,
+            "cached": case.cached if layer else None,
+        },
+        "gemm_fraction": gflops / gemm_gflops if gflops and gemm_gflops else None,
+    }
+    if beside:
+        row["read_gbps_beside"] = sum(beside) / len(beside)
+        row["read_gbps_beside_each"] = beside
+        row["read_fraction"] = gbps / row["read_gbps_beside"] if gbps else None
+    return row
+
+
+def add_pair(rows: list[dict[str, Any]], times: Optional[list[list[float]]], why: str) -> None:
+    """The alternate timing's median (and its call count, or why it failed) on both ports' rows."""
+    for row in rows:
+        if row["backend"] not in PORTS:
+            continue
+        if times is None:
+            row["paired_median_s"], row["paired_repeats"], row["paired_note"] = None, 0, why
+        else:
+            mine = times[PORTS.index(row["backend"])]
+            row["paired_median_s"], row["paired_repeats"] = statistics.median(mine), len(mine)
 
 
 def add_comparisons(rows: list[dict[str, Any]]) -> None:
@@ -52,9 +161,9 @@ def port_times(ports: dict[str, dict[str, Any]]) -> tuple[Optional[float], Optio
 def fmt_time(s: Optional[float]) -> str:
     if s is None:
         return "-"
-    if s < 1e-3:
+    if abs(s) < 1e-3:  # abs: the layer's overhead (step - kernel) can come out negative
         return f"{s * 1e6:.1f} us"
-    if s < 1:
+    if abs(s) < 1:
         return f"{s * 1e3:.2f} ms"
     return f"{s:.2f} s"
 
@@ -67,21 +176,9 @@ def _pct(x: Optional[float]) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-COLUMNS = (
-    ("case", "<"),
-    ("backend", "<"),
-    ("thr", ">"),
-    ("median", ">"),
-    ("GFLOP/s", ">"),
-    ("%gemm", ">"),
-    ("GB/s", ">"),
-    ("%read", ">"),
-    ("vs numpy", ">"),
-    ("vs torch", ">"),
-    ("vs peer", ">"),
-    ("max err", ">"),
-    ("note", "<"),
-)
+NUMBERS = ("thr", "median", "GFLOP/s", "%gemm", "GB/s", "%read", "vs numpy", "vs torch", "vs peer", "max err")
+# (heading, alignment) of the table's columns: text left, numbers right; the note runs to the end of the line
+COLUMNS = [("case", "<"), ("backend", "<")] + [(name, ">") for name in NUMBERS] + [("note", "<")]
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
@@ -184,6 +281,55 @@ def layer_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def header(document: dict[str, Any]) -> str:
+    m, c = document["machine"], document["ceilings"]
+    isa = ", ".join(f"{port} {isa}" for port, isa in m["isa"].items()) or "no native port built"
+    lines = [
+        f"twinattn-bench: {document['command']}",
+        f"machine: {m['cpu']} ({', '.join(m['cpu_flags'])}), {m['usable_cores']} usable cores, {m['threads']} threads",
+        f"ports:   {isa}",
+        f"timed:   {'; '.join(m['backends'].values())}",
+        f"ceilings ({m['threads']} thr): NumPy float32 GEMM {c['gemm_gflops']:.1f} GFLOP/s "
+        f"(OpenBLAS kernel {c['gemm_kernel']}), read bandwidth {c['read_gbps']:.1f} GB/s",
+    ]
+    for t, entry in c["by_threads"].items():
+        if int(t) != m["threads"]:
+            lines.append(
+                f"          ({t} thr): GEMM {entry['gemm_gflops']:.1f} GFLOP/s, read {entry['read_gbps']:.1f} GB/s"
+            )
+    env = {k: v for k, v in m["env"].items() if v is not None and k.startswith("OPENBLAS_")}
+    if env.get("OPENBLAS_CORETYPE") or env.get("OPENBLAS_L2_SIZE"):
+        lines.append(
+            "note:    "
+            + " ".join(f"{k}={v}" for k, v in env.items())
+            + " is set: it picks NumPy's GEMM kernel and may lower the GEMM ceiling; "
+            "run under `env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE` to measure the machine's own"
+        )
+    if document["shrink"] != 1:
+        lines.append(f"note:    --shrink {document['shrink']}: every sequence length divided by {document['shrink']}")
+    return "\n".join(lines)
+
+
+def text(document: dict[str, Any]) -> str:
+    """The run on stdout: header, the table, C++ against Rust, the layer case, what was not run."""
+    rows = document["results"]
+    parts = [header(document), table(rows)]
+    ports = port_table(rows)
+    if ports:
+        heading = "C++ against Rust, timed alternately call by call (ratio of median times; < 1: C++ faster):"
+        parts.append(f"{heading}\n{ports}")
+    layers = layer_table(rows)
+    if layers:
+        heading = (
+            "nn.Attention decode step against the kernel alone "
+            "(overhead = step - kernel: projections, RoPE, cache append, o_proj, Python):"
+        )
+        parts.append(f"{heading}\n{layers}")
+    if document["peers_missing"]:
+        parts.append("not run: " + "; ".join(f"{name} ({why})" for name, why in document["peers_missing"].items()))
+    return "\n\n".join(parts)
+
+
 # ----------------------------------------------------------------------------------------------
 # JSON
 
@@ -226,14 +372,16 @@ def plot(path: str, document: dict[str, Any]) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in document["results"] if r["status"] == "ok"]
-    ceilings = document["ceilings"]
-    threads = document["machine"]["threads"]
+    ceilings, threads = document["ceilings"], document["machine"]["threads"]
+    gemm, read = ceilings.get("gemm_gflops"), ceilings.get("read_gbps")
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.2))
     panels = (
-        (left, "prefill-causal", "gflops", "GFLOP/s", "causal prefill, Hq 32 / Hkv 8, D 128", "N (query = key tokens)"),
-        (right, "decode", "gbps", "GB/s of K and V read", "decode, 1 query, Hq 32 / Hkv 8, D 128", "N (cached tokens)"),
+        (left, "prefill-causal", "gflops", "GFLOP/s", "causal prefill, Hq 32 / Hkv 8, D 128", "N (query = key tokens)",
+         gemm, f"NumPy sgemm {gemm or 0:.0f} GFLOP/s ({ceilings.get('gemm_kernel', '')}, {threads} thr)"),
+        (right, "decode", "gbps", "GB/s of K and V read", "decode, 1 query, Hq 32 / Hkv 8, D 128", "N (cached tokens)",
+         read, f"read bandwidth {read or 0:.1f} GB/s (start of run)"),
     )
-    for ax, group, key, ylabel, title, xlabel in panels:
+    for ax, group, key, ylabel, title, xlabel, ceiling, ceiling_label in panels:
         series: dict[str, list[tuple[int, float]]] = {}
         for r in rows:
             if r["group"] == group and r.get(key) is not None:
@@ -242,42 +390,12 @@ def plot(path: str, document: dict[str, Any]) -> None:
             points.sort()
             color, marker = STYLE.get(backend, (None, "x"))
             ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, color=color, label=backend, lw=1.8)
-        if group == "prefill-causal":
-            gemm = ceilings.get("gemm_gflops")
-            if gemm:
-                kernel = ceilings.get("gemm_kernel", "")
-                ax.axhline(gemm, color="black", ls="--", lw=1)
-                ax.annotate(
-                    f"NumPy sgemm {gemm:.0f} GFLOP/s ({kernel}, {threads} thr)",
-                    (0.01, gemm),
-                    xycoords=("axes fraction", "data"),
-                    va="bottom",
-                    fontsize=8,
-                )
-        else:
-            read = ceilings.get("read_gbps")
-            if read:
-                ax.axhline(read, color="black", ls="--", lw=1)
-                ax.annotate(
-                    f"read bandwidth {read:.1f} GB/s (start of run)",
-                    (0.01, read),
-                    xycoords=("axes fraction", "data"),
-                    va="bottom",
-                    fontsize=8,
-                )
-            beside = sorted(
-                (r["x"], r["read_gbps_beside"]) for r in rows if r["group"] == group and r.get("read_gbps_beside")
-            )
-            if beside:
-                ax.scatter(
-                    [b[0] for b in beside],
-                    [b[1] for b in beside],
-                    color="black",
-                    marker="_",
-                    s=120,
-                    label="read bandwidth beside each run",
-                    zorder=3,
-                )
+        if ceiling:
+            ax.axhline(ceiling, color="black", ls="--", lw=1)
+            ax.annotate(ceiling_label, (0.01, ceiling), xycoords=("axes fraction", "data"), va="bottom", fontsize=8)
+        beside = sorted((r["x"], r["read_gbps_beside"]) for r in rows if r["group"] == group and r.get("read_gbps_beside"))
+        if beside:
+            ax.scatter(*zip(*beside), color="black", marker="_", s=120, label="read bandwidth beside each run", zorder=3)
         ax.set_xscale("log", base=2)
         xs = sorted({r["x"] for r in rows if r["group"] == group})
         if xs:

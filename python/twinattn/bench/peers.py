@@ -1,8 +1,9 @@
-"""The backends the benchmark times: the two native ports, the NumPy reference, and two peers.
+"""Everything the benchmark times, behind one interface: twinattn's backends and its peers.
 
-Each runner turns a Problem into a Prepared call: everything a backend needs (layout changes,
-masks, models, sessions, output buffers) is made in `prepare`, outside the timed region; `call`
-is the one thing timed; `output` hands back the latest result as (B, Hq, Lq, Dv) for the check.
+A runner turns a problem (suite.Problem or suite.LayerProblem) into a Prepared call: everything a
+backend needs (layout changes, masks, models, sessions, output buffers) is made in `prepare`,
+outside the timed region. Its `parts` are what is timed, each with the output it hands back for
+the problem's check (part i is checked by problem.check(output, i)):
 
     cpp, rust    twinattn.attention(..., backend=port, out=preallocated, num_threads=T)
     numpy        twinattn.attention(..., backend="numpy"), NumPy's BLAS limited to T threads
@@ -12,13 +13,12 @@ is the one thing timed; `output` hands back the latest result as (B, Hq, Lq, Dv)
                  with a KV cache (Lq < Lk) the cache is bound in place through IOBinding
                  (past_key and present_key share one buffer), so no cache copy is timed
 
-The layer case (kind LAYER) runs on twinattn's backends only, through `prepare_layer`: a
-twinattn.nn.Attention(backend=port) with the problem's weights (load_state_dict) and a KVCache
-holding the problem's cached tokens. `step` is one decode step; `reset` crops the cache back
-(untimed, before every step, so every step does the same work); `kernel` is twinattn.attention
-alone with the arguments the layer passes it (the step's q, the cache views, q_offset, kv_lens).
-The native threads (twinattn.set_num_threads) and NumPy's BLAS threads (the projections) are both
-set to the run's thread count; both are restored on close.
+The layer case runs on twinattn's backends only: part 0 is one decode step of a
+twinattn.nn.Attention(backend=port) holding the problem's weights, on a KVCache holding its cached
+tokens, the cache cropped back before every step (untimed, so every step does the same work);
+part 1 is twinattn.attention alone with the arguments the layer passes it (the step's q, the cache
+views, q_offset, kv_lens). The native threads (twinattn.set_num_threads) and NumPy's BLAS threads
+(the projections) are both set to the run's thread count, and restored on close.
 """
 
 from __future__ import annotations
@@ -26,38 +26,50 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
 import twinattn
 
-from .cases import LAYER, Case, LayerProblem, Problem
+from .machine import blas_limits
+from .suite import LAYER, AnyProblem, Case, LayerProblem, Problem
 
+PORTS = ("cpp", "rust")  # twinattn's two native ports, also timed alternately
 PEERS = ("torch", "onnxruntime")
-ALL_BACKENDS = ("cpp", "rust", "numpy") + PEERS
 ALIASES = {"ort": "onnxruntime", "c++": "cpp"}
 LAYER_ONLY = "layer case: twinattn backends only"
 
 
+def _nothing() -> None:
+    return None
+
+
+@dataclass
+class Part:
+    """One timed call of a prepared backend."""
+
+    call: Callable[[], object]  # the timed call
+    output: Callable[[], np.ndarray]  # its latest output, for the check (outside timing)
+    reset: Callable[[], None] = _nothing  # before every call, untimed (the layer's cache crop)
+
+
 @dataclass
 class Prepared:
-    call: Callable[[], object]  # the timed call
-    output: Callable[[], np.ndarray]  # the latest output as (B, Hq, Lq, Dv), outside timing
-    close: Callable[[], None] = lambda: None
+    parts: list[Part]  # a kernel case: the call; the layer case: the step, then the kernel alone
+    close: Callable[[], None] = _nothing
     notes: list[str] = field(default_factory=list)
 
 
-@dataclass
-class PreparedLayer:
-    step: Callable[[], object]  # the timed call: one nn.Attention step with the cache
-    reset: Callable[[], None]  # crop the cache back to the problem's cached tokens (untimed)
-    kernel: Callable[[], object]  # twinattn.attention alone, as the step calls it (timed apart)
-    output: Callable[[], np.ndarray]  # the latest step output (B, q_len, hidden_size)
-    kernel_output: Callable[[], np.ndarray]  # the latest kernel output (B, Hq, q_len, D)
-    close: Callable[[], None] = lambda: None
-    notes: list[str] = field(default_factory=list)
+@contextlib.contextmanager
+def prepared(runner: "Runner", problem: AnyProblem, threads: int) -> Iterator[Prepared]:
+    ready = runner.prepare(problem, threads)
+    try:
+        yield ready
+    finally:
+        ready.close()
 
 
 class Runner:
@@ -80,15 +92,8 @@ class Runner:
         """Memory one call needs beyond its inputs and output (for skipping huge cases)."""
         return 0
 
-    def prepare(self, problem: Problem, threads: int) -> Prepared:
+    def prepare(self, problem: AnyProblem, threads: int) -> Prepared:
         raise NotImplementedError
-
-    def prepare_layer(self, problem: LayerProblem, threads: int) -> PreparedLayer:
-        raise NotImplementedError(LAYER_ONLY)
-
-
-def _nan_output(case: Case) -> np.ndarray:
-    return np.full((case.batch, case.q_heads, case.q_len, case.value_dim), np.nan, dtype=np.float32)
 
 
 class TwinattnRunner(Runner):
@@ -107,22 +112,37 @@ class TwinattnRunner(Runner):
         built = ", ".join(str(info[key]) for key in ("isa", "compiler") if key in info)
         return f"{self.name} {twinattn.__version__} ({built})"
 
-    def prepare(self, problem: Problem, threads: int) -> Prepared:
-        out = _nan_output(problem.case)
-        causal, lens, name = problem.case.causal, problem.kv_lens, self.name
-        q, k, v = problem.q, problem.k, problem.v
+    def supports(self, case: Case) -> Optional[str]:
+        return None
+
+    def prepare(self, problem: AnyProblem, threads: int) -> Prepared:
+        layer = isinstance(problem, LayerProblem)
+        parts = self._layer_parts(problem) if isinstance(problem, LayerProblem) else self._call(problem, threads)
+        previous_threads = twinattn.get_num_threads()
+        twinattn.set_num_threads(threads)
+        limits = blas_limits(threads)  # NumPy's BLAS: the numpy backend and the layer's projections
+
+        def close() -> None:
+            twinattn.set_num_threads(previous_threads)
+            if limits is not None:
+                limits.restore_original_limits()
+
+        missing = limits is None and (self.name == "numpy" or layer)
+        return Prepared(parts, close, ["BLAS threads not limited (threadpoolctl missing)"] if missing else [])
+
+    def _call(self, problem: Problem, threads: int) -> list[Part]:
+        case, name = problem.case, self.name
+        out = np.full((case.batch, case.q_heads, case.q_len, case.value_dim), np.nan, dtype=np.float32)
+        q, k, v, causal, lens = problem.q, problem.k, problem.v, case.causal, problem.kv_lens
 
         def call() -> object:
             return twinattn.attention(q, k, v, causal=causal, kv_lens=lens, out=out, backend=name, num_threads=threads)
 
-        return Prepared(call, lambda: out)
+        return [Part(call, lambda: out)]
 
-    def supports(self, case: Case) -> Optional[str]:
-        return None
-
-    def prepare_layer(self, problem: LayerProblem, threads: int) -> PreparedLayer:
-        case, name = problem.case, self.name
-        rope = twinattn.RotaryEmbedding(case.head_dim, base=problem.rope_base)
+    def _layer_parts(self, problem: LayerProblem) -> list[Part]:
+        case, name, cached, hidden = problem.case, self.name, problem.cached, problem.hidden
+        rope = problem.rope()
         layer = twinattn.nn.Attention(
             hidden_size=case.hidden_size,
             num_heads=case.q_heads,
@@ -132,39 +152,10 @@ class TwinattnRunner(Runner):
             backend=name,
         )
         layer.load_state_dict(problem.weights)
-        cached, length = problem.cached, case.q_len
-        cache = twinattn.KVCache(
-            num_layers=1,
-            batch_size=case.batch,
-            num_kv_heads=case.kv_heads,
-            head_dim=case.head_dim,
-            max_seq_len=case.k_len,  # exactly one step's room: a missed crop overflows, loudly
-        )
-        cache.update(problem.past_k, problem.past_v, 0)
-        hidden = problem.hidden
-
-        # The kernel alone gets what nn.Attention passes it: the new queries (projected and rotated
-        # as the layer does it), views of the cache after the append, q_offset and kv_lens.
-        positions = cache.positions(length, 0)
-
-        def heads(weight: str, count: int) -> np.ndarray:
-            y: np.ndarray = hidden @ problem.weights[weight].T
-            return y.reshape(case.batch, length, count, case.head_dim).transpose(0, 2, 1, 3)
-
-        q = rope.apply(heads("q_proj.weight", case.q_heads), positions)
-        k_new = np.ascontiguousarray(rope.apply(heads("k_proj.weight", case.kv_heads), positions))
-        v_new = np.ascontiguousarray(heads("v_proj.weight", case.kv_heads))
-        q_offset = cache.seq_lens(0)
-        keys, values = cache.update(k_new, v_new, 0)  # the step writes these same rows again
-        kv_lens = cache.seq_lens(0)
+        cache = problem.cache()
+        # the kernel alone gets what the layer passes it; the step writes these same rows again
+        q, keys, values, q_offset, kv_lens = problem.kernel_arguments(cache, rope)
         cache.crop(cached)
-
-        previous_threads = twinattn.get_num_threads()
-        twinattn.set_num_threads(threads)
-        limits = _blas_limits(threads)
-        notes: list[str] = []
-        if limits is None:
-            notes.append("BLAS threads not limited (threadpoolctl missing)")
         result: dict[str, Any] = {}
 
         def reset() -> None:
@@ -180,14 +171,7 @@ class TwinattnRunner(Runner):
             )
             return result["kernel"]
 
-        def close() -> None:
-            twinattn.set_num_threads(previous_threads)
-            if limits is not None:
-                limits.restore_original_limits()
-
-        return PreparedLayer(
-            step, reset, kernel, lambda: result["out"], lambda: result["kernel"], close=close, notes=notes
-        )
+        return [Part(step, lambda: result["out"], reset), Part(kernel, lambda: result["kernel"])]
 
 
 class NumpyRunner(TwinattnRunner):
@@ -209,58 +193,46 @@ class NumpyRunner(TwinattnRunner):
         row_bytes = 4 * case.batch * case.k_len * (case.head_dim + case.value_dim)
         return scores * (4 * 4 + 3) + row_bytes * (case.kv_heads + case.q_heads)
 
-    def prepare(self, problem: Problem, threads: int) -> Prepared:
-        prepared = super().prepare(problem, threads)
-        limits = _blas_limits(threads)
-        if limits is None:
-            prepared.notes.append("BLAS threads not limited (threadpoolctl missing)")
-        else:
-            prepared.close = limits.restore_original_limits
-        return prepared
+
+def _version(module: str) -> str:
+    return f"{module} {importlib.import_module(module).__version__}"
 
 
-def _blas_limits(threads: int) -> Any:
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return None
-    return threadpool_limits(limits=threads, user_api="blas")
+def _missing(*modules: str) -> Optional[str]:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return f"{' and '.join(missing)} not installed" if missing else None
 
 
 class TorchRunner(Runner):
     name = "torch"
 
     def available(self) -> Optional[str]:
-        if importlib.util.find_spec("torch") is None:
-            return "torch is not installed"
-        return None
+        return "torch is not installed" if _missing("torch") else None
 
     def version(self) -> str:
-        return f"torch {importlib.import_module('torch').__version__}"
+        return _version("torch")
 
     def peak_bytes(self, case: Case) -> int:
         # torch's CPU flash kernel works in blocks; its math fallback (explicit masks on old
         # versions) materialises the scores
         return case.batch * case.q_heads * case.q_len * case.k_len * 4 * 3
 
-    def prepare(self, problem: Problem, threads: int) -> Prepared:
+    def prepare(self, problem: AnyProblem, threads: int) -> Prepared:
         import torch
         import torch.nn.functional as F
 
+        assert isinstance(problem, Problem), LAYER_ONLY
         case = problem.case
         notes: list[str] = []
         q, k, v = (torch.from_numpy(np.array(a)) for a in (problem.q, problem.k, problem.v))  # writeable copies
         kwargs: dict[str, Any] = {"scale": problem.scale}
-        mask = None
-        needs_mask = problem.kv_lens is not None or (case.causal and case.q_len != case.k_len)
-        if needs_mask:
+        if problem.kv_lens is not None or (case.causal and case.q_len != case.k_len):
             key = np.arange(case.k_len)[None, None, :]
             allowed = key < case.lens[:, None, None]
             if case.causal:
                 rows = np.arange(case.q_len)[None, :, None]
                 allowed = allowed & (key <= case.q_offsets[:, None, None] + rows)  # bottom-right
-            mask = torch.from_numpy(np.ascontiguousarray(allowed[:, None]))  # (B, 1, Lq, Lk) bool
-            kwargs["attn_mask"] = mask
+            kwargs["attn_mask"] = torch.from_numpy(np.ascontiguousarray(allowed[:, None]))  # (B, 1, Lq, Lk) bool
         elif case.causal:
             kwargs["is_causal"] = True  # Lq == Lk: top-left and bottom-right agree
         if case.q_heads != case.kv_heads:
@@ -280,17 +252,12 @@ class TorchRunner(Runner):
             return result["out"]
 
         return Prepared(
-            call,
-            lambda: result["out"].numpy(),
-            close=lambda: torch.set_num_threads(previous_threads),
-            notes=notes,
+            [Part(call, lambda: result["out"].numpy())], lambda: torch.set_num_threads(previous_threads), notes
         )
 
 
 def _torch_has_gqa(functional: Any) -> bool:
     try:
-        import inspect
-
         return "enable_gqa" in inspect.signature(functional.scaled_dot_product_attention).parameters
     except (TypeError, ValueError):  # a builtin without a signature: enable_gqa came in torch 2.5
         import torch
@@ -303,13 +270,10 @@ class OnnxRuntimeRunner(Runner):
     name = "onnxruntime"
 
     def available(self) -> Optional[str]:
-        missing = [m for m in ("onnxruntime", "onnx") if importlib.util.find_spec(m) is None]
-        if missing:
-            return f"{' and '.join(missing)} not installed"
-        return None
+        return _missing("onnxruntime", "onnx")
 
     def version(self) -> str:
-        return f"onnxruntime {importlib.import_module('onnxruntime').__version__}"
+        return _version("onnxruntime")
 
     def supports(self, case: Case) -> Optional[str]:
         if case.kind == LAYER:
@@ -326,12 +290,12 @@ class OnnxRuntimeRunner(Runner):
         # the CPU kernel materialises the probabilities of every (sequence, head)
         return case.batch * case.q_heads * case.q_len * case.k_len * 4
 
-    def prepare(self, problem: Problem, threads: int) -> Prepared:
+    def prepare(self, problem: AnyProblem, threads: int) -> Prepared:
         import onnxruntime as ort
 
+        assert isinstance(problem, Problem), LAYER_ONLY
         case = problem.case
-        batch, q_len, k_len = case.batch, case.q_len, case.k_len
-        lens = case.lens
+        batch, q_len, k_len, lens = case.batch, case.q_len, case.k_len, case.lens
         # GroupQueryAttention takes (B, S, H x D) inputs: the last S tokens of each sequence are
         # "new" (query, key, value); with a cache, the earlier ones are in past_key/past_value
         # (B, Hkv, max_len, D), a buffer shared with present_key/present_value.
@@ -340,52 +304,43 @@ class OnnxRuntimeRunner(Runner):
         def tokens_last(a: np.ndarray) -> np.ndarray:  # (B, H, S, D) -> (B, S, H x D)
             return np.ascontiguousarray(a.transpose(0, 2, 1, 3).reshape(a.shape[0], a.shape[2], -1))
 
-        query = tokens_last(problem.q)
-        new_k = np.stack([problem.k[b, :, lens[b] - q_len : lens[b]] for b in range(batch)])
-        new_v = np.stack([problem.v[b, :, lens[b] - q_len : lens[b]] for b in range(batch)])
-        key, value = tokens_last(new_k), tokens_last(new_v)
-        seqlens_k = (lens - 1).astype(np.int32)  # "total sequence lengths - 1"
-        total = np.array(k_len if with_cache else q_len, dtype=np.int32)
-        output = np.full((batch, q_len, case.q_heads * case.value_dim), np.nan, dtype=np.float32)
+        def new_tokens(a: np.ndarray) -> np.ndarray:
+            return tokens_last(np.stack([a[b, :, lens[b] - q_len : lens[b]] for b in range(batch)]))
 
-        model = _gqa_model(case, problem.scale, with_cache)
+        output = np.full((batch, q_len, case.q_heads * case.value_dim), np.nan, dtype=np.float32)
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.log_severity_level = 3
-        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        model = _gqa_model(case, problem.scale, with_cache).SerializeToString()
+        session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
         binding = session.io_binding()
         keep: list[Any] = []
 
-        def bind_input(name: str, array: np.ndarray) -> Any:
+        def wrap(array: np.ndarray) -> Any:
             value = ort.OrtValue.ortvalue_from_numpy(array)  # wraps the numpy buffer, no copy on CPU
             keep.append((array, value))
-            binding.bind_ortvalue_input(name, value)
             return value
 
-        bind_input("query", query)
-        bind_input("key", key)
-        bind_input("value", value)
-        bind_input("seqlens_k", seqlens_k)
-        bind_input("total_sequence_length", total)
-        out_value = ort.OrtValue.ortvalue_from_numpy(output)
-        keep.append((output, out_value))
-        binding.bind_ortvalue_output("output", out_value)
-        if with_cache:
-            # the cache holds every key; each call rewrites the new tokens' rows with the same values
-            for past, present, array in (
-                ("past_key", "present_key", problem.k),
-                ("past_value", "present_value", problem.v),
-            ):
-                cache = bind_input(past, np.array(array))
+        inputs = {
+            "query": tokens_last(problem.q),
+            "key": new_tokens(problem.k),
+            "value": new_tokens(problem.v),
+            "seqlens_k": (lens - 1).astype(np.int32),  # "total sequence lengths - 1"
+            "total_sequence_length": np.array(k_len if with_cache else q_len, dtype=np.int32),
+        }
+        for name, array in inputs.items():
+            binding.bind_ortvalue_input(name, wrap(array))
+        binding.bind_ortvalue_output("output", wrap(output))
+        for past, present, array in (("past_key", "present_key", problem.k), ("past_value", "present_value", problem.v)):
+            if with_cache:  # the cache holds every key; each call rewrites the new tokens' rows, same values
+                cache = wrap(np.array(array))
+                binding.bind_ortvalue_input(past, cache)
                 binding.bind_ortvalue_output(present, cache)  # shared buffer: updated in place
-        else:
-            for present, dim in (("present_key", case.head_dim), ("present_value", case.value_dim)):
-                buffer = np.empty((batch, case.kv_heads, q_len, dim), dtype=np.float32)
-                value = ort.OrtValue.ortvalue_from_numpy(buffer)
-                keep.append((buffer, value))
-                binding.bind_ortvalue_output(present, value)
+            else:
+                shape = (batch, case.kv_heads, q_len, array.shape[-1])
+                binding.bind_ortvalue_output(present, wrap(np.empty(shape, dtype=np.float32)))
 
         def call() -> object:
             session.run_with_iobinding(binding)
@@ -394,35 +349,36 @@ class OnnxRuntimeRunner(Runner):
         def result() -> np.ndarray:
             return output.reshape(batch, q_len, case.q_heads, case.value_dim).transpose(0, 2, 1, 3)
 
-        def close() -> None:
-            keep.clear()
-
-        return Prepared(call, result, close=close)
+        return Prepared([Part(call, result)], keep.clear)
 
 
 def _gqa_model(case: Case, scale: float, with_cache: bool) -> Any:
     from onnx import TensorProto, helper
 
     f32, i32 = TensorProto.FLOAT, TensorProto.INT32
-    batch, q_len, k_len = case.batch, case.q_len, case.k_len
+    batch, q_len, k_len, hkv = case.batch, case.q_len, case.k_len, case.kv_heads
+
+    def tensor(name: str, kind: int, *shape: int) -> Any:
+        return helper.make_tensor_value_info(name, kind, list(shape))
+
     inputs = [
-        helper.make_tensor_value_info("query", f32, [batch, q_len, case.q_heads * case.head_dim]),
-        helper.make_tensor_value_info("key", f32, [batch, q_len, case.kv_heads * case.head_dim]),
-        helper.make_tensor_value_info("value", f32, [batch, q_len, case.kv_heads * case.value_dim]),
-        helper.make_tensor_value_info("seqlens_k", i32, [batch]),
-        helper.make_tensor_value_info("total_sequence_length", i32, []),
+        tensor("query", f32, batch, q_len, case.q_heads * case.head_dim),
+        tensor("key", f32, batch, q_len, hkv * case.head_dim),
+        tensor("value", f32, batch, q_len, hkv * case.value_dim),
+        tensor("seqlens_k", i32, batch),
+        tensor("total_sequence_length", i32),
     ]
     present_len = k_len if with_cache else q_len
     outputs = [
-        helper.make_tensor_value_info("output", f32, [batch, q_len, case.q_heads * case.value_dim]),
-        helper.make_tensor_value_info("present_key", f32, [batch, case.kv_heads, present_len, case.head_dim]),
-        helper.make_tensor_value_info("present_value", f32, [batch, case.kv_heads, present_len, case.value_dim]),
+        tensor("output", f32, batch, q_len, case.q_heads * case.value_dim),
+        tensor("present_key", f32, batch, hkv, present_len, case.head_dim),
+        tensor("present_value", f32, batch, hkv, present_len, case.value_dim),
     ]
     node_inputs = ["query", "key", "value", "", "", "seqlens_k", "total_sequence_length"]
     if with_cache:
         inputs[3:3] = [
-            helper.make_tensor_value_info("past_key", f32, [batch, case.kv_heads, k_len, case.head_dim]),
-            helper.make_tensor_value_info("past_value", f32, [batch, case.kv_heads, k_len, case.value_dim]),
+            tensor("past_key", f32, batch, hkv, k_len, case.head_dim),
+            tensor("past_value", f32, batch, hkv, k_len, case.value_dim),
         ]
         node_inputs[3:5] = ["past_key", "past_value"]
     node = helper.make_node(
@@ -431,13 +387,12 @@ def _gqa_model(case: Case, scale: float, with_cache: bool) -> Any:
         ["output", "present_key", "present_value"],
         domain="com.microsoft",
         num_heads=case.q_heads,
-        kv_num_heads=case.kv_heads,
+        kv_num_heads=hkv,
         scale=float(scale),
     )
     graph = helper.make_graph([node], "twinattn_bench_gqa", inputs, outputs)
-    model = helper.make_model(
-        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    )
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 8  # old enough for every onnxruntime that has GroupQueryAttention on CPU
     return model
 
@@ -450,24 +405,6 @@ def make_runners() -> dict[str, Runner]:
         "torch": TorchRunner(),
         "onnxruntime": OnnxRuntimeRunner(),
     }
-
-
-@contextlib.contextmanager
-def prepared(runner: Runner, problem: Problem, threads: int) -> Any:
-    ready = runner.prepare(problem, threads)
-    try:
-        yield ready
-    finally:
-        ready.close()
-
-
-@contextlib.contextmanager
-def prepared_layer(runner: Runner, problem: LayerProblem, threads: int) -> Any:
-    ready = runner.prepare_layer(problem, threads)
-    try:
-        yield ready
-    finally:
-        ready.close()
 
 
 def parse_backends(spec: Optional[str], runners: dict[str, Runner]) -> list[str]:

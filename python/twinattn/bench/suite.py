@@ -1,0 +1,402 @@
+"""The standard suite, defined once: the cases, the work each does, their inputs and the check of
+a result. twinattn-bench and the pytest-benchmark suites in benchmarks/ both take their cases here.
+
+A kernel case is one attention call, q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D), float32, always with
+bottom-right causal alignment (the queries are the last Lq positions of each sequence, the
+KV-cache convention of twinattn.attention with q_offset=None).
+
+Work is counted exactly, from the visible (query row, key) pairs of every query head:
+    row i of sequence b sees keys j < min(kv_len[b], q_offset[b] + i + 1),
+    q_offset[b] = kv_len[b] - Lq,
+    FLOPs = 2 x pairs x (D + Dv)          (Q.K^T and P.V, one multiply-add = 2 FLOPs)
+    K/V bytes = sum_b kv_len[b] x Hkv x (D + Dv) x 4    (each K and V row read once)
+GB/s is reported for decode cases, where reading K and V is the cost.
+
+One case is a layer, not a kernel call: layer-decode times one decode step of twinattn.nn.Attention
+(q/k/v projections, RoPE, KV-cache append, attention, o_proj) on a cache of `k_len - q_len` tokens,
+and beside it twinattn.attention alone on the same cache views. Its work counts (pairs, FLOPs, K/V
+bytes) are the attention kernel's; its check is the whole step against the same step computed in
+float64 by the package's own pieces (RotaryEmbedding, KVCache, the NumPy reference).
+
+Every result is compared with a float64 reference computed by twinattn's NumPy backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+import twinattn
+
+PREFILL = "prefill"
+DECODE = "decode"
+LAYER = "layer"  # one step of twinattn.nn.Attention with a KVCache (see LayerProblem)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark problem. `group` is the suite entry it belongs to; `x` its value of N."""
+
+    name: str
+    group: str
+    kind: str  # PREFILL (compute-bound), DECODE (one query row per sequence, read-bound) or LAYER
+    q_len: int
+    k_len: int
+    batch: int = 1
+    q_heads: int = 32  # Llama-3-8B's attention: Hq 32, Hkv 8, D 128
+    kv_heads: int = 8
+    head_dim: int = 128
+    value_dim: int = 128
+    causal: bool = True
+    kv_lens: Optional[tuple[int, ...]] = None  # None: every sequence has k_len keys
+    threads: Optional[int] = None  # None: the run's thread count (--threads)
+    x: int = 0  # N, for plots
+    note: str = ""
+    hidden_size: int = 0  # LAYER: the model width of nn.Attention; 0 for a kernel case
+
+    @property
+    def cached(self) -> int:
+        """LAYER: tokens in the cache before the step (the step appends q_len more: k_len keys)."""
+        return self.k_len - self.q_len
+
+    @property
+    def lens(self) -> np.ndarray:
+        if self.kv_lens is None:
+            return np.full(self.batch, self.k_len, dtype=np.int64)
+        return np.asarray(self.kv_lens, dtype=np.int64)
+
+    @property
+    def q_offsets(self) -> np.ndarray:
+        """Bottom-right alignment: the queries are the last Lq positions of each sequence."""
+        return self.lens - self.q_len
+
+    def shape_text(self) -> str:
+        if self.kind == LAYER:
+            return (
+                f"nn.Attention hidden={self.hidden_size} Hq={self.q_heads} Hkv={self.kv_heads} D={self.head_dim} "
+                f"B={self.batch}: {self.q_len} new token{'s' if self.q_len > 1 else ''} on {self.cached} cached"
+            )
+        lens = f", kv_lens {self.kv_lens[0]}..{self.kv_lens[-1]}" if self.kv_lens else ""
+        heads = f"H={self.q_heads}" if self.q_heads == self.kv_heads else f"Hq={self.q_heads} Hkv={self.kv_heads}"
+        return (
+            f"B={self.batch} {heads} Lq={self.q_len} Lk={self.k_len} D={self.head_dim}"
+            f"{'' if self.value_dim == self.head_dim else f' Dv={self.value_dim}'}"
+            f"{' causal' if self.causal else ''}{lens}"
+        )
+
+    def shrunk(self, factor: int) -> "Case":
+        """The same case with every sequence length divided by `factor` (at least 1 key)."""
+        if factor == 1:
+            return self
+        if self.kind == LAYER:  # the cache is the sequence; the model width stays
+            cached = max(1, self.cached // factor)
+            return dataclasses.replace(self, k_len=cached + self.q_len, x=cached)
+
+        def cut(n: int) -> int:
+            return max(1, n // factor)
+
+        q_len = self.q_len if self.kind == DECODE else cut(self.q_len)
+        k_len = max(cut(self.k_len), q_len)
+        lens = None if self.kv_lens is None else tuple(max(q_len, min(k_len, cut(n))) for n in self.kv_lens)
+        return dataclasses.replace(self, q_len=q_len, k_len=k_len, kv_lens=lens, x=max(1, self.x // factor))
+
+
+@dataclass(frozen=True)
+class Work:
+    pairs: int  # visible (query row, key) pairs, summed over batch and query heads
+    flops: int  # 2 x pairs x (D + Dv)
+    kv_bytes: int  # bytes of K and V that must be read (visible keys only, each once)
+
+
+def visible_keys_per_row(case: Case) -> np.ndarray:
+    """(B, Lq) number of keys row i of sequence b may attend to."""
+    lens = case.lens[:, None]
+    if not case.causal:
+        return np.broadcast_to(lens, (case.batch, case.q_len)).copy()
+    rows = np.arange(case.q_len, dtype=np.int64)[None, :]
+    return np.clip(case.q_offsets[:, None] + rows + 1, 0, lens)
+
+
+def work(case: Case) -> Work:
+    pairs = int(visible_keys_per_row(case).sum()) * case.q_heads
+    flops = 2 * pairs * (case.head_dim + case.value_dim)
+    # A key is read if any row sees it: the longest row's visible prefix, per sequence.
+    read = visible_keys_per_row(case).max(axis=1, initial=0) if case.q_len else np.zeros(case.batch, np.int64)
+    kv_bytes = int(read.sum()) * case.kv_heads * (case.head_dim + case.value_dim) * 4
+    return Work(pairs=pairs, flops=flops, kv_bytes=kv_bytes)
+
+
+def layer_decode_case(
+    hidden_size: int, q_heads: int, kv_heads: int, head_dim: int, cached: int, name: str = "layer-decode"
+) -> Case:
+    note = f"one nn.Attention decode step on a {cached}-token cache, and the kernel alone"
+    return Case(name, name, LAYER, 1, cached + 1, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                value_dim=head_dim, x=cached, hidden_size=hidden_size, note=note)
+
+
+def standard_suite(all_threads: int) -> list[Case]:
+    """Every case, float32, B=1 unless said. `all_threads` is the scaling case's top count."""
+    cases = [Case(f"prefill-causal/N={n}", "prefill-causal", PREFILL, n, n, x=n) for n in (512, 1024, 2048, 4096)]
+    cases.append(Case("prefill-mha-d64/N=2048", "prefill-mha-d64", PREFILL, 2048, 2048, q_heads=16, kv_heads=16,
+                      head_dim=64, value_dim=64, x=2048))
+    cases.append(Case("chunk", "chunk", PREFILL, 256, 4096, x=4096, note="256 new queries after 3840 cached tokens"))
+    cases.extend(Case(f"decode/N={n}", "decode", DECODE, 1, n, x=n) for n in (1024, 4096, 16384, 32768))
+    lens = tuple(range(1024, 8193, 1024))
+    cases.append(Case("decode-batch", "decode-batch", DECODE, 1, 8192, batch=8, kv_lens=lens, x=8192,
+                      note="per-sequence kv_lens 1024..8192"))
+    cases.append(Case("tiny", "tiny", PREFILL, 16, 16, q_heads=1, kv_heads=1, head_dim=64, value_dim=64, x=16,
+                      note="per-call overhead"))
+    for t in sorted({1, all_threads}):
+        note = f"prefill-causal N=2048 on {t} thread{'s' if t > 1 else ''}"
+        cases.append(Case(f"threads/T={t}", "threads", PREFILL, 2048, 2048, threads=t, x=t, note=note))
+    # Llama-3-8B's attention layer, one decode step on a 4096-token cache
+    cases.append(layer_decode_case(hidden_size=4096, q_heads=32, kv_heads=8, head_dim=128, cached=4096))
+    return cases
+
+
+QUICK_CASES = ("prefill-causal/N=2048", "chunk", "decode/N=16384", "decode-batch", "tiny", "layer-decode")
+
+
+def select(suite: Sequence[Case], spec: Optional[str], quick: bool) -> list[Case]:
+    """Cases named by a comma-separated list of case names, group names or globs (in suite order).
+
+    Raises ValueError listing the valid names when a name matches nothing.
+    """
+    if spec is None:
+        return [c for c in suite if c.name in QUICK_CASES] if quick else list(suite)
+    wanted = [s.strip() for s in spec.split(",") if s.strip()]
+    if not wanted:
+        raise ValueError("--cases: expected a comma-separated list of case or group names, got nothing")
+    chosen: set[str] = set()
+    for pattern in wanted:
+        hits = [c.name for c in suite if pattern in (c.name, c.group) or fnmatch.fnmatchcase(c.name, pattern)]
+        if not hits:
+            groups = list(dict.fromkeys(c.group for c in suite))
+            raise ValueError(
+                f"--cases: unknown case {pattern!r}; valid groups: {', '.join(groups)}; "
+                f"valid cases: {', '.join(c.name for c in suite)}"
+            )
+        chosen.update(hits)
+    return [c for c in suite if c.name in chosen]
+
+
+# ----------------------------------------------------------------------------------------------
+# The check of a result
+
+# A float32 kernel's error on these problems is ~1e-6 of the output's size; a wrong mask, offset or
+# head mapping moves some output by a whole visible key's weight, ~1/N of it or more.
+RELATIVE_TOLERANCE = 2e-4
+
+
+@dataclass
+class Check:
+    ok: bool
+    max_abs_err: float
+    max_abs_ref: float
+    tolerance: float
+    reason: str = ""
+
+
+def check_close(got: object, expected: np.ndarray, what: str = "output") -> Check:
+    """Every element of `got` against the float64 `expected`, within RELATIVE_TOLERANCE x the
+    largest |expected|; an element that is not finite (or was never written: outputs start as NaN
+    where the backend allows) fails."""
+    got = np.asarray(got)
+    if got.shape != expected.shape:
+        return Check(False, math.inf, 0.0, 0.0, f"{what} shape {got.shape}, expected {expected.shape}")
+    scale = float(np.max(np.abs(expected))) if expected.size else 0.0
+    tolerance = RELATIVE_TOLERANCE * max(scale, 1e-3)
+    if not np.isfinite(got).all():
+        return Check(False, math.inf, scale, tolerance, f"non-finite (or unwritten) {what} elements")
+    err = float(np.max(np.abs(got.astype(np.float64) - expected))) if got.size else 0.0
+    if err > tolerance:
+        return Check(False, err, scale, tolerance, f"{what}: max abs error {err:.2e} > tolerance {tolerance:.2e}")
+    return Check(True, err, scale, tolerance)
+
+
+def check_rows(case: Case, count: int = 4, seed: int = 1) -> list[tuple[int, int, int]]:
+    """The (sequence, query head, query row) triples a kernel result is checked on.
+
+    Every sequence; the first, last and a middle query head (they read different KV heads); the
+    first, last and middle row plus a few random ones (the diagonal moves from row to row).
+    """
+    rng = np.random.default_rng(seed)
+    heads = sorted({0, case.q_heads // 2, case.q_heads - 1})
+    rows = {0, case.q_len // 2, case.q_len - 1}
+    rows.update(int(r) for r in rng.integers(0, case.q_len, size=count))
+    return [(b, h, i) for b in range(case.batch) for h in heads for i in sorted(rows)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs: made once per case from a fixed seed and shared (read-only) by every backend
+
+
+def _random(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+    a = rng.standard_normal(shape, dtype=np.float32)
+    if scale != 1.0:
+        a *= np.float32(scale)
+    a.flags.writeable = False  # shared by every backend: none may change them
+    return a
+
+
+@dataclass
+class Problem:
+    """A kernel case's arrays; its output (B, Hq, Lq, Dv) is checked on check_rows(case)."""
+
+    case: Case
+    q: np.ndarray  # (B, Hq, Lq, D) float32
+    k: np.ndarray  # (B, Hkv, Lk, D)
+    v: np.ndarray  # (B, Hkv, Lk, Dv)
+    kv_lens: Optional[np.ndarray]  # (B,) int64, or None
+    scale: float
+    parts = ("output",)  # what a prepared backend times and hands back, in order
+
+    @functools.cached_property
+    def expected(self) -> tuple[list[tuple[int, int, int]], np.ndarray]:
+        """The checked rows and their float64 reference (len(rows), Dv): per (sequence, query
+        head), twinattn's NumPy backend on those rows, each row masked to the keys it sees."""
+        case = self.case
+        rows = check_rows(case)
+        visible = visible_keys_per_row(case)
+        group = case.q_heads // case.kv_heads
+        result = np.zeros((len(rows), case.value_dim))
+        for b, h in dict.fromkeys((b, h) for b, h, _ in rows):
+            picked = [n for n, row in enumerate(rows) if row[:2] == (b, h)]
+            queries = [rows[n][2] for n in picked]
+            mask = np.arange(case.k_len)[None, :] < visible[b, queries][:, None]  # (rows, Lk)
+            result[picked] = twinattn.attention(
+                self.q[b, h, queries][None, None].astype(np.float64),
+                self.k[b, h // group][None, None].astype(np.float64),
+                self.v[b, h // group][None, None].astype(np.float64),
+                attn_mask=mask[None, None],
+                scale=self.scale,
+                backend="numpy",
+            )[0, 0]
+        return rows, result
+
+    def check(self, out: object, part: int = 0) -> Check:
+        """The output against the reference on the checked rows, and every element finite."""
+        case, (rows, expected) = self.case, self.expected
+        out = np.asarray(out)
+        shape = (case.batch, case.q_heads, case.q_len, case.value_dim)
+        if out.shape != shape:
+            return Check(False, math.inf, 0.0, 0.0, f"output shape {out.shape}, expected {shape}")
+        if not np.isfinite(out).all():  # outside the checked rows too
+            return Check(False, math.inf, 0.0, 0.0, "non-finite (or unwritten) output elements")
+        return check_close(np.stack([out[b, h, i] for b, h, i in rows]), expected)
+
+
+ROPE_BASE = 500000.0  # Llama 3's rope_theta
+
+
+@dataclass
+class LayerProblem:
+    """One decode step's inputs. weights: torch Linear orientation (out_features, in_features),
+    float32, for load_state_dict. past_k, past_v: (B, Hkv, cached, D) what the cache holds before
+    the step (keys as stored, i.e. already rotated; random, so their positions do not matter).
+    hidden: (B, q_len, hidden_size)."""
+
+    case: Case
+    hidden: np.ndarray
+    weights: dict[str, np.ndarray]
+    past_k: np.ndarray
+    past_v: np.ndarray
+    rope_base: float = ROPE_BASE
+    parts = ("step output", "kernel output")  # the step, then twinattn.attention alone
+
+    @property
+    def cached(self) -> int:
+        return self.case.cached
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.case.head_dim)
+
+    def rope(self) -> twinattn.RotaryEmbedding:
+        return twinattn.RotaryEmbedding(self.case.head_dim, base=self.rope_base)
+
+    def cache(self, dtype: type = np.float32) -> twinattn.KVCache:
+        """A KVCache holding the cached tokens, with room for exactly one step: a step taken
+        without cropping the cache back first overflows it, loudly."""
+        case = self.case
+        cache = twinattn.KVCache(
+            num_layers=1,
+            batch_size=case.batch,
+            num_kv_heads=case.kv_heads,
+            head_dim=case.head_dim,
+            max_seq_len=case.k_len,
+            dtype=dtype,
+        )
+        cache.update(self.past_k.astype(dtype), self.past_v.astype(dtype), 0)
+        return cache
+
+    def kernel_arguments(
+        self, cache: twinattn.KVCache, rope: twinattn.RotaryEmbedding, dtype: type = np.float32
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """What nn.Attention passes twinattn.attention in this step, in `dtype`: the new queries
+        (projected, rotated at their positions), the cache views after the new keys and values are
+        appended (this appends them to `cache`), q_offset and kv_lens."""
+        case, length = self.case, self.case.q_len
+        x: np.ndarray = self.hidden.astype(dtype, copy=False)
+
+        def heads(weight: str, count: int) -> np.ndarray:  # (B, L, H * D) -> (B, H, L, D)
+            y: np.ndarray = x @ self.weights[weight].astype(dtype, copy=False).T
+            return y.reshape(case.batch, length, count, case.head_dim).transpose(0, 2, 1, 3)
+
+        positions = cache.positions(length, 0)
+        q = rope.apply(heads("q_proj.weight", case.q_heads), positions)
+        k = np.ascontiguousarray(rope.apply(heads("k_proj.weight", case.kv_heads), positions))
+        v = np.ascontiguousarray(heads("v_proj.weight", case.kv_heads))
+        q_offset = cache.seq_lens(0)
+        keys, values = cache.update(k, v, 0)
+        return q, keys, values, q_offset, cache.seq_lens(0)
+
+    @functools.cached_property
+    def expected(self) -> tuple[np.ndarray, np.ndarray]:
+        """The step in float64 from the float32 inputs: (output (B, q_len, hidden), attention
+        output (B, Hq, q_len, D)). nn.Attention takes float32 only, so its pieces are used
+        directly: RotaryEmbedding, a float64 KVCache, the NumPy reference, the projections."""
+        case = self.case
+        q, keys, values, q_offset, kv_lens = self.kernel_arguments(self.cache(np.float64), self.rope(), np.float64)
+        attn = twinattn.attention(
+            q, keys, values, causal=True, q_offset=q_offset, kv_lens=kv_lens, scale=self.scale, backend="numpy"
+        )
+        merged = attn.transpose(0, 2, 1, 3).reshape(case.batch, case.q_len, -1)
+        return merged @ self.weights["o_proj.weight"].astype(np.float64).T, attn
+
+    def check(self, out: object, part: int = 0) -> Check:
+        """Part 0: the step's output; part 1: the kernel's; every element against float64."""
+        return check_close(out, self.expected[part], self.parts[part])
+
+
+AnyProblem = Union[Problem, LayerProblem]
+
+
+def make_problem(case: Case, seed: int = 0) -> AnyProblem:
+    """Random inputs from a fixed seed, float32. A layer's weights are normal / sqrt(in_features),
+    so q, k, v and the output stay O(1)."""
+    rng = np.random.default_rng(seed)
+    b, d = case.batch, case.head_dim
+    if case.kind != LAYER:
+        q = _random(rng, b, case.q_heads, case.q_len, d)
+        k = _random(rng, b, case.kv_heads, case.k_len, d)
+        v = _random(rng, b, case.kv_heads, case.k_len, case.value_dim)
+        kv_lens = None if case.kv_lens is None else np.asarray(case.kv_lens, dtype=np.int64)
+        return Problem(case, q, k, v, kv_lens, 1.0 / math.sqrt(d))
+    h, q_out, kv_out = case.hidden_size, case.q_heads * d, case.kv_heads * d
+    weights = {
+        "q_proj.weight": _random(rng, q_out, h, scale=h**-0.5),
+        "k_proj.weight": _random(rng, kv_out, h, scale=h**-0.5),
+        "v_proj.weight": _random(rng, kv_out, h, scale=h**-0.5),
+        "o_proj.weight": _random(rng, h, q_out, scale=q_out**-0.5),
+    }
+    hidden = _random(rng, b, case.q_len, h)
+    past_k = _random(rng, b, case.kv_heads, case.cached, d)
+    past_v = _random(rng, b, case.kv_heads, case.cached, d)
+    return LayerProblem(case, hidden, weights, past_k, past_v)
