@@ -89,10 +89,16 @@ FlashKernels flash_kernels_neon();  // flash_neon.cpp, only when built for AArch
 // One past the last key packed row r of (b, *) may see by length and position (defined in
 // flash_attention.cpp; deliberately not inline, see the ODR note above).
 int64_t flash_row_key_end(const AttentionProblem& p, int64_t b, int64_t group, int64_t r);
+// lse = ln 2 (m + log2 l) of a row with max m (base 2) and sum l: -inf for a row that saw no key
+// (l = 0), +inf for a row whose largest score is +inf (l is NaN there, inf - inf), NaN for a row
+// that saw a NaN score (flash_attention.cpp, not inline either).
+float flash_row_lse(float m, float l);
 
 namespace flash {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 template <class V>
 struct Kernel {
@@ -100,6 +106,8 @@ struct Kernel {
     static constexpr int64_t W = V::kWidth;
 
     static int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+    // a > b ? a : b, and NaN when either is NaN (the row max keeps a NaN score).
+    static float max_nan(float a, float b) { return a != a || a > b ? a : b; }
 
     // ---- 2. Packing ---------------------------------------------------------------------------
     static void pack_keys(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_begin,
@@ -455,7 +463,7 @@ struct Kernel {
             if (c < Dv) V::store_tail(dst + c, V::mul(V::load(o + c), inverse), Dv - c);
             if (p.lse.data != nullptr) {
                 float* lse = p.lse.data + b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2];
-                *lse = l == 0.0f ? kNegInf : kLn2 * (s.row_max[r] + log2f(l));
+                *lse = flash_row_lse(s.row_max[r], l);
             }
         }
     }
@@ -489,18 +497,24 @@ struct Kernel {
     }
 
     // 3c. m_new = max(m, rowmax S), alpha = 2^(m - m_new), P = 2^(S - m_new), l = l alpha + sum P.
+    // Non-finite scores: the max keeps NaN (V::max, V::reduce_max, max_nan), so a row that sees a
+    // NaN score has m = NaN from then on; a row whose max is +inf has m = +inf. Both leave the
+    // softmax undefined (NaN - NaN, inf - inf), as in the reference: alpha = NaN then makes O and
+    // l NaN (P itself is 0 there: exp2 clamps NaN), and they stay NaN through every later block.
+    // Scores of hidden keys are -inf before this point, whatever K, V or the mask held there.
     static void softmax_row(float* row, int64_t n_padded, const ThreadScratch& s, int64_t r) {
         Reg running = V::broadcast(kNegInf);
         for (int64_t j = 0; j < n_padded; j += W) running = V::max(running, V::load(row + j));
         const float block_max = V::reduce_max(running);
         const float m_old = s.row_max[r];
-        const float m_new = block_max > m_old ? block_max : m_old;
+        const float m_new = max_nan(m_old, block_max);
         if (m_new == kNegInf) {  // nothing visible yet: P = 0, nothing to rescale
             for (int64_t j = 0; j < n_padded; j += W) V::store(row + j, V::zero());
             s.rescale[r] = 1.0f;
             return;
         }
-        const float alpha = m_old == m_new ? 1.0f : exp2f(m_old - m_new);  // m_old = -inf: 0
+        const float alpha = !(m_new < kInf) ? kNaN                        // NaN or +inf
+                            : m_old == m_new ? 1.0f : exp2f(m_old - m_new);  // m_old = -inf: 0
         const Reg shift = V::broadcast(m_new);
         Reg sum = V::zero();
         for (int64_t j = 0; j < n_padded; j += W) {

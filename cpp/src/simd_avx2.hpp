@@ -33,7 +33,12 @@ struct VecAvx2 {
     static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
     static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
     static Reg sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
-    static Reg max(Reg a, Reg b) { return _mm256_max_ps(a, b); }
+    // a > b ? a : b, and NaN when either is NaN (a NaN score must reach the row max; x86's
+    // maxps alone returns b when either is NaN, which drops a NaN held in a).
+    static Reg max(Reg a, Reg b) {
+        return _mm256_blendv_ps(_mm256_max_ps(a, b), a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    }
+    static bool any_nan(Reg x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0; }
 
     // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0.
     static Reg exp2(Reg x) {
@@ -48,8 +53,10 @@ struct VecAvx2 {
         return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
     }
 
-    // Horizontal reductions in a fixed order: halves folded 128, 64, 32 bits.
+    // Horizontal reductions in a fixed order: halves folded 128, 64, 32 bits. reduce_max is NaN
+    // when any lane is NaN.
     static float reduce_max(Reg x) {
+        if (any_nan(x)) return __builtin_nanf("");
         __m128 q = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
         q = _mm_max_ps(q, _mm_movehl_ps(q, q));
         q = _mm_max_ss(q, _mm_shuffle_ps(q, q, 1));

@@ -67,13 +67,16 @@ struct VecScalar {
     }
     static Reg max(Reg a, Reg b) {
         Reg r;
-        for (int i = 0; i < kWidth; ++i) r.lane[i] = a.lane[i] > b.lane[i] ? a.lane[i] : b.lane[i];
+        for (int i = 0; i < kWidth; ++i) r.lane[i] = max_lane(a.lane[i], b.lane[i]);
         return r;
     }
+    // a > b ? a : b, and a when a is NaN: NaN when either is NaN, lane for lane as the SIMD types.
+    static float max_lane(float a, float b) { return a != a || a > b ? a : b; }
 
     static float exp2_lane(float x) {
-        if (!(x >= kExp2Min)) x = kExp2Min;  // also maps NaN to 0, as the SIMD max does not;
-                                             // a NaN score never reaches exp2 (it is masked)
+        if (!(x >= kExp2Min)) x = kExp2Min;  // also maps NaN to 2^-127 = 0, as the SIMD clamp
+                                             // (maxps) does; a NaN row max reaches O and l
+                                             // through alpha instead (flash_kernel.hpp, 3c)
         int32_t whole = static_cast<int32_t>(x);  // rounds toward zero: floor for x <= 0 is
         if (static_cast<float>(whole) > x) --whole;  // one less unless x is whole
         const float n = static_cast<float>(whole);
@@ -92,8 +95,11 @@ struct VecScalar {
         return r;
     }
 
-    // Horizontal reductions in a fixed order: halves folded, as the SIMD types do.
+    // Horizontal reductions in a fixed order: halves folded, as the SIMD types do. reduce_max is
+    // NaN when any lane is NaN.
     static float reduce_max(Reg x) {
+        for (int i = 0; i < kWidth; ++i)
+            if (x.lane[i] != x.lane[i]) return __builtin_nanf("");
         for (int half = kWidth / 2; half >= 1; half /= 2)
             for (int i = 0; i < half; ++i)
                 x.lane[i] = x.lane[i] > x.lane[i + half] ? x.lane[i] : x.lane[i + half];
