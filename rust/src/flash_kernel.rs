@@ -111,6 +111,29 @@ fn round_up(n: usize, m: usize) -> usize {
     n.div_ceil(m) * m
 }
 
+/// `a > b ? a : b`, and NaN when either is NaN (the row max keeps a NaN score).
+#[inline(always)]
+pub(crate) fn max_nan(a: f32, b: f32) -> f32 {
+    if a.is_nan() || a > b {
+        a
+    } else {
+        b
+    }
+}
+
+/// lse = ln 2 (m + log2 l): -inf for a row that saw no key (l = 0), +inf for a row whose largest
+/// score is +inf (l is NaN there, inf - inf), NaN for a row that saw a NaN score.
+#[inline(always)]
+pub(crate) fn row_lse(m: f32, l: f32) -> f32 {
+    if l == 0.0 {
+        f32::NEG_INFINITY
+    } else if m == f32::INFINITY {
+        m
+    } else {
+        LN2 * (m + l.log2())
+    }
+}
+
 /// Element offset of an index in a strided view.
 #[inline(always)]
 fn at<const N: usize>(index: [usize; N], stride: &[i64; N]) -> isize {
@@ -784,11 +807,7 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
             }
             if p.lse.is_requested() {
                 let lse = p.lse.data.offset(at([b, h, i], &p.lse.stride));
-                *lse = if l == 0.0 {
-                    f32::NEG_INFINITY
-                } else {
-                    LN2 * (*s.row_max.add(r) + l.log2())
-                };
+                *lse = row_lse(*s.row_max.add(r), l);
             }
         }
     }
@@ -855,6 +874,12 @@ unsafe fn mask_block(
 }
 
 /// 3c. m_new = max(m, rowmax S), alpha = 2^(m - m_new), P = 2^(S - m_new), l = l alpha + sum P.
+/// Non-finite scores: the max keeps NaN ([`Vector::max`], [`Vector::reduce_max`], [`max_nan`]),
+/// so a row that sees a NaN score has m = NaN from then on; a row whose max is +inf has m = +inf.
+/// Both leave the softmax undefined (NaN - NaN, inf - inf), as in the reference: alpha = NaN
+/// then makes O and l NaN (P itself is 0 there: exp2 clamps NaN), and they stay NaN through
+/// every later block. Scores of hidden keys are -inf before this point, whatever K, V or the
+/// mask held there.
 ///
 /// # Safety
 /// V's instruction set is available; row holds n_padded (a multiple of WIDTH) floats; r indexes
@@ -870,7 +895,7 @@ unsafe fn softmax_row<V: Vector>(row: *mut f32, n_padded: usize, s: &ThreadScrat
         }
         let block_max = V::reduce_max(running);
         let m_old = *s.row_max.add(r);
-        let m_new = if block_max > m_old { block_max } else { m_old };
+        let m_new = max_nan(m_old, block_max);
         if m_new == f32::NEG_INFINITY {
             // nothing visible yet: P = 0, nothing to rescale
             for j in (0..n_padded).step_by(w) {
@@ -879,11 +904,13 @@ unsafe fn softmax_row<V: Vector>(row: *mut f32, n_padded: usize, s: &ThreadScrat
             *s.rescale.add(r) = 1.0;
             return;
         }
-        let alpha = if m_old == m_new {
+        let alpha = if !(m_new < f32::INFINITY) {
+            f32::NAN // NaN or +inf
+        } else if m_old == m_new {
             1.0
         } else {
-            (m_old - m_new).exp2()
-        }; // m_old = -inf: 0
+            (m_old - m_new).exp2() // m_old = -inf: 0
+        };
         let shift = V::broadcast(m_new);
         let mut sum = V::zero();
         for j in (0..n_padded).step_by(w) {

@@ -89,7 +89,13 @@ impl Vector for Avx2 {
     #[inline(always)]
     fn max(a: Self, b: Self) -> Self {
         // SAFETY: as in fma.
-        Avx2(unsafe { _mm256_max_ps(a.0, b.0) })
+        Avx2(unsafe {
+            _mm256_blendv_ps(
+                _mm256_max_ps(a.0, b.0),
+                a.0,
+                _mm256_cmp_ps::<_CMP_UNORD_Q>(a.0, a.0),
+            )
+        })
     }
     #[inline(always)]
     fn exp2(x: Self) -> Self {
@@ -113,6 +119,9 @@ impl Vector for Avx2 {
     fn reduce_max(x: Self) -> f32 {
         // SAFETY: as in fma.
         unsafe {
+            if _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(x.0, x.0)) != 0 {
+                return f32::NAN;
+            }
             let mut q = _mm_max_ps(_mm256_castps256_ps128(x.0), _mm256_extractf128_ps::<1>(x.0));
             q = _mm_max_ps(q, _mm_movehl_ps(q, q));
             q = _mm_max_ss(q, _mm_shuffle_ps::<1>(q, q));

@@ -79,7 +79,13 @@ impl Vector for Avx512 {
     #[inline(always)]
     fn max(a: Self, b: Self) -> Self {
         // SAFETY: as in fma.
-        Avx512(unsafe { _mm512_max_ps(a.0, b.0) })
+        Avx512(unsafe {
+            _mm512_mask_mov_ps(
+                _mm512_max_ps(a.0, b.0),
+                _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(a.0, a.0),
+                a.0,
+            )
+        })
     }
     #[inline(always)]
     fn exp2(x: Self) -> Self {
@@ -103,6 +109,9 @@ impl Vector for Avx512 {
     fn reduce_max(x: Self) -> f32 {
         // SAFETY: as in fma (AVX-512F implies AVX and SSE).
         unsafe {
+            if _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x.0, x.0) != 0 {
+                return f32::NAN;
+            }
             let h = _mm256_max_ps(
                 _mm512_castps512_ps256(x.0),
                 _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x.0))),
