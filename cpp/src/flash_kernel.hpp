@@ -513,8 +513,9 @@ struct Kernel {
             s.rescale[r] = 1.0f;
             return;
         }
-        const float alpha = !(m_new < kInf) ? kNaN                        // NaN or +inf
-                            : m_old == m_new ? 1.0f : exp2f(m_old - m_new);  // m_old = -inf: 0
+        const float alpha = m_new != m_new || m_new == kInf ? kNaN
+                            : m_old == m_new                  ? 1.0f
+                                                              : exp2f(m_old - m_new);  // m_old = -inf: 0
         const Reg shift = V::broadcast(m_new);
         Reg sum = V::zero();
         for (int64_t j = 0; j < n_padded; j += W) {

@@ -904,8 +904,8 @@ unsafe fn softmax_row<V: Vector>(row: *mut f32, n_padded: usize, s: &ThreadScrat
             *s.rescale.add(r) = 1.0;
             return;
         }
-        let alpha = if !(m_new < f32::INFINITY) {
-            f32::NAN // NaN or +inf
+        let alpha = if m_new.is_nan() || m_new == f32::INFINITY {
+            f32::NAN
         } else if m_old == m_new {
             1.0
         } else {

@@ -165,9 +165,8 @@ fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>) {
                     f64::NEG_INFINITY
                 } else {
                     // SAFETY: j < kv_len <= Lk and kv_head < Hkv: a valid key row of D elements.
-                    let k_row = unsafe {
-                        row(p.k.data, offset([b, kv_head, j, 0], &p.k.stride), head_dim)
-                    };
+                    let k_row =
+                        unsafe { row(p.k.data, offset([b, kv_head, j, 0], &p.k.stride), head_dim) };
                     let dot: f64 = q_row
                         .iter()
                         .zip(k_row)
