@@ -497,17 +497,25 @@ struct Kernel {
     }
 
     // 3c. m_new = max(m, rowmax S), alpha = 2^(m - m_new), P = 2^(S - m_new), l = l alpha + sum P.
-    // Non-finite scores: the max keeps NaN (V::max, V::reduce_max, max_nan), so a row that sees a
-    // NaN score has m = NaN from then on; a row whose max is +inf has m = +inf. Both leave the
-    // softmax undefined (NaN - NaN, inf - inf), as in the reference: alpha = NaN then makes O and
-    // l NaN (P itself is 0 there: exp2 clamps NaN), and they stay NaN through every later block.
-    // Scores of hidden keys are -inf before this point, whatever K, V or the mask held there.
+    // Non-finite scores (scores of hidden keys are -inf by now, whatever K, V or the mask held
+    // there), checked once per row and block, never per score: a row that sees a NaN score gets
+    // m = NaN, a row whose largest score is +inf m = +inf (NaN wins). Both leave the softmax
+    // undefined (NaN - NaN, inf - inf), as in the reference: alpha = NaN makes O and l NaN, and
+    // they stay NaN through every later block (m = NaN sticks: max_nan). The vector max (maxps)
+    // may drop a NaN score, but exp2 passes NaN on, so P and the block's sum carry it: a NaN sum
+    // under a finite m can only come from a NaN score. Where the max alone decides (m = -inf:
+    // "nothing visible yet", or m = +inf) the block is scanned for NaN; those rows are rare.
     static void softmax_row(float* row, int64_t n_padded, const ThreadScratch& s, int64_t r) {
         Reg running = V::broadcast(kNegInf);
         for (int64_t j = 0; j < n_padded; j += W) running = V::max(running, V::load(row + j));
         const float block_max = V::reduce_max(running);
         const float m_old = s.row_max[r];
-        const float m_new = max_nan(m_old, block_max);
+        float m_new = max_nan(m_old, block_max);
+        if (m_new == kNegInf || m_new == kInf) {
+            bool nan_score = false;
+            for (int64_t j = 0; j < n_padded; ++j) nan_score |= row[j] != row[j];
+            if (nan_score) m_new = kNaN;
+        }
         if (m_new == kNegInf) {  // nothing visible yet: P = 0, nothing to rescale
             for (int64_t j = 0; j < n_padded; j += W) V::store(row + j, V::zero());
             s.rescale[r] = 1.0f;
@@ -523,8 +531,10 @@ struct Kernel {
             V::store(row + j, prob);
             sum = V::add(sum, prob);
         }
+        const float l_new = s.row_sum[r] * alpha + V::reduce_sum(sum);
+        if (l_new != l_new && m_new != kInf) m_new = kNaN;  // a NaN score the max missed
         s.rescale[r] = alpha;
-        s.row_sum[r] = s.row_sum[r] * alpha + V::reduce_sum(sum);
+        s.row_sum[r] = l_new;
         s.row_max[r] = m_new;
     }
 };

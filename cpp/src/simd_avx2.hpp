@@ -33,16 +33,12 @@ struct VecAvx2 {
     static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
     static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
     static Reg sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
-    // a > b ? a : b, and NaN when either is NaN (a NaN score must reach the row max; x86's
-    // maxps alone returns b when either is NaN, which drops a NaN held in a).
-    static Reg max(Reg a, Reg b) {
-        return _mm256_blendv_ps(_mm256_max_ps(a, b), a, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-    }
-    static bool any_nan(Reg x) { return _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)) != 0; }
+    static Reg max(Reg a, Reg b) { return _mm256_max_ps(a, b); }
 
-    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0.
+    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0, NaN gives NaN (maxps returns
+    // its second operand, x, when either is NaN: a NaN score reaches the row sum).
     static Reg exp2(Reg x) {
-        x = _mm256_max_ps(x, _mm256_set1_ps(kExp2Min));
+        x = _mm256_max_ps(_mm256_set1_ps(kExp2Min), x);
         const Reg n = _mm256_floor_ps(x);
         const Reg f = _mm256_sub_ps(x, n);
         Reg p = _mm256_set1_ps(kExp2Coefficients[kExp2Degree]);
@@ -53,10 +49,8 @@ struct VecAvx2 {
         return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
     }
 
-    // Horizontal reductions in a fixed order: halves folded 128, 64, 32 bits. reduce_max is NaN
-    // when any lane is NaN.
+    // Horizontal reductions in a fixed order: halves folded 128, 64, 32 bits.
     static float reduce_max(Reg x) {
-        if (any_nan(x)) return __builtin_nanf("");
         __m128 q = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
         q = _mm_max_ps(q, _mm_movehl_ps(q, q));
         q = _mm_max_ss(q, _mm_shuffle_ps(q, q, 1));

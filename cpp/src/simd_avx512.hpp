@@ -31,16 +31,12 @@ struct VecAvx512 {
     static Reg mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
     static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
     static Reg sub(Reg a, Reg b) { return _mm512_sub_ps(a, b); }
-    // a > b ? a : b, and NaN when either is NaN (a NaN score must reach the row max; x86's
-    // maxps alone returns b when either is NaN, which drops a NaN held in a).
-    static Reg max(Reg a, Reg b) {
-        return _mm512_mask_mov_ps(_mm512_max_ps(a, b), _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q), a);
-    }
-    static bool any_nan(Reg x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0; }
+    static Reg max(Reg a, Reg b) { return _mm512_max_ps(a, b); }
 
-    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0.
+    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0, NaN gives NaN (maxps returns
+    // its second operand, x, when either is NaN: a NaN score reaches the row sum).
     static Reg exp2(Reg x) {
-        x = _mm512_max_ps(x, _mm512_set1_ps(kExp2Min));
+        x = _mm512_max_ps(_mm512_set1_ps(kExp2Min), x);
         const Reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
         const Reg f = _mm512_sub_ps(x, n);
         Reg p = _mm512_set1_ps(kExp2Coefficients[kExp2Degree]);
@@ -51,10 +47,8 @@ struct VecAvx512 {
         return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
     }
 
-    // Horizontal reductions in a fixed order: halves folded 256, 128, 64, 32 bits. reduce_max is
-    // NaN when any lane is NaN.
+    // Horizontal reductions in a fixed order: halves folded 256, 128, 64, 32 bits.
     static float reduce_max(Reg x) {
-        if (any_nan(x)) return __builtin_nanf("");
         __m256 h = _mm256_max_ps(_mm512_castps512_ps256(x),
                                  _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
         __m128 q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));

@@ -48,19 +48,14 @@ struct VecNeon {
     static Reg mul(Reg a, Reg b) { return Reg{vmulq_f32(a.lo, b.lo), vmulq_f32(a.hi, b.hi)}; }
     static Reg add(Reg a, Reg b) { return Reg{vaddq_f32(a.lo, b.lo), vaddq_f32(a.hi, b.hi)}; }
     static Reg sub(Reg a, Reg b) { return Reg{vsubq_f32(a.lo, b.lo), vsubq_f32(a.hi, b.hi)}; }
-    // a > b ? a : b, so b when either is NaN (x86's maxps; exp2's clamp relies on it).
+    // a > b ? a : b, so b when either is NaN (x86's maxps; the row max relies on it only for
+    // speed, exp2's clamp for passing NaN on); vmaxq_f32 would differ in the NaN and -0 cases.
     static float32x4_t max4(float32x4_t a, float32x4_t b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
-    // As simd_avx2.hpp: a > b ? a : b, and a when a is NaN (so NaN when either is NaN). Written
-    // out rather than vmaxq_f32 so that every lane, signed zeros included, is AVX2's.
-    static float32x4_t max_nan4(float32x4_t a, float32x4_t b) { return vbslq_f32(vceqq_f32(a, a), max4(a, b), a); }
-    static Reg max(Reg a, Reg b) { return Reg{max_nan4(a.lo, b.lo), max_nan4(a.hi, b.hi)}; }
-    static bool any_nan(Reg x) {
-        return vminvq_u32(vandq_u32(vceqq_f32(x.lo, x.lo), vceqq_f32(x.hi, x.hi))) == 0;
-    }
+    static Reg max(Reg a, Reg b) { return Reg{max4(a.lo, b.lo), max4(a.hi, b.hi)}; }
 
-    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0.
+    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0, NaN gives NaN (as AVX2).
     static float32x4_t exp2_4(float32x4_t x) {
-        x = max4(x, vdupq_n_f32(kExp2Min));
+        x = max4(vdupq_n_f32(kExp2Min), x);
         const float32x4_t n = vrndmq_f32(x);
         const float32x4_t f = vsubq_f32(x, n);
         float32x4_t p = vdupq_n_f32(kExp2Coefficients[kExp2Degree]);
@@ -72,9 +67,8 @@ struct VecNeon {
     static Reg exp2(Reg x) { return Reg{exp2_4(x.lo), exp2_4(x.hi)}; }
 
     // Horizontal reductions in AVX2's order: lo with hi, then lanes (0, 2) with (1, 3), then 0
-    // with 1. reduce_max is NaN when any lane is NaN.
+    // with 1.
     static float reduce_max(Reg x) {
-        if (any_nan(x)) return __builtin_nanf("");
         const float32x4_t q = max4(x.lo, x.hi);
         const float32x2_t a = vget_low_f32(q), b = vget_high_f32(q);
         const float32x2_t h = vbsl_f32(vcgt_f32(a, b), a, b);

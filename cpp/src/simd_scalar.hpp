@@ -67,16 +67,12 @@ struct VecScalar {
     }
     static Reg max(Reg a, Reg b) {
         Reg r;
-        for (int i = 0; i < kWidth; ++i) r.lane[i] = max_lane(a.lane[i], b.lane[i]);
+        for (int i = 0; i < kWidth; ++i) r.lane[i] = a.lane[i] > b.lane[i] ? a.lane[i] : b.lane[i];
         return r;
     }
-    // a > b ? a : b, and a when a is NaN: NaN when either is NaN, lane for lane as the SIMD types.
-    static float max_lane(float a, float b) { return a != a || a > b ? a : b; }
 
-    static float exp2_lane(float x) {
-        if (!(x >= kExp2Min)) x = kExp2Min;  // also maps NaN to 2^-127 = 0, as the SIMD clamp
-                                             // (maxps) does; a NaN row max reaches O and l
-                                             // through alpha instead (flash_kernel.hpp, 3c)
+    static float exp2_lane(float x_in) {
+        const float x = x_in >= kExp2Min ? x_in : kExp2Min;  // NaN too (no float-to-int of NaN)
         int32_t whole = static_cast<int32_t>(x);  // rounds toward zero: floor for x <= 0 is
         if (static_cast<float>(whole) > x) --whole;  // one less unless x is whole
         const float n = static_cast<float>(whole);
@@ -86,20 +82,17 @@ struct VecScalar {
         const uint32_t bits = static_cast<uint32_t>(whole + 127) << 23;
         float scale;
         std::memcpy(&scale, &bits, sizeof scale);
-        return p * scale;
+        return x_in != x_in ? x_in : p * scale;  // NaN gives NaN, as the SIMD types
     }
-    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0.
+    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0, NaN gives NaN.
     static Reg exp2(Reg x) {
         Reg r;
         for (int i = 0; i < kWidth; ++i) r.lane[i] = exp2_lane(x.lane[i]);
         return r;
     }
 
-    // Horizontal reductions in a fixed order: halves folded, as the SIMD types do. reduce_max is
-    // NaN when any lane is NaN.
+    // Horizontal reductions in a fixed order: halves folded, as the SIMD types do.
     static float reduce_max(Reg x) {
-        for (int i = 0; i < kWidth; ++i)
-            if (x.lane[i] != x.lane[i]) return __builtin_nanf("");
         for (int half = kWidth / 2; half >= 1; half /= 2)
             for (int i = 0; i < half; ++i)
                 x.lane[i] = x.lane[i] > x.lane[i + half] ? x.lane[i] : x.lane[i + half];

@@ -874,12 +874,14 @@ unsafe fn mask_block(
 }
 
 /// 3c. m_new = max(m, rowmax S), alpha = 2^(m - m_new), P = 2^(S - m_new), l = l alpha + sum P.
-/// Non-finite scores: the max keeps NaN ([`Vector::max`], [`Vector::reduce_max`], [`max_nan`]),
-/// so a row that sees a NaN score has m = NaN from then on; a row whose max is +inf has m = +inf.
-/// Both leave the softmax undefined (NaN - NaN, inf - inf), as in the reference: alpha = NaN
-/// then makes O and l NaN (P itself is 0 there: exp2 clamps NaN), and they stay NaN through
-/// every later block. Scores of hidden keys are -inf before this point, whatever K, V or the
-/// mask held there.
+/// Non-finite scores (scores of hidden keys are -inf by now, whatever K, V or the mask held
+/// there), checked once per row and block, never per score: a row that sees a NaN score gets
+/// m = NaN, a row whose largest score is +inf m = +inf (NaN wins). Both leave the softmax
+/// undefined (NaN - NaN, inf - inf), as in the reference: alpha = NaN makes O and l NaN, and they
+/// stay NaN through every later block (m = NaN sticks: [`max_nan`]). The vector max (maxps) may
+/// drop a NaN score, but exp2 passes NaN on, so P and the block's sum carry it: a NaN sum under a
+/// finite m can only come from a NaN score. Where the max alone decides (m = -inf: "nothing
+/// visible yet", or m = +inf) the block is scanned for NaN; those rows are rare.
 ///
 /// # Safety
 /// V's instruction set is available; row holds n_padded (a multiple of WIDTH) floats; r indexes
@@ -895,7 +897,16 @@ unsafe fn softmax_row<V: Vector>(row: *mut f32, n_padded: usize, s: &ThreadScrat
         }
         let block_max = V::reduce_max(running);
         let m_old = *s.row_max.add(r);
-        let m_new = max_nan(m_old, block_max);
+        let mut m_new = max_nan(m_old, block_max);
+        if m_new.is_infinite() {
+            let mut nan_score = false;
+            for j in 0..n_padded {
+                nan_score |= (*row.add(j)).is_nan();
+            }
+            if nan_score {
+                m_new = f32::NAN;
+            }
+        }
         if m_new == f32::NEG_INFINITY {
             // nothing visible yet: P = 0, nothing to rescale
             for j in (0..n_padded).step_by(w) {
@@ -918,8 +929,12 @@ unsafe fn softmax_row<V: Vector>(row: *mut f32, n_padded: usize, s: &ThreadScrat
             prob.store(row.add(j));
             sum = V::add(sum, prob);
         }
+        let l_new = *s.row_sum.add(r) * alpha + V::reduce_sum(sum);
+        if l_new.is_nan() && m_new != f32::INFINITY {
+            m_new = f32::NAN; // a NaN score the max missed
+        }
         *s.rescale.add(r) = alpha;
-        *s.row_sum.add(r) = *s.row_sum.add(r) * alpha + V::reduce_sum(sum);
+        *s.row_sum.add(r) = l_new;
         *s.row_max.add(r) = m_new;
     }
 }

@@ -67,13 +67,12 @@ pub trait Vector: Copy {
     fn mul(a: Self, b: Self) -> Self;
     fn add(a: Self, b: Self) -> Self;
     fn sub(a: Self, b: Self) -> Self;
-    /// Per lane `a > b ? a : b`, and `a` when `a` is NaN: NaN when either is NaN (the row max
-    /// must keep a NaN score; x86's maxps alone returns `b` when either is NaN).
+    /// Per lane `a > b ? a : b` (x86 semantics: `b` when either is NaN).
     fn max(a: Self, b: Self) -> Self;
-    /// 2^x for x <= 0 (constants.rs, "exp2"); -inf gives exactly 0.
+    /// 2^x for x <= 0 (constants.rs, "exp2"); -inf gives exactly 0, NaN gives NaN (a NaN score
+    /// reaches the row sum).
     fn exp2(x: Self) -> Self;
-    /// The largest lane, halves folded (lanes i and i + WIDTH/2, then i and i + WIDTH/4, ...);
-    /// NaN when any lane is NaN.
+    /// The largest lane, halves folded (lanes i and i + WIDTH/2, then i and i + WIDTH/4, ...).
     fn reduce_max(x: Self) -> f32;
     /// The sum of the lanes, halves folded like [`Vector::reduce_max`].
     fn reduce_sum(x: Self) -> f32;

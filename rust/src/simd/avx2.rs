@@ -89,19 +89,14 @@ impl Vector for Avx2 {
     #[inline(always)]
     fn max(a: Self, b: Self) -> Self {
         // SAFETY: as in fma.
-        Avx2(unsafe {
-            _mm256_blendv_ps(
-                _mm256_max_ps(a.0, b.0),
-                a.0,
-                _mm256_cmp_ps::<_CMP_UNORD_Q>(a.0, a.0),
-            )
-        })
+        Avx2(unsafe { _mm256_max_ps(a.0, b.0) })
     }
     #[inline(always)]
     fn exp2(x: Self) -> Self {
         // SAFETY: as in fma.
         unsafe {
-            let x = _mm256_max_ps(x.0, _mm256_set1_ps(EXP2_MIN));
+            // EXP2_MIN first: maxps returns its second operand, x, when either is NaN
+            let x = _mm256_max_ps(_mm256_set1_ps(EXP2_MIN), x.0);
             let n = _mm256_floor_ps(x);
             let f = _mm256_sub_ps(x, n);
             let mut p = _mm256_set1_ps(EXP2_COEFFICIENTS[EXP2_DEGREE]);
@@ -119,9 +114,6 @@ impl Vector for Avx2 {
     fn reduce_max(x: Self) -> f32 {
         // SAFETY: as in fma.
         unsafe {
-            if _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(x.0, x.0)) != 0 {
-                return f32::NAN;
-            }
             let mut q = _mm_max_ps(_mm256_castps256_ps128(x.0), _mm256_extractf128_ps::<1>(x.0));
             q = _mm_max_ps(q, _mm_movehl_ps(q, q));
             q = _mm_max_ss(q, _mm_shuffle_ps::<1>(q, q));

@@ -79,19 +79,14 @@ impl Vector for Avx512 {
     #[inline(always)]
     fn max(a: Self, b: Self) -> Self {
         // SAFETY: as in fma.
-        Avx512(unsafe {
-            _mm512_mask_mov_ps(
-                _mm512_max_ps(a.0, b.0),
-                _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(a.0, a.0),
-                a.0,
-            )
-        })
+        Avx512(unsafe { _mm512_max_ps(a.0, b.0) })
     }
     #[inline(always)]
     fn exp2(x: Self) -> Self {
         // SAFETY: as in fma.
         unsafe {
-            let x = _mm512_max_ps(x.0, _mm512_set1_ps(EXP2_MIN));
+            // EXP2_MIN first: maxps returns its second operand, x, when either is NaN
+            let x = _mm512_max_ps(_mm512_set1_ps(EXP2_MIN), x.0);
             let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(x);
             let f = _mm512_sub_ps(x, n);
             let mut p = _mm512_set1_ps(EXP2_COEFFICIENTS[EXP2_DEGREE]);
@@ -109,9 +104,6 @@ impl Vector for Avx512 {
     fn reduce_max(x: Self) -> f32 {
         // SAFETY: as in fma (AVX-512F implies AVX and SSE).
         unsafe {
-            if _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x.0, x.0) != 0 {
-                return f32::NAN;
-            }
             let h = _mm256_max_ps(
                 _mm512_castps512_ps256(x.0),
                 _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x.0))),

@@ -22,10 +22,8 @@ impl Scalar {
 
 /// 2^x of one lane (constants.rs, "exp2"), as `VecScalar::exp2_lane` in C++.
 #[inline(always)]
-pub fn exp2_lane(x: f32) -> f32 {
-    // also maps NaN to EXP2_MIN (2^-127 = 0), as the SIMD clamp (maxps) does; a NaN row max
-    // reaches O and l through alpha instead (flash_kernel.rs, softmax_row)
-    let x = if x >= EXP2_MIN { x } else { EXP2_MIN };
+pub fn exp2_lane(x_in: f32) -> f32 {
+    let x = if x_in >= EXP2_MIN { x_in } else { EXP2_MIN }; // NaN too
     let mut whole = x as i32; // rounds toward zero: floor for x <= 0 is one less unless whole
     if whole as f32 > x {
         whole -= 1;
@@ -35,17 +33,11 @@ pub fn exp2_lane(x: f32) -> f32 {
     for c in (0..EXP2_DEGREE).rev() {
         p = p * f + EXP2_COEFFICIENTS[c];
     }
-    p * f32::from_bits(((whole + 127) as u32) << 23)
-}
-
-/// `a > b ? a : b`, and `a` when `a` is NaN: NaN when either is NaN, lane for lane as the SIMD
-/// types.
-#[inline(always)]
-fn max_lane(a: f32, b: f32) -> f32 {
-    if a.is_nan() || a > b {
-        a
+    let value = p * f32::from_bits(((whole + 127) as u32) << 23);
+    if x_in.is_nan() {
+        x_in // NaN gives NaN, as the SIMD types
     } else {
-        b
+        value
     }
 }
 
@@ -110,7 +102,7 @@ impl Vector for Scalar {
     }
     #[inline(always)]
     fn max(a: Self, b: Self) -> Self {
-        Self::map2(a, b, max_lane)
+        Self::map2(a, b, |x, y| if x > y { x } else { y })
     }
     #[inline(always)]
     fn exp2(x: Self) -> Self {
@@ -118,9 +110,6 @@ impl Vector for Scalar {
     }
     #[inline(always)]
     fn reduce_max(mut x: Self) -> f32 {
-        if x.0.iter().any(|lane| lane.is_nan()) {
-            return f32::NAN;
-        }
         let mut half = W / 2;
         while half >= 1 {
             for i in 0..half {
