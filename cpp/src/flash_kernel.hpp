@@ -496,6 +496,13 @@ struct Kernel {
         }
     }
 
+    // Whether any of the n floats at row is NaN: softmax_row's rare path, kept out of line.
+    __attribute__((cold, noinline)) static bool any_nan(const float* row, int64_t n) {
+        for (int64_t j = 0; j < n; ++j)
+            if (row[j] != row[j]) return true;
+        return false;
+    }
+
     // 3c. m_new = max(m, rowmax S), alpha = 2^(m - m_new), P = 2^(S - m_new), l = l alpha + sum P.
     // Non-finite scores (scores of hidden keys are -inf by now, whatever K, V or the mask held
     // there), checked once per row and block, never per score: a row that sees a NaN score gets
@@ -511,11 +518,7 @@ struct Kernel {
         const float block_max = V::reduce_max(running);
         const float m_old = s.row_max[r];
         float m_new = max_nan(m_old, block_max);
-        if (m_new == kNegInf || m_new == kInf) {
-            bool nan_score = false;
-            for (int64_t j = 0; j < n_padded; ++j) nan_score |= row[j] != row[j];
-            if (nan_score) m_new = kNaN;
-        }
+        if ((m_new == kNegInf || m_new == kInf) && any_nan(row, n_padded)) m_new = kNaN;
         if (m_new == kNegInf) {  // nothing visible yet: P = 0, nothing to rescale
             for (int64_t j = 0; j < n_padded; j += W) V::store(row + j, V::zero());
             s.rescale[r] = 1.0f;

@@ -873,6 +873,18 @@ unsafe fn mask_block(
     }
 }
 
+/// Whether any of the n floats at row is NaN: softmax_row's rare path, kept out of line so the
+/// hot loop's code stays as it was.
+///
+/// # Safety
+/// row is valid for reading n floats.
+#[cold]
+#[inline(never)]
+unsafe fn any_nan(row: *const f32, n: usize) -> bool {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { (0..n).any(|j| (*row.add(j)).is_nan()) }
+}
+
 /// 3c. m_new = max(m, rowmax S), alpha = 2^(m - m_new), P = 2^(S - m_new), l = l alpha + sum P.
 /// Non-finite scores (scores of hidden keys are -inf by now, whatever K, V or the mask held
 /// there), checked once per row and block, never per score: a row that sees a NaN score gets
@@ -898,14 +910,8 @@ unsafe fn softmax_row<V: Vector>(row: *mut f32, n_padded: usize, s: &ThreadScrat
         let block_max = V::reduce_max(running);
         let m_old = *s.row_max.add(r);
         let mut m_new = max_nan(m_old, block_max);
-        if m_new.is_infinite() {
-            let mut nan_score = false;
-            for j in 0..n_padded {
-                nan_score |= (*row.add(j)).is_nan();
-            }
-            if nan_score {
-                m_new = f32::NAN;
-            }
+        if m_new.is_infinite() && any_nan(row, n_padded) {
+            m_new = f32::NAN;
         }
         if m_new == f32::NEG_INFINITY {
             // nothing visible yet: P = 0, nothing to rescale
