@@ -15,10 +15,13 @@ from hypothesis import strategies as st
 
 import twinattn
 from conftest import _require
-from helpers import assert_close_to_reference
+from helpers import assert_close_to_reference, assert_lse_close, reference64
 
 DTYPES = [np.float32, np.float64, np.float16, np.int8, np.int32, np.int64, np.uint8, np.bool_, np.complex64]
 CLEAR_ERRORS = (TypeError, ValueError)
+# (Huge finite values are not drawn: a score that overflows float32 but not float64 is outside the
+# rule the native ports follow, see twinattn/reference.py.)
+NONFINITE = [np.nan, np.inf, -np.inf]
 FUZZ = settings(
     max_examples=100, deadline=None, derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
@@ -39,11 +42,27 @@ def _array(draw: st.DrawFn, shape: tuple[int, ...], dtype: Any = np.float32) -> 
         if layout == "reversed" and a.ndim:
             a = a[::-1]
     a = a.astype(dtype) if a.dtype != dtype else a
-    if draw(st.booleans()) and a.dtype.kind == "f" and a.size:
+    if draw(st.booleans()) and a.dtype.kind == "f" and a.size:  # anywhere: visible or hidden
         a = np.array(a)
-        a.flat[draw(st.integers(0, a.size - 1))] = draw(st.sampled_from([np.nan, np.inf, -np.inf, 1e30]))
+        a.flat[draw(st.integers(0, a.size - 1))] = draw(st.sampled_from(NONFINITE))
     if layout == "readonly":
         a = np.array(a)
+        a.flags.writeable = False
+    return a
+
+
+def _place_visible(draw: st.DrawFn, a: np.ndarray) -> np.ndarray:
+    """A copy of a with NaN or +-inf at one element whose second-to-last index (a key of k, v or
+    the mask; a query row of q) is 0, so the key is one that every row with kv_len > 0 sees
+    unless a mask hides it. Arrays that are not float or are empty come back unchanged."""
+    if a.dtype.kind != "f" or a.size == 0 or a.ndim < 2:
+        return a
+    readonly = not a.flags.writeable
+    a = np.array(a)
+    index = [draw(st.integers(0, n - 1)) for n in a.shape]
+    index[-2] = 0
+    a[tuple(index)] = draw(st.sampled_from(NONFINITE))
+    if readonly:
         a.flags.writeable = False
     return a
 
@@ -62,6 +81,9 @@ def hostile_calls(draw: st.DrawFn) -> tuple[tuple[np.ndarray, np.ndarray, np.nda
         shapes[which] = tuple(max(0, n) for n in shape)
     dtype = np.float32 if draw(st.integers(0, 4)) else draw(st.sampled_from(DTYPES))
     q, k, v = (_array(draw, s, dtype if i == draw(st.integers(0, 2)) else np.float32) for i, s in enumerate(shapes))
+    if draw(st.integers(0, 2)) == 0:  # a non-finite value at a visible position: key 0 of k or v, or q
+        which = draw(st.integers(0, 2))
+        q, k, v = (_place_visible(draw, a) if i == which else a for i, a in enumerate((q, k, v)))
     if rank_drop:
         q, k, v = (a.reshape(a.shape[rank_drop:]) if all(n == 1 for n in a.shape[:rank_drop]) else a for a in (q, k, v))
     kwargs: dict[str, Any] = {"causal": draw(st.booleans())}
@@ -79,6 +101,8 @@ def hostile_calls(draw: st.DrawFn) -> tuple[tuple[np.ndarray, np.ndarray, np.nda
         mshape = draw(st.sampled_from([(lq, lk), (1, lk), (b, 1, lq, lk), (lq + 1, lk), (2, 2, 2, 2, 2), ()]))
         mdtype = draw(st.sampled_from([np.bool_, np.float32, np.float64, np.int8]))
         kwargs["attn_mask"] = _array(draw, mshape, mdtype)
+        if draw(st.integers(0, 2)) == 0:  # a non-finite bias on key 0, which most rows see
+            kwargs["attn_mask"] = _place_visible(draw, kwargs["attn_mask"])
     if draw(st.integers(0, 3)) == 0:
         kwargs["scale"] = draw(st.sampled_from([0.0, -1.0, 1e-30, 1e30, float("nan"), float("inf"), "x", None]))
     if draw(st.integers(0, 3)) == 0:
@@ -129,6 +153,72 @@ def test_hostile_calls_match_the_reference_or_raise_the_same_error(native_backen
     q, k, v = args
     ref_kwargs = {key: val for key, val in kwargs.items() if key not in ("return_lse", "out")}
     assert_close_to_reference(np.asarray(out), q, k, v, **ref_kwargs)
+    # non-finite inputs: the reference's NaN / +inf / -inf pattern, in out and in lse
+    want_out, want_lse = reference64(q, k, v, return_lse=True, **ref_kwargs)
+    patterns = [(np.asarray(out), np.asarray(want_out), "out")]
+    if kwargs.get("return_lse"):
+        patterns.append((np.asarray(got[1]), np.asarray(want_lse), "lse"))
+        assert_lse_close(np.asarray(got[1]), q, k, v, **ref_kwargs)
+    for array, want, what in patterns:
+        for test in (np.isnan, np.isposinf, np.isneginf):
+            np.testing.assert_array_equal(test(array), test(want), err_msg=f"{test.__name__} pattern of {what}")
+
+
+@st.composite
+def nonfinite_calls(draw: st.DrawFn) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray], dict[str, Any]]:
+    """Valid calls (GQA, causal with offsets, kv_lens, bool or float masks, all three paths of the
+    fast kernels) with one to three NaN / +-inf values in q, k, v or the bias, mostly at positions
+    some row sees (key 0 and the first kv_len keys), sometimes anywhere."""
+    b, hkv, group = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2, 4, 8]))
+    lq = draw(st.sampled_from([1, 2, 3, 7, 13, 30]))  # packed rows from 1 (direct) to 240 (prefill)
+    lk, d, dv = draw(st.sampled_from([1, 5, 40, 300, 1100])), draw(st.integers(1, 20)), draw(st.integers(1, 20))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in
+               ((b, hkv * group, lq, d), (b, hkv, lk, d), (b, hkv, lk, dv)))
+    kwargs: dict[str, Any] = {"causal": draw(st.booleans()), "return_lse": True}
+    kv_lens = rng.integers(0, lk + 1, b)
+    if draw(st.booleans()):
+        kwargs["kv_lens"] = kv_lens
+        if kwargs["causal"]:
+            kwargs["q_offset"] = rng.integers(0, lk + 1, b)
+    elif kwargs["causal"] and lq > lk:
+        kwargs["q_offset"] = 0
+    mask_kind = draw(st.sampled_from(["none", "bool", "float"]))
+    if mask_kind == "bool":
+        kwargs["attn_mask"] = rng.random((b, hkv * group, lq, lk)) < 0.8
+    elif mask_kind == "float":
+        bias = rng.standard_normal((b, hkv * group, lq, lk)).astype(np.float32)
+        bias[rng.random(bias.shape) < 0.2] = -np.inf
+        kwargs["attn_mask"] = bias
+    arrays = {"q": q, "k": k, "v": v}
+    if mask_kind == "float":
+        arrays["attn_mask"] = kwargs["attn_mask"]
+    seen_keys = max(1, int(kv_lens.min()) if "kv_lens" in kwargs else lk)  # keys [0, seen_keys) are not padding
+    key_axis = {"q": None, "k": 2, "v": 2, "attn_mask": 3}
+    for _ in range(draw(st.integers(1, 3))):
+        name = draw(st.sampled_from(sorted(arrays)))
+        a = arrays[name]
+        index = [draw(st.integers(0, n - 1)) for n in a.shape]
+        if key_axis[name] is not None and draw(st.integers(0, 3)):  # mostly a key before every kv_len
+            index[key_axis[name]] = draw(st.integers(0, seen_keys - 1))
+        a[tuple(index)] = draw(st.sampled_from(NONFINITE))
+    return (q, k, v), kwargs
+
+
+@FUZZ
+@given(call=nonfinite_calls())
+def test_nonfinite_inputs_give_the_reference_pattern(backend: str, call: Any) -> None:
+    """NaN / inf anywhere in a valid call: out and lse have the float64 reference's NaN, +inf and
+    -inf pattern and its finite values within float32 tolerance (twinattn/reference.py's rule)."""
+    (q, k, v), kwargs = call
+    out, lse = twinattn.attention(q, k, v, backend=backend, **kwargs)
+    ref_kwargs = {key: val for key, val in kwargs.items() if key != "return_lse"}
+    want_out, want_lse = reference64(q, k, v, return_lse=True, **ref_kwargs)
+    for array, want, what in ((out, want_out, "out"), (lse, want_lse, "lse")):
+        for test in (np.isnan, np.isposinf, np.isneginf):
+            np.testing.assert_array_equal(test(array), test(want), err_msg=f"{test.__name__} pattern of {what}")
+    assert_close_to_reference(out, q, k, v, **ref_kwargs)
+    assert_lse_close(lse, q, k, v, **ref_kwargs)
 
 
 NATIVE_ARGS = ["q", "k", "v", "out", "lse", "q_offset", "kv_lens", "mask", "causal", "scale", "num_threads"]

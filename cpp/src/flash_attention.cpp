@@ -42,6 +42,12 @@ int64_t flash_row_key_end(const AttentionProblem& p, int64_t b, int64_t group, i
     return p.q_offset[b] + position + 1;
 }
 
+float flash_row_lse(float m, float l) {
+    if (l == 0.0f) return -std::numeric_limits<float>::infinity();
+    if (m == std::numeric_limits<float>::infinity()) return m;
+    return kLn2 * (m + log2f(l));
+}
+
 namespace {
 
 // A 64-byte aligned buffer that only grows; its contents are not preserved when it grows.
@@ -105,6 +111,9 @@ CallerBuffers& caller_buffers() {
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// a > b ? a : b, and NaN when either is NaN (as flash_kernel.hpp's max_nan).
+float max_nan(float a, float b) { return a != a || a > b ? a : b; }
 
 struct CostedItem {
     WorkItem item;
@@ -188,6 +197,8 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
     if (slots == 0) return;
 
     // Merge: m* = max m_c, l* = sum l_c 2^(m_c - m*), O = sum O_c 2^(m_c - m*) / l*, in chunk order.
+    // A chunk whose row saw a NaN or +inf score has m_c = NaN or +inf and l_c = NaN (flash_kernel.hpp,
+    // 3c), so m* and the weights carry it into O and lse; a chunk that saw nothing has l_c = 0.
     const int64_t G = plan.group;
     parallel_for(B * Hkv, num_threads, [&](int64_t head, int) {
         const int64_t b = head / Hkv, kv_head = head % Hkv;
@@ -197,7 +208,7 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
         for (int64_t r = 0; r < rows; ++r) {
             float m_star = -std::numeric_limits<float>::infinity();
             for (int64_t c = 0; c < chunks; ++c)
-                m_star = std::max(m_star, plan.partial_max[(first_slot + c) * rows + r]);
+                m_star = max_nan(m_star, plan.partial_max[(first_slot + c) * rows + r]);
             const int64_t h = kv_head * G + r % G, i = r / G;
             float* dst = p.out.data + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
             for (int64_t d = 0; d < Dv; ++d) dst[d] = 0.0f;
@@ -219,8 +230,7 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
             }
             if (p.lse.data != nullptr)
                 p.lse.data[b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2]] =
-                    l_star == 0.0f ? -std::numeric_limits<float>::infinity()
-                                   : kLn2 * (m_star + log2f(l_star));
+                    flash_row_lse(m_star, l_star);
         }
     });
 }

@@ -8,6 +8,24 @@ Shapes (after the Python layer has normalised the call, see twinattn.attention):
     q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), q_offset (B,), kv_lens (B,),
     mask None or (B, Hq, Lq, Lk) bool (True = may attend) or float (additive bias)
     -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq)
+
+Visible keys and non-finite inputs (the rule every backend follows, row by row):
+- Key j is visible to row i iff j < kv_lens[b], (not causal or j <= q_offset[b] + i), the bool
+  mask (if any) is True and the float bias (if any) is not -inf. A hidden key is never read:
+  whatever k, v or the bias hold there (NaN, inf) does not matter. A -inf bias hides a key
+  exactly like False, even when its k or v row holds NaN.
+- score_j = scale * q_i . k_j + bias_ij for visible keys, in IEEE arithmetic. A score of -inf
+  (from inf in q or k) gives the key weight 0 and leaves its value out, as for a hidden key. A
+  row with no key scoring above -inf returns zeros and lse = -inf.
+- A NaN score (NaN in q_i, in a visible k_j or bias, or inf * 0 in the dot product) makes the
+  whole row NaN: every column of out_i, and lse_i.
+- Otherwise a score of +inf makes out_i NaN (its weights are inf / inf) and lse_i = +inf (the log
+  of an infinite sum).
+- NaN or inf in a visible v_j reaches the output columns it is in, for every row that gives key j
+  a weight above 0 (p_j * inf = inf; inf - inf = NaN).
+The native kernels compute in float32: they follow this rule as long as no finite score
+overflows float32 and no key holding a non-finite value has a weight that underflows to 0 there
+(a score more than about 87 below its row's max).
 """
 
 from __future__ import annotations
@@ -50,14 +68,15 @@ def _attention_reference(
     kv_heads, k_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads if kv_heads else 1
 
-    # 1. Legal keys: inside the sequence's length, not in its future, allowed by the mask.
+    # 1. Visible keys: inside the sequence's length, not in its future, allowed by the mask (a
+    #    bias of -inf hides a key as False does).
     key_index = np.arange(k_len).reshape(1, 1, 1, k_len)
     query_index = np.arange(q_len).reshape(1, 1, q_len, 1)
     visible = key_index < kv_lens.reshape(batch, 1, 1, 1)
     if causal:
         visible = visible & (key_index <= q_offset.reshape(batch, 1, 1, 1) + query_index)
-    if mask is not None and mask.dtype == np.bool_:
-        visible = visible & mask
+    if mask is not None:
+        visible = visible & (mask if mask.dtype == np.bool_ else mask != -np.inf)
     visible = np.broadcast_to(visible, (batch, q_heads, q_len, k_len))
 
     # Padded keys are never read: whatever their memory holds (NaN too) is replaced by zeros.
@@ -68,14 +87,17 @@ def _attention_reference(
     k = np.repeat(k, group, axis=1)
     v = np.repeat(v, group, axis=1)
 
-    # 2. Scores of the legal keys; every other key scores -inf.
+    # 2. Scores of the visible keys; a hidden key scores -inf, whatever q k^T or the bias gave
+    #    there (NaN from a hidden NaN key, say). A visible key scoring -inf is left out too:
+    #    "legal" = visible and scoring above -inf.
     scores = (q @ np.swapaxes(k, -1, -2)) * dtype.type(scale)
     if mask is not None and mask.dtype != np.bool_:
         scores = scores + mask.astype(dtype, copy=False)
-    legal = visible & (scores != -np.inf)  # a bias of -inf hides a key too
+    legal = visible & (scores != -np.inf)
     scores = np.where(legal, scores, dtype.type(-np.inf))
 
-    # 3. Subtract the row max, exponentiate, normalise. A row with no legal key gives zeros.
+    # 3. Subtract the row max, exponentiate, normalise. A row with no legal key gives zeros. The
+    #    max propagates NaN, so a NaN score makes the row NaN; a +inf max gives inf - inf = NaN.
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     empty_row = row_max == -np.inf
     safe_max = np.where(empty_row, 0, row_max).astype(dtype, copy=False)
@@ -93,6 +115,7 @@ def _attention_reference(
             keys = legal[b, h, i]
             out[b, h, i] = weights[b, h, i, keys] @ v[b, h, keys]
     lse = np.where(empty_row, -np.inf, safe_max + np.log(np.where(empty_row, 1, row_sum)))
+    lse = np.where(row_max == np.inf, np.inf, lse)  # log of an infinite sum, not inf + log(NaN)
     return out.astype(dtype, copy=False), lse[..., 0].astype(dtype, copy=False)
 
 

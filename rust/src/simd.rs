@@ -69,7 +69,8 @@ pub trait Vector: Copy {
     fn sub(a: Self, b: Self) -> Self;
     /// Per lane `a > b ? a : b` (x86 semantics: `b` when either is NaN).
     fn max(a: Self, b: Self) -> Self;
-    /// 2^x for x <= 0 (constants.rs, "exp2"); -inf gives exactly 0.
+    /// 2^x for x <= 0 (constants.rs, "exp2"); -inf gives exactly 0, NaN gives NaN (a NaN score
+    /// reaches the row sum).
     fn exp2(x: Self) -> Self;
     /// The largest lane, halves folded (lanes i and i + WIDTH/2, then i and i + WIDTH/4, ...).
     fn reduce_max(x: Self) -> f32;
