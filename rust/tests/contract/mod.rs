@@ -746,10 +746,12 @@ pub fn non_finite_inputs_propagate() {
     }
 }
 
-/// `#[test]` functions running every contract check above with the given kernel selection.
+/// `#[test]` functions running every contract check above with the given kernel selection; the
+/// attributes after it (e.g. a `cfg_attr(..., ignore = ...)`) go on every test.
 macro_rules! contract_tests {
-    ($kernel:expr) => {
+    ($kernel:expr $(, #[$attr:meta])* $(,)?) => {
         #[test]
+        $(#[$attr])*
         fn seed_first_causal_row_has_one_legal_key() {
             crate::common::with_kernel(
                 $kernel,
@@ -757,6 +759,7 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn seed_cached_last_row_equals_full_last_row() {
             crate::common::with_kernel(
                 $kernel,
@@ -764,6 +767,7 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn seed_future_value_cannot_change_earlier_rows() {
             crate::common::with_kernel(
                 $kernel,
@@ -771,6 +775,7 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn chunked_causal_runs_equal_full_run() {
             crate::common::with_kernel(
                 $kernel,
@@ -778,6 +783,7 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn future_keys_and_values_never_leak_backwards() {
             crate::common::with_kernel(
                 $kernel,
@@ -785,10 +791,12 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn worked_example() {
             crate::common::with_kernel($kernel, crate::contract::worked_example);
         }
         #[test]
+        $(#[$attr])*
         fn worked_example_with_second_key_causally_hidden() {
             crate::common::with_kernel(
                 $kernel,
@@ -796,6 +804,7 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn grouped_query_heads_read_their_kv_head() {
             crate::common::with_kernel(
                 $kernel,
@@ -803,14 +812,17 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn padded_keys_are_never_read() {
             crate::common::with_kernel($kernel, crate::contract::padded_keys_are_never_read);
         }
         #[test]
+        $(#[$attr])*
         fn bool_mask_and_float_bias() {
             crate::common::with_kernel($kernel, crate::contract::bool_mask_and_float_bias);
         }
         #[test]
+        $(#[$attr])*
         fn rows_without_visible_keys_give_zeros_and_minus_infinity() {
             crate::common::with_kernel(
                 $kernel,
@@ -818,10 +830,12 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn large_scores_do_not_overflow() {
             crate::common::with_kernel($kernel, crate::contract::large_scores_do_not_overflow);
         }
         #[test]
+        $(#[$attr])*
         fn strided_views_equal_contiguous_ones() {
             crate::common::with_kernel(
                 $kernel,
@@ -829,6 +843,7 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn thread_counts_give_identical_results() {
             crate::common::with_kernel(
                 $kernel,
@@ -836,10 +851,12 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn empty_axes_are_legal() {
             crate::common::with_kernel($kernel, crate::contract::empty_axes_are_legal);
         }
         #[test]
+        $(#[$attr])*
         fn check_problem_rejects_bad_problems() {
             crate::common::with_kernel(
                 $kernel,
@@ -847,6 +864,7 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn check_problem_rejects_overlapping_outputs_and_bad_lse() {
             crate::common::with_kernel(
                 $kernel,
@@ -854,6 +872,7 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn masked_keys_with_non_finite_values_do_not_contribute() {
             crate::common::with_kernel(
                 $kernel,
