@@ -181,6 +181,8 @@ def test_cache_appends_in_place(smol: tuple[Any, Any]) -> None:
     head_dim = config.hidden_size // config.num_attention_heads
     assert cache.nbytes == twinattn.kv_cache_bytes(config.num_hidden_layers, 3, config.num_key_value_heads, 64, head_dim, 4)
     assert cache.get_seq_length() == batch.input_ids.shape[1] + 3
+    cache.crop(-2)  # assisted decoding's rollback: every layer forgets the last two tokens
+    assert [layer.get_seq_length() for layer in cache.layers] == [batch.input_ids.shape[1] + 1] * config.num_hidden_layers
 
 
 def test_mask_function_keeps_masks_small(smol: tuple[Any, Any]) -> None:
@@ -231,6 +233,27 @@ def test_cache_refuses_sliding_layers_and_other_dtypes() -> None:
     cache = hf.TwinattnCache(max_cache_len=16, num_layers=1)
     with pytest.raises(TypeError, match="float32"):
         cache.update(torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16), 0)
+
+
+def test_e2e_bench_measures_what_it_is_asked(smol: tuple[Any, Any]) -> None:
+    from twinattn.bench import e2e
+
+    model, _ = smol
+    rows = e2e.measure(model, contexts=(8,), prefill=(8,), steps=2, threads=1, progress=None)
+    assert sorted((r["impl"], r["phase"], r["context"]) for r in rows) == [
+        ("sdpa+DynamicCache", "decode", 8),
+        ("sdpa+DynamicCache", "prefill", 8),
+        ("twinattn+TwinattnCache", "decode", 8),
+        ("twinattn+TwinattnCache", "prefill", 8),
+    ]
+    for r in rows:
+        per_call = 8 if r["phase"] == "prefill" else 1
+        assert r["tokens_per_s"] == pytest.approx(per_call * 1e3 / r["ms"])
+    assert "twinattn+TwinattnCache" in e2e.format_rows(rows)
+    # the timing wrappers are gone afterwards
+    from transformers import AttentionInterface
+
+    assert AttentionInterface()["twinattn"] is hf.attention_forward
 
 
 # ---- all-MiniLM-L6-v2 (BERT, bidirectional) ----------------------------------------------------------

@@ -3,7 +3,8 @@
     import twinattn.hf                                    # registers "twinattn"
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="twinattn")
     cache = twinattn.hf.TwinattnCache(max_cache_len=4096, config=model.config)
-    model.generate(**inputs, past_key_values=cache)       # decode appends in place, never copies
+    model.generate(**inputs, cache=cache)                 # decode appends in place, never copies
+                                                          # (past_key_values=cache before transformers 5)
 
 Importing this module registers "twinattn" twice under the same name, as transformers needs:
 - with AttentionInterface, `attention_forward`: the attention of every layer, on the model's
@@ -226,7 +227,7 @@ class TwinattnCache(Cache):  # type: ignore[misc]
     step copies one token per layer, where DynamicCache re-concatenates the whole cache.
 
         cache = TwinattnCache(max_cache_len=4096, config=model.config)
-        model.generate(**inputs, past_key_values=cache)
+        model.generate(**inputs, cache=cache)
 
     num_layers may be given instead of config. Layers of a kind other than full attention (sliding
     window, linear attention) raise NotImplementedError.
