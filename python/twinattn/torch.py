@@ -228,24 +228,7 @@ def attention(
     unit last one), written in place and returned. Forward only.
     """
     if not torch.compiler.is_compiling():
-        # _compute inlined: this path is the per-call overhead on small problems
-        result = api.attention(
-            _array("q", q),
-            _array("k", k),
-            _array("v", v),
-            causal=causal,
-            q_offset=q_offset if type(q_offset) is not torch.Tensor else _array("q_offset", q_offset),
-            kv_lens=kv_lens if type(kv_lens) is not torch.Tensor else _array("kv_lens", kv_lens),
-            attn_mask=attn_mask if type(attn_mask) is not torch.Tensor else _array("attn_mask", attn_mask),
-            scale=scale,
-            return_lse=return_lse,
-            out=None if out is None else _array("out", out),
-            backend=backend,
-            num_threads=num_threads,
-        )
-        if return_lse:
-            return out if out is not None else torch.from_numpy(result[0]), torch.from_numpy(result[1])
-        return out if out is not None else torch.from_numpy(result)
+        return _compute(q, k, v, out, causal, q_offset, kv_lens, attn_mask, scale, return_lse, backend, num_threads)
     # Traced (torch.compile, torch.export): one custom op in the graph.
     offsets = _as_index_tensor("q_offset", q_offset)
     lens = _as_index_tensor("kv_lens", kv_lens)
