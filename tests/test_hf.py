@@ -148,6 +148,23 @@ def test_smollm2_greedy_generation_gives_sdpas_tokens(smol: tuple[Any, Any], cas
     assert torch.equal(got, want), tok.batch_decode(got) + tok.batch_decode(want)
 
 
+def test_smollm2_static_cache_goes_through_the_materialised_mask(smol: tuple[Any, Any]) -> None:
+    # StaticCache hands attention its whole buffer with a tensor offset: causality and lengths no
+    # longer describe the mask, so mask_function falls back to sdpa_mask and the result must not change
+    from transformers import StaticCache
+
+    model, tok = smol
+    batch = _inputs(tok, PROMPTS["left-padded"])
+    settings = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False}
+    with torch.inference_mode():
+        model.set_attn_implementation("sdpa")
+        want = model.generate(**batch, **settings)
+        model.set_attn_implementation("twinattn")
+        cache = StaticCache(config=model.config, max_cache_len=batch.input_ids.shape[1] + 8)
+        got = model.generate(**batch, **settings, **{_cache_kw(model): cache})
+    assert torch.equal(got, want)
+
+
 def test_smollm2_right_padded_prefill_matches_sdpa(smol: tuple[Any, Any]) -> None:
     # right padding: kv_lens per sequence, and rows past a sequence's end stay causal
     model, tok = smol

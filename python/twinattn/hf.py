@@ -27,8 +27,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import numpy as np
-import torch
-from transformers import AttentionInterface
+
+try:
+    import torch
+    from transformers import AttentionInterface
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("twinattn.hf needs torch and transformers: pip install 'twinattn[hf]'") from error
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.masking_utils import (
     AttentionMaskInterface,

@@ -23,7 +23,11 @@ from __future__ import annotations
 from typing import Any, Optional, Tuple
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("twinattn.torch needs torch: pip install 'twinattn[torch]'") from error
 
 from . import api
 from . import sdpa as _sdpa
