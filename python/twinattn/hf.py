@@ -1,0 +1,312 @@
+"""twinattn in Hugging Face transformers (needs `pip install twinattn[hf]`).
+
+    import twinattn.hf                                    # registers "twinattn"
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="twinattn")
+    cache = twinattn.hf.TwinattnCache(max_cache_len=4096, config=model.config)
+    model.generate(**inputs, cache=cache)                 # decode appends in place, never copies
+                                                          # (past_key_values=cache before transformers 5)
+
+Importing this module registers "twinattn" twice under the same name, as transformers needs:
+- with AttentionInterface, `attention_forward`: the attention of every layer, on the model's
+  (B, H, L, D) query/key/value tensors, read in place (GQA without repeat_kv), written straight
+  into the (B, L, H, D) layout the model reshapes next;
+- with AttentionMaskInterface, `mask_function`: what the model builds once per forward instead of
+  an (Lq, Lk) mask. For causal or bidirectional attention over a growing cache it returns None (no
+  padding) or the (B, Lk) padding mask itself; attention_forward turns that into kv_lens (right
+  padding) or a (B, 1, 1, Lk) broadcast mask (left padding). Any other pattern (a custom mask
+  function, a static cache's offsets) is materialised by transformers' own sdpa_mask, so it stays
+  correct, only slower.
+
+Not yet supported, and raising NotImplementedError rather than computing full attention: sliding
+windows (`sliding_window`), logit soft-capping (`softcap`) and attention sinks (`s_aux`), which
+wait for twinattn's window/softcap/sinks variants; bfloat16/float16 models wait for those dtypes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+try:
+    import torch
+    from transformers import AttentionInterface
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError("twinattn.hf needs torch and transformers: pip install 'twinattn[hf]'") from error
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    bidirectional_mask_function,
+    causal_mask_function,
+    sdpa_mask,
+)
+
+from .cache import KVCache
+from .torch import attention
+
+__all__ = ["NAME", "TwinattnCache", "attention_forward", "mask_function", "register"]
+
+NAME = "twinattn"
+
+# keywords that ask for attention twinattn does not compute yet: never silently dropped
+_UNSUPPORTED = {
+    "sliding_window": "sliding-window attention",
+    "softcap": "logit soft-capping",
+    "s_aux": "attention sinks",
+    "position_bias": "a learned position bias",
+}
+
+
+# ---- the mask function: what the model builds once per forward -----------------------------------
+
+
+def mask_function(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: Any = 0,
+    kv_offset: int = 0,
+    mask_function: Any = causal_mask_function,
+    attention_mask: Any = None,
+    **kwargs: Any,
+) -> Any:
+    """transformers' mask-interface signature (as sdpa_mask). Returns None, the (B, kv_length) bool
+    padding mask, or, for patterns that causality and lengths cannot describe, the materialised
+    (B, 1, q_length, kv_length) bool mask from sdpa_mask."""
+    plain = mask_function is causal_mask_function or mask_function is bidirectional_mask_function
+    # causal over a cache that grows by what it is given: the queries are the last q_length keys
+    aligned = mask_function is bidirectional_mask_function or (
+        isinstance(q_offset, int) and q_offset + q_length == kv_length
+    )
+    fits = attention_mask is None or (attention_mask.dim() == 2 and attention_mask.shape[-1] == kv_length)
+    if plain and aligned and kv_offset == 0 and fits:
+        if attention_mask is None or bool(attention_mask.all()):
+            return None
+        return attention_mask.to(torch.bool)
+    return sdpa_mask(
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=False,
+        device=kwargs.get("device", "cpu"),
+    )
+
+
+def _padding(mask: Any) -> tuple[Any, Any]:
+    """(kv_lens, attn_mask) for a (B, Lk) padding mask: kv_lens (B,) when every row is a prefix of
+    real tokens (right padding), else a (B, 1, 1, Lk) broadcast view of the mask (left padding)."""
+    lens = mask.sum(dim=-1)
+    prefix = torch.arange(mask.shape[-1]) < lens[:, None]
+    if torch.equal(prefix, mask):
+        return lens, None
+    return None, mask[:, None, None, :]
+
+
+# ---- the attention function -----------------------------------------------------------------------
+
+
+def attention_forward(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
+    """transformers' attention-interface signature: query (B, Hq, Lq, D), key (B, Hkv, Lk, D),
+    value (B, Hkv, Lk, Dv) -> ((B, Lq, Hq, Dv), None). attention_mask is what mask_function
+    returned (None, (B, Lk) padding) or a 4D bool/float mask a caller built."""
+    for name, what in _UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"{name}: twinattn does not compute {what} yet, and will not silently compute full "
+                f"attention instead; load this model with attn_implementation='sdpa'"
+            )
+    if dropout and getattr(module, "training", False):
+        raise NotImplementedError(f"dropout: twinattn computes inference attention only; got dropout={dropout} in training mode")
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    batch, q_heads, q_len, _ = query.shape
+    k_len = key.shape[2]
+
+    kv_lens = None
+    attn_mask = None
+    if attention_mask is not None and attention_mask.dim() == 2:
+        kv_lens, attn_mask = _padding(attention_mask)
+    elif attention_mask is not None:
+        # a materialised mask already holds causality (and offsets): apply it as it is
+        attn_mask, causal = attention_mask, False
+    # the queries are the last q_len positions of a cache holding k_len keys (HF's alignment), said
+    # explicitly so that right-padded rows (kv_lens < q_len) stay causal rather than raise
+    q_offset = k_len - q_len if causal else None
+
+    out = torch.empty((batch, q_len, q_heads, value.shape[-1]), dtype=query.dtype)
+    attention(
+        query,
+        key,
+        value,
+        causal=causal,
+        q_offset=q_offset,
+        kv_lens=kv_lens,
+        attn_mask=attn_mask,
+        scale=scaling,
+        out=out.transpose(1, 2),
+    )
+    return out, None
+
+
+# ---- the cache --------------------------------------------------------------------------------------
+
+
+class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
+    """One layer of a TwinattnCache: views into the shared twinattn.KVCache."""
+
+    is_compileable = False
+    is_croppable = True
+    is_sliding = False
+
+    def __init__(self, owner: TwinattnCache, layer_idx: int) -> None:
+        super().__init__()
+        self._owner = owner
+        self._layer_idx = layer_idx
+
+    def lazy_initialization(self, key_states: Any, value_states: Any) -> None:
+        self._owner._allocate(key_states, value_states)
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if self._owner.kv is None:
+            self.lazy_initialization(key_states, value_states)
+        kv = self._owner.kv
+        assert kv is not None
+        self.is_initialized = True
+        # one slice assignment of the new tokens into the preallocated buffers; the result is a
+        # view (B, Hkv, stored, D) of them: nothing already cached is copied
+        keys, values = kv.update(key_states.detach().numpy(), value_states.detach().numpy(), self._layer_idx)
+        self.keys, self.values = torch.from_numpy(keys), torch.from_numpy(values)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        kv = self._owner.kv
+        return 0 if kv is None or kv.batch_size == 0 else int(kv.seq_lens(self._layer_idx).max())
+
+    def get_max_length(self) -> int:
+        return self._owner.max_cache_len
+
+    def reset(self) -> None:
+        self._owner._reset_layer(self._layer_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._owner._crop_layer(self._layer_idx, tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: Any) -> None:
+        self._owner._reorder_layer(self._layer_idx, beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError(
+            "TwinattnCache preallocates a fixed batch: create it for the expanded batch "
+            "(batch_size x num_return_sequences) instead of repeating it"
+        )
+
+    def batch_select_indices(self, indices: Any) -> None:
+        raise NotImplementedError("TwinattnCache preallocates a fixed batch: selecting sequences out of it is not supported")
+
+
+class TwinattnCache(Cache):  # type: ignore[misc]
+    """A transformers Cache that preallocates and appends in place.
+
+    Backed by one twinattn.KVCache: per layer, keys and values (B, Hkv, max_cache_len, D) in the
+    model's dtype, allocated at the first update (when batch, heads and width are known). update()
+    writes the new tokens at the stored length and returns views of the stored prefix, so a decode
+    step copies one token per layer, where DynamicCache re-concatenates the whole cache.
+
+        cache = TwinattnCache(max_cache_len=4096, config=model.config)
+        model.generate(**inputs, cache=cache)
+
+    num_layers may be given instead of config. Layers of a kind other than full attention (sliding
+    window, linear attention) raise NotImplementedError.
+    """
+
+    def __init__(self, max_cache_len: int, config: Any = None, *, num_layers: Optional[int] = None) -> None:
+        if (config is None) == (num_layers is None):
+            raise TypeError("TwinattnCache: pass exactly one of config= (the model's config) or num_layers=")
+        if config is not None:
+            text_config = config.get_text_config(decoder=True)
+            layer_types, _ = get_layer_types_and_kwargs(text_config)
+            other = sorted({t for t in layer_types if t != "full_attention"})
+            if other:
+                raise NotImplementedError(
+                    f"config: TwinattnCache holds full-attention layers only; this model also has {other}"
+                )
+            num_layers = len(layer_types)
+        assert num_layers is not None
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"max_cache_len: expected a positive int, got {max_cache_len!r}")
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers: expected a positive int, got {num_layers!r}")
+        self.max_cache_len = max_cache_len
+        self.num_layers = num_layers
+        self.kv: Optional[KVCache] = None
+        super().__init__(layers=[_TwinattnLayer(self, i) for i in range(num_layers)])
+
+    def _allocate(self, key_states: Any, value_states: Any) -> None:
+        if self.kv is not None:
+            return
+        if key_states.dtype != torch.float32 or value_states.dtype != torch.float32:
+            raise TypeError(
+                f"key_states: TwinattnCache stores float32 for now (twinattn's kernels), got {key_states.dtype}; "
+                "load the model with dtype=torch.float32"
+            )
+        if key_states.device.type != "cpu":
+            raise ValueError(f"key_states: TwinattnCache lives in CPU memory, got a tensor on {key_states.device}")
+        batch, kv_heads, _, head_dim = key_states.shape
+        if value_states.shape[-1] != head_dim:
+            raise NotImplementedError(
+                f"value_states: TwinattnCache stores keys and values of one width, got {head_dim} and {value_states.shape[-1]}"
+            )
+        self.kv = KVCache(self.num_layers, batch, kv_heads, head_dim, self.max_cache_len, dtype=np.float32)
+
+    def _reset_layer(self, layer_idx: int) -> None:
+        # KVCache.reset empties every layer at once: transformers calls this for each layer in turn
+        if self.kv is not None:
+            self.kv.reset()
+
+    def _crop_layer(self, layer_idx: int, tokens_to_remove: int) -> None:
+        if self.kv is None or tokens_to_remove == 0:
+            return
+        if layer_idx == 0:  # KVCache.crop applies to every layer
+            stored = self.get_seq_length(0)
+            keep = stored + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
+            self.kv.crop(max(keep, 0))
+
+    def _reorder_layer(self, layer_idx: int, beam_idx: Any) -> None:
+        if self.kv is not None and layer_idx == 0:  # KVCache.reorder applies to every layer
+            self.kv.reorder(np.asarray(beam_idx.cpu() if isinstance(beam_idx, torch.Tensor) else beam_idx))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the preallocated keys and values (0 before the first update)."""
+        return 0 if self.kv is None else self.kv.nbytes
+
+
+# ---- registration -------------------------------------------------------------------------------------
+
+
+def register() -> None:
+    """Register "twinattn" with transformers' AttentionInterface and AttentionMaskInterface
+    (done on import; calling it again changes nothing)."""
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, mask_function)
+
+
+register()

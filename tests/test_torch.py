@@ -1,0 +1,184 @@
+"""twinattn.torch: the NumPy API's results on torch CPU tensors, read in place; the custom op as
+torch.compile and torch.export see it; the errors for what it does not do (GPU, autograd, dtypes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import twinattn
+from helpers import FLOAT32_ERROR_FACTOR, FLOOR_ULPS, UNIT_ROUNDOFF, rand, reference64
+
+torch = pytest.importorskip("torch", reason="twinattn.torch needs torch: pip install twinattn[torch]")
+tt = pytest.importorskip("twinattn.torch")
+
+
+def _tensors(seed: int, batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, dim: int, vdim: int):
+    rng = np.random.default_rng(seed)
+    return (
+        rand(rng, batch, q_heads, q_len, dim),
+        rand(rng, batch, kv_heads, k_len, dim),
+        rand(rng, batch, kv_heads, k_len, vdim),
+    )
+
+
+CASES = [
+    # (id, shapes, keywords with NumPy values: each becomes a tensor for the torch call)
+    ("tiny", (1, 1, 1, 16, 16, 64, 64), {"causal": True}),
+    ("gqa-decode", (2, 6, 2, 1, 37, 32, 32), {"causal": True}),
+    ("kv-lens-offsets", (2, 4, 4, 5, 19, 16, 24), {"causal": True, "q_offset": np.array([3, 11]), "kv_lens": np.array([9, 19])}),
+    ("bool-mask", (2, 2, 1, 7, 9, 8, 8), {"attn_mask": np.arange(9) % 3 != 1}),
+    ("float-bias-scale", (1, 3, 3, 4, 6, 8, 5), {"attn_mask": np.linspace(-2, 1, 6, dtype=np.float32), "scale": 0.3}),
+    ("rank3", (1, 2, 2, 3, 5, 4, 4), {"causal": True}),
+]
+
+
+@pytest.mark.parametrize(("case", "shapes", "kwargs"), CASES, ids=[c[0] for c in CASES])
+def test_matches_numpy_api_bit_for_bit(native_backend: str, case: str, shapes: tuple[int, ...], kwargs: dict) -> None:
+    q, k, v = _tensors(7, *shapes)
+    if case == "rank3":  # (H, L, D) in, (H, L, Dv) out
+        q, k, v = q[0], k[0], v[0]
+    want, want_lse = twinattn.attention(q, k, v, return_lse=True, backend=native_backend, **kwargs)
+    as_torch = {n: torch.from_numpy(np.asarray(x)) if isinstance(x, np.ndarray) else x for n, x in kwargs.items()}
+    got, lse = tt.attention(
+        torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), return_lse=True, backend=native_backend, **as_torch
+    )
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.float32 and lse.dtype == torch.float32
+    np.testing.assert_array_equal(got.numpy(), want)
+    np.testing.assert_array_equal(lse.numpy(), want_lse)
+    # and the NumPy API itself against the float64 reference, so this test cannot pass on a wrong kernel
+    ref = reference64(q, k, v, **kwargs)
+    f32 = twinattn.attention(q, k, v, backend="numpy", **kwargs)
+    tol = FLOAT32_ERROR_FACTOR * float(np.abs(f32 - ref).max()) + FLOOR_ULPS * UNIT_ROUNDOFF * max(1.0, float(np.abs(ref).max()))
+    assert float(np.abs(got.numpy() - ref).max()) <= tol
+
+
+def test_reads_strided_inputs_and_writes_strided_out_in_place() -> None:
+    # the layout a model has: (B, L, H, D) projections viewed as (B, H, L, D), and the output
+    # written straight into a (B, L, H, Dv) buffer through its transposed view
+    rng = np.random.default_rng(3)
+    q_blhd, k_blhd, v_blhd = (torch.from_numpy(rand(rng, 2, 11, h, 16)) for h in (6, 3, 3))
+    q, k, v = (t.transpose(1, 2) for t in (q_blhd, k_blhd, v_blhd))
+    assert not q.is_contiguous()
+    out_blhd = torch.full((2, 11, 6, 16), float("nan"))
+    out = out_blhd.transpose(1, 2)
+    got = tt.attention(q, k, v, causal=True, out=out)
+    assert got is out and got.data_ptr() == out_blhd.data_ptr()
+    want = twinattn.attention(q.contiguous().numpy(), k.contiguous().numpy(), v.contiguous().numpy(), causal=True)
+    np.testing.assert_array_equal(out_blhd.transpose(1, 2).numpy(), want)
+
+
+def test_works_under_inference_mode_and_no_grad() -> None:
+    q, k, v = (torch.from_numpy(a) for a in _tensors(5, 1, 2, 1, 4, 6, 8, 8))
+    want = tt.attention(q, k, v, causal=True)
+    with torch.inference_mode():
+        qi, ki, vi = q.clone(), k.clone(), v.clone()
+        got = tt.attention(qi, ki, vi, causal=True)
+    assert got.is_inference()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with torch.no_grad():  # grad-requiring leaves are fine where no graph is recorded
+        got = tt.attention(q.requires_grad_(), k, v, causal=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_errors_name_the_argument_and_the_fix() -> None:
+    q, k, v = (torch.from_numpy(a) for a in _tensors(5, 1, 2, 1, 4, 6, 8, 8))
+    with pytest.raises(RuntimeError, match=r"q: requires grad.*forward pass only"):
+        tt.attention(q.clone().requires_grad_(), k, v)
+    with pytest.raises(ValueError, match=r"k: twinattn runs on the CPU.*meta"):
+        tt.attention(q, k.to("meta"), v)
+    with pytest.raises(TypeError, match=r"v: expected float32, got torch.bfloat16.*v.float\(\)"):
+        tt.attention(q, k, v.to(torch.bfloat16))
+    with pytest.raises(TypeError, match=r"q: expected a torch.Tensor, got ndarray"):
+        tt.attention(q.numpy(), k, v)
+    # the NumPy API's own checks come through with the same messages
+    with pytest.raises(ValueError, match=r"query heads Hq=2 must be a multiple"):
+        tt.attention(q, torch.zeros(1, 3, 6, 8), torch.zeros(1, 3, 6, 8))
+
+
+def test_custom_op_real_and_fake_agree() -> None:
+    q, k, v = (torch.from_numpy(a) for a in _tensors(9, 2, 4, 2, 3, 7, 8, 8))
+    lens = torch.tensor([5, 7])
+    out, lse = torch.ops.twinattn.attention(q, k, v, True, None, lens, None, 0.5)
+    want, want_lse = twinattn.attention(q.numpy(), k.numpy(), v.numpy(), causal=True, kv_lens=lens.numpy(), scale=0.5, return_lse=True)
+    np.testing.assert_array_equal(out.numpy(), want)
+    np.testing.assert_array_equal(lse.numpy(), want_lse)
+    # opcheck: schema, fake (meta) shapes and strides against the real kernel, and dispatch
+    torch.library.opcheck(torch.ops.twinattn.attention.default, (q, k, v, True, None, lens, None, 0.5))
+    out_buf = torch.empty(2, 4, 3, 8)
+    torch.library.opcheck(torch.ops.twinattn.attention_out.default, (q, k, v, out_buf, True, None, lens, None, 0.5))
+
+
+def test_compile_fullgraph_sees_one_op() -> None:
+    seen: list[object] = []
+
+    def record(gm, example_inputs):  # a torch.compile backend that keeps the traced graph
+        seen.extend(node.target for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    def block(q, k, v):
+        return tt.attention(q * 2.0, k, v, causal=True, q_offset=3) + 1.0
+
+    q, k, v = (torch.from_numpy(a) for a in _tensors(11, 1, 2, 1, 4, 7, 8, 8))
+    compiled = torch.compile(block, backend=record, fullgraph=True)
+    got = compiled(q, k, v)
+    torch.testing.assert_close(got, block(q, k, v), rtol=0, atol=0)
+    assert sum(1 for t in seen if "twinattn" in str(t)) == 1, seen
+
+
+def test_export_sees_one_op_and_runs() -> None:
+    class Block(torch.nn.Module):
+        def forward(self, q, k, v, out):
+            tt.attention(q, k, v, causal=True, out=out)
+            return tt.attention(q, k, v, kv_lens=torch.tensor([5]))
+
+    q, k, v = (torch.from_numpy(a) for a in _tensors(13, 1, 2, 2, 4, 6, 8, 8))
+    exported = torch.export.export(Block(), (q, k, v, torch.empty(1, 2, 4, 8)))
+    targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+    assert any("twinattn.attention_out" in t for t in targets) and any(t.startswith("twinattn.attention.") for t in targets), targets
+    out = torch.empty(1, 2, 4, 8)
+    got = exported.module()(q, k, v, out)
+    np.testing.assert_array_equal(got.numpy(), twinattn.attention(q.numpy(), k.numpy(), v.numpy(), kv_lens=np.array([5])))
+    np.testing.assert_array_equal(out.numpy(), twinattn.attention(q.numpy(), k.numpy(), v.numpy(), causal=True))
+
+
+@pytest.mark.parametrize(
+    ("shapes", "kwargs"),
+    [
+        ((2, 4, 4, 9, 9, 16, 16), {"is_causal": True}),
+        ((1, 6, 2, 5, 8, 8, 12), {"enable_gqa": True, "attn_mask": "bool"}),
+        ((2, 2, 2, 3, 7, 8, 8), {"attn_mask": "float", "scale": 0.25}),
+    ],
+    ids=["causal", "gqa-bool-mask", "float-mask"],
+)
+def test_sdpa_matches_torch(shapes: tuple[int, ...], kwargs: dict) -> None:
+    q, k, v = (torch.from_numpy(a) for a in _tensors(17, *shapes))
+    rng = np.random.default_rng(1)
+    if kwargs.get("attn_mask") == "bool":
+        kwargs["attn_mask"] = torch.from_numpy(rng.random((shapes[3], shapes[4])) < 0.7) | (torch.arange(shapes[4]) == 0)
+    elif kwargs.get("attn_mask") == "float":
+        kwargs["attn_mask"] = torch.from_numpy(rand(rng, 1, 1, shapes[3], shapes[4]))
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), **{
+        n: (x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x) for n, x in kwargs.items()})
+    f32 = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+    got = tt.scaled_dot_product_attention(q, k, v, **kwargs)
+    err32 = float((f32.double() - want).abs().max())
+    tol = FLOAT32_ERROR_FACTOR * err32 + FLOOR_ULPS * UNIT_ROUNDOFF * max(1.0, float(want.abs().max()))
+    assert float((got.double() - want).abs().max()) <= tol
+
+
+def test_sdpa_asks_for_the_causal_alignment() -> None:
+    q, k, v = (torch.from_numpy(a) for a in _tensors(19, 1, 2, 2, 2, 5, 8, 8))
+    with pytest.raises(ValueError, match="causal_alignment"):
+        tt.scaled_dot_product_attention(q, k, v, is_causal=True)
+    got = tt.scaled_dot_product_attention(q, k, v, is_causal=True, causal_alignment="lower_right")
+    np.testing.assert_array_equal(got.numpy(), twinattn.attention(q.numpy(), k.numpy(), v.numpy(), causal=True))
+
+
+def test_import_twinattn_does_not_import_torch() -> None:
+    code = "import sys, twinattn; twinattn.attention; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
