@@ -6,8 +6,18 @@ subtract the row max, exponentiate, normalise, mix the values. It computes in th
 
 Shapes (after the Python layer has normalised the call, see twinattn.attention):
     q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), q_offset (B,), kv_lens (B,),
-    mask None or (B, Hq, Lq, Lk) bool (True = may attend) or float (additive bias)
+    mask None or (B, Hq, Lq, Lk) bool (True = may attend) or float (additive bias),
+    window_left, window_right ints >= -1 (-1 unbounded; the caller caps the right side at 0 under
+    causal), softcap >= 0 (0 = off), alibi_slopes None or (B, Hq), sinks None or (Hq,)
     -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq)
+
+Query row i of sequence b sits at position p = q_offset[b] + i; key j at position j.
+Key j is visible to it iff j < kv_lens[b], (not causal or j <= p), (window_left < 0 or
+j >= p - window_left), (window_right < 0 or j <= p + window_right), the bool mask allows it and
+a float bias is not -inf. The score of a visible key, in this order:
+    s = scale * q.k;  s = softcap * tanh(s / softcap) if softcap > 0;
+    s -= slope[b, h] * |p - j|;  s += bias[b, h, i, j]
+A sink is one more term exp(sinks[h]) in the softmax denominator (and lse) with no value.
 """
 
 from __future__ import annotations
@@ -27,11 +37,20 @@ def attention_reference(
     kv_lens: np.ndarray,
     mask: np.ndarray | None,
     scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: np.ndarray | None = None,
+    sinks: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     # Non-finite inputs (NaN, inf, overflowing scores) are the caller's: they propagate into the
     # result as IEEE arithmetic says, without warnings.
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        return _attention_reference(q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, mask=mask, scale=scale)
+        return _attention_reference(
+            q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, mask=mask, scale=scale,
+            window_left=window_left, window_right=window_right, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks,
+        )
 
 
 def _attention_reference(
@@ -44,18 +63,28 @@ def _attention_reference(
     kv_lens: np.ndarray,
     mask: np.ndarray | None,
     scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: np.ndarray | None,
+    sinks: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray]:
     dtype = q.dtype
     batch, q_heads, q_len, _ = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads if kv_heads else 1
 
-    # 1. Legal keys: inside the sequence's length, not in its future, allowed by the mask.
+    # 1. Legal keys: inside the sequence's length, not in its future, inside the window, allowed
+    #    by the mask. Positions: query row i at p = q_offset[b] + i, key j at j.
     key_index = np.arange(k_len).reshape(1, 1, 1, k_len)
-    query_index = np.arange(q_len).reshape(1, 1, q_len, 1)
+    position = q_offset.reshape(batch, 1, 1, 1) + np.arange(q_len).reshape(1, 1, q_len, 1)
     visible = key_index < kv_lens.reshape(batch, 1, 1, 1)
     if causal:
-        visible = visible & (key_index <= q_offset.reshape(batch, 1, 1, 1) + query_index)
+        visible = visible & (key_index <= position)
+    if window_left >= 0:
+        visible = visible & (key_index >= position - window_left)
+    if window_right >= 0:
+        visible = visible & (key_index <= position + window_right)
     if mask is not None and mask.dtype == np.bool_:
         visible = visible & mask
     visible = np.broadcast_to(visible, (batch, q_heads, q_len, k_len))
@@ -68,19 +97,32 @@ def _attention_reference(
     k = np.repeat(k, group, axis=1)
     v = np.repeat(v, group, axis=1)
 
-    # 2. Scores of the legal keys; every other key scores -inf.
+    # 2. Scores of the legal keys (softcap, then ALiBi, then the bias); every other key scores -inf.
+    #    Hidden keys were zeroed or are replaced by -inf below, so their scores never matter.
     scores = (q @ np.swapaxes(k, -1, -2)) * dtype.type(scale)
+    if softcap > 0:
+        cap = dtype.type(softcap)
+        scores = cap * np.tanh(scores / cap)
+    if alibi_slopes is not None:
+        distance = np.abs(position - key_index).astype(dtype)  # (B, 1, Lq, Lk)
+        scores = scores - alibi_slopes.astype(dtype, copy=False).reshape(batch, q_heads, 1, 1) * distance
     if mask is not None and mask.dtype != np.bool_:
         scores = scores + mask.astype(dtype, copy=False)
     legal = visible & (scores != -np.inf)  # a bias of -inf hides a key too
     scores = np.where(legal, scores, dtype.type(-np.inf))
 
-    # 3. Subtract the row max, exponentiate, normalise. A row with no legal key gives zeros.
+    # 3. Subtract the row max, exponentiate, normalise. A sink is one more (virtual) score in the
+    #    max and the denominator, with no value. A row with no legal key and no sink gives zeros.
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
+    if sinks is not None:
+        sink = np.broadcast_to(sinks.astype(dtype, copy=False).reshape(1, q_heads, 1, 1), row_max.shape)
+        row_max = np.maximum(row_max, sink)
     empty_row = row_max == -np.inf
     safe_max = np.where(empty_row, 0, row_max).astype(dtype, copy=False)
     weights = np.where(empty_row, 0, np.exp(scores - safe_max)).astype(dtype, copy=False)
     row_sum = weights.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        row_sum = row_sum + np.where(empty_row, 0, np.exp(sink - safe_max))
     weights = weights / np.where(empty_row, 1, row_sum)
 
     # 4. Mix the values. A hidden key's value never enters, not even as 0 * NaN: when v holds
