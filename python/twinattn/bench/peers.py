@@ -41,6 +41,7 @@ PORTS = ("cpp", "rust")  # twinattn's two native ports, also timed alternately
 PEERS = ("torch", "onnxruntime")
 ALIASES = {"ort": "onnxruntime", "c++": "cpp"}
 LAYER_ONLY = "layer case: twinattn backends only"
+VARIANT_ONLY = "sliding window / softcap case: twinattn backends only"
 
 
 def _nothing() -> None:
@@ -86,7 +87,9 @@ class Runner:
 
     def supports(self, case: Case) -> Optional[str]:
         """None when this backend can run the case, else why not."""
-        return LAYER_ONLY if case.kind == LAYER else None
+        if case.kind == LAYER:
+            return LAYER_ONLY
+        return VARIANT_ONLY if case.variant_kwargs else None
 
     def peak_bytes(self, case: Case) -> int:
         """Memory one call needs beyond its inputs and output (for skipping huge cases)."""
@@ -134,9 +137,12 @@ class TwinattnRunner(Runner):
         case, name = problem.case, self.name
         out = np.full((case.batch, case.q_heads, case.q_len, case.value_dim), np.nan, dtype=np.float32)
         q, k, v, causal, lens = problem.q, problem.k, problem.v, case.causal, problem.kv_lens
+        variants = case.variant_kwargs
 
         def call() -> object:
-            return twinattn.attention(q, k, v, causal=causal, kv_lens=lens, out=out, backend=name, num_threads=threads)
+            return twinattn.attention(
+                q, k, v, causal=causal, kv_lens=lens, out=out, backend=name, num_threads=threads, **variants
+            )
 
         return [Part(call, lambda: out)]
 
@@ -278,6 +284,8 @@ class OnnxRuntimeRunner(Runner):
     def supports(self, case: Case) -> Optional[str]:
         if case.kind == LAYER:
             return LAYER_ONLY
+        if case.variant_kwargs:
+            return VARIANT_ONLY
         if not case.causal:
             return "GroupQueryAttention is causal only"
         if case.head_dim != case.value_dim:
