@@ -31,7 +31,7 @@ import fnmatch
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
@@ -66,9 +66,9 @@ class Case:
     softcap: float = 0.0  # attention logit softcapping; 0 for none
 
     @property
-    def variant_kwargs(self) -> dict[str, object]:
+    def variant_kwargs(self) -> dict[str, Any]:
         """The variant keywords of twinattn.attention this case passes (none for a plain case)."""
-        kwargs: dict[str, object] = {}
+        kwargs: dict[str, Any] = {}
         if self.window_left >= 0:
             kwargs["window_size"] = (self.window_left, 0)
         if self.softcap:
@@ -148,7 +148,8 @@ def visible_key_range(case: Case) -> tuple[np.ndarray, np.ndarray]:
 def visible_keys_per_row(case: Case) -> np.ndarray:
     """(B, Lq) number of keys row i of sequence b may attend to."""
     first, end = visible_key_range(case)
-    return np.maximum(end - first, 0)
+    counts: np.ndarray = np.maximum(end - first, 0)
+    return counts
 
 
 def work(case: Case) -> Work:
