@@ -131,7 +131,8 @@ def test_hostile_calls_match_the_reference_or_raise_the_same_error(native_backen
     assert_close_to_reference(np.asarray(out), q, k, v, **ref_kwargs)
 
 
-NATIVE_ARGS = ["q", "k", "v", "out", "lse", "q_offset", "kv_lens", "mask", "causal", "scale", "num_threads"]
+NATIVE_ARGS = ["q", "k", "v", "out", "lse", "q_offset", "kv_lens", "mask", "causal", "scale", "num_threads",
+               "window_left", "window_right", "softcap", "alibi_slopes", "sinks"]
 
 
 @st.composite
@@ -143,6 +144,7 @@ def native_calls(draw: st.DrawFn) -> dict[str, Any]:
         v=np.zeros((b, hkv, lk, dv), np.float32), out=np.zeros((b, hq, lq, dv), np.float32),
         lse=np.zeros((b, hq, lq), np.float32), q_offset=np.zeros(b, np.int64), kv_lens=np.full(b, lk, np.int64),
         mask=None, causal=draw(st.booleans()), scale=1.0, num_threads=draw(st.integers(1, 4)),
+        window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None,
     )
     for _ in range(draw(st.integers(1, 3))):
         name = draw(st.sampled_from(NATIVE_ARGS))
@@ -151,6 +153,8 @@ def native_calls(draw: st.DrawFn) -> dict[str, Any]:
             np.full(max(b, 1), 2**40, np.int64), np.zeros((1, 1, 1, 1), np.float32), np.zeros((b, hq, lq, lk), bool),
             np.zeros((b, hq, lq, lk), np.int32), np.zeros((2, 2), np.float64), float("nan"), True,
             np.zeros((b, hq, lq, max(d, 1) * 2), np.float32)[..., ::2],
+            -2, 2**63 - 1, float("inf"), np.full((b, hq), np.nan, np.float32), np.ones((b, hq), np.float32),
+            np.ones(hq, np.float32), np.ones(max(hq, 1) * 2, np.float32)[::2],
         ]))
     return args
 

@@ -50,6 +50,7 @@ def _args(**overrides: Any) -> dict[str, Any]:
         q=Q, k=K, v=V, out=np.zeros(OUT_SHAPE, np.float32), lse=None,
         q_offset=np.zeros(2, np.int64), kv_lens=np.full(2, 7, np.int64), mask=None,
         causal=False, scale=0.5, num_threads=1,
+        window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None,
     )
     args.update(overrides)
     return args
@@ -295,7 +296,7 @@ for module in modules:
         out = np.zeros((1, 1, 256, 16), np.float32)
         try:
             getattr(module, kernel)(q, k, k, out, None, np.zeros(1, np.int64), np.full(1, key_len, np.int64),
-                                    None, False, 0.25, 2)
+                                    None, False, 0.25, 2, -1, -1, 0.0, None, None)
             results.append(["no error", ""])
         except Exception as exc:
             results.append([type(exc).__name__, str(exc)])
@@ -304,7 +305,7 @@ small = np.ones((1, 1, 2, 4), np.float32)
 for module in modules:
     out = np.zeros_like(small)
     module.attention_forward(small, small, small, out, None, np.zeros(1, np.int64), np.full(1, 2, np.int64),
-                             None, False, 0.5, 2)
+                             None, False, 0.5, 2, -1, -1, 0.0, None, None)
     results.append(["ok" if np.all(out == 1.0) else "wrong", ""])
 print(json.dumps(results))
 """
