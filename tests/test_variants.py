@@ -391,6 +391,39 @@ def test_every_isa_matches_reference(port_isa: tuple[str, str]) -> None:  # noqa
         assert_lse_close(lse, q, k, v, **reference_kwargs)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_fast_kernel_matches_plain_kernel(port_isa: tuple[str, str], seed: int) -> None:  # noqa: F811
+    """The native entry point against the same port's plain reference kernel, with the variants
+    passed directly (a negative q_offset without causal included)."""
+    port, _ = port_isa
+    module = importlib.import_module(f"twinattn._{port}")
+    rng = np.random.default_rng(300 + seed)
+    b, hkv = 2, int(rng.integers(1, 3))
+    hq = hkv * int(rng.choice([1, 3, 24]))
+    lq, lk = int(rng.choice([1, 2, 50])), int(rng.integers(300, 2600))
+    q, k, v = rand(rng, b, hq, lq, 64), rand(rng, b, hkv, lk, 64), rand(rng, b, hkv, lk, 64)
+    causal = bool(seed % 2)
+    args: dict[str, Any] = dict(
+        q=q, k=k, v=v, q_offset=(rng.integers(0, lk, b) if causal else rng.integers(-60, lk, b)).astype(np.int64),
+        kv_lens=rng.integers(1, lk + 1, b).astype(np.int64), mask=None, causal=causal, scale=0.125, num_threads=2,
+        window_left=int(rng.choice([0, 255, 1024])), window_right=0 if causal else int(rng.choice([-1, 3, 300])),
+        softcap=float(rng.choice([0.0, 2.0])), alibi_slopes=rng.uniform(0, 0.1, (b, hq)).astype(np.float32),
+        sinks=rng.uniform(-1, 3, hq).astype(np.float32),
+    )
+    results = []
+    for kernel in ("attention_forward", "attention_reference"):
+        out, lse = np.empty((b, hq, lq, 64), np.float32), np.empty((b, hq, lq), np.float32)
+        getattr(module, kernel)(out=out, lse=lse, **args)
+        results.append((out, lse))
+    (fast, fast_lse), (plain, plain_lse) = results
+    np.testing.assert_allclose(fast, plain, rtol=0, atol=64 * UNIT_ROUNDOFF * float(np.abs(v).max()))
+    np.testing.assert_allclose(fast_lse, plain_lse, rtol=0, atol=64 * UNIT_ROUNDOFF * max(1.0, float(np.abs(plain_lse).max())))
+    reference_kwargs = dict(q_offset=args["q_offset"], kv_lens=args["kv_lens"], causal=causal, scale=0.125,
+                            window_size=(args["window_left"], args["window_right"]), softcap=args["softcap"],
+                            alibi_slopes=args["alibi_slopes"], sinks=args["sinks"])
+    assert_close_to_reference(fast, q, k, v, **reference_kwargs)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_ports_agree_bit_for_bit(isa: str) -> None:
     _require("cpp")
