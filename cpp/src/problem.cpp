@@ -45,7 +45,7 @@ void check_shape(const char* argument, const int64_t* shape, const Dim* expected
     std::string wanted = "(";
     for (int axis = 0; axis < rank; ++axis)
         wanted += (axis ? ", " : "") + dim_string(expected[axis]);
-    wanted += ")";
+    wanted += rank == 1 ? ",)" : ")";
     fail(std::string(argument) + ": expected shape " + wanted + ", got " +
          shape_string(shape, rank));
 }

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::constants::{KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, Q_TILE_ROWS, SPLIT_KEY_CHUNK};
 use crate::dispatch::current_kernels;
-use crate::flash_kernel::{flash_row_key_end, FlashKernels, FlashPlan, ThreadScratch, WorkItem};
+use crate::flash_kernel::{flash_row_key_range, FlashKernels, FlashPlan, ThreadScratch, WorkItem};
 use crate::problem::{
     check_num_threads, check_problem, try_filled, AttentionProblem, MaskKind, ProblemError,
 };
@@ -87,6 +87,7 @@ struct ScratchBuffers {
     scores: AlignedBuffer,
     out_acc: AlignedBuffer,
     rows: AlignedBuffer,
+    row_key_begin: Vec<usize>,
     row_key_end: Vec<usize>,
     key_panels: AlignedBuffer,
 }
@@ -100,6 +101,7 @@ impl ScratchBuffers {
     ) -> Result<ThreadScratch, ProblemError> {
         let rows = self.rows.ensure(3 * Q_TILE_ROWS)?;
         if self.row_key_end.len() < Q_TILE_ROWS {
+            self.row_key_begin = try_filled(Q_TILE_ROWS, 0)?;
             self.row_key_end = try_filled(Q_TILE_ROWS, 0)?;
         }
         Ok(ThreadScratch {
@@ -111,6 +113,7 @@ impl ScratchBuffers {
             row_sum: unsafe { rows.add(Q_TILE_ROWS) },
             // SAFETY: as above.
             rescale: unsafe { rows.add(2 * Q_TILE_ROWS) },
+            row_key_begin: self.row_key_begin.as_mut_ptr(),
             row_key_end: self.row_key_end.as_mut_ptr(),
             key_panels: if split_key {
                 self.key_panels.ensure(KEY_BLOCK * head_dim)?
@@ -215,8 +218,17 @@ pub unsafe fn attention_forward_with(
         head_dim,
         value_dim,
         value_stride: value_dim.div_ceil(16) * 16,
-        q_multiplier: p.scale * LOG2_E,
+        // Softcap: Q times scale / softcap, then tanh(S) times softcap * log2(e) (flash_kernel.rs).
+        q_multiplier: if p.softcap > 0.0 {
+            p.scale / p.softcap
+        } else {
+            p.scale * LOG2_E
+        },
         has_mask: p.mask.kind != MaskKind::None,
+        has_softcap: p.softcap > 0.0,
+        softcap_multiplier: p.softcap * LOG2_E,
+        has_alibi: !p.alibi_slopes.data.is_null(),
+        has_sinks: !p.sinks.data.is_null(),
         packed_keys: std::ptr::null(),
         panels_per_head: 0,
         partial_out: std::ptr::null_mut(),
@@ -291,12 +303,18 @@ fn run_prefill(
     let packed = Shared(buffers.packed_keys.ensure(packed_floats)?);
     plan.packed_keys = packed.get();
 
-    // Pack only the keys some row may see: up to the last packed row's visible end.
+    // Pack only the panels some row may see: from the first row's window start (rounded down to
+    // a panel) to the last row's visible end.
     let plan_ref = &*plan;
     parallel_for(batch * kv_heads, threads, &|head, _| {
         let (b, kv_head) = (head / kv_heads, head % kv_heads);
         let p = plan_ref.problem;
-        let key_end = flash_row_key_end(p, b, plan_ref.group, plan_ref.rows_per_group - 1);
+        let (key_begin, _) = flash_row_key_range(p, b, plan_ref.group, 0);
+        let (_, key_end) = flash_row_key_range(p, b, plan_ref.group, plan_ref.rows_per_group - 1);
+        let first_panel = key_begin / KEY_PANEL;
+        if key_end <= first_panel * KEY_PANEL {
+            return;
+        }
         // SAFETY: the problem is checked and its memory valid (attention_forward's contract);
         // head `head` writes only its own panels, inside the buffer sized above.
         unsafe {
@@ -304,9 +322,11 @@ fn run_prefill(
                 p,
                 b,
                 kv_head,
-                0,
+                first_panel * KEY_PANEL,
                 key_end,
-                packed.get().add(head * head_floats),
+                packed
+                    .get()
+                    .add(head * head_floats + first_panel * d_len * KEY_PANEL),
             )
         };
     });
@@ -321,18 +341,23 @@ fn run_prefill(
             for tile in 0..tiles {
                 let row_begin = tile * Q_TILE_ROWS;
                 let row_end = (row_begin + Q_TILE_ROWS).min(plan.rows_per_group);
-                let last_key = flash_row_key_end(p, b, plan.group, row_end - 1);
+                // Keys from the first row's window start (rounded down to a panel: blocks are
+                // whole panels) to the last row's visible end; none when that is empty.
+                let (first_key, _) = flash_row_key_range(p, b, plan.group, row_begin);
+                let (_, last_key) = flash_row_key_range(p, b, plan.group, row_end - 1);
+                let first_key = first_key / KEY_PANEL * KEY_PANEL;
+                let last_key = last_key.max(first_key);
                 items.push(CostedItem {
                     item: WorkItem {
                         b,
                         kv_head,
                         row_begin,
                         row_end,
-                        key_begin: 0,
+                        key_begin: first_key,
                         key_end: last_key,
                         partial_slot: None,
                     },
-                    cost: (last_key + KEY_BLOCK) * (row_end - row_begin),
+                    cost: (last_key - first_key + KEY_BLOCK) * (row_end - row_begin),
                 });
             }
         }
@@ -355,15 +380,19 @@ fn run_split_key(
     let mut slot_base = try_filled(batch + 1, 0usize)?; // first slot of (b, kv_head 0)
     let mut items = Vec::new();
     for b in 0..batch {
-        let key_end = flash_row_key_end(p, b, plan.group, rows - 1);
-        let chunks = key_end.div_ceil(SPLIT_KEY_CHUNK).max(1);
+        // Only the group's visible range is split: the first row's window start to the last
+        // row's visible end.
+        let (key_begin0, _) = flash_row_key_range(p, b, plan.group, 0);
+        let (_, key_end) = flash_row_key_range(p, b, plan.group, rows - 1);
+        let key_end = key_end.max(key_begin0);
+        let chunks = (key_end - key_begin0).div_ceil(SPLIT_KEY_CHUNK).max(1);
         items
             .try_reserve(chunks * kv_heads)
             .map_err(|_| ProblemError::out_of_memory())?;
         slot_base[b + 1] = slot_base[b] + if chunks > 1 { chunks * kv_heads } else { 0 };
         for kv_head in 0..kv_heads {
             for chunk in 0..chunks {
-                let key_begin = chunk * SPLIT_KEY_CHUNK;
+                let key_begin = key_begin0 + chunk * SPLIT_KEY_CHUNK;
                 let chunk_end = (key_begin + SPLIT_KEY_CHUNK).min(key_end);
                 items.push(CostedItem {
                     item: WorkItem {
@@ -421,7 +450,8 @@ fn run_split_key(
 
 /// Step 6's merge: for every row of group (b, kv_head), chunks in order, `m* = max_c m_c`,
 /// `l* = sum_c l_c 2^(m_c - m*)`, `out = sum_c O_c 2^(m_c - m*) / l*` and
-/// `lse = ln 2 (m* + log2 l*)`.
+/// `lse = ln 2 (m* + log2 l*)`. A sink s (base 2) counts here once: m* starts at s and l* at
+/// 2^(s - m*).
 ///
 /// # Safety
 /// Partial slots first_slot..first_slot + chunks of the plan hold this group's rows; the views
@@ -439,14 +469,19 @@ unsafe fn merge_partials(
     // SAFETY: forwarded from this function's contract.
     unsafe {
         for r in 0..rows {
-            let mut m_star = f32::NEG_INFINITY;
+            let (h, i) = (kv_head * group + r % group, r / group);
+            let sink = if plan.has_sinks {
+                *p.sinks.data.offset(h as isize * p.sinks.stride[0] as isize) * LOG2_E
+            } else {
+                f32::NEG_INFINITY
+            };
+            let mut m_star = sink;
             for c in 0..chunks {
                 let m = *plan.partial_max.add((first_slot + c) * rows + r);
                 if m_star < m {
                     m_star = m;
                 }
             }
-            let (h, i) = (kv_head * group + r % group, r / group);
             let dst = p
                 .out
                 .data
@@ -454,7 +489,11 @@ unsafe fn merge_partials(
             for d in 0..value_dim {
                 *dst.add(d) = 0.0;
             }
-            let mut l_star = 0.0f32;
+            let mut l_star = if plan.has_sinks {
+                (sink - m_star).exp2()
+            } else {
+                0.0f32
+            };
             if m_star != f32::NEG_INFINITY {
                 for c in 0..chunks {
                     let slot_row = (first_slot + c) * rows + r;
