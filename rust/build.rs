@@ -1,4 +1,5 @@
-//! Records the compiler that built the crate, for `build_info()["compiler"]`.
+//! Records the compiler that built the crate, for `build_info()["compiler"]`, and tells the
+//! instruction-set tests (tests/flash_kernel.rs) which sets the CPU running `cargo test` has.
 
 use std::process::Command;
 
@@ -13,4 +14,27 @@ fn main() {
         .unwrap_or_else(|| "rustc (unknown version)".to_owned());
     println!("cargo:rustc-env=TWINATTN_RUSTC_VERSION={version}");
     println!("cargo:rerun-if-changed=build.rs");
+    cpu_cfgs();
+}
+
+/// `twinattn_cpu_avx2` / `twinattn_cpu_avx512`: the CPU building the crate runs that instruction
+/// set (the same test as dispatch.rs). The tests of a set the CPU lacks are then `#[ignore]`d, so
+/// `cargo test` reports them as ignored instead of passing without running. Cross builds (target
+/// differs from host) set neither: nothing is known about the CPU that will run them.
+fn cpu_cfgs() {
+    println!("cargo::rustc-check-cfg=cfg(twinattn_cpu_avx2)");
+    println!("cargo::rustc-check-cfg=cfg(twinattn_cpu_avx512)");
+    if std::env::var("TARGET").ok() != std::env::var("HOST").ok() {
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        if avx2 {
+            println!("cargo::rustc-cfg=twinattn_cpu_avx2");
+        }
+        if avx2 && is_x86_feature_detected!("avx512f") {
+            println!("cargo::rustc-cfg=twinattn_cpu_avx512");
+        }
+    }
 }

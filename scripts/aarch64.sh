@@ -4,11 +4,22 @@
 # (neon, scalar) is checked against the plain reference kernel. No Python here: an AArch64
 # wheel is built and tested by cibuildwheel on an AArch64 runner (pyproject.toml).
 # Needs: apt-get install g++-aarch64-linux-gnu qemu-user; rustup target add aarch64-unknown-linux-gnu
+# (installed here when missing: apt-get when run as root, rustup when present).
 # Usage: bash scripts/aarch64.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 JOBS=${JOBS:-$(nproc 2>/dev/null || echo 2)}
 SYSROOT=${AARCH64_SYSROOT:-/usr/aarch64-linux-gnu}
+
+packages=()
+command -v aarch64-linux-gnu-g++ >/dev/null || packages+=(g++-aarch64-linux-gnu)
+command -v qemu-aarch64 >/dev/null || packages+=(qemu-user)
+if [ ${#packages[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${packages[@]}" >/dev/null
+fi
+if command -v rustup >/dev/null && ! rustup target list --installed 2>/dev/null | grep -qx aarch64-unknown-linux-gnu; then
+  rustup target add aarch64-unknown-linux-gnu
+fi
 
 missing=()
 command -v aarch64-linux-gnu-g++ >/dev/null || missing+=("aarch64-linux-gnu-g++ (apt-get install g++-aarch64-linux-gnu)")

@@ -3,12 +3,15 @@
 #   1. the C++ unit tests (ctest), built with -fsanitize=address,undefined;
 #   2. the Python test suite through a sanitized twinattn._cpp (libasan preloaded into Python).
 # Any report fails the run (halt_on_error). Usage: bash scripts/sanitize.sh [extra pytest args]
+# Installs what it needs into .venv (created if missing): pybind11 (the module's build), numpy and
+# the test extra (the Python half runs the package from the source tree, not an installed wheel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/_env.sh
 
-JOBS=${JOBS:-$(nproc 2>/dev/null || echo 2)}
-VENV_PY=${VENV_PY:-.venv/bin/python}
-[ -x "$VENV_PY" ] || { echo "run scripts/test.sh first (it creates .venv)"; exit 2; }
+ensure_venv
+# shellcheck disable=SC2046  # whitespace-separated requirement specifiers from pyproject.toml
+"$VENV_PY" -m pip install --quiet $(pyproject_list requires) $(pyproject_list dependencies) $(pyproject_list test)
 SAN_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g"
 export ASAN_OPTIONS="halt_on_error=1:detect_leaks=0:abort_on_error=1"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1"

@@ -2,13 +2,21 @@
 # valgrind memcheck over a representative subset of the Python tests, through both native ports.
 # valgrind does not emulate AVX-512, so the ports run their AVX2 and scalar paths here (their
 # CPU detection sees what valgrind's virtual CPU offers). Any memcheck error fails the run.
+# Installs what it needs: twinattn with its test extra into .venv (built as the test command builds
+# it, reusing its build folder), and valgrind (apt-get, when run as root) if it is missing.
 # Usage: bash scripts/valgrind.sh [extra pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/_env.sh
 
-VENV_PY=${VENV_PY:-.venv/bin/python}
-[ -x "$VENV_PY" ] || { echo "run scripts/test.sh first (it creates .venv and installs twinattn)"; exit 2; }
-command -v valgrind >/dev/null || { echo "valgrind not found (apt-get install valgrind)"; exit 2; }
+if ! command -v valgrind >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind >/dev/null
+  else
+    echo "valgrind not found: install it (e.g. sudo apt-get install valgrind)"; exit 2
+  fi
+fi
+install_twinattn test
 
 SUBSET=(
   tests/test_seeds.py

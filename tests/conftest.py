@@ -2,12 +2,17 @@
 
 A port that is not built is skipped with the reason, unless TWINATTN_REQUIRE_BACKENDS names it
 (the test command sets TWINATTN_REQUIRE_BACKENDS=cpp,rust, so a missing port fails CI instead of
-vanishing into skips).
+vanishing into skips). Likewise an optional library (torch, transformers) that is not installed
+skips the tests that need it, unless TWINATTN_REQUIRE_OPTIONAL names it (the test command sets
+TWINATTN_REQUIRE_OPTIONAL=torch,transformers).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import warnings
+from types import ModuleType
 
 import pytest
 
@@ -17,10 +22,14 @@ ALL_BACKENDS = ("numpy", "cpp", "rust")
 NATIVE_BACKENDS = ("cpp", "rust")
 
 
+def _named_in(variable: str) -> set[str]:
+    return {name.strip() for name in os.environ.get(variable, "").split(",") if name.strip()}
+
+
 def _require(port: str) -> None:
     if port in twinattn.backends():
         return
-    required = {p.strip() for p in os.environ.get("TWINATTN_REQUIRE_BACKENDS", "").split(",") if p.strip()}
+    required = _named_in("TWINATTN_REQUIRE_BACKENDS")
     reason = twinattn.build_info()[port].get("error", "not built")
     if port in required:
         pytest.fail(f"backend {port!r} is required (TWINATTN_REQUIRE_BACKENDS) but not available: {reason}")
@@ -38,3 +47,22 @@ def backend(request: pytest.FixtureRequest) -> str:
 def native_backend(request: pytest.FixtureRequest) -> str:
     _require(request.param)
     return request.param
+
+
+def optional_required(name: str) -> bool:
+    """Whether TWINATTN_REQUIRE_OPTIONAL says the tests needing library `name` must run."""
+    return name in _named_in("TWINATTN_REQUIRE_OPTIONAL")
+
+
+def import_optional(name: str, purpose: str) -> ModuleType:
+    """Imports an optional library for a test module: missing, it skips the module with the reason,
+    or fails it when TWINATTN_REQUIRE_OPTIONAL names it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # import-time deprecation notices are not the tests' subject
+            return importlib.import_module(name)
+    except ImportError as exc:
+        reason = f"{name} is not installed (optional: {purpose}): {exc}"
+        if optional_required(name):
+            pytest.fail(f"{reason}; TWINATTN_REQUIRE_OPTIONAL requires it", pytrace=False)
+        pytest.skip(reason, allow_module_level=True)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pathlib
 import re
+from typing import Any
 
 import numpy as np
 import pytest
 
 import twinattn
+from conftest import _require
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -44,11 +46,36 @@ def test_unavailable_backend_says_how_to_build(monkeypatch: pytest.MonkeyPatch) 
         twinattn.attention(q, q, q, backend="rust")
 
 
-def test_auto_picks_a_native_port_when_built() -> None:
-    q = np.random.default_rng(0).standard_normal((1, 2, 3, 4)).astype(np.float32)
-    np.testing.assert_allclose(
-        twinattn.attention(q, q, q, backend="auto"), twinattn.attention(q, q, q, backend="numpy"), rtol=1e-5, atol=1e-6
-    )
+def test_auto_picks_a_native_port_when_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto runs the first built native port (cpp, then rust), never numpy while one is built.
+
+    The native module that auto calls is watched (its real attention_forward still runs), and the
+    result must be the bits of that port's own call, which differ from numpy's float64-then-cast.
+    """
+    from twinattn._backends import NATIVE_PORTS, native_module
+
+    built = [port for port in NATIVE_PORTS if port in twinattn.backends()]
+    if not built:
+        _require(NATIVE_PORTS[0])  # fails under TWINATTN_REQUIRE_BACKENDS, else skips visibly
+    expected = built[0]
+    assert twinattn.backends()[0] == expected
+    calls: list[str] = []
+    for port in built:
+        module = native_module(port)
+
+        def spy(*args: Any, _port: str = port, _real: Any = module.attention_forward, **kwargs: Any) -> Any:
+            calls.append(_port)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(module, "attention_forward", spy)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 37, 24)).astype(np.float32) for _ in range(3))
+    auto = twinattn.attention(q, k, v, backend="auto")
+    assert calls == [expected]
+    np.testing.assert_array_equal(auto, twinattn.attention(q, k, v, backend=expected))
+    numpy = twinattn.attention(q, k, v, backend="numpy")
+    assert not np.array_equal(auto, numpy), "numpy's result has the same bits: this input cannot tell them apart"
+    np.testing.assert_allclose(auto, numpy, rtol=1e-5, atol=1e-6)
 
 
 def test_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:

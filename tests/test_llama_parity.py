@@ -1,6 +1,7 @@
 """Optional: Hugging Face Llama attention (torch + transformers) against twinattn.nn.Attention.
 
-torch and transformers are not dependencies; without them this file is skipped, with the reason.
+torch and transformers are optional (pip install "twinattn[hf]"); without them this file is skipped,
+with the reason, unless TWINATTN_REQUIRE_OPTIONAL names them (the test command does), which fails it.
 A randomly initialised LlamaAttention with a DynamicCache and twinattn's Attention with a KVCache,
 holding the same weights, see the same prefill, decode steps and a multi-token chunk.
 
@@ -19,14 +20,13 @@ import numpy as np
 import pytest
 
 import twinattn
+from conftest import import_optional, optional_required
 from helpers import FLOAT32_ERROR_FACTOR, FLOOR_ULPS, UNIT_ROUNDOFF
 
+torch = import_optional("torch", "the Llama parity test needs it")
+transformers = import_optional("transformers", "the Llama parity test needs it")
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # their import-time deprecation notices are not this test's subject
-    torch = pytest.importorskip("torch", reason="torch is not installed (optional: the Llama parity test needs it)")
-    transformers = pytest.importorskip(
-        "transformers", reason="transformers is not installed (optional: the Llama parity test needs it)"
-    )
     from transformers.models.llama import modeling_llama
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MAX_POSITIONS = 64, 4, 2, 16, 256
@@ -67,7 +67,10 @@ def cache_keyword() -> str:
     for name in ("cache", "past_key_values", "past_key_value"):
         if name in parameters:
             return name
-    pytest.skip(f"LlamaAttention.forward of transformers {transformers.__version__} takes no cache argument we know")
+    reason = f"LlamaAttention.forward of transformers {transformers.__version__} takes no cache argument we know"
+    if optional_required("transformers"):
+        pytest.fail(reason)
+    pytest.skip(reason)
 
 
 def additive_causal_mask(past: int, length: int, dtype: Any) -> Any:

@@ -58,6 +58,12 @@ int64_t flash_row_position(const AttentionProblem& p, int64_t b, int64_t group, 
     return static_cast<int64_t>(std::max<int128>(-bound, std::min<int128>(bound, position)));
 }
 
+float flash_row_lse(float m, float l) {
+    if (l == 0.0f) return -std::numeric_limits<float>::infinity();
+    if (m == std::numeric_limits<float>::infinity()) return m;
+    return kLn2 * (m + log2f(l));
+}
+
 namespace {
 
 // A 64-byte aligned buffer that only grows; its contents are not preserved when it grows.
@@ -122,6 +128,9 @@ CallerBuffers& caller_buffers() {
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// a > b ? a : b, and NaN when either is NaN (as flash_kernel.hpp's max_nan).
+float max_nan(float a, float b) { return a != a || a > b ? a : b; }
 
 struct CostedItem {
     WorkItem item;
@@ -221,6 +230,8 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
     if (slots == 0) return;
 
     // Merge: m* = max m_c, l* = sum l_c 2^(m_c - m*), O = sum O_c 2^(m_c - m*) / l*, in chunk order.
+    // A chunk whose row saw a NaN or +inf score has m_c = NaN or +inf and l_c = NaN (flash_kernel.hpp,
+    // 3c), so m* and the weights carry it into O and lse; a chunk that saw nothing has l_c = 0.
     // A sink s (base 2) counts here once: m* starts at s and l* at 2^(s - m*).
     const int64_t G = plan.group;
     parallel_for(B * Hkv, num_threads, [&](int64_t head, int) {
@@ -234,7 +245,7 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
                                               : -std::numeric_limits<float>::infinity();
             float m_star = sink;
             for (int64_t c = 0; c < chunks; ++c)
-                m_star = std::max(m_star, plan.partial_max[(first_slot + c) * rows + r]);
+                m_star = max_nan(m_star, plan.partial_max[(first_slot + c) * rows + r]);
             float* dst = p.out.data + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
             for (int64_t d = 0; d < Dv; ++d) dst[d] = 0.0f;
             float l_star = plan.has_sinks ? exp2f(sink - m_star) : 0.0f;
@@ -255,8 +266,7 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
             }
             if (p.lse.data != nullptr)
                 p.lse.data[b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2]] =
-                    l_star == 0.0f ? -std::numeric_limits<float>::infinity()
-                                   : kLn2 * (m_star + log2f(l_star));
+                    flash_row_lse(m_star, l_star);
         }
     });
 }

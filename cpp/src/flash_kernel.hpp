@@ -107,10 +107,16 @@ void flash_row_key_range(const AttentionProblem& p, int64_t b, int64_t group, in
 // The absolute position q_offset[b] + r / group of packed row r, clamped to +-2^62 so that
 // position - j cannot overflow (ALiBi; beyond 2^24 a float distance is inexact anyway).
 int64_t flash_row_position(const AttentionProblem& p, int64_t b, int64_t group, int64_t r);
+// lse = ln 2 (m + log2 l) of a row with max m (base 2) and sum l: -inf for a row that saw no key
+// (l = 0), +inf for a row whose largest score is +inf (l is NaN there, inf - inf), NaN for a row
+// that saw a NaN score (flash_attention.cpp, not inline either).
+float flash_row_lse(float m, float l);
 
 namespace flash {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 template <class V>
 struct Kernel {
@@ -118,6 +124,8 @@ struct Kernel {
     static constexpr int64_t W = V::kWidth;
 
     static int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
+    // a > b ? a : b, and NaN when either is NaN (the row max keeps a NaN score).
+    static float max_nan(float a, float b) { return a != a || a > b ? a : b; }
 
     // ---- tanh (softcap; constants.hpp, "tanh") ------------------------------------------------
     // a = |x| (max(x, -x) keeps a NaN), both branches computed, the polynomial chosen unless
@@ -517,7 +525,7 @@ struct Kernel {
             if (c < Dv) V::store_tail(dst + c, V::mul(V::load(o + c), inverse), Dv - c);
             if (p.lse.data != nullptr) {
                 float* lse = p.lse.data + b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2];
-                *lse = l == 0.0f ? kNegInf : kLn2 * (s.row_max[r] + log2f(l));
+                *lse = flash_row_lse(s.row_max[r], l);
             }
         }
     }
@@ -565,19 +573,37 @@ struct Kernel {
         }
     }
 
+    // Whether any of the n floats at row is NaN: softmax_row's rare path, kept out of line.
+    __attribute__((cold, noinline)) static bool any_nan(const float* row, int64_t n) {
+        for (int64_t j = 0; j < n; ++j)
+            if (row[j] != row[j]) return true;
+        return false;
+    }
+
     // 3c. m_new = max(m, rowmax S), alpha = 2^(m - m_new), P = 2^(S - m_new), l = l alpha + sum P.
+    // Non-finite scores (scores of hidden keys are -inf by now, whatever K, V or the mask held
+    // there), checked once per row and block, never per score: a row that sees a NaN score gets
+    // m = NaN, a row whose largest score is +inf m = +inf (NaN wins). Both leave the softmax
+    // undefined (NaN - NaN, inf - inf), as in the reference: alpha = NaN makes O and l NaN, and
+    // they stay NaN through every later block (m = NaN sticks: max_nan). The vector max (maxps)
+    // may drop a NaN score, but exp2 passes NaN on, so P and the block's sum carry it: a NaN sum
+    // under a finite m can only come from a NaN score. Where the max alone decides (m = -inf:
+    // "nothing visible yet", or m = +inf) the block is scanned for NaN; those rows are rare.
     static void softmax_row(float* row, int64_t n_padded, const ThreadScratch& s, int64_t r) {
         Reg running = V::broadcast(kNegInf);
         for (int64_t j = 0; j < n_padded; j += W) running = V::max(running, V::load(row + j));
         const float block_max = V::reduce_max(running);
         const float m_old = s.row_max[r];
-        const float m_new = block_max > m_old ? block_max : m_old;
+        float m_new = max_nan(m_old, block_max);
+        if ((m_new == kNegInf || m_new == kInf) && any_nan(row, n_padded)) m_new = kNaN;
         if (m_new == kNegInf) {  // nothing visible yet: P = 0, nothing to rescale
             for (int64_t j = 0; j < n_padded; j += W) V::store(row + j, V::zero());
             s.rescale[r] = 1.0f;
             return;
         }
-        const float alpha = m_old == m_new ? 1.0f : exp2f(m_old - m_new);  // m_old = -inf: 0
+        const float alpha = m_new != m_new || m_new == kInf ? kNaN
+                            : m_old == m_new                  ? 1.0f
+                                                              : exp2f(m_old - m_new);  // m_old = -inf: 0
         const Reg shift = V::broadcast(m_new);
         Reg sum = V::zero();
         for (int64_t j = 0; j < n_padded; j += W) {
@@ -585,8 +611,10 @@ struct Kernel {
             V::store(row + j, prob);
             sum = V::add(sum, prob);
         }
+        const float l_new = s.row_sum[r] * alpha + V::reduce_sum(sum);
+        if (l_new != l_new && m_new != kInf) m_new = kNaN;  // a NaN score the max missed
         s.rescale[r] = alpha;
-        s.row_sum[r] = s.row_sum[r] * alpha + V::reduce_sum(sum);
+        s.row_sum[r] = l_new;
         s.row_max[r] = m_new;
     }
 };

@@ -14,14 +14,19 @@
 //      and its float bias is not -inf; score_j = scale * (q_i . k_j), then
 //      softcap * tanh(score_j / softcap) when softcap > 0, then - slope[b,h] * |p - j| (ALiBi),
 //      then + bias_ij.
-//   2. row_max = max(sink[h], max_j score_j) (sink = -inf without sinks).
+//   2. row_max = max(sink[h], max_j score_j) (sink = -inf without sinks; NaN when any score is
+//      NaN).
 //   3. e_j = exp(score_j - row_max), row_sum = exp(sink[h] - row_max) + sum_j e_j.
 //   4. normalise: p_j = e_j / row_sum.
-//   5. out_i = sum_j p_j v_j, lse_i = row_max + log(row_sum).
+//   5. out_i = sum_j p_j v_j, lse_i = row_max + log(row_sum) (+inf when row_max is +inf).
 // Only visible keys are ever touched after pass 1 (and k_j is read in pass 1 only once j has
 // passed the position, length, window and mask tests), so hidden keys cannot contribute, not
-// even as 0 * NaN. A row with no visible key gets out = 0 and lse = sink[h] (-inf without
-// sinks). Everything after the loads is computed in double, as in the seeds.
+// even as 0 * NaN. A key whose score is -inf (bias, or inf in q or k) is left out like a hidden
+// one. A row with no visible key gets out = 0 and lse = sink[h] (-inf without sinks).
+// Non-finite inputs at visible positions propagate as in twinattn/reference.py: a NaN score
+// makes the row's out and lse NaN; a +inf score makes out NaN (inf / inf) and lse +inf; NaN or
+// inf in v reaches the columns it is in. Everything after the loads is computed in double, as
+// in the seeds.
 #include "twinattn/reference_kernel.hpp"
 
 #include <algorithm>
@@ -128,7 +133,8 @@ void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowS
 
     // 2. Row max (the sink is a key without a value).
     double row_max = sink;
-    for (const VisibleKey& key : visible) row_max = std::max(row_max, key.score);
+    for (const VisibleKey& key : visible)  // NaN-propagating: a NaN score stays the row max
+        if (row_max == row_max && (key.score != key.score || key.score > row_max)) row_max = key.score;
 
     // 3. Exponentiate and sum.
     double row_sum = sink == kNegInf ? 0.0 : std::exp(sink - row_max);
@@ -148,7 +154,9 @@ void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowS
         for (int64_t d = 0; d < value_dim; ++d) out_acc[d] += key.score * static_cast<double>(v_row[d]);
     }
     for (int64_t d = 0; d < value_dim; ++d) out_row[d] = static_cast<float>(out_acc[d]);
-    if (lse != nullptr) *lse = static_cast<float>(row_max + std::log(row_sum));
+    if (lse != nullptr)  // a +inf score: log(sum) = +inf, though the weights are inf / inf
+        *lse = row_max == -kNegInf ? std::numeric_limits<float>::infinity()
+                                   : static_cast<float>(row_max + std::log(row_sum));
 }
 
 // Every row of the (sequence, query head) pairs [pair_begin, pair_end), pair = b * Hq + h.

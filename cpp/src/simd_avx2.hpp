@@ -40,9 +40,10 @@ struct VecAvx2 {
         return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ));
     }
 
-    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0.
+    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0, NaN gives NaN (maxps returns
+    // its second operand, x, when either is NaN: a NaN score reaches the row sum).
     static Reg exp2(Reg x) {
-        x = _mm256_max_ps(x, _mm256_set1_ps(kExp2Min));
+        x = _mm256_max_ps(_mm256_set1_ps(kExp2Min), x);
         const Reg n = _mm256_floor_ps(x);
         const Reg f = _mm256_sub_ps(x, n);
         Reg p = _mm256_set1_ps(kExp2Coefficients[kExp2Degree]);

@@ -38,9 +38,10 @@ struct VecAvx512 {
         return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x);
     }
 
-    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0.
+    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0, NaN gives NaN (maxps returns
+    // its second operand, x, when either is NaN: a NaN score reaches the row sum).
     static Reg exp2(Reg x) {
-        x = _mm512_max_ps(x, _mm512_set1_ps(kExp2Min));
+        x = _mm512_max_ps(_mm512_set1_ps(kExp2Min), x);
         const Reg n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
         const Reg f = _mm512_sub_ps(x, n);
         Reg p = _mm512_set1_ps(kExp2Coefficients[kExp2Degree]);

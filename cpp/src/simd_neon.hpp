@@ -48,7 +48,8 @@ struct VecNeon {
     static Reg mul(Reg a, Reg b) { return Reg{vmulq_f32(a.lo, b.lo), vmulq_f32(a.hi, b.hi)}; }
     static Reg add(Reg a, Reg b) { return Reg{vaddq_f32(a.lo, b.lo), vaddq_f32(a.hi, b.hi)}; }
     static Reg sub(Reg a, Reg b) { return Reg{vsubq_f32(a.lo, b.lo), vsubq_f32(a.hi, b.hi)}; }
-    // a > b ? a : b, so b when either is NaN (x86's maxps); vmaxq_f32 would return the NaN.
+    // a > b ? a : b, so b when either is NaN (x86's maxps; the row max relies on it only for
+    // speed, exp2's clamp for passing NaN on); vmaxq_f32 would differ in the NaN and -0 cases.
     static float32x4_t max4(float32x4_t a, float32x4_t b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
     static Reg max(Reg a, Reg b) { return Reg{max4(a.lo, b.lo), max4(a.hi, b.hi)}; }
     static Reg div(Reg a, Reg b) { return Reg{vdivq_f32(a.lo, b.lo), vdivq_f32(a.hi, b.hi)}; }
@@ -58,9 +59,9 @@ struct VecNeon {
                    vbslq_f32(vcltq_f32(a.hi, b.hi), x.hi, y.hi)};
     }
 
-    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0.
+    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0, NaN gives NaN (as AVX2).
     static float32x4_t exp2_4(float32x4_t x) {
-        x = max4(x, vdupq_n_f32(kExp2Min));
+        x = max4(vdupq_n_f32(kExp2Min), x);
         const float32x4_t n = vrndmq_f32(x);
         const float32x4_t f = vsubq_f32(x, n);
         float32x4_t p = vdupq_n_f32(kExp2Coefficients[kExp2Degree]);

@@ -83,9 +83,8 @@ struct VecScalar {
         return r;
     }
 
-    static float exp2_lane(float x) {
-        if (!(x >= kExp2Min)) x = kExp2Min;  // also maps NaN to 0, as the SIMD max does not;
-                                             // a NaN score never reaches exp2 (it is masked)
+    static float exp2_lane(float x_in) {
+        const float x = x_in >= kExp2Min ? x_in : kExp2Min;  // NaN too (no float-to-int of NaN)
         int32_t whole = static_cast<int32_t>(x);  // rounds toward zero: floor for x <= 0 is
         if (static_cast<float>(whole) > x) --whole;  // one less unless x is whole
         const float n = static_cast<float>(whole);
@@ -95,9 +94,9 @@ struct VecScalar {
         const uint32_t bits = static_cast<uint32_t>(whole + 127) << 23;
         float scale;
         std::memcpy(&scale, &bits, sizeof scale);
-        return p * scale;
+        return x_in != x_in ? x_in : p * scale;  // NaN gives NaN, as the SIMD types
     }
-    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0.
+    // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0, NaN gives NaN.
     static Reg exp2(Reg x) {
         Reg r;
         for (int i = 0; i < kWidth; ++i) r.lane[i] = exp2_lane(x.lane[i]);

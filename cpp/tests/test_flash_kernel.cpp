@@ -417,6 +417,115 @@ void test_every_isa_against_reference() {
     }
 }
 
+// Non-finite inputs at visible positions: the fast kernel gives the plain kernel's NaN / +inf /
+// -inf pattern in out and lse, element by element, and its finite values (the rule of
+// twinattn/reference.py: a NaN score makes the row NaN; a +inf score makes out NaN and lse +inf;
+// NaN or inf in v reaches its column). A -inf bias hides a key whose k and v rows hold NaN.
+int check_pattern(const Inputs& in, const char* isa, const char* what) {
+    const Result expected = run(in, false, 1);
+    const Result actual = run(in, true, in.c.threads);
+    int nonfinite = 0, reported = 0;
+    auto same = [](double a, double e) {
+        if (std::isnan(e)) return std::isnan(a);
+        if (std::isinf(e)) return a == e;
+        return std::isfinite(a) && std::fabs(a - e) <= kTolerance * (1.0 + std::fabs(e));
+    };
+    for (int pass = 0; pass < 2; ++pass) {
+        const std::vector<float>& e = pass == 0 ? expected.out.data : expected.lse;
+        const std::vector<float>& a = pass == 0 ? actual.out.data : actual.lse;
+        for (size_t n = 0; n < e.size(); ++n) {
+            nonfinite += !std::isfinite(e[n]);
+            if (!same(a[n], e[n]) && reported++ < 3) {
+                std::fprintf(stderr, "[%s] %s, %s: %s[%zu] = %.9g, expected %.9g\n", isa, what,
+                             describe(in.c).c_str(), pass == 0 ? "out" : "lse", n, a[n], e[n]);
+                ++twinattn_test::failures;
+            }
+        }
+    }
+    return nonfinite;
+}
+
+void test_nonfinite_patterns_match_reference() {
+    std::vector<Case> paths;
+    {
+        Case c;  // direct split-key scores: 8 packed rows, two key chunks
+        c.B = 2, c.Hq = 4, c.Hkv = 2, c.Lq = 2, c.Lk = 1500, c.D = 40, c.Dv = 24, c.causal = true;
+        paths.push_back(c);
+        c.Hq = 16, c.Hkv = 2, c.Lq = 4, c.causal = false;  // 32 rows: split-key panels
+        paths.push_back(c);
+        c.Hq = 4, c.Lq = 70, c.Lk = 600, c.causal = true;  // prefill tiles, diagonal
+        paths.push_back(c);
+    }
+    const float values[] = {kNaN, kInf, -kInf};
+    for (const std::string& isa : available_isas()) {
+        set_isa(isa);
+        int nonfinite = 0;
+        for (const Case& path : paths)
+            for (float value : values) {
+                const int64_t key = 3;  // visible to every row
+                {
+                    Inputs in(path);
+                    in.q.at(1, 1, path.Lq - 1, 5) = value;
+                    nonfinite += check_pattern(in, isa.c_str(), "q row");
+                }
+                {
+                    Inputs in(path);
+                    in.k.at(0, 1, key, 2) = value;
+                    in.k.at(1, 0, path.Lk - 300, 7) = value;  // a later key block (non-causal rows)
+                    nonfinite += check_pattern(in, isa.c_str(), "k row");
+                }
+                {
+                    Inputs in(path);
+                    in.v.at(1, 1, key, path.Dv - 1) = value;
+                    nonfinite += check_pattern(in, isa.c_str(), "v row");
+                }
+                {
+                    Case c = path;
+                    c.mask = Mask::Float;
+                    Inputs in(c);
+                    in.bias[static_cast<size_t>(((1 * c.Hq + 2) * c.Lq + c.Lq - 1) * c.Lk + key)] = value;
+                    nonfinite += check_pattern(in, isa.c_str(), "bias");
+                }
+            }
+        CHECK(nonfinite > 0);  // the cases do produce NaN / inf (the plain kernel says so)
+        std::printf("%s: non-finite patterns match the plain kernel (%d non-finite results)\n", isa.c_str(), nonfinite);
+    }
+}
+
+// A -inf bias hides a key exactly like a False bool mask, even when that key's k and v rows hold
+// NaN: the plain and the fast kernel both give the result of the bool mask.
+void test_minus_inf_bias_hides_nan_keys() {
+    for (const std::string& isa : available_isas()) {
+        set_isa(isa);
+        for (int64_t lq : {1, 12, 70}) {
+            Case c;
+            c.Hq = 2, c.Hkv = 1, c.Lq = lq, c.Lk = 300, c.D = 16, c.Dv = 8, c.mask = Mask::Float;
+            Inputs with_bias(c);
+            c.mask = Mask::Bool;
+            Inputs with_bool(c);
+            with_bool.q = with_bias.q, with_bool.k = with_bias.k, with_bool.v = with_bias.v;
+            for (size_t n = 0; n < with_bias.bias.size(); ++n) with_bias.bias[n] = 0.0f;
+            for (size_t n = 0; n < with_bool.bool_mask.size(); ++n) with_bool.bool_mask[n] = 1;
+            for (int64_t j : {0, 7, 200}) {  // hidden from every row, NaN in k and v
+                for (int64_t d = 0; d < c.D; ++d) with_bias.k.at(0, 0, j, d) = with_bool.k.at(0, 0, j, d) = kNaN;
+                for (int64_t d = 0; d < c.Dv; ++d) with_bias.v.at(0, 0, j, d) = with_bool.v.at(0, 0, j, d) = kNaN;
+                for (int64_t row = 0; row < c.Hq * c.Lq; ++row) {
+                    with_bias.bias[static_cast<size_t>(row * c.Lk + j)] = -kInf;
+                    with_bool.bool_mask[static_cast<size_t>(row * c.Lk + j)] = 0;
+                }
+            }
+            for (bool fast : {false, true}) {
+                const Result a = run(with_bias, fast, 2), b = run(with_bool, fast, 2);
+                bool finite = true;
+                for (float x : a.out.data) finite &= std::isfinite(x);
+                CHECK(finite);
+                CHECK(std::memcmp(a.out.data.data(), b.out.data.data(), a.out.data.size() * sizeof(float)) == 0);
+                CHECK(std::memcmp(a.lse.data(), b.lse.data(), a.lse.size() * sizeof(float)) == 0);
+            }
+        }
+    }
+}
+
 // Results do not depend on the thread count (bit for bit), prefill and split-key alike.
 void test_thread_counts_bit_identical() {
     for (const std::string& isa : available_isas()) {
@@ -553,6 +662,8 @@ int main() {
     test_thread_pool();
     test_rejects_bad_problems();
     test_every_isa_against_reference();
+    test_nonfinite_patterns_match_reference();
+    test_minus_inf_bias_hides_nan_keys();
     test_thread_counts_bit_identical();
     test_concurrent_callers();
     if (twinattn_test::failures != 0) std::fprintf(stderr, "%d check(s) failed\n", twinattn_test::failures);

@@ -407,6 +407,65 @@ void test_masks() {
     check_close_to(out, nullptr, direct_attention(q, k, v, q_offset, kv_lens, false, p.scale, nullptr, &full_bias));
 }
 
+// Non-finite inputs at visible positions propagate as in the NumPy reference (twin of Rust's
+// contract check non_finite_inputs_propagate): a NaN score makes its row NaN (out and lse), a +inf
+// score makes out NaN and lse +inf, inf in v reaches its column; a -inf bias hides a key whose k
+// and v rows hold NaN exactly as a False mask does.
+void test_non_finite_inputs_propagate() {
+    Tensor q(1, 1, 3, 2), k(1, 1, 3, 2), v(1, 1, 3, 2);
+    q.data = {1, 0, 0, 1, 1, -1};
+    k.data = {1, 0, 0, 1, 1, 1};
+    v.data = {2, 0, 0, 4, 1, 1};
+    const int64_t zero[] = {0}, full[] = {3};
+    struct Run {
+        Tensor out{1, 1, 3, 2};
+        std::vector<float> lse = std::vector<float>(3);
+    };
+    auto run = [&](const Tensor& qq, const Tensor& kk, const Tensor& vv, MaskView mask) {
+        Run r;
+        AttentionProblem p = make_problem(qq, kk, vv, r.out, zero, full, false);
+        p.lse = contiguous_lse_view(r.lse.data(), 1, 1, 3);
+        p.mask = mask;
+        attention_reference(p, 1);
+        return r;
+    };
+    const MaskView none{MaskKind::None, nullptr, {0, 0, 0, 0}};
+    const Run clean = run(q, k, v, none);
+    {  // NaN in query row 1
+        Tensor bad = q;
+        bad.at(0, 0, 1, 0) = kNaN;
+        const Run r = run(bad, k, v, none);
+        CHECK(std::isnan(r.out.at(0, 0, 1, 0)) && std::isnan(r.out.at(0, 0, 1, 1)) && std::isnan(r.lse[1]));
+        CHECK(r.out.at(0, 0, 0, 0) == clean.out.at(0, 0, 0, 0) && r.lse[2] == clean.lse[2]);
+    }
+    {  // +inf in key 0: rows 0 and 2 score +inf (out NaN, lse +inf), row 1 scores 0 * inf = NaN
+        Tensor bad = k;
+        bad.at(0, 0, 0, 0) = kInf;
+        const Run r = run(q, bad, v, none);
+        for (float x : r.out.data) CHECK(std::isnan(x));
+        CHECK(r.lse[0] == kInf && std::isnan(r.lse[1]) && r.lse[2] == kInf);
+    }
+    {  // +inf in value 2's first column: that column +inf in every row, the other finite
+        Tensor bad = v;
+        bad.at(0, 0, 2, 0) = kInf;
+        const Run r = run(q, k, bad, none);
+        for (int64_t i = 0; i < 3; ++i)
+            CHECK(r.out.at(0, 0, i, 0) == kInf && std::isfinite(r.out.at(0, 0, i, 1)) && std::isfinite(r.lse[i]));
+    }
+    {  // -inf bias over key 1, whose k and v are NaN: as a False mask there
+        Tensor bad_k = k, bad_v = v;
+        bad_k.at(0, 0, 1, 0) = kNaN;
+        bad_v.at(0, 0, 1, 1) = kNaN;
+        const float bias[3] = {0.0f, -kInf, 0.0f};
+        const unsigned char allowed[3] = {1, 0, 1};
+        const Run with_bias = run(q, bad_k, bad_v, MaskView{MaskKind::Float, bias, {0, 0, 0, 1}});
+        const Run with_bool = run(q, bad_k, bad_v, MaskView{MaskKind::Bool, allowed, {0, 0, 0, 1}});
+        CHECK(all_finite(with_bias.out.data) && all_finite(with_bias.lse));
+        CHECK(bit_identical(with_bias.out.data.data(), with_bool.out.data.data(), 6));
+        CHECK(bit_identical(with_bias.lse.data(), with_bool.lse.data(), 3));
+    }
+}
+
 // Rows with no visible key: out = 0 (overwriting whatever was there) and lse = -inf.
 void test_rows_without_visible_keys() {
     std::mt19937 rng(19);
@@ -669,6 +728,7 @@ int main() {
         {"causal_hidden_nan", test_causal_hidden_nan},
         {"masks", test_masks},
         {"rows_without_visible_keys", test_rows_without_visible_keys},
+        {"non_finite_inputs_propagate", test_non_finite_inputs_propagate},
         {"empty_axes", test_empty_axes},
         {"strided_views", test_strided_views},
         {"threads_bit_identical", test_threads_bit_identical},

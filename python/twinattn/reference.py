@@ -18,6 +18,24 @@ a float bias is not -inf. The score of a visible key, in this order:
     s = scale * q.k;  s = softcap * tanh(s / softcap) if softcap > 0;
     s -= slope[b, h] * |p - j|;  s += bias[b, h, i, j]
 A sink is one more term exp(sinks[h]) in the softmax denominator (and lse) with no value.
+
+Visible keys and non-finite inputs (the rule every backend follows, row by row):
+- Key j is visible to row i iff j < kv_lens[b], (not causal or j <= p), inside the window, the bool
+  mask (if any) is True and the float bias (if any) is not -inf. A hidden key is never read:
+  whatever k, v or the bias hold there (NaN, inf) does not matter. A -inf bias hides a key
+  exactly like False, even when its k or v row holds NaN.
+- score_j = scale * q_i . k_j + bias_ij for visible keys, in IEEE arithmetic. A score of -inf
+  (from inf in q or k) gives the key weight 0 and leaves its value out, as for a hidden key. A
+  row with no key scoring above -inf returns zeros and lse = -inf.
+- A NaN score (NaN in q_i, in a visible k_j or bias, or inf * 0 in the dot product) makes the
+  whole row NaN: every column of out_i, and lse_i.
+- Otherwise a score of +inf makes out_i NaN (its weights are inf / inf) and lse_i = +inf (the log
+  of an infinite sum).
+- NaN or inf in a visible v_j reaches the output columns it is in, for every row that gives key j
+  a weight above 0 (p_j * inf = inf; inf - inf = NaN).
+The native kernels compute in float32: they follow this rule as long as no finite score
+overflows float32 and no key holding a non-finite value has a weight that underflows to 0 there
+(a score more than about 87 below its row's max).
 """
 
 from __future__ import annotations
@@ -74,8 +92,9 @@ def _attention_reference(
     kv_heads, k_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads if kv_heads else 1
 
-    # 1. Legal keys: inside the sequence's length, not in its future, inside the window, allowed
-    #    by the mask. Positions: query row i at p = q_offset[b] + i, key j at j.
+    # 1. Visible keys: inside the sequence's length, not in its future, inside the window, allowed
+    #    by the mask (a bias of -inf hides a key as False does). Positions: query row i at
+    #    p = q_offset[b] + i, key j at j.
     key_index = np.arange(k_len).reshape(1, 1, 1, k_len)
     position = q_offset.reshape(batch, 1, 1, 1) + np.arange(q_len).reshape(1, 1, q_len, 1)
     visible = key_index < kv_lens.reshape(batch, 1, 1, 1)
@@ -85,8 +104,8 @@ def _attention_reference(
         visible = visible & (key_index >= position - window_left)
     if window_right >= 0:
         visible = visible & (key_index <= position + window_right)
-    if mask is not None and mask.dtype == np.bool_:
-        visible = visible & mask
+    if mask is not None:
+        visible = visible & (mask if mask.dtype == np.bool_ else mask != -np.inf)
     visible = np.broadcast_to(visible, (batch, q_heads, q_len, k_len))
 
     # Padded keys are never read: whatever their memory holds (NaN too) is replaced by zeros.
@@ -97,8 +116,9 @@ def _attention_reference(
     k = np.repeat(k, group, axis=1)
     v = np.repeat(v, group, axis=1)
 
-    # 2. Scores of the legal keys (softcap, then ALiBi, then the bias); every other key scores -inf.
-    #    Hidden keys were zeroed or are replaced by -inf below, so their scores never matter.
+    # 2. Scores of the visible keys (softcap, then ALiBi, then the bias); a hidden key scores -inf,
+    #    whatever q k^T or the bias gave there (NaN from a hidden NaN key, say). A visible key
+    #    scoring -inf is left out too: "legal" = visible and scoring above -inf.
     scores = (q @ np.swapaxes(k, -1, -2)) * dtype.type(scale)
     if softcap > 0:
         cap = dtype.type(softcap)
@@ -108,11 +128,12 @@ def _attention_reference(
         scores = scores - alibi_slopes.astype(dtype, copy=False).reshape(batch, q_heads, 1, 1) * distance
     if mask is not None and mask.dtype != np.bool_:
         scores = scores + mask.astype(dtype, copy=False)
-    legal = visible & (scores != -np.inf)  # a bias of -inf hides a key too
+    legal = visible & (scores != -np.inf)
     scores = np.where(legal, scores, dtype.type(-np.inf))
 
     # 3. Subtract the row max, exponentiate, normalise. A sink is one more (virtual) score in the
     #    max and the denominator, with no value. A row with no legal key and no sink gives zeros.
+    #    The max propagates NaN, so a NaN score makes the row NaN; a +inf max gives inf - inf = NaN.
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
     if sinks is not None:
         sink = np.broadcast_to(sinks.astype(dtype, copy=False).reshape(1, q_heads, 1, 1), row_max.shape)
@@ -135,6 +156,7 @@ def _attention_reference(
             keys = legal[b, h, i]
             out[b, h, i] = weights[b, h, i, keys] @ v[b, h, keys]
     lse = np.where(empty_row, -np.inf, safe_max + np.log(np.where(empty_row, 1, row_sum)))
+    lse = np.where(row_max == np.inf, np.inf, lse)  # log of an infinite sum, not inf + log(NaN)
     return out.astype(dtype, copy=False), lse[..., 0].astype(dtype, copy=False)
 
 

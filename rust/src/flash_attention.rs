@@ -18,9 +18,11 @@ use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::constants::{KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, Q_TILE_ROWS, SPLIT_KEY_CHUNK};
+use crate::constants::{KEY_BLOCK, KEY_PANEL, LOG2_E, Q_TILE_ROWS, SPLIT_KEY_CHUNK};
 use crate::dispatch::current_kernels;
-use crate::flash_kernel::{flash_row_key_range, FlashKernels, FlashPlan, ThreadScratch, WorkItem};
+use crate::flash_kernel::{
+    flash_row_key_range, max_nan, row_lse, FlashKernels, FlashPlan, ThreadScratch, WorkItem,
+};
 use crate::problem::{
     check_num_threads, check_problem, try_filled, AttentionProblem, MaskKind, ProblemError,
 };
@@ -450,8 +452,10 @@ fn run_split_key(
 
 /// Step 6's merge: for every row of group (b, kv_head), chunks in order, `m* = max_c m_c`,
 /// `l* = sum_c l_c 2^(m_c - m*)`, `out = sum_c O_c 2^(m_c - m*) / l*` and
-/// `lse = ln 2 (m* + log2 l*)`. A sink s (base 2) counts here once: m* starts at s and l* at
-/// 2^(s - m*).
+/// `lse = ln 2 (m* + log2 l*)`. A chunk whose row saw a NaN or +inf score has m_c = NaN or
+/// +inf and l_c = NaN (flash_kernel.rs, softmax_row), so m* (NaN-propagating) and the weights
+/// carry it into out and lse ([`row_lse`]); a chunk that saw nothing has l_c = 0. A sink s
+/// (base 2) counts here once: m* starts at s and l* at 2^(s - m*).
 ///
 /// # Safety
 /// Partial slots first_slot..first_slot + chunks of the plan hold this group's rows; the views
@@ -477,10 +481,7 @@ unsafe fn merge_partials(
             };
             let mut m_star = sink;
             for c in 0..chunks {
-                let m = *plan.partial_max.add((first_slot + c) * rows + r);
-                if m_star < m {
-                    m_star = m;
-                }
+                m_star = max_nan(m_star, *plan.partial_max.add((first_slot + c) * rows + r));
             }
             let dst = p
                 .out
@@ -521,11 +522,7 @@ unsafe fn merge_partials(
                         + h as isize * p.lse.stride[1] as isize
                         + i as isize * p.lse.stride[2] as isize,
                 );
-                *lse = if l_star == 0.0 {
-                    f32::NEG_INFINITY
-                } else {
-                    LN2 * (m_star + l_star.log2())
-                };
+                *lse = row_lse(m_star, l_star);
             }
         }
     }

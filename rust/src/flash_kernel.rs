@@ -159,6 +159,29 @@ fn round_up(n: usize, m: usize) -> usize {
     n.div_ceil(m) * m
 }
 
+/// `a > b ? a : b`, and NaN when either is NaN (the row max keeps a NaN score).
+#[inline(always)]
+pub(crate) fn max_nan(a: f32, b: f32) -> f32 {
+    if a.is_nan() || a > b {
+        a
+    } else {
+        b
+    }
+}
+
+/// lse = ln 2 (m + log2 l): -inf for a row that saw no key (l = 0), +inf for a row whose largest
+/// score is +inf (l is NaN there, inf - inf), NaN for a row that saw a NaN score.
+#[inline(always)]
+pub(crate) fn row_lse(m: f32, l: f32) -> f32 {
+    if l == 0.0 {
+        f32::NEG_INFINITY
+    } else if m == f32::INFINITY {
+        m
+    } else {
+        LN2 * (m + l.log2())
+    }
+}
+
 /// Element offset of an index in a strided view.
 #[inline(always)]
 fn at<const N: usize>(index: [usize; N], stride: &[i64; N]) -> isize {
@@ -914,11 +937,7 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
             }
             if p.lse.is_requested() {
                 let lse = p.lse.data.offset(at([b, h, i], &p.lse.stride));
-                *lse = if l == 0.0 {
-                    f32::NEG_INFINITY
-                } else {
-                    LN2 * (*s.row_max.add(r) + l.log2())
-                };
+                *lse = row_lse(*s.row_max.add(r), l);
             }
         }
     }
@@ -1009,7 +1028,27 @@ unsafe fn mask_block(
     }
 }
 
+/// Whether any of the n floats at row is NaN: softmax_row's rare path, kept out of line so the
+/// hot loop's code stays as it was.
+///
+/// # Safety
+/// row is valid for reading n floats.
+#[cold]
+#[inline(never)]
+unsafe fn any_nan(row: *const f32, n: usize) -> bool {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { (0..n).any(|j| (*row.add(j)).is_nan()) }
+}
+
 /// 3c. m_new = max(m, rowmax S), alpha = 2^(m - m_new), P = 2^(S - m_new), l = l alpha + sum P.
+/// Non-finite scores (scores of hidden keys are -inf by now, whatever K, V or the mask held
+/// there), checked once per row and block, never per score: a row that sees a NaN score gets
+/// m = NaN, a row whose largest score is +inf m = +inf (NaN wins). Both leave the softmax
+/// undefined (NaN - NaN, inf - inf), as in the reference: alpha = NaN makes O and l NaN, and they
+/// stay NaN through every later block (m = NaN sticks: [`max_nan`]). The vector max (maxps) may
+/// drop a NaN score, but exp2 passes NaN on, so P and the block's sum carry it: a NaN sum under a
+/// finite m can only come from a NaN score. Where the max alone decides (m = -inf: "nothing
+/// visible yet", or m = +inf) the block is scanned for NaN; those rows are rare.
 ///
 /// # Safety
 /// V's instruction set is available; row holds n_padded (a multiple of WIDTH) floats; r indexes
@@ -1025,7 +1064,10 @@ unsafe fn softmax_row<V: Vector>(row: *mut f32, n_padded: usize, s: &ThreadScrat
         }
         let block_max = V::reduce_max(running);
         let m_old = *s.row_max.add(r);
-        let m_new = if block_max > m_old { block_max } else { m_old };
+        let mut m_new = max_nan(m_old, block_max);
+        if m_new.is_infinite() && any_nan(row, n_padded) {
+            m_new = f32::NAN;
+        }
         if m_new == f32::NEG_INFINITY {
             // nothing visible yet: P = 0, nothing to rescale
             for j in (0..n_padded).step_by(w) {
@@ -1034,11 +1076,13 @@ unsafe fn softmax_row<V: Vector>(row: *mut f32, n_padded: usize, s: &ThreadScrat
             *s.rescale.add(r) = 1.0;
             return;
         }
-        let alpha = if m_old == m_new {
+        let alpha = if m_new.is_nan() || m_new == f32::INFINITY {
+            f32::NAN
+        } else if m_old == m_new {
             1.0
         } else {
-            (m_old - m_new).exp2()
-        }; // m_old = -inf: 0
+            (m_old - m_new).exp2() // m_old = -inf: 0
+        };
         let shift = V::broadcast(m_new);
         let mut sum = V::zero();
         for j in (0..n_padded).step_by(w) {
@@ -1046,8 +1090,12 @@ unsafe fn softmax_row<V: Vector>(row: *mut f32, n_padded: usize, s: &ThreadScrat
             prob.store(row.add(j));
             sum = V::add(sum, prob);
         }
+        let l_new = *s.row_sum.add(r) * alpha + V::reduce_sum(sum);
+        if l_new.is_nan() && m_new != f32::INFINITY {
+            m_new = f32::NAN; // a NaN score the max missed
+        }
         *s.rescale.add(r) = alpha;
-        *s.row_sum.add(r) = *s.row_sum.add(r) * alpha + V::reduce_sum(sum);
+        *s.row_sum.add(r) = l_new;
         *s.row_max.add(r) = m_new;
     }
 }

@@ -13,19 +13,24 @@
 //! p = q_offset[b] + i, in float64:
 //!   1. Scores of the visible keys. Key j is visible iff j < kv_lens[b], and (not causal or
 //!      j <= p), and (window_left < 0 or j >= p - window_left), and (window_right < 0 or
-//!      j <= p + window_right), and (no bool mask or mask[b,h,i,j]). Its score is
-//!      s = scale * (q[b,h,i,:] . k[b,h/group,j,:]), then softcap * tanh(s / softcap) when
-//!      softcap > 0, then - slope[b,h] * |p - j| (ALiBi), then + bias[b,h,i,j] (float mask
-//!      only). A hidden key scores -inf; keys j >= kv_lens[b] or outside the window are not even
-//!      looked at. row_max = the largest score.
-//!   2. A row whose row_max is -inf (no visible key, or every bias -inf) gets out = 0 and
+//!      j <= p + window_right), and (no bool mask or mask[b,h,i,j]), and its float bias (if any)
+//!      is not -inf. Its score is s = scale * (q[b,h,i,:] . k[b,h/group,j,:]), then
+//!      softcap * tanh(s / softcap) when softcap > 0, then - slope[b,h] * |p - j| (ALiBi), then
+//!      + bias[b,h,i,j] (float mask only). A hidden key scores -inf without its k row being
+//!      read; keys j >= kv_lens[b] are not even looked at. row_max = the largest score, NaN when
+//!      any score is NaN.
+//!   2. A row whose row_max is -inf (no visible key, or every score -inf) gets out = 0 and
 //!      lse = sink[h] (-inf without sinks), and stops here. Otherwise the sink (a key without a
-//!      value) joins: row_max = max(row_max, sink[h]).
+//!      value) joins: row_max = max(row_max, sink[h]) (NaN stays NaN).
 //!   3. Weights: p_j = exp(score_j - row_max), row_sum = exp(sink[h] - row_max) + sum_j p_j.
 //!   4. Output: out[b,h,i,:] = sum_j (p_j / row_sum) * v[b,h/group,j,:], skipping every hidden
 //!      key (score -inf), so its value never enters, not even as 0 * NaN. A visible key whose
 //!      weight underflows to 0 is not skipped (as in C++ and NumPy: 0 * NaN stays NaN).
-//!   5. lse[b,h,i] = row_max + ln(row_sum), when requested.
+//!   5. lse[b,h,i] = row_max + ln(row_sum), when requested; +inf when row_max is +inf.
+//!
+//! Non-finite inputs at visible positions propagate as in twinattn/reference.py: a NaN score
+//! makes the row's out and lse NaN (row_max is NaN); a +inf score makes out NaN (inf / inf) and
+//! lse +inf; NaN or inf in v reaches the columns it is in. Hidden positions never matter.
 //!
 //! Threads: the B*Hq (b, h) pairs, numbered b*Hq + h, are cut into `num_threads` contiguous
 //! chunks, chunk t = [pairs*t/threads, pairs*(t+1)/threads). Chunk 0 runs on the calling thread,
@@ -187,31 +192,37 @@ fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>, scratch
             // 1. Scores of the visible keys; hidden keys score -inf.
             let mut row_max = f64::NEG_INFINITY;
             for j in 0..key_end {
-                let score = match p.mask.kind {
-                    _ if !in_window(p, position, j) => f64::NEG_INFINITY,
-                    MaskKind::Bool if !mask_allows(shared, [b, h, i, j]) => f64::NEG_INFINITY,
-                    _ => {
-                        // SAFETY: j < kv_len <= Lk and kv_head < Hkv: a valid key row of D elements.
-                        let k_row = unsafe {
-                            row(p.k.data, offset([b, kv_head, j, 0], &p.k.stride), head_dim)
-                        };
-                        let dot: f64 = q_row
-                            .iter()
-                            .zip(k_row)
-                            .map(|(&x, &y)| f64::from(x) * f64::from(y))
-                            .sum();
-                        let mut score = scale * dot;
-                        if softcap > 0.0 {
-                            score = softcap * (score / softcap).tanh();
-                        }
-                        if !p.alibi_slopes.data.is_null() {
-                            score -= slope * (position - i128::from(j)).abs() as f64;
-                        }
-                        score + mask_bias(shared, [b, h, i, j])
+                let hidden = !in_window(p, position, j)
+                    || match p.mask.kind {
+                        MaskKind::Bool => !mask_allows(shared, [b, h, i, j]),
+                        // hidden before k_j is read, so a NaN there cannot enter
+                        _ => mask_bias(shared, [b, h, i, j]) == f64::NEG_INFINITY,
+                    };
+                let score = if hidden {
+                    f64::NEG_INFINITY
+                } else {
+                    // SAFETY: j < kv_len <= Lk and kv_head < Hkv: a valid key row of D elements.
+                    let k_row =
+                        unsafe { row(p.k.data, offset([b, kv_head, j, 0], &p.k.stride), head_dim) };
+                    let dot: f64 = q_row
+                        .iter()
+                        .zip(k_row)
+                        .map(|(&x, &y)| f64::from(x) * f64::from(y))
+                        .sum();
+                    let mut score = scale * dot;
+                    if softcap > 0.0 {
+                        score = softcap * (score / softcap).tanh();
                     }
+                    if !p.alibi_slopes.data.is_null() {
+                        score -= slope * (position - i128::from(j)).abs() as f64;
+                    }
+                    score + mask_bias(shared, [b, h, i, j])
                 };
                 scores[j as usize] = score;
-                row_max = row_max.max(score);
+                // NaN-propagating (f64::max would drop a NaN score)
+                if !row_max.is_nan() && (score.is_nan() || score > row_max) {
+                    row_max = score;
+                }
             }
 
             // SAFETY: b < B, h < Hq, i < Lq: a valid out row of Dv elements, written only by the
@@ -225,7 +236,9 @@ fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>, scratch
                 write_lse(shared, [b, h, i], sink as f32);
                 continue;
             }
-            row_max = row_max.max(sink);
+            if sink > row_max {
+                row_max = sink; // (a NaN row max stays NaN)
+            }
 
             // 3. Weights, shifted by the row max so no exponential overflows. A hidden key's
             // score stays -inf (its weight is exp(-inf) = 0), which step 4 reads to skip it.
@@ -258,8 +271,14 @@ fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>, scratch
                 *o = a as f32;
             }
 
-            // 5. The natural-log softmax denominator.
-            write_lse(shared, [b, h, i], (row_max + row_sum.ln()) as f32);
+            // 5. The natural-log softmax denominator (a +inf score: the log of an infinite sum,
+            // though the weights are inf / inf).
+            let lse = if row_max == f64::INFINITY {
+                f32::INFINITY
+            } else {
+                (row_max + row_sum.ln()) as f32
+            };
+            write_lse(shared, [b, h, i], lse);
         }
     }
 }

@@ -72,7 +72,8 @@ pub trait Vector: Copy {
     fn div(a: Self, b: Self) -> Self;
     /// Per lane `a < b ? x : y` (`y` when `a` or `b` is NaN).
     fn select_less(a: Self, b: Self, x: Self, y: Self) -> Self;
-    /// 2^x for x <= 0 (constants.rs, "exp2"); -inf gives exactly 0.
+    /// 2^x for x <= 0 (constants.rs, "exp2"); -inf gives exactly 0, NaN gives NaN (a NaN score
+    /// reaches the row sum).
     fn exp2(x: Self) -> Self;
     /// The largest lane, halves folded (lanes i and i + WIDTH/2, then i and i + WIDTH/4, ...).
     fn reduce_max(x: Self) -> f32;

@@ -12,15 +12,26 @@ mod contract;
 
 use common::{assert_close_to_naive, assert_identical, Case, Kernel, Mask, Output, Rng, Tensor};
 
+// One module per instruction set. A set this architecture never has is not compiled; a set this
+// CPU lacks is compiled and ignored (build.rs), so `cargo test` lists it as ignored.
 mod scalar {
     contract_tests!(crate::common::Kernel::Fast("scalar"));
 }
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
-    contract_tests!(crate::common::Kernel::Fast("avx2"));
+    contract_tests!(
+        crate::common::Kernel::Fast("avx2"),
+        #[cfg_attr(not(twinattn_cpu_avx2), ignore = "AVX2+FMA is not available on this CPU")]
+    );
 }
+#[cfg(target_arch = "x86_64")]
 mod avx512 {
-    contract_tests!(crate::common::Kernel::Fast("avx512"));
+    contract_tests!(
+        crate::common::Kernel::Fast("avx512"),
+        #[cfg_attr(not(twinattn_cpu_avx512), ignore = "AVX-512F is not available on this CPU")]
+    );
 }
+#[cfg(target_arch = "aarch64")]
 mod neon {
     contract_tests!(crate::common::Kernel::Fast("neon"));
 }
@@ -256,4 +267,71 @@ fn scalar_and_simd_paths_agree() {
             common::bits(&avx512.out.values())
         );
     }
+}
+
+/// NaN, +inf and -inf in one query row, one visible key, one value element or one bias, on the
+/// direct split-key path, the panel split-key path and prefill tiles (merged chunks, diagonal
+/// tiles): every ISA gives the plain reference kernel's NaN / +inf / -inf pattern, element by
+/// element in out and lse, and its finite values (as the C++ test_nonfinite_patterns...).
+#[test]
+fn non_finite_patterns_match_reference_kernel() {
+    let mut rng = Rng::new(137);
+    // (B, Hq, Hkv, Lq, Lk, D, Dv, causal): 8 rows direct, 32 rows panels, 140 rows prefill
+    let paths = [
+        (2, 4, 2, 2, 1500, 40, 24, true),
+        (2, 16, 2, 4, 1500, 40, 24, false),
+        (2, 4, 2, 70, 600, 40, 24, true),
+    ];
+    let mut non_finite = 0;
+    for (b, hq, hkv, lq, lk, d, dv, causal) in paths {
+        let mut base = random_case(&mut rng, (b, hq, hkv, lq, lk, d, dv));
+        if causal {
+            base = base.causal(&vec![lk - lq; b as usize]);
+        }
+        for value in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let key = 3; // visible to every row
+            let mut cases = [base.clone(), base.clone(), base.clone(), base.clone()];
+            cases[0].q.set([1, 1, lq - 1, 5], value);
+            cases[1].k.set([0, 1, key, 2], value);
+            cases[1].k.set([1, 0, lk - 300, 7], value);
+            cases[2].v.set([1, 1, key, dv - 1], value);
+            cases[3].mask = Mask::float_from_fn([b, hq, lq, lk], |[bb, h, i, j]| {
+                if [bb, h, i, j] == [1, 2, lq - 1, key] {
+                    value
+                } else if (bb + h + i + j) % 5 == 0 {
+                    f32::NEG_INFINITY
+                } else {
+                    0.1 * ((h + 3 * j) % 7) as f32
+                }
+            });
+            for (n, case) in cases.iter().enumerate() {
+                let reference = run_on(Kernel::Reference, case, 2);
+                for isa in isas() {
+                    let fast = run_on(Kernel::Fast(isa), case, 2);
+                    let pairs = fast.out.values().into_iter().zip(reference.out.values());
+                    let lse_pairs = fast.lse.iter().copied().zip(reference.lse.iter().copied());
+                    for (m, (a, r)) in pairs.chain(lse_pairs).enumerate() {
+                        let ok = if r.is_nan() {
+                            a.is_nan()
+                        } else if r.is_infinite() {
+                            a == r
+                        } else {
+                            a.is_finite() && (a - r).abs() <= 1e-4 * (1.0 + r.abs())
+                        };
+                        assert!(
+                            ok,
+                            "{isa} case {n} value {value} element {m}: fast {a}, reference {r}"
+                        );
+                    }
+                }
+                non_finite += reference
+                    .out
+                    .values()
+                    .iter()
+                    .filter(|x| !x.is_finite())
+                    .count();
+            }
+        }
+    }
+    assert!(non_finite > 0, "the cases produce non-finite results");
 }

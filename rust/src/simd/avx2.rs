@@ -105,7 +105,8 @@ impl Vector for Avx2 {
     fn exp2(x: Self) -> Self {
         // SAFETY: as in fma.
         unsafe {
-            let x = _mm256_max_ps(x.0, _mm256_set1_ps(EXP2_MIN));
+            // EXP2_MIN first: maxps returns its second operand, x, when either is NaN
+            let x = _mm256_max_ps(_mm256_set1_ps(EXP2_MIN), x.0);
             let n = _mm256_floor_ps(x);
             let f = _mm256_sub_ps(x, n);
             let mut p = _mm256_set1_ps(EXP2_COEFFICIENTS[EXP2_DEGREE]);

@@ -97,7 +97,8 @@ impl Vector for Avx512 {
     fn exp2(x: Self) -> Self {
         // SAFETY: as in fma.
         unsafe {
-            let x = _mm512_max_ps(x.0, _mm512_set1_ps(EXP2_MIN));
+            // EXP2_MIN first: maxps returns its second operand, x, when either is NaN
+            let x = _mm512_max_ps(_mm512_set1_ps(EXP2_MIN), x.0);
             let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(x);
             let f = _mm512_sub_ps(x, n);
             let mut p = _mm512_set1_ps(EXP2_COEFFICIENTS[EXP2_DEGREE]);

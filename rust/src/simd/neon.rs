@@ -124,7 +124,7 @@ impl Vector for Neon {
         fn exp2_4(x: float32x4_t) -> float32x4_t {
             // SAFETY: as in zero.
             unsafe {
-                let x = max4(x, vdupq_n_f32(EXP2_MIN));
+                let x = max4(vdupq_n_f32(EXP2_MIN), x); // NaN stays NaN, as on AVX2
                 let n = vrndmq_f32(x);
                 let f = vsubq_f32(x, n);
                 let mut p = vdupq_n_f32(EXP2_COEFFICIENTS[EXP2_DEGREE]);
@@ -309,10 +309,12 @@ mod tests {
     fn exp2_is_the_shared_polynomial() {
         // whole x (f = 0, Horner gives c0 = 1 exactly) and x below -126 (2^n = 0) are exact
         let (nan, inf) = (f32::NAN, f32::INFINITY);
-        let special = [-inf, nan, -127.0, -126.5, -0.0, 0.0, -1.0, -126.0];
+        let special = [-inf, -1.5, -127.0, -126.5, -0.0, 0.0, -1.0, -126.0];
         let got = lanes(Neon::exp2(both(&special).0));
         assert_eq!(bits(got), bits(special.map(exp2_lane)));
         assert_eq!(got[0], 0.0); // exp2(-inf) is exactly 0
+        let got = lanes(Neon::exp2(both(&[nan; 8]).0));
+        assert!(got.iter().all(|x| x.is_nan()) && exp2_lane(nan).is_nan());
         let mut seed = 11;
         for _ in 0..1000 {
             let x: [f32; 8] = std::array::from_fn(|_| -126.0 * unit(&mut seed));

@@ -22,9 +22,8 @@ impl Scalar {
 
 /// 2^x of one lane (constants.rs, "exp2"), as `VecScalar::exp2_lane` in C++.
 #[inline(always)]
-pub fn exp2_lane(x: f32) -> f32 {
-    // also maps NaN to EXP2_MIN, as the SIMD max does not; a NaN score never reaches exp2 (masked)
-    let x = if x >= EXP2_MIN { x } else { EXP2_MIN };
+pub fn exp2_lane(x_in: f32) -> f32 {
+    let x = if x_in >= EXP2_MIN { x_in } else { EXP2_MIN }; // NaN too
     let mut whole = x as i32; // rounds toward zero: floor for x <= 0 is one less unless whole
     if whole as f32 > x {
         whole -= 1;
@@ -34,7 +33,12 @@ pub fn exp2_lane(x: f32) -> f32 {
     for c in (0..EXP2_DEGREE).rev() {
         p = p * f + EXP2_COEFFICIENTS[c];
     }
-    p * f32::from_bits(((whole + 127) as u32) << 23)
+    let value = p * f32::from_bits(((whole + 127) as u32) << 23);
+    if x_in.is_nan() {
+        x_in // NaN gives NaN, as the SIMD types
+    } else {
+        value
+    }
 }
 
 impl Vector for Scalar {

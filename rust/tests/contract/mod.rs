@@ -651,10 +651,112 @@ pub fn masked_keys_with_non_finite_values_do_not_contribute() {
     assert_matches_naive(&case, &got);
 }
 
-/// `#[test]` functions running every contract check above with the given kernel selection.
+/// Non-finite inputs at visible positions propagate as in the NumPy reference
+/// (python/twinattn/reference.py): a NaN score makes its row NaN (out and lse), a +inf score makes
+/// out NaN and lse +inf, a -inf score leaves its key out, inf in v reaches its column; and a -inf
+/// bias hides a key whose k and v rows hold NaN exactly as a False mask does.
+pub fn non_finite_inputs_propagate() {
+    let base = Case::new(
+        Tensor::rows(&[&[1.0, 0.0], &[0.0, 1.0], &[1.0, -1.0]]),
+        Tensor::rows(&[&[1.0, 0.0], &[0.0, 1.0], &[1.0, 1.0]]),
+        Tensor::rows(&[&[2.0, 0.0], &[0.0, 4.0], &[1.0, 1.0]]),
+    );
+    let row = |got: &common::Output, i: usize| got.out.values()[2 * i..2 * i + 2].to_vec();
+    let close = |a: f32, b: f32| (a - b).abs() <= 1e-6 * (1.0 + b.abs());
+    // NaN in query row 1: that row is NaN, the others are untouched.
+    let mut case = base.clone();
+    case.q.set([0, 0, 1, 0], f32::NAN);
+    let got = case.run(1).unwrap();
+    let clean = base.run(1).unwrap();
+    assert!(row(&got, 1).iter().all(|x| x.is_nan()) && got.lse[1].is_nan());
+    for i in [0, 2] {
+        assert_eq!(common::bits(&row(&got, i)), common::bits(&row(&clean, i)));
+    }
+    // +inf in key 0: rows 0 and 2 (q . k = +inf) give NaN with lse +inf; row 1 (0 * inf) NaN.
+    let mut case = base.clone();
+    case.k.set([0, 0, 0, 0], f32::INFINITY);
+    let got = case.run(1).unwrap();
+    assert!(got.out.values().iter().all(|x| x.is_nan()), "{got:?}");
+    assert_eq!(got.lse[0], f32::INFINITY);
+    assert!(got.lse[1].is_nan());
+    assert_eq!(got.lse[2], f32::INFINITY);
+    // -inf in key 0: rows 0 and 2 score -inf there, so key 0 is left out for them.
+    let mut case = base.clone();
+    case.k.set([0, 0, 0, 0], f32::NEG_INFINITY);
+    let got = case.run(1).unwrap();
+    let mut without = base.clone();
+    without.mask = Mask::bool_from_fn([1, 1, 3, 3], |[_, _, _, j]| j != 0);
+    let want = without.run(1).unwrap();
+    for i in [0, 2] {
+        let (g, w) = (row(&got, i), row(&want, i));
+        assert!(
+            close(g[0], w[0]) && close(g[1], w[1]),
+            "row {i}: {g:?} vs {w:?}"
+        );
+        assert!(close(got.lse[i], want.lse[i]));
+    }
+    assert!(row(&got, 1).iter().all(|x| x.is_nan()) && got.lse[1].is_nan());
+    // +inf in value 2's first column: that column is +inf in every row, the other finite.
+    let mut case = base.clone();
+    case.v.set([0, 0, 2, 0], f32::INFINITY);
+    let got = case.run(1).unwrap();
+    for i in 0..3 {
+        let r = row(&got, i);
+        assert!(
+            r[0] == f32::INFINITY && r[1].is_finite() && got.lse[i].is_finite(),
+            "{r:?}"
+        );
+    }
+    // NaN in a visible bias: that row NaN.
+    let mut case = base.clone();
+    case.mask = Mask::float_from_fn(
+        [1, 1, 3, 3],
+        |[_, _, i, j]| {
+            if i == 2 && j == 1 {
+                f32::NAN
+            } else {
+                0.25
+            }
+        },
+    );
+    let got = case.run(1).unwrap();
+    assert!(row(&got, 2).iter().all(|x| x.is_nan()) && got.lse[2].is_nan());
+    assert!(row(&got, 0)
+        .iter()
+        .chain(&row(&got, 1))
+        .all(|x| x.is_finite()));
+    // A -inf bias over key 1, whose k and v are NaN: the same as a False mask there.
+    let mut case = base.clone();
+    case.k.set([0, 0, 1, 0], f32::NAN);
+    case.v.set([0, 0, 1, 1], f32::NAN);
+    case.mask = Mask::float_from_fn(
+        [1, 1, 3, 3],
+        |[_, _, _, j]| {
+            if j == 1 {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        },
+    );
+    let got = case.run(1).unwrap();
+    case.mask = Mask::bool_from_fn([1, 1, 3, 3], |[_, _, _, j]| j != 1);
+    let want = case.run(1).unwrap();
+    assert!(got.out.values().iter().all(|x| x.is_finite()), "{got:?}");
+    for (a, b) in got.out.values().iter().zip(want.out.values()) {
+        assert!(close(*a, b), "{a} vs {b}");
+    }
+    for (a, b) in got.lse.iter().zip(&want.lse) {
+        assert!(close(*a, *b), "{a} vs {b}");
+    }
+}
+
+/// `#[test]` functions running every contract check above with the given kernel selection; the
+/// attributes after it (e.g. a `cfg_attr(..., ignore = ...)`) go on every test.
 macro_rules! contract_tests {
-    ($kernel:expr) => {
+    ($kernel:expr $(, #[$attr:meta])* $(,)?) => {
         #[test]
+        $(#[$attr])*
         fn seed_first_causal_row_has_one_legal_key() {
             crate::common::with_kernel(
                 $kernel,
@@ -662,6 +764,7 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn seed_cached_last_row_equals_full_last_row() {
             crate::common::with_kernel(
                 $kernel,
@@ -669,6 +772,7 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn seed_future_value_cannot_change_earlier_rows() {
             crate::common::with_kernel(
                 $kernel,
@@ -676,6 +780,7 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn chunked_causal_runs_equal_full_run() {
             crate::common::with_kernel(
                 $kernel,
@@ -683,6 +788,7 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn future_keys_and_values_never_leak_backwards() {
             crate::common::with_kernel(
                 $kernel,
@@ -690,10 +796,12 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn worked_example() {
             crate::common::with_kernel($kernel, crate::contract::worked_example);
         }
         #[test]
+        $(#[$attr])*
         fn worked_example_with_second_key_causally_hidden() {
             crate::common::with_kernel(
                 $kernel,
@@ -701,6 +809,7 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn grouped_query_heads_read_their_kv_head() {
             crate::common::with_kernel(
                 $kernel,
@@ -708,14 +817,17 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn padded_keys_are_never_read() {
             crate::common::with_kernel($kernel, crate::contract::padded_keys_are_never_read);
         }
         #[test]
+        $(#[$attr])*
         fn bool_mask_and_float_bias() {
             crate::common::with_kernel($kernel, crate::contract::bool_mask_and_float_bias);
         }
         #[test]
+        $(#[$attr])*
         fn rows_without_visible_keys_give_zeros_and_minus_infinity() {
             crate::common::with_kernel(
                 $kernel,
@@ -723,10 +835,12 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn large_scores_do_not_overflow() {
             crate::common::with_kernel($kernel, crate::contract::large_scores_do_not_overflow);
         }
         #[test]
+        $(#[$attr])*
         fn strided_views_equal_contiguous_ones() {
             crate::common::with_kernel(
                 $kernel,
@@ -734,6 +848,7 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn thread_counts_give_identical_results() {
             crate::common::with_kernel(
                 $kernel,
@@ -741,10 +856,12 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn empty_axes_are_legal() {
             crate::common::with_kernel($kernel, crate::contract::empty_axes_are_legal);
         }
         #[test]
+        $(#[$attr])*
         fn check_problem_rejects_bad_problems() {
             crate::common::with_kernel(
                 $kernel,
@@ -752,6 +869,7 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn check_problem_rejects_overlapping_outputs_and_bad_lse() {
             crate::common::with_kernel(
                 $kernel,
@@ -759,11 +877,16 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn masked_keys_with_non_finite_values_do_not_contribute() {
             crate::common::with_kernel(
                 $kernel,
                 crate::contract::masked_keys_with_non_finite_values_do_not_contribute,
             );
+        }
+        #[test]
+        fn non_finite_inputs_propagate() {
+            crate::common::with_kernel($kernel, crate::contract::non_finite_inputs_propagate);
         }
     };
 }

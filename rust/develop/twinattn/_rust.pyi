@@ -1,0 +1,1 @@
+../../../python/twinattn/_rust.pyi
