@@ -19,6 +19,7 @@ from numpy.typing import NDArray
 # float32 (B, H, L, D) tensors; (B, Hq, Lq) for lse; int64 (B,) for q_offset and kv_lens
 _F32: TypeAlias = NDArray[np.float32]
 _I64: TypeAlias = NDArray[np.int64]
+# float32 (B, Hq) ALiBi slopes (any strides: a (Hq,) vector as a stride-0 view) and (Hq,) sinks
 # bool (True = may attend) or float32 additive bias, shape exactly (B, Hq, Lq, Lk)
 _Mask: TypeAlias = NDArray[np.bool_] | NDArray[np.float32]
 
@@ -34,6 +35,11 @@ def attention_forward(
     causal: bool,
     scale: float,
     num_threads: int,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: _F32 | None,
+    sinks: _F32 | None,
 ) -> None:
     """Exact attention into out (and lse) with the fast kernel and the ISA in use (set_isa)."""
 
@@ -49,6 +55,11 @@ def attention_reference(
     causal: bool,
     scale: float,
     num_threads: int,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: _F32 | None,
+    sinks: _F32 | None,
 ) -> None:
     """As attention_forward, computed by the plain scalar reference kernel (for tests)."""
 
