@@ -319,10 +319,12 @@ BAD_CALLS = [
     (dict(alibi_slopes=np.ones(4)), TypeError, "alibi_slopes: expected float32 .* got float64"),
     (dict(alibi_slopes=np.ones(3, np.float32)), ValueError, r"alibi_slopes: expected shape \(Hq=4,\) or \(B=2, Hq=4\), got \(3,\)"),
     (dict(alibi_slopes=np.ones((2, 4, 1), np.float32)), ValueError, r"alibi_slopes: expected shape .* got \(2, 4, 1\)"),
-    (dict(alibi_slopes=np.array([0, np.nan, 0, 0], np.float32)), ValueError, "alibi_slopes: expected finite values"),
+    (dict(alibi_slopes=np.array([0, np.nan, 0, 0], np.float32)), ValueError, r"alibi_slopes: expected finite values, got alibi_slopes\[1\]=nan"),
+    (dict(alibi_slopes=np.array([[0, 0, 0, 0], [0, 0, 0, np.inf]], np.float32)), ValueError,
+     r"alibi_slopes: expected finite values, got alibi_slopes\[1, 3\]=inf"),
     (dict(sinks=np.ones(4, np.int32)), TypeError, "sinks: expected float32 .* got int32"),
     (dict(sinks=np.ones((2, 4), np.float32)), ValueError, r"sinks: expected shape \(Hq=4,\), got \(2, 4\)"),
-    (dict(sinks=np.array([0, 0, -np.inf, 0], np.float32)), ValueError, "sinks: expected finite values"),
+    (dict(sinks=np.array([0, 0, -np.inf, 0], np.float32)), ValueError, r"sinks: expected finite values, got sinks\[2\]=-inf"),
 ]
 
 

@@ -82,6 +82,8 @@ def per_head_floats(name: str, value: object, shapes: tuple[tuple[int, ...], ...
         )
     if value.shape not in shapes:
         raise ValueError(f"{name}: expected shape {shape_text}, got {shape_str(value.shape)}")
-    if not np.isfinite(value).all():
-        raise ValueError(f"{name}: expected finite values, got {value.tolist() if value.size <= 16 else 'non-finite entries'}")
+    finite = np.isfinite(value)
+    if not finite.all():
+        where = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise ValueError(f"{name}: expected finite values, got {name}[{', '.join(map(str, where))}]={value[where]}")
     return value
