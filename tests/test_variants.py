@@ -118,6 +118,15 @@ def test_window_right_is_capped_under_causal(backend: str) -> None:
         np.testing.assert_array_equal(twinattn.attention(q, k, v, causal=True, window_size=(3, right), backend=backend), capped)
 
 
+def test_windows_wider_than_int64(backend: str) -> None:
+    """A side beyond any distance (up to ints past int64) is as unbounded as -1."""
+    rng = np.random.default_rng(10)
+    q, k, v = rand(rng, 1, 2, 3, 8), rand(rng, 1, 2, 9, 8), rand(rng, 1, 2, 9, 8)
+    unbounded = twinattn.attention(q, k, v, backend=backend)
+    for window in [(2**70, 2**70), (2**63 - 1, 2**63 - 1), (2**62, -1), (-1, 2**64)]:
+        np.testing.assert_array_equal(twinattn.attention(q, k, v, window_size=window, backend=backend), unbounded)
+
+
 # ---- positions without causal ----------------------------------------------------------------
 
 

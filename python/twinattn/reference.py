@@ -44,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
 
 def attention_reference(
     q: np.ndarray,
@@ -100,10 +102,11 @@ def _attention_reference(
     visible = key_index < kv_lens.reshape(batch, 1, 1, 1)
     if causal:
         visible = visible & (key_index <= position)
+    # p - left <= j <= p + right, written as distances so that no side (up to any int) overflows
     if window_left >= 0:
-        visible = visible & (key_index >= position - window_left)
+        visible = visible & (position - key_index <= min(window_left, _INT64_MAX))
     if window_right >= 0:
-        visible = visible & (key_index <= position + window_right)
+        visible = visible & (key_index - position <= min(window_right, _INT64_MAX))
     if mask is not None:
         visible = visible & (mask if mask.dtype == np.bool_ else mask != -np.inf)
     visible = np.broadcast_to(visible, (batch, q_heads, q_len, k_len))
