@@ -107,12 +107,12 @@ pub const EXP2_MIN: f32 = -127.0;
 // TANH_SMALL, <= 1.9e-7 (2 ulp) above it, where e's rounding is what remains.
 pub const TANH_DEGREE: usize = 5;
 pub const TANH_COEFFICIENTS: [f32; TANH_DEGREE + 1] = [
-    -0.333_333_31,
+    -0.333_333_3,
     0.133_332_01,
     -0.053_946_253,
     0.021_698_285,
     -0.008_172_082,
-    0.002_138_561_1,
+    0.002_138_561,
 ];
 pub const TANH_SMALL: f32 = 0.625;
 

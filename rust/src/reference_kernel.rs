@@ -15,8 +15,8 @@
 //!      j <= p), and (window_left < 0 or j >= p - window_left), and (window_right < 0 or
 //!      j <= p + window_right), and (no bool mask or mask[b,h,i,j]), and its float bias (if any)
 //!      is not -inf. Its score is s = scale * (q[b,h,i,:] . k[b,h/group,j,:]), then
-//!      softcap * tanh(s / softcap) when softcap > 0, then - slope[b,h] * |p - j| (ALiBi), then
-//!      + bias[b,h,i,j] (float mask only). A hidden key scores -inf without its k row being
+//!      softcap * tanh(s / softcap) when softcap > 0, then minus slope[b,h] * |p - j| (ALiBi),
+//!      then plus bias[b,h,i,j] (float mask only). A hidden key scores -inf without its k row being
 //!      read; keys j >= kv_lens[b] are not even looked at. row_max = the largest score, NaN when
 //!      any score is NaN.
 //!   2. A row whose row_max is -inf (no visible key, or every score -inf) gets out = 0 and
