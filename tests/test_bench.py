@@ -554,6 +554,8 @@ def test_peer_paths_agree_with_the_reference(peer: str, module: str) -> None:
             continue
         if case.kind == suite.LAYER:
             continue  # twinattn backends only (test_peers_skip_the_layer_case)
+        if case.variant_kwargs and runner.supports(case) is not None:
+            continue  # a variant this peer does not have (softcap; ORT here: the window too)
         outcome = _run_one(runner, case, repeat=1)
         assert outcome.status == "ok", (case.name, outcome.note)
 

@@ -218,6 +218,13 @@ class TorchRunner(Runner):
     def version(self) -> str:
         return _version("torch")
 
+    def supports(self, case: Case) -> Optional[str]:
+        if case.kind == LAYER:
+            return LAYER_ONLY
+        if case.softcap:
+            return "softcap: not in torch's scaled_dot_product_attention"
+        return None  # a sliding window becomes an explicit bool mask
+
     def peak_bytes(self, case: Case) -> int:
         # torch's CPU flash kernel works in blocks; its math fallback (explicit masks on old
         # versions) materialises the scores
@@ -232,12 +239,14 @@ class TorchRunner(Runner):
         notes: list[str] = []
         q, k, v = (torch.from_numpy(np.array(a)) for a in (problem.q, problem.k, problem.v))  # writeable copies
         kwargs: dict[str, Any] = {"scale": problem.scale}
-        if problem.kv_lens is not None or (case.causal and case.q_len != case.k_len):
+        if problem.kv_lens is not None or (case.causal and case.q_len != case.k_len) or case.window_left >= 0:
             key = np.arange(case.k_len)[None, None, :]
             allowed = key < case.lens[:, None, None]
+            position = case.q_offsets[:, None, None] + np.arange(case.q_len)[None, :, None]
             if case.causal:
-                rows = np.arange(case.q_len)[None, :, None]
-                allowed = allowed & (key <= case.q_offsets[:, None, None] + rows)  # bottom-right
+                allowed = allowed & (key <= position)  # bottom-right
+            if case.window_left >= 0:
+                allowed = allowed & (key >= position - case.window_left)
             kwargs["attn_mask"] = torch.from_numpy(np.ascontiguousarray(allowed[:, None]))  # (B, 1, Lq, Lk) bool
         elif case.causal:
             kwargs["is_causal"] = True  # Lq == Lk: top-left and bottom-right agree
