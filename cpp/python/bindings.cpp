@@ -255,6 +255,24 @@ void attention_reference_py(const py::object& q, const py::object& k, const py::
                causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks);
 }
 
+// tanh of a float32 vector (any stride) with the fast kernel's vectorised tanh (softcap) and the
+// instruction set in use, into a new array: the kernel's own code, for tests.
+py::array softcap_tanh_py(const py::object& x_obj) {
+    const py::array x = as_array(x_obj, "x", Dtype::Float32, 1, "(n,)");
+    const py::ssize_t n = x.shape(0);
+    py::array_t<float> y(n);
+    try {
+        twinattn::softcap_tanh(static_cast<const float*>(x.data()), n > 0 ? x.strides(0) / 4 : 0,
+                               y.mutable_data(), n);
+    } catch (const std::invalid_argument& error) {
+        throw py::value_error(error.what());
+    } catch (const std::bad_alloc&) {
+        PyErr_SetString(PyExc_MemoryError, kOutOfMemoryMessage);
+        throw py::error_already_set();
+    }
+    return y;
+}
+
 void set_isa_py(const py::object& name) {
     if (!PyUnicode_Check(name.ptr()))
         throw py::type_error("name: expected a str, got " + type_name(name));
@@ -343,6 +361,8 @@ PYBIND11_MODULE(_cpp, m) {
           "attention_forward computed by the plain scalar reference kernel (for tests).");
     m.def("set_isa", &set_isa_py, py::arg("name"),
           "Switches the instruction set among build_info()['isa_available']; ValueError otherwise.");
+    m.def("softcap_tanh", &softcap_tanh_py, py::arg("x"),
+          "tanh of a float32 vector with the fast kernel's vectorised tanh (softcap), for tests.");
     m.def("build_info", &build_info,
           "Instruction set in use, those available, compiler and version of this build.");
 }

@@ -273,6 +273,15 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
 
 }  // namespace
 
+void softcap_tanh(const float* x, int64_t x_stride, float* y, int64_t n) {
+    const FlashKernels kernels = current_kernels();
+    // Whole vectors only: the values padded with zeros to a multiple of the vector width.
+    std::vector<float> values(static_cast<size_t>(ceil_div(n, kernels.width) * kernels.width), 0.0f);
+    for (int64_t i = 0; i < n; ++i) values[static_cast<size_t>(i)] = x[i * x_stride];
+    kernels.tanh_values(values.data(), static_cast<int64_t>(values.size()));
+    std::copy(values.begin(), values.begin() + n, y);
+}
+
 void attention_forward(const AttentionProblem& p, int num_threads) {
     check_problem(p);
     check_num_threads(num_threads);

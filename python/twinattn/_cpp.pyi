@@ -2,7 +2,7 @@
 
 Hand-written from docs/native_api.md; `python -m mypy.stubtest twinattn._cpp twinattn._rust`
 (run by scripts/test.sh) checks them against the built module. Both native modules expose the
-same four functions with the same signatures, and raise the same exceptions with the same
+same five functions with the same signatures, and raise the same exceptions with the same
 messages (docs/native_api.md lists them; tests/test_port_parity.py compares the two), so
 _cpp.pyi and _rust.pyi differ only in this docstring and __all__. They stay two files on
 purpose: re-exported from _cpp.pyi, the Rust functions' signatures (which PyO3 exposes and
@@ -62,6 +62,9 @@ def attention_reference(
     sinks: _F32 | None,
 ) -> None:
     """As attention_forward, computed by the plain scalar reference kernel (for tests)."""
+
+def softcap_tanh(x: _F32) -> _F32:
+    """tanh of a float32 vector with the fast kernel's vectorised tanh (softcap), for tests."""
 
 def set_isa(name: str) -> None:
     """Switches the instruction set among build_info()["isa_available"]; ValueError otherwise."""

@@ -2,7 +2,7 @@
 
 Hand-written from docs/native_api.md; `python -m mypy.stubtest twinattn._cpp twinattn._rust`
 (run by scripts/test.sh) checks them against the built module. Both native modules expose the
-same four functions with the same signatures, and raise the same exceptions with the same
+same five functions with the same signatures, and raise the same exceptions with the same
 messages (docs/native_api.md lists them; tests/test_port_parity.py compares the two), so
 _cpp.pyi and _rust.pyi differ only in this docstring and __all__.
 """
@@ -15,7 +15,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 # PyO3 lists the module's functions in __all__ (pybind11 does not, so _cpp.pyi has none)
-__all__ = ["attention_forward", "attention_reference", "build_info", "set_isa"]
+__all__ = ["attention_forward", "attention_reference", "build_info", "set_isa", "softcap_tanh"]
 
 # float32 (B, H, L, D) tensors; (B, Hq, Lq) for lse; int64 (B,) for q_offset and kv_lens
 _F32: TypeAlias = NDArray[np.float32]
@@ -63,6 +63,9 @@ def attention_reference(
     sinks: _F32 | None,
 ) -> None:
     """As attention_forward, computed by the plain scalar reference kernel (for tests)."""
+
+def softcap_tanh(x: _F32) -> _F32:
+    """tanh of a float32 vector with the fast kernel's vectorised tanh (softcap), for tests."""
 
 def set_isa(name: str) -> None:
     """Switches the instruction set among build_info()["isa_available"]; ValueError otherwise."""

@@ -193,6 +193,24 @@ pub unsafe fn attention_forward(
     unsafe { attention_forward_with(p, num_threads, kernels) }
 }
 
+/// The vectorised tanh of softcap (docs/kernels.md, "Variants") with the current instruction set:
+/// tanh of every value, the kernel's own code, exposed so that tests can check it alone. An
+/// error when TWINATTN_ISA named an instruction set that cannot run, or the buffer cannot be
+/// allocated (as attention_forward). Twin of C++'s softcap_tanh.
+pub fn softcap_tanh(x: impl ExactSizeIterator<Item = f32>) -> Result<Vec<f32>, ProblemError> {
+    let kernels = current_kernels().map_err(ProblemError)?;
+    let n = x.len();
+    // Whole vectors only: the values padded with zeros to a multiple of the vector width.
+    let mut values = try_filled(n.div_ceil(kernels.width) * kernels.width, 0.0f32)?;
+    for (slot, value) in values.iter_mut().zip(x) {
+        *slot = value;
+    }
+    // SAFETY: current_kernels hands out only the kernels of an instruction set this CPU runs.
+    unsafe { (kernels.tanh_values)(&mut values) };
+    values.truncate(n);
+    Ok(values)
+}
+
 /// [`attention_forward`] with the kernels of a given instruction set (tests use every one).
 ///
 /// # Safety

@@ -4,7 +4,7 @@
 //! (check_problem). The contract is docs/native_api.md. Twin of `cpp/python/bindings.cpp`: same
 //! steps, same messages. Nothing here panics on user input.
 
-use numpy::{dtype, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{dtype, PyArray1, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyImportError, PyMemoryError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString};
@@ -456,6 +456,26 @@ fn run_kernel(kernel: Kernel, args: [&Bound<'_, PyAny>; 16]) -> PyResult<()> {
         .map_err(raise)
 }
 
+/// softcap_tanh(x) -> ndarray
+/// --
+///
+/// tanh of a float32 vector (any stride) with the fast kernel's vectorised tanh (softcap) and
+/// the instruction set in use, into a new array: the kernel's own code, for tests.
+#[pyfunction]
+fn softcap_tanh<'py>(x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    let x = as_array(x, "x", Dtype::Float32, 1, "(n,)")?;
+    let n = x.shape()[0];
+    let stride = strides_of::<1>(x)[0] as isize;
+    let data = data_of(x).cast::<f32>().cast_const();
+    let values = crate::flash_attention::softcap_tanh((0..n).map(|i| {
+        // SAFETY: i < n, the array's length, and as_array checked that its strides address
+        // whole, aligned floats.
+        unsafe { *data.offset(i as isize * stride) }
+    }))
+    .map_err(raise)?;
+    Ok(PyArray1::from_vec(x.py(), values))
+}
+
 /// build_info() -> dict: the instruction set chosen at run time, those available (fastest
 /// first), the compiler, the package version and the shared constants (constants.rs).
 #[pyfunction]
@@ -498,5 +518,6 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention_reference, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(set_isa, m)?)?;
+    m.add_function(wrap_pyfunction!(softcap_tanh, m)?)?;
     Ok(())
 }
