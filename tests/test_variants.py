@@ -456,24 +456,50 @@ def test_ports_agree_bit_for_bit(isa: str) -> None:
             m.set_isa(isa_before)
 
 
-def _native_tanh(port: str) -> Any:
-    module = importlib.import_module(f"twinattn._{port}")
-    for name in ("softcap_tanh", "tanh", "vector_tanh"):
-        if hasattr(module, name):
-            return getattr(module, name)
-    return None
+def _tanh_inputs() -> np.ndarray:
+    """The whole float32 range: a dense sweep of [-60, 60], tiny and huge magnitudes, +-0, +-inf, NaN."""
+    sweep = np.linspace(-60, 60, 200001)
+    tiny = np.concatenate([np.geomspace(1e-38, 1.0, 2000), -np.geomspace(1e-38, 1.0, 2000)])
+    huge = np.concatenate([np.geomspace(60, 3e38, 500), -np.geomspace(60, 3e38, 500)])
+    special = [0.0, -0.0, 1e-45, -1e-45, np.inf, -np.inf, np.nan]
+    return np.concatenate([sweep, tiny, huge, special]).astype(np.float32)
 
 
-def test_native_tanh_alone_if_exported(native_backend: str) -> None:
-    """When a port exports its vectorised tanh, it is checked alone against np.tanh (otherwise
-    test_softcap_tanh_over_the_whole_range checks it through attention)."""
-    tanh = _native_tanh(native_backend)
-    if tanh is None:
-        pytest.skip(f"{native_backend}: no tanh exported (checked through attention with softcap)")
-    x = np.concatenate([np.linspace(-60, 60, 100001), [0.0, -0.0, 1e-30, 1e-8, 88.0, -1e30, np.inf, -np.inf]]).astype(np.float32)
+def test_softcap_tanh_alone(port_isa: tuple[str, str]) -> None:  # noqa: F811
+    """The kernels' vectorised tanh alone against np.tanh in float64, on every instruction set:
+    within a few float32 roundings of the exact value, odd, NaN kept, and exactly +-1 far out;
+    strided input too."""
+    port, isa = port_isa
+    tanh = importlib.import_module(f"twinattn._{port}").softcap_tanh
+    x = _tanh_inputs()
     got = np.asarray(tanh(x))
+    assert got.dtype == np.float32 and got.shape == x.shape
     want = np.tanh(x.astype(np.float64))
-    np.testing.assert_allclose(got, want, rtol=4 * UNIT_ROUNDOFF, atol=1e-45)
+    np.testing.assert_allclose(got, want, rtol=4 * UNIT_ROUNDOFF, atol=0, err_msg=f"{port} {isa}")
+    nonzero = x != 0  # the sign of a zero result does not reach a score (tanh(-0.0) may give +0.0)
+    np.testing.assert_array_equal(np.signbit(got[nonzero]), np.signbit(x[nonzero]))  # odd
+    assert (got[np.abs(x) >= 10] == np.sign(x[np.abs(x) >= 10])).all()
+    np.testing.assert_array_equal(np.asarray(tanh(x[::3])), got[::3])
+    with pytest.raises(TypeError, match="x: expected dtype float32, got float64"):
+        tanh(x.astype(np.float64))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_softcap_tanh_same_bits_in_both_ports(isa: str) -> None:
+    _require("cpp")
+    _require("rust")
+    modules = [importlib.import_module(f"twinattn._{port}") for port in ("cpp", "rust")]
+    if any(isa not in m.build_info()["isa_available"] for m in modules):
+        pytest.skip(f"{isa} not available to both ports on this CPU/build")
+    previous = [m.build_info()["isa"] for m in modules]
+    for m in modules:
+        m.set_isa(isa)
+    try:
+        x = _tanh_inputs()
+        np.testing.assert_array_equal(modules[0].softcap_tanh(x), modules[1].softcap_tanh(x))
+    finally:
+        for m, isa_before in zip(modules, previous):
+            m.set_isa(isa_before)
 
 
 # ---- property test ---------------------------------------------------------------------------
