@@ -20,6 +20,7 @@
 #include <math.h>  // exp2f, log2f
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <new>
@@ -300,6 +301,10 @@ void attention_forward(const AttentionProblem& p, int num_threads) {
     plan.has_softcap = p.softcap > 0.0f;
     // Softcap: Q times scale / softcap, then tanh(S) times softcap * log2(e) (flash_kernel.hpp).
     plan.q_multiplier = plan.has_softcap ? p.scale / p.softcap : p.scale * kLog2E;
+    // A denormal softcap can make scale / softcap overflow: the largest float instead, so that a
+    // zero in q stays 0 (not 0 * inf = NaN); every score that matters saturates tanh either way.
+    if (std::isinf(plan.q_multiplier))
+        plan.q_multiplier = std::copysign(std::numeric_limits<float>::max(), plan.q_multiplier);
     plan.softcap_multiplier = p.softcap * kLog2E;
     plan.has_mask = p.mask.kind != MaskKind::None;
     plan.has_alibi = p.alibi_slopes.data != nullptr;

@@ -656,8 +656,33 @@ void test_tanh_every_isa() {
     set_isa(available_isas().front());
 }
 
+// A denormal softcap: scale / softcap overflows float32; a zero in q must still give a finite
+// score (tanh saturates), as in the reference, not 0 * inf = NaN. One query row against three
+// keys, on every instruction set and both paths (1 and 60 packed rows).
+void test_denormal_softcap() {
+    for (int64_t lq : {1, 60}) {
+        Case c;
+        c.Lq = lq, c.Lk = 3, c.D = 2, c.Dv = 2, c.softcap = 1e-40f;
+        Inputs in(c);
+        for (int64_t i = 0; i < lq; ++i) in.q.at(0, 0, i, 0) = 0.0f;  // q = (0, x): 0 * multiplier
+        for (const std::string& isa : available_isas()) {
+            set_isa(isa);
+            const Result expected = run(in, false, 1);
+            const Result actual = run(in, true, 2);
+            for (size_t n = 0; n < expected.out.data.size(); ++n)
+                if (!near(actual.out.data[n], expected.out.data[n])) {
+                    std::fprintf(stderr, "[%s] denormal softcap lq=%lld: out[%zu] = %.9g, expected %.9g\n",
+                                 isa.c_str(), (long long)lq, n, actual.out.data[n], expected.out.data[n]);
+                    ++twinattn_test::failures;
+                }
+        }
+    }
+    set_isa(available_isas().front());
+}
+
 int main() {
     test_dispatch();
+    test_denormal_softcap();
     test_tanh_every_isa();
     test_thread_pool();
     test_rejects_bad_problems();

@@ -239,8 +239,11 @@ pub unsafe fn attention_forward_with(
         value_dim,
         value_stride: value_dim.div_ceil(16) * 16,
         // Softcap: Q times scale / softcap, then tanh(S) times softcap * log2(e) (flash_kernel.rs).
+        // A denormal softcap can make scale / softcap overflow: the largest float instead, so
+        // that a zero in q stays 0 (not 0 * inf = NaN); every score that matters saturates tanh
+        // either way.
         q_multiplier: if p.softcap > 0.0 {
-            p.scale / p.softcap
+            (p.scale / p.softcap).clamp(-f32::MAX, f32::MAX)
         } else {
             p.scale * LOG2_E
         },

@@ -561,3 +561,18 @@ fn tanh_matches_std_on_every_isa() {
         }
     }
 }
+
+/// A denormal softcap: scale / softcap overflows float32; a zero in q must still give a finite
+/// score (tanh saturates), as in the reference, not 0 * inf = NaN. Both paths, every ISA.
+#[test]
+fn denormal_softcap_keeps_zero_queries_finite() {
+    let mut rng = Rng::new(139);
+    for lq in [1, 60] {
+        let mut case = random_case(&mut rng, (1, 1, 1, lq, 3, 2, 2));
+        for i in 0..lq {
+            case.q.set([0, 0, i, 0], 0.0); // q = (0, x): 0 * multiplier
+        }
+        case.softcap = 1e-40;
+        check_all_isas(&case, 2, &format!("denormal softcap lq {lq}"));
+    }
+}
