@@ -34,6 +34,7 @@ def tiny_case(
     value_dim: int = 6,
     causal: bool = True,
     kv_lens: Optional[tuple[int, ...]] = None,
+    window_left: int = -1,
 ) -> Case:
     return Case(
         name="t",
@@ -48,6 +49,7 @@ def tiny_case(
         value_dim=value_dim,
         causal=causal,
         kv_lens=kv_lens,
+        window_left=window_left,
     )
 
 
@@ -59,7 +61,8 @@ def brute_force(case: Case) -> tuple[int, int]:
         q_offset = lens[b] - case.q_len  # bottom-right alignment
         seen = set()
         for _head, i, j in itertools.product(range(case.q_heads), range(case.q_len), range(case.k_len)):
-            if j < lens[b] and (not case.causal or j <= q_offset + i):
+            in_window = case.window_left < 0 or j >= q_offset + i - case.window_left
+            if j < lens[b] and (not case.causal or j <= q_offset + i) and in_window:
                 pairs += 1
                 seen.add(j)
         read += len(seen)
@@ -75,6 +78,9 @@ WORK_CASES = {
     "decode-batch": tiny_case(batch=3, q_len=1, k_len=11, kv_lens=(1, 5, 11)),
     "mha": tiny_case(q_heads=3, kv_heads=3, q_len=6, k_len=6),
     "one-row-one-key": tiny_case(batch=1, q_heads=1, kv_heads=1, q_len=1, k_len=1),
+    "window": tiny_case(q_len=6, k_len=14, kv_lens=(14, 9), window_left=3),
+    "window-decode": tiny_case(batch=2, q_len=1, k_len=11, kv_lens=(2, 11), window_left=4),
+    "window-non-causal": tiny_case(q_len=4, k_len=10, kv_lens=(3, 10), causal=False, window_left=2),
 }
 
 
@@ -94,6 +100,8 @@ def test_work_of_the_standard_cases_in_closed_form() -> None:
     chunk = cases["chunk"]  # row i sees 3840 + i + 1 keys
     assert work(chunk).pairs == 32 * sum(3840 + i + 1 for i in range(256))
     assert work(cases["decode/N=32768"]).kv_bytes == 32768 * 8 * 256 * 4
+    assert work(cases["decode-window"]) == work(cases["decode/N=4096"])  # the window reads 4096 keys
+    assert work(cases["prefill-softcap/N=2048"]) == work(cases["prefill-causal/N=2048"])
     batch = cases["decode-batch"]
     assert batch.kv_lens is not None and min(batch.kv_lens) == 1024 and max(batch.kv_lens) == 8192
     assert work(batch).pairs == 32 * sum(batch.kv_lens)
@@ -111,11 +119,18 @@ def test_standard_suite_is_the_documented_one() -> None:
         "tiny",
         "threads",
         "layer-decode",
+        "decode-window",
+        "prefill-softcap",
     ]
     assert [c.q_len for c in cases if c.group == "prefill-causal"] == [512, 1024, 2048, 4096]
     assert [c.k_len for c in cases if c.group == "decode"] == [1024, 4096, 16384, 32768]
     assert [c.threads for c in cases if c.group == "threads"] == [1, 4]
     assert all(c.causal for c in cases)
+    window = next(c for c in cases if c.group == "decode-window")
+    assert (window.q_heads, window.kv_heads, window.head_dim, window.k_len, window.variant_kwargs) == (
+        32, 8, 128, 32768, {"window_size": (4095, 0)})
+    softcap = next(c for c in cases if c.group == "prefill-softcap")
+    assert (softcap.q_len, softcap.k_len, softcap.variant_kwargs) == (2048, 2048, {"softcap": 50.0})
     tiny = next(c for c in cases if c.group == "tiny")
     assert (tiny.batch, tiny.q_heads, tiny.kv_heads, tiny.q_len, tiny.head_dim) == (1, 1, 1, 16, 64)
     assert {c.name for c in suite.select(cases, None, quick=True)} == set(suite.QUICK_CASES)
@@ -539,6 +554,8 @@ def test_peer_paths_agree_with_the_reference(peer: str, module: str) -> None:
             continue
         if case.kind == suite.LAYER:
             continue  # twinattn backends only (test_peers_skip_the_layer_case)
+        if case.variant_kwargs and runner.supports(case) is not None:
+            continue  # a variant this peer does not have (softcap; ORT here: the window too)
         outcome = _run_one(runner, case, repeat=1)
         assert outcome.status == "ok", (case.name, outcome.note)
 

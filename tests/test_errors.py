@@ -88,6 +88,7 @@ def _native_args(**overrides: Any) -> dict[str, Any]:
         q=Q, k=K, v=V, out=np.empty((2, 4, 5, 6), np.float32), lse=None,
         q_offset=np.zeros(2, np.int64), kv_lens=np.full(2, 7, np.int64), mask=None,
         causal=False, scale=0.5, num_threads=1,
+        window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None,
     )
     args.update(overrides)
     return args

@@ -230,7 +230,8 @@ def test_nonfinite_inputs_give_the_reference_pattern(backend: str, call: Any) ->
     assert_lse_close(lse, q, k, v, **ref_kwargs)
 
 
-NATIVE_ARGS = ["q", "k", "v", "out", "lse", "q_offset", "kv_lens", "mask", "causal", "scale", "num_threads"]
+NATIVE_ARGS = ["q", "k", "v", "out", "lse", "q_offset", "kv_lens", "mask", "causal", "scale", "num_threads",
+               "window_left", "window_right", "softcap", "alibi_slopes", "sinks"]
 
 
 @st.composite
@@ -248,6 +249,7 @@ def native_calls(draw: st.DrawFn) -> dict[str, Any]:
         q_offset=rng.integers(0, lk + 1, b).astype(np.int64), kv_lens=rng.integers(0, lk + 1, b).astype(np.int64),
         mask=None, causal=draw(st.booleans()), scale=draw(st.sampled_from([1.0, 0.3, -2.0])),
         num_threads=draw(st.integers(1, 4)),
+        window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None,
     )
     # unchanged now and then: the valid calls are the ones whose values get checked
     for _ in range(draw(st.sampled_from([0, 0, 1, 2, 3]))):
@@ -257,6 +259,8 @@ def native_calls(draw: st.DrawFn) -> dict[str, Any]:
             np.full(max(b, 1), 2**40, np.int64), np.zeros((1, 1, 1, 1), np.float32), rng.random((b, hq, lq, lk)) < 0.5,
             np.zeros((b, hq, lq, lk), np.int32), np.zeros((2, 2), np.float64), float("nan"), True,
             np.zeros((b, hq, lq, max(d, 1) * 2), np.float32)[..., ::2],
+            -2, 2**63 - 1, float("inf"), np.full((b, hq), np.nan, np.float32), np.ones((b, hq), np.float32),
+            np.ones(hq, np.float32), np.ones(max(hq, 1) * 2, np.float32)[::2],
         ]))
     return args
 
@@ -268,6 +272,8 @@ def _assert_native_result_matches_reference(args: dict[str, Any]) -> None:
     problem = dict(
         causal=bool(args["causal"]), q_offset=np.asarray(args["q_offset"]), kv_lens=np.asarray(args["kv_lens"]),
         mask=args["mask"], scale=float(args["scale"]),
+        window_left=int(args["window_left"]), window_right=int(args["window_right"]),
+        softcap=float(args["softcap"]), alibi_slopes=args["alibi_slopes"], sinks=args["sinks"],
     )
     want, want_lse = attention_reference(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), **problem)
     f32, f32_lse = attention_reference(q, k, v, **problem)

@@ -159,6 +159,7 @@ def _native_args(q: np.ndarray, k: np.ndarray, v: np.ndarray, **overrides: Any) 
         q=q, k=k, v=v, out=np.empty((b, hq, lq, v.shape[-1]), np.float32), lse=np.empty((b, hq, lq), np.float32),
         q_offset=np.zeros(b, np.int64), kv_lens=np.full(b, k.shape[2], np.int64), mask=None,
         causal=False, scale=float(q.shape[-1]) ** -0.5, num_threads=2,
+        window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None,
     )
     args.update(overrides)
     return args

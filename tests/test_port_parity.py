@@ -50,6 +50,7 @@ def _args(**overrides: Any) -> dict[str, Any]:
         q=Q, k=K, v=V, out=np.zeros(OUT_SHAPE, np.float32), lse=None,
         q_offset=np.zeros(2, np.int64), kv_lens=np.full(2, 7, np.int64), mask=None,
         causal=False, scale=0.5, num_threads=1,
+        window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, sinks=None,
     )
     args.update(overrides)
     return args
@@ -117,6 +118,17 @@ BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("num-threads-float", {"num_threads": 2.0}, TypeError, "num_threads: expected an int, got float"),
     ("num-threads-bool", {"num_threads": True}, TypeError, "num_threads: expected an int, got bool"),
     ("num-threads-none", {"num_threads": None}, TypeError, "num_threads: expected an int, got NoneType"),
+    ("window-left-float", {"window_left": 1.0}, TypeError, "window_left: expected an int, got float"),
+    ("window-right-bool", {"window_right": True}, TypeError, "window_right: expected an int, got bool"),
+    ("window-left-none", {"window_left": None}, TypeError, "window_left: expected an int, got NoneType"),
+    ("softcap-str", {"softcap": "1"}, TypeError, "softcap: expected a float, got str"),
+    ("softcap-bool", {"softcap": True}, TypeError, "softcap: expected a float, got bool"),
+    ("alibi-list", {"alibi_slopes": [[0.5] * 4] * 2}, TypeError, "alibi_slopes: expected a numpy.ndarray, got list"),
+    ("alibi-float64", {"alibi_slopes": np.ones((2, 4))}, TypeError, "alibi_slopes: expected dtype float32, got float64"),
+    ("alibi-rank1", {"alibi_slopes": np.ones(4, np.float32)}, ValueError,
+     "alibi_slopes: expected 2 dimensions (B, Hq), got shape (4,)"),
+    ("sinks-float64", {"sinks": np.ones(4)}, TypeError, "sinks: expected dtype float32, got float64"),
+    ("sinks-rank2", {"sinks": np.ones((1, 4), np.float32)}, ValueError, "sinks: expected 1 dimensions (Hq,), got shape (1, 4)"),
     # invariants (the cores' check_problem)
     ("k-batch", {"k": K[:1], "v": V[:1]}, ValueError, "k: expected shape (B=2, Hkv, Lk, D=8), got (1, 2, 7, 8)"),
     ("k-head-dim", {"k": K[..., :4]}, ValueError, "k: expected shape (B=2, Hkv, Lk, D=8), got (2, 2, 7, 4)"),
@@ -140,6 +152,20 @@ BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("scale-nan", {"scale": float("nan")}, ValueError, "scale: expected a finite number, got nan"),
     ("scale-minus-inf", {"scale": float("-inf")}, ValueError, "scale: expected a finite number, got -inf"),
     ("scale-beyond-float32", {"scale": 1e39}, ValueError, "scale: expected a finite number, got inf"),
+    ("window-left-below-minus-one", {"window_left": -2}, ValueError,
+     "window_left: expected an int >= -1 (-1: unbounded), got -2"),
+    ("window-right-below-minus-one", {"window_right": -5}, ValueError,
+     "window_right: expected an int >= -1 (-1: unbounded), got -5"),
+    ("softcap-negative", {"softcap": -1.0}, ValueError, "softcap: expected a finite number >= 0 (0: off), got -1"),
+    ("softcap-nan", {"softcap": float("nan")}, ValueError, "softcap: expected a finite number >= 0 (0: off), got nan"),
+    ("softcap-beyond-float32", {"softcap": 1e39}, ValueError, "softcap: expected a finite number >= 0 (0: off), got inf"),
+    ("alibi-shape", {"alibi_slopes": np.ones((2, 3), np.float32)}, ValueError,
+     "alibi_slopes: expected shape (B=2, Hq=4), got (2, 3)"),
+    ("alibi-nan", {"alibi_slopes": np.array([[0, 0, 0, 0], [0, 0, np.nan, 0]], np.float32)}, ValueError,
+     "alibi_slopes: expected finite values, got alibi_slopes[1, 2]=nan"),
+    ("sinks-shape", {"sinks": np.ones(3, np.float32)}, ValueError, "sinks: expected shape (Hq=4,), got (3,)"),
+    ("sinks-inf", {"sinks": np.array([0, 0, 0, -np.inf], np.float32)}, ValueError,
+     "sinks: expected finite values, got sinks[3]=-inf"),
     ("out-overlaps-itself", {"out": _strided(OUT_SHAPE, (480, 0, 24, 4))}, ValueError,
      "out: expected elements that do not overlap each other, got strides (120, 0, 6, 1)"),
     ("out-rows-interleaved", {"out": _strided(OUT_SHAPE, (480, 120, 16, 4))}, ValueError,
@@ -295,7 +321,7 @@ for module in modules:
         out = np.zeros((1, 1, 256, 16), np.float32)
         try:
             getattr(module, kernel)(q, k, k, out, None, np.zeros(1, np.int64), np.full(1, key_len, np.int64),
-                                    None, False, 0.25, 2)
+                                    None, False, 0.25, 2, -1, -1, 0.0, None, None)
             results.append(["no error", ""])
         except Exception as exc:
             results.append([type(exc).__name__, str(exc)])
@@ -304,7 +330,7 @@ small = np.ones((1, 1, 2, 4), np.float32)
 for module in modules:
     out = np.zeros_like(small)
     module.attention_forward(small, small, small, out, None, np.zeros(1, np.int64), np.full(1, 2, np.int64),
-                             None, False, 0.5, 2)
+                             None, False, 0.5, 2, -1, -1, 0.0, None, None)
     results.append(["ok" if np.all(out == 1.0) else "wrong", ""])
 print(json.dumps(results))
 """

@@ -141,7 +141,10 @@ void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
                 const py::handle& v_obj, const py::handle& out_obj, const py::handle& lse_obj,
                 const py::handle& q_offset_obj, const py::handle& kv_lens_obj,
                 const py::handle& mask_obj, const py::handle& causal_obj,
-                const py::handle& scale_obj, const py::handle& num_threads_obj) {
+                const py::handle& scale_obj, const py::handle& num_threads_obj,
+                const py::handle& window_left_obj, const py::handle& window_right_obj,
+                const py::handle& softcap_obj, const py::handle& alibi_slopes_obj,
+                const py::handle& sinks_obj) {
     // 1. Arrays: dtypes, ranks, addressable elements; writeable outputs; the mask's shape.
     const py::array q = as_array(q_obj, "q", Dtype::Float32, 4, "(B, Hq, Lq, D)");
     const py::array k = as_array(k_obj, "k", Dtype::Float32, 4, "(B, Hkv, Lk, D)");
@@ -171,6 +174,13 @@ void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
     const bool causal = as_bool(causal_obj, "causal");
     const double scale = as_float(scale_obj, "scale");
     const int64_t num_threads = as_int64(num_threads_obj, "num_threads");
+    const int64_t window_left = as_int64(window_left_obj, "window_left");
+    const int64_t window_right = as_int64(window_right_obj, "window_right");
+    const double softcap = as_float(softcap_obj, "softcap");
+    py::array alibi_slopes, sinks;  // used only when given
+    const bool has_alibi = !alibi_slopes_obj.is_none(), has_sinks = !sinks_obj.is_none();
+    if (has_alibi) alibi_slopes = as_array(alibi_slopes_obj, "alibi_slopes", Dtype::Float32, 2, "(B, Hq)");
+    if (has_sinks) sinks = as_array(sinks_obj, "sinks", Dtype::Float32, 1, "(Hq,)");
 
     // 3. The problem: views over the arrays' memory.
     AttentionProblem problem{};
@@ -195,6 +205,17 @@ void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
     problem.kv_lens = kv_lens.data();
     problem.causal = causal;
     problem.scale = static_cast<float>(scale);  // out of float range becomes inf: rejected
+    problem.window_left = window_left;
+    problem.window_right = window_right;
+    problem.softcap = static_cast<float>(softcap);  // likewise
+    if (has_alibi) {
+        problem.alibi_slopes.data = static_cast<const float*>(alibi_slopes.data());
+        fill_shape_strides<ParamView2, 2>(alibi_slopes, problem.alibi_slopes);
+    }
+    if (has_sinks) {
+        problem.sinks.data = static_cast<const float*>(sinks.data());
+        fill_shape_strides<ParamView1, 1>(sinks, problem.sinks);
+    }
 
     // 4. The kernel without the GIL; it checks the problem first (check_problem, once per call).
     // std::invalid_argument is ValueError, std::bad_alloc MemoryError, with Rust's messages.
@@ -214,18 +235,42 @@ void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
 void attention_forward_py(const py::object& q, const py::object& k, const py::object& v,
                           const py::object& out, const py::object& lse, const py::object& q_offset,
                           const py::object& kv_lens, const py::object& mask, const py::object& causal,
-                          const py::object& scale, const py::object& num_threads) {
+                          const py::object& scale, const py::object& num_threads,
+                          const py::object& window_left, const py::object& window_right,
+                          const py::object& softcap, const py::object& alibi_slopes,
+                          const py::object& sinks) {
     run_kernel(&twinattn::attention_forward, q, k, v, out, lse, q_offset, kv_lens, mask, causal,
-               scale, num_threads);
+               scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks);
 }
 
 // The plain scalar reference kernel, which every fast path is tested against.
 void attention_reference_py(const py::object& q, const py::object& k, const py::object& v,
                             const py::object& out, const py::object& lse, const py::object& q_offset,
                             const py::object& kv_lens, const py::object& mask, const py::object& causal,
-                            const py::object& scale, const py::object& num_threads) {
+                            const py::object& scale, const py::object& num_threads,
+                            const py::object& window_left, const py::object& window_right,
+                            const py::object& softcap, const py::object& alibi_slopes,
+                            const py::object& sinks) {
     run_kernel(&twinattn::attention_reference, q, k, v, out, lse, q_offset, kv_lens, mask,
-               causal, scale, num_threads);
+               causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks);
+}
+
+// tanh of a float32 vector (any stride) with the fast kernel's vectorised tanh (softcap) and the
+// instruction set in use, into a new array: the kernel's own code, for tests.
+py::array softcap_tanh_py(const py::object& x_obj) {
+    const py::array x = as_array(x_obj, "x", Dtype::Float32, 1, "(n,)");
+    const py::ssize_t n = x.shape(0);
+    py::array_t<float> y(n);
+    try {
+        twinattn::softcap_tanh(static_cast<const float*>(x.data()), n > 0 ? x.strides(0) / 4 : 0,
+                               y.mutable_data(), n);
+    } catch (const std::invalid_argument& error) {
+        throw py::value_error(error.what());
+    } catch (const std::bad_alloc&) {
+        PyErr_SetString(PyExc_MemoryError, kOutOfMemoryMessage);
+        throw py::error_already_set();
+    }
+    return y;
 }
 
 void set_isa_py(const py::object& name) {
@@ -287,6 +332,11 @@ py::dict build_info() {
     constants["exp2_min"] = static_cast<double>(kExp2Min);
     constants["log2_e"] = static_cast<double>(kLog2E);
     constants["ln2"] = static_cast<double>(kLn2);
+    constants["tanh_degree"] = kTanhDegree;
+    py::list tanh_coefficients;
+    for (float c : kTanhCoefficients) tanh_coefficients.append(static_cast<double>(c));
+    constants["tanh_coefficients"] = tanh_coefficients;
+    constants["tanh_small"] = static_cast<double>(kTanhSmall);
     info["constants"] = constants;
     return info;
 }
@@ -300,15 +350,19 @@ PYBIND11_MODULE(_cpp, m) {
     init_isa_from_environment();
     m.def("attention_forward", &attention_forward_py, py::arg("q"), py::arg("k"), py::arg("v"),
           py::arg("out"), py::arg("lse"), py::arg("q_offset"), py::arg("kv_lens"), py::arg("mask"),
-          py::arg("causal"), py::arg("scale"), py::arg("num_threads"),
+          py::arg("causal"), py::arg("scale"), py::arg("num_threads"), py::arg("window_left"),
+          py::arg("window_right"), py::arg("softcap"), py::arg("alibi_slopes"), py::arg("sinks"),
           "Exact scaled-dot-product attention into out (and lse) with the fast kernel and the "
           "instruction set in use; see docs/native_api.md.");
     m.def("attention_reference", &attention_reference_py, py::arg("q"), py::arg("k"), py::arg("v"),
           py::arg("out"), py::arg("lse"), py::arg("q_offset"), py::arg("kv_lens"), py::arg("mask"),
-          py::arg("causal"), py::arg("scale"), py::arg("num_threads"),
+          py::arg("causal"), py::arg("scale"), py::arg("num_threads"), py::arg("window_left"),
+          py::arg("window_right"), py::arg("softcap"), py::arg("alibi_slopes"), py::arg("sinks"),
           "attention_forward computed by the plain scalar reference kernel (for tests).");
     m.def("set_isa", &set_isa_py, py::arg("name"),
           "Switches the instruction set among build_info()['isa_available']; ValueError otherwise.");
+    m.def("softcap_tanh", &softcap_tanh_py, py::arg("x"),
+          "tanh of a float32 vector with the fast kernel's vectorised tanh (softcap), for tests.");
     m.def("build_info", &build_info,
           "Instruction set in use, those available, compiler and version of this build.");
 }

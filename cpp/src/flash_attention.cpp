@@ -20,6 +20,7 @@
 #include <math.h>  // exp2f, log2f
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <new>
@@ -34,12 +35,28 @@
 
 namespace twinattn {
 
-int64_t flash_row_key_end(const AttentionProblem& p, int64_t b, int64_t group, int64_t r) {
+// 128-bit arithmetic (GCC and Clang): q_offset may be any int64 when not causal.
+__extension__ typedef __int128 int128;
+
+void flash_row_key_range(const AttentionProblem& p, int64_t b, int64_t group, int64_t r,
+                         int64_t* begin, int64_t* end) {
     const int64_t kv_len = p.kv_lens != nullptr ? p.kv_lens[b] : p.k.shape[2];
-    if (!p.causal) return kv_len;
-    const int64_t position = r / group;
-    if (p.q_offset[b] >= kv_len - position) return kv_len;  // written so huge offsets cannot overflow
-    return p.q_offset[b] + position + 1;
+    *begin = 0;
+    *end = kv_len;
+    if (!p.causal && p.window_left < 0 && p.window_right < 0) return;
+    const int128 position = static_cast<int128>(p.q_offset[b]) + r / group;
+    int128 last = kv_len - 1;  // the last key the row may see, then the first
+    if (p.causal) last = std::min<int128>(last, position);
+    if (p.window_right >= 0) last = std::min<int128>(last, position + p.window_right);
+    const int128 first = p.window_left >= 0 ? std::max<int128>(0, position - p.window_left) : 0;
+    *end = static_cast<int64_t>(std::max<int128>(0, last + 1));
+    *begin = static_cast<int64_t>(std::min<int128>(first, kv_len));
+}
+
+int64_t flash_row_position(const AttentionProblem& p, int64_t b, int64_t group, int64_t r) {
+    const int128 bound = static_cast<int128>(1) << 62;
+    const int128 position = static_cast<int128>(p.q_offset[b]) + r / group;
+    return static_cast<int64_t>(std::max<int128>(-bound, std::min<int128>(bound, position)));
 }
 
 float flash_row_lse(float m, float l) {
@@ -79,7 +96,7 @@ private:
 // Everything one thread needs for a work item (flash_kernel.hpp, ThreadScratch).
 struct ScratchBuffers {
     GrowBuffer<float> q_tile, scores, out_acc, row_max, row_sum, rescale, key_panels;
-    GrowBuffer<int64_t> row_key_end;
+    GrowBuffer<int64_t> row_key_begin, row_key_end;
 
     ThreadScratch get(int64_t D, int64_t value_stride, bool split_key) {
         ThreadScratch s;
@@ -89,6 +106,7 @@ struct ScratchBuffers {
         s.row_max = row_max.reserve(kQTileRows);
         s.row_sum = row_sum.reserve(kQTileRows);
         s.rescale = rescale.reserve(kQTileRows);
+        s.row_key_begin = row_key_begin.reserve(kQTileRows);
         s.row_key_end = row_key_end.reserve(kQTileRows);
         s.key_panels = split_key ? key_panels.reserve(kKeyBlock * std::max<int64_t>(D, 1)) : nullptr;
         return s;
@@ -140,12 +158,17 @@ void run_prefill(FlashPlan& plan, const FlashKernels& kernels, int num_threads) 
         std::max<int64_t>(B * Hkv * plan.panels_per_head * D * kKeyPanel, 1));
     plan.packed_keys = packed;
 
-    // Pack only the keys some row may see: up to the last packed row's visible end.
+    // Pack only the panels some row may see: from the first row's window start (rounded down to
+    // a panel) to the last row's visible end.
     parallel_for(B * Hkv, num_threads, [&](int64_t head, int) {
         const int64_t b = head / Hkv, kv_head = head % Hkv;
-        const int64_t key_end = flash_row_key_end(p, b, plan.group, plan.rows_per_group - 1);
-        kernels.pack_keys(p, b, kv_head, 0, key_end,
-                          packed + head * plan.panels_per_head * D * kKeyPanel);
+        int64_t key_begin, key_end, unused;
+        flash_row_key_range(p, b, plan.group, 0, &key_begin, &unused);
+        flash_row_key_range(p, b, plan.group, plan.rows_per_group - 1, &unused, &key_end);
+        const int64_t first_panel = key_begin / kKeyPanel;
+        if (key_end <= first_panel * kKeyPanel) return;
+        kernels.pack_keys(p, b, kv_head, first_panel * kKeyPanel, key_end,
+                          packed + (head * plan.panels_per_head + first_panel) * D * kKeyPanel);
     });
 
     const int64_t tiles = ceil_div(plan.rows_per_group, kQTileRows);
@@ -156,10 +179,16 @@ void run_prefill(FlashPlan& plan, const FlashKernels& kernels, int num_threads) 
             for (int64_t tile = 0; tile < tiles; ++tile) {
                 const int64_t row_begin = tile * kQTileRows;
                 const int64_t row_end = std::min(row_begin + kQTileRows, plan.rows_per_group);
-                const int64_t last_key = flash_row_key_end(p, b, plan.group, row_end - 1);
+                // Keys from the first row's window start (rounded down to a panel: blocks are
+                // whole panels) to the last row's visible end; none when that is empty.
+                int64_t first_key, last_key, unused;
+                flash_row_key_range(p, b, plan.group, row_begin, &first_key, &unused);
+                flash_row_key_range(p, b, plan.group, row_end - 1, &unused, &last_key);
+                first_key = first_key / kKeyPanel * kKeyPanel;
+                last_key = std::max(last_key, first_key);
                 items.push_back(CostedItem{
-                    WorkItem{b, kv_head, row_begin, row_end, 0, last_key, -1},
-                    (last_key + kKeyBlock) * (row_end - row_begin)});
+                    WorkItem{b, kv_head, row_begin, row_end, first_key, last_key, -1},
+                    (last_key - first_key + kKeyBlock) * (row_end - row_begin)});
             }
     run_items(plan, kernels, items, num_threads, false);
 }
@@ -173,12 +202,17 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
     std::vector<int64_t> slot_base(static_cast<size_t>(B) + 1, 0);  // first slot of (b, kv_head 0)
     std::vector<CostedItem> items;
     for (int64_t b = 0; b < B; ++b) {
-        const int64_t key_end = flash_row_key_end(p, b, plan.group, rows - 1);
-        const int64_t chunks = std::max<int64_t>(1, ceil_div(key_end, kSplitKeyChunk));
+        // Only the group's visible range is split: the first row's window start to the last
+        // row's visible end.
+        int64_t key_begin0, key_end, unused;
+        flash_row_key_range(p, b, plan.group, 0, &key_begin0, &unused);
+        flash_row_key_range(p, b, plan.group, rows - 1, &unused, &key_end);
+        key_end = std::max(key_end, key_begin0);
+        const int64_t chunks = std::max<int64_t>(1, ceil_div(key_end - key_begin0, kSplitKeyChunk));
         slot_base[b + 1] = slot_base[b] + (chunks > 1 ? chunks * Hkv : 0);
         for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head)
             for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-                const int64_t key_begin = chunk * kSplitKeyChunk;
+                const int64_t key_begin = key_begin0 + chunk * kSplitKeyChunk;
                 const int64_t chunk_end = std::min(key_begin + kSplitKeyChunk, key_end);
                 const int64_t slot = chunks > 1 ? slot_base[b] + kv_head * chunks + chunk : -1;
                 items.push_back(CostedItem{
@@ -199,6 +233,7 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
     // Merge: m* = max m_c, l* = sum l_c 2^(m_c - m*), O = sum O_c 2^(m_c - m*) / l*, in chunk order.
     // A chunk whose row saw a NaN or +inf score has m_c = NaN or +inf and l_c = NaN (flash_kernel.hpp,
     // 3c), so m* and the weights carry it into O and lse; a chunk that saw nothing has l_c = 0.
+    // A sink s (base 2) counts here once: m* starts at s and l* at 2^(s - m*).
     const int64_t G = plan.group;
     parallel_for(B * Hkv, num_threads, [&](int64_t head, int) {
         const int64_t b = head / Hkv, kv_head = head % Hkv;
@@ -206,13 +241,15 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
         if (chunks == 0) return;  // one chunk: written directly
         const int64_t first_slot = slot_base[b] + kv_head * chunks;
         for (int64_t r = 0; r < rows; ++r) {
-            float m_star = -std::numeric_limits<float>::infinity();
+            const int64_t h = kv_head * G + r % G, i = r / G;
+            const float sink = plan.has_sinks ? p.sinks.data[h * p.sinks.stride[0]] * kLog2E
+                                              : -std::numeric_limits<float>::infinity();
+            float m_star = sink;
             for (int64_t c = 0; c < chunks; ++c)
                 m_star = max_nan(m_star, plan.partial_max[(first_slot + c) * rows + r]);
-            const int64_t h = kv_head * G + r % G, i = r / G;
             float* dst = p.out.data + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
             for (int64_t d = 0; d < Dv; ++d) dst[d] = 0.0f;
-            float l_star = 0.0f;
+            float l_star = plan.has_sinks ? exp2f(sink - m_star) : 0.0f;
             if (m_star != -std::numeric_limits<float>::infinity()) {
                 for (int64_t c = 0; c < chunks; ++c) {
                     const int64_t slot_row = (first_slot + c) * rows + r;
@@ -237,6 +274,15 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
 
 }  // namespace
 
+void softcap_tanh(const float* x, int64_t x_stride, float* y, int64_t n) {
+    const FlashKernels kernels = current_kernels();
+    // Whole vectors only: the values padded with zeros to a multiple of the vector width.
+    std::vector<float> values(static_cast<size_t>(ceil_div(n, kernels.width) * kernels.width), 0.0f);
+    for (int64_t i = 0; i < n; ++i) values[static_cast<size_t>(i)] = x[i * x_stride];
+    kernels.tanh_values(values.data(), static_cast<int64_t>(values.size()));
+    std::copy(values.begin(), values.begin() + n, y);
+}
+
 void attention_forward(const AttentionProblem& p, int num_threads) {
     check_problem(p);
     check_num_threads(num_threads);
@@ -252,8 +298,17 @@ void attention_forward(const AttentionProblem& p, int num_threads) {
     plan.head_dim = p.q.shape[3];
     plan.value_dim = p.v.shape[3];
     plan.value_stride = (plan.value_dim + 15) / 16 * 16;
-    plan.q_multiplier = p.scale * kLog2E;
+    plan.has_softcap = p.softcap > 0.0f;
+    // Softcap: Q times scale / softcap, then tanh(S) times softcap * log2(e) (flash_kernel.hpp).
+    plan.q_multiplier = plan.has_softcap ? p.scale / p.softcap : p.scale * kLog2E;
+    // A denormal softcap can make scale / softcap overflow: the largest float instead, so that a
+    // zero in q stays 0 (not 0 * inf = NaN); every score that matters saturates tanh either way.
+    if (std::isinf(plan.q_multiplier))
+        plan.q_multiplier = std::copysign(std::numeric_limits<float>::max(), plan.q_multiplier);
+    plan.softcap_multiplier = p.softcap * kLog2E;
     plan.has_mask = p.mask.kind != MaskKind::None;
+    plan.has_alibi = p.alibi_slopes.data != nullptr;
+    plan.has_sinks = p.sinks.data != nullptr;
     if (plan.rows_per_group > kQTileRows)
         run_prefill(plan, kernels, num_threads);
     else

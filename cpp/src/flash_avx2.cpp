@@ -16,8 +16,12 @@ void pack_keys_avx2(const AttentionProblem& problem, int64_t b, int64_t kv_head,
     flash::Kernel<VecAvx2>::pack_keys(problem, b, kv_head, key_begin, key_end, dst);
 }
 
+void tanh_values_avx2(float* values, int64_t n) { flash::Kernel<VecAvx2>::tanh_values(values, n); }
+
 }  // namespace
 
-FlashKernels flash_kernels_avx2() { return FlashKernels{"avx2", attend_rows_avx2, pack_keys_avx2}; }
+FlashKernels flash_kernels_avx2() {
+    return FlashKernels{"avx2", attend_rows_avx2, pack_keys_avx2, tanh_values_avx2, VecAvx2::kWidth};
+}
 
 }  // namespace twinattn

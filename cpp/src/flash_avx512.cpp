@@ -16,8 +16,12 @@ void pack_keys_avx512(const AttentionProblem& problem, int64_t b, int64_t kv_hea
     flash::Kernel<VecAvx512>::pack_keys(problem, b, kv_head, key_begin, key_end, dst);
 }
 
+void tanh_values_avx512(float* values, int64_t n) { flash::Kernel<VecAvx512>::tanh_values(values, n); }
+
 }  // namespace
 
-FlashKernels flash_kernels_avx512() { return FlashKernels{"avx512", attend_rows_avx512, pack_keys_avx512}; }
+FlashKernels flash_kernels_avx512() {
+    return FlashKernels{"avx512", attend_rows_avx512, pack_keys_avx512, tanh_values_avx512, VecAvx512::kWidth};
+}
 
 }  // namespace twinattn

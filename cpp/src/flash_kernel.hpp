@@ -8,10 +8,11 @@
 //   Keys [key_begin, key_end), visited in key blocks of kKeyBlock keys.
 // Shapes of the per-thread scratch (ThreadScratch), rows <= kQTileRows (strips of kMicroRows
 // rows, the last strip as many as remain: no padding rows):
-//   q_tile   (rows, D)            Q rows times scale * log2(e)
+//   q_tile   (rows, D)            Q rows times scale * log2(e) (scale / softcap with softcap)
 //   scores   (rows, kKeyBlock)    S, then P, of one key block
 //   out_acc  (rows, value_stride) unnormalised O
 //   row_max, row_sum, rescale (rows)   m (base 2), l, and alpha of the current block
+//   row_key_begin, row_key_end (rows)  each row's visible key range (length, causal, window)
 //   key_panels (kKeyBlock / kKeyPanel panels of (D, kKeyPanel))   split-key path only
 //
 // ODR note: these templates are instantiated with a different vector type in every translation
@@ -37,8 +38,14 @@ struct FlashPlan {
     int64_t head_dim;        // D
     int64_t value_dim;       // Dv
     int64_t value_stride;    // row stride of out_acc: Dv rounded up to a multiple of 16
-    float q_multiplier;      // scale * log2(e)
+    float q_multiplier;      // scale * log2(e); scale / softcap when softcap > 0
     bool has_mask;
+    // softcap > 0: S (= scale q.k / softcap) becomes tanh(S) * softcap_multiplier (softcap *
+    // log2(e)), in base 2 like every score of the kernel.
+    bool has_softcap;
+    float softcap_multiplier;
+    bool has_alibi;  // -slope[b, h] * log2(e) * |p - j| added by index arithmetic
+    bool has_sinks;  // the sink enters m and l once per row (docs/kernels.md, "Sinks")
     // Prefill: the K^T panels of every (b, kv_head), panels_per_head panels each, panel p of
     // (b, kv_head) at packed_keys + ((b * Hkv + kv_head) * panels_per_head + p) * D * kKeyPanel.
     // nullptr on the split-key path (each item packs its own blocks).
@@ -64,6 +71,7 @@ struct ThreadScratch {
     float* row_max;
     float* row_sum;
     float* rescale;
+    int64_t* row_key_begin;
     int64_t* row_key_end;
     float* key_panels;
 };
@@ -73,11 +81,16 @@ using AttendRowsFn = void (*)(const FlashPlan& plan, const WorkItem& item, const
 // holds keys key_begin ...); the last panel's columns past key_end are zero.
 using PackKeysFn = void (*)(const AttentionProblem& problem, int64_t b, int64_t kv_head,
                             int64_t key_begin, int64_t key_end, float* dst);
+// values[0, n) = tanh(values[0, n)) with the vectorised tanh (constants.hpp, "tanh"); n a
+// multiple of the vector width (tests call it on whole vectors).
+using TanhFn = void (*)(float* values, int64_t n);
 
 struct FlashKernels {
     const char* isa;
     AttendRowsFn attend_rows;
     PackKeysFn pack_keys;
+    TanhFn tanh_values;
+    int64_t width;  // floats per vector
 };
 
 // Defined in flash_{scalar,avx2,avx512}.cpp (the last two only when built for x86-64).
@@ -86,9 +99,14 @@ FlashKernels flash_kernels_avx2();
 FlashKernels flash_kernels_avx512();
 FlashKernels flash_kernels_neon();  // flash_neon.cpp, only when built for AArch64
 
-// One past the last key packed row r of (b, *) may see by length and position (defined in
-// flash_attention.cpp; deliberately not inline, see the ODR note above).
-int64_t flash_row_key_end(const AttentionProblem& p, int64_t b, int64_t group, int64_t r);
+// The keys packed row r of (b, *) may see by length, causality and window: [*begin, *end),
+// both in [0, kv_len]; empty when *end <= *begin (defined in flash_attention.cpp; deliberately
+// not inline, see the ODR note above).
+void flash_row_key_range(const AttentionProblem& p, int64_t b, int64_t group, int64_t r,
+                         int64_t* begin, int64_t* end);
+// The absolute position q_offset[b] + r / group of packed row r, clamped to +-2^62 so that
+// position - j cannot overflow (ALiBi; beyond 2^24 a float distance is inexact anyway).
+int64_t flash_row_position(const AttentionProblem& p, int64_t b, int64_t group, int64_t r);
 // lse = ln 2 (m + log2 l) of a row with max m (base 2) and sum l: -inf for a row that saw no key
 // (l = 0), +inf for a row whose largest score is +inf (l is NaN there, inf - inf), NaN for a row
 // that saw a NaN score (flash_attention.cpp, not inline either).
@@ -108,6 +126,39 @@ struct Kernel {
     static int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
     // a > b ? a : b, and NaN when either is NaN (the row max keeps a NaN score).
     static float max_nan(float a, float b) { return a != a || a > b ? a : b; }
+
+    // ---- tanh (softcap; constants.hpp, "tanh") ------------------------------------------------
+    // a = |x| (max(x, -x) keeps a NaN), both branches computed, the polynomial chosen unless
+    // kTanhSmall < a (so a NaN takes it and stays NaN), then the sign of x.
+    static Reg tanh(Reg x) {
+        const Reg zero = V::zero(), one = V::broadcast(1.0f);
+        const Reg a = V::max(x, V::sub(zero, x));
+        const Reg u = V::mul(a, a);
+        Reg poly = V::broadcast(kTanhCoefficients[kTanhDegree]);
+        for (int c = kTanhDegree - 1; c >= 0; --c)
+            poly = V::fma(poly, u, V::broadcast(kTanhCoefficients[c]));
+        const Reg small = V::fma(V::mul(a, u), poly, a);
+        const Reg e = V::exp2(V::mul(a, V::broadcast(-2.0f * kLog2E)));
+        const Reg large = V::div(V::sub(one, e), V::add(one, e));
+        const Reg t = V::select_less(V::broadcast(kTanhSmall), a, large, small);
+        return V::select_less(x, zero, V::sub(zero, t), t);
+    }
+
+    static void tanh_values(float* values, int64_t n) {
+        for (int64_t j = 0; j < n; j += W) V::store(values + j, tanh(V::load(values + j)));
+    }
+
+    // 3a''. Softcap: S (= scale q.k / softcap) -> tanh(S) * softcap * log2(e), whole vectors
+    // (the padding columns too; they are overwritten with -inf afterwards).
+    static void softcap_block(const FlashPlan& plan, const ThreadScratch& s, int64_t rows,
+                              int64_t n_padded) {
+        const Reg multiplier = V::broadcast(plan.softcap_multiplier);
+        for (int64_t r = 0; r < rows; ++r) {
+            float* row = s.scores + r * kKeyBlock;
+            for (int64_t j = 0; j < n_padded; j += W)
+                V::store(row + j, V::mul(tanh(V::load(row + j)), multiplier));
+        }
+    }
 
     // ---- 2. Packing ---------------------------------------------------------------------------
     static void pack_keys(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_begin,
@@ -390,13 +441,20 @@ struct Kernel {
             int64_t d = 0;
             for (; d + W <= D; d += W) V::store(q_dst + d, V::mul(V::load(q_src + d), multiplier));
             if (d < D) V::store_tail(q_dst + d, V::mul(V::load_tail(q_src + d, D - d), multiplier), D - d);
-            s.row_key_end[r] = flash_row_key_end(p, b, G, packed);
-            s.row_max[r] = kNegInf;
-            s.row_sum[r] = 0.0f;
+            flash_row_key_range(p, b, G, packed, &s.row_key_begin[r], &s.row_key_end[r]);
+            // The sink enters once per row: here when this item writes out, else in the merge.
+            if (plan.has_sinks && item.partial_slot < 0) {
+                s.row_max[r] = p.sinks.data[h * p.sinks.stride[0]] * kLog2E;
+                s.row_sum[r] = 1.0f;
+            } else {
+                s.row_max[r] = kNegInf;
+                s.row_sum[r] = 0.0f;
+            }
             for (int64_t c = 0; c < out_stride; ++c) s.out_acc[r * out_stride + c] = 0.0f;
         }
 
-        // 3. Key blocks up to the last key any row sees (rows are ordered by position).
+        // 3. Key blocks from item.key_begin (at or before the first row's window start) up to the
+        // last key any row sees (rows are ordered by position, so are their ranges' ends).
         const int64_t key_stop =
             s.row_key_end[rows - 1] < item.key_end ? s.row_key_end[rows - 1] : item.key_end;
         const float* k_head_panels =
@@ -426,9 +484,13 @@ struct Kernel {
                                     n, s.scores);
             else
                 block_scores(s.q_tile, D, rows, panels, n, s.scores);
-            // (b) Mask only blocks that cross a row's visible end, or when a mask is given.
-            const bool masked = plan.has_mask || s.row_key_end[0] < key_block + n;
-            if (masked) mask_block(plan, item, s, rows, key_block, n);
+            // (a') Softcap.
+            if (plan.has_softcap) softcap_block(plan, s, rows, n_padded);
+            // (b) Mask only blocks that cross a row's visible range (its window start or its
+            // visible end), or when a mask is given; ALiBi adds its term to every block.
+            const bool masked = plan.has_mask || s.row_key_end[0] < key_block + n ||
+                                s.row_key_begin[rows - 1] > key_block;
+            if (masked || plan.has_alibi) mask_block(plan, item, s, rows, key_block, n);
             for (int64_t r = 0; r < rows; ++r)
                 for (int64_t j = n; j < n_padded; ++j) s.scores[r * kKeyBlock + j] = kNegInf;
             // (c) Online softmax.
@@ -468,27 +530,42 @@ struct Kernel {
         }
     }
 
-    // 3b. -inf past each row's visible end (index arithmetic); the bool / float mask, read
-    // through its strides, on the keys before it.
+    // 3b. -inf outside each row's visible range [begin, end) (index arithmetic: window start,
+    // visible end); on the keys inside it, ALiBi's -slope * log2(e) * |p - j|, then the bool /
+    // float mask, read through its strides.
     static void mask_block(const FlashPlan& plan, const WorkItem& item, const ThreadScratch& s,
                            int64_t rows, int64_t key_block, int64_t n) {
         const AttentionProblem& p = *plan.problem;
         for (int64_t r = 0; r < rows; ++r) {
             float* row = s.scores + r * kKeyBlock;
-            const int64_t visible = s.row_key_end[r] - key_block;  // keys [0, visible) may be seen
-            for (int64_t j = visible < 0 ? 0 : visible; j < n; ++j) row[j] = kNegInf;
-            if (!plan.has_mask) continue;
+            // keys [begin, end) of the block may be seen
+            const int64_t window_begin = s.row_key_begin[r] - key_block;
+            const int64_t visible = s.row_key_end[r] - key_block;
+            const int64_t begin = window_begin < 0 ? 0 : window_begin < n ? window_begin : n;
+            const int64_t end = visible < begin ? begin : visible < n ? visible : n;
+            for (int64_t j = 0; j < begin; ++j) row[j] = kNegInf;
+            for (int64_t j = end; j < n; ++j) row[j] = kNegInf;
+            if (!plan.has_mask && !plan.has_alibi) continue;
             const int64_t packed = item.row_begin + r;
             const int64_t h = item.kv_head * plan.group + packed % plan.group, i = packed / plan.group;
+            if (plan.has_alibi) {
+                const float slope = -p.alibi_slopes.data[item.b * p.alibi_slopes.stride[0] +
+                                                         h * p.alibi_slopes.stride[1]] * kLog2E;
+                const int64_t distance0 = flash_row_position(p, item.b, plan.group, packed) - key_block;
+                for (int64_t j = begin; j < end; ++j) {
+                    const int64_t distance = distance0 - j;  // p - (key_block + j)
+                    row[j] = row[j] + slope * static_cast<float>(distance < 0 ? -distance : distance);
+                }
+            }
+            if (!plan.has_mask) continue;
             const int64_t mask_row = item.b * p.mask.stride[0] + h * p.mask.stride[1] + i * p.mask.stride[2];
-            const int64_t end = visible < n ? visible : n;
             if (p.mask.kind == MaskKind::Bool) {
                 const unsigned char* mask = static_cast<const unsigned char*>(p.mask.data) + mask_row;
-                for (int64_t j = 0; j < end; ++j)
+                for (int64_t j = begin; j < end; ++j)
                     if (mask[(key_block + j) * p.mask.stride[3]] == 0) row[j] = kNegInf;
             } else {
                 const float* bias = static_cast<const float*>(p.mask.data) + mask_row;
-                for (int64_t j = 0; j < end; ++j) {
+                for (int64_t j = begin; j < end; ++j) {
                     const float bias_j = bias[(key_block + j) * p.mask.stride[3]];
                     row[j] = bias_j == kNegInf ? kNegInf : row[j] + bias_j * kLog2E;
                 }

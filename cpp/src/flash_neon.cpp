@@ -17,8 +17,12 @@ void pack_keys_neon(const AttentionProblem& problem, int64_t b, int64_t kv_head,
     flash::Kernel<VecNeon>::pack_keys(problem, b, kv_head, key_begin, key_end, dst);
 }
 
+void tanh_values_neon(float* values, int64_t n) { flash::Kernel<VecNeon>::tanh_values(values, n); }
+
 }  // namespace
 
-FlashKernels flash_kernels_neon() { return FlashKernels{"neon", attend_rows_neon, pack_keys_neon}; }
+FlashKernels flash_kernels_neon() {
+    return FlashKernels{"neon", attend_rows_neon, pack_keys_neon, tanh_values_neon, VecNeon::kWidth};
+}
 
 }  // namespace twinattn

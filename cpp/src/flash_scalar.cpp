@@ -16,8 +16,12 @@ void pack_keys_scalar(const AttentionProblem& problem, int64_t b, int64_t kv_hea
     flash::Kernel<VecScalar>::pack_keys(problem, b, kv_head, key_begin, key_end, dst);
 }
 
+void tanh_values_scalar(float* values, int64_t n) { flash::Kernel<VecScalar>::tanh_values(values, n); }
+
 }  // namespace
 
-FlashKernels flash_kernels_scalar() { return FlashKernels{"scalar", attend_rows_scalar, pack_keys_scalar}; }
+FlashKernels flash_kernels_scalar() {
+    return FlashKernels{"scalar", attend_rows_scalar, pack_keys_scalar, tanh_values_scalar, VecScalar::kWidth};
+}
 
 }  // namespace twinattn

@@ -45,7 +45,7 @@ void check_shape(const char* argument, const int64_t* shape, const Dim* expected
     std::string wanted = "(";
     for (int axis = 0; axis < rank; ++axis)
         wanted += (axis ? ", " : "") + dim_string(expected[axis]);
-    wanted += ")";
+    wanted += rank == 1 ? ",)" : ")";
     fail(std::string(argument) + ": expected shape " + wanted + ", got " +
          shape_string(shape, rank));
 }
@@ -134,6 +134,23 @@ std::string number_string(float value) {
     return text.str();
 }
 
+// Every element of a float32 vector (rank 1) or matrix (rank 2) finite; names the first that is
+// not, e.g. "sinks: expected finite values, got sinks[3]=nan".
+void check_finite_values(const char* argument, const float* data, const int64_t* shape,
+                         const int64_t* stride, int rank) {
+    const int64_t rows = rank == 2 ? shape[0] : 1, columns = shape[rank - 1];
+    for (int64_t row = 0; row < rows; ++row)
+        for (int64_t column = 0; column < columns; ++column) {
+            const float value =
+                data[(rank == 2 ? row * stride[0] : 0) + column * stride[rank - 1]];
+            if (std::isfinite(value)) continue;
+            const std::string index = rank == 2 ? std::to_string(row) + ", " + std::to_string(column)
+                                                : std::to_string(column);
+            fail(std::string(argument) + ": expected finite values, got " + argument + "[" + index +
+                 "]=" + number_string(value));
+        }
+}
+
 }  // namespace
 
 // The order of the checks, and every message, is the same in problem.rs.
@@ -180,9 +197,11 @@ void check_problem(const AttentionProblem& p) {
     check_unit_last_stride("out", "Dv", p.out.shape, p.out.stride);
 
     // 4. Per-sequence lengths and positions (the C++ views carry no length: B entries each).
-    if (batch > 0 && p.causal && p.q_offset == nullptr)
+    const bool uses_positions = p.causal || p.window_left >= 0 || p.window_right >= 0 ||
+                                p.alibi_slopes.data != nullptr;
+    if (batch > 0 && uses_positions && p.q_offset == nullptr)
         fail("q_offset: expected one offset per sequence (B=" + std::to_string(batch) +
-             ") when causal, got none");
+             ") when causal, windowed or with ALiBi, got none");
     for (int64_t seq = 0; p.kv_lens != nullptr && seq < batch; ++seq)
         if (p.kv_lens[seq] < 0 || p.kv_lens[seq] > key_len)
             fail("kv_lens: expected values in [0, Lk=" + std::to_string(key_len) + "], got kv_lens[" +
@@ -196,7 +215,28 @@ void check_problem(const AttentionProblem& p) {
     if (!std::isfinite(p.scale))
         fail("scale: expected a finite number, got " + number_string(p.scale));
 
-    // 6. Outputs: every element written once, by one thread, never read as input.
+    // 6. Variants: window sides, softcap, ALiBi slopes (B, Hq) and sinks (Hq,), all finite.
+    if (p.window_left < -1)
+        fail("window_left: expected an int >= -1 (-1: unbounded), got " +
+             std::to_string(p.window_left));
+    if (p.window_right < -1)
+        fail("window_right: expected an int >= -1 (-1: unbounded), got " +
+             std::to_string(p.window_right));
+    if (!std::isfinite(p.softcap) || p.softcap < 0.0f)
+        fail("softcap: expected a finite number >= 0 (0: off), got " + number_string(p.softcap));
+    if (p.alibi_slopes.data != nullptr) {
+        const Dim slope_dims[2] = {b, hq};
+        check_shape("alibi_slopes", p.alibi_slopes.shape, slope_dims, 2);
+        check_finite_values("alibi_slopes", p.alibi_slopes.data, p.alibi_slopes.shape,
+                            p.alibi_slopes.stride, 2);
+    }
+    if (p.sinks.data != nullptr) {
+        const Dim sink_dims[1] = {hq};
+        check_shape("sinks", p.sinks.shape, sink_dims, 1);
+        check_finite_values("sinks", p.sinks.data, p.sinks.shape, p.sinks.stride, 1);
+    }
+
+    // 7. Outputs: every element written once, by one thread, never read as input.
     check_distinct_elements("out", p.out.shape, p.out.stride, 4);
     if (p.lse.data != nullptr) check_distinct_elements("lse", p.lse.shape, p.lse.stride, 3);
     const Extent out = extent(p.out.data, p.out.shape, p.out.stride, 4, 4);
@@ -211,6 +251,13 @@ void check_problem(const AttentionProblem& p) {
         {"k", extent(p.k.data, p.k.shape, p.k.stride, 4, 4)},
         {"v", extent(p.v.data, p.v.shape, p.v.stride, 4, 4)},
         {"mask", mask},
+        {"alibi_slopes", p.alibi_slopes.data != nullptr
+                             ? extent(p.alibi_slopes.data, p.alibi_slopes.shape,
+                                      p.alibi_slopes.stride, 2, 4)
+                             : Extent{true, 0, 0}},
+        {"sinks", p.sinks.data != nullptr
+                      ? extent(p.sinks.data, p.sinks.shape, p.sinks.stride, 1, 4)
+                      : Extent{true, 0, 0}},
         {"lse", lse}};
     const std::pair<const char*, Extent> outputs[] = {{"out", out}, {"lse", lse}};
     for (const auto& output : outputs)

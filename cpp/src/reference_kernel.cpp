@@ -5,22 +5,28 @@
 //   q   (B, Hq,  Lq, D)      k (B, Hkv, Lk, D)      v (B, Hkv, Lk, Dv)
 //   out (B, Hq,  Lq, Dv)     lse (B, Hq, Lq)        mask (B, Hq, Lq, Lk)
 //   q_offset (B,), kv_lens (B,); query head h reads KV head h / (Hq / Hkv).
+//   alibi_slopes (B, Hq), sinks (Hq,) when given.
 //
-// For each query row i of sequence b, head h:
+// For each query row i of sequence b, head h, at position p = q_offset[b] + i:
 //   1. select the visible keys and score them: key j is visible iff j < kv_len[b], and
-//      (not causal or j <= q_offset[b] + i), and (bool mask[b,h,i,j] or no bool mask), and its
-//      float bias is not -inf; score_j = scale * (q_i . k_j) + bias_ij.
-//   2. row_max = max_j score_j (NaN when any score is NaN).
-//   3. e_j = exp(score_j - row_max), row_sum = sum_j e_j.
+//      (not causal or j <= p), and (window_left < 0 or j >= p - window_left), and
+//      (window_right < 0 or j <= p + window_right), and (bool mask[b,h,i,j] or no bool mask),
+//      and its float bias is not -inf; score_j = scale * (q_i . k_j), then
+//      softcap * tanh(score_j / softcap) when softcap > 0, then - slope[b,h] * |p - j| (ALiBi),
+//      then + bias_ij.
+//   2. row_max = max(sink[h], max_j score_j) (sink = -inf without sinks; NaN when any score is
+//      NaN).
+//   3. e_j = exp(score_j - row_max), row_sum = exp(sink[h] - row_max) + sum_j e_j.
 //   4. normalise: p_j = e_j / row_sum.
 //   5. out_i = sum_j p_j v_j, lse_i = row_max + log(row_sum) (+inf when row_max is +inf).
 // Only visible keys are ever touched after pass 1 (and k_j is read in pass 1 only once j has
-// passed the position, length and mask tests), so hidden keys cannot contribute, not even as
-// 0 * NaN. A key whose score is -inf (bias, or inf in q or k) is left out like a hidden one. A
-// row with no visible key gets out = 0 and lse = -inf. Non-finite inputs at visible positions
-// propagate as in twinattn/reference.py: a NaN score makes the row's out and lse NaN; a +inf
-// score makes out NaN (inf / inf) and lse +inf; NaN or inf in v reaches the columns it is in.
-// Everything after the loads is computed in double, as in the seeds.
+// passed the position, length, window and mask tests), so hidden keys cannot contribute, not
+// even as 0 * NaN. A key whose score is -inf (bias, or inf in q or k) is left out like a hidden
+// one. A row with no visible key gets out = 0 and lse = sink[h] (-inf without sinks).
+// Non-finite inputs at visible positions propagate as in twinattn/reference.py: a NaN score
+// makes the row's out and lse NaN; a +inf score makes out NaN (inf / inf) and lse +inf; NaN or
+// inf in v reaches the columns it is in. Everything after the loads is computed in double, as
+// in the seeds.
 #include "twinattn/reference_kernel.hpp"
 
 #include <algorithm>
@@ -52,13 +58,22 @@ int64_t kv_len_of(const AttentionProblem& p, int64_t b) {
     return p.kv_lens != nullptr ? p.kv_lens[b] : p.k.shape[2];
 }
 
-// One past the last key row i of sequence b may see by length and position.
-int64_t key_end_of(const AttentionProblem& p, int64_t b, int64_t i) {
-    const int64_t kv_len = kv_len_of(p, b);
-    if (!p.causal) return kv_len;
-    // q_offset[b] >= kv_len sees every key; otherwise the sum cannot overflow.
-    if (p.q_offset[b] >= kv_len) return kv_len;
-    return std::min(kv_len, p.q_offset[b] + i + 1);
+// 128-bit arithmetic (GCC and Clang): q_offset may be any int64 when not causal.
+__extension__ typedef __int128 int128;
+
+// The absolute position q_offset[b] + i of row i (exact: no int64 overflow).
+int128 position_of(const AttentionProblem& p, int64_t b, int64_t i) {
+    return static_cast<int128>(p.q_offset[b]) + i;
+}
+
+// Whether key j < kv_len[b] is visible to row i by position (causal and window).
+bool in_window(const AttentionProblem& p, int64_t b, int64_t i, int64_t j) {
+    if (!p.causal && p.window_left < 0 && p.window_right < 0) return true;
+    const int128 position = position_of(p, b, i);
+    if (p.causal && j > position) return false;
+    if (p.window_left >= 0 && j < position - p.window_left) return false;
+    if (p.window_right >= 0 && j > position + p.window_right) return false;
+    return true;
 }
 
 void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowScratch& scratch) {
@@ -74,8 +89,15 @@ void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowS
     // 1. Select the visible keys and score them.
     std::vector<VisibleKey>& visible = scratch.visible;
     visible.clear();  // keeps capacity: no allocation here
-    const int64_t key_end = key_end_of(p, b, i);
-    for (int64_t j = 0; j < key_end; ++j) {
+    const int64_t kv_len = kv_len_of(p, b);
+    const double softcap = p.softcap;
+    const double slope = p.alibi_slopes.data == nullptr
+                             ? 0.0
+                             : p.alibi_slopes.data[b * p.alibi_slopes.stride[0] +
+                                                   h * p.alibi_slopes.stride[1]];
+    const double sink = p.sinks.data == nullptr ? kNegInf : p.sinks.data[h * p.sinks.stride[0]];
+    for (int64_t j = 0; j < kv_len; ++j) {
+        if (!in_window(p, b, i, j)) continue;
         double bias = 0.0;
         const int64_t mask_index = mask_row + j * p.mask.stride[3];
         if (p.mask.kind == MaskKind::Bool) {
@@ -89,7 +111,13 @@ void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowS
         double dot = 0.0;
         for (int64_t d = 0; d < head_dim; ++d)
             dot += static_cast<double>(q_row[d]) * static_cast<double>(k_row[d]);
-        const double score = static_cast<double>(p.scale) * dot + bias;
+        double score = static_cast<double>(p.scale) * dot;
+        if (softcap > 0.0) score = softcap * std::tanh(score / softcap);
+        if (p.alibi_slopes.data != nullptr) {
+            const int128 distance = position_of(p, b, i) - j;
+            score -= slope * static_cast<double>(distance < 0 ? -distance : distance);
+        }
+        score += bias;
         if (score == kNegInf) continue;  // an all-(-inf) row ends up with no visible key
         visible.push_back(VisibleKey{j, score});
     }
@@ -99,17 +127,17 @@ void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowS
                      : p.lse.data + b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2];
     if (visible.empty()) {
         for (int64_t d = 0; d < value_dim; ++d) out_row[d] = 0.0f;
-        if (lse != nullptr) *lse = -std::numeric_limits<float>::infinity();
+        if (lse != nullptr) *lse = static_cast<float>(sink);  // -inf without sinks
         return;
     }
 
-    // 2. Row max.
-    double row_max = kNegInf;
+    // 2. Row max (the sink is a key without a value).
+    double row_max = sink;
     for (const VisibleKey& key : visible)  // NaN-propagating: a NaN score stays the row max
         if (row_max == row_max && (key.score != key.score || key.score > row_max)) row_max = key.score;
 
     // 3. Exponentiate and sum.
-    double row_sum = 0.0;
+    double row_sum = sink == kNegInf ? 0.0 : std::exp(sink - row_max);
     for (VisibleKey& key : visible) {
         key.score = std::exp(key.score - row_max);  // <= 1: no large positive exponentials
         row_sum += key.score;

@@ -34,6 +34,11 @@ struct VecAvx2 {
     static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
     static Reg sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
     static Reg max(Reg a, Reg b) { return _mm256_max_ps(a, b); }
+    static Reg div(Reg a, Reg b) { return _mm256_div_ps(a, b); }
+    // Per lane a < b ? x : y (y when a or b is NaN).
+    static Reg select_less(Reg a, Reg b, Reg x, Reg y) {
+        return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ));
+    }
 
     // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0, NaN gives NaN (maxps returns
     // its second operand, x, when either is NaN: a NaN score reaches the row sum).

@@ -32,6 +32,11 @@ struct VecAvx512 {
     static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
     static Reg sub(Reg a, Reg b) { return _mm512_sub_ps(a, b); }
     static Reg max(Reg a, Reg b) { return _mm512_max_ps(a, b); }
+    static Reg div(Reg a, Reg b) { return _mm512_div_ps(a, b); }
+    // Per lane a < b ? x : y (y when a or b is NaN).
+    static Reg select_less(Reg a, Reg b, Reg x, Reg y) {
+        return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x);
+    }
 
     // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0, NaN gives NaN (maxps returns
     // its second operand, x, when either is NaN: a NaN score reaches the row sum).

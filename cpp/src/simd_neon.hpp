@@ -52,6 +52,12 @@ struct VecNeon {
     // speed, exp2's clamp for passing NaN on); vmaxq_f32 would differ in the NaN and -0 cases.
     static float32x4_t max4(float32x4_t a, float32x4_t b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
     static Reg max(Reg a, Reg b) { return Reg{max4(a.lo, b.lo), max4(a.hi, b.hi)}; }
+    static Reg div(Reg a, Reg b) { return Reg{vdivq_f32(a.lo, b.lo), vdivq_f32(a.hi, b.hi)}; }
+    // Per lane a < b ? x : y (y when a or b is NaN).
+    static Reg select_less(Reg a, Reg b, Reg x, Reg y) {
+        return Reg{vbslq_f32(vcltq_f32(a.lo, b.lo), x.lo, y.lo),
+                   vbslq_f32(vcltq_f32(a.hi, b.hi), x.hi, y.hi)};
+    }
 
     // 2^x for x <= 0 (constants.hpp, "exp2"); -inf gives exactly 0, NaN gives NaN (as AVX2).
     static float32x4_t exp2_4(float32x4_t x) {

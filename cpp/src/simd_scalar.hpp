@@ -71,6 +71,18 @@ struct VecScalar {
         return r;
     }
 
+    static Reg div(Reg a, Reg b) {
+        Reg r;
+        for (int i = 0; i < kWidth; ++i) r.lane[i] = a.lane[i] / b.lane[i];
+        return r;
+    }
+    // Per lane a < b ? x : y (y when a or b is NaN).
+    static Reg select_less(Reg a, Reg b, Reg x, Reg y) {
+        Reg r;
+        for (int i = 0; i < kWidth; ++i) r.lane[i] = a.lane[i] < b.lane[i] ? x.lane[i] : y.lane[i];
+        return r;
+    }
+
     static float exp2_lane(float x_in) {
         const float x = x_in >= kExp2Min ? x_in : kExp2Min;  // NaN too (no float-to-int of NaN)
         int32_t whole = static_cast<int32_t>(x);  // rounds toward zero: floor for x <= 0 is

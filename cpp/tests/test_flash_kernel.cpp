@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "dispatch.hpp"
 #include "thread_pool.hpp"
 #include "twinattn/constants.hpp"
 #include "twinattn/flash_attention.hpp"
@@ -49,14 +50,23 @@ struct Case {
     bool nan_in_hidden = false;  // NaN in keys / values past kv_len and in the causal future
     int threads = 2;
     uint32_t seed = 1;
+    // Variants (issue 13): window sides, softcap, per-(b, h) ALiBi slopes, per-head sinks, and a
+    // multiplier of the scale (large scores for softcap).
+    int64_t window_left = -1, window_right = -1;
+    float softcap = 0.0f;
+    bool alibi = false, sinks = false;
+    float scale_multiplier = 1.0f;
 };
 
 std::string describe(const Case& c) {
     char text[256];
     std::snprintf(text, sizeof text,
-                  "B=%lld Hq=%lld Hkv=%lld Lq=%lld Lk=%lld D=%lld Dv=%lld causal=%d mask=%d strided=%d nan=%d threads=%d",
+                  "B=%lld Hq=%lld Hkv=%lld Lq=%lld Lk=%lld D=%lld Dv=%lld causal=%d mask=%d strided=%d nan=%d threads=%d "
+                  "window=(%lld,%lld) softcap=%g alibi=%d sinks=%d scale*=%g",
                   (long long)c.B, (long long)c.Hq, (long long)c.Hkv, (long long)c.Lq, (long long)c.Lk,
-                  (long long)c.D, (long long)c.Dv, c.causal, int(c.mask), c.strided, c.nan_in_hidden, c.threads);
+                  (long long)c.D, (long long)c.Dv, c.causal, int(c.mask), c.strided, c.nan_in_hidden, c.threads,
+                  (long long)c.window_left, (long long)c.window_right, c.softcap, c.alibi, c.sinks,
+                  c.scale_multiplier);
     return text;
 }
 
@@ -94,6 +104,7 @@ struct Inputs {
     std::vector<unsigned char> bool_mask;
     std::vector<float> bias;
     int64_t mask_stride[4] = {0, 0, 0, 0};
+    std::vector<float> slopes, sinks;  // (B, Hq), (Hq,)
 
     explicit Inputs(const Case& cs)
         : c(cs), q(cs.B, cs.Hq, cs.Lq, cs.D, cs.strided), k(cs.B, cs.Hkv, cs.Lk, cs.D, cs.strided),
@@ -109,13 +120,19 @@ struct Inputs {
             for (int64_t b = 0; b < cs.B; ++b) q_offset.push_back(std::max<int64_t>(0, kv_lens[b] - cs.Lq));
         if (cs.nan_in_hidden)
             for (int64_t b = 0; b < cs.B; ++b) {
-                // Past kv_len, and past the last query's position when causal.
+                // Past kv_len, past the last query's position when causal or past its window,
+                // and before the first query's window.
                 int64_t first_hidden = kv_lens[b];
                 if (cs.causal) first_hidden = std::min(first_hidden, q_offset[b] + cs.Lq);
+                if (cs.window_right >= 0)
+                    first_hidden = std::min(first_hidden, q_offset[b] + cs.Lq + cs.window_right);
+                const int64_t last_hidden = cs.window_left >= 0 ? q_offset[b] - cs.window_left : 0;
                 for (int64_t g = 0; g < cs.Hkv; ++g)
-                    for (int64_t j = std::max<int64_t>(first_hidden, 0); j < cs.Lk; ++j) {
-                        for (int64_t d = 0; d < cs.D; ++d) k.at(b, g, j, d) = kNaN;
-                        for (int64_t d = 0; d < cs.Dv; ++d) v.at(b, g, j, d) = kNaN;
+                    for (int64_t j = 0; j < cs.Lk; ++j) {
+                        if (j >= std::max<int64_t>(first_hidden, 0) || j < last_hidden) {
+                            for (int64_t d = 0; d < cs.D; ++d) k.at(b, g, j, d) = kNaN;
+                            for (int64_t d = 0; d < cs.Dv; ++d) v.at(b, g, j, d) = kNaN;
+                        }
                     }
             }
         const int64_t count = cs.B * cs.Hq * cs.Lq * cs.Lk;
@@ -133,6 +150,14 @@ struct Inputs {
             const int64_t broadcast[4] = {0, 0, 0, 1};
             std::copy(broadcast, broadcast + 4, mask_stride);
         }
+        if (cs.alibi) {  // distinct slopes per (b, h), as 2^(-8 h / Hq) scaled per sequence
+            for (int64_t b = 0; b < cs.B; ++b)
+                for (int64_t h = 0; h < cs.Hq; ++h)
+                    slopes.push_back(std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(cs.Hq)) *
+                                     (1.0f + 0.25f * static_cast<float>(b)));
+        }
+        if (cs.sinks)
+            for (int64_t h = 0; h < cs.Hq; ++h) sinks.push_back(2.0f * uniform(rng) + 0.5f);
     }
 
     AttentionProblem problem(Storage& out, std::vector<float>& lse) const {
@@ -149,7 +174,12 @@ struct Inputs {
         if (!bias.empty()) p.mask = MaskView{MaskKind::Float, bias.data(), {}};
         std::copy(mask_stride, mask_stride + 4, p.mask.stride);
         p.causal = c.causal;
-        p.scale = 1.0f / std::sqrt(static_cast<float>(std::max<int64_t>(c.D, 1)));
+        p.scale = c.scale_multiplier / std::sqrt(static_cast<float>(std::max<int64_t>(c.D, 1)));
+        p.window_left = c.window_left;
+        p.window_right = c.window_right;
+        p.softcap = c.softcap;
+        if (c.alibi) p.alibi_slopes = ParamView2{slopes.data(), {c.B, c.Hq}, {c.Hq, 1}};
+        if (c.sinks) p.sinks = ParamView1{sinks.data(), {c.Hq}, {1}};
         return p;
     }
 };
@@ -305,6 +335,55 @@ std::vector<Case> contract_cases() {
         cases.push_back(c);
         c.Lq = 256, c.Lk = 1256, c.Hq = 4;
         cases.push_back(c);
+    }
+    // Variants (issue 13): windows straddling key blocks (256), panels (32) and split-key chunks
+    // (1024), with NaN in every key outside the windows; empty windows (past the end, before
+    // the start, negative offsets); softcap with large scores; ALiBi; sinks on both paths,
+    // including split-key decode with several chunks; and all of them together.
+    {
+        struct Window { int64_t left, right; };
+        const Window windows[] = {{-1, -1}, {0, 0}, {5, -1}, {100, 0}, {255, 1}, {300, 40}, {-1, 7}, {1023, 0}, {1500, 2000}};
+        int64_t i = 0;
+        for (const Window& w : windows)
+            for (int64_t lq : {1, 4, 40, 130})
+                for (bool causal : {false, true}) {
+                    ++i;
+                    Case c;
+                    c.B = 2, c.Hq = 4, c.Hkv = 2, c.Lq = lq, c.Lk = 2600, c.D = 40, c.Dv = 24, c.causal = causal;
+                    c.kv_lens = {2600, 1900};
+                    c.window_left = w.left, c.window_right = w.right;
+                    c.nan_in_hidden = true;
+                    c.q_offset = {i % 3 == 0 ? 700 : 2600 - lq, causal ? 1000 : (i % 2 ? -50 : 1900 - lq)};
+                    c.alibi = i % 4 == 1;
+                    c.sinks = i % 3 == 1;
+                    c.softcap = i % 5 == 2 ? 4.0f : 0.0f;
+                    c.scale_multiplier = c.softcap > 0 ? 20.0f : 1.0f;
+                    c.mask = i % 7 == 3 ? Mask::Float : i % 7 == 5 ? Mask::Bool : Mask::None;
+                    if (c.mask != Mask::None) c.nan_in_hidden = false;
+                    cases.push_back(c);
+                }
+        // Empty windows: a window past kv_len, before key 0, all rows; with and without sinks.
+        for (bool sinks : {false, true})
+            for (int64_t lq : {1, 60}) {
+                Case c;
+                c.B = 2, c.Hq = 2, c.Hkv = 1, c.Lq = lq, c.Lk = 300, c.D = 16, c.Dv = 8, c.sinks = sinks;
+                c.window_left = 10, c.window_right = 5;
+                c.q_offset = {400, -100};
+                cases.push_back(c);
+            }
+        // Softcap alone with very large scores, both paths; ALiBi alone; sinks on a 3-chunk decode.
+        for (int64_t lq : {1, 64}) {
+            Case c;
+            c.Hq = 4, c.Hkv = 4, c.Lq = lq, c.Lk = 3000, c.D = 64, c.Dv = 64, c.causal = true;
+            c.softcap = 30.0f, c.scale_multiplier = 200.0f;
+            cases.push_back(c);
+            c.softcap = 0.0f, c.scale_multiplier = 1.0f, c.alibi = true;
+            cases.push_back(c);
+            c.alibi = false, c.sinks = true;
+            cases.push_back(c);
+            c.alibi = true, c.softcap = 50.0f, c.window_left = 1000;
+            cases.push_back(c);
+        }
     }
     // Empty axes and degenerate sizes.
     for (auto dims : {std::vector<int64_t>{0, 2, 4, 8}, {1, 0, 4, 8}, {1, 2, 0, 8}, {1, 2, 4, 0}}) {
@@ -533,8 +612,78 @@ void test_rejects_bad_problems() {
 
 }  // namespace
 
+// The vectorised tanh of softcap alone, on every instruction set, against std::tanh in double:
+// 2e6 points over [-1e4, 1e4] (dense near 0 and around kTanhSmall, where the branches meet),
+// denormals, +-0, +-inf and NaN. Bound: 3e-7 relative (the measured worst is about 2 ulp,
+// 1.9e-7, in the exp2 branch; a wrong coefficient or branch is off by >= 1e-6), exact for
+// denormals (a^3 underflows: tanh(x) = x), +-1 at +-inf, NaN for NaN.
+void test_tanh_every_isa() {
+    std::vector<float> inputs;
+    for (int n = -1000000; n <= 1000000; ++n) {
+        const double t = n / 1e6;  // dense near 0: x = 1e4 * t^3, plus a uniform sweep of [-2, 2]
+        inputs.push_back(static_cast<float>(1e4 * t * t * t));
+        inputs.push_back(static_cast<float>(2.0 * t));
+    }
+    for (float x : {0.0f, -0.0f, 1e-45f, -1e-45f, 1e-40f, -3e-39f, 1.17549435e-38f, 1e-30f, 1e-4f,
+                    0.625f, std::nextafter(0.625f, 1.0f), std::nextafter(0.625f, 0.0f), 9.0f,
+                    44.0f, 88.0f, 1e4f, -1e4f, 3e38f, -3e38f, kInf, -kInf, kNaN})
+        inputs.push_back(x);
+    while (inputs.size() % 16 != 0) inputs.push_back(0.5f);
+    for (const std::string& isa : available_isas()) {
+        set_isa(isa);
+        std::vector<float> values = inputs;
+        current_kernels().tanh_values(values.data(), static_cast<int64_t>(values.size()));
+        double worst = 0.0;
+        int reported = 0;
+        for (size_t n = 0; n < inputs.size(); ++n) {
+            const float x = inputs[n], t = values[n];
+            const double expected = std::tanh(static_cast<double>(x));
+            bool ok;
+            if (std::isnan(x)) ok = std::isnan(t);
+            else if (std::fabs(x) < 1.17549435e-38f) ok = t == x;  // denormal or zero: exact
+            else {
+                const double error = std::fabs(t - expected) / std::fabs(expected);
+                worst = std::max(worst, error);
+                ok = error <= 3e-7;
+            }
+            if (!ok && reported++ < 5) {
+                std::fprintf(stderr, "[%s] tanh(%.9g) = %.9g, expected %.9g\n", isa.c_str(), x, t, expected);
+                ++twinattn_test::failures;
+            }
+        }
+        std::printf("%s: tanh worst relative error %.3g over %zu inputs\n", isa.c_str(), worst, inputs.size());
+    }
+    set_isa(available_isas().front());
+}
+
+// A denormal softcap: scale / softcap overflows float32; a zero in q must still give a finite
+// score (tanh saturates), as in the reference, not 0 * inf = NaN. One query row against three
+// keys, on every instruction set and both paths (1 and 60 packed rows).
+void test_denormal_softcap() {
+    for (int64_t lq : {1, 60}) {
+        Case c;
+        c.Lq = lq, c.Lk = 3, c.D = 2, c.Dv = 2, c.softcap = 1e-40f;
+        Inputs in(c);
+        for (int64_t i = 0; i < lq; ++i) in.q.at(0, 0, i, 0) = 0.0f;  // q = (0, x): 0 * multiplier
+        for (const std::string& isa : available_isas()) {
+            set_isa(isa);
+            const Result expected = run(in, false, 1);
+            const Result actual = run(in, true, 2);
+            for (size_t n = 0; n < expected.out.data.size(); ++n)
+                if (!near(actual.out.data[n], expected.out.data[n])) {
+                    std::fprintf(stderr, "[%s] denormal softcap lq=%lld: out[%zu] = %.9g, expected %.9g\n",
+                                 isa.c_str(), (long long)lq, n, actual.out.data[n], expected.out.data[n]);
+                    ++twinattn_test::failures;
+                }
+        }
+    }
+    set_isa(available_isas().front());
+}
+
 int main() {
     test_dispatch();
+    test_denormal_softcap();
+    test_tanh_every_isa();
     test_thread_pool();
     test_rejects_bad_problems();
     test_every_isa_against_reference();

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Iterable
 
@@ -40,3 +41,49 @@ def elements_overlap(a: np.ndarray) -> bool:
             return True
         reach += (length - 1) * step
     return False
+
+
+def window_size(value: object) -> tuple[int, int]:
+    """window_size=(left, right): a pair of ints each >= -1 (-1 = unbounded on that side)."""
+    if type(value) is tuple and len(value) == 2 and type(value[0]) is int and type(value[1]) is int:
+        left, right = value  # the common case, without the ABC checks below
+    else:
+        if not isinstance(value, (tuple, list)) or len(value) != 2:
+            raise TypeError(f"window_size: expected a pair (left, right) of ints, got {value!r}")
+        for side in value:
+            if isinstance(side, (bool, np.bool_)) or not isinstance(side, numbers.Integral):
+                raise TypeError(f"window_size: expected a pair (left, right) of ints, got {type(side).__name__} in {value!r}")
+        left, right = int(value[0]), int(value[1])
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size: expected each side >= -1 (-1 = unbounded), got ({left}, {right})")
+    return left, right
+
+
+def softcap(value: object) -> float:
+    """softcap: a finite real number >= 0 (0 = off)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"softcap: expected a float, got {type(value).__name__}")
+    result = float(value)
+    if not math.isfinite(result) or result < 0:
+        raise ValueError(f"softcap: expected a finite float >= 0 (0 = off), got {result}")
+    return result
+
+
+def per_head_floats(name: str, value: object, shapes: tuple[tuple[int, ...], ...], shape_text: str, dtype: np.dtype) -> np.ndarray:
+    """alibi_slopes / sinks: a float32 array (float64 too when the problem is float64) of one of
+    `shapes`, every value finite. Nothing is cast silently."""
+    if not isinstance(value, np.ndarray):
+        if not hasattr(value, "__array__"):
+            raise TypeError(f"{name}: expected a float32 numpy array of shape {shape_text}, got {type(value).__name__}")
+        value = np.asarray(value)
+    if value.dtype != np.float32 and not (dtype == np.float64 and value.dtype == np.float64):
+        raise TypeError(
+            f"{name}: expected float32 of shape {shape_text}, got {value.dtype}; convert with {name}.astype(np.float32)"
+        )
+    if value.shape not in shapes:
+        raise ValueError(f"{name}: expected shape {shape_text}, got {shape_str(value.shape)}")
+    finite = np.isfinite(value)
+    if not finite.all():
+        where = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise ValueError(f"{name}: expected finite values, got {name}[{', '.join(map(str, where))}]={value[where]}")
+    return value

@@ -2,7 +2,7 @@
 
 Hand-written from docs/native_api.md; `python -m mypy.stubtest twinattn._cpp twinattn._rust`
 (run by scripts/test.sh) checks them against the built module. Both native modules expose the
-same four functions with the same signatures, and raise the same exceptions with the same
+same five functions with the same signatures, and raise the same exceptions with the same
 messages (docs/native_api.md lists them; tests/test_port_parity.py compares the two), so
 _cpp.pyi and _rust.pyi differ only in this docstring and __all__.
 """
@@ -15,11 +15,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 # PyO3 lists the module's functions in __all__ (pybind11 does not, so _cpp.pyi has none)
-__all__ = ["attention_forward", "attention_reference", "build_info", "set_isa"]
+__all__ = ["attention_forward", "attention_reference", "build_info", "set_isa", "softcap_tanh"]
 
 # float32 (B, H, L, D) tensors; (B, Hq, Lq) for lse; int64 (B,) for q_offset and kv_lens
 _F32: TypeAlias = NDArray[np.float32]
 _I64: TypeAlias = NDArray[np.int64]
+# float32 (B, Hq) ALiBi slopes (any strides: a (Hq,) vector as a stride-0 view) and (Hq,) sinks
 # bool (True = may attend) or float32 additive bias, shape exactly (B, Hq, Lq, Lk)
 _Mask: TypeAlias = NDArray[np.bool_] | NDArray[np.float32]
 
@@ -35,6 +36,11 @@ def attention_forward(
     causal: bool,
     scale: float,
     num_threads: int,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: _F32 | None,
+    sinks: _F32 | None,
 ) -> None:
     """Exact attention into out (and lse) with the fast kernel and the ISA in use (set_isa)."""
 
@@ -50,8 +56,16 @@ def attention_reference(
     causal: bool,
     scale: float,
     num_threads: int,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: _F32 | None,
+    sinks: _F32 | None,
 ) -> None:
     """As attention_forward, computed by the plain scalar reference kernel (for tests)."""
+
+def softcap_tanh(x: _F32) -> _F32:
+    """tanh of a float32 vector with the fast kernel's vectorised tanh (softcap), for tests."""
 
 def set_isa(name: str) -> None:
     """Switches the instruction set among build_info()["isa_available"]; ValueError otherwise."""

@@ -18,6 +18,7 @@ from numpy.typing import ArrayLike
 
 from . import reference
 from ._backends import native_module, resolve_backend
+from . import _checks
 from ._checks import count, elements_overlap, shape_str
 from ._threads import get_num_threads
 
@@ -51,6 +52,7 @@ _FLOAT32 = np.dtype(np.float32)
 # the smallest magnitude that rounds to inf in float32 (half an ulp above its largest finite value)
 _FLOAT32_OVERFLOW = 2.0**128 * (1 - 2.0**-25)
 _filled_cache: dict[tuple[int, int], np.ndarray] = {}
+_NO_WINDOW = (-1, -1)
 
 
 def _resolve(backend: object) -> str:
@@ -160,6 +162,10 @@ def attention(
     out: np.ndarray | None = None,
     backend: str = "auto",
     num_threads: int | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
 ) -> np.ndarray: ...
 
 
@@ -178,6 +184,10 @@ def attention(
     out: np.ndarray | None = None,
     backend: str = "auto",
     num_threads: int | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
@@ -196,6 +206,10 @@ def attention(
     out: np.ndarray | None = None,
     backend: str = "auto",
     num_threads: int | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
 ) -> Result: ...
 
 
@@ -213,8 +227,13 @@ def attention(
     out: np.ndarray | None = None,
     backend: str = "auto",
     num_threads: int | None = None,
+    window_size: tuple[int, int] = _NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
 ) -> Result:
-    """Exact scaled-dot-product attention on the CPU: softmax(scale * q k^T + bias) v.
+    """Exact scaled-dot-product attention on the CPU: softmax(scale * q k^T + bias) v, with the
+    variants current models use (sliding window, logit softcapping, ALiBi, attention sinks).
 
     Every backend gets the same checked arguments and gives the same result within float32
     rounding (the cpp and rust backends bit for bit); the whole contract is in docs/contract.md.
@@ -234,10 +253,13 @@ def attention(
     causal : bool, default False
         Key j is visible to query row i of sequence b only if j <= q_offset[b] + i.
     q_offset : None, int or int array of shape (B,), default None
-        Absolute position of query row 0 of each sequence (keys sit at positions 0, 1, ...);
-        non-negative. None means bottom-right alignment, q_offset[b] = kv_lens[b] - Lq: the
-        queries are the last Lq positions of the sequence, as when decoding after a KV cache.
-        Used only with causal=True. For a right-padded batch of prompts pass q_offset=0.
+        Absolute position of query row 0 of each sequence (keys sit at positions 0, 1, ...):
+        row i sits at p = q_offset[b] + i. None means bottom-right alignment, q_offset[b] =
+        kv_lens[b] - Lq: the queries are the last Lq positions of the sequence, as when
+        decoding after a KV cache. Used only with causal=True, a window_size other than
+        (-1, -1) or alibi_slopes. Non-negative, except without causal once window_size or
+        alibi_slopes is given: then a negative value (the default's too) is used as it is.
+        For a right-padded batch of prompts pass q_offset=0.
     kv_lens : None, int or int array of shape (B,), default None
         Number of valid keys of each sequence, 0 <= kv_lens[b] <= Lk; None means Lk. Keys
         j >= kv_lens[b] are padding: never read, whatever they hold.
@@ -249,7 +271,9 @@ def attention(
         Factor applied to q k^T; None (the default) means 1 / sqrt(D). Must be finite.
     return_lse : bool, default False
         Also return lse, the natural log of each row's softmax denominator:
-        lse[b, h, i] = log(sum over visible j of exp(scale * q_i . k_j + bias_ij)).
+        lse[b, h, i] = log(sum over visible j of exp(s_ij)), s_ij the score described under
+        softcap and alibi_slopes (scale * q_i . k_j + bias_ij without them), plus exp(sinks[h])
+        inside the sum when sinks is given.
     out : numpy.ndarray, optional
         A writeable array of the output's shape and dtype, written in place and returned. It
         must not share memory with q, k, v or attn_mask. Any strides.
@@ -260,13 +284,27 @@ def attention(
         Threads for the native ports (>= 1); None means twinattn.get_num_threads(): the value
         of twinattn.set_num_threads(), else TWINATTN_NUM_THREADS, else the usable cores.
         Results do not depend on it. The numpy backend ignores it.
+    window_size : (int, int), default (-1, -1)
+        (left, right), flash-attn's convention: key j is visible to the query at position p
+        only if p - left <= j <= p + right; -1 means unbounded on that side. With causal=True
+        right is capped at 0. Hugging Face's sliding_window=w is window_size=(w - 1, 0) with
+        causal=True. Keys outside the window are never read: a windowed decode costs O(window).
+    softcap : float, default 0.0
+        When > 0, each score s = scale * q.k becomes softcap * tanh(s / softcap) (Gemma 2),
+        before the ALiBi term and the mask's bias are added. 0 turns it off.
+    alibi_slopes : None or float32 array of shape (Hq,) or (B, Hq), default None
+        ALiBi: adds -alibi_slopes[b, h] * |p - j| to the score of key j for the query at
+        position p (after softcap), by index arithmetic (no bias matrix is built).
+    sinks : None or float32 array of shape (Hq,), default None
+        Attention sinks (gpt-oss): one learned logit per query head, a virtual key of score
+        sinks[h] (not multiplied by scale) that takes softmax mass and carries no value.
 
     Returns
     -------
     out : numpy.ndarray, shape (..., Hq, Lq, Dv), q's rank and dtype
         A row with no visible key is all zeros (masking never produces NaN).
     lse : numpy.ndarray, shape (..., Hq, Lq), only with return_lse=True
-        -inf for a row with no visible key.
+        -inf for a row with no visible key (sinks[h] with sinks).
 
     Raises
     ------
@@ -274,12 +312,15 @@ def attention(
         An argument of the wrong type: q, k, v, attn_mask or out not an array; a dtype other
         than float32 (float64 outside backend="numpy"); q, k and v of different dtypes; an
         integer mask; causal or return_lse not a bool; q_offset, kv_lens or num_threads not
-        ints; scale not a real number; out of the wrong dtype.
+        ints; scale or softcap not a real number; window_size not a pair of ints;
+        alibi_slopes or sinks not float32 arrays; out of the wrong dtype.
     ValueError
         A wrong rank or shape (k, v, attn_mask or out not matching q); Hq not a multiple of
         Hkv; kv_lens outside [0, Lk]; a negative q_offset, or with causal=True a default
         q_offset that comes out negative (Lq > kv_len); a scale that is not finite; num_threads
-        below 1; out read-only or overlapping an input; an unknown backend name.
+        below 1; out read-only or overlapping an input; an unknown backend name; a window side
+        below -1; a softcap that is negative or not finite; alibi_slopes or sinks of the wrong
+        shape or holding a non-finite value.
     BackendUnavailableError
         backend="cpp" or "rust" names a port this installation was built without; the message
         says how to build it.
@@ -288,8 +329,8 @@ def attention(
     -----
     Non-finite values: a NaN or inf in any visible position of q, k, v or a float mask gives
     the same NaN/inf pattern in out and lse as the float64 reference. Positions that are not
-    visible (kv_lens padding, a False bool mask, a -inf bias, keys outside causality) are never
-    read and never matter.
+    visible (kv_lens padding, a False bool mask, a -inf bias, keys outside causality or the
+    window) are never read and never matter.
 
     The native ports release the GIL while they compute; calls from several Python threads at
     once are safe.
@@ -347,6 +388,25 @@ def attention(
         )
     q4, k4, v4 = _unit_last_stride(q4), _unit_last_stride(k4), _unit_last_stride(v4)
 
+    # Variants; at their defaults (the common call) nothing is computed here.
+    window = _NO_WINDOW if window_size is _NO_WINDOW else _checks.window_size(window_size)
+    cap = 0.0 if type(softcap) is float and softcap == 0.0 else _checks.softcap(softcap)
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = _checks.per_head_floats(
+            "alibi_slopes", alibi_slopes, ((q_heads,), (batch, q_heads)), f"(Hq={q_heads},) or (B={batch}, Hq={q_heads})", dtype
+        )
+        slopes = np.broadcast_to(slopes, (batch, q_heads))  # (Hq,): a stride-0 view
+    sink_logits = None
+    if sinks is not None:
+        sink_logits = _checks.per_head_floats("sinks", sinks, ((q_heads,),), f"(Hq={q_heads},)", dtype)
+    windowed = window is not _NO_WINDOW and window != _NO_WINDOW
+    window_left, window_right = window
+    if causal and windowed:
+        window_right = 0  # causality already hides every key right of the query
+    # without causal, a window or ALiBi makes positions matter: the default offset may be negative
+    signed_offsets = not causal and (windowed or slopes is not None)
+
     # Positions and lengths.
     if kv_lens is None:
         lens = _filled(batch, k_len)
@@ -365,13 +425,15 @@ def attention(
                 f"{offsets.tolist()}, which is negative (Lq={q_len} > kv_len); for a right-padded batch "
                 "of prompts pass q_offset=0"
             )
-        if kv_lens is None:
+        if signed_offsets:
+            offsets = _filled(batch, k_len - q_len) if kv_lens is None else lens - q_len
+        elif kv_lens is None:
             offsets = _filled(batch, max(k_len - q_len, 0))
         else:
             offsets = np.maximum(lens - q_len, 0)  # unused without causal; kept valid for the native checks
     else:
         offsets = _per_sequence("q_offset", q_offset, batch)
-        if batch and offsets.min() < 0:
+        if batch and not signed_offsets and offsets.min() < 0:
             raise ValueError(f"q_offset: expected non-negative values, got {offsets.tolist()}")
 
     # Mask, scale, output.
@@ -397,7 +459,8 @@ def attention(
     # Compute.
     if port == "numpy":
         ref_out, ref_lse = reference.attention_reference(
-            q4, k4, v4, causal=bool(causal), q_offset=offsets, kv_lens=lens, mask=mask, scale=scale_value
+            q4, k4, v4, causal=bool(causal), q_offset=offsets, kv_lens=lens, mask=mask, scale=scale_value,
+            window_left=window_left, window_right=window_right, softcap=cap, alibi_slopes=slopes, sinks=sink_logits,
         )
         out4[...] = ref_out
         if lse is not None:
@@ -405,7 +468,8 @@ def attention(
     else:
         target = out4 if value_dim <= 1 or out4.strides[-1] == 4 else np.empty(out4.shape, dtype)
         native_module(port).attention_forward(
-            q4, k4, v4, target, lse, offsets, lens, mask, bool(causal), scale_value, threads
+            q4, k4, v4, target, lse, offsets, lens, mask, bool(causal), scale_value, threads,
+            window_left, window_right, cap, slopes, sink_logits,
         )
         if target is not out4:
             out4[...] = target

@@ -12,6 +12,10 @@ positions; k and v appended to the cache (keys stored rotated, as Hugging Face d
 attention of the new queries over the stored prefix with explicit q_offset (each sequence's
 cache length before the update) and kv_lens (after it), so sequences of different cached lengths
 batch together; out = attention x W_o^T (+ b_o).
+
+The variants of Mistral / Gemma 2 / gpt-oss: sliding_window=w (Hugging Face's meaning: each query
+sees itself and the w - 1 keys before it, window_size=(w - 1, 0) with causal), softcap (attention
+logit softcapping) and sinks=True (a learned per-head logit, state_dict key "sinks", gpt-oss).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 from numpy.typing import ArrayLike
 
+from . import _checks
 from ._checks import count, shape_str
 from ._backends import BACKENDS, native_module, resolve_backend
 from .api import attention
@@ -41,7 +46,13 @@ class Attention:
         k_proj.weight, v_proj.weight (num_kv_heads * head_dim, hidden_size)
         o_proj.weight (hidden_size, num_heads * head_dim)
     and, with bias=True, q_proj.bias ... o_proj.bias (out_features,). They start as torch's
-    Linear does, uniform in +-1/sqrt(in_features); load_state_dict replaces them.
+    Linear does, uniform in +-1/sqrt(in_features); load_state_dict replaces them. With
+    sinks=True there is one more: sinks (num_heads,), gpt-oss's learned per-head logit, starting at 0.
+
+    sliding_window: None, or w >= 1: each query sees itself and the w - 1 keys before it
+    (Hugging Face's sliding_window; Mistral, Gemma 2's local layers). softcap: attention logit
+    softcapping, each score s -> softcap * tanh(s / softcap) (Gemma 2's attn_logit_softcapping;
+    0 = off).
     """
 
     def __init__(
@@ -53,6 +64,9 @@ class Attention:
         bias: bool = False,
         rope: RotaryEmbedding | None = None,
         backend: str = "auto",
+        sliding_window: int | None = None,
+        softcap: float = 0.0,
+        sinks: bool = False,
     ) -> None:
         self.hidden_size = count("hidden_size", hidden_size)
         self.num_heads = count("num_heads", num_heads)
@@ -85,6 +99,11 @@ class Attention:
             native_module(backend)  # a port that is not built fails here, saying how to build it
         self.backend = backend
         self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.sliding_window = None if sliding_window is None else count("sliding_window", sliding_window)
+        self.softcap = _checks.softcap(softcap)
+        if not isinstance(sinks, (bool, np.bool_)):
+            raise TypeError(f"sinks: expected bool, got {type(sinks).__name__}")
+        self.sinks = bool(sinks)
 
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self._shapes: dict[str, tuple[int, ...]] = {
@@ -97,9 +116,14 @@ class Attention:
             self._shapes.update(
                 {"q_proj.bias": (q_out,), "k_proj.bias": (kv_out,), "v_proj.bias": (kv_out,), "o_proj.bias": (self.hidden_size,)}
             )
+        if self.sinks:
+            self._shapes["sinks"] = (self.num_heads,)
         rng = np.random.default_rng()
         self._params: dict[str, np.ndarray] = {}
         for name, shape in self._shapes.items():
+            if name == "sinks":  # a logit of 0 per head until load_state_dict replaces it
+                self._params[name] = np.zeros(shape, np.float32)
+                continue
             fan_in = self._shapes[name.replace(".bias", ".weight")][1]
             bound = 1.0 / math.sqrt(fan_in)
             self._params[name] = rng.uniform(-bound, bound, size=shape).astype(np.float32)
@@ -124,6 +148,7 @@ class Attention:
             raise KeyError(
                 f"state_dict: expected exactly the keys {sorted(self._shapes)}; missing {missing}, unexpected {unexpected}"
                 + ("" if self.bias or not any(k.endswith(".bias") for k in unexpected) else " (construct with bias=True)")
+                + ("" if self.sinks or "sinks" not in unexpected else " (construct with sinks=True)")
             )
         loaded: dict[str, np.ndarray] = {}
         for name, shape in self._shapes.items():
@@ -182,7 +207,10 @@ class Attention:
         attn_mask: passed to twinattn.attention (bool, True = may attend, or a float32 additive
             bias) broadcastable to (B, num_heads, L, S), S the keys attended (the stored prefix with
             a cache); it is applied on top of the causal mask.
-        causal: False for bidirectional attention (an encoder); True (Llama) by default.
+        causal: False for bidirectional attention (an encoder); True (Llama) by default. A module
+            with a sliding_window needs causal=True.
+        With sliding_window=w each query (at its absolute position p) attends to keys p - w + 1 .. p
+        only: a cached decode step reads the last w keys, not the whole cache.
         """
         if not isinstance(hidden_states, np.ndarray):
             raise TypeError(f"hidden_states: expected a numpy array (B, L, hidden_size), got {type(hidden_states).__name__}")
@@ -209,6 +237,11 @@ class Attention:
             raise ValueError("num_new: only meaningful with a cache, got a value and cache=None")
         else:
             layer = 0
+        if self.sliding_window is not None and not causal:
+            raise ValueError(
+                f"causal: a sliding_window={self.sliding_window} attends to the keys before each query "
+                "(window_size=(w - 1, 0) with causal, as Hugging Face); expected causal=True, got False"
+            )
         batch, length, _ = hidden_states.shape
         pos = self._positions(positions, batch, length, cache, layer)
 
@@ -237,6 +270,9 @@ class Attention:
             attn_mask=attn_mask,
             scale=self.scale,
             backend=resolve_backend(self.backend),
+            window_size=(-1, -1) if self.sliding_window is None else (self.sliding_window - 1, 0),
+            softcap=self.softcap,
+            sinks=self._params["sinks"] if self.sinks else None,
         )
 
         # (B, H, L, D) -> (B, L, H * D) -> output projection.
@@ -246,5 +282,9 @@ class Attention:
     def __repr__(self) -> str:
         return (
             f"Attention(hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, bias={self.bias}, rope={self.rope!r}, backend={self.backend!r})"
+            f"head_dim={self.head_dim}, bias={self.bias}, rope={self.rope!r}, backend={self.backend!r}"
+            + ("" if self.sliding_window is None else f", sliding_window={self.sliding_window}")
+            + ("" if self.softcap == 0.0 else f", softcap={self.softcap}")
+            + (", sinks=True" if self.sinks else "")
+            + ")"
         )

@@ -6,11 +6,21 @@ subtract the row max, exponentiate, normalise, mix the values. It computes in th
 
 Shapes (after the Python layer has normalised the call, see twinattn.attention):
     q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), q_offset (B,), kv_lens (B,),
-    mask None or (B, Hq, Lq, Lk) bool (True = may attend) or float (additive bias)
+    mask None or (B, Hq, Lq, Lk) bool (True = may attend) or float (additive bias),
+    window_left, window_right ints >= -1 (-1 unbounded; the caller caps the right side at 0 under
+    causal), softcap >= 0 (0 = off), alibi_slopes None or (B, Hq), sinks None or (Hq,)
     -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq)
 
+Query row i of sequence b sits at position p = q_offset[b] + i; key j at position j.
+Key j is visible to it iff j < kv_lens[b], (not causal or j <= p), (window_left < 0 or
+j >= p - window_left), (window_right < 0 or j <= p + window_right), the bool mask allows it and
+a float bias is not -inf. The score of a visible key, in this order:
+    s = scale * q.k;  s = softcap * tanh(s / softcap) if softcap > 0;
+    s -= slope[b, h] * |p - j|;  s += bias[b, h, i, j]
+A sink is one more term exp(sinks[h]) in the softmax denominator (and lse) with no value.
+
 Visible keys and non-finite inputs (the rule every backend follows, row by row):
-- Key j is visible to row i iff j < kv_lens[b], (not causal or j <= q_offset[b] + i), the bool
+- Key j is visible to row i iff j < kv_lens[b], (not causal or j <= p), inside the window, the bool
   mask (if any) is True and the float bias (if any) is not -inf. A hidden key is never read:
   whatever k, v or the bias hold there (NaN, inf) does not matter. A -inf bias hides a key
   exactly like False, even when its k or v row holds NaN.
@@ -34,6 +44,8 @@ from typing import Any
 
 import numpy as np
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
 
 def attention_reference(
     q: np.ndarray,
@@ -45,11 +57,20 @@ def attention_reference(
     kv_lens: np.ndarray,
     mask: np.ndarray | None,
     scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: np.ndarray | None = None,
+    sinks: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     # Non-finite inputs (NaN, inf, overflowing scores) are the caller's: they propagate into the
     # result as IEEE arithmetic says, without warnings.
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        return _attention_reference(q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, mask=mask, scale=scale)
+        return _attention_reference(
+            q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, mask=mask, scale=scale,
+            window_left=window_left, window_right=window_right, softcap=softcap,
+            alibi_slopes=alibi_slopes, sinks=sinks,
+        )
 
 
 def _attention_reference(
@@ -62,19 +83,30 @@ def _attention_reference(
     kv_lens: np.ndarray,
     mask: np.ndarray | None,
     scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: np.ndarray | None,
+    sinks: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray]:
     dtype = q.dtype
     batch, q_heads, q_len, _ = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads if kv_heads else 1
 
-    # 1. Visible keys: inside the sequence's length, not in its future, allowed by the mask (a
-    #    bias of -inf hides a key as False does).
+    # 1. Visible keys: inside the sequence's length, not in its future, inside the window, allowed
+    #    by the mask (a bias of -inf hides a key as False does). Positions: query row i at
+    #    p = q_offset[b] + i, key j at j.
     key_index = np.arange(k_len).reshape(1, 1, 1, k_len)
-    query_index = np.arange(q_len).reshape(1, 1, q_len, 1)
+    position = q_offset.reshape(batch, 1, 1, 1) + np.arange(q_len).reshape(1, 1, q_len, 1)
     visible = key_index < kv_lens.reshape(batch, 1, 1, 1)
     if causal:
-        visible = visible & (key_index <= q_offset.reshape(batch, 1, 1, 1) + query_index)
+        visible = visible & (key_index <= position)
+    # p - left <= j <= p + right, written as distances so that no side (up to any int) overflows
+    if window_left >= 0:
+        visible = visible & (position - key_index <= min(window_left, _INT64_MAX))
+    if window_right >= 0:
+        visible = visible & (key_index - position <= min(window_right, _INT64_MAX))
     if mask is not None:
         visible = visible & (mask if mask.dtype == np.bool_ else mask != -np.inf)
     visible = np.broadcast_to(visible, (batch, q_heads, q_len, k_len))
@@ -87,22 +119,34 @@ def _attention_reference(
     k = np.repeat(k, group, axis=1)
     v = np.repeat(v, group, axis=1)
 
-    # 2. Scores of the visible keys; a hidden key scores -inf, whatever q k^T or the bias gave
-    #    there (NaN from a hidden NaN key, say). A visible key scoring -inf is left out too:
-    #    "legal" = visible and scoring above -inf.
+    # 2. Scores of the visible keys (softcap, then ALiBi, then the bias); a hidden key scores -inf,
+    #    whatever q k^T or the bias gave there (NaN from a hidden NaN key, say). A visible key
+    #    scoring -inf is left out too: "legal" = visible and scoring above -inf.
     scores = (q @ np.swapaxes(k, -1, -2)) * dtype.type(scale)
+    if softcap > 0:
+        cap = dtype.type(softcap)
+        scores = cap * np.tanh(scores / cap)
+    if alibi_slopes is not None:
+        distance = np.abs(position - key_index).astype(dtype)  # (B, 1, Lq, Lk)
+        scores = scores - alibi_slopes.astype(dtype, copy=False).reshape(batch, q_heads, 1, 1) * distance
     if mask is not None and mask.dtype != np.bool_:
         scores = scores + mask.astype(dtype, copy=False)
     legal = visible & (scores != -np.inf)
     scores = np.where(legal, scores, dtype.type(-np.inf))
 
-    # 3. Subtract the row max, exponentiate, normalise. A row with no legal key gives zeros. The
-    #    max propagates NaN, so a NaN score makes the row NaN; a +inf max gives inf - inf = NaN.
+    # 3. Subtract the row max, exponentiate, normalise. A sink is one more (virtual) score in the
+    #    max and the denominator, with no value. A row with no legal key and no sink gives zeros.
+    #    The max propagates NaN, so a NaN score makes the row NaN; a +inf max gives inf - inf = NaN.
     row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
+    if sinks is not None:
+        sink = np.broadcast_to(sinks.astype(dtype, copy=False).reshape(1, q_heads, 1, 1), row_max.shape)
+        row_max = np.maximum(row_max, sink)
     empty_row = row_max == -np.inf
     safe_max = np.where(empty_row, 0, row_max).astype(dtype, copy=False)
     weights = np.where(empty_row, 0, np.exp(scores - safe_max)).astype(dtype, copy=False)
     row_sum = weights.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        row_sum = row_sum + np.where(empty_row, 0, np.exp(sink - safe_max))
     weights = weights / np.where(empty_row, 1, row_sum)
 
     # 4. Mix the values. A hidden key's value never enters, not even as 0 * NaN: when v holds

@@ -39,6 +39,10 @@ def scaled_dot_product_attention(
     *,
     causal_alignment: str | None = None,
     backend: str = "auto",
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
 ) -> np.ndarray:
     """torch.nn.functional.scaled_dot_product_attention on NumPy arrays, computed by twinattn.
 
@@ -74,6 +78,11 @@ def scaled_dot_product_attention(
         None is allowed only when L == S, where the two coincide.
     backend : {"auto", "cpp", "rust", "numpy"}, keyword-only, default "auto"
         As in twinattn.attention. The thread count is twinattn.get_num_threads().
+    window_size, softcap, alibi_slopes, sinks : keyword-only
+        As in twinattn.attention (sliding window, logit softcapping, ALiBi, attention sinks),
+        passed through. Positions follow the causal alignment: query i sits at i ("upper_left",
+        and without is_causal when L == S) or at i + S - L ("lower_right", and the default
+        without is_causal). alibi_slopes of shape (N, Hq) needs query of rank 4 at most.
 
     Returns
     -------
@@ -91,7 +100,8 @@ def scaled_dot_product_attention(
         without enable_gqa, or Hq not a multiple of Hkv with it; attn_mask given with
         is_causal=True, or not broadcastable; is_causal=True with L != S and no
         causal_alignment; causal_alignment="lower_right" with L > S; an unknown
-        causal_alignment or backend; a scale that is not finite.
+        causal_alignment or backend; a scale that is not finite; an invalid window_size,
+        softcap, alibi_slopes or sinks (as twinattn.attention).
     NotImplementedError
         dropout_p != 0.
     BackendUnavailableError
@@ -167,6 +177,9 @@ def scaled_dot_product_attention(
                 raise ValueError(f"attn_mask: expected a shape broadcastable to {full}, got {shape_str(mask.shape)}") from None
             attn_mask = mask.reshape((-1,) + full[-3:])
 
-    out = attention(q, k, v, causal=bool(is_causal), q_offset=q_offset, attn_mask=attn_mask, scale=scale, backend=backend)
+    out = attention(
+        q, k, v, causal=bool(is_causal), q_offset=q_offset, attn_mask=attn_mask, scale=scale, backend=backend,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+    )
     assert isinstance(out, np.ndarray)
     return out.reshape(lead + out.shape[-3:]) if len(lead) > 1 else out

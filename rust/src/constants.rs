@@ -95,6 +95,27 @@ pub const EXP2_COEFFICIENTS: [f32; EXP2_DEGREE + 1] = [
 ];
 pub const EXP2_MIN: f32 = -127.0;
 
+// ---- tanh (softcap) ---------------------------------------------------------------------------
+// tanh(x) for every float x, odd: with a = |x|,
+//   a <= TANH_SMALL: tanh(a) = a + a^3 P(a^2), P(u) = c0 + c1 u + ... + c5 u^5 (Horner, FMAs);
+//   a >  TANH_SMALL: tanh(a) = (1 - e) / (1 + e), e = exp2(-2 log2(e) a) (the exp2 above; e is
+//                    exactly 0 once a > 44, so +-inf gives +-1);
+// then the sign of x. A NaN takes the polynomial branch and stays NaN; denormals come out exact
+// (a^3 underflows). Coefficients: a relative-error minimax fit of (tanh(a) - a) / a^3 on
+// [0, 0.625] in u = a^2 (Lawson's algorithm, degree 5, rounded to float32). Measured relative
+// error in float32 (both branches, against double tanh over 2e6 points): <= 7.6e-8 below
+// TANH_SMALL, <= 1.9e-7 (2 ulp) above it, where e's rounding is what remains.
+pub const TANH_DEGREE: usize = 5;
+pub const TANH_COEFFICIENTS: [f32; TANH_DEGREE + 1] = [
+    -0.333_333_3,
+    0.133_332_01,
+    -0.053_946_253,
+    0.021_698_285,
+    -0.008_172_082,
+    0.002_138_561,
+];
+pub const TANH_SMALL: f32 = 0.625;
+
 /// log2(e) (folded into Q with the scale) and ln(2) (lse = ln 2 * (m + log2 l)).
 pub const LOG2_E: f32 = std::f32::consts::LOG2_E;
 pub const LN2: f32 = std::f32::consts::LN_2;
@@ -134,6 +155,9 @@ pub fn shared_constants() -> Vec<(&'static str, ConstantValue)> {
         ("exp2_min", Float(EXP2_MIN)),
         ("log2_e", Float(LOG2_E)),
         ("ln2", Float(LN2)),
+        ("tanh_degree", Int(TANH_DEGREE as i64)),
+        ("tanh_coefficients", Floats(TANH_COEFFICIENTS.to_vec())),
+        ("tanh_small", Float(TANH_SMALL)),
     ]
 }
 

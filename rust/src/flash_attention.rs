@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use crate::constants::{KEY_BLOCK, KEY_PANEL, LOG2_E, Q_TILE_ROWS, SPLIT_KEY_CHUNK};
 use crate::dispatch::current_kernels;
 use crate::flash_kernel::{
-    flash_row_key_end, max_nan, row_lse, FlashKernels, FlashPlan, ThreadScratch, WorkItem,
+    flash_row_key_range, max_nan, row_lse, FlashKernels, FlashPlan, ThreadScratch, WorkItem,
 };
 use crate::problem::{
     check_num_threads, check_problem, try_filled, AttentionProblem, MaskKind, ProblemError,
@@ -89,6 +89,7 @@ struct ScratchBuffers {
     scores: AlignedBuffer,
     out_acc: AlignedBuffer,
     rows: AlignedBuffer,
+    row_key_begin: Vec<usize>,
     row_key_end: Vec<usize>,
     key_panels: AlignedBuffer,
 }
@@ -102,6 +103,7 @@ impl ScratchBuffers {
     ) -> Result<ThreadScratch, ProblemError> {
         let rows = self.rows.ensure(3 * Q_TILE_ROWS)?;
         if self.row_key_end.len() < Q_TILE_ROWS {
+            self.row_key_begin = try_filled(Q_TILE_ROWS, 0)?;
             self.row_key_end = try_filled(Q_TILE_ROWS, 0)?;
         }
         Ok(ThreadScratch {
@@ -113,6 +115,7 @@ impl ScratchBuffers {
             row_sum: unsafe { rows.add(Q_TILE_ROWS) },
             // SAFETY: as above.
             rescale: unsafe { rows.add(2 * Q_TILE_ROWS) },
+            row_key_begin: self.row_key_begin.as_mut_ptr(),
             row_key_end: self.row_key_end.as_mut_ptr(),
             key_panels: if split_key {
                 self.key_panels.ensure(KEY_BLOCK * head_dim)?
@@ -190,6 +193,24 @@ pub unsafe fn attention_forward(
     unsafe { attention_forward_with(p, num_threads, kernels) }
 }
 
+/// The vectorised tanh of softcap (docs/kernels.md, "Variants") with the current instruction set:
+/// tanh of every value, the kernel's own code, exposed so that tests can check it alone. An
+/// error when TWINATTN_ISA named an instruction set that cannot run, or the buffer cannot be
+/// allocated (as attention_forward). Twin of C++'s softcap_tanh.
+pub fn softcap_tanh(x: impl ExactSizeIterator<Item = f32>) -> Result<Vec<f32>, ProblemError> {
+    let kernels = current_kernels().map_err(ProblemError)?;
+    let n = x.len();
+    // Whole vectors only: the values padded with zeros to a multiple of the vector width.
+    let mut values = try_filled(n.div_ceil(kernels.width) * kernels.width, 0.0f32)?;
+    for (slot, value) in values.iter_mut().zip(x) {
+        *slot = value;
+    }
+    // SAFETY: current_kernels hands out only the kernels of an instruction set this CPU runs.
+    unsafe { (kernels.tanh_values)(&mut values) };
+    values.truncate(n);
+    Ok(values)
+}
+
 /// [`attention_forward`] with the kernels of a given instruction set (tests use every one).
 ///
 /// # Safety
@@ -217,8 +238,20 @@ pub unsafe fn attention_forward_with(
         head_dim,
         value_dim,
         value_stride: value_dim.div_ceil(16) * 16,
-        q_multiplier: p.scale * LOG2_E,
+        // Softcap: Q times scale / softcap, then tanh(S) times softcap * log2(e) (flash_kernel.rs).
+        // A denormal softcap can make scale / softcap overflow: the largest float instead, so
+        // that a zero in q stays 0 (not 0 * inf = NaN); every score that matters saturates tanh
+        // either way.
+        q_multiplier: if p.softcap > 0.0 {
+            (p.scale / p.softcap).clamp(-f32::MAX, f32::MAX)
+        } else {
+            p.scale * LOG2_E
+        },
         has_mask: p.mask.kind != MaskKind::None,
+        has_softcap: p.softcap > 0.0,
+        softcap_multiplier: p.softcap * LOG2_E,
+        has_alibi: !p.alibi_slopes.data.is_null(),
+        has_sinks: !p.sinks.data.is_null(),
         packed_keys: std::ptr::null(),
         panels_per_head: 0,
         partial_out: std::ptr::null_mut(),
@@ -293,12 +326,18 @@ fn run_prefill(
     let packed = Shared(buffers.packed_keys.ensure(packed_floats)?);
     plan.packed_keys = packed.get();
 
-    // Pack only the keys some row may see: up to the last packed row's visible end.
+    // Pack only the panels some row may see: from the first row's window start (rounded down to
+    // a panel) to the last row's visible end.
     let plan_ref = &*plan;
     parallel_for(batch * kv_heads, threads, &|head, _| {
         let (b, kv_head) = (head / kv_heads, head % kv_heads);
         let p = plan_ref.problem;
-        let key_end = flash_row_key_end(p, b, plan_ref.group, plan_ref.rows_per_group - 1);
+        let (key_begin, _) = flash_row_key_range(p, b, plan_ref.group, 0);
+        let (_, key_end) = flash_row_key_range(p, b, plan_ref.group, plan_ref.rows_per_group - 1);
+        let first_panel = key_begin / KEY_PANEL;
+        if key_end <= first_panel * KEY_PANEL {
+            return;
+        }
         // SAFETY: the problem is checked and its memory valid (attention_forward's contract);
         // head `head` writes only its own panels, inside the buffer sized above.
         unsafe {
@@ -306,9 +345,11 @@ fn run_prefill(
                 p,
                 b,
                 kv_head,
-                0,
+                first_panel * KEY_PANEL,
                 key_end,
-                packed.get().add(head * head_floats),
+                packed
+                    .get()
+                    .add(head * head_floats + first_panel * d_len * KEY_PANEL),
             )
         };
     });
@@ -323,18 +364,23 @@ fn run_prefill(
             for tile in 0..tiles {
                 let row_begin = tile * Q_TILE_ROWS;
                 let row_end = (row_begin + Q_TILE_ROWS).min(plan.rows_per_group);
-                let last_key = flash_row_key_end(p, b, plan.group, row_end - 1);
+                // Keys from the first row's window start (rounded down to a panel: blocks are
+                // whole panels) to the last row's visible end; none when that is empty.
+                let (first_key, _) = flash_row_key_range(p, b, plan.group, row_begin);
+                let (_, last_key) = flash_row_key_range(p, b, plan.group, row_end - 1);
+                let first_key = first_key / KEY_PANEL * KEY_PANEL;
+                let last_key = last_key.max(first_key);
                 items.push(CostedItem {
                     item: WorkItem {
                         b,
                         kv_head,
                         row_begin,
                         row_end,
-                        key_begin: 0,
+                        key_begin: first_key,
                         key_end: last_key,
                         partial_slot: None,
                     },
-                    cost: (last_key + KEY_BLOCK) * (row_end - row_begin),
+                    cost: (last_key - first_key + KEY_BLOCK) * (row_end - row_begin),
                 });
             }
         }
@@ -357,15 +403,19 @@ fn run_split_key(
     let mut slot_base = try_filled(batch + 1, 0usize)?; // first slot of (b, kv_head 0)
     let mut items = Vec::new();
     for b in 0..batch {
-        let key_end = flash_row_key_end(p, b, plan.group, rows - 1);
-        let chunks = key_end.div_ceil(SPLIT_KEY_CHUNK).max(1);
+        // Only the group's visible range is split: the first row's window start to the last
+        // row's visible end.
+        let (key_begin0, _) = flash_row_key_range(p, b, plan.group, 0);
+        let (_, key_end) = flash_row_key_range(p, b, plan.group, rows - 1);
+        let key_end = key_end.max(key_begin0);
+        let chunks = (key_end - key_begin0).div_ceil(SPLIT_KEY_CHUNK).max(1);
         items
             .try_reserve(chunks * kv_heads)
             .map_err(|_| ProblemError::out_of_memory())?;
         slot_base[b + 1] = slot_base[b] + if chunks > 1 { chunks * kv_heads } else { 0 };
         for kv_head in 0..kv_heads {
             for chunk in 0..chunks {
-                let key_begin = chunk * SPLIT_KEY_CHUNK;
+                let key_begin = key_begin0 + chunk * SPLIT_KEY_CHUNK;
                 let chunk_end = (key_begin + SPLIT_KEY_CHUNK).min(key_end);
                 items.push(CostedItem {
                     item: WorkItem {
@@ -425,7 +475,8 @@ fn run_split_key(
 /// `l* = sum_c l_c 2^(m_c - m*)`, `out = sum_c O_c 2^(m_c - m*) / l*` and
 /// `lse = ln 2 (m* + log2 l*)`. A chunk whose row saw a NaN or +inf score has m_c = NaN or
 /// +inf and l_c = NaN (flash_kernel.rs, softmax_row), so m* (NaN-propagating) and the weights
-/// carry it into out and lse ([`row_lse`]); a chunk that saw nothing has l_c = 0.
+/// carry it into out and lse ([`row_lse`]); a chunk that saw nothing has l_c = 0. A sink s
+/// (base 2) counts here once: m* starts at s and l* at 2^(s - m*).
 ///
 /// # Safety
 /// Partial slots first_slot..first_slot + chunks of the plan hold this group's rows; the views
@@ -443,11 +494,16 @@ unsafe fn merge_partials(
     // SAFETY: forwarded from this function's contract.
     unsafe {
         for r in 0..rows {
-            let mut m_star = f32::NEG_INFINITY;
+            let (h, i) = (kv_head * group + r % group, r / group);
+            let sink = if plan.has_sinks {
+                *p.sinks.data.offset(h as isize * p.sinks.stride[0] as isize) * LOG2_E
+            } else {
+                f32::NEG_INFINITY
+            };
+            let mut m_star = sink;
             for c in 0..chunks {
                 m_star = max_nan(m_star, *plan.partial_max.add((first_slot + c) * rows + r));
             }
-            let (h, i) = (kv_head * group + r % group, r / group);
             let dst = p
                 .out
                 .data
@@ -455,7 +511,11 @@ unsafe fn merge_partials(
             for d in 0..value_dim {
                 *dst.add(d) = 0.0;
             }
-            let mut l_star = 0.0f32;
+            let mut l_star = if plan.has_sinks {
+                (sink - m_star).exp2()
+            } else {
+                0.0f32
+            };
             if m_star != f32::NEG_INFINITY {
                 for c in 0..chunks {
                     let slot_row = (first_slot + c) * rows + r;

@@ -10,16 +10,20 @@
 //!   Keys [key_begin, key_end), visited in key blocks of KEY_BLOCK keys.
 //! Shapes of the per-thread scratch (ThreadScratch), rows <= Q_TILE_ROWS (strips of MICRO_ROWS
 //! rows, the last strip as many as remain: no padding rows):
-//!   q_tile   (rows, D)            Q rows times scale * log2(e)
+//!   q_tile   (rows, D)            Q rows times scale * log2(e) (scale / softcap with softcap)
 //!   scores   (rows, KEY_BLOCK)    S, then P, of one key block
 //!   out_acc  (rows, value_stride) unnormalised O
 //!   row_max, row_sum, rescale (rows)   m (base 2), l, and alpha of the current block
+//!   row_key_begin, row_key_end (rows)  each row's visible key range (length, causal, window)
 //!   key_panels (KEY_BLOCK / KEY_PANEL panels of (D, KEY_PANEL))   split-key path only
 //!
 //! Everything here works on raw pointers that the planner (flash_attention.rs) derived from a
 //! checked problem; the functions are `unsafe` with that as their contract.
 
-use crate::constants::{DIRECT_SCORE_ROWS, KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, MICRO_ROWS};
+use crate::constants::{
+    DIRECT_SCORE_ROWS, KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, MICRO_ROWS, TANH_COEFFICIENTS,
+    TANH_DEGREE, TANH_SMALL,
+};
 use crate::problem::{AttentionProblem, MaskKind};
 use crate::simd::Vector;
 
@@ -36,9 +40,17 @@ pub struct FlashPlan<'p, 'a> {
     pub value_dim: usize,
     /// row stride of out_acc: Dv rounded up to a multiple of 16
     pub value_stride: usize,
-    /// scale * log2(e)
+    /// scale * log2(e); scale / softcap when softcap > 0
     pub q_multiplier: f32,
     pub has_mask: bool,
+    /// softcap > 0: S (= scale q.k / softcap) becomes tanh(S) * softcap_multiplier (softcap *
+    /// log2(e)), in base 2 like every score of the kernel
+    pub has_softcap: bool,
+    pub softcap_multiplier: f32,
+    /// -slope[b, h] * log2(e) * |p - j| added by index arithmetic
+    pub has_alibi: bool,
+    /// the sink enters m and l once per row (docs/kernels.md, "Sinks")
+    pub has_sinks: bool,
     /// Prefill: the K^T panels of every (b, kv_head), panels_per_head panels each, panel p of
     /// (b, kv_head) at packed_keys + ((b * Hkv + kv_head) * panels_per_head + p) * D * KEY_PANEL.
     /// Null on the split-key path (each item packs its own blocks).
@@ -78,6 +90,7 @@ pub struct ThreadScratch {
     pub row_max: *mut f32,
     pub row_sum: *mut f32,
     pub rescale: *mut f32,
+    pub row_key_begin: *mut usize,
     pub row_key_end: *mut usize,
     pub key_panels: *mut f32,
 }
@@ -88,6 +101,10 @@ pub type AttendRowsFn = unsafe fn(&FlashPlan, &WorkItem, &ThreadScratch);
 /// holds keys key_begin ...); the last panel's columns past key_end are zero.
 /// # Safety: see [`pack_keys`].
 pub type PackKeysFn = unsafe fn(&AttentionProblem, usize, usize, usize, usize, *mut f32);
+/// values = tanh(values) with the vectorised tanh (constants.rs, "tanh"); the length a multiple
+/// of the vector width (tests call it on whole vectors).
+/// # Safety: the CPU supports the kernels' instruction set (as for every entry of FlashKernels).
+pub type TanhFn = unsafe fn(&mut [f32]);
 
 /// The kernels of one instruction set.
 #[derive(Clone, Copy)]
@@ -95,16 +112,47 @@ pub struct FlashKernels {
     pub isa: &'static str,
     pub attend_rows: AttendRowsFn,
     pub pack_keys: PackKeysFn,
+    pub tanh_values: TanhFn,
+    /// floats per vector
+    pub width: usize,
 }
 
-/// One past the last key packed row r of sequence b may see by length and position.
-pub fn flash_row_key_end(p: &AttentionProblem, b: usize, group: usize, r: usize) -> usize {
-    let kv_len = p.kv_lens[b] as usize;
-    if !p.causal {
-        return kv_len;
+/// The keys packed row r of sequence b may see by length, causality and window:
+/// (begin, end), both in [0, kv_len]; empty when end <= begin.
+pub fn flash_row_key_range(
+    p: &AttentionProblem,
+    b: usize,
+    group: usize,
+    r: usize,
+) -> (usize, usize) {
+    let kv_len = p.kv_lens[b];
+    if !p.causal && p.window_left < 0 && p.window_right < 0 {
+        return (0, kv_len as usize);
     }
-    let last_visible = p.q_offset[b].saturating_add((r / group) as i64); // q_offset >= 0 when causal
-    kv_len.min(last_visible.saturating_add(1) as usize)
+    let position = i128::from(p.q_offset[b]) + (r / group) as i128;
+    let mut last = i128::from(kv_len) - 1; // the last key the row may see, then the first
+    if p.causal {
+        last = last.min(position);
+    }
+    if p.window_right >= 0 {
+        last = last.min(position + i128::from(p.window_right));
+    }
+    let first = if p.window_left >= 0 {
+        (position - i128::from(p.window_left)).max(0)
+    } else {
+        0
+    };
+    let end = (last + 1).max(0) as usize;
+    let begin = first.min(i128::from(kv_len)) as usize;
+    (begin, end)
+}
+
+/// The absolute position q_offset[b] + r / group of packed row r, clamped to +-2^62 so that
+/// position - j cannot overflow (ALiBi; beyond 2^24 a float distance is inexact anyway).
+pub fn flash_row_position(p: &AttentionProblem, b: usize, group: usize, r: usize) -> i64 {
+    let bound = 1i128 << 62;
+    let position = i128::from(p.q_offset[b]) + (r / group) as i128;
+    position.clamp(-bound, bound) as i64
 }
 
 fn round_up(n: usize, m: usize) -> usize {
@@ -142,6 +190,71 @@ fn at<const N: usize>(index: [usize; N], stride: &[i64; N]) -> isize {
         offset += index[axis] as i64 * stride[axis];
     }
     offset as isize
+}
+
+// ---- tanh (softcap; constants.rs, "tanh") ------------------------------------------------------
+
+/// a = |x| (max(x, -x) keeps a NaN), both branches computed, the polynomial chosen unless
+/// TANH_SMALL < a (so a NaN takes it and stays NaN), then the sign of x. Twin of C++'s
+/// Kernel::tanh, operation for operation.
+///
+/// # Safety
+/// V's instruction set is available.
+#[inline(always)]
+pub unsafe fn tanh<V: Vector>(x: V) -> V {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let zero = V::zero();
+        let one = V::broadcast(1.0);
+        let a = V::max(x, V::sub(zero, x));
+        let u = V::mul(a, a);
+        let mut poly = V::broadcast(TANH_COEFFICIENTS[TANH_DEGREE]);
+        for c in (0..TANH_DEGREE).rev() {
+            poly = V::fma(poly, u, V::broadcast(TANH_COEFFICIENTS[c]));
+        }
+        let small = V::fma(V::mul(a, u), poly, a);
+        let e = V::exp2(V::mul(a, V::broadcast(-2.0 * LOG2_E)));
+        let large = V::div(V::sub(one, e), V::add(one, e));
+        let t = V::select_less(V::broadcast(TANH_SMALL), a, large, small);
+        V::select_less(x, zero, V::sub(zero, t), t)
+    }
+}
+
+/// # Safety
+/// V's instruction set is available; values.len() is a multiple of V::WIDTH.
+#[inline(always)]
+unsafe fn tanh_values<V: Vector>(values: &mut [f32]) {
+    let p = values.as_mut_ptr();
+    // SAFETY: forwarded; every vector lies inside `values`.
+    unsafe {
+        for j in (0..values.len() / V::WIDTH * V::WIDTH).step_by(V::WIDTH) {
+            tanh::<V>(V::load(p.add(j))).store(p.add(j));
+        }
+    }
+}
+
+/// 3a''. Softcap: S (= scale q.k / softcap) -> tanh(S) * softcap * log2(e), whole vectors (the
+/// padding columns too; they are overwritten with -inf afterwards).
+///
+/// # Safety
+/// As [`attend_rows`].
+#[inline(always)]
+unsafe fn softcap_block<V: Vector>(
+    plan: &FlashPlan,
+    s: &ThreadScratch,
+    rows: usize,
+    n_padded: usize,
+) {
+    // SAFETY: forwarded; rows x n_padded lies inside the scores scratch.
+    unsafe {
+        let multiplier = V::broadcast(plan.softcap_multiplier);
+        for r in 0..rows {
+            let row = s.scores.add(r * KEY_BLOCK);
+            for j in (0..n_padded).step_by(V::WIDTH) {
+                V::mul(tanh::<V>(V::load(row.add(j))), multiplier).store(row.add(j));
+            }
+        }
+    }
 }
 
 // ---- 2. Packing ------------------------------------------------------------------------------
@@ -691,15 +804,25 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
                 V::mul(V::load_tail(q_src.add(d), d_len - d), multiplier)
                     .store_tail(q_dst.add(d), d_len - d);
             }
-            *s.row_key_end.add(r) = flash_row_key_end(p, b, group, packed);
-            *s.row_max.add(r) = f32::NEG_INFINITY;
-            *s.row_sum.add(r) = 0.0;
+            let (key_begin, key_end) = flash_row_key_range(p, b, group, packed);
+            *s.row_key_begin.add(r) = key_begin;
+            *s.row_key_end.add(r) = key_end;
+            // The sink enters once per row: here when this item writes out, else in the merge.
+            if plan.has_sinks && item.partial_slot.is_none() {
+                let sink = *p.sinks.data.offset(h as isize * p.sinks.stride[0] as isize);
+                *s.row_max.add(r) = sink * LOG2_E;
+                *s.row_sum.add(r) = 1.0;
+            } else {
+                *s.row_max.add(r) = f32::NEG_INFINITY;
+                *s.row_sum.add(r) = 0.0;
+            }
             for c in 0..out_stride {
                 *s.out_acc.add(r * out_stride + c) = 0.0;
             }
         }
 
-        // 3. Key blocks up to the last key any row sees (rows are ordered by position).
+        // 3. Key blocks from item.key_begin (at or before the first row's window start) up to
+        // the last key any row sees (rows are ordered by position, so are their ranges' ends).
         let key_stop = (*s.row_key_end.add(rows - 1)).min(item.key_end);
         let k_head_panels = if plan.packed_keys.is_null() {
             std::ptr::null()
@@ -745,9 +868,16 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
                 };
                 block_scores::<V>(s.q_tile, d_len, rows, panels, n, s.scores);
             }
-            // (b) Mask only blocks that cross a row's visible end, or when a mask is given.
-            let masked = plan.has_mask || *s.row_key_end < key_block + n;
-            if masked {
+            // (a') Softcap.
+            if plan.has_softcap {
+                softcap_block::<V>(plan, s, rows, n_padded);
+            }
+            // (b) Mask only blocks that cross a row's visible range (its window start or its
+            // visible end), or when a mask is given; ALiBi adds its term to every block.
+            let masked = plan.has_mask
+                || *s.row_key_end < key_block + n
+                || *s.row_key_begin.add(rows - 1) > key_block;
+            if masked || plan.has_alibi {
                 mask_block(plan, item, s, rows, key_block, n);
             }
             for r in 0..rows {
@@ -813,8 +943,9 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
     }
 }
 
-/// 3b. -inf past each row's visible end (index arithmetic); the bool / float mask, read through
-/// its strides, on the keys before it.
+/// 3b. -inf outside each row's visible range [begin, end) (index arithmetic: window start,
+/// visible end); on the keys inside it, ALiBi's -slope * log2(e) * |p - j|, then the bool /
+/// float mask, read through its strides.
 ///
 /// # Safety
 /// As [`attend_rows`].
@@ -833,11 +964,19 @@ unsafe fn mask_block(
     unsafe {
         for r in 0..rows {
             let row = s.scores.add(r * KEY_BLOCK);
-            let visible = (*s.row_key_end.add(r)).saturating_sub(key_block); // keys [0, visible)
-            for j in visible..n {
+            // keys [begin, end) of the block may be seen
+            let begin = (*s.row_key_begin.add(r)).saturating_sub(key_block).min(n);
+            let end = (*s.row_key_end.add(r))
+                .saturating_sub(key_block)
+                .min(n)
+                .max(begin);
+            for j in 0..begin {
                 *row.add(j) = f32::NEG_INFINITY;
             }
-            if !plan.has_mask {
+            for j in end..n {
+                *row.add(j) = f32::NEG_INFINITY;
+            }
+            if !plan.has_mask && !plan.has_alibi {
                 continue;
             }
             let packed = item.row_begin + r;
@@ -845,22 +984,38 @@ unsafe fn mask_block(
                 item.kv_head * plan.group + packed % plan.group,
                 packed / plan.group,
             );
+            if plan.has_alibi {
+                let slope = -*p
+                    .alibi_slopes
+                    .data
+                    .offset(at([item.b, h], &p.alibi_slopes.stride))
+                    * LOG2_E;
+                // p - key_block: no overflow (|position| <= 2^62, key_block < 2^62)
+                let distance0 =
+                    flash_row_position(p, item.b, plan.group, packed) - key_block as i64;
+                for j in begin..end {
+                    let distance = distance0 - j as i64; // p - (key_block + j)
+                    *row.add(j) += slope * distance.unsigned_abs() as f32;
+                }
+            }
+            if !plan.has_mask {
+                continue;
+            }
             let mask_row = at(
                 [item.b, h, i],
                 &[p.mask.stride[0], p.mask.stride[1], p.mask.stride[2]],
             );
             let key_stride = p.mask.stride[3] as isize;
-            let end = visible.min(n);
             if p.mask.kind == MaskKind::Bool {
                 let mask = p.mask.data.offset(mask_row);
-                for j in 0..end {
+                for j in begin..end {
                     if *mask.offset((key_block + j) as isize * key_stride) == 0 {
                         *row.add(j) = f32::NEG_INFINITY;
                     }
                 }
             } else {
                 let bias = p.mask.data.cast::<f32>().offset(mask_row);
-                for j in 0..end {
+                for j in begin..end {
                     let bias_j = *bias.offset((key_block + j) as isize * key_stride);
                     *row.add(j) = if bias_j == f32::NEG_INFINITY {
                         f32::NEG_INFINITY
@@ -975,10 +1130,22 @@ macro_rules! isa_kernels {
                 unsafe { super::pack_keys::<$vector>(p, b, kv_head, key_begin, key_end, dst) }
             }
 
+            /// The vectorised tanh on `values` (whole vectors; a tail past them is left alone).
+            ///
+            /// # Safety
+            /// The CPU supports this instruction set.
+            $(#[target_feature(enable = $feature)])?
+            pub unsafe fn tanh_values(values: &mut [f32]) {
+                // SAFETY: forwarded, as in attend_rows.
+                unsafe { super::tanh_values::<$vector>(values) }
+            }
+
             pub const KERNELS: FlashKernels = FlashKernels {
                 isa: $name,
                 attend_rows,
                 pack_keys,
+                tanh_values,
+                width: <$vector as crate::simd::Vector>::WIDTH,
             };
         }
     };

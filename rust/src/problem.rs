@@ -8,6 +8,7 @@
 //! out  (B, Hq,  Lq, Dv)     lse (B, Hq, Lq), optional
 //! mask (B, Hq,  Lq, Lk), optional: bool (true = may attend) or float32 (additive bias)
 //! q_offset (B,), kv_lens (B,)
+//! alibi_slopes (B, Hq), sinks (Hq,), optional
 //! ```
 //!
 //! Strides are in elements (not bytes) and may be positive, negative or zero, so a NumPy view
@@ -83,6 +84,41 @@ impl MaskView {
     };
 }
 
+/// A float32 matrix (alibi_slopes, (B, Hq)); a null `data` means "not given". Strides in
+/// elements, any sign (a (Hq,) slope vector arrives as a stride-0 (B, Hq) view).
+#[derive(Clone, Copy, Debug)]
+pub struct ParamView2 {
+    pub data: *const f32,
+    pub shape: [i64; 2],
+    pub stride: [i64; 2],
+}
+
+impl ParamView2 {
+    /// Not given.
+    pub const NONE: ParamView2 = ParamView2 {
+        data: std::ptr::null(),
+        shape: [0; 2],
+        stride: [0; 2],
+    };
+}
+
+/// A float32 vector (sinks, (Hq,)); a null `data` means "not given".
+#[derive(Clone, Copy, Debug)]
+pub struct ParamView1 {
+    pub data: *const f32,
+    pub shape: [i64; 1],
+    pub stride: [i64; 1],
+}
+
+impl ParamView1 {
+    /// Not given.
+    pub const NONE: ParamView1 = ParamView1 {
+        data: std::ptr::null(),
+        shape: [0; 1],
+        stride: [0; 1],
+    };
+}
+
 /// Everything one attention call needs.
 ///
 /// The C++ twin holds `q_offset` and `kv_lens` as `const int64_t*`; here they are slices, which
@@ -94,7 +130,8 @@ pub struct AttentionProblem<'a> {
     pub v: TensorView4,
     pub out: MutTensorView4,
     pub lse: LseView,
-    /// absolute position of query row 0 of each sequence (used only when `causal`)
+    /// absolute position of query row 0 of each sequence: row i sits at q_offset[b] + i (used
+    /// when causal, windowed or with ALiBi; >= 0 when causal, any value otherwise)
     pub q_offset: &'a [i64],
     /// number of valid keys of each sequence; keys j >= kv_lens[b] are never read
     pub kv_lens: &'a [i64],
@@ -102,6 +139,16 @@ pub struct AttentionProblem<'a> {
     pub causal: bool,
     /// multiplies q . k
     pub scale: f32,
+    /// sliding window (flash-attn's convention): key j is visible to position p only if
+    /// p - window_left <= j <= p + window_right; -1 leaves that side unbounded
+    pub window_left: i64,
+    pub window_right: i64,
+    /// > 0: each scaled score s becomes softcap * tanh(s / softcap); 0: off
+    pub softcap: f32,
+    /// ALiBi: adds -alibi_slopes[b, h] * |p - j| to the score (after softcap)
+    pub alibi_slopes: ParamView2,
+    /// one extra logit per query head (natural-log units, not scaled): softmax mass, no value
+    pub sinks: ParamView1,
 }
 
 /// What is wrong with a call: a message naming the argument, what was expected and what was
@@ -273,6 +320,40 @@ fn number_string(value: f32) -> String {
     }
 }
 
+/// Every element of a float32 vector (rank 1) or matrix (rank 2) finite; names the first that
+/// is not, e.g. "sinks: expected finite values, got sinks[3]=nan". The caller checked the shape.
+fn check_finite_values(
+    name: &str,
+    data: *const f32,
+    shape: &[i64],
+    stride: &[i64],
+) -> Result<(), ProblemError> {
+    let rank = shape.len();
+    let rows = if rank == 2 { shape[0] } else { 1 };
+    let columns = shape[rank - 1];
+    for row in 0..rows {
+        for column in 0..columns {
+            let offset = if rank == 2 { row * stride[0] } else { 0 } + column * stride[rank - 1];
+            // SAFETY: the view's promise (the caller's, as for every view): each index within
+            // its shape addresses a readable float.
+            let value = unsafe { *data.offset(offset as isize) };
+            if value.is_finite() {
+                continue;
+            }
+            let index = if rank == 2 {
+                format!("{row}, {column}")
+            } else {
+                column.to_string()
+            };
+            reject!(
+                "{name}: expected finite values, got {name}[{index}]={}",
+                number_string(value)
+            );
+        }
+    }
+    Ok(())
+}
+
 /// The thread count of a call: an error unless `num_threads >= 1`; the count as a usize
 /// otherwise (the kernels start at most one thread per work item).
 pub fn check_num_threads(num_threads: i64) -> Result<usize, ProblemError> {
@@ -377,7 +458,50 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
         );
     }
 
-    // 6. Outputs: every element written once, by one thread, never read as input.
+    // 6. Variants: window sides, softcap, ALiBi slopes (B, Hq) and sinks (Hq,), all finite.
+    if p.window_left < -1 {
+        reject!(
+            "window_left: expected an int >= -1 (-1: unbounded), got {}",
+            p.window_left
+        );
+    }
+    if p.window_right < -1 {
+        reject!(
+            "window_right: expected an int >= -1 (-1: unbounded), got {}",
+            p.window_right
+        );
+    }
+    if !p.softcap.is_finite() || p.softcap < 0.0 {
+        reject!(
+            "softcap: expected a finite number >= 0 (0: off), got {}",
+            number_string(p.softcap)
+        );
+    }
+    if !p.alibi_slopes.data.is_null() {
+        check_shape(
+            "alibi_slopes",
+            || format!("(B={batch}, Hq={q_heads})"),
+            &p.alibi_slopes.shape,
+            p.alibi_slopes.shape == [batch, q_heads],
+        )?;
+        check_finite_values(
+            "alibi_slopes",
+            p.alibi_slopes.data,
+            &p.alibi_slopes.shape,
+            &p.alibi_slopes.stride,
+        )?;
+    }
+    if !p.sinks.data.is_null() {
+        check_shape(
+            "sinks",
+            || format!("(Hq={q_heads},)"),
+            &p.sinks.shape,
+            p.sinks.shape == [q_heads],
+        )?;
+        check_finite_values("sinks", p.sinks.data, &p.sinks.shape, &p.sinks.stride)?;
+    }
+
+    // 7. Outputs: every element written once, by one thread, never read as input.
     check_distinct_elements("out", &p.out.shape, &p.out.stride)?;
     if p.lse.is_requested() {
         check_distinct_elements("lse", &p.lse.shape, &p.lse.stride)?;
@@ -408,6 +532,21 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
                 MaskKind::None => None,
                 _ => byte_extent(p.mask.data as usize, &mask_shape, &p.mask.stride, mask_item),
             },
+        ),
+        (
+            "alibi_slopes",
+            byte_extent(
+                p.alibi_slopes.data as usize,
+                &p.alibi_slopes.shape,
+                &p.alibi_slopes.stride,
+                4,
+            )
+            .filter(|_| !p.alibi_slopes.data.is_null()),
+        ),
+        (
+            "sinks",
+            byte_extent(p.sinks.data as usize, &p.sinks.shape, &p.sinks.stride, 4)
+                .filter(|_| !p.sinks.data.is_null()),
         ),
         ("lse", lse_extent),
     ];

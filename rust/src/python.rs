@@ -4,15 +4,15 @@
 //! (check_problem). The contract is docs/native_api.md. Twin of `cpp/python/bindings.cpp`: same
 //! steps, same messages. Nothing here panics on user input.
 
-use numpy::{dtype, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{dtype, PyArray1, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::{PyImportError, PyMemoryError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString};
 
 use crate::constants::ConstantValue;
 use crate::problem::{
-    check_num_threads, AttentionProblem, LseView, MaskKind, MaskView, MutTensorView4, ProblemError,
-    TensorView4,
+    check_num_threads, AttentionProblem, LseView, MaskKind, MaskView, MutTensorView4, ParamView1,
+    ParamView2, ProblemError, TensorView4,
 };
 
 /// Which kernel a call runs.
@@ -231,13 +231,14 @@ impl DetachedProblem<'_> {
     }
 }
 
-/// attention_forward(q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads)
+/// attention_forward(q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads,
+///     window_left, window_right, softcap, alibi_slopes, sinks)
 /// --
 ///
 /// Computes out (and lse when given) in place with the fast kernel and the instruction set in
 /// use (set_isa). See docs/native_api.md.
 #[pyfunction]
-#[pyo3(signature = (q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads))]
+#[pyo3(signature = (q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks))]
 #[allow(clippy::too_many_arguments)]
 fn attention_forward<'py>(
     q: &Bound<'py, PyAny>,
@@ -251,6 +252,11 @@ fn attention_forward<'py>(
     causal: &Bound<'py, PyAny>,
     scale: &Bound<'py, PyAny>,
     num_threads: &Bound<'py, PyAny>,
+    window_left: &Bound<'py, PyAny>,
+    window_right: &Bound<'py, PyAny>,
+    softcap: &Bound<'py, PyAny>,
+    alibi_slopes: &Bound<'py, PyAny>,
+    sinks: &Bound<'py, PyAny>,
 ) -> PyResult<()> {
     run_kernel(
         Kernel::Fast,
@@ -266,17 +272,23 @@ fn attention_forward<'py>(
             causal,
             scale,
             num_threads,
+            window_left,
+            window_right,
+            softcap,
+            alibi_slopes,
+            sinks,
         ],
     )
 }
 
-/// attention_reference(q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads)
+/// attention_reference(q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads,
+///     window_left, window_right, softcap, alibi_slopes, sinks)
 /// --
 ///
 /// As attention_forward, with the plain reference kernel (the scalar twin every fast path is
 /// tested against).
 #[pyfunction]
-#[pyo3(signature = (q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads))]
+#[pyo3(signature = (q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks))]
 #[allow(clippy::too_many_arguments)]
 fn attention_reference<'py>(
     q: &Bound<'py, PyAny>,
@@ -290,6 +302,11 @@ fn attention_reference<'py>(
     causal: &Bound<'py, PyAny>,
     scale: &Bound<'py, PyAny>,
     num_threads: &Bound<'py, PyAny>,
+    window_left: &Bound<'py, PyAny>,
+    window_right: &Bound<'py, PyAny>,
+    softcap: &Bound<'py, PyAny>,
+    alibi_slopes: &Bound<'py, PyAny>,
+    sinks: &Bound<'py, PyAny>,
 ) -> PyResult<()> {
     run_kernel(
         Kernel::Reference,
@@ -305,13 +322,19 @@ fn attention_reference<'py>(
             causal,
             scale,
             num_threads,
+            window_left,
+            window_right,
+            softcap,
+            alibi_slopes,
+            sinks,
         ],
     )
 }
 
 /// Converts the arguments and runs `kernel`, which checks them, without the GIL.
-fn run_kernel(kernel: Kernel, args: [&Bound<'_, PyAny>; 11]) -> PyResult<()> {
-    let [q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads] = args;
+fn run_kernel(kernel: Kernel, args: [&Bound<'_, PyAny>; 16]) -> PyResult<()> {
+    let [q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks] =
+        args;
     // 1. Arrays: dtypes, ranks, addressable elements; writeable outputs; the mask's shape.
     let q = as_array(q, "q", Dtype::Float32, 4, "(B, Hq, Lq, D)")?;
     let k = as_array(k, "k", Dtype::Float32, 4, "(B, Hkv, Lk, D)")?;
@@ -348,6 +371,23 @@ fn run_kernel(kernel: Kernel, args: [&Bound<'_, PyAny>; 11]) -> PyResult<()> {
     let causal = as_bool(causal, "causal")?;
     let scale = as_float(scale, "scale")?;
     let num_threads = as_int64(num_threads, "num_threads")?;
+    let window_left = as_int64(window_left, "window_left")?;
+    let window_right = as_int64(window_right, "window_right")?;
+    let softcap = as_float(softcap, "softcap")?;
+    let alibi_slopes = match alibi_slopes.is_none() {
+        true => None,
+        false => Some(as_array(
+            alibi_slopes,
+            "alibi_slopes",
+            Dtype::Float32,
+            2,
+            "(B, Hq)",
+        )?),
+    };
+    let sinks = match sinks.is_none() {
+        true => None,
+        false => Some(as_array(sinks, "sinks", Dtype::Float32, 1, "(Hq,)")?),
+    };
 
     // 3. The problem: views over the arrays' memory.
     let tensor = |array: &Bound<'_, PyUntypedArray>| TensorView4 {
@@ -387,6 +427,25 @@ fn run_kernel(kernel: Kernel, args: [&Bound<'_, PyAny>; 11]) -> PyResult<()> {
         },
         causal,
         scale: scale as f32, // out of float range becomes inf: rejected
+        window_left,
+        window_right,
+        softcap: softcap as f32, // likewise
+        alibi_slopes: match alibi_slopes {
+            None => ParamView2::NONE,
+            Some(slopes) => ParamView2 {
+                data: data_of(slopes).cast::<f32>().cast_const(),
+                shape: shape_of(slopes),
+                stride: strides_of(slopes),
+            },
+        },
+        sinks: match sinks {
+            None => ParamView1::NONE,
+            Some(sinks) => ParamView1 {
+                data: data_of(sinks).cast::<f32>().cast_const(),
+                shape: shape_of(sinks),
+                stride: strides_of(sinks),
+            },
+        },
     };
 
     // 4. The kernel without the GIL; it checks the problem first (check_problem, once per call).
@@ -395,6 +454,26 @@ fn run_kernel(kernel: Kernel, args: [&Bound<'_, PyAny>; 11]) -> PyResult<()> {
     q.py()
         .detach(move || job.run(threads, kernel))
         .map_err(raise)
+}
+
+/// softcap_tanh(x) -> ndarray
+/// --
+///
+/// tanh of a float32 vector (any stride) with the fast kernel's vectorised tanh (softcap) and
+/// the instruction set in use, into a new array: the kernel's own code, for tests.
+#[pyfunction]
+fn softcap_tanh<'py>(x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    let x = as_array(x, "x", Dtype::Float32, 1, "(n,)")?;
+    let n = x.shape()[0];
+    let stride = strides_of::<1>(x)[0] as isize;
+    let data = data_of(x).cast::<f32>().cast_const();
+    let values = crate::flash_attention::softcap_tanh((0..n).map(|i| {
+        // SAFETY: i < n, the array's length, and as_array checked that its strides address
+        // whole, aligned floats.
+        unsafe { *data.offset(i as isize * stride) }
+    }))
+    .map_err(raise)?;
+    Ok(PyArray1::from_vec(x.py(), values))
 }
 
 /// build_info() -> dict: the instruction set chosen at run time, those available (fastest
@@ -439,5 +518,6 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention_reference, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(set_isa, m)?)?;
+    m.add_function(wrap_pyfunction!(softcap_tanh, m)?)?;
     Ok(())
 }

@@ -5,19 +5,24 @@
 //!
 //! Shapes (see `problem.rs`):
 //!   q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq)
-//!   mask (B, Hq, Lq, Lk) bool or float bias; q_offset (B,), kv_lens (B,).
+//!   mask (B, Hq, Lq, Lk) bool or float bias; q_offset (B,), kv_lens (B,);
+//!   alibi_slopes (B, Hq), sinks (Hq,) when given.
 //!   Query head h reads KV head h / group, group = Hq / Hkv.
 //!
-//! For each (sequence b, query head h) pair, for each query row i, in float64:
+//! For each (sequence b, query head h) pair, for each query row i at position
+//! p = q_offset[b] + i, in float64:
 //!   1. Scores of the visible keys. Key j is visible iff j < kv_lens[b], and (not causal or
-//!      j <= q_offset[b] + i), and (no bool mask or mask[b,h,i,j]), and its float bias (if any)
-//!      is not -inf. Its score is scale * (q[b,h,i,:] . k[b,h/group,j,:]) + bias[b,h,i,j]
-//!      (float mask only). A hidden key scores -inf without its k row being read; keys
-//!      j >= kv_lens[b] are not even looked at. row_max = the largest score, NaN when any score
-//!      is NaN.
+//!      j <= p), and (window_left < 0 or j >= p - window_left), and (window_right < 0 or
+//!      j <= p + window_right), and (no bool mask or mask[b,h,i,j]), and its float bias (if any)
+//!      is not -inf. Its score is s = scale * (q[b,h,i,:] . k[b,h/group,j,:]), then
+//!      softcap * tanh(s / softcap) when softcap > 0, then minus slope[b,h] * |p - j| (ALiBi),
+//!      then plus bias[b,h,i,j] (float mask only). A hidden key scores -inf without its k row being
+//!      read; keys j >= kv_lens[b] are not even looked at. row_max = the largest score, NaN when
+//!      any score is NaN.
 //!   2. A row whose row_max is -inf (no visible key, or every score -inf) gets out = 0 and
-//!      lse = -inf, and stops here.
-//!   3. Weights: p_j = exp(score_j - row_max), row_sum = sum_j p_j.
+//!      lse = sink[h] (-inf without sinks), and stops here. Otherwise the sink (a key without a
+//!      value) joins: row_max = max(row_max, sink[h]) (NaN stays NaN).
+//!   3. Weights: p_j = exp(score_j - row_max), row_sum = exp(sink[h] - row_max) + sum_j p_j.
 //!   4. Output: out[b,h,i,:] = sum_j (p_j / row_sum) * v[b,h/group,j,:], skipping every hidden
 //!      key (score -inf), so its value never enters, not even as 0 * NaN. A visible key whose
 //!      weight underflows to 0 is not skipped (as in C++ and NumPy: 0 * NaN stays NaN).
@@ -161,13 +166,25 @@ fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>, scratch
         let h = pair as i64 % q_heads;
         let kv_head = h / group;
         let kv_len = p.kv_lens[b as usize];
+        let softcap = f64::from(p.softcap);
+        let slope = if p.alibi_slopes.data.is_null() {
+            0.0
+        } else {
+            let at = offset([b, h], &p.alibi_slopes.stride);
+            // SAFETY: b < B, h < Hq: inside the (B, Hq) slopes (checked shape).
+            f64::from(unsafe { *p.alibi_slopes.data.offset(at) })
+        };
+        let sink = if p.sinks.data.is_null() {
+            f64::NEG_INFINITY
+        } else {
+            // SAFETY: h < Hq: inside the (Hq,) sinks (checked shape).
+            f64::from(unsafe { *p.sinks.data.offset(offset([h], &p.sinks.stride)) })
+        };
         for i in 0..q_len {
-            // The keys to look at: j < kv_len and, when causal, j <= q_offset[b] + i.
-            let key_end = if p.causal {
-                kv_len.min(p.q_offset[b as usize].saturating_add(i).saturating_add(1))
-            } else {
-                kv_len
-            };
+            // The keys to look at: j < kv_len, then each tested against causality and the window.
+            let key_end = kv_len;
+            let position =
+                i128::from(p.q_offset.get(b as usize).copied().unwrap_or(0)) + i128::from(i);
 
             // SAFETY: b < B, h < Hq, i < Lq: a valid q row of D elements, stride 1 (or D <= 1).
             let q_row = unsafe { row(p.q.data, offset([b, h, i, 0], &p.q.stride), head_dim) };
@@ -175,12 +192,12 @@ fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>, scratch
             // 1. Scores of the visible keys; hidden keys score -inf.
             let mut row_max = f64::NEG_INFINITY;
             for j in 0..key_end {
-                let bias = mask_bias(shared, [b, h, i, j]);
-                let hidden = match p.mask.kind {
-                    MaskKind::Bool => !mask_allows(shared, [b, h, i, j]),
-                    // hidden before k_j is read, so a NaN there cannot enter
-                    _ => bias == f64::NEG_INFINITY,
-                };
+                let hidden = !in_window(p, position, j)
+                    || match p.mask.kind {
+                        MaskKind::Bool => !mask_allows(shared, [b, h, i, j]),
+                        // hidden before k_j is read, so a NaN there cannot enter
+                        _ => mask_bias(shared, [b, h, i, j]) == f64::NEG_INFINITY,
+                    };
                 let score = if hidden {
                     f64::NEG_INFINITY
                 } else {
@@ -192,7 +209,14 @@ fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>, scratch
                         .zip(k_row)
                         .map(|(&x, &y)| f64::from(x) * f64::from(y))
                         .sum();
-                    scale * dot + bias
+                    let mut score = scale * dot;
+                    if softcap > 0.0 {
+                        score = softcap * (score / softcap).tanh();
+                    }
+                    if !p.alibi_slopes.data.is_null() {
+                        score -= slope * (position - i128::from(j)).abs() as f64;
+                    }
+                    score + mask_bias(shared, [b, h, i, j])
                 };
                 scores[j as usize] = score;
                 // NaN-propagating (f64::max would drop a NaN score)
@@ -206,16 +230,23 @@ fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>, scratch
             let out_row =
                 unsafe { row_mut(p.out.data, offset([b, h, i, 0], &p.out.stride), value_dim) };
 
-            // 2. No visible key: zeros and lse = -inf, never NaN.
+            // 2. No visible key: zeros and lse = the sink (-inf without sinks), never NaN.
             if row_max == f64::NEG_INFINITY {
                 out_row.fill(0.0);
-                write_lse(shared, [b, h, i], f32::NEG_INFINITY);
+                write_lse(shared, [b, h, i], sink as f32);
                 continue;
+            }
+            if sink > row_max {
+                row_max = sink; // (a NaN row max stays NaN)
             }
 
             // 3. Weights, shifted by the row max so no exponential overflows. A hidden key's
             // score stays -inf (its weight is exp(-inf) = 0), which step 4 reads to skip it.
-            let mut row_sum = 0.0f64;
+            let mut row_sum = if sink == f64::NEG_INFINITY {
+                0.0f64
+            } else {
+                (sink - row_max).exp()
+            };
             for &score in &scores[..key_end as usize] {
                 row_sum += (score - row_max).exp();
             }
@@ -250,6 +281,14 @@ fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>, scratch
             write_lse(shared, [b, h, i], lse);
         }
     }
+}
+
+/// Whether key j (< kv_len) is visible to the row at `position` by causality and the window.
+fn in_window(p: &AttentionProblem, position: i128, j: i64) -> bool {
+    let j = i128::from(j);
+    !(p.causal && j > position
+        || p.window_left >= 0 && j < position - i128::from(p.window_left)
+        || p.window_right >= 0 && j > position + i128::from(p.window_right))
 }
 
 /// Whether the bool mask lets row (b, h, i) attend to key j.

@@ -69,6 +69,9 @@ pub trait Vector: Copy {
     fn sub(a: Self, b: Self) -> Self;
     /// Per lane `a > b ? a : b` (x86 semantics: `b` when either is NaN).
     fn max(a: Self, b: Self) -> Self;
+    fn div(a: Self, b: Self) -> Self;
+    /// Per lane `a < b ? x : y` (`y` when `a` or `b` is NaN).
+    fn select_less(a: Self, b: Self, x: Self, y: Self) -> Self;
     /// 2^x for x <= 0 (constants.rs, "exp2"); -inf gives exactly 0, NaN gives NaN (a NaN score
     /// reaches the row sum).
     fn exp2(x: Self) -> Self;

@@ -335,3 +335,244 @@ fn non_finite_patterns_match_reference_kernel() {
     }
     assert!(non_finite > 0, "the cases produce non-finite results");
 }
+
+/// NaN in every key and value row that no query row of sequence b may see because of its window
+/// (before the first row's window, after the last row's), so a leak shows up as NaN.
+fn poison_outside_windows(case: &mut Case) {
+    let [batch, kv_heads, k_len, d] = case.k.shape;
+    let (q_len, dv) = (case.q.shape[2], case.v.shape[3]);
+    for b in 0..batch {
+        let offset = case.q_offset[b as usize];
+        let first = if case.window_left >= 0 {
+            offset - case.window_left
+        } else {
+            0
+        };
+        let last = if case.window_right >= 0 {
+            offset + q_len - 1 + case.window_right
+        } else {
+            k_len
+        };
+        for g in 0..kv_heads {
+            for j in (0..k_len).filter(|&j| j < first || j > last) {
+                (0..d).for_each(|x| case.k.set([b, g, j, x], f32::NAN));
+                (0..dv).for_each(|x| case.v.set([b, g, j, x], f32::NAN));
+            }
+        }
+    }
+}
+
+/// Issue 13's variants, alone and together, every ISA against the plain kernel: windows that
+/// straddle key blocks (256), panels (32) and split-key chunks (1024) on the direct, panel and
+/// prefill paths, with NaN in every key outside the windows; negative offsets (not causal);
+/// softcap with large scores; ALiBi per (b, h); sinks, including split-key decode over 3 chunks.
+#[test]
+fn variants_match_reference() {
+    let mut rng = Rng::new(131);
+    let windows = [
+        (-1, -1),
+        (0, 0),
+        (5, -1),
+        (100, 0),
+        (255, 1),
+        (300, 40),
+        (-1, 7),
+        (1023, 0),
+        (1500, 2000),
+    ];
+    let mut n = 0;
+    for (left, right) in windows {
+        for lq in [1, 4, 40, 130] {
+            for causal in [false, true] {
+                n += 1;
+                let mut case = random_case(&mut rng, (2, 4, 2, lq, 2600, 40, 24));
+                case.kv_lens = vec![2600, 1900];
+                case.causal = causal;
+                case.q_offset = vec![
+                    if n % 3 == 0 { 700 } else { 2600 - lq },
+                    if causal {
+                        1000
+                    } else if n % 2 == 1 {
+                        -50
+                    } else {
+                        1900 - lq
+                    },
+                ];
+                case.window_left = left;
+                case.window_right = right;
+                if n % 4 == 1 {
+                    case.alibi_slopes = Some(
+                        (0..8)
+                            .map(|x| (-(x % 4 + 1) as f32).exp2() * (1.0 + (x / 4) as f32 * 0.25))
+                            .collect(),
+                    );
+                }
+                if n % 3 == 1 {
+                    case.sinks = Some(vec![0.5, -1.5, 2.0, 0.0]);
+                }
+                if n % 5 == 2 {
+                    case.softcap = 4.0;
+                    case.scale *= 20.0;
+                }
+                poison_outside_windows(&mut case);
+                for b in 0..2 {
+                    let kv_len = case.kv_lens[b];
+                    for g in 0..2 {
+                        for j in kv_len..2600 {
+                            case.k.set([b as i64, g, j, 0], f32::NAN); // past kv_len: never read
+                        }
+                    }
+                }
+                check_all_isas(
+                    &case,
+                    2,
+                    &format!("window ({left}, {right}) lq {lq} case {n}"),
+                );
+            }
+        }
+    }
+}
+
+/// Rows whose window holds no key (past kv_len, before key 0): zeros and lse = -inf, or the
+/// sink; and softcap with very large scores, ALiBi and sinks on a 3-chunk decode and prefill.
+#[test]
+fn empty_windows_softcap_alibi_and_sinks() {
+    let mut rng = Rng::new(137);
+    for sinks in [false, true] {
+        for lq in [1, 60] {
+            let mut case = random_case(&mut rng, (2, 2, 1, lq, 300, 16, 8));
+            case.window_left = 10;
+            case.window_right = 5;
+            case.q_offset = vec![400, -100];
+            if sinks {
+                case.sinks = Some(vec![0.75, -2.0]);
+            }
+            check_all_isas(&case, 2, &format!("empty windows sinks {sinks} lq {lq}"));
+            let out = run_on(Kernel::Fast(isas()[0]), &case, 2);
+            assert!(out.out.values().iter().all(|&x| x == 0.0));
+            for (n, &lse) in out.lse.iter().enumerate() {
+                let h = (n / lq as usize) % 2;
+                let want = if sinks {
+                    [0.75f32, -2.0][h]
+                } else {
+                    f32::NEG_INFINITY
+                };
+                // ln 2 * (sink * log2 e) is within an ulp or two of the sink
+                assert!(
+                    lse == want || (lse - want).abs() <= 4.0 * f32::EPSILON * want.abs(),
+                    "lse {lse}, want {want}"
+                );
+            }
+        }
+    }
+    for lq in [1, 64] {
+        let mut case = random_case(&mut rng, (1, 4, 4, lq, 3000, 64, 64)).causal(&[3000 - lq]);
+        case.softcap = 30.0;
+        case.scale *= 200.0;
+        check_all_isas(&case, 2, &format!("softcap large scores lq {lq}"));
+        case.softcap = 0.0;
+        case.scale /= 200.0;
+        case.alibi_slopes = Some(vec![0.5, 0.25, 0.125, 0.0625]);
+        check_all_isas(&case, 2, &format!("alibi lq {lq}"));
+        case.alibi_slopes = None;
+        case.sinks = Some(vec![1.0, -1.0, 3.0, 0.0]);
+        check_all_isas(&case, 2, &format!("sinks lq {lq}"));
+        case.alibi_slopes = Some(vec![0.5, 0.25, 0.125, 0.0625]);
+        case.softcap = 50.0;
+        case.window_left = 1000;
+        check_all_isas(&case, 2, &format!("all together lq {lq}"));
+    }
+}
+
+/// The vectorised tanh of softcap alone, every ISA, against f64::tanh: 4e6 points over
+/// [-1e4, 1e4] (dense near 0 and around TANH_SMALL, where the branches meet), denormals, +-0,
+/// +-inf and NaN. Bound: 3e-7 relative (measured worst about 1.9e-7, 2 ulp, in the exp2
+/// branch; a wrong coefficient or branch is off by >= 1e-6), exact for denormals, +-1 at +-inf,
+/// NaN for NaN. Also: every ISA gives the scalar type's bits up to the scalar type's unfused
+/// multiply-adds, so the SIMD ISAs must agree with each other exactly.
+#[test]
+fn tanh_matches_std_on_every_isa() {
+    let mut inputs = Vec::new();
+    for n in -1_000_000i32..=1_000_000 {
+        let t = f64::from(n) / 1e6;
+        inputs.push((1e4 * t * t * t) as f32);
+        inputs.push((2.0 * t) as f32);
+    }
+    let edge = [
+        0.0f32,
+        -0.0,
+        1e-45,
+        -1e-45,
+        1e-40,
+        -3e-39,
+        f32::MIN_POSITIVE,
+        1e-30,
+        1e-4,
+        0.625,
+        f32::from_bits(0.625f32.to_bits() + 1),
+        f32::from_bits(0.625f32.to_bits() - 1),
+        9.0,
+        44.0,
+        88.0,
+        1e4,
+        -1e4,
+        3e38,
+        -3e38,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+    ];
+    inputs.extend_from_slice(&edge);
+    while inputs.len() % 16 != 0 {
+        inputs.push(0.5);
+    }
+    let mut simd_bits: Option<Vec<u32>> = None;
+    for isa in isas() {
+        let kernels = twinattn::dispatch::kernels_for(isa).expect("an available ISA");
+        let mut values = inputs.clone();
+        // SAFETY: kernels_for hands out only the kernels of an ISA this CPU runs.
+        unsafe { (kernels.tanh_values)(&mut values) };
+        let mut worst = 0.0f64;
+        for (&x, &t) in inputs.iter().zip(&values) {
+            let want = f64::from(x).tanh();
+            if x.is_nan() {
+                assert!(t.is_nan(), "{isa}: tanh(NaN) = {t}");
+            } else if x.abs() < f32::MIN_POSITIVE {
+                assert_eq!(
+                    t, x,
+                    "{isa}: tanh({x:e}) = {t:e}, a denormal or zero is exact"
+                );
+            } else {
+                let error = (f64::from(t) - want).abs() / want.abs();
+                worst = worst.max(error);
+                assert!(error <= 3e-7, "{isa}: tanh({x:e}) = {t:e}, want {want:e}");
+            }
+        }
+        println!("{isa}: tanh worst relative error {worst:.3e}");
+        if isa != "scalar" {
+            let bits = common::bits(&values);
+            if let Some(previous) = &simd_bits {
+                assert!(
+                    previous == &bits,
+                    "{isa}: tanh differs from the other SIMD ISA"
+                );
+            }
+            simd_bits = Some(bits);
+        }
+    }
+}
+
+/// A denormal softcap: scale / softcap overflows float32; a zero in q must still give a finite
+/// score (tanh saturates), as in the reference, not 0 * inf = NaN. Both paths, every ISA.
+#[test]
+fn denormal_softcap_keeps_zero_queries_finite() {
+    let mut rng = Rng::new(139);
+    for lq in [1, 60] {
+        let mut case = random_case(&mut rng, (1, 1, 1, lq, 3, 2, 2));
+        for i in 0..lq {
+            case.q.set([0, 0, i, 0], 0.0); // q = (0, x): 0 * multiplier
+        }
+        case.softcap = 1e-40;
+        check_all_isas(&case, 2, &format!("denormal softcap lq {lq}"));
+    }
+}

@@ -82,6 +82,22 @@ constexpr float kExp2Coefficients[kExp2Degree + 1] = {
 };
 constexpr float kExp2Min = -127.0f;
 
+// ---- tanh (softcap) ---------------------------------------------------------------------------
+// tanh(x) for every float x, odd: with a = |x|,
+//   a <= kTanhSmall: tanh(a) = a + a^3 P(a^2), P(u) = c0 + c1 u + ... + c5 u^5 (Horner, FMAs);
+//   a >  kTanhSmall: tanh(a) = (1 - e) / (1 + e), e = exp2(-2 log2(e) a) (the exp2 above; e is
+//                    exactly 0 once a > 44, so +-inf gives +-1);
+// then the sign of x. A NaN takes the polynomial branch and stays NaN; denormals come out exact
+// (a^3 underflows). Coefficients: a relative-error minimax fit of (tanh(a) - a) / a^3 on
+// [0, 0.625] in u = a^2 (Lawson's algorithm, degree 5, rounded to float32). Measured relative
+// error in float32 (both branches, against double tanh over 2e6 points): <= 7.6e-8 below
+// kTanhSmall, <= 1.9e-7 (2 ulp) above it, where e's rounding is what remains.
+constexpr int kTanhDegree = 5;
+constexpr float kTanhCoefficients[kTanhDegree + 1] = {
+    -0.333333313f, 0.133332014f, -0.0539462529f, 0.0216982849f, -0.00817208178f, 0.00213856110f,
+};
+constexpr float kTanhSmall = 0.625f;
+
 // log2(e) (folded into Q with the scale) and ln(2) (lse = ln 2 * (m + log2 l)).
 constexpr float kLog2E = 1.44269504088896340736f;
 constexpr float kLn2 = 0.693147180559945309417f;

@@ -3,6 +3,7 @@
 // attention_reference (reference_kernel.hpp), which every path is tested against.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -16,6 +17,13 @@ namespace twinattn {
 // pool; a call that finds the pool busy runs on its own thread. Results do not depend on
 // num_threads. Safe to call concurrently from several threads.
 void attention_forward(const AttentionProblem& problem, int num_threads);
+
+// The vectorised tanh of softcap (docs/kernels.md, "Variants") with the current instruction set,
+// y[i] = tanh(x[i]) for n floats (x read with a stride in elements, y contiguous): the kernel's
+// own code, exposed so that tests can check it alone. Throws like attention_forward when
+// TWINATTN_ISA named an instruction set that cannot run; std::bad_alloc when its buffer cannot
+// be allocated.
+void softcap_tanh(const float* x, int64_t x_stride, float* y, int64_t n);
 
 // ---- Instruction-set dispatch (dispatch.cpp) ---------------------------------------------------
 // "avx512" (AVX-512F), "avx2" (AVX2 + FMA), "scalar" (portable): the names this build and this

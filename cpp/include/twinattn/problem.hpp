@@ -6,6 +6,7 @@
 //   q   (B, Hq,  Lq, D)      k (B, Hkv, Lk, D)      v (B, Hkv, Lk, Dv)
 //   out (B, Hq,  Lq, Dv)     lse (B, Hq, Lq)        mask (B, Hq, Lq, Lk)
 //   q_offset (B,)            kv_lens (B,)
+//   alibi_slopes (B, Hq)     sinks (Hq,)
 // Strides count elements, not bytes, and may be negative or zero; data points at element
 // [0, 0, 0, 0]. The last axis of q, k, v and out has unit stride unless its length is <= 1.
 #pragma once
@@ -44,18 +45,42 @@ struct MaskView {
     int64_t stride[4];
 };
 
+// A float32 vector or matrix (alibi_slopes (B, Hq), sinks (Hq,)); data == nullptr: not given.
+// Strides in elements, any sign (a (Hq,) slope vector arrives as a stride-0 (B, Hq) view).
+struct ParamView2 {
+    const float* data;
+    int64_t shape[2];
+    int64_t stride[2];
+};
+
+struct ParamView1 {
+    const float* data;
+    int64_t shape[1];
+    int64_t stride[1];
+};
+
 struct AttentionProblem {
     TensorView4 q, k, v;
     MutTensorView4 out;
     LseView lse;
-    // Absolute position of query row 0 of each sequence, (B,). Read only when causal; may
-    // be nullptr when not causal.
+    // Absolute position of query row 0 of each sequence, (B,): query row i sits at
+    // q_offset[b] + i. Read when causal, windowed or with ALiBi (may be nullptr otherwise);
+    // >= 0 when causal, any value otherwise.
     const int64_t* q_offset;
     // Number of valid keys of each sequence, (B,). nullptr means Lk for every sequence.
     const int64_t* kv_lens;
     MaskView mask;
     bool causal;
     float scale;
+    // Sliding window (flash-attn's convention): key j is visible to position p only if
+    // p - window_left <= j <= p + window_right; -1 leaves that side unbounded.
+    int64_t window_left = -1, window_right = -1;
+    // > 0: each scaled score s becomes softcap * tanh(s / softcap); 0: off.
+    float softcap = 0.0f;
+    // ALiBi: adds -alibi_slopes[b, h] * |p - j| to the score (after softcap).
+    ParamView2 alibi_slopes = {nullptr, {0, 0}, {0, 0}};
+    // One extra logit per query head (natural-log units, not scaled): softmax mass, no value.
+    ParamView1 sinks = {nullptr, {0}, {0}};
 };
 
 // Throws std::invalid_argument naming the argument, what was expected and what was given,

@@ -41,6 +41,7 @@ PORTS = ("cpp", "rust")  # twinattn's two native ports, also timed alternately
 PEERS = ("torch", "onnxruntime")
 ALIASES = {"ort": "onnxruntime", "c++": "cpp"}
 LAYER_ONLY = "layer case: twinattn backends only"
+VARIANT_ONLY = "sliding window / softcap case: twinattn backends only"
 
 
 def _nothing() -> None:
@@ -86,7 +87,9 @@ class Runner:
 
     def supports(self, case: Case) -> Optional[str]:
         """None when this backend can run the case, else why not."""
-        return LAYER_ONLY if case.kind == LAYER else None
+        if case.kind == LAYER:
+            return LAYER_ONLY
+        return VARIANT_ONLY if case.variant_kwargs else None
 
     def peak_bytes(self, case: Case) -> int:
         """Memory one call needs beyond its inputs and output (for skipping huge cases)."""
@@ -134,9 +137,12 @@ class TwinattnRunner(Runner):
         case, name = problem.case, self.name
         out = np.full((case.batch, case.q_heads, case.q_len, case.value_dim), np.nan, dtype=np.float32)
         q, k, v, causal, lens = problem.q, problem.k, problem.v, case.causal, problem.kv_lens
+        variants = case.variant_kwargs
 
         def call() -> object:
-            return twinattn.attention(q, k, v, causal=causal, kv_lens=lens, out=out, backend=name, num_threads=threads)
+            return twinattn.attention(
+                q, k, v, causal=causal, kv_lens=lens, out=out, backend=name, num_threads=threads, **variants
+            )
 
         return [Part(call, lambda: out)]
 
@@ -212,6 +218,13 @@ class TorchRunner(Runner):
     def version(self) -> str:
         return _version("torch")
 
+    def supports(self, case: Case) -> Optional[str]:
+        if case.kind == LAYER:
+            return LAYER_ONLY
+        if case.softcap:
+            return "softcap: not in torch's scaled_dot_product_attention"
+        return None  # a sliding window becomes an explicit bool mask
+
     def peak_bytes(self, case: Case) -> int:
         # torch's CPU flash kernel works in blocks; its math fallback (explicit masks on old
         # versions) materialises the scores
@@ -226,12 +239,14 @@ class TorchRunner(Runner):
         notes: list[str] = []
         q, k, v = (torch.from_numpy(np.array(a)) for a in (problem.q, problem.k, problem.v))  # writeable copies
         kwargs: dict[str, Any] = {"scale": problem.scale}
-        if problem.kv_lens is not None or (case.causal and case.q_len != case.k_len):
+        if problem.kv_lens is not None or (case.causal and case.q_len != case.k_len) or case.window_left >= 0:
             key = np.arange(case.k_len)[None, None, :]
             allowed = key < case.lens[:, None, None]
+            position = case.q_offsets[:, None, None] + np.arange(case.q_len)[None, :, None]
             if case.causal:
-                rows = np.arange(case.q_len)[None, :, None]
-                allowed = allowed & (key <= case.q_offsets[:, None, None] + rows)  # bottom-right
+                allowed = allowed & (key <= position)  # bottom-right
+            if case.window_left >= 0:
+                allowed = allowed & (key >= position - case.window_left)
             kwargs["attn_mask"] = torch.from_numpy(np.ascontiguousarray(allowed[:, None]))  # (B, 1, Lq, Lk) bool
         elif case.causal:
             kwargs["is_causal"] = True  # Lq == Lk: top-left and bottom-right agree
@@ -278,6 +293,8 @@ class OnnxRuntimeRunner(Runner):
     def supports(self, case: Case) -> Optional[str]:
         if case.kind == LAYER:
             return LAYER_ONLY
+        if case.variant_kwargs:
+            return VARIANT_ONLY
         if not case.causal:
             return "GroupQueryAttention is causal only"
         if case.head_dim != case.value_dim:

@@ -5,11 +5,14 @@ A kernel case is one attention call, q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D), floa
 bottom-right causal alignment (the queries are the last Lq positions of each sequence, the
 KV-cache convention of twinattn.attention with q_offset=None).
 
+A case may carry a variant: a sliding window (window_left, as window_size=(window_left, 0)) or a
+softcap; both are passed to twinattn.attention and to the reference.
+
 Work is counted exactly, from the visible (query row, key) pairs of every query head:
-    row i of sequence b sees keys j < min(kv_len[b], q_offset[b] + i + 1),
-    q_offset[b] = kv_len[b] - Lq,
+    row i of sequence b sits at p = q_offset[b] + i, q_offset[b] = kv_len[b] - Lq, and sees keys
+    max(0, p - window_left) <= j < min(kv_len[b], p + 1)   (no lower bound without a window),
     FLOPs = 2 x pairs x (D + Dv)          (Q.K^T and P.V, one multiply-add = 2 FLOPs)
-    K/V bytes = sum_b kv_len[b] x Hkv x (D + Dv) x 4    (each K and V row read once)
+    K/V bytes = keys some row sees x Hkv x (D + Dv) x 4, summed over b    (each read once)
 GB/s is reported for decode cases, where reading K and V is the cost.
 
 One case is a layer, not a kernel call: layer-decode times one decode step of twinattn.nn.Attention
@@ -28,7 +31,7 @@ import fnmatch
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
@@ -59,6 +62,18 @@ class Case:
     x: int = 0  # N, for plots
     note: str = ""
     hidden_size: int = 0  # LAYER: the model width of nn.Attention; 0 for a kernel case
+    window_left: int = -1  # a sliding window: window_size=(window_left, 0); -1 for none
+    softcap: float = 0.0  # attention logit softcapping; 0 for none
+
+    @property
+    def variant_kwargs(self) -> dict[str, Any]:
+        """The variant keywords of twinattn.attention this case passes (none for a plain case)."""
+        kwargs: dict[str, Any] = {}
+        if self.window_left >= 0:
+            kwargs["window_size"] = (self.window_left, 0)
+        if self.softcap:
+            kwargs["softcap"] = self.softcap
+        return kwargs
 
     @property
     def cached(self) -> int:
@@ -88,6 +103,8 @@ class Case:
             f"B={self.batch} {heads} Lq={self.q_len} Lk={self.k_len} D={self.head_dim}"
             f"{'' if self.value_dim == self.head_dim else f' Dv={self.value_dim}'}"
             f"{' causal' if self.causal else ''}{lens}"
+            f"{f' window=({self.window_left}, 0)' if self.window_left >= 0 else ''}"
+            f"{f' softcap={self.softcap:g}' if self.softcap else ''}"
         )
 
     def shrunk(self, factor: int) -> "Case":
@@ -104,7 +121,9 @@ class Case:
         q_len = self.q_len if self.kind == DECODE else cut(self.q_len)
         k_len = max(cut(self.k_len), q_len)
         lens = None if self.kv_lens is None else tuple(max(q_len, min(k_len, cut(n))) for n in self.kv_lens)
-        return dataclasses.replace(self, q_len=q_len, k_len=k_len, kv_lens=lens, x=max(1, self.x // factor))
+        window = self.window_left if self.window_left < 0 else cut(self.window_left + 1) - 1
+        return dataclasses.replace(self, q_len=q_len, k_len=k_len, kv_lens=lens, x=max(1, self.x // factor),
+                                   window_left=window)
 
 
 @dataclass(frozen=True)
@@ -114,20 +133,34 @@ class Work:
     kv_bytes: int  # bytes of K and V that must be read (visible keys only, each once)
 
 
+def visible_key_range(case: Case) -> tuple[np.ndarray, np.ndarray]:
+    """(B, Lq) first and one-past-last key row i of sequence b may attend to (first >= end: none)."""
+    lens = case.lens[:, None]
+    shape = (case.batch, case.q_len)
+    end = np.broadcast_to(lens, shape).copy()
+    position = case.q_offsets[:, None] + np.arange(case.q_len, dtype=np.int64)[None, :]
+    if case.causal:
+        end = np.clip(position + 1, 0, lens)
+    first = np.zeros(shape, np.int64) if case.window_left < 0 else np.maximum(position - case.window_left, 0)
+    return first, end
+
+
 def visible_keys_per_row(case: Case) -> np.ndarray:
     """(B, Lq) number of keys row i of sequence b may attend to."""
-    lens = case.lens[:, None]
-    if not case.causal:
-        return np.broadcast_to(lens, (case.batch, case.q_len)).copy()
-    rows = np.arange(case.q_len, dtype=np.int64)[None, :]
-    return np.clip(case.q_offsets[:, None] + rows + 1, 0, lens)
+    first, end = visible_key_range(case)
+    counts: np.ndarray = np.maximum(end - first, 0)
+    return counts
 
 
 def work(case: Case) -> Work:
     pairs = int(visible_keys_per_row(case).sum()) * case.q_heads
     flops = 2 * pairs * (case.head_dim + case.value_dim)
-    # A key is read if any row sees it: the longest row's visible prefix, per sequence.
-    read = visible_keys_per_row(case).max(axis=1, initial=0) if case.q_len else np.zeros(case.batch, np.int64)
+    # A key is read if any row sees it: the rows' windows slide together, so per sequence the keys
+    # from the earliest first to the latest end.
+    first, end = visible_key_range(case)
+    seen = end > first
+    read = np.where(seen.any(axis=1), np.max(np.where(seen, end, 0), axis=1, initial=0)
+                    - np.min(np.where(seen, first, case.k_len), axis=1, initial=case.k_len), 0)
     kv_bytes = int(read.sum()) * case.kv_heads * (case.head_dim + case.value_dim) * 4
     return Work(pairs=pairs, flops=flops, kv_bytes=kv_bytes)
 
@@ -157,6 +190,12 @@ def standard_suite(all_threads: int) -> list[Case]:
         cases.append(Case(f"threads/T={t}", "threads", PREFILL, 2048, 2048, threads=t, x=t, note=note))
     # Llama-3-8B's attention layer, one decode step on a 4096-token cache
     cases.append(layer_decode_case(hidden_size=4096, q_heads=32, kv_heads=8, head_dim=128, cached=4096))
+    # the variants: a Mistral-style sliding window of 4096 on a 32768-token cache (reads 4096 keys:
+    # compare decode/N=4096 and decode/N=32768), and Gemma 2's softcap on prefill-causal/N=2048
+    cases.append(Case("decode-window", "decode-window", DECODE, 1, 32768, x=32768, window_left=4095,
+                      note="sliding window 4096 (window_size=(4095, 0)) on a 32768-token cache"))
+    cases.append(Case("prefill-softcap/N=2048", "prefill-softcap", PREFILL, 2048, 2048, x=2048, softcap=50.0,
+                      note="prefill-causal N=2048 with softcap=50"))
     return cases
 
 
@@ -263,19 +302,21 @@ class Problem:
         head), twinattn's NumPy backend on those rows, each row masked to the keys it sees."""
         case = self.case
         rows = check_rows(case)
-        visible = visible_keys_per_row(case)
+        first, end = visible_key_range(case)
         group = case.q_heads // case.kv_heads
         result = np.zeros((len(rows), case.value_dim))
         for b, h in dict.fromkeys((b, h) for b, h, _ in rows):
             picked = [n for n, row in enumerate(rows) if row[:2] == (b, h)]
             queries = [rows[n][2] for n in picked]
-            mask = np.arange(case.k_len)[None, :] < visible[b, queries][:, None]  # (rows, Lk)
+            key = np.arange(case.k_len)[None, :]
+            mask = (key >= first[b, queries][:, None]) & (key < end[b, queries][:, None])  # (rows, Lk)
             result[picked] = twinattn.attention(
                 self.q[b, h, queries][None, None].astype(np.float64),
                 self.k[b, h // group][None, None].astype(np.float64),
                 self.v[b, h // group][None, None].astype(np.float64),
                 attn_mask=mask[None, None],
                 scale=self.scale,
+                softcap=case.softcap,
                 backend="numpy",
             )[0, 0]
         return rows, result

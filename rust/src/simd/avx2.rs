@@ -92,6 +92,16 @@ impl Vector for Avx2 {
         Avx2(unsafe { _mm256_max_ps(a.0, b.0) })
     }
     #[inline(always)]
+    fn div(a: Self, b: Self) -> Self {
+        // SAFETY: as in fma.
+        Avx2(unsafe { _mm256_div_ps(a.0, b.0) })
+    }
+    #[inline(always)]
+    fn select_less(a: Self, b: Self, x: Self, y: Self) -> Self {
+        // SAFETY: as in fma.
+        Avx2(unsafe { _mm256_blendv_ps(y.0, x.0, _mm256_cmp_ps::<_CMP_LT_OQ>(a.0, b.0)) })
+    }
+    #[inline(always)]
     fn exp2(x: Self) -> Self {
         // SAFETY: as in fma.
         unsafe {

@@ -82,6 +82,18 @@ impl Vector for Avx512 {
         Avx512(unsafe { _mm512_max_ps(a.0, b.0) })
     }
     #[inline(always)]
+    fn div(a: Self, b: Self) -> Self {
+        // SAFETY: as in fma.
+        Avx512(unsafe { _mm512_div_ps(a.0, b.0) })
+    }
+    #[inline(always)]
+    fn select_less(a: Self, b: Self, x: Self, y: Self) -> Self {
+        // SAFETY: as in fma.
+        Avx512(unsafe {
+            _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(a.0, b.0), y.0, x.0)
+        })
+    }
+    #[inline(always)]
     fn exp2(x: Self) -> Self {
         // SAFETY: as in fma.
         unsafe {

@@ -103,6 +103,21 @@ impl Vector for Neon {
         Neon(max4(a.0, b.0), max4(a.1, b.1))
     }
     #[inline(always)]
+    fn div(a: Self, b: Self) -> Self {
+        // SAFETY: NEON is part of the AArch64 baseline (see the module comment).
+        unsafe { Neon(vdivq_f32(a.0, b.0), vdivq_f32(a.1, b.1)) }
+    }
+    #[inline(always)]
+    fn select_less(a: Self, b: Self, x: Self, y: Self) -> Self {
+        // SAFETY: as in div.
+        unsafe {
+            Neon(
+                vbslq_f32(vcltq_f32(a.0, b.0), x.0, y.0),
+                vbslq_f32(vcltq_f32(a.1, b.1), x.1, y.1),
+            )
+        }
+    }
+    #[inline(always)]
     fn exp2(x: Self) -> Self {
         /// One half: avx2.rs's exp2 on four lanes.
         #[inline(always)]

@@ -105,6 +105,20 @@ impl Vector for Scalar {
         Self::map2(a, b, |x, y| if x > y { x } else { y })
     }
     #[inline(always)]
+    fn div(a: Self, b: Self) -> Self {
+        Self::map2(a, b, |x, y| x / y)
+    }
+    #[inline(always)]
+    fn select_less(a: Self, b: Self, x: Self, y: Self) -> Self {
+        Scalar(std::array::from_fn(|i| {
+            if a.0[i] < b.0[i] {
+                x.0[i]
+            } else {
+                y.0[i]
+            }
+        }))
+    }
+    #[inline(always)]
     fn exp2(x: Self) -> Self {
         Scalar(x.0.map(exp2_lane))
     }

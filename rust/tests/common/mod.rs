@@ -4,7 +4,8 @@
 
 use std::cell::Cell;
 use twinattn::problem::{
-    AttentionProblem, LseView, MaskKind, MaskView, MutTensorView4, ProblemError, TensorView4,
+    AttentionProblem, LseView, MaskKind, MaskView, MutTensorView4, ParamView1, ParamView2,
+    ProblemError, TensorView4,
 };
 use twinattn::reference_kernel::attention_reference;
 
@@ -300,6 +301,13 @@ pub struct Case {
     pub mask: Mask,
     pub causal: bool,
     pub scale: f32,
+    /// Variants (issue 13): window sides (-1 unbounded), softcap (0 off), ALiBi slopes (B, Hq)
+    /// row-major, sinks (Hq,).
+    pub window_left: i64,
+    pub window_right: i64,
+    pub softcap: f32,
+    pub alibi_slopes: Option<Vec<f32>>,
+    pub sinks: Option<Vec<f32>>,
 }
 
 /// The kernel's results: out (B, Hq, Lq, Dv) and lse (B, Hq, Lq) flattened row-major.
@@ -349,6 +357,11 @@ impl Case {
             mask: Mask::None,
             causal: false,
             scale,
+            window_left: -1,
+            window_right: -1,
+            softcap: 0.0,
+            alibi_slopes: None,
+            sinks: None,
             q,
             k,
             v,
@@ -442,6 +455,29 @@ impl Case {
             mask,
             causal: self.causal,
             scale: self.scale,
+            window_left: self.window_left,
+            window_right: self.window_right,
+            softcap: self.softcap,
+            alibi_slopes: match &self.alibi_slopes {
+                None => ParamView2::NONE,
+                Some(slopes) => ParamView2 {
+                    // the view covers the whole vector: B * Hq entries
+                    data: {
+                        assert_eq!(slopes.len() as i64, batch * q_heads);
+                        slopes.as_ptr()
+                    },
+                    shape: [batch, q_heads],
+                    stride: [q_heads, 1],
+                },
+            },
+            sinks: match &self.sinks {
+                None => ParamView1::NONE,
+                Some(sinks) => ParamView1 {
+                    data: sinks.as_ptr(),
+                    shape: [sinks.len() as i64],
+                    stride: [1],
+                },
+            },
         };
         // SAFETY: every view comes from an owned buffer that Tensor::with_layout (or
         // assert_mask_fits) checked covers the view's whole shape when the shapes are consistent;

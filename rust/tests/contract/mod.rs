@@ -588,6 +588,11 @@ pub fn check_problem_rejects_overlapping_outputs_and_bad_lse() {
         mask: MaskView::NONE,
         causal: false,
         scale: 0.5,
+        window_left: -1,
+        window_right: -1,
+        softcap: 0.0,
+        alibi_slopes: twinattn::problem::ParamView2::NONE,
+        sinks: twinattn::problem::ParamView1::NONE,
     };
     let lse_at = |at: usize, n: i64| LseView {
         data: base.wrapping_add(at),
