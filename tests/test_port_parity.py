@@ -157,6 +157,16 @@ BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("window-right-below-minus-one", {"window_right": -5}, ValueError,
      "window_right: expected an int >= -1 (-1: unbounded), got -5"),
     ("softcap-negative", {"softcap": -1.0}, ValueError, "softcap: expected a finite number >= 0 (0: off), got -1"),
+    # non-round and extreme values: both ports print the shortest float32 digits, positionally
+    ("softcap-negative-fraction", {"softcap": -1.2345678}, ValueError,
+     "softcap: expected a finite number >= 0 (0: off), got -1.2345678"),
+    ("softcap-negative-huge", {"softcap": -3e38}, ValueError,
+     "softcap: expected a finite number >= 0 (0: off), got -300000000000000000000000000000000000000"),
+    ("softcap-negative-tiny", {"softcap": -1e-7}, ValueError,
+     "softcap: expected a finite number >= 0 (0: off), got -0.0000001"),
+    # a tie between two shortest candidates (.2 and .3 both read back as 1542352.25f)
+    ("softcap-negative-tie", {"softcap": -1542352.25}, ValueError,
+     "softcap: expected a finite number >= 0 (0: off), got -1542352.3"),
     ("softcap-nan", {"softcap": float("nan")}, ValueError, "softcap: expected a finite number >= 0 (0: off), got nan"),
     ("softcap-beyond-float32", {"softcap": 1e39}, ValueError, "softcap: expected a finite number >= 0 (0: off), got inf"),
     ("alibi-shape", {"alibi_slopes": np.ones((2, 3), np.float32)}, ValueError,
@@ -195,6 +205,21 @@ def test_bad_native_call_same_error_in_both_ports(
             args = _args(**overrides)
             outcomes[port, kernel] = _outcome(lambda: getattr(module, kernel)(**args))
     assert set(outcomes.values()) == {(exc.__name__, message)}, outcomes
+
+
+def test_numbers_in_messages_are_written_alike_by_both_ports(modules: dict[str, ModuleType]) -> None:
+    # C++ once wrote floats with an ostream (6 digits, exponents), Rust with Display (shortest
+    # round-trip digits, positional): a negative softcap of -1.2345678 read differently. A sweep
+    # over float32's whole range, normal and subnormal, exact ties of the shortest digits included.
+    rng = np.random.default_rng(7)
+    magnitudes = np.exp(rng.uniform(-103.0, 88.7, 1500)).astype(np.float32)
+    ties = (rng.integers(1, 2**24, 500) * 2.0 ** rng.integers(-30, 10, 500)).astype(np.float32)
+    for value in np.concatenate([magnitudes, ties]):
+        messages = {_outcome(lambda: module.attention_forward(**_args(softcap=-float(value))))
+                    for module in modules.values()}
+        assert len(messages) == 1, (float(value), messages)
+        (kind, text), = messages
+        assert kind == "ValueError" and np.float32(text.rsplit("got ", 1)[1]) == -value, (float(value), text)
 
 
 def test_lse_overlapping_out_same_error_in_both_ports(modules: dict[str, ModuleType]) -> None:

@@ -4,7 +4,9 @@
 #include "twinattn/problem.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <sstream>
@@ -126,12 +128,59 @@ void check_distinct_elements(const char* argument, const int64_t* shape, const i
              shape_string(stride, rank));
 }
 
+// A float32 as Rust's Display writes it: the shortest digits that read back as the same float32,
+// in positional notation (-2.5, 0.0000001, 1000000000000000000000000000000), so both ports'
+// messages agree for every value. An ostream would round to 6 digits and switch to exponents.
 std::string number_string(float value) {
     if (std::isnan(value)) return "nan";  // printf would say "-nan" for some NaNs, Rust "NaN"
     if (std::isinf(value)) return value < 0 ? "-inf" : "inf";
-    std::ostringstream text;
-    text << value;
-    return text.str();
+    // The shortest round-trip digits come from to_chars in scientific form ("-3e+38",
+    // "1.2345678e+00"); they are then written out positionally. (to_chars in fixed form would
+    // print a large float32's exact value, 300000000549775575777803994281145270272, where Rust
+    // prints the shortest digits padded with zeros.)
+    char text[48];
+    const char* end = std::to_chars(text, text + sizeof text, value, std::chars_format::scientific).ptr;
+    std::string result, digits;
+    const char* c = text;
+    if (*c == '-') result += *c++;
+    for (; c != end && *c != 'e'; ++c)
+        if (*c != '.') digits += *c;
+    const int exponent = std::atoi(std::string(c + 1, end).c_str());  // the power of ten of the first digit
+    // Two shortest candidates can be equally close to the value (1542352.25: .2 or .3); Rust
+    // takes the one away from zero, libstdc++ the even one. The value's exact expansion (at most
+    // 112 significant digits for a float32) shows such a tie: one digit more than the
+    // candidate, a 5.
+    int first_digit_power = exponent;
+    {
+        char exact[160];
+        const char* exact_end =
+            std::to_chars(exact, exact + sizeof exact, value, std::chars_format::scientific, 120).ptr;
+        std::string exact_digits;
+        for (const char* e = exact; e != exact_end && *e != 'e'; ++e)
+            if (*e >= '0' && *e <= '9') exact_digits += *e;
+        exact_digits.erase(exact_digits.find_last_not_of('0') + 1);
+        if (exact_digits.size() == digits.size() + 1 && exact_digits.back() == '5') {
+            digits = exact_digits.substr(0, digits.size());  // the candidate toward zero, + 1:
+            size_t at = digits.size();
+            while (at > 0 && digits[at - 1] == '9') digits[--at] = '0';
+            if (at == 0) {
+                digits.insert(digits.begin(), '1');
+                ++first_digit_power;
+            } else {
+                ++digits[at - 1];
+            }
+            digits.erase(std::max<size_t>(digits.find_last_not_of('0') + 1, 1));
+        }
+    }
+    const int point = first_digit_power + 1;  // digits before the decimal point
+    if (point <= 0) {
+        result += "0." + std::string(static_cast<size_t>(-point), '0') + digits;
+    } else if (static_cast<size_t>(point) >= digits.size()) {
+        result += digits + std::string(static_cast<size_t>(point) - digits.size(), '0');
+    } else {
+        result += digits.substr(0, static_cast<size_t>(point)) + "." + digits.substr(static_cast<size_t>(point));
+    }
+    return result;
 }
 
 // Every element of a float32 vector (rank 1) or matrix (rank 2) finite; names the first that is
