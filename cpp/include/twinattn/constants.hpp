@@ -19,7 +19,7 @@ constexpr int64_t kMicroRows = 6;
 // Keys per key block: one S block of kQTileRows x kKeyBlock scores, one online-softmax step.
 constexpr int64_t kKeyBlock = 256;
 // Keys per packed K^T panel: panel[d][key], kKeyPanel keys wide, D deep, zero-padded.
-// A multiple of every vector width (16 floats for AVX-512, 8 for AVX2 and the scalar type).
+// A multiple of every vector width (16 floats for AVX-512, 8 for AVX2, NEON and the scalar type).
 constexpr int64_t kKeyPanel = 32;
 // Keys per split-key work item (decode and short chunks).
 constexpr int64_t kSplitKeyChunk = 1024;
