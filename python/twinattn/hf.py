@@ -51,7 +51,9 @@ from transformers.masking_utils import (
 
 from . import api
 from .cache import KVCache
-from .torch import _array as _torch_array
+# twinattn.torch's checks and zero-copy NumPy view of a tensor: the variants' keywords are not in
+# twinattn.torch.attention's signature, so attention_forward calls twinattn.attention with them
+from .torch import _array
 from .torch import attention
 
 __all__ = ["NAME", "TwinattnCache", "attention_forward", "mask_function", "register"]
@@ -129,7 +131,7 @@ def _sliding_window_of(function: Any) -> Optional[int]:
     if getattr(parts[0], "__qualname__", None) != "sliding_window_overlay.<locals>.inner_mask":
         return None
     window = _closure(parts[0]).get("sliding_window")
-    return window if isinstance(window, int) and not isinstance(window, bool) and window >= 1 else None
+    return int(window) if isinstance(window, int) and not isinstance(window, bool) and window >= 1 else None
 
 
 def _closure(function: Any) -> dict[str, Any]:
@@ -233,13 +235,6 @@ def attention_forward(
         sinks=None if sinks is None else _array("s_aux", sinks),
     )
     return out, None
-
-
-def _array(name: str, tensor: Any) -> Any:
-    """A NumPy view of a CPU tensor (twinattn.torch's checks, then its view, no copy): the variants'
-    keywords are not in twinattn.torch.attention's signature yet, so the call goes to
-    twinattn.attention directly. Parameters such as gpt-oss's sinks are detached first."""
-    return _torch_array(name, tensor.detach())
 
 
 # ---- the cache --------------------------------------------------------------------------------------
