@@ -306,13 +306,15 @@ def test_sliding_masks_are_padding_only() -> None:
     got = create_sliding_window_causal_mask(config, embeds, padding, DynamicCache(config=config))
     assert got.shape == (2, PROMPT) and torch.equal(got, padding.bool())  # (B, Lk), never (Lq, Lk)
     assert create_sliding_window_causal_mask(config, embeds, torch.ones_like(padding), DynamicCache(config=config)) is None
-    # transformers' sliding cache keeps the last window - 1 keys: the padding is sliced to them
+    # transformers' sliding cache keeps the last window - 1 keys (kv_offset > 0): still the padding
+    # mask alone, of which attention_forward reads the last columns
     cache = DynamicCache(config=config)
     keys = torch.zeros(2, 2, PROMPT, 16)
     cache.update(keys, keys, 0)
     longer = torch.cat([padding, torch.ones(2, 1, dtype=padding.dtype)], dim=1)
+    assert cache.get_mask_sizes(1, 0) == (WINDOW, PROMPT + 1 - WINDOW)
     got = create_sliding_window_causal_mask(config, embeds[:, :1], longer, cache)
-    assert got is None or torch.equal(got, longer[:, -WINDOW:].bool())
+    assert got.shape == (2, PROMPT + 1) and torch.equal(got, longer.bool())
     # a window of another size than local_size, or an overlay on top, is not recognised: materialised
     other = hf.mask_function(2, 5, 5, mask_function=sliding_window_causal_mask_function(3), local_size=4)
     assert other.shape == (2, 1, 5, 5)
@@ -330,3 +332,22 @@ def test_cache_takes_sliding_layers() -> None:
     config = _gemma3()
     cache = hf.TwinattnCache(max_cache_len=32, config=config)
     assert len(cache.layers) == config.num_hidden_layers
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_static_cache_goes_through_the_materialised_mask(name: str) -> None:
+    # StaticCache hands attention its buffers with offsets that lengths do not describe: the mask
+    # is materialised by transformers, with the window in it, and the window must not be applied
+    # a second time (the keys' indices are no longer positions)
+    from transformers import StaticCache
+
+    model = _build(name)
+    ids, mask = _prompts("left-padded")
+    settings = {"max_new_tokens": 8, "min_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    with torch.inference_mode():
+        model.set_attn_implementation("eager")
+        want = model.generate(input_ids=ids, attention_mask=mask, **settings)
+        model.set_attn_implementation("twinattn")
+        cache = StaticCache(config=model.config, max_cache_len=PROMPT + 8)
+        got = model.generate(input_ids=ids, attention_mask=mask, **settings, **{_cache_kw(model): cache})
+    assert torch.equal(got, want)

@@ -79,8 +79,8 @@ def mask_function(
     attention_mask: Any = None,
     **kwargs: Any,
 ) -> Any:
-    """transformers' mask-interface signature (as sdpa_mask). Returns None, the (B, kv_length) bool
-    padding mask, or, for patterns that causality, the layer's window and lengths cannot
+    """transformers' mask-interface signature (as sdpa_mask). Returns None, the (B, kv_offset +
+    kv_length) bool padding mask, or, for patterns that causality, the layer's window and lengths cannot
     describe, the materialised (B, 1, q_length, kv_length) bool mask from sdpa_mask.
 
     The window of a sliding-window layer is not in what this returns: attention_forward takes it
@@ -103,10 +103,12 @@ def mask_function(
         attention_mask.dim() == 2 and attention_mask.shape[-1] == kv_offset + kv_length
     )
     if plain and aligned and fits:
-        if attention_mask is None:
+        # the whole (B, kv_offset + kv_length) padding mask, not the slice the keys cover:
+        # attention_forward takes its last Lk columns, and generate, which may hand what this
+        # returns back to it as the 2D mask of the same step, gets the same answer again
+        if attention_mask is None or bool(attention_mask.all()):
             return None
-        padding = attention_mask[:, kv_offset:].to(torch.bool)
-        return None if bool(padding.all()) else padding
+        return attention_mask.to(torch.bool)
     return sdpa_mask(
         batch_size=batch_size,
         q_length=q_length,
@@ -167,7 +169,8 @@ def attention_forward(
 ) -> tuple[Any, None]:
     """transformers' attention-interface signature: query (B, Hq, Lq, D), key (B, Hkv, Lk, D),
     value (B, Hkv, Lk, Dv) -> ((B, Lq, Hq, Dv), None). attention_mask is what mask_function
-    returned (None, (B, Lk) padding) or a 4D bool/float mask a caller built."""
+    returned (None, a (B, >= Lk) padding mask whose last Lk columns are the keys') or a 4D bool/float
+    mask a caller built."""
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(
@@ -186,7 +189,12 @@ def attention_forward(
     kv_lens = None
     attn_mask = None
     if attention_mask is not None and attention_mask.dim() == 2:
-        kv_lens, attn_mask = _padding(attention_mask)
+        if attention_mask.shape[-1] < k_len:
+            raise ValueError(
+                f"attention_mask: a 2D padding mask needs a column for each of the {k_len} keys, got shape {tuple(attention_mask.shape)}"
+            )
+        # the keys are the last k_len positions the padding mask covers (a sliding cache keeps those)
+        kv_lens, attn_mask = _padding(attention_mask[:, attention_mask.shape[-1] - k_len :])
     elif attention_mask is not None:
         # a materialised mask already holds causality, the window and offsets: apply it as it is
         attn_mask, causal, sliding_window = attention_mask, False, None
