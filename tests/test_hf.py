@@ -247,7 +247,7 @@ def test_cache_refuses_other_layer_kinds_and_dtypes() -> None:
     from transformers import MistralConfig
 
     config = MistralConfig(num_hidden_layers=2, sliding_window=8)
-    config.layer_types = ["chunked_attention", "full_attention"]
+    config.layer_types, config.attention_chunk_size = ["chunked_attention", "full_attention"], 4  # Llama 4's kind
     with pytest.raises(NotImplementedError, match="chunked_attention"):
         hf.TwinattnCache(max_cache_len=16, config=config)
     cache = hf.TwinattnCache(max_cache_len=16, num_layers=1)
