@@ -236,23 +236,20 @@ def test_register_is_idempotent() -> None:
     assert AttentionMaskInterface()["twinattn"] is hf.mask_function
 
 
-@pytest.mark.parametrize(
-    ("keyword", "value"), [("sliding_window", 4), ("softcap", 30.0), ("s_aux", "sinks")], ids=["window", "softcap", "sinks"]
-)
-def test_variants_not_built_yet_raise(keyword: str, value: Any) -> None:
+def test_position_bias_raises() -> None:
+    # the variants twinattn computes are in tests/test_hf_variants.py; a learned bias is not one
     q, k, v = torch.zeros(1, 2, 3, 8), torch.zeros(1, 1, 3, 8), torch.zeros(1, 1, 3, 8)
-    if value == "sinks":
-        value = torch.zeros(2)
-    module = torch.nn.Module()
-    with pytest.raises(NotImplementedError, match=f"{keyword}: twinattn does not compute"):
-        hf.attention_forward(module, q, k, v, None, **{keyword: value})
+    with pytest.raises(NotImplementedError, match="position_bias: twinattn does not compute"):
+        hf.attention_forward(torch.nn.Module(), q, k, v, None, position_bias=torch.zeros(1, 2, 3, 3))
 
 
-def test_cache_refuses_sliding_layers_and_other_dtypes() -> None:
+def test_cache_refuses_other_layer_kinds_and_dtypes() -> None:
     from transformers import MistralConfig
 
-    with pytest.raises(NotImplementedError, match="sliding_attention"):
-        hf.TwinattnCache(max_cache_len=16, config=MistralConfig(num_hidden_layers=2, sliding_window=8))
+    config = MistralConfig(num_hidden_layers=2, sliding_window=8)
+    config.layer_types, config.attention_chunk_size = ["chunked_attention", "full_attention"], 4  # Llama 4's kind
+    with pytest.raises(NotImplementedError, match="chunked_attention"):
+        hf.TwinattnCache(max_cache_len=16, config=config)
     cache = hf.TwinattnCache(max_cache_len=16, num_layers=1)
     with pytest.raises(TypeError, match="float32"):
         cache.update(torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16), 0)

@@ -13,13 +13,21 @@ Importing this module registers "twinattn" twice under the same name, as transfo
 - with AttentionMaskInterface, `mask_function`: what the model builds once per forward instead of
   an (Lq, Lk) mask. For causal or bidirectional attention over a growing cache it returns None (no
   padding) or the (B, Lk) padding mask itself; attention_forward turns that into kv_lens (right
-  padding) or a (B, 1, 1, Lk) broadcast mask (left padding). Any other pattern (a custom mask
-  function, a static cache's offsets) is materialised by transformers' own sdpa_mask, so it stays
-  correct, only slower.
+  padding) or a (B, 1, 1, Lk) broadcast mask (left padding). Sliding-window causal masks
+  (transformers' sliding_window_causal_mask_function, recognised by its structure and its
+  local_size) get the same treatment: the layer's `sliding_window` keyword then reaches
+  attention_forward, which passes window_size=(sliding_window - 1, 0) to twinattn, so the window
+  is index arithmetic, never a mask. Any other pattern (a custom mask function, an or/and overlay,
+  a static cache's offsets) is materialised by transformers' own sdpa_mask, so it stays correct,
+  only slower; a materialised mask already holds the window, so sliding_window is then not
+  applied a second time.
 
-Not yet supported, and raising NotImplementedError rather than computing full attention: sliding
-windows (`sliding_window`), logit soft-capping (`softcap`) and attention sinks (`s_aux`), which
-wait for twinattn's window/softcap/sinks variants; bfloat16/float16 models wait for those dtypes.
+Variants, as transformers' eager attention computes them: `sliding_window=w` (Mistral, Qwen2,
+Gemma 2/3, gpt-oss) is key j visible to the query at position p only if p - w < j <= p;
+`softcap` (Gemma 2's attn_logit_softcapping) turns each scaled score s into
+softcap * tanh(s / softcap) before the mask; `s_aux` (gpt-oss's sinks, one logit per query head)
+is a virtual key that takes softmax mass and carries no value. A learned `position_bias` raises
+NotImplementedError; bfloat16/float16 models wait for those dtypes.
 """
 
 from __future__ import annotations
@@ -41,7 +49,11 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
+from . import api
 from .cache import KVCache
+# twinattn.torch's checks and zero-copy NumPy view of a tensor: the variants' keywords are not in
+# twinattn.torch.attention's signature, so attention_forward calls twinattn.attention with them
+from .torch import _array
 from .torch import attention
 
 __all__ = ["NAME", "TwinattnCache", "attention_forward", "mask_function", "register"]
@@ -50,9 +62,6 @@ NAME = "twinattn"
 
 # keywords that ask for attention twinattn does not compute yet: never silently dropped
 _UNSUPPORTED = {
-    "sliding_window": "sliding-window attention",
-    "softcap": "logit soft-capping",
-    "s_aux": "attention sinks",
     "position_bias": "a learned position bias",
 }
 
@@ -70,16 +79,33 @@ def mask_function(
     attention_mask: Any = None,
     **kwargs: Any,
 ) -> Any:
-    """transformers' mask-interface signature (as sdpa_mask). Returns None, the (B, kv_length) bool
-    padding mask, or, for patterns that causality and lengths cannot describe, the materialised
-    (B, 1, q_length, kv_length) bool mask from sdpa_mask."""
-    plain = mask_function is causal_mask_function or mask_function is bidirectional_mask_function
-    # causal over a cache that grows by what it is given: the queries are the last q_length keys
-    aligned = mask_function is bidirectional_mask_function or (
-        isinstance(q_offset, int) and q_offset + q_length == kv_length
+    """transformers' mask-interface signature (as sdpa_mask). Returns None, the (B, kv_offset +
+    kv_length) bool padding mask, or, for patterns that causality, the layer's window and lengths cannot
+    describe, the materialised (B, 1, q_length, kv_length) bool mask from sdpa_mask.
+
+    The window of a sliding-window layer is not in what this returns: attention_forward takes it
+    from the layer's sliding_window keyword, which transformers passes with the mask that
+    create_sliding_window_causal_mask built (local_size here)."""
+    window = _sliding_window_of(mask_function)
+    plain = (
+        mask_function is causal_mask_function
+        or mask_function is bidirectional_mask_function
+        or (window is not None and window == kwargs.get("local_size"))
     )
-    fits = attention_mask is None or (attention_mask.dim() == 2 and attention_mask.shape[-1] == kv_length)
-    if plain and aligned and kv_offset == 0 and fits:
+    # the keys are positions kv_offset .. kv_offset + kv_length - 1 (a cache that grows by what it
+    # is given, or transformers' own sliding cache that keeps the last window - 1); causal
+    # queries are the last q_length of them
+    aligned = isinstance(kv_offset, int) and (
+        mask_function is bidirectional_mask_function
+        or (isinstance(q_offset, int) and q_offset - kv_offset + q_length == kv_length)
+    )
+    fits = attention_mask is None or (
+        attention_mask.dim() == 2 and attention_mask.shape[-1] == kv_offset + kv_length
+    )
+    if plain and aligned and fits:
+        # the whole (B, kv_offset + kv_length) padding mask, not the slice the keys cover:
+        # attention_forward takes its last Lk columns, and generate, which may hand what this
+        # returns back to it as the 2D mask of the same step, gets the same answer again
         if attention_mask is None or bool(attention_mask.all()):
             return None
         return attention_mask.to(torch.bool)
@@ -94,6 +120,27 @@ def mask_function(
         allow_is_causal_skip=False,
         device=kwargs.get("device", "cpu"),
     )
+
+
+def _sliding_window_of(function: Any) -> Optional[int]:
+    """w when function is transformers' sliding_window_causal_mask_function(w) (an and_masks of
+    sliding_window_overlay(w) and causal_mask_function, nothing else), else None."""
+    if getattr(function, "__qualname__", None) != "and_masks.<locals>.and_mask":
+        return None
+    parts = _closure(function).get("mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function:
+        return None
+    if getattr(parts[0], "__qualname__", None) != "sliding_window_overlay.<locals>.inner_mask":
+        return None
+    window = _closure(parts[0]).get("sliding_window")
+    return int(window) if isinstance(window, int) and not isinstance(window, bool) and window >= 1 else None
+
+
+def _closure(function: Any) -> dict[str, Any]:
+    code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None)
+    if code is None or cells is None:
+        return {}
+    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
 
 
 def _padding(mask: Any) -> tuple[Any, Any]:
@@ -122,13 +169,17 @@ def attention_forward(
 ) -> tuple[Any, None]:
     """transformers' attention-interface signature: query (B, Hq, Lq, D), key (B, Hkv, Lk, D),
     value (B, Hkv, Lk, Dv) -> ((B, Lq, Hq, Dv), None). attention_mask is what mask_function
-    returned (None, (B, Lk) padding) or a 4D bool/float mask a caller built."""
+    returned (None, a (B, >= Lk) padding mask whose last Lk columns are the keys') or a 4D bool/float
+    mask a caller built."""
     for name, what in _UNSUPPORTED.items():
         if kwargs.get(name) is not None:
             raise NotImplementedError(
                 f"{name}: twinattn does not compute {what} yet, and will not silently compute full "
                 f"attention instead; load this model with attn_implementation='sdpa'"
             )
+    sliding_window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
     if dropout and getattr(module, "training", False):
         raise NotImplementedError(f"dropout: twinattn computes inference attention only; got dropout={dropout} in training mode")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -138,25 +189,58 @@ def attention_forward(
     kv_lens = None
     attn_mask = None
     if attention_mask is not None and attention_mask.dim() == 2:
-        kv_lens, attn_mask = _padding(attention_mask)
+        if attention_mask.shape[-1] < k_len:
+            raise ValueError(
+                f"attention_mask: a 2D padding mask needs a column for each of the {k_len} keys, got shape {tuple(attention_mask.shape)}"
+            )
+        # the keys are the last k_len positions the padding mask covers (a sliding cache keeps those)
+        kv_lens, attn_mask = _padding(attention_mask[:, attention_mask.shape[-1] - k_len :])
     elif attention_mask is not None:
-        # a materialised mask already holds causality (and offsets): apply it as it is
-        attn_mask, causal = attention_mask, False
+        # a materialised mask already holds causality, the window and offsets: apply it as it is
+        attn_mask, causal, sliding_window = attention_mask, False, None
+    window = (-1, -1)
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"sliding_window: expected a positive int or None, got {sliding_window!r}")
+        if not causal:
+            raise NotImplementedError(
+                f"sliding_window: twinattn applies a window without a materialised mask to causal attention only; "
+                f"got sliding_window={sliding_window} on bidirectional attention"
+            )
+        # transformers' window: key j is visible to the query at position p iff p - w < j <= p
+        window = (sliding_window - 1, 0)
     # the queries are the last q_len positions of a cache holding k_len keys (HF's alignment), said
     # explicitly so that right-padded rows (kv_lens < q_len) stay causal rather than raise
     q_offset = k_len - q_len if causal else None
 
     out = torch.empty((batch, q_len, q_heads, value.shape[-1]), dtype=query.dtype)
-    attention(
-        query,
-        key,
-        value,
+    if window == (-1, -1) and not softcap and sinks is None:
+        # plain attention through twinattn.torch (its custom op under torch.compile)
+        attention(
+            query,
+            key,
+            value,
+            causal=causal,
+            q_offset=q_offset,
+            kv_lens=kv_lens,
+            attn_mask=attn_mask,
+            scale=scaling,
+            out=out.transpose(1, 2),
+        )
+        return out, None
+    api.attention(
+        _array("query", query),
+        _array("key", key),
+        _array("value", value),
         causal=causal,
         q_offset=q_offset,
-        kv_lens=kv_lens,
-        attn_mask=attn_mask,
+        kv_lens=None if kv_lens is None else kv_lens.numpy(),
+        attn_mask=None if attn_mask is None else _array("attention_mask", attn_mask),
         scale=scaling,
-        out=out.transpose(1, 2),
+        out=out.transpose(1, 2).numpy(),
+        window_size=window,
+        softcap=0.0 if softcap is None else float(softcap),
+        sinks=None if sinks is None else _array("s_aux", sinks),
     )
     return out, None
 
@@ -169,7 +253,7 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
 
     is_compileable = False
     is_croppable = True
-    is_sliding = False
+    is_sliding = False  # sliding-window layers too: stored at full length, the window selects
 
     def __init__(self, owner: TwinattnCache, layer_idx: int) -> None:
         super().__init__()
@@ -233,8 +317,11 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         cache = TwinattnCache(max_cache_len=4096, config=model.config)
         model.generate(**inputs, cache=cache)
 
-    num_layers may be given instead of config. Layers of a kind other than full attention (sliding
-    window, linear attention) raise NotImplementedError.
+    num_layers may be given instead of config. Sliding-window layers (Mistral, Qwen2, Gemma 2/3,
+    gpt-oss) are stored like full-attention ones, at full length: attention_forward's window
+    selects the keys (twinattn never reads those outside it, so a windowed decode step still costs
+    O(window)), and max_cache_len must cover the whole sequence, as for the full layers. Layers of
+    other kinds (chunked, linear attention) raise NotImplementedError.
     """
 
     def __init__(self, max_cache_len: int, config: Any = None, *, num_layers: Optional[int] = None) -> None:
@@ -243,10 +330,10 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         if config is not None:
             text_config = config.get_text_config(decoder=True)
             layer_types, _ = get_layer_types_and_kwargs(text_config)
-            other = sorted({t for t in layer_types if t != "full_attention"})
+            other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
             if other:
                 raise NotImplementedError(
-                    f"config: TwinattnCache holds full-attention layers only; this model also has {other}"
+                    f"config: TwinattnCache holds full-attention and sliding-window layers only; this model also has {other}"
                 )
             num_layers = len(layer_types)
         assert num_layers is not None
