@@ -15,7 +15,6 @@ folder, so later runs load it in a second or two.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import os
 from typing import Any
 
@@ -30,11 +29,9 @@ import_optional("gguf", "loading SmolLM2's GGUF needs it: pip install twinattn[h
 hf = import_optional("twinattn.hf", "the Hugging Face integration")
 
 import twinattn  # noqa: E402
+from hf_helpers import cache_kw, forward_logits, one_thread, tolerance  # noqa: E402, F401
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
-FACTOR = 4.0
-FLOOR_ULPS = 16.0
-EPS32 = 2.0**-24
 DECODE_STEPS = 6
 GENERATED = 32
 
@@ -50,27 +47,10 @@ def _package_dir(name: str) -> str:
     return os.path.dirname(spec.origin)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    # two threads on a machine shared with other jobs make torch's OpenMP pool spin; the
-    # comparisons do not depend on the thread count
-    torch_threads, ours = torch.get_num_threads(), twinattn.get_num_threads()
-    torch.set_num_threads(1)
-    twinattn.set_num_threads(1)
-    yield
-    torch.set_num_threads(torch_threads)
-    twinattn.set_num_threads(ours)
-
-
-def _cache_kw(model: Any) -> str:
-    # transformers 5.x renamed past_key_values to cache (the old name warns)
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _tolerance(got: Any, want: Any, scale: Any) -> tuple[float, float]:
     err = float((got - want).abs().max())
     gap = float((scale - want).abs().max())
-    return err, FACTOR * gap + FLOOR_ULPS * EPS32 * float(want.abs().max())
+    return err, tolerance(gap, want)
 
 
 # ---- SmolLM2 -----------------------------------------------------------------------------------------
@@ -108,12 +88,6 @@ def _inputs(tok: Any, prompts: list[str]) -> Any:
     return tok(prompts, return_tensors="pt", padding=True, padding_side="left")
 
 
-def _forward(model: Any, impl: str, ids: Any, mask: Any, cache: Any) -> Any:
-    model.set_attn_implementation(impl)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
-    return model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{_cache_kw(model): cache}).logits
-
-
 @pytest.mark.parametrize("case", list(PROMPTS))
 def test_smollm2_prefill_and_every_decode_step_match_sdpa(smol: tuple[Any, Any], case: str) -> None:
     model, tok = smol
@@ -127,7 +101,7 @@ def test_smollm2_prefill_and_every_decode_step_match_sdpa(smol: tuple[Any, Any],
     }
     with torch.inference_mode():
         for step in range(DECODE_STEPS + 1):
-            logits = {impl: _forward(model, impl, ids, mask, cache) for impl, cache in caches.items()}
+            logits = {impl: forward_logits(model, impl, ids, mask, cache) for impl, cache in caches.items()}
             rows = real[:, -ids.shape[1] :]
             err, tol = _tolerance(logits["twinattn"][rows], logits["sdpa"][rows], logits["eager"][rows])
             assert err <= tol, f"step {step}: max |twinattn - sdpa| = {err:.3g} > {tol:.3g}"
@@ -147,7 +121,7 @@ def test_smollm2_greedy_generation_gives_sdpas_tokens(smol: tuple[Any, Any], cas
         want = model.generate(**batch, **settings)
         model.set_attn_implementation("twinattn")
         cache = hf.TwinattnCache(max_cache_len=batch.input_ids.shape[1] + GENERATED, config=model.config)
-        got = model.generate(**batch, **settings, **{_cache_kw(model): cache})
+        got = model.generate(**batch, **settings, **{cache_kw(model): cache})
     assert got.shape == want.shape == (len(PROMPTS[case]), batch.input_ids.shape[1] + GENERATED)
     assert torch.equal(got, want), tok.batch_decode(got) + tok.batch_decode(want)
 
@@ -165,7 +139,7 @@ def test_smollm2_static_cache_goes_through_the_materialised_mask(smol: tuple[Any
         want = model.generate(**batch, **settings)
         model.set_attn_implementation("twinattn")
         cache = StaticCache(config=model.config, max_cache_len=batch.input_ids.shape[1] + 8)
-        got = model.generate(**batch, **settings, **{_cache_kw(model): cache})
+        got = model.generate(**batch, **settings, **{cache_kw(model): cache})
     assert torch.equal(got, want)
 
 
@@ -189,13 +163,13 @@ def test_cache_appends_in_place(smol: tuple[Any, Any]) -> None:
     cache = hf.TwinattnCache(max_cache_len=64, config=model.config)
     model.set_attn_implementation("twinattn")
     with torch.inference_mode():
-        model(**batch, **{_cache_kw(model): cache})
+        model(**batch, **{cache_kw(model): cache})
         layer = cache.layers[3]
         address, prefix = layer.keys.data_ptr(), layer.keys.clone()
         mask = batch.attention_mask
         for _ in range(3):
             mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], dim=1)
-            model(input_ids=torch.ones(mask.shape[0], 1, dtype=torch.long), attention_mask=mask, **{_cache_kw(model): cache})
+            model(input_ids=torch.ones(mask.shape[0], 1, dtype=torch.long), attention_mask=mask, **{cache_kw(model): cache})
             assert layer.keys.data_ptr() == address  # a view of the same buffer, never a new one
     assert torch.equal(layer.keys[:, :, : prefix.shape[2]], prefix)
     config = model.config

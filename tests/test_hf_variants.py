@@ -19,7 +19,6 @@ is -inf, so a padding query that sees no key gets NaN, which 0 * NaN carries int
 from __future__ import annotations
 
 import copy
-import inspect
 from typing import Any, Callable
 
 import pytest
@@ -31,27 +30,15 @@ transformers = import_optional("transformers", "twinattn.hf needs it: pip instal
 hf = import_optional("twinattn.hf", "the Hugging Face integration")
 
 import twinattn  # noqa: E402
+from hf_helpers import cache_kw, forward_logits, one_thread, tolerance  # noqa: E402, F401
 from transformers import AttentionInterface  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
-FACTOR = 4.0
-FLOOR_ULPS = 16.0
-EPS32 = 2.0**-24
 WINDOW = 8
 PROMPT = 20
 DECODE_STEPS = 10
 GENERATED = 16
 VOCAB = 128
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    torch_threads, ours = torch.get_num_threads(), twinattn.get_num_threads()
-    torch.set_num_threads(1)
-    twinattn.set_num_threads(1)
-    yield
-    torch.set_num_threads(torch_threads)
-    twinattn.set_num_threads(ours)
 
 
 # ---- the models ----------------------------------------------------------------------------------
@@ -169,10 +156,6 @@ def _impls(model: Any) -> list[str]:
     return ["eager", "sdpa"] if model._supports_sdpa else ["eager"]
 
 
-def _cache_kw(model: Any) -> str:
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _prompts(case: str) -> tuple[Any, Any]:
     generator = torch.Generator().manual_seed(7)
     lengths = [PROMPT] if case == "single" else [PROMPT, 13, 5]
@@ -183,17 +166,10 @@ def _prompts(case: str) -> tuple[Any, Any]:
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def _forward(model: Any, impl: str, ids: Any, mask: Any, cache: Any) -> Any:
-    model.set_attn_implementation(impl)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{_cache_kw(model): cache})
-    return out.logits.to(torch.float64)
-
-
 def _check(got: Any, want: Any, others: list[Any], what: str) -> None:
     err = float((got - want).abs().max())
     gap = max(float((other - want).abs().max()) for other in others)
-    tol = FACTOR * gap + FLOOR_ULPS * EPS32 * float(want.abs().max())
+    tol = tolerance(gap, want)
     assert err <= tol, f"{what}: max |twinattn - eager float64| = {err:.3g} > {tol:.3g} (float32 attentions: {gap:.3g})"
 
 
@@ -208,7 +184,7 @@ def _compare_steps(name: str, model: Any, reference: Any, case: str, twinattn_ca
     history = ids
     with torch.inference_mode():
         for step in range(DECODE_STEPS + 1):
-            logits = {impl: _forward(model, impl, ids, mask, cache) for impl, cache in caches.items()}
+            logits = {impl: forward_logits(model, impl, ids, mask, cache).to(torch.float64) for impl, cache in caches.items()}
             rows = real[:, -ids.shape[1] :]
             want = _reference(reference, history, mask, rows)
             _check(
@@ -257,7 +233,7 @@ def test_greedy_generation_gives_eagers_tokens(models: tuple[str, Any, Any], cas
         model.set_attn_implementation("twinattn")
         extra = {}
         if cache == "TwinattnCache":
-            extra[_cache_kw(model)] = hf.TwinattnCache(max_cache_len=PROMPT + GENERATED, config=model.config)
+            extra[cache_kw(model)] = hf.TwinattnCache(max_cache_len=PROMPT + GENERATED, config=model.config)
         got = model.generate(input_ids=ids, attention_mask=mask, **settings, **extra)
     assert got.shape == want.shape == (ids.shape[0], PROMPT + GENERATED)
     assert torch.equal(got, want), f"{name}: {got.tolist()} != {want.tolist()}"
@@ -349,5 +325,5 @@ def test_static_cache_goes_through_the_materialised_mask(name: str) -> None:
         want = model.generate(input_ids=ids, attention_mask=mask, **settings)
         model.set_attn_implementation("twinattn")
         cache = StaticCache(config=model.config, max_cache_len=PROMPT + 8)
-        got = model.generate(input_ids=ids, attention_mask=mask, **settings, **{_cache_kw(model): cache})
+        got = model.generate(input_ids=ids, attention_mask=mask, **settings, **{cache_kw(model): cache})
     assert torch.equal(got, want)
