@@ -148,13 +148,14 @@ def _case(seq_len: int, causal: bool, backend: str, *, batch: int = 2, q_heads: 
                 head_dim=head_dim, value_dim=value_dim, sinks=sinks)
 
 
-# lengths that do not divide into 2P chunks, shorter than 2P (empty chunks), GQA, MQA, MHA, Dv != D,
+# lengths that do not divide into 2P chunks, shorter than 2P (empty chunks; with L=2 over 3 ranks
+# rank 2 holds no token), GQA, MQA, MHA, Dv != D,
 # sinks; both native ports
 CASES = {
     2: [_case(23, True, "cpp"), _case(23, False, "rust"), _case(64, True, "rust", q_heads=2, kv_heads=2, sinks=True),
         _case(3, True, "cpp", batch=1)],
     3: [_case(37, True, "cpp"), _case(37, False, "cpp", sinks=True), _case(50, True, "rust", q_heads=3, kv_heads=1),
-        _case(5, True, "rust", batch=1)],
+        _case(5, True, "rust", batch=1), _case(2, True, "cpp", batch=1)],
     4: [_case(45, True, "cpp", value_dim=16), _case(45, False, "rust"), _case(7, True, "cpp", batch=1),
         _case(66, True, "rust", q_heads=8, kv_heads=2, sinks=True)],
 }
