@@ -8,9 +8,12 @@ AssertionError: the harness turns a failing rank into an error in the test.
 from __future__ import annotations
 
 import datetime
+import multiprocessing.connection
 import os
 import socket
+import tempfile
 import time
+import traceback
 from typing import Any, Callable
 
 import numpy as np
@@ -41,36 +44,76 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _entry(rank: int, world_size: int, port: int, target: Callable[..., None], args: tuple[Any, ...]) -> None:
+def _entry(rank: int, world_size: int, port: int, report_dir: str, target: Callable[..., None], args: tuple[Any, ...]) -> None:
     # one thread per rank: the ranks share the machine's cores
     torch.set_num_threads(1)
     twinattn.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
-    )
     try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=GROUP_TIMEOUT
+        )
         target(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # for the harness, which lists the ranks' errors in the order they happened
+        with open(os.path.join(report_dir, f"rank{rank}"), "w") as report:
+            report.write(f"{time.monotonic_ns()}\n{traceback.format_exc()}")
+        raise
+    dist.destroy_process_group()
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised or died; the message has their tracebacks, the first failure first."""
+
+
+# after the first rank fails, how long the others have to fail in turn (a broken connection) or
+# finish before they are killed
+GRACE_S = 3.0
 
 
 def run_ranks(world_size: int, target: Callable[..., None], *args: Any, limit_s: float = 60.0) -> None:
-    """Runs target(rank, world_size, *args) in world_size spawned processes joined by a gloo group
-    on 127.0.0.1 (a free port each time). Returns when every rank has returned. A rank that raises
-    or dies ends the others and raises here (torch.multiprocessing's ProcessRaisedException, with
-    that rank's traceback); ranks still running after limit_s are killed and TimeoutError raised."""
-    context = torch.multiprocessing.start_processes(
-        _entry, args=(world_size, _free_port(), target, args), nprocs=world_size, join=False, start_method=START_METHOD
-    )
-    deadline = time.monotonic() + limit_s
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                if process.is_alive():
-                    process.kill()
-            for process in context.processes:
-                process.join(5)
-            raise TimeoutError(f"{world_size} ranks still running after {limit_s} s: killed")
+    """Runs target(rank, world_size, *args) in world_size processes joined by a gloo group on
+    127.0.0.1 (a free port each time), and returns when every rank has returned.
+
+    A rank that raises or dies ends the run: the others get GRACE_S seconds, then are killed, and
+    RankFailure lists every failed rank's traceback, the one that failed first first (the others
+    usually fail because it left). Ranks still running after limit_s are killed: TimeoutError."""
+    context = torch.multiprocessing.get_context(START_METHOD)
+    with tempfile.TemporaryDirectory() as report_dir:
+        port = _free_port()
+        processes = [context.Process(target=_entry, args=(rank, world_size, port, report_dir, target, args), daemon=True)
+                     for rank in range(world_size)]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + limit_s
+        failed_at: float | None = None
+        timed_out = False
+        while any(process.is_alive() for process in processes):
+            multiprocessing.connection.wait([process.sentinel for process in processes if process.is_alive()], timeout=0.5)
+            now = time.monotonic()
+            if failed_at is None and any(process.exitcode not in (None, 0) for process in processes):
+                failed_at = now
+            timed_out = now > deadline
+            if timed_out or (failed_at is not None and now > failed_at + GRACE_S):
+                for process in processes:
+                    if process.is_alive():
+                        process.kill()
+                for process in processes:
+                    process.join(5)
+        failures = []
+        for rank, process in enumerate(processes):
+            path = os.path.join(report_dir, f"rank{rank}")
+            if os.path.exists(path):
+                with open(path) as report:
+                    stamp, text = report.read().split("\n", 1)
+                failures.append((int(stamp), rank, text))
+            elif process.exitcode != 0:
+                failures.append((2**63, rank, f"exit code {process.exitcode}, no Python exception (killed, or died)\n"))
+    if failed_at is not None:
+        failures.sort()
+        _, rank, text = failures[0]
+        raise RankFailure(f"rank {rank} failed first:\n{text}" + "".join(f"then rank {r}:\n{t}" for _, r, t in failures[1:]))
+    if timed_out:
+        raise TimeoutError(f"{world_size} ranks still running after {limit_s} s: killed")
 
 
 # ---- the comparison with single-process attention ----------------------------------------------------
@@ -183,6 +226,13 @@ def check_errors(rank: int, world_size: int) -> None:
         _raises(ValueError, "q: expected 4 dimensions (B, H, L, D), got shape (2, 5, 4)", lambda: td.ring_attention(*flat, timeout=10))
     else:
         _raises(RuntimeError, "rank(s) [0] refused their inputs", lambda: td.ring_attention(*flat, timeout=10))
+
+    # one rank's sinks of the wrong shape: refused before any compute, on every rank
+    sinks = torch.zeros(3 if rank == 1 else 2)
+    if rank == 1:
+        _raises(ValueError, "sinks: expected shape (Hq=2,), got (3,)", lambda: td.ring_attention(*shards, sinks=sinks, timeout=10))
+    else:
+        _raises(RuntimeError, "rank(s) [1] refused their inputs", lambda: td.ring_attention(*shards, sinks=sinks, timeout=10))
 
     # ranks that disagree on causal
     _raises(ValueError, "every rank must pass the same causal, got [True, False]", lambda: td.ring_attention(*shards, causal=rank == 0, timeout=10))

@@ -2,7 +2,8 @@
 2, 3 and 4 local processes (gloo on 127.0.0.1) against attention over the whole sequence.
 
 The process tests start their ranks with tests/dist_workers.py's harness: a rank that raises ends
-the test with its traceback; ranks still running after a limit are killed and the test fails.
+the test with every failed rank's traceback, the first failure first; ranks still running after a
+limit are killed and the test fails.
 """
 
 from __future__ import annotations
@@ -178,5 +179,6 @@ def test_a_rank_that_never_calls_makes_the_others_time_out() -> None:
 
 
 def test_a_failing_rank_fails_the_test_instead_of_hanging() -> None:
-    with pytest.raises(torch.multiprocessing.ProcessRaisedException, match="rank 1 fails on purpose"):
+    with pytest.raises(dist_workers.RankFailure, match="rank 1 failed first") as failure:
         dist_workers.run_ranks(2, dist_workers.fail_on_one_rank)
+    assert "RuntimeError: rank 1 fails on purpose" in str(failure.value)

@@ -46,7 +46,7 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("twinattn.distributed needs torch: pip install 'twinattn[torch]'") from error
 
-from ._checks import count, shape_str
+from ._checks import count, per_head_floats, shape_str
 from .merge import _merge_arrays, _tensor_as_array, merge_parts
 from .torch import attention as _attention
 
@@ -272,7 +272,7 @@ def _wait(work: Any, timeout: Optional[datetime.timedelta]) -> None:
         work.wait(timeout)
 
 
-def _local_error(q: Any, k: Any, v: Any) -> Optional[Exception]:
+def _local_error(q: Any, k: Any, v: Any, sinks: Any) -> Optional[Exception]:
     """What is wrong with this rank's own inputs, as the exception to raise, or None."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -292,14 +292,21 @@ def _local_error(q: Any, k: Any, v: Any) -> Optional[Exception]:
         return ValueError(f"v: expected shape (B={batch}, Hkv={k.shape[1]}, L={length}, Dv), got {shape_str(v.shape)}")
     if k.shape[1] == 0 or q_heads % k.shape[1]:
         return ValueError(f"q, k: the query heads Hq={q_heads} must be a multiple of the key/value heads Hkv={k.shape[1]}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor):
+            return TypeError(f"sinks: expected a float32 torch tensor of shape (Hq={q_heads},), got {type(sinks).__name__}")
+        try:
+            per_head_floats("sinks", _tensor_as_array("sinks", sinks), ((q_heads,),), f"(Hq={q_heads},)", np.dtype(np.float32))
+        except (TypeError, ValueError, RuntimeError) as error:
+            return error
     return None
 
 
-def _agree(q: Any, k: Any, v: Any, causal: bool, group: Any, timeout: Optional[datetime.timedelta]) -> list[int]:
+def _agree(q: Any, k: Any, v: Any, sinks: Any, causal: bool, group: Any, timeout: Optional[datetime.timedelta]) -> list[int]:
     """Every rank's shape, dtype and causal flag, exchanged (all_gather) and checked the same way on
     every rank, so that every rank raises or none does. Returns the shard lengths by rank."""
     world_size = dist.get_world_size(group)
-    error = _local_error(q, k, v)
+    error = _local_error(q, k, v, sinks)
     if error is None:
         mine = [1, *q.shape[:2], k.shape[1], q.shape[3], v.shape[3], _DTYPES.index(q.dtype), int(causal), q.shape[2]]
     else:
@@ -456,7 +463,7 @@ def ring_attention(
     peers = ((rank + 1) % world_size, (rank - 1) % world_size)
     if group is not None:
         peers = (int(dist.get_global_rank(group, peers[0])), int(dist.get_global_rank(group, peers[1])))
-    lengths = _agree(q, k, v, causal, group, wait_time)
+    lengths = _agree(q, k, v, sinks, causal, group, wait_time)
     seq_len = sum(lengths)
 
     wide = torch.float64 if q.dtype == torch.float64 else torch.float32
