@@ -116,7 +116,19 @@ def _measure_rank(args: argparse.Namespace) -> None:
     peers = ((rank + 1) % world_size, (rank - 1) % world_size)
     threads = args.threads
 
+    # the time ring_attention spends waiting for its transfers once a step's compute is done: the
+    # part of the communication that was not hidden (its one shape all_gather, just after a
+    # barrier, is counted too)
+    waits: list[float] = []
+    wait_for = td._wait
+
+    def timed_wait(work: Any, timeout: Any) -> None:
+        start = time.perf_counter()
+        wait_for(work, timeout)
+        waits[-1] += time.perf_counter() - start
+
     def ring() -> None:
+        waits.append(0.0)
         td.ring_attention(q, k, v, causal=causal, num_threads=threads)
 
     def compute() -> None:
@@ -148,8 +160,12 @@ def _measure_rank(args: argparse.Namespace) -> None:
             for work in works:
                 work.wait()
 
+    td._wait = timed_wait  # type: ignore[assignment]
     ring()  # warm-up: thread pools, first-touch, connections
     t_ring, t_compute, t_transfer = _timed([ring, compute, transfer], args.repeats)
+    waited = torch.tensor([statistics.median(waits[1:])], dtype=torch.float64)
+    dist.all_reduce(waited, op=dist.ReduceOp.MAX)
+    t_waited = float(waited)
     pause[0] = t_compute / world_size
     (t_idle,) = _timed([transfer_while_idle], args.repeats)
     if rank == 0:
@@ -166,6 +182,8 @@ def _measure_rank(args: argparse.Namespace) -> None:
         print(f"  ring {1e3 * t_ring:.1f} ms | compute alone {1e3 * t_compute:.1f} ms | transfers alone {1e3 * t_transfer:.1f} ms")
         print(f"  communication hidden behind compute: {100 * max(0.0, min(1.0, hidden)):.0f}% "
               f"(raw {100 * hidden:.0f}%; ring / compute alone = {t_ring / t_compute:.3f})")
+        print(f"  the ring waited {1e3 * t_waited:.1f} ms for transfers after its compute (the busiest rank, median): "
+              f"{100 * max(0.0, 1 - t_waited / t_transfer) if t_transfer > 0 else 100:.0f}% of the transfers' time was not waited for")
         sleeps = pause[0] * (world_size - 1)
         idle_hidden = (sleeps + t_transfer - t_idle) / t_transfer if t_transfer > 0 else 1.0
         print(f"  the transfers posted before sleeps of a step's length ({1e3 * pause[0]:.1f} ms): {1e3 * t_idle:.1f} ms, "
