@@ -174,6 +174,10 @@ def _check_case(case: dict[str, Any], rank: int, world_size: int, group: Any) ->
         q.numpy(), k.numpy(), v.numpy(), return_lse=True, backend=case["backend"], **kwargs))
 
     shards = [td.shard(t, rank, world_size) for t in (q, k, v)]
+    if case.get("transposed"):
+        # (B, H, L, D) views of (B, L, H, D) memory, as attention projections give them
+        shards = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in shards]
+        assert not shards[1].is_contiguous()
     out, lse = td.ring_attention(
         *shards, causal=case["causal"], sinks=sinks if case["sinks"] else None, return_lse=True,
         backend=case["backend"], group=group, timeout=20,

@@ -144,18 +144,18 @@ def test_ring_attention_needs_an_initialised_group() -> None:
 
 
 def _case(seq_len: int, causal: bool, backend: str, *, batch: int = 2, q_heads: int = 4, kv_heads: int = 2,
-          head_dim: int = 16, value_dim: int = 8, sinks: bool = False) -> dict[str, Any]:
+          head_dim: int = 16, value_dim: int = 8, sinks: bool = False, transposed: bool = False) -> dict[str, Any]:
     return dict(seq_len=seq_len, causal=causal, backend=backend, batch=batch, q_heads=q_heads, kv_heads=kv_heads,
-                head_dim=head_dim, value_dim=value_dim, sinks=sinks)
+                head_dim=head_dim, value_dim=value_dim, sinks=sinks, transposed=transposed)
 
 
 # lengths that do not divide into 2P chunks, shorter than 2P (empty chunks; with L=2 over 3 ranks
 # rank 2 holds no token), GQA, MQA, MHA, Dv != D,
-# sinks; both native ports
+# sinks, q/k/v strided as (B, L, H, D) memory; both native ports
 CASES = {
     2: [_case(23, True, "cpp"), _case(23, False, "rust"), _case(64, True, "rust", q_heads=2, kv_heads=2, sinks=True),
         _case(3, True, "cpp", batch=1)],
-    3: [_case(37, True, "cpp"), _case(37, False, "cpp", sinks=True), _case(50, True, "rust", q_heads=3, kv_heads=1),
+    3: [_case(37, True, "cpp", transposed=True), _case(37, False, "cpp", sinks=True), _case(50, True, "rust", q_heads=3, kv_heads=1),
         _case(5, True, "rust", batch=1), _case(2, True, "cpp", batch=1)],
     4: [_case(45, True, "cpp", value_dim=16), _case(45, False, "rust"), _case(7, True, "cpp", batch=1),
         _case(66, True, "rust", q_heads=8, kv_heads=2, sinks=True)],

@@ -466,10 +466,12 @@ def ring_attention(
     lengths = _agree(q, k, v, sinks, causal, group, wait_time)
     seq_len = sum(lengths)
 
-    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
-    acc_out = np.zeros((q.shape[0], q.shape[1], q.shape[2], v.shape[3]), dtype=np.float64 if wide == torch.float64 else np.float32)
+    # the accumulators: float32, float64 for float64 inputs
+    acc_out = np.zeros((*q.shape[:3], v.shape[3]), dtype=np.float64 if q.dtype == torch.float64 else np.float32)
     acc_lse = np.full(acc_out.shape[:-1], -np.inf, dtype=acc_out.dtype)
-    k_now, v_now = k, v
+    # gloo sends contiguous tensors only: a strided view (a (B, L, H, D) projection transposed,
+    # say) is copied once here; the kernel reads q in place whatever its strides
+    k_now, v_now = k.contiguous(), v.contiguous()
     for step in range(world_size):
         source = (rank - step) % world_size
         works: list[Any] = []
