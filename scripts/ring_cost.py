@@ -69,7 +69,7 @@ def model(args: argparse.Namespace) -> None:
     rate, bandwidth = args.gflops * 1e9, args.gbytes_per_s * 1e9
     alone = _cost(args, 1).rank_flops()[0] / rate
     print(f"L={args.seq_len} B={args.batch} Hq={args.q_heads} Hkv={args.kv_heads} D={args.head_dim} "
-          f"{'full' if args.full else 'causal'}; {args.gflops:g} GFLOP/s per machine, {args.gbytes_per_s:g} GB/s links; "
+          f"{'full' if args.full else 'causal'}; {args.gflops:g} GFLOP/s per machine, {args.gbytes_per_s:g} GB/s links, {args.latency_us:g} us a transfer; "
           f"one machine alone: {alone:.3g} s")
     print(f"{'P':>4} {'GFLOP/rank':>11} {'spread':>7} {'MB sent/step':>13} {'compute/step':>13} {'transfer/step':>14} "
           f"{'predicted':>10} {'speedup':>8}")
