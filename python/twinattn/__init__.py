@@ -7,6 +7,8 @@
 
 The Python layer: twinattn.RotaryEmbedding, twinattn.KVCache, twinattn.nn.Attention (runs Hugging
 Face Llama attention weights) and twinattn.scaled_dot_product_attention (torch's signature).
+twinattn.merge_attention merges attention computed over disjoint key sets; ring attention across
+processes or machines is in twinattn.distributed (imports torch; import it explicitly).
 """
 
 from . import reference
@@ -15,6 +17,7 @@ from ._threads import get_num_threads, set_num_threads
 from ._version import __version__
 from .api import attention
 from .cache import CacheOverflowError, KVCache, kv_cache_bytes
+from .merge import merge_attention
 from .rope import RotaryEmbedding
 from .sdpa import scaled_dot_product_attention
 from . import nn
@@ -30,6 +33,7 @@ __all__ = [
     "build_info",
     "get_num_threads",
     "kv_cache_bytes",
+    "merge_attention",
     "nn",
     "reference",
     "scaled_dot_product_attention",
