@@ -18,7 +18,7 @@ namespace twinattn {
 
 double measure_peak(const std::string& kind, int64_t num_threads_requested, double seconds) {
     const std::vector<std::string> isas = available_isas();
-    const auto has = [&](const char* isa) { return std::find(isas.begin(), isas.end(), isa) != isas.end(); };
+    [[maybe_unused]] const auto has = [&](const char* isa) { return std::find(isas.begin(), isas.end(), isa) != isas.end(); };
     int64_t (*loop)(int64_t) = nullptr;
     if (kind == "fma32") {
 #if defined(TWINATTN_HAVE_X86_KERNELS)
