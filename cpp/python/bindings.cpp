@@ -38,26 +38,60 @@ std::string tuple_string(const py::ssize_t* values, py::ssize_t count) {
     return text + (count == 1 ? ",)" : ")");
 }
 
-enum class Dtype { Float32, Int64, BoolOrFloat32 };
+// Element: q's dtype (float32, float16 or bfloat16) when `like` is null, else like's dtype
+// (k, v and out take q's).
+enum class Dtype { Float32, Int64, BoolOrFloat32, Element };
+
+std::string dtype_string(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
+
+// The element type of q, k, v and out: float32, NumPy's float16, or ml_dtypes.bfloat16 (a user
+// dtype without the buffer protocol, known by char 'E', name "bfloat16" and itemsize 2), in
+// native byte order; false for anything else.
+bool element_type_of(const py::dtype& dtype, ElementType* type) {
+    if (dtype.equal(py::dtype::of<float>())) {  // equality also rejects non-native byte order
+        *type = ElementType::Float32;
+        return true;
+    }
+    if (dtype.equal(py::dtype("float16"))) {
+        *type = ElementType::Float16;
+        return true;
+    }
+    if (dtype.char_() == 'E' && dtype.itemsize() == 2 && dtype.attr("isnative").cast<bool>() &&
+        dtype.attr("name").cast<std::string>() == "bfloat16") {
+        *type = ElementType::BFloat16;
+        return true;
+    }
+    return false;
+}
 
 // The argument as an ndarray of the expected dtype and rank whose elements can be addressed by
 // element strides (byte strides multiples of the item size, data aligned). Nothing is copied.
 py::array as_array(const py::handle& object, const char* name, Dtype dtype, py::ssize_t ndim,
-                   const char* axes) {
+                   const char* axes, const py::array* like = nullptr) {
     if (!py::isinstance<py::array>(object))
         throw py::type_error(std::string(name) + ": expected a numpy.ndarray, got " + type_name(object));
     const auto a = py::reinterpret_borrow<py::array>(object);
-    // dtype equality also rejects non-native byte order
-    const bool is_float32 = a.dtype().equal(py::dtype::of<float>());
-    const bool ok = dtype == Dtype::Float32 ? is_float32
-                    : dtype == Dtype::Int64 ? a.dtype().equal(py::dtype::of<int64_t>())
-                                            : is_float32 || a.dtype().equal(py::dtype::of<bool>());
-    if (!ok) {
-        const char* expected = dtype == Dtype::Float32 ? "float32"
-                               : dtype == Dtype::Int64 ? "int64"
-                                                       : "bool or float32";
-        throw py::type_error(std::string(name) + ": expected dtype " + expected + ", got " +
-                             py::str(a.dtype()).cast<std::string>());
+    if (dtype == Dtype::Element) {
+        ElementType type;
+        if (like == nullptr && !element_type_of(a.dtype(), &type))
+            throw py::type_error(std::string(name) + ": expected dtype float32, float16 or bfloat16, got " +
+                                 dtype_string(a));
+        if (like != nullptr && !a.dtype().equal(like->dtype()))
+            throw py::type_error(std::string(name) + ": expected dtype " + dtype_string(*like) +
+                                 " (q's dtype), got " + dtype_string(a));
+    } else {
+        // dtype equality also rejects non-native byte order
+        const bool is_float32 = a.dtype().equal(py::dtype::of<float>());
+        const bool ok = dtype == Dtype::Float32 ? is_float32
+                        : dtype == Dtype::Int64 ? a.dtype().equal(py::dtype::of<int64_t>())
+                                                : is_float32 || a.dtype().equal(py::dtype::of<bool>());
+        if (!ok) {
+            const char* expected = dtype == Dtype::Float32 ? "float32"
+                                   : dtype == Dtype::Int64 ? "int64"
+                                                           : "bool or float32";
+            throw py::type_error(std::string(name) + ": expected dtype " + expected + ", got " +
+                                 dtype_string(a));
+        }
     }
     if (a.ndim() != ndim)
         throw py::value_error(std::string(name) + ": expected " + std::to_string(ndim) +
@@ -87,7 +121,7 @@ void fill_shape_strides(const py::array& a, View& view) {
 }
 
 TensorView4 tensor_view(const py::array& a) {
-    TensorView4 view{static_cast<const float*>(a.data()), {}, {}};
+    TensorView4 view{a.data(), {}, {}};
     fill_shape_strides<TensorView4, 4>(a, view);
     return view;
 }
@@ -146,10 +180,12 @@ void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
                 const py::handle& softcap_obj, const py::handle& alibi_slopes_obj,
                 const py::handle& sinks_obj) {
     // 1. Arrays: dtypes, ranks, addressable elements; writeable outputs; the mask's shape.
-    const py::array q = as_array(q_obj, "q", Dtype::Float32, 4, "(B, Hq, Lq, D)");
-    const py::array k = as_array(k_obj, "k", Dtype::Float32, 4, "(B, Hkv, Lk, D)");
-    const py::array v = as_array(v_obj, "v", Dtype::Float32, 4, "(B, Hkv, Lk, Dv)");
-    py::array out = as_array(out_obj, "out", Dtype::Float32, 4, "(B, Hq, Lq, Dv)");
+    // Each array is checked whole (dtype, rank, strides, alignment) before the next, in the order
+    // q, k, v, out; k, v and out must have q's dtype (float32, float16 or bfloat16).
+    const py::array q = as_array(q_obj, "q", Dtype::Element, 4, "(B, Hq, Lq, D)");
+    const py::array k = as_array(k_obj, "k", Dtype::Element, 4, "(B, Hkv, Lk, D)", &q);
+    const py::array v = as_array(v_obj, "v", Dtype::Element, 4, "(B, Hkv, Lk, Dv)", &q);
+    py::array out = as_array(out_obj, "out", Dtype::Element, 4, "(B, Hq, Lq, Dv)", &q);
     require_writeable(out, "out");
     py::array lse, mask;  // default-constructed: empty arrays, used only when given
     const bool has_lse = !lse_obj.is_none(), has_mask = !mask_obj.is_none();
@@ -184,10 +220,11 @@ void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
 
     // 3. The problem: views over the arrays' memory.
     AttentionProblem problem{};
+    element_type_of(q.dtype(), &problem.dtype);
     problem.q = tensor_view(q);
     problem.k = tensor_view(k);
     problem.v = tensor_view(v);
-    problem.out = MutTensorView4{static_cast<float*>(out.mutable_data()), {}, {}};
+    problem.out = MutTensorView4{out.mutable_data(), {}, {}};
     fill_shape_strides<MutTensorView4, 4>(out, problem.out);
     problem.lse = LseView{nullptr, {0, 0, 0}, {0, 0, 0}};
     if (has_lse) {
@@ -283,6 +320,25 @@ void set_isa_py(const py::object& name) {
     }
 }
 
+// The arithmetic peak for the benchmark (measure_peak.cpp). Conversion order: kind (a str),
+// num_threads (an int), seconds (a float; > 0 and at most 1e6, said with Python's repr), then the
+// core's checks (kind known, kind runnable here, num_threads >= 1): ValueError.
+double measure_peak_py(const py::object& kind, const py::object& num_threads_obj, const py::object& seconds_obj) {
+    if (!PyUnicode_Check(kind.ptr())) throw py::type_error("kind: expected a str, got " + type_name(kind));
+    const int64_t num_threads = as_int64(num_threads_obj, "num_threads");
+    const double seconds = as_float(seconds_obj, "seconds");
+    if (!(seconds > 0.0 && seconds <= 1e6))
+        throw py::value_error("seconds: expected a number > 0 and <= 1e6, got " +
+                              py::repr(py::float_(seconds)).cast<std::string>());
+    try {
+        const std::string name = kind.cast<std::string>();
+        py::gil_scoped_release release;
+        return twinattn::measure_peak(name, num_threads, seconds);
+    } catch (const std::invalid_argument& error) {
+        throw py::value_error(error.what());
+    }
+}
+
 std::string compiler_name() {
 #if defined(__clang__)
     return std::string("Clang ") + __clang_version__;
@@ -363,6 +419,9 @@ PYBIND11_MODULE(_cpp, m) {
           "Switches the instruction set among build_info()['isa_available']; ValueError otherwise.");
     m.def("softcap_tanh", &softcap_tanh_py, py::arg("x"),
           "tanh of a float32 vector with the fast kernel's vectorised tanh (softcap), for tests.");
+    m.def("measure_peak", &measure_peak_py, py::arg("kind"), py::arg("num_threads"), py::arg("seconds"),
+          "GFLOP/s of a register-resident loop of independent 'fma32' (AVX-512 / AVX2 FMA) or "
+          "'bf16dot' (VDPBF16PS) operations on num_threads threads for about `seconds`.");
     m.def("build_info", &build_info,
           "Instruction set in use, those available, compiler and version of this build.");
 }

@@ -14,8 +14,8 @@ namespace {
 
 // Slowest first. NEON and the x86 sets are never in the same build, so "fastest available" is
 // the highest index either way.
-enum IsaIndex { kScalar = 0, kNeon = 1, kAvx2 = 2, kAvx512 = 3, kIsaCount = 4 };
-const char* const kIsaNames[kIsaCount] = {"scalar", "neon", "avx2", "avx512"};
+enum IsaIndex { kScalar = 0, kNeon = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4, kIsaCount = 5 };
+const char* const kIsaNames[kIsaCount] = {"scalar", "neon", "avx2", "avx512", "avx512bf16"};
 
 struct CpuSupport {
     bool isa[kIsaCount];
@@ -23,14 +23,19 @@ struct CpuSupport {
 
 // What this build compiled and this CPU (and OS, for the wide registers) can run.
 CpuSupport detect() {
-    CpuSupport support{{true, false, false, false}};
+    CpuSupport support{{true, false, false, false, false}};
 #if defined(TWINATTN_HAVE_NEON_KERNELS)
     support.isa[kNeon] = true;  // NEON is part of the AArch64 baseline: nothing to ask
 #endif
 #if defined(TWINATTN_HAVE_X86_KERNELS) && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
-    support.isa[kAvx2] = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    // F16C too (float16 loads and stores): every AVX2 CPU has it, but the kernels rely on it.
+    support.isa[kAvx2] = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
     support.isa[kAvx512] = support.isa[kAvx2] && __builtin_cpu_supports("avx512f");
+    // The bfloat16 unit is compiled with BW and VL as well (its 16-bit conversions may use them).
+    support.isa[kAvx512Bf16] = support.isa[kAvx512] && __builtin_cpu_supports("avx512bw") &&
+                               __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 #endif
     return support;
 }
@@ -48,6 +53,17 @@ FlashKernels kernels_for(int isa) {
 #endif
 #if defined(TWINATTN_HAVE_X86_KERNELS)
     if (isa == kAvx512) return flash_kernels_avx512();
+    if (isa == kAvx512Bf16) {
+        // float32 and float16 run exactly the avx512 kernels; bfloat16 its own (dot products).
+        const FlashKernels avx512 = flash_kernels_avx512();
+        FlashKernels kernels = flash_kernels_avx512bf16();
+        for (ElementType type : {ElementType::Float32, ElementType::Float16}) {
+            kernels.attend_rows[static_cast<int>(type)] = avx512.attend_rows[static_cast<int>(type)];
+            kernels.pack_keys[static_cast<int>(type)] = avx512.pack_keys[static_cast<int>(type)];
+        }
+        kernels.tanh_values = avx512.tanh_values;
+        return kernels;
+    }
     if (isa == kAvx2) return flash_kernels_avx2();
 #endif
     (void)isa;

@@ -97,8 +97,9 @@ private:
 struct ScratchBuffers {
     GrowBuffer<float> q_tile, scores, out_acc, row_max, row_sum, rescale, key_panels;
     GrowBuffer<int64_t> row_key_begin, row_key_end;
+    GrowBuffer<uint32_t> probs_pairs;
 
-    ThreadScratch get(int64_t D, int64_t value_stride, bool split_key) {
+    ThreadScratch get(int64_t D, int64_t value_stride, bool split_key, bool bf16_pairs) {
         ThreadScratch s;
         s.q_tile = q_tile.reserve(kQTileRows * std::max<int64_t>(D, 1));
         s.scores = scores.reserve(kQTileRows * kKeyBlock);
@@ -109,6 +110,7 @@ struct ScratchBuffers {
         s.row_key_begin = row_key_begin.reserve(kQTileRows);
         s.row_key_end = row_key_end.reserve(kQTileRows);
         s.key_panels = split_key ? key_panels.reserve(kKeyBlock * std::max<int64_t>(D, 1)) : nullptr;
+        s.probs_pairs = bf16_pairs ? probs_pairs.reserve(kQTileRows * kKeyBlock / 2) : nullptr;
         return s;
     }
 };
@@ -121,6 +123,8 @@ ScratchBuffers& thread_scratch() {
 // Buffers owned by the calling thread for the length of one call.
 struct CallerBuffers {
     GrowBuffer<float> packed_keys, partial_out, partial_max, partial_sum;
+    GrowBuffer<uint32_t> packed_values;
+    GrowBuffer<unsigned char> value_finite;
 };
 
 CallerBuffers& caller_buffers() {
@@ -144,8 +148,9 @@ void run_items(const FlashPlan& plan, const FlashKernels& kernels, std::vector<C
                      [](const CostedItem& a, const CostedItem& b) { return a.cost > b.cost; });
     parallel_for(static_cast<int64_t>(items.size()), num_threads, [&](int64_t index, int) {
         const ThreadScratch scratch =
-            thread_scratch().get(plan.head_dim, plan.value_stride, split_key);
-        kernels.attend_rows(plan, items[static_cast<size_t>(index)].item, scratch);
+            thread_scratch().get(plan.head_dim, plan.value_stride, split_key, plan.packed_values != nullptr);
+        kernels.attend_rows[static_cast<int>(plan.problem->dtype)](plan, items[static_cast<size_t>(index)].item,
+                                                               scratch);
     });
 }
 
@@ -154,9 +159,22 @@ void run_prefill(FlashPlan& plan, const FlashKernels& kernels, int num_threads) 
     const AttentionProblem& p = *plan.problem;
     const int64_t B = p.q.shape[0], Hkv = p.k.shape[1], D = plan.head_dim;
     plan.panels_per_head = ceil_div(p.k.shape[2], kKeyPanel);
-    float* packed = caller_buffers().packed_keys.reserve(
-        std::max<int64_t>(B * Hkv * plan.panels_per_head * D * kKeyPanel, 1));
+    // bfloat16 with dot products (avx512bf16): K and V pair panels (a pair fills a float's slot).
+    const bool pairs = kernels.pack_pairs != nullptr && p.dtype == ElementType::BFloat16;
+    const int64_t panel_size = (pairs ? ceil_div(D, 2) : D) * kKeyPanel;
+    const int64_t keys_per_head = plan.panels_per_head * kKeyPanel;
+    CallerBuffers& buffers = caller_buffers();
+    float* packed = buffers.packed_keys.reserve(std::max<int64_t>(B * Hkv * plan.panels_per_head * panel_size, 1));
     plan.packed_keys = packed;
+    uint32_t* packed_values = nullptr;
+    unsigned char* value_finite = nullptr;
+    if (pairs) {
+        packed_values = buffers.packed_values.reserve(
+            std::max<int64_t>(B * Hkv * keys_per_head / 2 * plan.value_stride, 1));
+        value_finite = buffers.value_finite.reserve(std::max<int64_t>(B * Hkv * keys_per_head, 1));
+        plan.packed_values = packed_values;
+        plan.value_finite = value_finite;
+    }
 
     // Pack only the panels some row may see: from the first row's window start (rounded down to
     // a panel) to the last row's visible end.
@@ -167,8 +185,15 @@ void run_prefill(FlashPlan& plan, const FlashKernels& kernels, int num_threads) 
         flash_row_key_range(p, b, plan.group, plan.rows_per_group - 1, &unused, &key_end);
         const int64_t first_panel = key_begin / kKeyPanel;
         if (key_end <= first_panel * kKeyPanel) return;
-        kernels.pack_keys(p, b, kv_head, first_panel * kKeyPanel, key_end,
-                          packed + (head * plan.panels_per_head + first_panel) * D * kKeyPanel);
+        const int64_t first_key = first_panel * kKeyPanel;
+        if (pairs)
+            kernels.pack_pairs(p, b, kv_head, first_key, key_end,
+                               reinterpret_cast<uint32_t*>(packed) + (head * plan.panels_per_head + first_panel) * panel_size,
+                               packed_values + (head * keys_per_head + first_key) / 2 * plan.value_stride,
+                               value_finite + head * keys_per_head + first_key, plan.value_stride);
+        else
+            kernels.pack_keys[static_cast<int>(p.dtype)](p, b, kv_head, first_key, key_end,
+                                                         packed + (head * plan.panels_per_head + first_panel) * panel_size);
     });
 
     const int64_t tiles = ceil_div(plan.rows_per_group, kQTileRows);
@@ -234,8 +259,12 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
     // A chunk whose row saw a NaN or +inf score has m_c = NaN or +inf and l_c = NaN (flash_kernel.hpp,
     // 3c), so m* and the weights carry it into O and lse; a chunk that saw nothing has l_c = 0.
     // A sink s (base 2) counts here once: m* starts at s and l* at 2^(s - m*).
+    // float16 / bfloat16: the merge runs in float32 in a row buffer, rounded once when stored.
     const int64_t G = plan.group;
-    parallel_for(B * Hkv, num_threads, [&](int64_t head, int) {
+    std::vector<std::vector<float>> merge_rows(static_cast<size_t>(
+        p.dtype == ElementType::Float32 ? 0 : std::min<int64_t>(num_threads, B * Hkv)));
+    for (std::vector<float>& row : merge_rows) row.resize(static_cast<size_t>(Dv));
+    parallel_for(B * Hkv, num_threads, [&](int64_t head, int thread) {
         const int64_t b = head / Hkv, kv_head = head % Hkv;
         const int64_t chunks = (slot_base[b + 1] - slot_base[b]) / Hkv;
         if (chunks == 0) return;  // one chunk: written directly
@@ -247,7 +276,9 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
             float m_star = sink;
             for (int64_t c = 0; c < chunks; ++c)
                 m_star = max_nan(m_star, plan.partial_max[(first_slot + c) * rows + r]);
-            float* dst = p.out.data + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
+            const int64_t out_offset = b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
+            float* dst = p.dtype == ElementType::Float32 ? static_cast<float*>(p.out.data) + out_offset
+                                                         : merge_rows[static_cast<size_t>(thread)].data();
             for (int64_t d = 0; d < Dv; ++d) dst[d] = 0.0f;
             float l_star = plan.has_sinks ? exp2f(sink - m_star) : 0.0f;
             if (m_star != -std::numeric_limits<float>::infinity()) {
@@ -265,6 +296,10 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
                 const float inverse = 1.0f / l_star;
                 for (int64_t d = 0; d < Dv; ++d) dst[d] *= inverse;
             }
+            if (p.dtype == ElementType::Float16)
+                for (int64_t d = 0; d < Dv; ++d) from_f32(dst[d], static_cast<Float16*>(p.out.data) + out_offset + d);
+            else if (p.dtype == ElementType::BFloat16)
+                for (int64_t d = 0; d < Dv; ++d) from_f32(dst[d], static_cast<BFloat16*>(p.out.data) + out_offset + d);
             if (p.lse.data != nullptr)
                 p.lse.data[b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2]] =
                     flash_row_lse(m_star, l_star);

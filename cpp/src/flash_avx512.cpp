@@ -1,27 +1,28 @@
-// The tile kernel (flash_kernel.hpp) compiled for the avx512 vector type (simd_avx512.hpp).
-// Compile flags of this translation unit: -mavx512f -mavx2 -mfma (cpp/CMakeLists.txt).
+// The tile kernel (flash_kernel.hpp) compiled for the avx512 vector type (simd_avx512.hpp),
+// once per storage type (float, Float16, BFloat16: the convert path for the 16-bit ones).
+// Compile flags of this translation unit: -mavx512f -mavx2 -mfma -mf16c (cpp/CMakeLists.txt).
 #include "simd_avx512.hpp"
 
 #include "flash_kernel.hpp"
 
 namespace twinattn {
-namespace {
 
-void attend_rows_avx512(const FlashPlan& plan, const WorkItem& item, const ThreadScratch& scratch) {
-    flash::Kernel<VecAvx512>::attend_rows(plan, item, scratch);
-}
+FlashKernels flash_kernels_avx512() { return flash::make_kernels<VecAvx512>(); }
 
-void pack_keys_avx512(const AttentionProblem& problem, int64_t b, int64_t kv_head,
-                    int64_t key_begin, int64_t key_end, float* dst) {
-    flash::Kernel<VecAvx512>::pack_keys(problem, b, kv_head, key_begin, key_end, dst);
-}
-
-void tanh_values_avx512(float* values, int64_t n) { flash::Kernel<VecAvx512>::tanh_values(values, n); }
-
-}  // namespace
-
-FlashKernels flash_kernels_avx512() {
-    return FlashKernels{"avx512", attend_rows_avx512, pack_keys_avx512, tanh_values_avx512, VecAvx512::kWidth};
+// measure_peak (flash_kernel.hpp): 16 independent accumulators, each acc = acc * b + c with
+// b just below 1 and c small, so the values stay normal and bounded however long it runs.
+int64_t peak_fma32_avx512(int64_t instructions) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+    const __m512 b = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-6f);
+    for (int64_t done = 0; done < instructions; done += 16)
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(acc[i], b, c);
+    __m512 sum = acc[0];
+    for (int i = 1; i < 16; ++i) sum = _mm512_add_ps(sum, acc[i]);
+    volatile float sink = _mm512_cvtss_f32(sum);  // the loop's result is used
+    (void)sink;
+    return (instructions + 15) / 16 * 16 * 32;
 }
 
 }  // namespace twinattn

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <limits>
 
+#include "element.hpp"
 #include "twinattn/constants.hpp"
 #include "twinattn/problem.hpp"
 
@@ -51,6 +52,14 @@ struct FlashPlan {
     // nullptr on the split-key path (each item packs its own blocks).
     const float* packed_keys;
     int64_t panels_per_head;
+    // The bfloat16 dot-product path (avx512bf16, prefill; docs/kernels.md, "Reduced precision"),
+    // else nullptr: packed_keys then holds K pair panels, (b, kv_head) at
+    // ((b * Hkv + kv_head) * panels_per_head) * ceil(D / 2) * kKeyPanel pairs; packed_values the V
+    // pair panels, key pair kp of (b, kv_head) at ((b * Hkv + kv_head) * panels_per_head *
+    // kKeyPanel / 2 + kp) * value_stride pairs; value_finite one byte per key of each (b, kv_head)
+    // (panels_per_head * kKeyPanel), 1 when every value of that key's V row is finite.
+    const uint32_t* packed_values;
+    const unsigned char* value_finite;
     // Split-key partials, slot s holding rows_per_group rows: out (Dv floats each), m, l.
     float* partial_out;
     float* partial_max;
@@ -74,6 +83,7 @@ struct ThreadScratch {
     int64_t* row_key_begin;
     int64_t* row_key_end;
     float* key_panels;
+    uint32_t* probs_pairs;  // (rows, kKeyBlock / 2) bfloat16 pairs of P: the dot-product path
 };
 
 using AttendRowsFn = void (*)(const FlashPlan& plan, const WorkItem& item, const ThreadScratch& scratch);
@@ -84,20 +94,42 @@ using PackKeysFn = void (*)(const AttentionProblem& problem, int64_t b, int64_t 
 // values[0, n) = tanh(values[0, n)) with the vectorised tanh (constants.hpp, "tanh"); n a
 // multiple of the vector width (tests call it on whole vectors).
 using TanhFn = void (*)(float* values, int64_t n);
+// The bfloat16 dot-product path: packs keys [key_begin, key_end) of one (b, kv_head) (key_begin a
+// multiple of kKeyPanel) into K pair panels at key_dst (the panel of key_begin), V pair rows at
+// value_dst (the pair of key_begin) and the per-key finite flags at finite_dst (key_begin's).
+using PackPairsFn = void (*)(const AttentionProblem& problem, int64_t b, int64_t kv_head,
+                             int64_t key_begin, int64_t key_end, uint32_t* key_dst,
+                             uint32_t* value_dst, unsigned char* finite_dst, int64_t value_stride);
+
+// Indexed by ElementType: [Float32], [Float16], [BFloat16].
+constexpr int kElementTypes = 3;
 
 struct FlashKernels {
     const char* isa;
-    AttendRowsFn attend_rows;
-    PackKeysFn pack_keys;
+    AttendRowsFn attend_rows[kElementTypes];
+    PackKeysFn pack_keys[kElementTypes];
     TanhFn tanh_values;
     int64_t width;  // floats per vector
+    // bfloat16 prefill by dot products (avx512bf16 only; nullptr elsewhere): packs the pair
+    // panels that attend_rows[BFloat16] then reads.
+    PackPairsFn pack_pairs;
 };
 
-// Defined in flash_{scalar,avx2,avx512}.cpp (the last two only when built for x86-64).
+// Defined in flash_{scalar,avx2,avx512}.cpp (the last two only when built for x86-64), each
+// with flash::make_kernels below.
 FlashKernels flash_kernels_scalar();
 FlashKernels flash_kernels_avx2();
 FlashKernels flash_kernels_avx512();
+FlashKernels flash_kernels_avx512bf16();  // flash_avx512bf16.cpp
 FlashKernels flash_kernels_neon();  // flash_neon.cpp, only when built for AArch64
+
+// measure_peak's register-resident loops (measure_peak.cpp): `instructions` independent
+// multiply-adds (16 accumulators, 12 on AVX2, rotated), returning the flop they did: FMA on 16 floats (32
+// flop each), FMA on 8 floats (16), VDPBF16PS on 16 x 2 bfloat16 pairs (64). Defined in the
+// units of their instruction sets.
+int64_t peak_fma32_avx512(int64_t instructions);
+int64_t peak_fma32_avx2(int64_t instructions);
+int64_t peak_bf16dot_avx512bf16(int64_t instructions);
 
 // The keys packed row r of (b, *) may see by length, causality and window: [*begin, *end),
 // both in [0, kv_len]; empty when *end <= *begin (defined in flash_attention.cpp; deliberately
@@ -118,7 +150,13 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-template <class V>
+// T: the storage type of q, k, v and out (float, Float16 or BFloat16; element.hpp). The
+// 16-bit instantiations are the convert path (docs/kernels.md, "Reduced precision"): every load
+// of q, k or v converts to float32 exactly (V::load_as_f32), everything else is the float32
+// kernel operation for operation, and out is rounded as it is stored (V::store_from_f32), so
+// their results equal the float32 kernel's on the converted inputs, rounded. Kernel<V, float>
+// is today's float32 kernel (load_as_f32 of a float is V::load).
+template <class V, class T = float>
 struct Kernel {
     using Reg = typename V::Reg;
     static constexpr int64_t W = V::kWidth;
@@ -164,23 +202,23 @@ struct Kernel {
     static void pack_keys(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_begin,
                           int64_t key_end, float* dst) {
         const int64_t D = p.k.shape[3], key_stride = p.k.stride[2];
-        const float* k_head = p.k.data + b * p.k.stride[0] + kv_head * p.k.stride[1];
+        const T* k_head = static_cast<const T*>(p.k.data) + b * p.k.stride[0] + kv_head * p.k.stride[1];
         for (int64_t panel_begin = key_begin; panel_begin < key_end; panel_begin += kKeyPanel) {
             const int64_t keys = key_end - panel_begin < kKeyPanel ? key_end - panel_begin : kKeyPanel;
-            const float* k_rows = k_head + panel_begin * key_stride;
+            const T* k_rows = k_head + panel_begin * key_stride;
             int64_t d_done = 0;
             if (keys == kKeyPanel) {  // whole panel: W x W blocks transposed in registers
                 for (; d_done + W <= D; d_done += W)
                     for (int64_t j = 0; j < kKeyPanel; j += W) {
                         Reg block[W];
-                        for (int64_t t = 0; t < W; ++t) block[t] = V::load(k_rows + (j + t) * key_stride + d_done);
+                        for (int64_t t = 0; t < W; ++t) block[t] = V::load_as_f32(k_rows + (j + t) * key_stride + d_done);
                         V::transpose(block);
                         for (int64_t t = 0; t < W; ++t) V::store(dst + (d_done + t) * kKeyPanel + j, block[t]);
                     }
             }
             for (int64_t j = 0; j < keys; ++j) {  // the rest, element by element
-                const float* k_row = k_rows + j * key_stride;
-                for (int64_t d = d_done; d < D; ++d) dst[d * kKeyPanel + j] = k_row[d];
+                const T* k_row = k_rows + j * key_stride;
+                for (int64_t d = d_done; d < D; ++d) dst[d * kKeyPanel + j] = to_f32(k_row[d]);
             }
             for (int64_t j = keys; j < kKeyPanel; ++j)
                 for (int64_t d = 0; d < D; ++d) dst[d * kKeyPanel + j] = 0.0f;
@@ -257,7 +295,7 @@ struct Kernel {
     // reuses each q chunk four times but interleaves four rows; measured at 32k keys on one
     // thread that stalls on memory: 22 ms against 13.5-14 ms with whole rows, 1.6x slower.)
     template <int R>
-    static void direct_batch(const float* q, int64_t D, const float* const k[4], Reg* y,
+    static void direct_batch(const float* q, int64_t D, const T* const k[4], Reg* y,
                              int64_t y_stride) {
         Reg acc[R][4];
 #pragma GCC unroll 8
@@ -266,16 +304,16 @@ struct Kernel {
             for (int t = 0; t < 4; ++t) acc[r][t] = V::zero();
 #pragma GCC unroll 4
         for (int t = 0; t < 4; ++t) {
-            const float* key = k[t];
+            const T* key = k[t];
             int64_t d = 0;
             for (; d + W <= D; d += W) {
-                const Reg key_d = V::load(key + d);
+                const Reg key_d = V::load_as_f32(key + d);
 #pragma GCC unroll 8
                 for (int r = 0; r < R; ++r) acc[r][t] = V::fma(V::load(q + r * D + d), key_d, acc[r][t]);
             }
             if (d < D) {
                 const int64_t tail = D - d;
-                const Reg key_d = V::load_tail(key + d, tail);
+                const Reg key_d = V::load_tail_as_f32(key + d, tail);
 #pragma GCC unroll 8
                 for (int r = 0; r < R; ++r)
                     acc[r][t] = V::fma(V::load_tail(q + r * D + d, tail), key_d, acc[r][t]);
@@ -290,7 +328,7 @@ struct Kernel {
     // batch wholly past n is 0, a key past n inside a batch reuses key n - 1; both scores are
     // overwritten with -inf before the softmax.
     template <int R>
-    static void direct_strip(const float* q, int64_t D, const float* k_rows, int64_t k_stride,
+    static void direct_strip(const float* q, int64_t D, const T* k_rows, int64_t k_stride,
                              int64_t j0, int64_t n, float* scores) {
         constexpr int64_t kBatches = W / 4;
         Reg y[R][kBatches];
@@ -301,7 +339,7 @@ struct Kernel {
                 for (int r = 0; r < R; ++r) y[r][b] = V::zero();
                 continue;
             }
-            const float* k[4];
+            const T* k[4];
 #pragma GCC unroll 4
             for (int t = 0; t < 4; ++t) k[t] = k_rows + (first + t < n ? first + t : n - 1) * k_stride;
             direct_batch<R>(q, D, k, &y[0][b], kBatches);
@@ -312,7 +350,7 @@ struct Kernel {
 
     // S for all rows (<= kDirectScoreRows) against the block's n keys read in place: groups of
     // W keys, each in strips of V::kDirectStripRows rows (the last strip as many as remain).
-    static void direct_block_scores(const float* q_tile, int64_t D, int64_t rows, const float* k_rows,
+    static void direct_block_scores(const float* q_tile, int64_t D, int64_t rows, const T* k_rows,
                                     int64_t k_stride, int64_t n, float* scores) {
         constexpr int64_t SR = V::kDirectStripRows;
         static_assert(SR >= 1 && SR <= 6, "the switch below lists the strip heights 1..6");
@@ -336,7 +374,7 @@ struct Kernel {
     // kTail: the last vector holds only `tail` columns. kSafe: a row whose p is 0 (a hidden key)
     // skips the key, so a NaN in a hidden value never enters (0 * NaN = NaN).
     template <int R, int NV, bool kTail, bool kSafe>
-    static void value_micro(const float* probs, int64_t n, const float* v_rows, int64_t v_stride,
+    static void value_micro(const float* probs, int64_t n, const T* v_rows, int64_t v_stride,
                             float* out, int64_t out_stride, const float* rescale, bool do_rescale,
                             int64_t tail) {
         Reg acc[R][NV] = {};  // (= {}: silences a false -Wuninitialized)
@@ -350,12 +388,12 @@ struct Kernel {
             }
         }
         for (int64_t key = 0; key < n; ++key) {
-            const float* v_row = v_rows + key * v_stride;
+            const T* v_row = v_rows + key * v_stride;
             Reg values[NV];
 #pragma GCC unroll 4
             for (int v = 0; v < NV; ++v)
-                values[v] = (kTail && v == NV - 1) ? V::load_tail(v_row + v * W, tail)
-                                                    : V::load(v_row + v * W);
+                values[v] = (kTail && v == NV - 1) ? V::load_tail_as_f32(v_row + v * W, tail)
+                                                    : V::load_as_f32(v_row + v * W);
             if (kSafe) {
                 bool all_visible = true;
 #pragma GCC unroll 8
@@ -387,7 +425,7 @@ struct Kernel {
     // O for one strip of R rows: column blocks of kValueVectors vectors, then single vectors,
     // then the masked tail.
     template <int R, bool kSafe>
-    static void strip_values(const float* probs, int64_t n, const float* v_rows, int64_t v_stride,
+    static void strip_values(const float* probs, int64_t n, const T* v_rows, int64_t v_stride,
                              float* out, int64_t out_stride, int64_t Dv, const float* rescale) {
         constexpr int NV = V::kValueVectors;
         bool do_rescale = false;
@@ -405,7 +443,7 @@ struct Kernel {
     }
 
     template <bool kSafe>
-    static void block_values(const float* scores, int64_t rows, int64_t n, const float* v_rows,
+    static void block_values(const float* scores, int64_t rows, int64_t n, const T* v_rows,
                              int64_t v_stride, float* out_acc, int64_t out_stride, int64_t Dv,
                              const float* rescale) {
         for (int64_t r = 0; r < rows; r += kMicroRows) {
@@ -437,10 +475,12 @@ struct Kernel {
             float* q_dst = s.q_tile + r * D;
             const int64_t packed = item.row_begin + r;
             const int64_t h = item.kv_head * G + packed % G, i = packed / G;
-            const float* q_src = p.q.data + b * p.q.stride[0] + h * p.q.stride[1] + i * p.q.stride[2];
+            const T* q_src = static_cast<const T*>(p.q.data) + b * p.q.stride[0] + h * p.q.stride[1] +
+                             i * p.q.stride[2];
             int64_t d = 0;
-            for (; d + W <= D; d += W) V::store(q_dst + d, V::mul(V::load(q_src + d), multiplier));
-            if (d < D) V::store_tail(q_dst + d, V::mul(V::load_tail(q_src + d, D - d), multiplier), D - d);
+            for (; d + W <= D; d += W) V::store(q_dst + d, V::mul(V::load_as_f32(q_src + d), multiplier));
+            if (d < D)
+                V::store_tail(q_dst + d, V::mul(V::load_tail_as_f32(q_src + d, D - d), multiplier), D - d);
             flash_row_key_range(p, b, G, packed, &s.row_key_begin[r], &s.row_key_end[r]);
             // The sink enters once per row: here when this item writes out, else in the merge.
             if (plan.has_sinks && item.partial_slot < 0) {
@@ -461,8 +501,8 @@ struct Kernel {
             plan.packed_keys == nullptr
                 ? nullptr
                 : plan.packed_keys + (b * p.k.shape[1] + item.kv_head) * plan.panels_per_head * D * kKeyPanel;
-        const float* v_head = p.v.data + b * p.v.stride[0] + item.kv_head * p.v.stride[1];
-        const float* k_head = p.k.data + b * p.k.stride[0] + item.kv_head * p.k.stride[1];
+        const T* v_head = static_cast<const T*>(p.v.data) + b * p.v.stride[0] + item.kv_head * p.v.stride[1];
+        const T* k_head = static_cast<const T*>(p.k.data) + b * p.k.stride[0] + item.kv_head * p.k.stride[1];
         // Split-key groups of few rows read K in place (3a'); the others pack K^T panels.
         const bool direct = plan.packed_keys == nullptr && rows <= kDirectScoreRows;
         for (int64_t key_block = item.key_begin; key_block < key_stop; key_block += kKeyBlock) {
@@ -477,7 +517,7 @@ struct Kernel {
             }
             // No software prefetch on any path: K and V are read as forward streams that the
             // hardware prefetcher follows (docs/kernels.md, step 6).
-            const float* v_rows = v_head + key_block * p.v.stride[2];
+            const T* v_rows = v_head + key_block * p.v.stride[2];
             // (a) S = Q K^T.
             if (direct)
                 direct_block_scores(s.q_tile, D, rows, k_head + key_block * p.k.stride[2], p.k.stride[2],
@@ -517,12 +557,12 @@ struct Kernel {
                 continue;
             }
             const int64_t h = item.kv_head * G + packed % G, i = packed / G;
-            float* dst = p.out.data + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
+            T* dst = static_cast<T*>(p.out.data) + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
             const float l = s.row_sum[r];
             const Reg inverse = V::broadcast(l == 0.0f ? 0.0f : 1.0f / l);
             int64_t c = 0;
-            for (; c + W <= Dv; c += W) V::store(dst + c, V::mul(V::load(o + c), inverse));
-            if (c < Dv) V::store_tail(dst + c, V::mul(V::load(o + c), inverse), Dv - c);
+            for (; c + W <= Dv; c += W) V::store_from_f32(dst + c, V::mul(V::load(o + c), inverse));
+            if (c < Dv) V::store_tail_from_f32(dst + c, V::mul(V::load(o + c), inverse), Dv - c);
             if (p.lse.data != nullptr) {
                 float* lse = p.lse.data + b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2];
                 *lse = flash_row_lse(s.row_max[r], l);
@@ -618,6 +658,19 @@ struct Kernel {
         s.row_max[r] = m_new;
     }
 };
+
+// The table of one instruction set: the kernel for each storage type.
+template <class V>
+FlashKernels make_kernels() {
+    return FlashKernels{V::kName,
+                        {Kernel<V, float>::attend_rows, Kernel<V, Float16>::attend_rows,
+                         Kernel<V, BFloat16>::attend_rows},
+                        {Kernel<V, float>::pack_keys, Kernel<V, Float16>::pack_keys,
+                         Kernel<V, BFloat16>::pack_keys},
+                        Kernel<V, float>::tanh_values,
+                        V::kWidth,
+                        nullptr};
+}
 
 }  // namespace flash
 }  // namespace twinattn

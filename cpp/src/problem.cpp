@@ -288,7 +288,8 @@ void check_problem(const AttentionProblem& p) {
     // 7. Outputs: every element written once, by one thread, never read as input.
     check_distinct_elements("out", p.out.shape, p.out.stride, 4);
     if (p.lse.data != nullptr) check_distinct_elements("lse", p.lse.shape, p.lse.stride, 3);
-    const Extent out = extent(p.out.data, p.out.shape, p.out.stride, 4, 4);
+    const int64_t item = element_size(p.dtype);  // q, k, v and out
+    const Extent out = extent(p.out.data, p.out.shape, p.out.stride, 4, item);
     const Extent lse = p.lse.data != nullptr ? extent(p.lse.data, p.lse.shape, p.lse.stride, 3, 4)
                                              : Extent{true, 0, 0};
     const Extent mask = p.mask.kind == MaskKind::None
@@ -296,9 +297,9 @@ void check_problem(const AttentionProblem& p) {
                             : extent(p.mask.data, mask_shape, p.mask.stride, 4,
                                      p.mask.kind == MaskKind::Float ? 4 : 1);
     const std::pair<const char*, Extent> inputs[] = {
-        {"q", extent(p.q.data, p.q.shape, p.q.stride, 4, 4)},
-        {"k", extent(p.k.data, p.k.shape, p.k.stride, 4, 4)},
-        {"v", extent(p.v.data, p.v.shape, p.v.stride, 4, 4)},
+        {"q", extent(p.q.data, p.q.shape, p.q.stride, 4, item)},
+        {"k", extent(p.k.data, p.k.shape, p.k.stride, 4, item)},
+        {"v", extent(p.v.data, p.v.shape, p.v.stride, 4, item)},
         {"mask", mask},
         {"alibi_slopes", p.alibi_slopes.data != nullptr
                              ? extent(p.alibi_slopes.data, p.alibi_slopes.shape,
@@ -315,6 +316,8 @@ void check_problem(const AttentionProblem& p) {
                 fail(std::string(output.first) + ": expected memory disjoint from " + input.first +
                      ", got arrays that overlap");
 }
+
+int64_t element_size(ElementType dtype) { return dtype == ElementType::Float32 ? 4 : 2; }
 
 int check_num_threads(int64_t num_threads) {
     if (num_threads < 1)

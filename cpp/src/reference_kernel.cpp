@@ -26,7 +26,8 @@
 // Non-finite inputs at visible positions propagate as in twinattn/reference.py: a NaN score
 // makes the row's out and lse NaN; a +inf score makes out NaN (inf / inf) and lse +inf; NaN or
 // inf in v reaches the columns it is in. Everything after the loads is computed in double, as
-// in the seeds.
+// in the seeds. float16 / bfloat16 problems: q, k and v are converted exactly to float32 as they
+// are read, and out is the float32 result rounded to the dtype (element.hpp).
 #include "twinattn/reference_kernel.hpp"
 
 #include <algorithm>
@@ -37,6 +38,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "element.hpp"
 
 namespace twinattn {
 namespace {
@@ -76,14 +79,16 @@ bool in_window(const AttentionProblem& p, int64_t b, int64_t i, int64_t j) {
     return true;
 }
 
+// T: the element type of q, k, v and out (float, Float16 or BFloat16).
+template <typename T>
 void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowScratch& scratch) {
     const int64_t head_dim = p.q.shape[3];
     const int64_t value_dim = p.v.shape[3];
     const int64_t kv_head = h / (p.q.shape[1] / p.k.shape[1]);
-    const float* q_row = p.q.data + b * p.q.stride[0] + h * p.q.stride[1] + i * p.q.stride[2];
-    const float* k_head = p.k.data + b * p.k.stride[0] + kv_head * p.k.stride[1];
-    const float* v_head = p.v.data + b * p.v.stride[0] + kv_head * p.v.stride[1];
-    float* out_row = p.out.data + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
+    const T* q_row = static_cast<const T*>(p.q.data) + b * p.q.stride[0] + h * p.q.stride[1] + i * p.q.stride[2];
+    const T* k_head = static_cast<const T*>(p.k.data) + b * p.k.stride[0] + kv_head * p.k.stride[1];
+    const T* v_head = static_cast<const T*>(p.v.data) + b * p.v.stride[0] + kv_head * p.v.stride[1];
+    T* out_row = static_cast<T*>(p.out.data) + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
     const int64_t mask_row = b * p.mask.stride[0] + h * p.mask.stride[1] + i * p.mask.stride[2];
 
     // 1. Select the visible keys and score them.
@@ -107,10 +112,10 @@ void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowS
             bias = static_cast<const float*>(p.mask.data)[mask_index];
             if (bias == kNegInf) continue;  // hidden before k_j is read
         }
-        const float* k_row = k_head + j * p.k.stride[2];
+        const T* k_row = k_head + j * p.k.stride[2];
         double dot = 0.0;
         for (int64_t d = 0; d < head_dim; ++d)
-            dot += static_cast<double>(q_row[d]) * static_cast<double>(k_row[d]);
+            dot += static_cast<double>(to_f32(q_row[d])) * static_cast<double>(to_f32(k_row[d]));
         double score = static_cast<double>(p.scale) * dot;
         if (softcap > 0.0) score = softcap * std::tanh(score / softcap);
         if (p.alibi_slopes.data != nullptr) {
@@ -126,7 +131,7 @@ void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowS
                      ? nullptr
                      : p.lse.data + b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2];
     if (visible.empty()) {
-        for (int64_t d = 0; d < value_dim; ++d) out_row[d] = 0.0f;
+        for (int64_t d = 0; d < value_dim; ++d) from_f32(0.0f, &out_row[d]);
         if (lse != nullptr) *lse = static_cast<float>(sink);  // -inf without sinks
         return;
     }
@@ -150,10 +155,11 @@ void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowS
     std::vector<double>& out_acc = scratch.out_row;
     std::fill(out_acc.begin(), out_acc.end(), 0.0);
     for (const VisibleKey& key : visible) {
-        const float* v_row = v_head + key.key * p.v.stride[2];
-        for (int64_t d = 0; d < value_dim; ++d) out_acc[d] += key.score * static_cast<double>(v_row[d]);
+        const T* v_row = v_head + key.key * p.v.stride[2];
+        for (int64_t d = 0; d < value_dim; ++d)
+            out_acc[d] += key.score * static_cast<double>(to_f32(v_row[d]));
     }
-    for (int64_t d = 0; d < value_dim; ++d) out_row[d] = static_cast<float>(out_acc[d]);
+    for (int64_t d = 0; d < value_dim; ++d) from_f32(static_cast<float>(out_acc[d]), &out_row[d]);
     if (lse != nullptr)  // a +inf score: log(sum) = +inf, though the weights are inf / inf
         *lse = row_max == -kNegInf ? std::numeric_limits<float>::infinity()
                                    : static_cast<float>(row_max + std::log(row_sum));
@@ -165,7 +171,13 @@ void attend_pairs(const AttentionProblem& p, int64_t pair_begin, int64_t pair_en
     const int64_t q_heads = p.q.shape[1];
     for (int64_t pair = pair_begin; pair < pair_end; ++pair) {
         const int64_t b = pair / q_heads, h = pair % q_heads;
-        for (int64_t i = 0; i < p.q.shape[2]; ++i) attend_row(p, b, h, i, scratch);
+        for (int64_t i = 0; i < p.q.shape[2]; ++i) {
+            switch (p.dtype) {
+                case ElementType::Float32: attend_row<float>(p, b, h, i, scratch); break;
+                case ElementType::Float16: attend_row<Float16>(p, b, h, i, scratch); break;
+                case ElementType::BFloat16: attend_row<BFloat16>(p, b, h, i, scratch); break;
+            }
+        }
     }
 }
 

@@ -5,7 +5,9 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
+#include "element.hpp"
 #include "twinattn/constants.hpp"
 
 namespace twinattn {
@@ -104,6 +106,50 @@ struct VecAvx2 {
             rows[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
             rows[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
         }
+    }
+
+    // ---- Storage types (element.hpp): loads convert to float32 exactly, stores round ------
+    static Reg load_as_f32(const float* p) { return load(p); }
+    static Reg load_tail_as_f32(const float* p, int64_t n) { return load_tail(p, n); }
+    static void store_from_f32(float* p, Reg x) { store(p, x); }
+    static void store_tail_from_f32(float* p, Reg x, int64_t n) { store_tail(p, x, n); }
+    // 16-bit tails go through a zeroed buffer (lanes past n are 0; memory past n never touched).
+    template <typename T>
+    static Reg load_tail_as_f32(const T* p, int64_t n) {
+        T buffer[kWidth] = {};
+        std::memcpy(buffer, p, static_cast<size_t>(n) * sizeof(T));
+        return load_as_f32(buffer);
+    }
+    template <typename T>
+    static void store_tail_from_f32(T* p, Reg x, int64_t n) {
+        T buffer[kWidth];
+        store_from_f32(buffer, x);
+        std::memcpy(p, buffer, static_cast<size_t>(n) * sizeof(T));
+    }
+    static Reg load_as_f32(const Float16* p) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    }
+    static Reg load_as_f32(const BFloat16* p) {
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+    }
+    static void store_from_f32(Float16* p, Reg x) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                         _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    // The software rule of element.hpp, 8 lanes at once.
+    static void store_from_f32(BFloat16* p, Reg x) {
+        const __m256i bits = _mm256_castps_si256(x);
+        const __m256i high = _mm256_srli_epi32(bits, 16);
+        const __m256i odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
+        const __m256i rounded = _mm256_srli_epi32(
+            _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+        const __m256i nan = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+        const __m256i result = _mm256_blendv_epi8(
+            rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+        // every lane <= 0xffff: the unsigned saturating pack keeps it
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                         _mm_packus_epi32(_mm256_castsi256_si128(result), _mm256_extracti128_si256(result, 1)));
     }
 
 };

@@ -1,5 +1,8 @@
-// The AVX-512F vector type of the fast kernels: 16 floats. Included only by flash_avx512.cpp,
-// which is compiled with -mavx512f -mfma (nothing here may run on a CPU without AVX-512F).
+// The AVX-512F vector type of the fast kernels: 16 floats. Included only by flash_avx512.cpp
+// (-mavx512f -mfma -mf16c: nothing here may run on a CPU without AVX-512F) and
+// flash_avx512bf16.cpp (AVX512_BF16 flags too). Each unit instantiates its own kUnit, so the two
+// never share a symbol (ODR note, flash_kernel.hpp): the avx512 kernels cannot pick up code
+// compiled for AVX512_BF16.
 #pragma once
 
 #include <immintrin.h>
@@ -7,17 +10,19 @@
 #include <cstdint>
 #include <cstring>
 
+#include "element.hpp"
 #include "twinattn/constants.hpp"
 
 namespace twinattn {
 
-struct VecAvx512 {
+template <int kUnit>
+struct VecAvx512Unit {
     using Reg = __m512;
     static constexpr int kWidth = 16;
     static constexpr int kScoreVectors = kAvx512ScoreVectors;
     static constexpr int kValueVectors = kAvx512ValueVectors;
     static constexpr int kDirectStripRows = kAvx512DirectStripRows;
-    static constexpr const char* kName = "avx512";
+    static constexpr const char* kName = kUnit == 0 ? "avx512" : "avx512bf16";
 
     static Reg zero() { return _mm512_setzero_ps(); }
     static Reg broadcast(float x) { return _mm512_set1_ps(x); }
@@ -119,6 +124,51 @@ struct VecAvx512 {
         }
     }
 
+    // ---- Storage types (element.hpp): loads convert to float32 exactly, stores round ------
+    static Reg load_as_f32(const float* p) { return load(p); }
+    static Reg load_tail_as_f32(const float* p, int64_t n) { return load_tail(p, n); }
+    static void store_from_f32(float* p, Reg x) { store(p, x); }
+    static void store_tail_from_f32(float* p, Reg x, int64_t n) { store_tail(p, x, n); }
+    // 16-bit tails go through a zeroed buffer (lanes past n are 0; memory past n never touched).
+    template <typename T>
+    static Reg load_tail_as_f32(const T* p, int64_t n) {
+        T buffer[kWidth] = {};
+        std::memcpy(buffer, p, static_cast<size_t>(n) * sizeof(T));
+        return load_as_f32(buffer);
+    }
+    template <typename T>
+    static void store_tail_from_f32(T* p, Reg x, int64_t n) {
+        T buffer[kWidth];
+        store_from_f32(buffer, x);
+        std::memcpy(p, buffer, static_cast<size_t>(n) * sizeof(T));
+    }
+    static Reg load_as_f32(const Float16* p) {
+        return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    }
+    static Reg load_as_f32(const BFloat16* p) {
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+    }
+    static void store_from_f32(Float16* p, Reg x) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                            _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    // The software rule of element.hpp, 16 lanes at once (not vcvtneps2bf16: it flushes
+    // subnormals).
+    static void store_from_f32(BFloat16* p, Reg x) {
+        const __m512i bits = _mm512_castps_si512(x);
+        const __m512i high = _mm512_srli_epi32(bits, 16);
+        const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+        const __m512i rounded = _mm512_srli_epi32(
+            _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+        const __m512i nan = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+        const __m512i result = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), rounded, nan);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(result));
+    }
+
 };
+
+using VecAvx512 = VecAvx512Unit<0>;     // flash_avx512.cpp
+using VecAvx512Bf16 = VecAvx512Unit<1>;  // flash_avx512bf16.cpp
 
 }  // namespace twinattn

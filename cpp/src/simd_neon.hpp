@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "element.hpp"
 #include "twinattn/constants.hpp"
 
 namespace twinattn {
@@ -129,6 +130,51 @@ struct VecNeon {
             rows[c].hi = rows[4 + c].lo;
             rows[4 + c].lo = upper;
         }
+    }
+
+    // ---- Storage types (element.hpp): loads convert to float32 exactly, stores round ------
+    static Reg load_as_f32(const float* p) { return load(p); }
+    static Reg load_tail_as_f32(const float* p, int64_t n) { return load_tail(p, n); }
+    static void store_from_f32(float* p, Reg x) { store(p, x); }
+    static void store_tail_from_f32(float* p, Reg x, int64_t n) { store_tail(p, x, n); }
+    // 16-bit tails go through a zeroed buffer (lanes past n are 0; memory past n never touched).
+    template <typename T>
+    static Reg load_tail_as_f32(const T* p, int64_t n) {
+        T buffer[kWidth] = {};
+        std::memcpy(buffer, p, static_cast<size_t>(n) * sizeof(T));
+        return load_as_f32(buffer);
+    }
+    template <typename T>
+    static void store_tail_from_f32(T* p, Reg x, int64_t n) {
+        T buffer[kWidth];
+        store_from_f32(buffer, x);
+        std::memcpy(p, buffer, static_cast<size_t>(n) * sizeof(T));
+    }
+    static float32x4_t load4(const Float16* p) {
+        return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(&p->bits)));
+    }
+    static float32x4_t load4(const BFloat16* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(&p->bits), 16)); }
+    static Reg load_as_f32(const Float16* p) { return Reg{load4(p), load4(p + 4)}; }
+    static Reg load_as_f32(const BFloat16* p) { return Reg{load4(p), load4(p + 4)}; }
+    // vcvt_f16_f32 rounds to nearest even (the default FPCR mode) and keeps subnormals.
+    static void store4(Float16* p, float32x4_t x) { vst1_u16(&p->bits, vreinterpret_u16_f16(vcvt_f16_f32(x))); }
+    // The software rule of element.hpp, 4 lanes at once.
+    static void store4(BFloat16* p, float32x4_t x) {
+        const uint32x4_t bits = vreinterpretq_u32_f32(x);
+        const uint32x4_t high = vshrq_n_u32(bits, 16);
+        const uint32x4_t odd = vandq_u32(high, vdupq_n_u32(1));
+        const uint32x4_t rounded = vshrq_n_u32(vaddq_u32(bits, vaddq_u32(vdupq_n_u32(0x7fff), odd)), 16);
+        const uint32x4_t nan = vorrq_u32(high, vdupq_n_u32(0x40));
+        const uint32x4_t result = vbslq_u32(vceqq_f32(x, x), rounded, nan);
+        vst1_u16(&p->bits, vmovn_u32(result));
+    }
+    static void store_from_f32(Float16* p, Reg x) {
+        store4(p, x.lo);
+        store4(p + 4, x.hi);
+    }
+    static void store_from_f32(BFloat16* p, Reg x) {
+        store4(p, x.lo);
+        store4(p + 4, x.hi);
     }
 
 };

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "element.hpp"
 #include "twinattn/constants.hpp"
 
 namespace twinattn {
@@ -151,6 +152,28 @@ struct VecScalar {
                 rows[i].lane[j] = rows[j].lane[i];
                 rows[j].lane[i] = x;
             }
+    }
+
+    // ---- Storage types (element.hpp): loads convert to float32 exactly, stores round ------
+    template <typename T>
+    static Reg load_as_f32(const T* p) {
+        Reg r;
+        for (int i = 0; i < kWidth; ++i) r.lane[i] = to_f32(p[i]);
+        return r;
+    }
+    template <typename T>
+    static void store_from_f32(T* p, Reg x) {
+        for (int i = 0; i < kWidth; ++i) from_f32(x.lane[i], &p[i]);
+    }
+    template <typename T>
+    static Reg load_tail_as_f32(const T* p, int64_t n) {
+        Reg r = zero();
+        for (int64_t i = 0; i < n; ++i) r.lane[i] = to_f32(p[i]);
+        return r;
+    }
+    template <typename T>
+    static void store_tail_from_f32(T* p, Reg x, int64_t n) {
+        for (int64_t i = 0; i < n; ++i) from_f32(x.lane[i], &p[i]);
     }
 
 };

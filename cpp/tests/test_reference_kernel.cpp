@@ -218,9 +218,9 @@ void test_batch_equals_single_sequences() {
         Tensor one(1, Hq, Lq, Dv);
         AttentionProblem p = make_problem(q, k, v, one, q_offset + b, kv_lens + b, true);
         p.q.shape[0] = p.k.shape[0] = p.v.shape[0] = 1;
-        p.q.data += b * p.q.stride[0];
-        p.k.data += b * p.k.stride[0];
-        p.v.data += b * p.v.stride[0];
+        p.q.data = static_cast<const float*>(p.q.data) + b * p.q.stride[0];
+        p.k.data = static_cast<const float*>(p.k.data) + b * p.k.stride[0];
+        p.v.data = static_cast<const float*>(p.v.data) + b * p.v.stride[0];
         attention_reference(p, 1);
         CHECK(bit_identical(one.data.data(), &out.at(b, 0, 0, 0), one.data.size()));
     }
@@ -686,10 +686,10 @@ void test_check_problem_rejects() {
     p.out.stride[0] = 48;
     CHECK_THROWS(std::invalid_argument, check_problem(p), "out: expected elements that do not overlap each other");
     p = good;
-    p.out = MutTensorView4{const_cast<float*>(p.q.data), {2, 4, 3, 6}, {96, 24, 8, 1}};  // inside q
+    p.out = MutTensorView4{const_cast<void*>(p.q.data), {2, 4, 3, 6}, {96, 24, 8, 1}};  // inside q
     CHECK_THROWS(std::invalid_argument, check_problem(p), "out: expected memory disjoint from q, got arrays that overlap");
     p = good;
-    p.lse = LseView{const_cast<float*>(p.v.data), {2, 4, 3}, {12, 3, 1}};  // inside v
+    p.lse = LseView{static_cast<float*>(const_cast<void*>(p.v.data)), {2, 4, 3}, {12, 3, 1}};  // inside v
     CHECK_THROWS(std::invalid_argument, check_problem(p), "lse: expected memory disjoint from v, got arrays that overlap");
     p = good;
     p.lse = LseView{out.data.data() + 3, {2, 4, 3}, {12, 3, 1}};

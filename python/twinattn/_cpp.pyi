@@ -2,7 +2,7 @@
 
 Hand-written from docs/native_api.md; `python -m mypy.stubtest twinattn._cpp twinattn._rust`
 (run by scripts/test.sh) checks them against the built module. Both native modules expose the
-same five functions with the same signatures, and raise the same exceptions with the same
+same six functions with the same signatures, and raise the same exceptions with the same
 messages (docs/native_api.md lists them; tests/test_port_parity.py compares the two), so
 _cpp.pyi and _rust.pyi differ only in this docstring and __all__. They stay two files on
 purpose: re-exported from _cpp.pyi, the Rust functions' signatures (which PyO3 exposes and
@@ -16,18 +16,21 @@ from typing_extensions import TypeAlias
 import numpy as np
 from numpy.typing import NDArray
 
-# float32 (B, H, L, D) tensors; (B, Hq, Lq) for lse; int64 (B,) for q_offset and kv_lens
+# float32 (B, Hq, Lq) lse, float32 alibi_slopes and sinks; int64 (B,) for q_offset and kv_lens
 _F32: TypeAlias = NDArray[np.float32]
+# q, k, v, out (B, H, L, D): all float32, all float16, or all ml_dtypes.bfloat16 (a NumPy user
+# dtype that numpy's stubs cannot name: NDArray[Any] stands for it)
+_Data: TypeAlias = NDArray[np.float32] | NDArray[np.float16] | NDArray[Any]
 _I64: TypeAlias = NDArray[np.int64]
 # float32 (B, Hq) ALiBi slopes (any strides: a (Hq,) vector as a stride-0 view) and (Hq,) sinks
 # bool (True = may attend) or float32 additive bias, shape exactly (B, Hq, Lq, Lk)
 _Mask: TypeAlias = NDArray[np.bool_] | NDArray[np.float32]
 
 def attention_forward(
-    q: _F32,
-    k: _F32,
-    v: _F32,
-    out: _F32,
+    q: _Data,
+    k: _Data,
+    v: _Data,
+    out: _Data,
     lse: _F32 | None,
     q_offset: _I64,
     kv_lens: _I64,
@@ -44,10 +47,10 @@ def attention_forward(
     """Exact attention into out (and lse) with the fast kernel and the ISA in use (set_isa)."""
 
 def attention_reference(
-    q: _F32,
-    k: _F32,
-    v: _F32,
-    out: _F32,
+    q: _Data,
+    k: _Data,
+    v: _Data,
+    out: _Data,
     lse: _F32 | None,
     q_offset: _I64,
     kv_lens: _I64,
@@ -68,6 +71,9 @@ def softcap_tanh(x: _F32) -> _F32:
 
 def set_isa(name: str) -> None:
     """Switches the instruction set among build_info()["isa_available"]; ValueError otherwise."""
+
+def measure_peak(kind: str, num_threads: int, seconds: float) -> float:
+    """GFLOP/s of a register-resident "fma32" or "bf16dot" loop on num_threads threads."""
 
 def build_info() -> dict[str, Any]:
     """{"isa": str, "isa_available": list[str], "compiler": str, "version": str,

@@ -25,8 +25,16 @@ void attention_forward(const AttentionProblem& problem, int num_threads);
 // be allocated.
 void softcap_tanh(const float* x, int64_t x_stride, float* y, int64_t n);
 
+// GFLOP/s of register-resident multiply-add loops on num_threads threads of the pool for about
+// `seconds` (measure_peak.cpp): kind "fma32" (AVX-512 FMA, 32 flop per instruction; AVX2 FMA, 16,
+// without AVX-512F) or "bf16dot" (VDPBF16PS, 64 flop per instruction). Throws
+// std::invalid_argument for another kind, a kind this CPU cannot run, num_threads < 1, or seconds
+// outside (0, 1e6].
+double measure_peak(const std::string& kind, int64_t num_threads, double seconds);
+
 // ---- Instruction-set dispatch (dispatch.cpp) ---------------------------------------------------
-// "avx512" (AVX-512F), "avx2" (AVX2 + FMA), "scalar" (portable): the names this build and this
+// "avx512bf16" (AVX-512F + AVX512_BF16: bfloat16 prefill by VDPBF16PS), "avx512" (AVX-512F),
+// "avx2" (AVX2 + FMA + F16C), "scalar" (portable): the names this build and this
 // CPU can run, fastest first.
 std::vector<std::string> available_isas();
 // The instruction set attention_forward uses now: TWINATTN_ISA when it is set (read once, at

@@ -15,14 +15,21 @@
 
 namespace twinattn {
 
+// q, k, v and out hold elements of the problem's dtype (ElementType); every other array is float32
+// (lse, a float mask, alibi_slopes, sinks) or bool / int64 as stated.
+enum class ElementType { Float32, Float16, BFloat16 };
+
+// Bytes per element of q, k, v and out.
+int64_t element_size(ElementType dtype);
+
 struct TensorView4 {
-    const float* data;
+    const void* data;  // elements of AttentionProblem::dtype
     int64_t shape[4];
     int64_t stride[4];  // in elements
 };
 
 struct MutTensorView4 {
-    float* data;
+    void* data;  // elements of AttentionProblem::dtype
     int64_t shape[4];
     int64_t stride[4];  // in elements
 };
@@ -63,6 +70,10 @@ struct AttentionProblem {
     TensorView4 q, k, v;
     MutTensorView4 out;
     LseView lse;
+    // The element type of q, k, v and out (all four alike); lse is float32 whatever it is.
+    // float16 / bfloat16: the kernels convert the inputs exactly to float32, compute in float32
+    // and round out to the dtype (docs/kernels.md, "Reduced precision").
+    ElementType dtype = ElementType::Float32;
     // Absolute position of query row 0 of each sequence, (B,): query row i sits at
     // q_offset[b] + i. Read when causal, windowed or with ALiBi (may be nullptr otherwise);
     // >= 0 when causal, any value otherwise.

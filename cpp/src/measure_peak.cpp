@@ -1,0 +1,58 @@
+// measure_peak: the arithmetic ceiling of this machine for the benchmark's roofline (docs/
+// native_api.md): GFLOP/s of register-resident loops of independent multiply-adds on num_threads
+// threads of the pool for about `seconds`. "fma32": AVX-512 FMA on 16 floats (32 flop per
+// instruction), or AVX2 FMA on 8 floats (16) on a CPU without AVX-512F; "bf16dot": VDPBF16PS
+// (64 flop per instruction, AVX512_BF16). Twin of rust/src/measure_peak.rs.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "flash_kernel.hpp"
+#include "thread_pool.hpp"
+#include "twinattn/flash_attention.hpp"
+
+namespace twinattn {
+
+double measure_peak(const std::string& kind, int64_t num_threads_requested, double seconds) {
+    const std::vector<std::string> isas = available_isas();
+    [[maybe_unused]] const auto has = [&](const char* isa) { return std::find(isas.begin(), isas.end(), isa) != isas.end(); };
+    int64_t (*loop)(int64_t) = nullptr;
+    if (kind == "fma32") {
+#if defined(TWINATTN_HAVE_X86_KERNELS)
+        loop = has("avx512") ? peak_fma32_avx512 : has("avx2") ? peak_fma32_avx2 : nullptr;
+#endif
+        if (loop == nullptr)
+            throw std::invalid_argument("kind: \"fma32\" needs AVX2 or AVX-512F, which this CPU lacks");
+    } else if (kind == "bf16dot") {
+#if defined(TWINATTN_HAVE_X86_KERNELS)
+        if (has("avx512bf16")) loop = peak_bf16dot_avx512bf16;
+#endif
+        if (loop == nullptr)
+            throw std::invalid_argument("kind: \"bf16dot\" needs AVX512_BF16, which this CPU lacks");
+    } else {
+        throw std::invalid_argument("kind: expected \"fma32\" or \"bf16dot\", got \"" + kind + "\"");
+    }
+    const int num_threads = check_num_threads(num_threads_requested);
+    if (!(seconds > 0.0) || seconds > 1e6)
+        throw std::invalid_argument("seconds: expected a number in (0, 1e6], got " + std::to_string(seconds));
+
+    // One item per thread, each looping in chunks of 2^20 instructions (about a millisecond) until
+    // `seconds` have passed since the call began; the rate is all flop over the wall time.
+    using Clock = std::chrono::steady_clock;
+    const Clock::time_point start = Clock::now();
+    const auto deadline = start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+    std::atomic<int64_t> flop{0};
+    parallel_for(num_threads, num_threads, [&](int64_t, int) {
+        int64_t done = 0;
+        do done += loop(int64_t{1} << 20);
+        while (Clock::now() < deadline);
+        flop += done;
+    });
+    const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+    return static_cast<double>(flop.load()) / elapsed / 1e9;
+}
+
+}  // namespace twinattn
