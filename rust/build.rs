@@ -29,7 +29,9 @@ fn cpu_cfgs() {
     }
     #[cfg(target_arch = "x86_64")]
     {
-        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        let avx2 = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
         if avx2 {
             println!("cargo::rustc-cfg=twinattn_cpu_avx2");
         }

@@ -30,7 +30,10 @@ fn detect() -> [bool; ISA_COUNT] {
     }
     #[cfg(target_arch = "x86_64")]
     {
-        support[AVX2] = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        // F16C converts float16 (every AVX2 CPU has it; checked all the same)
+        support[AVX2] = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
         support[AVX512] = support[AVX2] && is_x86_feature_detected!("avx512f");
     }
     support
@@ -109,7 +112,7 @@ fn dispatch() -> &'static Dispatch {
     })
 }
 
-/// "avx512" (AVX-512F), "avx2" (AVX2 + FMA), "neon" (AArch64), "scalar" (portable): the names
+/// "avx512" (AVX-512F), "avx2" (AVX2 + FMA + F16C), "neon" (AArch64), "scalar" (portable): the names
 /// this build and this CPU can run, fastest first.
 pub fn available_isas() -> Vec<&'static str> {
     (0..ISA_COUNT)

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::constants::{KEY_BLOCK, KEY_PANEL, LOG2_E, Q_TILE_ROWS, SPLIT_KEY_CHUNK};
 use crate::dispatch::current_kernels;
+use crate::element::{BFloat16, Dtype, Element, Float16};
 use crate::flash_kernel::{
     flash_row_key_range, max_nan, row_lse, FlashKernels, FlashPlan, ThreadScratch, WorkItem,
 };
@@ -288,6 +289,7 @@ fn run_items(
     split_key: bool,
 ) -> Result<(), ProblemError> {
     items.sort_by_key(|costed| std::cmp::Reverse(costed.cost)); // stable, as in C++
+    let attend = kernels.attend_rows[plan.problem.dtype as usize];
     let items = &*items;
     // C++ rethrows a worker's std::bad_alloc on the caller; here the failed item sets this flag.
     let out_of_memory = AtomicBool::new(false);
@@ -296,7 +298,7 @@ fn run_items(
             // SAFETY: the plan was built from a checked problem whose memory is valid
             // (attention_forward's contract), the item is one of its own, the scratch is this
             // thread's and sized for the plan, and the kernels' ISA is available.
-            unsafe { (kernels.attend_rows)(plan, &items[index].item, scratch) };
+            unsafe { attend(plan, &items[index].item, scratch) };
         });
         if attended.is_err() {
             out_of_memory.store(true, Ordering::Relaxed);
@@ -341,7 +343,7 @@ fn run_prefill(
         // SAFETY: the problem is checked and its memory valid (attention_forward's contract);
         // head `head` writes only its own panels, inside the buffer sized above.
         unsafe {
-            (kernels.pack_keys)(
+            (kernels.pack_keys[p.dtype as usize])(
                 p,
                 b,
                 kv_head,
@@ -433,9 +435,15 @@ fn run_split_key(
         }
     }
     let slots = slot_base[batch];
+    let mut merge_rows = std::ptr::null_mut();
     if slots > 0 {
         let slot_rows = slots * rows;
-        let partials = buffers.partials.ensure(slot_rows * (value_dim + 2))?;
+        // then one float32 row per thread for the merge of a half out (merge_partials)
+        let partials = buffers
+            .partials
+            .ensure(slot_rows * (value_dim + 2) + threads * value_dim)?;
+        // SAFETY: the buffer holds slot_rows * (Dv + 2) + threads * Dv floats.
+        merge_rows = unsafe { partials.add(slot_rows * (value_dim + 2)) };
         plan.partial_out = partials;
         // SAFETY: the buffer holds slot_rows * (Dv + 2) floats.
         plan.partial_max = unsafe { partials.add(slot_rows * value_dim) };
@@ -450,7 +458,8 @@ fn run_split_key(
     // Merge, in chunk order.
     let plan_ref = &*plan;
     let slot_base = &slot_base;
-    parallel_for(batch * kv_heads, threads, &|head, _| {
+    let merge_rows = Shared(merge_rows);
+    parallel_for(batch * kv_heads, threads, &|head, thread| {
         let (b, kv_head) = (head / kv_heads, head % kv_heads);
         let chunks = (slot_base[b + 1] - slot_base[b]) / kv_heads;
         if chunks == 0 {
@@ -459,12 +468,18 @@ fn run_split_key(
         // SAFETY: the partials of these slots were written by the items above; this group's
         // out and lse rows are written by this item only.
         unsafe {
-            merge_partials(
+            let merge = match plan_ref.problem.dtype {
+                Dtype::Float32 => merge_partials::<f32>,
+                Dtype::Float16 => merge_partials::<Float16>,
+                Dtype::BFloat16 => merge_partials::<BFloat16>,
+            };
+            merge(
                 plan_ref,
                 b,
                 kv_head,
                 slot_base[b] + kv_head * chunks,
                 chunks,
+                merge_rows.get().add(thread * value_dim),
             )
         };
     });
@@ -476,17 +491,20 @@ fn run_split_key(
 /// `lse = ln 2 (m* + log2 l*)`. A chunk whose row saw a NaN or +inf score has m_c = NaN or
 /// +inf and l_c = NaN (flash_kernel.rs, softmax_row), so m* (NaN-propagating) and the weights
 /// carry it into out and lse ([`row_lse`]); a chunk that saw nothing has l_c = 0. A sink s
-/// (base 2) counts here once: m* starts at s and l* at 2^(s - m*).
+/// (base 2) counts here once: m* starts at s and l* at 2^(s - m*). The row is summed in float32
+/// (in out itself for float32, in a row buffer for the halves), then rounded to T once.
 ///
 /// # Safety
 /// Partial slots first_slot..first_slot + chunks of the plan hold this group's rows; the views
-/// of the plan's problem are valid.
-unsafe fn merge_partials(
+/// of the plan's problem are valid; row_buffer holds Dv floats of this thread's (unused for
+/// float32).
+unsafe fn merge_partials<T: Element>(
     plan: &FlashPlan,
     b: usize,
     kv_head: usize,
     first_slot: usize,
     chunks: usize,
+    row_buffer: *mut f32,
 ) {
     let p = plan.problem;
     let (group, value_dim, rows) = (plan.group, plan.value_dim, plan.rows_per_group);
@@ -504,10 +522,15 @@ unsafe fn merge_partials(
             for c in 0..chunks {
                 m_star = max_nan(m_star, *plan.partial_max.add((first_slot + c) * rows + r));
             }
-            let dst = p
-                .out
-                .data
-                .offset(b as isize * stride(0) + h as isize * stride(1) + i as isize * stride(2));
+            let out_row =
+                p.out.data.cast::<T>().offset(
+                    b as isize * stride(0) + h as isize * stride(1) + i as isize * stride(2),
+                );
+            let dst = if T::DTYPE == Dtype::Float32 {
+                out_row.cast::<f32>()
+            } else {
+                row_buffer
+            };
             for d in 0..value_dim {
                 *dst.add(d) = 0.0;
             }
@@ -535,6 +558,11 @@ unsafe fn merge_partials(
                 let inverse = 1.0 / l_star;
                 for d in 0..value_dim {
                     *dst.add(d) *= inverse;
+                }
+            }
+            if T::DTYPE != Dtype::Float32 {
+                for d in 0..value_dim {
+                    *out_row.add(d) = T::from_f32(*dst.add(d));
                 }
             }
             if p.lse.is_requested() {

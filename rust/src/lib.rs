@@ -11,6 +11,7 @@
 
 pub mod constants;
 pub mod dispatch;
+pub mod element;
 pub mod flash_attention;
 pub mod flash_kernel;
 pub mod problem;
