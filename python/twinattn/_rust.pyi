@@ -15,7 +15,14 @@ import numpy as np
 from numpy.typing import NDArray
 
 # PyO3 lists the module's functions in __all__ (pybind11 does not, so _cpp.pyi has none)
-__all__ = ["attention_forward", "attention_reference", "build_info", "set_isa", "softcap_tanh"]
+__all__ = [
+    "attention_forward",
+    "attention_reference",
+    "build_info",
+    "measure_peak",
+    "set_isa",
+    "softcap_tanh",
+]
 
 # float32 (B, Hq, Lq) lse, (B, Hq) ALiBi slopes, (Hq,) sinks; int64 (B,) for q_offset and kv_lens
 _F32: TypeAlias = NDArray[np.float32]
@@ -69,6 +76,9 @@ def attention_reference(
 
 def softcap_tanh(x: _F32) -> _F32:
     """tanh of a float32 vector with the fast kernel's vectorised tanh (softcap), for tests."""
+
+def measure_peak(kind: str, num_threads: int, seconds: float) -> float:
+    """GFLOP/s of a register-resident loop of "fma32" (FMA) or "bf16dot" (VDPBF16PS) operations."""
 
 def set_isa(name: str) -> None:
     """Switches the instruction set among build_info()["isa_available"]; ValueError otherwise."""

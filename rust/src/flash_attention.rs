@@ -93,6 +93,7 @@ struct ScratchBuffers {
     row_key_begin: Vec<usize>,
     row_key_end: Vec<usize>,
     key_panels: AlignedBuffer,
+    probs_pairs: AlignedBuffer,
 }
 
 impl ScratchBuffers {
@@ -101,6 +102,7 @@ impl ScratchBuffers {
         head_dim: usize,
         value_stride: usize,
         split_key: bool,
+        bf16_pairs: bool,
     ) -> Result<ThreadScratch, ProblemError> {
         let rows = self.rows.ensure(3 * Q_TILE_ROWS)?;
         if self.row_key_end.len() < Q_TILE_ROWS {
@@ -123,6 +125,14 @@ impl ScratchBuffers {
             } else {
                 std::ptr::null_mut()
             },
+            // a pair fills a float's slot
+            probs_pairs: if bf16_pairs {
+                self.probs_pairs
+                    .ensure(Q_TILE_ROWS * KEY_BLOCK / 2)?
+                    .cast::<u32>()
+            } else {
+                std::ptr::null_mut()
+            },
         })
     }
 }
@@ -137,6 +147,9 @@ thread_local! {
 struct CallerBuffers {
     packed_keys: AlignedBuffer,
     partials: AlignedBuffer,
+    /// the bfloat16 dot-product path: V pair rows (a pair in a float's slot), finite flags
+    packed_values: AlignedBuffer,
+    value_finite: Vec<u8>,
 }
 
 thread_local! {
@@ -162,6 +175,7 @@ fn with_scratch(
     head_dim: usize,
     value_stride: usize,
     split_key: bool,
+    bf16_pairs: bool,
     f: impl FnOnce(&ThreadScratch),
 ) -> Result<(), ProblemError> {
     SCRATCH.with(|cell| {
@@ -172,7 +186,7 @@ fn with_scratch(
             Ok(buffers) => buffers,
             Err(_) => &mut owned,
         };
-        f(&buffers.view(head_dim, value_stride, split_key)?);
+        f(&buffers.view(head_dim, value_stride, split_key, bf16_pairs)?);
         Ok(())
     })
 }
@@ -255,6 +269,8 @@ pub unsafe fn attention_forward_with(
         has_sinks: !p.sinks.data.is_null(),
         packed_keys: std::ptr::null(),
         panels_per_head: 0,
+        packed_values: std::ptr::null(),
+        value_finite: std::ptr::null(),
         partial_out: std::ptr::null_mut(),
         partial_max: std::ptr::null_mut(),
         partial_sum: std::ptr::null_mut(),
@@ -294,12 +310,19 @@ fn run_items(
     // C++ rethrows a worker's std::bad_alloc on the caller; here the failed item sets this flag.
     let out_of_memory = AtomicBool::new(false);
     parallel_for(items.len(), threads, &|index, _| {
-        let attended = with_scratch(plan.head_dim, plan.value_stride, split_key, |scratch| {
-            // SAFETY: the plan was built from a checked problem whose memory is valid
-            // (attention_forward's contract), the item is one of its own, the scratch is this
-            // thread's and sized for the plan, and the kernels' ISA is available.
-            unsafe { attend(plan, &items[index].item, scratch) };
-        });
+        let pairs = !plan.packed_values.is_null();
+        let attended = with_scratch(
+            plan.head_dim,
+            plan.value_stride,
+            split_key,
+            pairs,
+            |scratch| {
+                // SAFETY: the plan was built from a checked problem whose memory is valid
+                // (attention_forward's contract), the item is one of its own, the scratch is this
+                // thread's and sized for the plan, and the kernels' ISA is available.
+                unsafe { attend(plan, &items[index].item, scratch) };
+            },
+        );
         if attended.is_err() {
             out_of_memory.store(true, Ordering::Relaxed);
         }
@@ -320,13 +343,36 @@ fn run_prefill(
     let p = plan.problem;
     let (batch, kv_heads, d_len) = (p.q.shape[0] as usize, p.k.shape[1] as usize, plan.head_dim);
     plan.panels_per_head = (p.k.shape[2] as usize).div_ceil(KEY_PANEL);
-    let head_floats = plan.panels_per_head * d_len * KEY_PANEL;
+    // bfloat16 with dot products (avx512bf16): K and V pair panels (a pair fills a float's slot)
+    let pairs = kernels.pack_pairs.filter(|_| p.dtype == Dtype::BFloat16);
+    let panel_size = if pairs.is_some() {
+        d_len.div_ceil(2)
+    } else {
+        d_len
+    } * KEY_PANEL;
+    let head_floats = plan.panels_per_head * panel_size;
+    let keys_per_head = plan.panels_per_head * KEY_PANEL;
     let packed_floats = [batch, kv_heads, head_floats]
         .into_iter()
         .try_fold(1usize, usize::checked_mul)
         .ok_or_else(ProblemError::out_of_memory)?;
     let packed = Shared(buffers.packed_keys.ensure(packed_floats)?);
     plan.packed_keys = packed.get();
+    let mut value_pairs = Shared((std::ptr::null_mut::<u32>(), std::ptr::null_mut::<u8>()));
+    if pairs.is_some() {
+        let heads = batch * kv_heads;
+        let pair_floats = [heads, keys_per_head / 2, plan.value_stride]
+            .into_iter()
+            .try_fold(1usize, usize::checked_mul)
+            .ok_or_else(ProblemError::out_of_memory)?;
+        let values = buffers.packed_values.ensure(pair_floats)?.cast::<u32>();
+        if buffers.value_finite.len() < heads * keys_per_head {
+            buffers.value_finite = try_filled(heads * keys_per_head, 0u8)?;
+        }
+        value_pairs = Shared((values, buffers.value_finite.as_mut_ptr()));
+        plan.packed_values = values;
+        plan.value_finite = buffers.value_finite.as_ptr();
+    }
 
     // Pack only the panels some row may see: from the first row's window start (rounded down to
     // a panel) to the last row's visible end.
@@ -340,19 +386,33 @@ fn run_prefill(
         if key_end <= first_panel * KEY_PANEL {
             return;
         }
+        let first_key = first_panel * KEY_PANEL;
         // SAFETY: the problem is checked and its memory valid (attention_forward's contract);
-        // head `head` writes only its own panels, inside the buffer sized above.
+        // head `head` writes only its own panels, pair rows and flags, inside the buffers sized
+        // above.
         unsafe {
-            (kernels.pack_keys[p.dtype as usize])(
-                p,
-                b,
-                kv_head,
-                first_panel * KEY_PANEL,
-                key_end,
-                packed
-                    .get()
-                    .add(head * head_floats + first_panel * d_len * KEY_PANEL),
-            )
+            let key_dst = packed
+                .get()
+                .add(head * head_floats + first_panel * panel_size);
+            match pairs {
+                Some(pack_pairs) => {
+                    let (values, finite) = value_pairs.get();
+                    pack_pairs(
+                        p,
+                        b,
+                        kv_head,
+                        first_key,
+                        key_end,
+                        key_dst.cast::<u32>(),
+                        values.add((head * keys_per_head + first_key) / 2 * plan_ref.value_stride),
+                        finite.add(head * keys_per_head + first_key),
+                        plan_ref.value_stride,
+                    )
+                }
+                None => (kernels.pack_keys[p.dtype as usize])(
+                    p, b, kv_head, first_key, key_end, key_dst,
+                ),
+            }
         };
     });
 

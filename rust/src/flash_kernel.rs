@@ -57,6 +57,14 @@ pub struct FlashPlan<'p, 'a> {
     /// Null on the split-key path (each item packs its own blocks).
     pub packed_keys: *const f32,
     pub panels_per_head: usize,
+    /// The bfloat16 dot-product path (avx512bf16, prefill; flash_avx512bf16.rs), else null:
+    /// packed_keys then holds K pair panels, (b, kv_head) at ((b * Hkv + kv_head) *
+    /// panels_per_head) * ceil(D / 2) * KEY_PANEL pairs; packed_values the V pair rows, key pair
+    /// kp of (b, kv_head) at ((b * Hkv + kv_head) * panels_per_head * KEY_PANEL / 2 + kp) *
+    /// value_stride pairs; value_finite one byte per key of each (b, kv_head)
+    /// (panels_per_head * KEY_PANEL), 1 when every value of that key's V row is finite.
+    pub packed_values: *const u32,
+    pub value_finite: *const u8,
     /// Split-key partials, slot s holding rows_per_group rows: out (Dv floats each), m, l.
     pub partial_out: *mut f32,
     pub partial_max: *mut f32,
@@ -94,6 +102,8 @@ pub struct ThreadScratch {
     pub row_key_begin: *mut usize,
     pub row_key_end: *mut usize,
     pub key_panels: *mut f32,
+    /// (rows, KEY_BLOCK / 2) bfloat16 pairs of P: the dot-product path only, else null
+    pub probs_pairs: *mut u32,
 }
 
 /// Runs one work item. # Safety: see [`attend_rows`].
@@ -102,6 +112,12 @@ pub type AttendRowsFn = unsafe fn(&FlashPlan, &WorkItem, &ThreadScratch);
 /// holds keys key_begin ...); the last panel's columns past key_end are zero.
 /// # Safety: see [`pack_keys`].
 pub type PackKeysFn = unsafe fn(&AttentionProblem, usize, usize, usize, usize, *mut f32);
+/// The bfloat16 dot-product path: packs keys [key_begin, key_end) of one (b, kv_head) (key_begin
+/// a multiple of KEY_PANEL) into K pair panels at key_dst (the panel of key_begin), V pair rows
+/// at value_dst (the pair of key_begin) and the per-key finite flags at finite_dst (key_begin's);
+/// the last argument is value_stride. # Safety: see flash_avx512bf16.rs, `pack_pairs`.
+pub type PackPairsFn =
+    unsafe fn(&AttentionProblem, usize, usize, usize, usize, *mut u32, *mut u32, *mut u8, usize);
 /// values = tanh(values) with the vectorised tanh (constants.rs, "tanh"); the length a multiple
 /// of the vector width (tests call it on whole vectors).
 /// # Safety: the CPU supports the kernels' instruction set (as for every entry of FlashKernels).
@@ -118,6 +134,9 @@ pub struct FlashKernels {
     pub tanh_values: TanhFn,
     /// floats per vector
     pub width: usize,
+    /// bfloat16 prefill by dot products (avx512bf16 only; None elsewhere): packs the pair
+    /// panels that attend_rows[BFloat16] then reads.
+    pub pack_pairs: Option<PackPairsFn>,
 }
 
 /// The keys packed row r of sequence b may see by length, causality and window:
@@ -158,7 +177,7 @@ pub fn flash_row_position(p: &AttentionProblem, b: usize, group: usize, r: usize
     position.clamp(-bound, bound) as i64
 }
 
-fn round_up(n: usize, m: usize) -> usize {
+pub(crate) fn round_up(n: usize, m: usize) -> usize {
     n.div_ceil(m) * m
 }
 
@@ -187,7 +206,7 @@ pub(crate) fn row_lse(m: f32, l: f32) -> f32 {
 
 /// Element offset of an index in a strided view.
 #[inline(always)]
-fn at<const N: usize>(index: [usize; N], stride: &[i64; N]) -> isize {
+pub(crate) fn at<const N: usize>(index: [usize; N], stride: &[i64; N]) -> isize {
     let mut offset = 0i64;
     for axis in 0..N {
         offset += index[axis] as i64 * stride[axis];
@@ -242,7 +261,7 @@ unsafe fn tanh_values<V: Vector>(values: &mut [f32]) {
 /// # Safety
 /// As [`attend_rows`].
 #[inline(always)]
-unsafe fn softcap_block<V: Vector>(
+pub(crate) unsafe fn softcap_block<V: Vector>(
     plan: &FlashPlan,
     s: &ThreadScratch,
     rows: usize,
@@ -731,7 +750,7 @@ unsafe fn strip_values<V: Vector, T: Element, const R: usize, const SAFE: bool>(
 /// As [`value_micro`], for every strip: rows rows, Dv columns.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn block_values<V: Vector, T: Element, const SAFE: bool>(
+pub(crate) unsafe fn block_values<V: Vector, T: Element, const SAFE: bool>(
     scores: *const f32,
     rows: usize,
     n: usize,
@@ -965,7 +984,7 @@ pub unsafe fn attend_rows<V: Vector, T: Element>(
 /// # Safety
 /// As [`attend_rows`].
 #[inline(always)]
-unsafe fn mask_block(
+pub(crate) unsafe fn mask_block(
     plan: &FlashPlan,
     item: &WorkItem,
     s: &ThreadScratch,
@@ -1069,7 +1088,12 @@ unsafe fn any_nan(row: *const f32, n: usize) -> bool {
 /// V's instruction set is available; row holds n_padded (a multiple of WIDTH) floats; r indexes
 /// the scratch rows.
 #[inline(always)]
-unsafe fn softmax_row<V: Vector>(row: *mut f32, n_padded: usize, s: &ThreadScratch, r: usize) {
+pub(crate) unsafe fn softmax_row<V: Vector>(
+    row: *mut f32,
+    n_padded: usize,
+    s: &ThreadScratch,
+    r: usize,
+) {
     let w = V::WIDTH;
     // SAFETY: forwarded from this function's contract.
     unsafe {
@@ -1173,6 +1197,7 @@ macro_rules! isa_kernels {
                 ],
                 tanh_values,
                 width: <$vector as crate::simd::Vector>::WIDTH,
+                pack_pairs: None,
             };
         }
     };

@@ -516,6 +516,44 @@ fn softcap_tanh<'py>(x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<f32>
     Ok(PyArray1::from_vec(x.py(), values))
 }
 
+/// measure_peak(kind, num_threads, seconds) -> float
+/// --
+///
+/// GFLOP/s of a register-resident loop of independent 'fma32' (AVX-512 / AVX2 FMA) or
+/// 'bf16dot' (VDPBF16PS) operations on num_threads threads for about `seconds`. Conversion
+/// order as C++: kind (a str), num_threads (an int), seconds (a float, > 0 and <= 1e6, said with
+/// Python's repr), then the core's checks (kind known, kind runnable here, num_threads >= 1).
+#[pyfunction]
+fn measure_peak(
+    kind: &Bound<'_, PyAny>,
+    num_threads: &Bound<'_, PyAny>,
+    seconds: &Bound<'_, PyAny>,
+) -> PyResult<f64> {
+    let kind = kind.cast::<PyString>().map_err(|_| {
+        PyTypeError::new_err(format!("kind: expected a str, got {}", type_name(kind)))
+    })?;
+    let num_threads = as_int64(num_threads, "num_threads")?;
+    let seconds_value = as_float(seconds, "seconds")?;
+    if !(seconds_value > 0.0 && seconds_value <= 1e6) {
+        let repr = pyo3::types::PyFloat::new(seconds.py(), seconds_value).repr()?;
+        return Err(PyValueError::new_err(format!(
+            "seconds: expected a number > 0 and <= 1e6, got {repr}"
+        )));
+    }
+    let kind = kind.to_cow()?.into_owned();
+    run_detached(seconds.py(), move || {
+        crate::measure_peak::measure_peak(&kind, num_threads, seconds_value)
+    })
+}
+
+/// Runs `f` without the GIL; its error as ValueError.
+fn run_detached(
+    py: Python<'_>,
+    f: impl FnOnce() -> Result<f64, ProblemError> + Send,
+) -> PyResult<f64> {
+    py.detach(f).map_err(raise)
+}
+
 /// build_info() -> dict: the instruction set chosen at run time, those available (fastest
 /// first), the compiler, the package version and the shared constants (constants.rs).
 #[pyfunction]
@@ -559,5 +597,6 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(set_isa, m)?)?;
     m.add_function(wrap_pyfunction!(softcap_tanh, m)?)?;
+    m.add_function(wrap_pyfunction!(measure_peak, m)?)?;
     Ok(())
 }

@@ -71,6 +71,10 @@ fn check(case: &Case, what: &str) {
     for dtype in HALVES {
         let rounded = case.stored_as(dtype);
         for kernel in kernels() {
+            if kernel == Kernel::Fast("avx512bf16") && dtype == Dtype::BFloat16 {
+                assert_dot_path(&rounded, what);
+                continue;
+            }
             let got = assert_convert_path(case, kernel, dtype, what);
             // (the naive computation knows no variants)
             if case.window_left < 0 && case.softcap == 0.0 && case.sinks.is_none() {
@@ -82,6 +86,87 @@ fn check(case: &Case, what: &str) {
             }
         }
     }
+}
+
+/// The bfloat16 dot-product path (avx512bf16; prefill, the convert path elsewhere) against the
+/// reference kernel on the same bfloat16 inputs: P rounded to bfloat16 costs up to 2^-9 of the
+/// largest |v| per output, the output's rounding 2^-9 of itself, float32 sums far less; NaN and
+/// inf where the reference has them. Returns the output.
+fn assert_dot_path(case: &Case, what: &str) -> Output {
+    let got = common::run_with(Kernel::Fast("avx512bf16"), case, 2);
+    let want = common::run_with(Kernel::Reference, case, 2);
+    let v_max = case.v.values().iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let tolerance = 2f32.powi(-7);
+    let pairs = got.out.values().into_iter().zip(want.out.values());
+    for (n, (g, w)) in pairs.enumerate() {
+        let ok = if w.is_nan() {
+            g.is_nan()
+        } else if w.is_infinite() {
+            g == w
+        } else {
+            (g - w).abs() <= tolerance * (v_max + w.abs())
+        };
+        assert!(
+            ok,
+            "{what} avx512bf16 dot path: out element {n}: {g} vs reference {w}"
+        );
+    }
+    for (n, (&g, &w)) in got.lse.iter().zip(&want.lse).enumerate() {
+        let ok = if w.is_nan() {
+            g.is_nan()
+        } else if w.is_infinite() {
+            g == w
+        } else {
+            (g - w).abs() <= 1e-5 * (1.0 + w.abs())
+        };
+        assert!(
+            ok,
+            "{what} avx512bf16 dot path: lse element {n}: {g} vs reference {w}"
+        );
+    }
+    got
+}
+
+/// Prefill in bfloat16 on avx512bf16 takes the dot-product path (its results differ from the
+/// convert path's: P is rounded to bfloat16), decode the convert path (bit for bit the avx512
+/// kernel's); odd D and odd key counts, GQA, causal offsets, NaN in hidden values.
+#[test]
+fn bf16_dot_product_path() {
+    if twinattn::dispatch::kernels_for("avx512bf16").is_none() {
+        return; // no AVX512_BF16 on this CPU: check() ran every other path
+    }
+    let mut rng = Rng::new(431);
+    let mut case = random_case(&mut rng, (2, 8, 2, 61, 301, 37, 45)).causal(&[240, 0]);
+    case.kv_lens = vec![301, 99];
+    let case = case.stored_as(Dtype::BFloat16);
+    let dot = assert_dot_path(&case, "prefill");
+    let convert = common::run_with(Kernel::Fast("avx512"), &case, 2);
+    assert_ne!(
+        common::bits(&dot.out.values()),
+        common::bits(&convert.out.values()),
+        "the prefill ran the convert path"
+    );
+    let mut decode = case.clone();
+    decode.q = decode.q.seq(60..61);
+    decode.q_offset = vec![300, 60];
+    let dot = common::run_with(Kernel::Fast("avx512bf16"), &decode, 2);
+    let convert = common::run_with(Kernel::Fast("avx512"), &decode, 2);
+    common::assert_identical(&dot, &convert);
+    // NaN / inf in values hidden by a mask (masked blocks) and past kv_lens (an odd pair pad)
+    let mut hidden = case.clone();
+    hidden.v.set([1, 0, 99, 3], f32::NAN);
+    for j in (0..301).filter(|j| j % 7 == 2) {
+        hidden.v.set([0, 1, j, 4], f32::INFINITY);
+        hidden.v.set([0, 1, j, 5], f32::NAN);
+    }
+    hidden.mask = Mask::bool_from_fn([2, 8, 61, 301], |[_, _, _, j]| j % 7 != 2);
+    let got = assert_dot_path(&hidden, "hidden non-finite values");
+    assert!(got.out.values().iter().all(|x| x.is_finite()));
+    // a visible NaN reaches its column, as in the reference
+    let mut visible = case.clone();
+    visible.v.set([0, 1, 5, 4], f32::NAN);
+    let got = assert_dot_path(&visible, "visible NaN");
+    assert!(got.out.values().iter().any(|x| x.is_nan()));
 }
 
 #[test]
