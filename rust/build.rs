@@ -17,24 +17,35 @@ fn main() {
     cpu_cfgs();
 }
 
-/// `twinattn_cpu_avx2` / `twinattn_cpu_avx512`: the CPU building the crate runs that instruction
-/// set (the same test as dispatch.rs). The tests of a set the CPU lacks are then `#[ignore]`d, so
+/// `twinattn_cpu_avx2` / `twinattn_cpu_avx512` / `twinattn_cpu_avx512bf16`: the CPU building the
+/// crate runs that instruction set (the same test as dispatch.rs). The tests of a set the CPU lacks are then `#[ignore]`d, so
 /// `cargo test` reports them as ignored instead of passing without running. Cross builds (target
 /// differs from host) set neither: nothing is known about the CPU that will run them.
 fn cpu_cfgs() {
     println!("cargo::rustc-check-cfg=cfg(twinattn_cpu_avx2)");
     println!("cargo::rustc-check-cfg=cfg(twinattn_cpu_avx512)");
+    println!("cargo::rustc-check-cfg=cfg(twinattn_cpu_avx512bf16)");
     if std::env::var("TARGET").ok() != std::env::var("HOST").ok() {
         return;
     }
     #[cfg(target_arch = "x86_64")]
     {
-        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        let avx2 = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
         if avx2 {
             println!("cargo::rustc-cfg=twinattn_cpu_avx2");
         }
-        if avx2 && is_x86_feature_detected!("avx512f") {
+        let avx512 = avx2 && is_x86_feature_detected!("avx512f");
+        if avx512 {
             println!("cargo::rustc-cfg=twinattn_cpu_avx512");
+        }
+        if avx512
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512bf16")
+        {
+            println!("cargo::rustc-cfg=twinattn_cpu_avx512bf16");
         }
     }
 }

@@ -15,20 +15,30 @@ import numpy as np
 from numpy.typing import NDArray
 
 # PyO3 lists the module's functions in __all__ (pybind11 does not, so _cpp.pyi has none)
-__all__ = ["attention_forward", "attention_reference", "build_info", "set_isa", "softcap_tanh"]
+__all__ = [
+    "attention_forward",
+    "attention_reference",
+    "build_info",
+    "measure_peak",
+    "set_isa",
+    "softcap_tanh",
+]
 
-# float32 (B, H, L, D) tensors; (B, Hq, Lq) for lse; int64 (B,) for q_offset and kv_lens
+# float32 (B, Hq, Lq) lse, (B, Hq) ALiBi slopes, (Hq,) sinks; int64 (B,) for q_offset and kv_lens
 _F32: TypeAlias = NDArray[np.float32]
+# q, k, v, out (B, H, L, D): all float32, all float16, or all ml_dtypes.bfloat16 (a NumPy user
+# dtype that NumPy's typing cannot name, hence Any)
+_Data: TypeAlias = NDArray[np.float32] | NDArray[np.float16] | NDArray[Any]
 _I64: TypeAlias = NDArray[np.int64]
 # float32 (B, Hq) ALiBi slopes (any strides: a (Hq,) vector as a stride-0 view) and (Hq,) sinks
 # bool (True = may attend) or float32 additive bias, shape exactly (B, Hq, Lq, Lk)
 _Mask: TypeAlias = NDArray[np.bool_] | NDArray[np.float32]
 
 def attention_forward(
-    q: _F32,
-    k: _F32,
-    v: _F32,
-    out: _F32,
+    q: _Data,
+    k: _Data,
+    v: _Data,
+    out: _Data,
     lse: _F32 | None,
     q_offset: _I64,
     kv_lens: _I64,
@@ -45,10 +55,10 @@ def attention_forward(
     """Exact attention into out (and lse) with the fast kernel and the ISA in use (set_isa)."""
 
 def attention_reference(
-    q: _F32,
-    k: _F32,
-    v: _F32,
-    out: _F32,
+    q: _Data,
+    k: _Data,
+    v: _Data,
+    out: _Data,
     lse: _F32 | None,
     q_offset: _I64,
     kv_lens: _I64,
@@ -66,6 +76,9 @@ def attention_reference(
 
 def softcap_tanh(x: _F32) -> _F32:
     """tanh of a float32 vector with the fast kernel's vectorised tanh (softcap), for tests."""
+
+def measure_peak(kind: str, num_threads: int, seconds: float) -> float:
+    """GFLOP/s of a register-resident loop of "fma32" (FMA) or "bf16dot" (VDPBF16PS) operations."""
 
 def set_isa(name: str) -> None:
     """Switches the instruction set among build_info()["isa_available"]; ValueError otherwise."""

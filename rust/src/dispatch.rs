@@ -17,8 +17,10 @@ const NEON: usize = 1;
 const AVX2: usize = 2;
 #[cfg(target_arch = "x86_64")]
 const AVX512: usize = 3;
-const ISA_COUNT: usize = 4;
-const ISA_NAMES: [&str; ISA_COUNT] = ["scalar", "neon", "avx2", "avx512"];
+#[cfg(target_arch = "x86_64")]
+const AVX512BF16: usize = 4;
+const ISA_COUNT: usize = 5;
+const ISA_NAMES: [&str; ISA_COUNT] = ["scalar", "neon", "avx2", "avx512", "avx512bf16"];
 
 /// What this build compiled and this CPU (and OS, for the wide registers) can run.
 fn detect() -> [bool; ISA_COUNT] {
@@ -30,8 +32,16 @@ fn detect() -> [bool; ISA_COUNT] {
     }
     #[cfg(target_arch = "x86_64")]
     {
-        support[AVX2] = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
+        // F16C converts float16 (every AVX2 CPU has it; checked all the same)
+        support[AVX2] = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
         support[AVX512] = support[AVX2] && is_x86_feature_detected!("avx512f");
+        // the bfloat16 unit is compiled with BW and VL as well (flash_avx512bf16.rs)
+        support[AVX512BF16] = support[AVX512]
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512bf16");
     }
     support
 }
@@ -44,6 +54,9 @@ fn cpu() -> &'static [bool; ISA_COUNT] {
 fn table(isa: usize) -> FlashKernels {
     #[cfg(target_arch = "x86_64")]
     {
+        if isa == AVX512BF16 {
+            return crate::flash_avx512bf16::KERNELS;
+        }
         if isa == AVX512 {
             return crate::flash_kernel::avx512::KERNELS;
         }
@@ -109,8 +122,9 @@ fn dispatch() -> &'static Dispatch {
     })
 }
 
-/// "avx512" (AVX-512F), "avx2" (AVX2 + FMA), "neon" (AArch64), "scalar" (portable): the names
-/// this build and this CPU can run, fastest first.
+/// "avx512bf16" (AVX-512F/BW/VL + AVX512_BF16), "avx512" (AVX-512F), "avx2" (AVX2 + FMA + F16C),
+/// "neon" (AArch64), "scalar" (portable): the names this build and this CPU can run, fastest
+/// first.
 pub fn available_isas() -> Vec<&'static str> {
     (0..ISA_COUNT)
         .rev()

@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::constants::{KEY_BLOCK, KEY_PANEL, LOG2_E, Q_TILE_ROWS, SPLIT_KEY_CHUNK};
 use crate::dispatch::current_kernels;
+use crate::element::{BFloat16, Dtype, Element, Float16};
 use crate::flash_kernel::{
     flash_row_key_range, max_nan, row_lse, FlashKernels, FlashPlan, ThreadScratch, WorkItem,
 };
@@ -92,6 +93,7 @@ struct ScratchBuffers {
     row_key_begin: Vec<usize>,
     row_key_end: Vec<usize>,
     key_panels: AlignedBuffer,
+    probs_pairs: AlignedBuffer,
 }
 
 impl ScratchBuffers {
@@ -100,6 +102,7 @@ impl ScratchBuffers {
         head_dim: usize,
         value_stride: usize,
         split_key: bool,
+        bf16_pairs: bool,
     ) -> Result<ThreadScratch, ProblemError> {
         let rows = self.rows.ensure(3 * Q_TILE_ROWS)?;
         if self.row_key_end.len() < Q_TILE_ROWS {
@@ -122,6 +125,14 @@ impl ScratchBuffers {
             } else {
                 std::ptr::null_mut()
             },
+            // a pair fills a float's slot
+            probs_pairs: if bf16_pairs {
+                self.probs_pairs
+                    .ensure(Q_TILE_ROWS * KEY_BLOCK / 2)?
+                    .cast::<u32>()
+            } else {
+                std::ptr::null_mut()
+            },
         })
     }
 }
@@ -136,6 +147,9 @@ thread_local! {
 struct CallerBuffers {
     packed_keys: AlignedBuffer,
     partials: AlignedBuffer,
+    /// the bfloat16 dot-product path: V pair rows (a pair in a float's slot), finite flags
+    packed_values: AlignedBuffer,
+    value_finite: Vec<u8>,
 }
 
 thread_local! {
@@ -161,6 +175,7 @@ fn with_scratch(
     head_dim: usize,
     value_stride: usize,
     split_key: bool,
+    bf16_pairs: bool,
     f: impl FnOnce(&ThreadScratch),
 ) -> Result<(), ProblemError> {
     SCRATCH.with(|cell| {
@@ -171,7 +186,7 @@ fn with_scratch(
             Ok(buffers) => buffers,
             Err(_) => &mut owned,
         };
-        f(&buffers.view(head_dim, value_stride, split_key)?);
+        f(&buffers.view(head_dim, value_stride, split_key, bf16_pairs)?);
         Ok(())
     })
 }
@@ -254,6 +269,8 @@ pub unsafe fn attention_forward_with(
         has_sinks: !p.sinks.data.is_null(),
         packed_keys: std::ptr::null(),
         panels_per_head: 0,
+        packed_values: std::ptr::null(),
+        value_finite: std::ptr::null(),
         partial_out: std::ptr::null_mut(),
         partial_max: std::ptr::null_mut(),
         partial_sum: std::ptr::null_mut(),
@@ -288,16 +305,24 @@ fn run_items(
     split_key: bool,
 ) -> Result<(), ProblemError> {
     items.sort_by_key(|costed| std::cmp::Reverse(costed.cost)); // stable, as in C++
+    let attend = kernels.attend_rows[plan.problem.dtype as usize];
     let items = &*items;
     // C++ rethrows a worker's std::bad_alloc on the caller; here the failed item sets this flag.
     let out_of_memory = AtomicBool::new(false);
     parallel_for(items.len(), threads, &|index, _| {
-        let attended = with_scratch(plan.head_dim, plan.value_stride, split_key, |scratch| {
-            // SAFETY: the plan was built from a checked problem whose memory is valid
-            // (attention_forward's contract), the item is one of its own, the scratch is this
-            // thread's and sized for the plan, and the kernels' ISA is available.
-            unsafe { (kernels.attend_rows)(plan, &items[index].item, scratch) };
-        });
+        let pairs = !plan.packed_values.is_null();
+        let attended = with_scratch(
+            plan.head_dim,
+            plan.value_stride,
+            split_key,
+            pairs,
+            |scratch| {
+                // SAFETY: the plan was built from a checked problem whose memory is valid
+                // (attention_forward's contract), the item is one of its own, the scratch is this
+                // thread's and sized for the plan, and the kernels' ISA is available.
+                unsafe { attend(plan, &items[index].item, scratch) };
+            },
+        );
         if attended.is_err() {
             out_of_memory.store(true, Ordering::Relaxed);
         }
@@ -318,13 +343,36 @@ fn run_prefill(
     let p = plan.problem;
     let (batch, kv_heads, d_len) = (p.q.shape[0] as usize, p.k.shape[1] as usize, plan.head_dim);
     plan.panels_per_head = (p.k.shape[2] as usize).div_ceil(KEY_PANEL);
-    let head_floats = plan.panels_per_head * d_len * KEY_PANEL;
+    // bfloat16 with dot products (avx512bf16): K and V pair panels (a pair fills a float's slot)
+    let pairs = kernels.pack_pairs.filter(|_| p.dtype == Dtype::BFloat16);
+    let panel_size = if pairs.is_some() {
+        d_len.div_ceil(2)
+    } else {
+        d_len
+    } * KEY_PANEL;
+    let head_floats = plan.panels_per_head * panel_size;
+    let keys_per_head = plan.panels_per_head * KEY_PANEL;
     let packed_floats = [batch, kv_heads, head_floats]
         .into_iter()
         .try_fold(1usize, usize::checked_mul)
         .ok_or_else(ProblemError::out_of_memory)?;
     let packed = Shared(buffers.packed_keys.ensure(packed_floats)?);
     plan.packed_keys = packed.get();
+    let mut value_pairs = Shared((std::ptr::null_mut::<u32>(), std::ptr::null_mut::<u8>()));
+    if pairs.is_some() {
+        let heads = batch * kv_heads;
+        let pair_floats = [heads, keys_per_head / 2, plan.value_stride]
+            .into_iter()
+            .try_fold(1usize, usize::checked_mul)
+            .ok_or_else(ProblemError::out_of_memory)?;
+        let values = buffers.packed_values.ensure(pair_floats)?.cast::<u32>();
+        if buffers.value_finite.len() < heads * keys_per_head {
+            buffers.value_finite = try_filled(heads * keys_per_head, 0u8)?;
+        }
+        value_pairs = Shared((values, buffers.value_finite.as_mut_ptr()));
+        plan.packed_values = values;
+        plan.value_finite = buffers.value_finite.as_ptr();
+    }
 
     // Pack only the panels some row may see: from the first row's window start (rounded down to
     // a panel) to the last row's visible end.
@@ -338,19 +386,33 @@ fn run_prefill(
         if key_end <= first_panel * KEY_PANEL {
             return;
         }
+        let first_key = first_panel * KEY_PANEL;
         // SAFETY: the problem is checked and its memory valid (attention_forward's contract);
-        // head `head` writes only its own panels, inside the buffer sized above.
+        // head `head` writes only its own panels, pair rows and flags, inside the buffers sized
+        // above.
         unsafe {
-            (kernels.pack_keys)(
-                p,
-                b,
-                kv_head,
-                first_panel * KEY_PANEL,
-                key_end,
-                packed
-                    .get()
-                    .add(head * head_floats + first_panel * d_len * KEY_PANEL),
-            )
+            let key_dst = packed
+                .get()
+                .add(head * head_floats + first_panel * panel_size);
+            match pairs {
+                Some(pack_pairs) => {
+                    let (values, finite) = value_pairs.get();
+                    pack_pairs(
+                        p,
+                        b,
+                        kv_head,
+                        first_key,
+                        key_end,
+                        key_dst.cast::<u32>(),
+                        values.add((head * keys_per_head + first_key) / 2 * plan_ref.value_stride),
+                        finite.add(head * keys_per_head + first_key),
+                        plan_ref.value_stride,
+                    )
+                }
+                None => (kernels.pack_keys[p.dtype as usize])(
+                    p, b, kv_head, first_key, key_end, key_dst,
+                ),
+            }
         };
     });
 
@@ -433,9 +495,15 @@ fn run_split_key(
         }
     }
     let slots = slot_base[batch];
+    let mut merge_rows = std::ptr::null_mut();
     if slots > 0 {
         let slot_rows = slots * rows;
-        let partials = buffers.partials.ensure(slot_rows * (value_dim + 2))?;
+        // then one float32 row per thread for the merge of a half out (merge_partials)
+        let partials = buffers
+            .partials
+            .ensure(slot_rows * (value_dim + 2) + threads * value_dim)?;
+        // SAFETY: the buffer holds slot_rows * (Dv + 2) + threads * Dv floats.
+        merge_rows = unsafe { partials.add(slot_rows * (value_dim + 2)) };
         plan.partial_out = partials;
         // SAFETY: the buffer holds slot_rows * (Dv + 2) floats.
         plan.partial_max = unsafe { partials.add(slot_rows * value_dim) };
@@ -450,7 +518,8 @@ fn run_split_key(
     // Merge, in chunk order.
     let plan_ref = &*plan;
     let slot_base = &slot_base;
-    parallel_for(batch * kv_heads, threads, &|head, _| {
+    let merge_rows = Shared(merge_rows);
+    parallel_for(batch * kv_heads, threads, &|head, thread| {
         let (b, kv_head) = (head / kv_heads, head % kv_heads);
         let chunks = (slot_base[b + 1] - slot_base[b]) / kv_heads;
         if chunks == 0 {
@@ -459,12 +528,18 @@ fn run_split_key(
         // SAFETY: the partials of these slots were written by the items above; this group's
         // out and lse rows are written by this item only.
         unsafe {
-            merge_partials(
+            let merge = match plan_ref.problem.dtype {
+                Dtype::Float32 => merge_partials::<f32>,
+                Dtype::Float16 => merge_partials::<Float16>,
+                Dtype::BFloat16 => merge_partials::<BFloat16>,
+            };
+            merge(
                 plan_ref,
                 b,
                 kv_head,
                 slot_base[b] + kv_head * chunks,
                 chunks,
+                merge_rows.get().add(thread * value_dim),
             )
         };
     });
@@ -476,17 +551,20 @@ fn run_split_key(
 /// `lse = ln 2 (m* + log2 l*)`. A chunk whose row saw a NaN or +inf score has m_c = NaN or
 /// +inf and l_c = NaN (flash_kernel.rs, softmax_row), so m* (NaN-propagating) and the weights
 /// carry it into out and lse ([`row_lse`]); a chunk that saw nothing has l_c = 0. A sink s
-/// (base 2) counts here once: m* starts at s and l* at 2^(s - m*).
+/// (base 2) counts here once: m* starts at s and l* at 2^(s - m*). The row is summed in float32
+/// (in out itself for float32, in a row buffer for the halves), then rounded to T once.
 ///
 /// # Safety
 /// Partial slots first_slot..first_slot + chunks of the plan hold this group's rows; the views
-/// of the plan's problem are valid.
-unsafe fn merge_partials(
+/// of the plan's problem are valid; row_buffer holds Dv floats of this thread's (unused for
+/// float32).
+unsafe fn merge_partials<T: Element>(
     plan: &FlashPlan,
     b: usize,
     kv_head: usize,
     first_slot: usize,
     chunks: usize,
+    row_buffer: *mut f32,
 ) {
     let p = plan.problem;
     let (group, value_dim, rows) = (plan.group, plan.value_dim, plan.rows_per_group);
@@ -504,10 +582,15 @@ unsafe fn merge_partials(
             for c in 0..chunks {
                 m_star = max_nan(m_star, *plan.partial_max.add((first_slot + c) * rows + r));
             }
-            let dst = p
-                .out
-                .data
-                .offset(b as isize * stride(0) + h as isize * stride(1) + i as isize * stride(2));
+            let out_row =
+                p.out.data.cast::<T>().offset(
+                    b as isize * stride(0) + h as isize * stride(1) + i as isize * stride(2),
+                );
+            let dst = if T::DTYPE == Dtype::Float32 {
+                out_row.cast::<f32>()
+            } else {
+                row_buffer
+            };
             for d in 0..value_dim {
                 *dst.add(d) = 0.0;
             }
@@ -535,6 +618,11 @@ unsafe fn merge_partials(
                 let inverse = 1.0 / l_star;
                 for d in 0..value_dim {
                     *dst.add(d) *= inverse;
+                }
+            }
+            if T::DTYPE != Dtype::Float32 {
+                for d in 0..value_dim {
+                    *out_row.add(d) = T::from_f32(*dst.add(d));
                 }
             }
             if p.lse.is_requested() {

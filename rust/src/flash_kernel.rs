@@ -24,6 +24,7 @@ use crate::constants::{
     DIRECT_SCORE_ROWS, KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, MICRO_ROWS, TANH_COEFFICIENTS,
     TANH_DEGREE, TANH_SMALL,
 };
+use crate::element::{BFloat16, Element, Float16};
 use crate::problem::{AttentionProblem, MaskKind};
 use crate::simd::Vector;
 
@@ -56,6 +57,14 @@ pub struct FlashPlan<'p, 'a> {
     /// Null on the split-key path (each item packs its own blocks).
     pub packed_keys: *const f32,
     pub panels_per_head: usize,
+    /// The bfloat16 dot-product path (avx512bf16, prefill; flash_avx512bf16.rs), else null:
+    /// packed_keys then holds K pair panels, (b, kv_head) at ((b * Hkv + kv_head) *
+    /// panels_per_head) * ceil(D / 2) * KEY_PANEL pairs; packed_values the V pair rows, key pair
+    /// kp of (b, kv_head) at ((b * Hkv + kv_head) * panels_per_head * KEY_PANEL / 2 + kp) *
+    /// value_stride pairs; value_finite one byte per key of each (b, kv_head)
+    /// (panels_per_head * KEY_PANEL), 1 when every value of that key's V row is finite.
+    pub packed_values: *const u32,
+    pub value_finite: *const u8,
     /// Split-key partials, slot s holding rows_per_group rows: out (Dv floats each), m, l.
     pub partial_out: *mut f32,
     pub partial_max: *mut f32,
@@ -93,6 +102,8 @@ pub struct ThreadScratch {
     pub row_key_begin: *mut usize,
     pub row_key_end: *mut usize,
     pub key_panels: *mut f32,
+    /// (rows, KEY_BLOCK / 2) bfloat16 pairs of P: the dot-product path only, else null
+    pub probs_pairs: *mut u32,
 }
 
 /// Runs one work item. # Safety: see [`attend_rows`].
@@ -101,20 +112,31 @@ pub type AttendRowsFn = unsafe fn(&FlashPlan, &WorkItem, &ThreadScratch);
 /// holds keys key_begin ...); the last panel's columns past key_end are zero.
 /// # Safety: see [`pack_keys`].
 pub type PackKeysFn = unsafe fn(&AttentionProblem, usize, usize, usize, usize, *mut f32);
+/// The bfloat16 dot-product path: packs keys [key_begin, key_end) of one (b, kv_head) (key_begin
+/// a multiple of KEY_PANEL) into K pair panels at key_dst (the panel of key_begin), V pair rows
+/// at value_dst (the pair of key_begin) and the per-key finite flags at finite_dst (key_begin's);
+/// the last argument is value_stride. # Safety: see flash_avx512bf16.rs, `pack_pairs`.
+pub type PackPairsFn =
+    unsafe fn(&AttentionProblem, usize, usize, usize, usize, *mut u32, *mut u32, *mut u8, usize);
 /// values = tanh(values) with the vectorised tanh (constants.rs, "tanh"); the length a multiple
 /// of the vector width (tests call it on whole vectors).
 /// # Safety: the CPU supports the kernels' instruction set (as for every entry of FlashKernels).
 pub type TanhFn = unsafe fn(&mut [f32]);
 
-/// The kernels of one instruction set.
+/// The kernels of one instruction set. `attend_rows` and `pack_keys` hold one entry per storage
+/// type, indexed by `Dtype as usize` (float32, float16, bfloat16): the kernels generic over
+/// [`Element`]. (pack_keys writes float32 panels whatever the storage: the convert path.)
 #[derive(Clone, Copy)]
 pub struct FlashKernels {
     pub isa: &'static str,
-    pub attend_rows: AttendRowsFn,
-    pub pack_keys: PackKeysFn,
+    pub attend_rows: [AttendRowsFn; 3],
+    pub pack_keys: [PackKeysFn; 3],
     pub tanh_values: TanhFn,
     /// floats per vector
     pub width: usize,
+    /// bfloat16 prefill by dot products (avx512bf16 only; None elsewhere): packs the pair
+    /// panels that attend_rows[BFloat16] then reads.
+    pub pack_pairs: Option<PackPairsFn>,
 }
 
 /// The keys packed row r of sequence b may see by length, causality and window:
@@ -155,7 +177,7 @@ pub fn flash_row_position(p: &AttentionProblem, b: usize, group: usize, r: usize
     position.clamp(-bound, bound) as i64
 }
 
-fn round_up(n: usize, m: usize) -> usize {
+pub(crate) fn round_up(n: usize, m: usize) -> usize {
     n.div_ceil(m) * m
 }
 
@@ -184,7 +206,7 @@ pub(crate) fn row_lse(m: f32, l: f32) -> f32 {
 
 /// Element offset of an index in a strided view.
 #[inline(always)]
-fn at<const N: usize>(index: [usize; N], stride: &[i64; N]) -> isize {
+pub(crate) fn at<const N: usize>(index: [usize; N], stride: &[i64; N]) -> isize {
     let mut offset = 0i64;
     for axis in 0..N {
         offset += index[axis] as i64 * stride[axis];
@@ -239,7 +261,7 @@ unsafe fn tanh_values<V: Vector>(values: &mut [f32]) {
 /// # Safety
 /// As [`attend_rows`].
 #[inline(always)]
-unsafe fn softcap_block<V: Vector>(
+pub(crate) unsafe fn softcap_block<V: Vector>(
     plan: &FlashPlan,
     s: &ThreadScratch,
     rows: usize,
@@ -263,7 +285,7 @@ unsafe fn softcap_block<V: Vector>(
 /// `p` is a checked problem whose views are valid; b < B, kv_head < Hkv, key_end <= kv_lens[b];
 /// `dst` is valid for writing ceil((key_end - key_begin) / KEY_PANEL) * D * KEY_PANEL floats.
 #[inline(always)]
-pub unsafe fn pack_keys<V: Vector>(
+pub unsafe fn pack_keys<V: Vector, T: Element>(
     p: &AttentionProblem,
     b: usize,
     kv_head: usize,
@@ -277,6 +299,7 @@ pub unsafe fn pack_keys<V: Vector>(
     unsafe {
         let k_head =
             p.k.data
+                .cast::<T>()
                 .offset(at([b, kv_head], &[p.k.stride[0], p.k.stride[1]]));
         let w = V::WIDTH;
         let mut panel_begin = key_begin;
@@ -291,7 +314,7 @@ pub unsafe fn pack_keys<V: Vector>(
                 while d_done + w <= d_len {
                     for j in (0..KEY_PANEL).step_by(w) {
                         for (t, row) in block.iter_mut().enumerate().take(w) {
-                            *row = V::load(
+                            *row = T::load::<V>(
                                 panel_rows.offset((j + t) as isize * key_stride).add(d_done),
                             );
                         }
@@ -307,7 +330,7 @@ pub unsafe fn pack_keys<V: Vector>(
                 // the rest, element by element
                 let k_row = panel_rows.offset(j as isize * key_stride);
                 for d in d_done..d_len {
-                    *dst.add(d * KEY_PANEL + j) = *k_row.add(d);
+                    *dst.add(d * KEY_PANEL + j) = (*k_row.add(d)).to_f32();
                 }
             }
             for j in keys..KEY_PANEL {
@@ -432,10 +455,10 @@ unsafe fn block_scores<V: Vector>(
 /// # Safety
 /// V's instruction set is available; q: R rows of d_len floats; k: four rows of d_len floats.
 #[inline(always)]
-unsafe fn direct_batch<V: Vector, const R: usize>(
+unsafe fn direct_batch<V: Vector, T: Element, const R: usize>(
     q: *const f32,
     d_len: usize,
-    k: &[*const f32; 4],
+    k: &[*const T; 4],
     y: &mut [[V; 4]; R],
     batch: usize,
 ) {
@@ -446,7 +469,7 @@ unsafe fn direct_batch<V: Vector, const R: usize>(
         for (t, &key) in k.iter().enumerate() {
             let mut d = 0;
             while d + w <= d_len {
-                let key_d = V::load(key.add(d));
+                let key_d = T::load::<V>(key.add(d));
                 for (r, acc_r) in acc.iter_mut().enumerate() {
                     acc_r[t] = V::fma(V::load(q.add(r * d_len + d)), key_d, acc_r[t]);
                 }
@@ -454,7 +477,7 @@ unsafe fn direct_batch<V: Vector, const R: usize>(
             }
             if d < d_len {
                 let tail = d_len - d;
-                let key_d = V::load_tail(key.add(d), tail);
+                let key_d = T::load_tail::<V>(key.add(d), tail);
                 for (r, acc_r) in acc.iter_mut().enumerate() {
                     acc_r[t] = V::fma(V::load_tail(q.add(r * d_len + d), tail), key_d, acc_r[t]);
                 }
@@ -475,10 +498,10 @@ unsafe fn direct_batch<V: Vector, const R: usize>(
 /// V's instruction set is available; q: R rows of d_len floats; k_rows: n rows of stride
 /// k_stride, d_len floats each; scores: R rows of stride KEY_BLOCK, j0 + WIDTH <= KEY_BLOCK.
 #[inline(always)]
-unsafe fn direct_strip<V: Vector, const R: usize>(
+unsafe fn direct_strip<V: Vector, T: Element, const R: usize>(
     q: *const f32,
     d_len: usize,
-    k_rows: *const f32,
+    k_rows: *const T,
     k_stride: isize,
     j0: usize,
     n: usize,
@@ -492,9 +515,9 @@ unsafe fn direct_strip<V: Vector, const R: usize>(
             if first >= n {
                 continue; // y stays 0
             }
-            let k: [*const f32; 4] =
+            let k: [*const T; 4] =
                 std::array::from_fn(|t| k_rows.offset((first + t).min(n - 1) as isize * k_stride));
-            direct_batch::<V, R>(q, d_len, &k, &mut y, batch);
+            direct_batch::<V, T, R>(q, d_len, &k, &mut y, batch);
         }
         for (r, y_r) in y.iter().enumerate() {
             V::fold_groups(y_r).store(scores.add(r * KEY_BLOCK + j0));
@@ -509,11 +532,11 @@ unsafe fn direct_strip<V: Vector, const R: usize>(
 /// As [`direct_strip`], for rows rows of q_tile and scores.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn direct_block_scores<V: Vector>(
+unsafe fn direct_block_scores<V: Vector, T: Element>(
     q_tile: *const f32,
     d_len: usize,
     rows: usize,
-    k_rows: *const f32,
+    k_rows: *const T,
     k_stride: isize,
     n: usize,
     scores: *mut f32,
@@ -526,12 +549,12 @@ unsafe fn direct_block_scores<V: Vector>(
                 let q = q_tile.add(r * d_len);
                 let s = scores.add(r * KEY_BLOCK);
                 match (rows - r).min(strip) {
-                    1 => direct_strip::<V, 1>(q, d_len, k_rows, k_stride, j0, n, s),
-                    2 => direct_strip::<V, 2>(q, d_len, k_rows, k_stride, j0, n, s),
-                    3 => direct_strip::<V, 3>(q, d_len, k_rows, k_stride, j0, n, s),
-                    4 => direct_strip::<V, 4>(q, d_len, k_rows, k_stride, j0, n, s),
-                    5 => direct_strip::<V, 5>(q, d_len, k_rows, k_stride, j0, n, s),
-                    _ => direct_strip::<V, 6>(q, d_len, k_rows, k_stride, j0, n, s),
+                    1 => direct_strip::<V, T, 1>(q, d_len, k_rows, k_stride, j0, n, s),
+                    2 => direct_strip::<V, T, 2>(q, d_len, k_rows, k_stride, j0, n, s),
+                    3 => direct_strip::<V, T, 3>(q, d_len, k_rows, k_stride, j0, n, s),
+                    4 => direct_strip::<V, T, 4>(q, d_len, k_rows, k_stride, j0, n, s),
+                    5 => direct_strip::<V, T, 5>(q, d_len, k_rows, k_stride, j0, n, s),
+                    _ => direct_strip::<V, T, 6>(q, d_len, k_rows, k_stride, j0, n, s),
                 }
             }
         }
@@ -551,6 +574,7 @@ unsafe fn direct_block_scores<V: Vector>(
 #[inline(always)]
 unsafe fn value_micro<
     V: Vector,
+    T: Element,
     const R: usize,
     const NV: usize,
     const TAIL: bool,
@@ -558,7 +582,7 @@ unsafe fn value_micro<
 >(
     probs: *const f32,
     n: usize,
-    v_rows: *const f32,
+    v_rows: *const T,
     v_stride: isize,
     out: *mut f32,
     out_stride: usize,
@@ -584,9 +608,9 @@ unsafe fn value_micro<
             let mut values = [V::zero(); NV];
             for (v, value) in values.iter_mut().enumerate() {
                 *value = if TAIL && v == NV - 1 {
-                    V::load_tail(v_row.add(v * w), tail)
+                    T::load_tail::<V>(v_row.add(v * w), tail)
                 } else {
-                    V::load(v_row.add(v * w))
+                    T::load::<V>(v_row.add(v * w))
                 };
             }
             if SAFE {
@@ -627,10 +651,10 @@ unsafe fn value_micro<
 /// As [`value_micro`].
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn value_micro_full<V: Vector, const R: usize, const SAFE: bool>(
+unsafe fn value_micro_full<V: Vector, T: Element, const R: usize, const SAFE: bool>(
     probs: *const f32,
     n: usize,
-    v_rows: *const f32,
+    v_rows: *const T,
     v_stride: isize,
     out: *mut f32,
     out_stride: usize,
@@ -640,10 +664,10 @@ unsafe fn value_micro_full<V: Vector, const R: usize, const SAFE: bool>(
     // SAFETY: forwarded from this function's contract.
     unsafe {
         match V::VALUE_VECTORS {
-            4 => value_micro::<V, R, 4, false, SAFE>(
+            4 => value_micro::<V, T, R, 4, false, SAFE>(
                 probs, n, v_rows, v_stride, out, out_stride, rescale, do_rescale, 0,
             ),
-            2 => value_micro::<V, R, 2, false, SAFE>(
+            2 => value_micro::<V, T, R, 2, false, SAFE>(
                 probs, n, v_rows, v_stride, out, out_stride, rescale, do_rescale, 0,
             ),
             _ => unreachable!("VALUE_VECTORS is 2 or 4"),
@@ -658,10 +682,10 @@ unsafe fn value_micro_full<V: Vector, const R: usize, const SAFE: bool>(
 /// As [`value_micro`], for R rows and Dv columns.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn strip_values<V: Vector, const R: usize, const SAFE: bool>(
+unsafe fn strip_values<V: Vector, T: Element, const R: usize, const SAFE: bool>(
     probs: *const f32,
     n: usize,
-    v_rows: *const f32,
+    v_rows: *const T,
     v_stride: isize,
     out: *mut f32,
     out_stride: usize,
@@ -678,7 +702,7 @@ unsafe fn strip_values<V: Vector, const R: usize, const SAFE: bool>(
         }
         let mut c = 0;
         while c + nv * w <= value_dim {
-            value_micro_full::<V, R, SAFE>(
+            value_micro_full::<V, T, R, SAFE>(
                 probs,
                 n,
                 v_rows.add(c),
@@ -691,7 +715,7 @@ unsafe fn strip_values<V: Vector, const R: usize, const SAFE: bool>(
             c += nv * w;
         }
         while c + w <= value_dim {
-            value_micro::<V, R, 1, false, SAFE>(
+            value_micro::<V, T, R, 1, false, SAFE>(
                 probs,
                 n,
                 v_rows.add(c),
@@ -705,7 +729,7 @@ unsafe fn strip_values<V: Vector, const R: usize, const SAFE: bool>(
             c += w;
         }
         if c < value_dim {
-            value_micro::<V, R, 1, true, SAFE>(
+            value_micro::<V, T, R, 1, true, SAFE>(
                 probs,
                 n,
                 v_rows.add(c),
@@ -726,11 +750,11 @@ unsafe fn strip_values<V: Vector, const R: usize, const SAFE: bool>(
 /// As [`value_micro`], for every strip: rows rows, Dv columns.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn block_values<V: Vector, const SAFE: bool>(
+pub(crate) unsafe fn block_values<V: Vector, T: Element, const SAFE: bool>(
     scores: *const f32,
     rows: usize,
     n: usize,
-    v_rows: *const f32,
+    v_rows: *const T,
     v_stride: isize,
     out_acc: *mut f32,
     out_stride: usize,
@@ -751,7 +775,7 @@ unsafe fn block_values<V: Vector, const SAFE: bool>(
             let alpha = rescale.add(r);
             macro_rules! strip {
                 ($r:literal) => {
-                    strip_values::<V, $r, SAFE>(
+                    strip_values::<V, T, $r, SAFE>(
                         probs, n, v_rows, v_stride, out, out_stride, value_dim, alpha,
                     )
                 };
@@ -775,7 +799,11 @@ unsafe fn block_values<V: Vector, const SAFE: bool>(
 /// problem whose views are valid; `item` is one of its work items; `s` points to scratch sized
 /// for the plan and used by no other thread.
 #[inline(always)]
-pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
+pub unsafe fn attend_rows<V: Vector, T: Element>(
+    plan: &FlashPlan,
+    item: &WorkItem,
+    s: &ThreadScratch,
+) {
     let p = plan.problem;
     let w = V::WIDTH;
     let (group, d_len, value_dim) = (plan.group, plan.head_dim, plan.value_dim);
@@ -791,17 +819,17 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
             let q_dst = s.q_tile.add(r * d_len);
             let packed = item.row_begin + r;
             let (h, i) = (item.kv_head * group + packed % group, packed / group);
-            let q_src = p.q.data.offset(at(
+            let q_src = p.q.data.cast::<T>().offset(at(
                 [b, h, i],
                 &[p.q.stride[0], p.q.stride[1], p.q.stride[2]],
             ));
             let mut d = 0;
             while d + w <= d_len {
-                V::mul(V::load(q_src.add(d)), multiplier).store(q_dst.add(d));
+                V::mul(T::load::<V>(q_src.add(d)), multiplier).store(q_dst.add(d));
                 d += w;
             }
             if d < d_len {
-                V::mul(V::load_tail(q_src.add(d), d_len - d), multiplier)
+                V::mul(T::load_tail::<V>(q_src.add(d), d_len - d), multiplier)
                     .store_tail(q_dst.add(d), d_len - d);
             }
             let (key_begin, key_end) = flash_row_key_range(p, b, group, packed);
@@ -836,10 +864,12 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
         };
         let v_head =
             p.v.data
+                .cast::<T>()
                 .offset(at([b, item.kv_head], &[p.v.stride[0], p.v.stride[1]]));
         let v_stride = p.v.stride[2] as isize;
         let k_head =
             p.k.data
+                .cast::<T>()
                 .offset(at([b, item.kv_head], &[p.k.stride[0], p.k.stride[1]]));
         let k_stride = p.k.stride[2] as isize;
         // Split-key groups of few rows read K in place (3a'); the others pack K^T panels.
@@ -850,7 +880,7 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
             let n_padded = round_up(n, w);
             // (a) S = Q K^T.
             if direct {
-                direct_block_scores::<V>(
+                direct_block_scores::<V, T>(
                     s.q_tile,
                     d_len,
                     rows,
@@ -861,7 +891,7 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
                 );
             } else {
                 let panels = if k_head_panels.is_null() {
-                    pack_keys::<V>(p, b, item.kv_head, key_block, key_block + n, s.key_panels);
+                    pack_keys::<V, T>(p, b, item.kv_head, key_block, key_block + n, s.key_panels);
                     s.key_panels.cast_const()
                 } else {
                     k_head_panels.add((key_block / KEY_PANEL) * d_len * KEY_PANEL)
@@ -892,12 +922,12 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
             // (d) O = alpha O + P V.
             let v_rows = v_head.offset(key_block as isize * v_stride);
             if masked {
-                block_values::<V, true>(
+                block_values::<V, T, true>(
                     s.scores, rows, n, v_rows, v_stride, s.out_acc, out_stride, value_dim,
                     s.rescale,
                 );
             } else {
-                block_values::<V, false>(
+                block_values::<V, T, false>(
                     s.scores, rows, n, v_rows, v_stride, s.out_acc, out_stride, value_dim,
                     s.rescale,
                 );
@@ -921,7 +951,7 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
                 continue;
             }
             let (h, i) = (item.kv_head * group + packed % group, packed / group);
-            let dst = p.out.data.offset(at(
+            let dst = p.out.data.cast::<T>().offset(at(
                 [b, h, i],
                 &[p.out.stride[0], p.out.stride[1], p.out.stride[2]],
             ));
@@ -929,11 +959,15 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
             let inverse = V::broadcast(if l == 0.0 { 0.0 } else { 1.0 / l });
             let mut c = 0;
             while c + w <= value_dim {
-                V::mul(V::load(o.add(c)), inverse).store(dst.add(c));
+                T::store(V::mul(V::load(o.add(c)), inverse), dst.add(c));
                 c += w;
             }
             if c < value_dim {
-                V::mul(V::load(o.add(c)), inverse).store_tail(dst.add(c), value_dim - c);
+                T::store_tail(
+                    V::mul(V::load(o.add(c)), inverse),
+                    dst.add(c),
+                    value_dim - c,
+                );
             }
             if p.lse.is_requested() {
                 let lse = p.lse.data.offset(at([b, h, i], &p.lse.stride));
@@ -950,7 +984,7 @@ pub unsafe fn attend_rows<V: Vector>(plan: &FlashPlan, item: &WorkItem, s: &Thre
 /// # Safety
 /// As [`attend_rows`].
 #[inline(always)]
-unsafe fn mask_block(
+pub(crate) unsafe fn mask_block(
     plan: &FlashPlan,
     item: &WorkItem,
     s: &ThreadScratch,
@@ -1054,7 +1088,12 @@ unsafe fn any_nan(row: *const f32, n: usize) -> bool {
 /// V's instruction set is available; row holds n_padded (a multiple of WIDTH) floats; r indexes
 /// the scratch rows.
 #[inline(always)]
-unsafe fn softmax_row<V: Vector>(row: *mut f32, n_padded: usize, s: &ThreadScratch, r: usize) {
+pub(crate) unsafe fn softmax_row<V: Vector>(
+    row: *mut f32,
+    n_padded: usize,
+    s: &ThreadScratch,
+    r: usize,
+) {
     let w = V::WIDTH;
     // SAFETY: forwarded from this function's contract.
     unsafe {
@@ -1110,15 +1149,19 @@ macro_rules! isa_kernels {
             /// # Safety
             /// The CPU supports this instruction set; otherwise as [`super::attend_rows`].
             $(#[target_feature(enable = $feature)])?
-            pub unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
+            pub unsafe fn attend_rows<T: Element>(
+                plan: &FlashPlan,
+                item: &WorkItem,
+                s: &ThreadScratch,
+            ) {
                 // SAFETY: forwarded; the dispatcher only hands this out after detection.
-                unsafe { super::attend_rows::<$vector>(plan, item, s) }
+                unsafe { super::attend_rows::<$vector, T>(plan, item, s) }
             }
 
             /// # Safety
             /// The CPU supports this instruction set; otherwise as [`super::pack_keys`].
             $(#[target_feature(enable = $feature)])?
-            pub unsafe fn pack_keys(
+            pub unsafe fn pack_keys<T: Element>(
                 p: &AttentionProblem,
                 b: usize,
                 kv_head: usize,
@@ -1127,7 +1170,7 @@ macro_rules! isa_kernels {
                 dst: *mut f32,
             ) {
                 // SAFETY: forwarded, as in attend_rows.
-                unsafe { super::pack_keys::<$vector>(p, b, kv_head, key_begin, key_end, dst) }
+                unsafe { super::pack_keys::<$vector, T>(p, b, kv_head, key_begin, key_end, dst) }
             }
 
             /// The vectorised tanh on `values` (whole vectors; a tail past them is left alone).
@@ -1142,10 +1185,19 @@ macro_rules! isa_kernels {
 
             pub const KERNELS: FlashKernels = FlashKernels {
                 isa: $name,
-                attend_rows,
-                pack_keys,
+                attend_rows: [
+                    attend_rows::<f32>,
+                    attend_rows::<Float16>,
+                    attend_rows::<BFloat16>,
+                ],
+                pack_keys: [
+                    pack_keys::<f32>,
+                    pack_keys::<Float16>,
+                    pack_keys::<BFloat16>,
+                ],
                 tanh_values,
                 width: <$vector as crate::simd::Vector>::WIDTH,
+                pack_pairs: None,
             };
         }
     };
@@ -1153,13 +1205,13 @@ macro_rules! isa_kernels {
 
 isa_kernels!(scalar, crate::simd::scalar::Scalar, "scalar",);
 #[cfg(target_arch = "x86_64")]
-isa_kernels!(avx2, crate::simd::avx2::Avx2, "avx2", "avx2,fma");
+isa_kernels!(avx2, crate::simd::avx2::Avx2, "avx2", "avx2,fma,f16c");
 #[cfg(target_arch = "x86_64")]
 isa_kernels!(
     avx512,
     crate::simd::avx512::Avx512,
     "avx512",
-    "avx512f,avx2,fma"
+    "avx512f,avx2,fma,f16c"
 );
 #[cfg(target_arch = "aarch64")]
 isa_kernels!(neon, crate::simd::neon::Neon, "neon", "neon");

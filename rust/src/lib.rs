@@ -11,8 +11,12 @@
 
 pub mod constants;
 pub mod dispatch;
+pub mod element;
 pub mod flash_attention;
+#[cfg(target_arch = "x86_64")]
+pub mod flash_avx512bf16;
 pub mod flash_kernel;
+pub mod measure_peak;
 pub mod problem;
 pub mod reference_kernel;
 pub mod simd;

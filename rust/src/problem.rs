@@ -18,19 +18,23 @@
 
 use std::fmt;
 
-/// A read-only 4-D float32 view: element `[a, b, c, d]` lives at
-/// `data + a*stride[0] + b*stride[1] + c*stride[2] + d*stride[3]`.
+pub use crate::element::Dtype;
+
+/// A read-only 4-D view of elements of the problem's dtype (float32, float16 or bfloat16:
+/// [`AttentionProblem::dtype`]): element `[a, b, c, d]` lives at
+/// `data + (a*stride[0] + b*stride[1] + c*stride[2] + d*stride[3]) * dtype.size()` bytes
+/// (the kernels cast `data` to their element type first, then offset by elements).
 #[derive(Clone, Copy, Debug)]
 pub struct TensorView4 {
-    pub data: *const f32,
+    pub data: *const u8,
     pub shape: [i64; 4],
     pub stride: [i64; 4],
 }
 
-/// A writeable 4-D float32 view, laid out like [`TensorView4`].
+/// A writeable 4-D view, laid out like [`TensorView4`].
 #[derive(Clone, Copy, Debug)]
 pub struct MutTensorView4 {
-    pub data: *mut f32,
+    pub data: *mut u8,
     pub shape: [i64; 4],
     pub stride: [i64; 4],
 }
@@ -125,6 +129,8 @@ impl ParamView1 {
 /// carry their length, so [`check_problem`] can check them without reading out of bounds.
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionProblem<'a> {
+    /// the element type of q, k, v and out (lse, the mask and the parameters are float32)
+    pub dtype: Dtype,
     pub q: TensorView4,
     pub k: TensorView4,
     pub v: TensorView4,
@@ -506,7 +512,8 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
     if p.lse.is_requested() {
         check_distinct_elements("lse", &p.lse.shape, &p.lse.stride)?;
     }
-    let out_extent = byte_extent(p.out.data as usize, &p.out.shape, &p.out.stride, 4);
+    let item = p.dtype.size() as i64;
+    let out_extent = byte_extent(p.out.data as usize, &p.out.shape, &p.out.stride, item);
     let lse_extent = if p.lse.is_requested() {
         byte_extent(p.lse.data as usize, &p.lse.shape, &p.lse.stride, 4)
     } else {
@@ -516,15 +523,15 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
     let inputs = [
         (
             "q",
-            byte_extent(p.q.data as usize, &p.q.shape, &p.q.stride, 4),
+            byte_extent(p.q.data as usize, &p.q.shape, &p.q.stride, item),
         ),
         (
             "k",
-            byte_extent(p.k.data as usize, &p.k.shape, &p.k.stride, 4),
+            byte_extent(p.k.data as usize, &p.k.shape, &p.k.stride, item),
         ),
         (
             "v",
-            byte_extent(p.v.data as usize, &p.v.shape, &p.v.stride, 4),
+            byte_extent(p.v.data as usize, &p.v.shape, &p.v.stride, item),
         ),
         (
             "mask",

@@ -4,12 +4,15 @@
 //! (check_problem). The contract is docs/native_api.md. Twin of `cpp/python/bindings.cpp`: same
 //! steps, same messages. Nothing here panics on user input.
 
-use numpy::{dtype, PyArray1, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{
+    dtype, PyArray1, PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods,
+};
 use pyo3::exceptions::{PyImportError, PyMemoryError, PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString};
 
 use crate::constants::ConstantValue;
+use crate::element::Dtype as ElementType;
 use crate::problem::{
     check_num_threads, AttentionProblem, LseView, MaskKind, MaskView, MutTensorView4, ParamView1,
     ParamView2, ProblemError, TensorView4,
@@ -46,6 +49,34 @@ enum Dtype {
     Float32,
     Int64,
     BoolOrFloat32,
+    /// q: float32, float16 or bfloat16
+    Data,
+    /// k, v, out: q's element type, whose NumPy name is given
+    Like(ElementType, &'static str),
+}
+
+/// The element type of a float32, float16 (NumPy's) or bfloat16 (ml_dtypes') array of native
+/// byte order; None for any other dtype. bfloat16 is a NumPy user dtype (kind 'V'), recognised
+/// as the specification says: char 'E', name "bfloat16", itemsize 2 (the same test as C++).
+fn element_type(descr: &Bound<'_, PyArrayDescr>) -> Option<ElementType> {
+    if descr.is_native_byteorder() == Some(false) || descr.has_fields() {
+        return None;
+    }
+    if descr.is_equiv_to(&dtype::<f32>(descr.py())) {
+        return Some(ElementType::Float32);
+    }
+    match (descr.char(), descr.itemsize()) {
+        (b'e', 2) if descr.kind() == b'f' => Some(ElementType::Float16),
+        (b'E', 2)
+            if descr
+                .getattr("name")
+                .and_then(|name| name.extract::<String>())
+                .is_ok_and(|name| name == "bfloat16") =>
+        {
+            Some(ElementType::BFloat16)
+        }
+        _ => None,
+    }
 }
 
 /// The argument as an ndarray of the expected dtype and rank whose elements can be addressed by
@@ -71,12 +102,16 @@ fn as_array<'a, 'py>(
         Dtype::Float32 => is_float32,
         Dtype::Int64 => given.is_equiv_to(&dtype::<i64>(py)),
         Dtype::BoolOrFloat32 => is_float32 || given.is_equiv_to(&dtype::<bool>(py)),
+        Dtype::Data => element_type(&given).is_some(),
+        Dtype::Like(element, _) => element_type(&given) == Some(element),
     };
     if !ok {
         let expected = match expected {
-            Dtype::Float32 => "float32",
-            Dtype::Int64 => "int64",
-            Dtype::BoolOrFloat32 => "bool or float32",
+            Dtype::Float32 => "float32".to_owned(),
+            Dtype::Int64 => "int64".to_owned(),
+            Dtype::BoolOrFloat32 => "bool or float32".to_owned(),
+            Dtype::Data => "float32, float16 or bfloat16".to_owned(),
+            Dtype::Like(_, name) => format!("{name} (q's dtype)"),
         };
         return Err(PyTypeError::new_err(format!(
             "{name}: expected dtype {expected}, got {given}"
@@ -336,10 +371,14 @@ fn run_kernel(kernel: Kernel, args: [&Bound<'_, PyAny>; 16]) -> PyResult<()> {
     let [q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks] =
         args;
     // 1. Arrays: dtypes, ranks, addressable elements; writeable outputs; the mask's shape.
-    let q = as_array(q, "q", Dtype::Float32, 4, "(B, Hq, Lq, D)")?;
-    let k = as_array(k, "k", Dtype::Float32, 4, "(B, Hkv, Lk, D)")?;
-    let v = as_array(v, "v", Dtype::Float32, 4, "(B, Hkv, Lk, Dv)")?;
-    let out = as_array(out, "out", Dtype::Float32, 4, "(B, Hq, Lq, Dv)")?;
+    // q, k, v and out: all float32, float16 or bfloat16 (q's dtype; each array's dtype, then its
+    // rank, in this order, as C++)
+    let q = as_array(q, "q", Dtype::Data, 4, "(B, Hq, Lq, D)")?;
+    let element = element_type(&q.dtype()).expect("checked by as_array");
+    let like = Dtype::Like(element, element.name());
+    let k = as_array(k, "k", like, 4, "(B, Hkv, Lk, D)")?;
+    let v = as_array(v, "v", like, 4, "(B, Hkv, Lk, Dv)")?;
+    let out = as_array(out, "out", like, 4, "(B, Hq, Lq, Dv)")?;
     require_writeable(out, "out")?;
     let lse = match lse.is_none() {
         true => None,
@@ -391,16 +430,17 @@ fn run_kernel(kernel: Kernel, args: [&Bound<'_, PyAny>; 16]) -> PyResult<()> {
 
     // 3. The problem: views over the arrays' memory.
     let tensor = |array: &Bound<'_, PyUntypedArray>| TensorView4 {
-        data: data_of(array).cast::<f32>().cast_const(),
+        data: data_of(array).cast_const(),
         shape: shape_of(array),
         stride: strides_of(array),
     };
     let problem = AttentionProblem {
+        dtype: element,
         q: tensor(q),
         k: tensor(k),
         v: tensor(v),
         out: MutTensorView4 {
-            data: data_of(out).cast::<f32>(),
+            data: data_of(out),
             shape: shape_of(out),
             stride: strides_of(out),
         },
@@ -476,6 +516,44 @@ fn softcap_tanh<'py>(x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<f32>
     Ok(PyArray1::from_vec(x.py(), values))
 }
 
+/// measure_peak(kind, num_threads, seconds) -> float
+/// --
+///
+/// GFLOP/s of a register-resident loop of independent 'fma32' (AVX-512 / AVX2 FMA) or
+/// 'bf16dot' (VDPBF16PS) operations on num_threads threads for about `seconds`. Conversion
+/// order as C++: kind (a str), num_threads (an int), seconds (a float, > 0 and <= 1e6, said with
+/// Python's repr), then the core's checks (kind known, kind runnable here, num_threads >= 1).
+#[pyfunction]
+fn measure_peak(
+    kind: &Bound<'_, PyAny>,
+    num_threads: &Bound<'_, PyAny>,
+    seconds: &Bound<'_, PyAny>,
+) -> PyResult<f64> {
+    let kind = kind.cast::<PyString>().map_err(|_| {
+        PyTypeError::new_err(format!("kind: expected a str, got {}", type_name(kind)))
+    })?;
+    let num_threads = as_int64(num_threads, "num_threads")?;
+    let seconds_value = as_float(seconds, "seconds")?;
+    if !(seconds_value > 0.0 && seconds_value <= 1e6) {
+        let repr = pyo3::types::PyFloat::new(seconds.py(), seconds_value).repr()?;
+        return Err(PyValueError::new_err(format!(
+            "seconds: expected a number > 0 and <= 1e6, got {repr}"
+        )));
+    }
+    let kind = kind.to_cow()?.into_owned();
+    run_detached(seconds.py(), move || {
+        crate::measure_peak::measure_peak(&kind, num_threads, seconds_value)
+    })
+}
+
+/// Runs `f` without the GIL; its error as ValueError.
+fn run_detached(
+    py: Python<'_>,
+    f: impl FnOnce() -> Result<f64, ProblemError> + Send,
+) -> PyResult<f64> {
+    py.detach(f).map_err(raise)
+}
+
 /// build_info() -> dict: the instruction set chosen at run time, those available (fastest
 /// first), the compiler, the package version and the shared constants (constants.rs).
 #[pyfunction]
@@ -519,5 +597,6 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(set_isa, m)?)?;
     m.add_function(wrap_pyfunction!(softcap_tanh, m)?)?;
+    m.add_function(wrap_pyfunction!(measure_peak, m)?)?;
     Ok(())
 }

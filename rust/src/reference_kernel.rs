@@ -38,6 +38,7 @@
 //! and one accumulator (Dv), reused for all its rows. Rows never depend on the split, so every
 //! thread count gives bit-identical results.
 
+use crate::element::{BFloat16, Dtype, Element, Float16};
 use crate::problem::{
     check_num_threads, check_problem, try_filled, AttentionProblem, MaskKind, ProblemError,
 };
@@ -83,6 +84,11 @@ pub unsafe fn attention_reference(
     // SAFETY: forwarded from this function's contract; check_problem has passed.
     let shared = unsafe { SharedProblem::new(p) };
     let (first, others) = scratch.split_first_mut().expect("threads >= 1");
+    let run_pairs = match p.dtype {
+        Dtype::Float32 => run_pairs::<f32>,
+        Dtype::Float16 => run_pairs::<Float16>,
+        Dtype::BFloat16 => run_pairs::<BFloat16>,
+    };
     std::thread::scope(|scope| {
         for (t, scratch) in others.iter_mut().enumerate() {
             let shared = &shared;
@@ -124,18 +130,18 @@ fn offset<const N: usize>(index: [i64; N], stride: &[i64; N]) -> isize {
     index.iter().zip(stride).map(|(&i, &s)| i * s).sum::<i64>() as isize
 }
 
-/// The `len` contiguous floats at element offset `at` from `data`; empty when `len` is 0, without
-/// touching the pointer (NumPy may hand an empty array a dangling or null pointer).
+/// The `len` contiguous elements of type T at element offset `at` from `data`; empty when `len`
+/// is 0, without touching the pointer (NumPy may hand an empty array a dangling or null pointer).
 ///
 /// # Safety
-/// When `len > 0`, `data + at` must be aligned and valid for reading `len` floats, and nobody may
-/// write them while the slice lives.
-unsafe fn row<'x>(data: *const f32, at: isize, len: i64) -> &'x [f32] {
+/// When `len > 0`, `data + at` (in elements of T) must be aligned and valid for reading `len`
+/// elements, and nobody may write them while the slice lives.
+unsafe fn row<'x, T>(data: *const u8, at: isize, len: i64) -> &'x [T] {
     if len == 0 {
         return &[];
     }
     // SAFETY: forwarded from this function's contract.
-    unsafe { std::slice::from_raw_parts(data.offset(at), len as usize) }
+    unsafe { std::slice::from_raw_parts(data.cast::<T>().offset(at), len as usize) }
 }
 
 /// Like [`row`], writeable.
@@ -143,16 +149,23 @@ unsafe fn row<'x>(data: *const f32, at: isize, len: i64) -> &'x [f32] {
 /// # Safety
 /// When `len > 0`, `data + at` must be aligned and valid for writing `len` floats, and nobody
 /// else may access them while the slice lives.
-unsafe fn row_mut<'x>(data: *mut f32, at: isize, len: i64) -> &'x mut [f32] {
+unsafe fn row_mut<'x, T>(data: *mut u8, at: isize, len: i64) -> &'x mut [T] {
     if len == 0 {
         return &mut [];
     }
     // SAFETY: forwarded from this function's contract.
-    unsafe { std::slice::from_raw_parts_mut(data.offset(at), len as usize) }
+    unsafe { std::slice::from_raw_parts_mut(data.cast::<T>().offset(at), len as usize) }
 }
 
-/// Runs the (b, h) pairs numbered in `pair_range`, row by row.
-fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>, scratch: &mut RowScratch) {
+/// Runs the (b, h) pairs numbered in `pair_range`, row by row, on q, k, v and out stored as T:
+/// each element read is converted exactly to float32 (then float64); each out element is
+/// rounded to float32 first, then to T (for float16 and bfloat16 that double rounding is the
+/// contract's "round the float32 result", and the same in C++).
+fn run_pairs<T: Element>(
+    shared: &SharedProblem,
+    pair_range: std::ops::Range<usize>,
+    scratch: &mut RowScratch,
+) {
     let p = shared.p;
     let [_, q_heads, q_len, head_dim] = p.q.shape;
     let [_, kv_heads, _, _] = p.k.shape;
@@ -187,7 +200,7 @@ fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>, scratch
                 i128::from(p.q_offset.get(b as usize).copied().unwrap_or(0)) + i128::from(i);
 
             // SAFETY: b < B, h < Hq, i < Lq: a valid q row of D elements, stride 1 (or D <= 1).
-            let q_row = unsafe { row(p.q.data, offset([b, h, i, 0], &p.q.stride), head_dim) };
+            let q_row: &[T] = unsafe { row(p.q.data, offset([b, h, i, 0], &p.q.stride), head_dim) };
 
             // 1. Scores of the visible keys; hidden keys score -inf.
             let mut row_max = f64::NEG_INFINITY;
@@ -202,12 +215,12 @@ fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>, scratch
                     f64::NEG_INFINITY
                 } else {
                     // SAFETY: j < kv_len <= Lk and kv_head < Hkv: a valid key row of D elements.
-                    let k_row =
+                    let k_row: &[T] =
                         unsafe { row(p.k.data, offset([b, kv_head, j, 0], &p.k.stride), head_dim) };
                     let dot: f64 = q_row
                         .iter()
                         .zip(k_row)
-                        .map(|(&x, &y)| f64::from(x) * f64::from(y))
+                        .map(|(&x, &y)| f64::from(x.to_f32()) * f64::from(y.to_f32()))
                         .sum();
                     let mut score = scale * dot;
                     if softcap > 0.0 {
@@ -227,12 +240,12 @@ fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>, scratch
 
             // SAFETY: b < B, h < Hq, i < Lq: a valid out row of Dv elements, written only by the
             // thread that owns pair (b, h).
-            let out_row =
+            let out_row: &mut [T] =
                 unsafe { row_mut(p.out.data, offset([b, h, i, 0], &p.out.stride), value_dim) };
 
             // 2. No visible key: zeros and lse = the sink (-inf without sinks), never NaN.
             if row_max == f64::NEG_INFINITY {
-                out_row.fill(0.0);
+                out_row.fill(T::from_f32(0.0));
                 write_lse(shared, [b, h, i], sink as f32);
                 continue;
             }
@@ -260,15 +273,15 @@ fn run_pairs(shared: &SharedProblem, pair_range: std::ops::Range<usize>, scratch
                 }
                 let weight = (score - row_max).exp();
                 // SAFETY: j < kv_len <= Lk and kv_head < Hkv: a valid value row of Dv elements.
-                let v_row =
+                let v_row: &[T] =
                     unsafe { row(p.v.data, offset([b, kv_head, j, 0], &p.v.stride), value_dim) };
                 let weight = weight / row_sum;
                 for (a, &x) in acc.iter_mut().zip(v_row) {
-                    *a += weight * f64::from(x);
+                    *a += weight * f64::from(x.to_f32());
                 }
             }
             for (o, &a) in out_row.iter_mut().zip(acc.iter()) {
-                *o = a as f32;
+                *o = T::from_f32(a as f32);
             }
 
             // 5. The natural-log softmax denominator (a +inf score: the log of an infinite sum,

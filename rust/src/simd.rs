@@ -62,6 +62,66 @@ pub trait Vector: Copy {
     /// # Safety
     /// `p` is valid for writing `n` floats.
     unsafe fn store_tail(self, p: *mut f32, n: usize);
+    /// `WIDTH` float16 values from `p`, converted exactly (element.rs). The default converts
+    /// lane by lane in software (the scalar type; NEON, whose float16 vector types are not
+    /// stable in Rust: the same bits as its fcvtl); the x86 types use F16C.
+    ///
+    /// # Safety
+    /// As [`Vector::zero`], and `p` is valid for reading `WIDTH` halves.
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> Self {
+        let mut lanes = [0.0f32; 16];
+        for (i, lane) in lanes.iter_mut().enumerate().take(Self::WIDTH) {
+            // SAFETY: i < WIDTH halves readable at p.
+            *lane = crate::element::f16_to_f32(unsafe { *p.add(i) });
+        }
+        // SAFETY: forwarded; lanes holds 16 >= WIDTH floats.
+        unsafe { Self::load(lanes.as_ptr()) }
+    }
+    /// `WIDTH` bfloat16 values from `p`, converted exactly (bits << 16).
+    ///
+    /// # Safety
+    /// As [`Vector::load_f16`].
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> Self {
+        let mut lanes = [0.0f32; 16];
+        for (i, lane) in lanes.iter_mut().enumerate().take(Self::WIDTH) {
+            // SAFETY: i < WIDTH halves readable at p.
+            *lane = crate::element::bf16_to_f32(unsafe { *p.add(i) });
+        }
+        // SAFETY: forwarded; lanes holds 16 >= WIDTH floats.
+        unsafe { Self::load(lanes.as_ptr()) }
+    }
+    /// Writes the lanes rounded to float16 (element.rs) to `p`.
+    ///
+    /// # Safety
+    /// `p` is valid for writing `WIDTH` halves.
+    #[inline(always)]
+    unsafe fn store_f16(self, p: *mut u16) {
+        let mut lanes = [0.0f32; 16];
+        // SAFETY: lanes holds 16 >= WIDTH floats; i < WIDTH halves writeable at p.
+        unsafe {
+            self.store(lanes.as_mut_ptr());
+            for (i, &lane) in lanes.iter().enumerate().take(Self::WIDTH) {
+                *p.add(i) = crate::element::f32_to_f16(lane);
+            }
+        }
+    }
+    /// Writes the lanes rounded to bfloat16 (element.rs, the software rule) to `p`.
+    ///
+    /// # Safety
+    /// `p` is valid for writing `WIDTH` halves.
+    #[inline(always)]
+    unsafe fn store_bf16(self, p: *mut u16) {
+        let mut lanes = [0.0f32; 16];
+        // SAFETY: lanes holds 16 >= WIDTH floats; i < WIDTH halves writeable at p.
+        unsafe {
+            self.store(lanes.as_mut_ptr());
+            for (i, &lane) in lanes.iter().enumerate().take(Self::WIDTH) {
+                *p.add(i) = crate::element::f32_to_bf16(lane);
+            }
+        }
+    }
     /// `a * b + c` (fused on the SIMD types, two roundings on the scalar type, as in C++).
     fn fma(a: Self, b: Self, c: Self) -> Self;
     fn mul(a: Self, b: Self) -> Self;

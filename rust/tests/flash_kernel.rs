@@ -31,6 +31,16 @@ mod avx512 {
         #[cfg_attr(not(twinattn_cpu_avx512), ignore = "AVX-512F is not available on this CPU")]
     );
 }
+#[cfg(target_arch = "x86_64")]
+mod avx512bf16 {
+    contract_tests!(
+        crate::common::Kernel::Fast("avx512bf16"),
+        #[cfg_attr(
+            not(twinattn_cpu_avx512bf16),
+            ignore = "AVX-512F/BW/VL + AVX512_BF16 is not available on this CPU"
+        )]
+    );
+}
 #[cfg(target_arch = "aarch64")]
 mod neon {
     contract_tests!(crate::common::Kernel::Fast("neon"));

@@ -1,6 +1,6 @@
 //! The AVX2 + FMA vector type: 8 floats. Twin of `cpp/src/simd_avx2.hpp`. Only code compiled
-//! inside `#[target_feature(enable = "avx2,fma")]` functions uses it (flash_kernel.rs), and
-//! values exist only after AVX2 and FMA were detected (see simd.rs), which is what makes the
+//! inside `#[target_feature(enable = "avx2,fma,f16c")]` functions uses it (flash_kernel.rs), and
+//! values exist only after AVX2, FMA and F16C were detected (see simd.rs), which is what makes the
 //! intrinsic calls below sound.
 
 use std::arch::x86_64::*;
@@ -65,6 +65,49 @@ impl Vector for Avx2 {
     unsafe fn store_tail(self, p: *mut f32, n: usize) {
         // SAFETY: n writeable floats at p; masked-off lanes are never accessed.
         unsafe { _mm256_maskstore_ps(p, tail_mask(n), self.0) }
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> Self {
+        // SAFETY: the caller guarantees AVX2 (F16C with it: dispatch.rs) and 8 readable halves.
+        Avx2(unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) })
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> Self {
+        // SAFETY: the caller guarantees AVX2 and 8 readable halves.
+        unsafe {
+            let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+            Avx2(_mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn store_f16(self, p: *mut u16) {
+        // SAFETY: 8 writeable halves at p; self proves AVX2 (and F16C, dispatch.rs).
+        unsafe {
+            // round to nearest even (Rust's F16C intrinsic takes the 3-bit rounding field only;
+            // C++ passes _MM_FROUND_NO_EXC too, which changes no bit of the result)
+            let halves = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self.0);
+            _mm_storeu_si128(p.cast(), halves)
+        }
+    }
+    #[inline(always)]
+    unsafe fn store_bf16(self, p: *mut u16) {
+        // SAFETY: 8 writeable halves at p; self proves AVX2.
+        unsafe {
+            let bits = _mm256_castps_si256(self.0);
+            let high = _mm256_srli_epi32::<16>(bits);
+            let odd = _mm256_and_si256(high, _mm256_set1_epi32(1));
+            let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(
+                _mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)),
+                odd,
+            ));
+            let quiet = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+            let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(self.0, self.0));
+            let halves = _mm256_blendv_epi8(rounded, quiet, nan);
+            // every lane <= 0xffff: the unsigned saturating pack keeps it; it packs within
+            // 128-bit lanes, so the permute brings lanes 0-3 and 4-7 together
+            let packed = _mm256_permute4x64_epi64::<0x08>(_mm256_packus_epi32(halves, halves));
+            _mm_storeu_si128(p.cast(), _mm256_castsi256_si128(packed))
+        }
     }
     #[inline(always)]
     fn fma(a: Self, b: Self, c: Self) -> Self {

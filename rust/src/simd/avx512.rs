@@ -1,7 +1,7 @@
 //! The AVX-512F vector type: 16 floats. Twin of `cpp/src/simd_avx512.hpp`. Only code compiled
-//! inside `#[target_feature(enable = "avx512f,avx2,fma")]` functions uses it (flash_kernel.rs),
-//! and values exist only after AVX-512F was detected (see simd.rs), which is what makes the
-//! intrinsic calls below sound.
+//! inside `#[target_feature(enable = "avx512f,avx2,fma,f16c")]` functions uses it
+//! (flash_kernel.rs), and values exist only after AVX-512F (and F16C) was detected (see simd.rs),
+//! which is what makes the intrinsic calls below sound.
 
 use std::arch::x86_64::*;
 
@@ -55,6 +55,45 @@ impl Vector for Avx512 {
     unsafe fn store_tail(self, p: *mut f32, n: usize) {
         // SAFETY: n writeable floats at p; masked-off lanes are never accessed.
         unsafe { _mm512_mask_storeu_ps(p, tail_mask(n), self.0) }
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u16) -> Self {
+        // SAFETY: the caller guarantees AVX-512F and 16 readable halves.
+        Avx512(unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) })
+    }
+    #[inline(always)]
+    unsafe fn load_bf16(p: *const u16) -> Self {
+        // SAFETY: the caller guarantees AVX-512F and 16 readable halves.
+        unsafe {
+            let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
+            Avx512(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide)))
+        }
+    }
+    #[inline(always)]
+    unsafe fn store_f16(self, p: *mut u16) {
+        // SAFETY: 16 writeable halves at p; self proves AVX-512F.
+        unsafe {
+            let halves =
+                _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self.0);
+            _mm256_storeu_si256(p.cast(), halves)
+        }
+    }
+    #[inline(always)]
+    unsafe fn store_bf16(self, p: *mut u16) {
+        // SAFETY: 16 writeable halves at p; self proves AVX-512F.
+        unsafe {
+            let bits = _mm512_castps_si512(self.0);
+            let high = _mm512_srli_epi32::<16>(bits);
+            let odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+            let rounded = _mm512_srli_epi32::<16>(_mm512_add_epi32(
+                _mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)),
+                odd,
+            ));
+            let quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(self.0, self.0);
+            let halves = _mm512_mask_blend_epi32(nan, rounded, quiet);
+            _mm256_storeu_si256(p.cast(), _mm512_cvtepi32_epi16(halves))
+        }
     }
     #[inline(always)]
     fn fma(a: Self, b: Self, c: Self) -> Self {

@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test file uses its own subset
 
 use std::cell::Cell;
+use twinattn::element::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, Dtype};
 use twinattn::problem::{
     AttentionProblem, LseView, MaskKind, MaskView, MutTensorView4, ParamView1, ParamView2,
     ProblemError, TensorView4,
@@ -196,7 +197,7 @@ impl Tensor {
 
     pub fn view(&self) -> TensorView4 {
         TensorView4 {
-            data: self.buffer.as_ptr().wrapping_add(self.origin),
+            data: self.buffer.as_ptr().wrapping_add(self.origin).cast(),
             shape: self.shape,
             stride: self.stride,
         }
@@ -204,10 +205,24 @@ impl Tensor {
 
     pub fn view_mut(&mut self) -> MutTensorView4 {
         MutTensorView4 {
-            data: self.buffer.as_mut_ptr().wrapping_add(self.origin),
+            data: self.buffer.as_mut_ptr().wrapping_add(self.origin).cast(),
             shape: self.shape,
             stride: self.stride,
         }
+    }
+
+    /// Every float of the buffer (inside the view or not) rounded to `dtype` and back.
+    pub fn rounded(&self, dtype: Dtype) -> Tensor {
+        let mut t = self.clone();
+        for x in &mut t.buffer {
+            *x = round_to(dtype, *x);
+        }
+        t
+    }
+
+    /// The buffer as halves of `dtype` (float16 or bfloat16), the same layout.
+    fn halves(&self, dtype: Dtype) -> HalfBuffer {
+        HalfBuffer(self.buffer.iter().map(|&x| half_bits(dtype, x)).collect())
     }
 
     /// All values in index order.
@@ -234,6 +249,44 @@ impl Tensor {
             self.shape[3],
         ];
         Tensor::from_fn(shape, |[b, h, i, d]| self.at([b, h, range.start + i, d]))
+    }
+}
+
+/// A tensor's buffer stored as float16 or bfloat16 bits.
+struct HalfBuffer(Vec<u16>);
+
+impl HalfBuffer {
+    fn view(&self, like: &Tensor) -> TensorView4 {
+        TensorView4 {
+            data: self.0.as_ptr().wrapping_add(like.origin).cast(),
+            shape: like.shape,
+            stride: like.stride,
+        }
+    }
+}
+
+/// x rounded to `dtype` (the kernels' rounding, element.rs) and converted back, exactly.
+pub fn round_to(dtype: Dtype, x: f32) -> f32 {
+    match dtype {
+        Dtype::Float32 => x,
+        Dtype::Float16 => f16_to_f32(f32_to_f16(x)),
+        Dtype::BFloat16 => bf16_to_f32(f32_to_bf16(x)),
+    }
+}
+
+fn half_bits(dtype: Dtype, x: f32) -> u16 {
+    match dtype {
+        Dtype::Float16 => f32_to_f16(x),
+        Dtype::BFloat16 => f32_to_bf16(x),
+        Dtype::Float32 => unreachable!("float32 is not stored as halves"),
+    }
+}
+
+fn half_value(dtype: Dtype, h: u16) -> f32 {
+    match dtype {
+        Dtype::Float16 => f16_to_f32(h),
+        Dtype::BFloat16 => bf16_to_f32(h),
+        Dtype::Float32 => unreachable!("float32 is not stored as halves"),
     }
 }
 
@@ -308,6 +361,10 @@ pub struct Case {
     pub softcap: f32,
     pub alibi_slopes: Option<Vec<f32>>,
     pub sinks: Option<Vec<f32>>,
+    /// the storage of q, k, v and out: float32, or float16 / bfloat16 (then [`Case::run_into`]
+    /// stores q, k, v as halves of that type, the layouts kept, rounding each float, and returns
+    /// out's halves converted back to float32)
+    pub dtype: Dtype,
 }
 
 /// The kernel's results: out (B, Hq, Lq, Dv) and lse (B, Hq, Lq) flattened row-major.
@@ -362,10 +419,22 @@ impl Case {
             softcap: 0.0,
             alibi_slopes: None,
             sinks: None,
+            dtype: Dtype::Float32,
             q,
             k,
             v,
         }
+    }
+
+    /// The same case stored as `dtype`, its q, k and v rounded to it (so the float32 case of
+    /// `rounded(dtype)` with dtype float32 holds exactly the values the half case computes on).
+    pub fn stored_as(&self, dtype: Dtype) -> Case {
+        let mut case = self.clone();
+        case.q = self.q.rounded(dtype);
+        case.k = self.k.rounded(dtype);
+        case.v = self.v.rounded(dtype);
+        case.dtype = dtype;
+        case
     }
 
     pub fn causal(mut self, q_offset: &[i64]) -> Case {
@@ -444,11 +513,28 @@ impl Case {
                 }
             }
         };
+        let half = self.dtype != Dtype::Float32;
+        let halves = half
+            .then(|| [&self.q, &self.k, &self.v, &*out].map(|tensor| tensor.halves(self.dtype)));
+        let mut out_halves = halves.as_ref().map(|[_, _, _, o]| HalfBuffer(o.0.clone()));
+        let (q, k, v) = match &halves {
+            Some([q, k, v, _]) => (q.view(&self.q), k.view(&self.k), v.view(&self.v)),
+            None => (self.q.view(), self.k.view(), self.v.view()),
+        };
+        let out_view = match &mut out_halves {
+            Some(buffer) => MutTensorView4 {
+                data: buffer.0.as_mut_ptr().wrapping_add(out.origin).cast(),
+                shape: out.shape,
+                stride: out.stride,
+            },
+            None => out.view_mut(),
+        };
         let problem = AttentionProblem {
-            q: self.q.view(),
-            k: self.k.view(),
-            v: self.v.view(),
-            out: out.view_mut(),
+            dtype: self.dtype,
+            q,
+            k,
+            v,
+            out: out_view,
             lse,
             q_offset: &self.q_offset,
             kv_lens: &self.kv_lens,
@@ -483,7 +569,7 @@ impl Case {
         // assert_mask_fits) checked covers the view's whole shape when the shapes are consistent;
         // when they are not, check_problem rejects the problem before any memory is touched. The
         // buffers are borrowed (shared for inputs, exclusive for out and lse) for the whole call.
-        unsafe {
+        let result = unsafe {
             match kernel() {
                 Kernel::Reference => attention_reference(&problem, num_threads),
                 Kernel::Fast(isa) => twinattn::flash_attention::attention_forward_with(
@@ -492,7 +578,13 @@ impl Case {
                     twinattn::dispatch::kernels_for(isa).expect("checked by with_kernel"),
                 ),
             }
+        };
+        if let Some(buffer) = out_halves {
+            for (x, &h) in out.buffer.iter_mut().zip(&buffer.0) {
+                *x = half_value(self.dtype, h);
+            }
         }
+        result
     }
 }
 

@@ -551,7 +551,7 @@ pub fn check_problem_rejects_overlapping_outputs_and_bad_lse() {
     let mut buffer = vec![0.0f32; 64];
     let base = buffer.as_mut_ptr();
     let view = |at: usize, shape: [i64; 4]| MutTensorView4 {
-        data: base.wrapping_add(at),
+        data: base.wrapping_add(at).cast(),
         shape,
         stride: [
             shape[1] * shape[2] * shape[3],
@@ -566,6 +566,7 @@ pub fn check_problem_rejects_overlapping_outputs_and_bad_lse() {
     let lens = [2i64];
     let offsets = [0i64];
     let problem = |out: MutTensorView4, lse: LseView| AttentionProblem {
+        dtype: twinattn::element::Dtype::Float32,
         q: twinattn::problem::TensorView4 {
             data: q.data,
             shape: q.shape,

@@ -1,0 +1,342 @@
+//! The storage types of q, k, v and out (docs/kernels.md, "dtypes"): float32, IEEE float16 and
+//! bfloat16. The kernels compute in float32 whatever the storage: halves are converted exactly
+//! to float32 when read and out is rounded to its type when stored (lse is always float32).
+//!
+//! [`Element`] is the kernels' second generic parameter (the first is the vector type): one
+//! `load` / `load_tail` / `store` / `store_tail` per storage type, so the float32 instantiation
+//! is exactly the float32 kernel (its loads are plain `V::load`). Twin of C++'s storage types in
+//! `cpp/src/element.hpp`.
+//!
+//! Conversions (the shared specification, issue 12):
+//! - float16 -> float32 and bfloat16 -> float32: exact. float16 NaNs come back quiet, as F16C's
+//!   vcvtph2ps and NEON's fcvtl return them (payload kept, quiet bit set).
+//! - float32 -> float16: IEEE round to nearest even, subnormals kept, overflow to inf; a NaN
+//!   becomes the quiet NaN with the payload's top ten bits (vcvtps2ph with
+//!   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC; NEON's fcvtn).
+//! - float32 -> bfloat16: always the software rule below, vectorised per instruction set (never
+//!   vcvtneps2bf16, which flushes subnormals): bits >> 16 rounded to nearest even, NaN quieted.
+
+use crate::simd::Vector;
+
+/// The dtype of q, k, v and out (all four alike).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dtype {
+    Float32 = 0,
+    Float16 = 1,
+    BFloat16 = 2,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Dtype::Float32 => 4,
+            Dtype::Float16 | Dtype::BFloat16 => 2,
+        }
+    }
+
+    /// NumPy's name of the dtype ("float32", "float16", "bfloat16").
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::Float32 => "float32",
+            Dtype::Float16 => "float16",
+            Dtype::BFloat16 => "bfloat16",
+        }
+    }
+}
+
+/// An IEEE 754 binary16 value, as its bits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct Float16(pub u16);
+
+/// A bfloat16 value (the top half of a float32), as its bits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct BFloat16(pub u16);
+
+/// float16 bits -> float32, exactly (subnormals, inf; NaN quieted).
+#[inline(always)]
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h & 0x8000) << 16;
+    let exponent = u32::from(h >> 10) & 0x1f;
+    let mantissa = u32::from(h & 0x3ff);
+    let magnitude = match exponent {
+        // a subnormal: mantissa * 2^-24, exact in float32 (a normal number there)
+        0 => (mantissa as f32 * f32::from_bits(0x3380_0000)).to_bits(),
+        0x1f if mantissa == 0 => 0x7f80_0000,
+        0x1f => 0x7fc0_0000 | (mantissa << 13),
+        _ => ((exponent + 112) << 23) | (mantissa << 13),
+    };
+    f32::from_bits(sign | magnitude)
+}
+
+/// float32 -> float16 bits, round to nearest even (subnormals kept, overflow to inf, NaN
+/// quieted with the payload's top bits). The bit steps of a software conversion; the sums are
+/// exact integer or float32 additions, so it equals vcvtps2ph bit for bit.
+#[inline(always)]
+pub fn f32_to_f16(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 16) & 0x8000) as u16;
+    let magnitude = bits & 0x7fff_ffff;
+    let half = if magnitude > 0x7f80_0000 {
+        0x7e00 | ((magnitude >> 13) & 0x3ff) as u16 // NaN: quiet, payload's top bits
+    } else if magnitude >= 0x477f_f000 {
+        0x7c00 // inf, or rounds past 65504 (the halfway point 65520 rounds to even: up)
+    } else if magnitude < 0x3880_0000 {
+        // below 2^-14: a subnormal or zero. Adding 0.5 leaves the value in units of 2^-24 in
+        // the low mantissa bits, rounded to nearest even by the float32 addition itself.
+        let sum = f32::from_bits(magnitude) + 0.5;
+        (sum.to_bits() - 0x3f00_0000) as u16
+    } else {
+        // normal: rebias the exponent (127 -> 15), then round the 13 dropped bits to even
+        let odd = (magnitude >> 13) & 1;
+        ((magnitude - (112 << 23) + 0xfff + odd) >> 13) as u16
+    };
+    sign | half
+}
+
+/// bfloat16 bits -> float32, exactly.
+#[inline(always)]
+pub fn bf16_to_f32(h: u16) -> f32 {
+    f32::from_bits(u32::from(h) << 16)
+}
+
+/// float32 -> bfloat16 bits: the specification's rule, round to nearest even, subnormals kept,
+/// NaN quieted: NaN: (bits >> 16) | 0x0040; else (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16.
+#[inline(always)]
+pub fn f32_to_bf16(x: f32) -> u16 {
+    let bits = x.to_bits();
+    if x.is_nan() {
+        ((bits >> 16) | 0x0040) as u16
+    } else {
+        ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16
+    }
+}
+
+/// A storage type of q, k, v and out, read and written as float32 vectors of type V.
+pub trait Element: Copy + Send + Sync + 'static {
+    const DTYPE: Dtype;
+    /// The exact float32 value.
+    fn to_f32(self) -> f32;
+    /// The value rounded to this type (module documentation).
+    fn from_f32(x: f32) -> Self;
+
+    /// `V::WIDTH` elements from `p`, converted.
+    ///
+    /// # Safety
+    /// V's instruction set is available; `p` is valid for reading `V::WIDTH` elements.
+    unsafe fn load<V: Vector>(p: *const Self) -> V;
+    /// Rounds and writes `V::WIDTH` elements to `p`.
+    ///
+    /// # Safety
+    /// `p` is valid for writing `V::WIDTH` elements (x proves V's instruction set).
+    unsafe fn store<V: Vector>(x: V, p: *mut Self);
+
+    /// The first `n` (< `V::WIDTH`) elements from `p`, the other lanes 0; the memory past them is
+    /// never touched. (Halves: through a zeroed buffer; no instruction set here has a masked
+    /// 16-bit load in its baseline.)
+    ///
+    /// # Safety
+    /// V's instruction set is available; `p` is valid for reading `n` elements.
+    #[inline(always)]
+    unsafe fn load_tail<V: Vector>(p: *const Self, n: usize) -> V {
+        let mut lanes = [Self::from_f32(0.0); MAX_LANES];
+        // SAFETY: n < V::WIDTH <= MAX_LANES elements readable at p; lanes holds MAX_LANES.
+        unsafe {
+            std::ptr::copy_nonoverlapping(p, lanes.as_mut_ptr(), n);
+            Self::load::<V>(lanes.as_ptr())
+        }
+    }
+    /// Rounds and writes the first `n` (< `V::WIDTH`) lanes to `p`; the memory after them is not
+    /// touched.
+    ///
+    /// # Safety
+    /// `p` is valid for writing `n` elements.
+    #[inline(always)]
+    unsafe fn store_tail<V: Vector>(x: V, p: *mut Self, n: usize) {
+        let mut lanes = [Self::from_f32(0.0); MAX_LANES];
+        // SAFETY: lanes holds MAX_LANES >= V::WIDTH elements; n are writeable at p.
+        unsafe {
+            Self::store::<V>(x, lanes.as_mut_ptr());
+            std::ptr::copy_nonoverlapping(lanes.as_ptr(), p, n);
+        }
+    }
+}
+
+/// The widest vector type's WIDTH (AVX-512: 16 floats).
+const MAX_LANES: usize = 16;
+
+impl Element for f32 {
+    const DTYPE: Dtype = Dtype::Float32;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    unsafe fn load<V: Vector>(p: *const f32) -> V {
+        // SAFETY: forwarded.
+        unsafe { V::load(p) }
+    }
+    #[inline(always)]
+    unsafe fn store<V: Vector>(x: V, p: *mut f32) {
+        // SAFETY: forwarded.
+        unsafe { x.store(p) }
+    }
+    #[inline(always)]
+    unsafe fn load_tail<V: Vector>(p: *const f32, n: usize) -> V {
+        // SAFETY: forwarded.
+        unsafe { V::load_tail(p, n) }
+    }
+    #[inline(always)]
+    unsafe fn store_tail<V: Vector>(x: V, p: *mut f32, n: usize) {
+        // SAFETY: forwarded.
+        unsafe { x.store_tail(p, n) }
+    }
+}
+
+impl Element for Float16 {
+    const DTYPE: Dtype = Dtype::Float16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f16_to_f32(self.0)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        Float16(f32_to_f16(x))
+    }
+    #[inline(always)]
+    unsafe fn load<V: Vector>(p: *const Float16) -> V {
+        // SAFETY: forwarded (Float16 is a transparent u16).
+        unsafe { V::load_f16(p.cast()) }
+    }
+    #[inline(always)]
+    unsafe fn store<V: Vector>(x: V, p: *mut Float16) {
+        // SAFETY: forwarded.
+        unsafe { x.store_f16(p.cast()) }
+    }
+}
+
+impl Element for BFloat16 {
+    const DTYPE: Dtype = Dtype::BFloat16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16_to_f32(self.0)
+    }
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        BFloat16(f32_to_bf16(x))
+    }
+    #[inline(always)]
+    unsafe fn load<V: Vector>(p: *const BFloat16) -> V {
+        // SAFETY: forwarded (BFloat16 is a transparent u16).
+        unsafe { V::load_bf16(p.cast()) }
+    }
+    #[inline(always)]
+    unsafe fn store<V: Vector>(x: V, p: *mut BFloat16) {
+        // SAFETY: forwarded.
+        unsafe { x.store_bf16(p.cast()) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every float16 through float32 and back is itself (NaNs: quieted).
+    #[test]
+    fn f16_round_trip() {
+        for h in 0..=u16::MAX {
+            let x = f16_to_f32(h);
+            let back = f32_to_f16(x);
+            if x.is_nan() {
+                assert_eq!(back, h | 0x0200, "{h:#06x}");
+            } else {
+                assert_eq!(back, h, "{h:#06x}");
+                assert_eq!(f64::from(x), f16_value(h), "{h:#06x}");
+            }
+        }
+    }
+
+    /// The value of a non-NaN float16 from its fields, in float64.
+    fn f16_value(h: u16) -> f64 {
+        let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
+        let exponent = i32::from((h >> 10) & 0x1f);
+        let mantissa = f64::from(h & 0x3ff);
+        sign * match exponent {
+            0 => mantissa * 2f64.powi(-24),
+            0x1f => f64::INFINITY,
+            _ => (1.0 + mantissa / 1024.0) * 2f64.powi(exponent - 15),
+        }
+    }
+
+    /// Rounding to float16 against float64 arithmetic: the nearest float16 (ties to the even
+    /// mantissa), over a sweep of float32 bit patterns that hits every exponent, the halfway
+    /// points and their neighbours.
+    #[test]
+    fn f32_to_f16_rounds_to_nearest_even() {
+        let mut checked = 0;
+        for high in 0u32..0x7f80 {
+            for low in [
+                0u32, 1, 0xfff, 0x1000, 0x1001, 0x2000, 0x3000, 0x7fff, 0xffff,
+            ] {
+                let bits = (high << 16) | low;
+                for sign in [0, 0x8000_0000] {
+                    let x = f32::from_bits(bits | sign);
+                    let h = f32_to_f16(x);
+                    assert_eq!(h, nearest_f16(f64::from(x)), "{:#010x}", bits | sign);
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked > 500_000);
+    }
+
+    fn nearest_f16(x: f64) -> u16 {
+        // candidates: the two float16 neighbours by magnitude (finite ones, then inf)
+        let sign = if x.is_sign_negative() { 0x8000 } else { 0 };
+        let a = x.abs();
+        // the largest finite float16 <= a (values grow with the bits: a binary search)
+        let (mut lo_bits, mut hi_bits) = (0u16, 0x7c00u16);
+        while hi_bits - lo_bits > 1 {
+            let mid = lo_bits + (hi_bits - lo_bits) / 2;
+            if f16_value(mid) <= a {
+                lo_bits = mid;
+            } else {
+                hi_bits = mid;
+            }
+        }
+        let below = lo_bits;
+        let above = below + 1; // 0x7c00 = inf past 65504
+        let (lo, hi) = (f16_value(below), f16_value(above));
+        let hi = if above == 0x7c00 { 65520.0 } else { hi }; // inf's rounding boundary
+        let pick = if a - lo < hi - a || (a - lo == hi - a && below % 2 == 0) {
+            below
+        } else {
+            above
+        };
+        sign | pick
+    }
+
+    #[test]
+    fn bf16_rounding() {
+        assert_eq!(f32_to_bf16(1.0), 0x3f80);
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8000)), 0x3f80); // tie, even below
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f81_8000)), 0x3f82); // tie, even above
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8001)), 0x3f81);
+        assert_eq!(f32_to_bf16(f32::from_bits(0x0000_8001)), 0x0001); // subnormal kept
+        assert_eq!(f32_to_bf16(f32::MAX), 0x7f80); // rounds past the largest: inf
+        assert_eq!(f32_to_bf16(f32::NEG_INFINITY), 0xff80);
+        assert_eq!(f32_to_bf16(f32::from_bits(0x7f80_0001)), 0x7fc0); // NaN quieted
+        assert_eq!(f32_to_bf16(f32::from_bits(0xffc1_2345)), 0xffc1);
+        for h in 0..=u16::MAX {
+            let x = bf16_to_f32(h);
+            let back = f32_to_bf16(x);
+            assert_eq!(back, if x.is_nan() { h | 0x40 } else { h }, "{h:#06x}");
+        }
+    }
+}

@@ -1,0 +1,622 @@
+//! The "avx512bf16" instruction set (docs/kernels.md, "Reduced precision"): AVX-512F plus
+//! AVX512_BF16's VDPBF16PS for bfloat16 prefill. Twin of `cpp/src/flash_avx512bf16.cpp`, step for
+//! step (the same layouts, the same order of every dot product: the same bits).
+//!
+//! float32 and float16 problems run the avx512 kernels themselves (dispatch.rs copies their
+//! table entries), and so do the bfloat16 split-key items: the convert path (flash_kernel.rs
+//! with the Avx512 vector type, compiled here with the wider feature set; same results).
+//! bfloat16 prefill (plan.packed_values non-null) computes S = Q K^T and O += P V by dot products
+//! of bfloat16 pairs, accumulated in float32:
+//!   K pair panels, per panel of KEY_PANEL keys: [D2][KEY_PANEL] 32-bit pairs, D2 = ceil(D / 2);
+//!     pair (d2, key) = (K[key][2 d2], K[key][2 d2 + 1]), low half the even d; an odd D pads the
+//!     last pair's high half with 0; keys past the end are 0.
+//!   Q tile: each row's raw bfloat16 q as D2 pairs (padded like K), not scaled.
+//!   S micro-kernel (6 rows x 2 vectors of 16 keys): acc = 0; for d2 in order:
+//!     acc = vdpbf16ps(acc, broadcast(q pair (r, d2)), panel vector at d2); S = acc * q_multiplier.
+//!   softcap, mask, online softmax: the float32 kernel's (P float32; l sums the float32 P).
+//!   P rounded to bfloat16 pairs (vcvtne2ps2bf16, nearest even) into probs_pairs (rows,
+//!     KEY_BLOCK / 2): pair kp = (P[2 kp], P[2 kp + 1]); the pad key of an odd n has P = 0.
+//!   V pair rows, per key pair kp: value_stride (Dv rounded up to 16) pairs, pair (kp, c) =
+//!     (V[2 kp][c], V[2 kp + 1][c]); columns past Dv and keys past the end are 0.
+//!   P.V micro-kernel (6 rows x 4 vectors of 16 columns, then single vectors up to
+//!     value_stride): acc = O (times alpha when a row of the strip rescales); for kp in order:
+//!     acc = vdpbf16ps(acc, broadcast(P pair (r, kp)), V vector at kp).
+//!   A dot product adds 0 * NaN for a key that P weights 0, so a block takes the convert path's
+//!   value_micro<SAFE = true> for its P.V instead (V read in place, converted; float32 P) when
+//!   (a) it is masked (crosses a row's visible range, or a mask is given: SAFE in the float32
+//!       kernel) or n is odd (its last pair's second key, key_block + n, is outside the block:
+//!       not visible, or the zero pad past the packed keys), and
+//!   (b) a V value of the keys [key_block, key_block + n rounded up to even) is non-finite,
+//!       decided from value_finite (one flag per key, recorded while packing; the zero pad key
+//!       of an odd packed range counts as finite).
+//! VDPBF16PS treats bfloat16 subnormal inputs as zero and flushes subnormal results to zero (the
+//! instruction's fixed behaviour, MXCSR notwithstanding): accepted, and the same in both ports.
+
+use std::arch::x86_64::*;
+
+use crate::constants::{AVX512_VALUE_VECTORS, KEY_BLOCK, KEY_PANEL, LOG2_E, MICRO_ROWS};
+use crate::element::{BFloat16, Element};
+use crate::flash_kernel::{
+    at, block_values, flash_row_key_range, mask_block, round_up, row_lse, softcap_block,
+    softmax_row, FlashKernels, FlashPlan, ThreadScratch, WorkItem,
+};
+use crate::problem::AttentionProblem;
+use crate::simd::avx512::Avx512;
+use crate::simd::Vector;
+
+const PAIRS_PER_BLOCK: usize = KEY_BLOCK / 2;
+
+#[inline(always)]
+fn as_pairs(x: __m512i) -> __m512bh {
+    // SAFETY: both are 64 bytes of plain bits.
+    unsafe { std::mem::transmute::<__m512i, __m512bh>(x) }
+}
+
+// ---- Packing (once per (b, kv_head)) ---------------------------------------------------------
+
+/// # Safety
+/// The problem is checked and bfloat16, its views valid; b < B, kv_head < Hkv, key_begin a
+/// multiple of KEY_PANEL, key_end <= kv_lens[b]; key_dst holds the panels of the keys, value_dst
+/// ceil((key_end - key_begin) / 2) rows of value_stride pairs, finite_dst the keys' flags (one
+/// more for an odd range).
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+unsafe fn pack_pairs(
+    p: &AttentionProblem,
+    b: usize,
+    kv_head: usize,
+    key_begin: usize,
+    key_end: usize,
+    mut key_dst: *mut u32,
+    value_dst: *mut u32,
+    finite_dst: *mut u8,
+    value_stride: usize,
+) {
+    let d_len = p.k.shape[3] as usize;
+    let d2_len = d_len.div_ceil(2);
+    let value_dim = p.v.shape[3] as usize;
+    // SAFETY: forwarded from this function's contract: rows read are < key_end <= kv_lens[b].
+    unsafe {
+        let k_head =
+            p.k.data
+                .cast::<u16>()
+                .offset(at([b, kv_head], &[p.k.stride[0], p.k.stride[1]]));
+        let v_head =
+            p.v.data
+                .cast::<u16>()
+                .offset(at([b, kv_head], &[p.v.stride[0], p.v.stride[1]]));
+        // K pair panels: pair (d2, key) from K rows read in place.
+        let mut panel_begin = key_begin;
+        while panel_begin < key_end {
+            let keys = (key_end - panel_begin).min(KEY_PANEL);
+            for j in 0..KEY_PANEL {
+                let k_row = k_head.offset((panel_begin + j) as isize * p.k.stride[2] as isize);
+                for d2 in 0..d2_len {
+                    let mut pair = 0u32;
+                    if j < keys {
+                        let low = u32::from(*k_row.add(2 * d2));
+                        let high = if 2 * d2 + 1 < d_len {
+                            u32::from(*k_row.add(2 * d2 + 1))
+                        } else {
+                            0
+                        };
+                        pair = low | (high << 16);
+                    }
+                    *key_dst.add(d2 * KEY_PANEL + j) = pair;
+                }
+            }
+            key_dst = key_dst.add(d2_len * KEY_PANEL);
+            panel_begin += KEY_PANEL;
+        }
+        // V pair rows and the finite flags (a bfloat16 is finite unless its exponent is all ones).
+        let padded_end = key_end + (key_end - key_begin) % 2;
+        let mut key = key_begin;
+        while key < padded_end {
+            let even = v_head.offset(key as isize * p.v.stride[2] as isize);
+            let odd = (key + 1 < key_end).then(|| even.offset(p.v.stride[2] as isize));
+            let dst = value_dst.add((key - key_begin) / 2 * value_stride);
+            let (mut even_finite, mut odd_finite) = (true, true);
+            for c in 0..value_dim {
+                let low = *even.add(c);
+                let high = odd.map_or(0, |row| *row.add(c));
+                *dst.add(c) = u32::from(low) | (u32::from(high) << 16);
+                even_finite &= (low & 0x7f80) != 0x7f80;
+                odd_finite &= (high & 0x7f80) != 0x7f80;
+            }
+            for c in value_dim..value_stride {
+                *dst.add(c) = 0;
+            }
+            *finite_dst.add(key - key_begin) = u8::from(even_finite);
+            *finite_dst.add(key + 1 - key_begin) = u8::from(odd_finite); // the zero pad: finite
+            key += 2;
+        }
+    }
+}
+
+// ---- 3a. S = Q K^T by bfloat16 pair dot products: R rows x 2 vectors (one panel) ------------
+
+/// # Safety
+/// AVX512_BF16; q: R rows of d2_len pairs; panel: (d2_len, KEY_PANEL) pairs; scores: R rows of
+/// stride KEY_BLOCK, 32 floats each.
+#[inline(always)]
+unsafe fn score_micro<const R: usize>(
+    q: *const u32,
+    d2_len: usize,
+    panel: *const u32,
+    scores: *mut f32,
+    multiplier: __m512,
+) {
+    const {
+        assert!(
+            KEY_PANEL == 32,
+            "one panel is the micro-kernel's two vectors of 16 keys"
+        )
+    };
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        for d2 in 0..d2_len {
+            let keys0 = as_pairs(_mm512_loadu_si512(panel.add(d2 * KEY_PANEL).cast()));
+            let keys1 = as_pairs(_mm512_loadu_si512(panel.add(d2 * KEY_PANEL + 16).cast()));
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let q_pair = as_pairs(_mm512_set1_epi32(*q.add(r * d2_len + d2) as i32));
+                acc_r[0] = _mm512_dpbf16_ps(acc_r[0], q_pair, keys0);
+                acc_r[1] = _mm512_dpbf16_ps(acc_r[1], q_pair, keys1);
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            _mm512_storeu_ps(
+                scores.add(r * KEY_BLOCK),
+                _mm512_mul_ps(acc_r[0], multiplier),
+            );
+            _mm512_storeu_ps(
+                scores.add(r * KEY_BLOCK + 16),
+                _mm512_mul_ps(acc_r[1], multiplier),
+            );
+        }
+    }
+}
+
+/// # Safety
+/// As [`score_micro`], for every panel holding the block's n keys.
+#[inline(always)]
+unsafe fn strip_scores<const R: usize>(
+    q: *const u32,
+    d2_len: usize,
+    panels: *const u32,
+    n: usize,
+    scores: *mut f32,
+    multiplier: __m512,
+) {
+    let mut panel = 0;
+    while panel * KEY_PANEL < n {
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            score_micro::<R>(
+                q,
+                d2_len,
+                panels.add(panel * d2_len * KEY_PANEL),
+                scores.add(panel * KEY_PANEL),
+                multiplier,
+            )
+        };
+        panel += 1;
+    }
+}
+
+/// # Safety
+/// As [`strip_scores`], for rows rows.
+#[inline(always)]
+unsafe fn block_scores(
+    q_pairs: *const u32,
+    d2_len: usize,
+    rows: usize,
+    panels: *const u32,
+    n: usize,
+    scores: *mut f32,
+    q_multiplier: f32,
+) {
+    const {
+        assert!(
+            MICRO_ROWS == 6,
+            "the match below lists the strip heights 1..MICRO_ROWS"
+        )
+    };
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let multiplier = _mm512_set1_ps(q_multiplier);
+        for r in (0..rows).step_by(MICRO_ROWS) {
+            let q = q_pairs.add(r * d2_len);
+            let s = scores.add(r * KEY_BLOCK);
+            match (rows - r).min(MICRO_ROWS) {
+                1 => strip_scores::<1>(q, d2_len, panels, n, s, multiplier),
+                2 => strip_scores::<2>(q, d2_len, panels, n, s, multiplier),
+                3 => strip_scores::<3>(q, d2_len, panels, n, s, multiplier),
+                4 => strip_scores::<4>(q, d2_len, panels, n, s, multiplier),
+                5 => strip_scores::<5>(q, d2_len, panels, n, s, multiplier),
+                _ => strip_scores::<6>(q, d2_len, panels, n, s, multiplier),
+            }
+        }
+    }
+}
+
+// ---- 3d. O = alpha O + P V by bfloat16 pair dot products -------------------------------------
+
+/// P of each row (n_padded floats, 0 past n) rounded to bfloat16 pairs, 32 keys at a time.
+///
+/// # Safety
+/// AVX512_BF16; scores: rows rows of stride KEY_BLOCK; pairs: rows rows of PAIRS_PER_BLOCK.
+#[inline(always)]
+unsafe fn round_probs(scores: *const f32, rows: usize, n_padded: usize, pairs: *mut u32) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        for r in 0..rows {
+            let row = scores.add(r * KEY_BLOCK);
+            let dst = pairs.add(r * PAIRS_PER_BLOCK);
+            for j in (0..n_padded).step_by(32) {
+                let low = _mm512_loadu_ps(row.add(j));
+                let high = if j + 16 < n_padded {
+                    _mm512_loadu_ps(row.add(j + 16))
+                } else {
+                    _mm512_setzero_ps()
+                };
+                // keys j .. j + 31 in order (the second operand gives the low half)
+                let rounded = _mm512_cvtne2ps_pbh(high, low);
+                _mm512_storeu_si512(
+                    dst.add(j / 2).cast(),
+                    std::mem::transmute::<__m512bh, __m512i>(rounded),
+                );
+            }
+        }
+    }
+}
+
+/// R rows x NV vectors of value columns: acc = O (times alpha), then the pairs in order.
+///
+/// # Safety
+/// AVX512_BF16; probs: R rows of PAIRS_PER_BLOCK pairs (pairs used); v_pairs: pairs rows of
+/// value_stride pairs, NV * 16 from the column; out: R rows of stride out_stride; rescale: R.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn value_micro<const R: usize, const NV: usize>(
+    probs: *const u32,
+    pairs: usize,
+    v_pairs: *const u32,
+    value_stride: usize,
+    out: *mut f32,
+    out_stride: usize,
+    rescale: *const f32,
+    do_rescale: bool,
+) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); NV]; R];
+        for (r, acc_r) in acc.iter_mut().enumerate() {
+            let alpha = _mm512_set1_ps(*rescale.add(r));
+            for (v, a) in acc_r.iter_mut().enumerate() {
+                *a = _mm512_loadu_ps(out.add(r * out_stride + v * 16));
+                if do_rescale {
+                    *a = _mm512_mul_ps(*a, alpha);
+                }
+            }
+        }
+        for kp in 0..pairs {
+            let mut values = [as_pairs(_mm512_setzero_si512()); NV];
+            for (v, value) in values.iter_mut().enumerate() {
+                *value = as_pairs(_mm512_loadu_si512(
+                    v_pairs.add(kp * value_stride + v * 16).cast(),
+                ));
+            }
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let p_pair = as_pairs(_mm512_set1_epi32(
+                    *probs.add(r * PAIRS_PER_BLOCK + kp) as i32
+                ));
+                for v in 0..NV {
+                    acc_r[v] = _mm512_dpbf16_ps(acc_r[v], p_pair, values[v]);
+                }
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (v, &a) in acc_r.iter().enumerate() {
+                _mm512_storeu_ps(out.add(r * out_stride + v * 16), a);
+            }
+        }
+    }
+}
+
+/// # Safety
+/// As [`value_micro`], for value_stride columns.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn strip_values<const R: usize>(
+    probs: *const u32,
+    pairs: usize,
+    v_pairs: *const u32,
+    value_stride: usize,
+    out: *mut f32,
+    out_stride: usize,
+    rescale: *const f32,
+) {
+    const NV: usize = AVX512_VALUE_VECTORS;
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let mut do_rescale = false;
+        for s in 0..R {
+            do_rescale |= *rescale.add(s) != 1.0;
+        }
+        let mut c = 0;
+        while c + NV * 16 <= value_stride {
+            value_micro::<R, NV>(
+                probs,
+                pairs,
+                v_pairs.add(c),
+                value_stride,
+                out.add(c),
+                out_stride,
+                rescale,
+                do_rescale,
+            );
+            c += NV * 16;
+        }
+        while c < value_stride {
+            value_micro::<R, 1>(
+                probs,
+                pairs,
+                v_pairs.add(c),
+                value_stride,
+                out.add(c),
+                out_stride,
+                rescale,
+                do_rescale,
+            );
+            c += 16;
+        }
+    }
+}
+
+/// # Safety
+/// As [`value_micro`], for rows rows (out_acc of stride value_stride).
+#[inline(always)]
+unsafe fn pair_block_values(
+    probs_pairs: *const u32,
+    rows: usize,
+    pairs: usize,
+    v_pairs: *const u32,
+    value_stride: usize,
+    out_acc: *mut f32,
+    rescale: *const f32,
+) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        for r in (0..rows).step_by(MICRO_ROWS) {
+            let probs = probs_pairs.add(r * PAIRS_PER_BLOCK);
+            let out = out_acc.add(r * value_stride);
+            let alpha = rescale.add(r);
+            macro_rules! strip {
+                ($r:literal) => {
+                    strip_values::<$r>(
+                        probs,
+                        pairs,
+                        v_pairs,
+                        value_stride,
+                        out,
+                        value_stride,
+                        alpha,
+                    )
+                };
+            }
+            match (rows - r).min(MICRO_ROWS) {
+                1 => strip!(1),
+                2 => strip!(2),
+                3 => strip!(3),
+                4 => strip!(4),
+                5 => strip!(5),
+                _ => strip!(6),
+            }
+        }
+    }
+}
+
+// ---- The work item (steps 2-4 of flash_kernel.rs's attend_rows, with the pair layouts) ------
+
+/// # Safety
+/// AVX512_BF16 (and AVX-512F/BW/VL) available; otherwise as flash_kernel.rs's attend_rows, for
+/// a bfloat16 problem.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+unsafe fn attend_rows_bf16(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
+    if plan.packed_values.is_null() {
+        // split-key: the convert path
+        // SAFETY: forwarded.
+        return unsafe { crate::flash_kernel::attend_rows::<Avx512, BFloat16>(plan, item, s) };
+    }
+    let p = plan.problem;
+    let (group, d_len, value_dim) = (plan.group, plan.head_dim, plan.value_dim);
+    let d2_len = d_len.div_ceil(2);
+    let value_stride = plan.value_stride;
+    let rows = item.row_end - item.row_begin;
+    let b = item.b;
+    // SAFETY: as flash_kernel.rs's attend_rows: every index stays inside the checked views, the
+    // packed buffers (flash_attention.rs) or the sized scratch.
+    unsafe {
+        // 2. The Q tile as raw bfloat16 pairs; each row's visible end; m, l, O as float32.
+        let q_pairs = s.q_tile.cast::<u32>();
+        for r in 0..rows {
+            let packed = item.row_begin + r;
+            let (h, i) = (item.kv_head * group + packed % group, packed / group);
+            let q_src = p.q.data.cast::<u16>().offset(at(
+                [b, h, i],
+                &[p.q.stride[0], p.q.stride[1], p.q.stride[2]],
+            ));
+            for d2 in 0..d2_len {
+                let high = if 2 * d2 + 1 < d_len {
+                    u32::from(*q_src.add(2 * d2 + 1))
+                } else {
+                    0
+                };
+                *q_pairs.add(r * d2_len + d2) = u32::from(*q_src.add(2 * d2)) | (high << 16);
+            }
+            let (key_begin, key_end) = flash_row_key_range(p, b, group, packed);
+            *s.row_key_begin.add(r) = key_begin;
+            *s.row_key_end.add(r) = key_end;
+            if plan.has_sinks && item.partial_slot.is_none() {
+                let sink = *p.sinks.data.offset(h as isize * p.sinks.stride[0] as isize);
+                *s.row_max.add(r) = sink * LOG2_E;
+                *s.row_sum.add(r) = 1.0;
+            } else {
+                *s.row_max.add(r) = f32::NEG_INFINITY;
+                *s.row_sum.add(r) = 0.0;
+            }
+            for c in 0..value_stride {
+                *s.out_acc.add(r * value_stride + c) = 0.0;
+            }
+        }
+
+        // 3. Key blocks, as the float32 kernel.
+        let key_stop = (*s.row_key_end.add(rows - 1)).min(item.key_end);
+        let head = b * p.k.shape[1] as usize + item.kv_head;
+        let keys_per_head = plan.panels_per_head * KEY_PANEL;
+        let k_head_panels = plan
+            .packed_keys
+            .cast::<u32>()
+            .add(head * plan.panels_per_head * d2_len * KEY_PANEL);
+        let v_head_pairs = plan
+            .packed_values
+            .add(head * keys_per_head / 2 * value_stride);
+        let v_head_finite = plan.value_finite.add(head * keys_per_head);
+        let v_stride = p.v.stride[2] as isize;
+        let v_head =
+            p.v.data
+                .cast::<BFloat16>()
+                .offset(at([b, item.kv_head], &[p.v.stride[0], p.v.stride[1]]));
+        let mut key_block = item.key_begin;
+        while key_block < key_stop {
+            let n = (key_stop - key_block).min(KEY_BLOCK);
+            let n_padded = round_up(n, 16);
+            // (a) S = Q K^T (key_block is a multiple of KEY_PANEL: item.key_begin is).
+            block_scores(
+                q_pairs,
+                d2_len,
+                rows,
+                k_head_panels.add((key_block / KEY_PANEL) * d2_len * KEY_PANEL),
+                n,
+                s.scores,
+                plan.q_multiplier,
+            );
+            // (a') - (c) as the float32 kernel.
+            if plan.has_softcap {
+                softcap_block::<Avx512>(plan, s, rows, n_padded);
+            }
+            let masked = plan.has_mask
+                || *s.row_key_end < key_block + n
+                || *s.row_key_begin.add(rows - 1) > key_block;
+            if masked || plan.has_alibi {
+                mask_block(plan, item, s, rows, key_block, n);
+            }
+            for r in 0..rows {
+                for j in n..n_padded {
+                    *s.scores.add(r * KEY_BLOCK + j) = f32::NEG_INFINITY;
+                }
+            }
+            for r in 0..rows {
+                softmax_row::<Avx512>(s.scores.add(r * KEY_BLOCK), n_padded, s, r);
+            }
+            // (d) O = alpha O + P V: by pairs, unless P's zeros meet a non-finite V (module
+            // documentation).
+            let mut values_finite = true;
+            if masked || !n.is_multiple_of(2) {
+                for j in 0..n + n % 2 {
+                    values_finite &= *v_head_finite.add(key_block + j) != 0;
+                }
+            }
+            if !values_finite {
+                block_values::<Avx512, BFloat16, true>(
+                    s.scores,
+                    rows,
+                    n,
+                    v_head.offset(key_block as isize * v_stride),
+                    v_stride,
+                    s.out_acc,
+                    value_stride,
+                    value_dim,
+                    s.rescale,
+                );
+            } else {
+                round_probs(s.scores, rows, n_padded, s.probs_pairs);
+                pair_block_values(
+                    s.probs_pairs,
+                    rows,
+                    n.div_ceil(2),
+                    v_head_pairs.add(key_block / 2 * value_stride),
+                    value_stride,
+                    s.out_acc,
+                    s.rescale,
+                );
+            }
+            key_block += KEY_BLOCK;
+        }
+
+        // 4. Finish: out = O / l rounded to bfloat16, and lse (prefill never writes partials).
+        for r in 0..rows {
+            let packed = item.row_begin + r;
+            let o = s.out_acc.add(r * value_stride);
+            let (h, i) = (item.kv_head * group + packed % group, packed / group);
+            let dst = p.out.data.cast::<BFloat16>().offset(at(
+                [b, h, i],
+                &[p.out.stride[0], p.out.stride[1], p.out.stride[2]],
+            ));
+            let l = *s.row_sum.add(r);
+            let inverse = Avx512::broadcast(if l == 0.0 { 0.0 } else { 1.0 / l });
+            let mut c = 0;
+            while c + 16 <= value_dim {
+                BFloat16::store(Avx512::mul(Avx512::load(o.add(c)), inverse), dst.add(c));
+                c += 16;
+            }
+            if c < value_dim {
+                BFloat16::store_tail(
+                    Avx512::mul(Avx512::load(o.add(c)), inverse),
+                    dst.add(c),
+                    value_dim - c,
+                );
+            }
+            if p.lse.is_requested() {
+                let lse = p.lse.data.offset(at([b, h, i], &p.lse.stride));
+                *lse = row_lse(*s.row_max.add(r), l);
+            }
+        }
+    }
+}
+
+/// The avx512bf16 table: the avx512 kernels, with bfloat16's attend_rows and pack_pairs of this
+/// unit (dot products for prefill, the convert path otherwise).
+pub const KERNELS: FlashKernels = {
+    let mut kernels = crate::flash_kernel::avx512::KERNELS;
+    kernels.isa = "avx512bf16";
+    kernels.attend_rows[crate::element::Dtype::BFloat16 as usize] = attend_rows_bf16;
+    kernels.pack_pairs = Some(pack_pairs);
+    kernels
+};
+
+/// measure_peak's VDPBF16PS loop: 16 independent accumulators, each acc += a . b over pairs of
+/// small bfloat16 values (2^-10: the sums grow by 2^-19 per instruction, never near overflow).
+/// Returns the flop done (64 per instruction).
+///
+/// # Safety
+/// AVX512_BF16 available.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+pub unsafe fn peak_bf16dot(instructions: u64) -> u64 {
+    let mut acc: [__m512; 16] = std::array::from_fn(|i| _mm512_set1_ps(i as f32));
+    let a = as_pairs(_mm512_set1_epi32(0x3a80_3a80)); // (2^-10, 2^-10)
+    let mut done = 0;
+    while done < instructions {
+        for x in &mut acc {
+            *x = _mm512_dpbf16_ps(*x, a, a);
+        }
+        done += 16;
+    }
+    let mut sum = acc[0];
+    for x in &acc[1..] {
+        sum = _mm512_add_ps(sum, *x);
+    }
+    std::hint::black_box(_mm512_cvtss_f32(sum)); // the loop's result is used
+    instructions.div_ceil(16) * 16 * 64
+}

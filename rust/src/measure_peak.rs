@@ -1,0 +1,136 @@
+//! measure_peak: the arithmetic ceiling of this machine for the benchmark's roofline
+//! (docs/native_api.md): GFLOP/s of register-resident loops of independent multiply-adds on
+//! num_threads threads of the pool for about `seconds`. "fma32": AVX-512 FMA on 16 floats (32 flop
+//! per instruction), or AVX2 FMA on 8 floats (16) on a CPU without AVX-512F; "bf16dot":
+//! VDPBF16PS (64 flop per instruction, AVX512_BF16). Twin of `cpp/src/measure_peak.cpp`, same
+//! checks, same messages.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::dispatch::available_isas;
+use crate::problem::{check_num_threads, ProblemError};
+use crate::thread_pool::parallel_for;
+
+/// A loop of `instructions` independent operations; returns the flop done. # Safety: the CPU
+/// runs its instruction set.
+type PeakLoop = unsafe fn(u64) -> u64;
+
+/// GFLOP/s of `kind` on `num_threads` threads for about `seconds` (checked by the caller:
+/// the binding says (0, 1e6]).
+pub fn measure_peak(kind: &str, num_threads: i64, seconds: f64) -> Result<f64, ProblemError> {
+    let has = |isa: &str| available_isas().contains(&isa);
+    let peak_loop: PeakLoop = match kind {
+        "fma32" => fma32_loop(&has).ok_or_else(|| {
+            ProblemError("kind: \"fma32\" needs AVX2 or AVX-512F, which this CPU lacks".to_owned())
+        })?,
+        "bf16dot" => bf16dot_loop(&has).ok_or_else(|| {
+            ProblemError("kind: \"bf16dot\" needs AVX512_BF16, which this CPU lacks".to_owned())
+        })?,
+        _ => {
+            return Err(ProblemError(format!(
+                "kind: expected \"fma32\" or \"bf16dot\", got \"{kind}\""
+            )))
+        }
+    };
+    let threads = check_num_threads(num_threads)?;
+    if !(seconds > 0.0 && seconds <= 1e6) {
+        return Err(ProblemError(format!(
+            "seconds: expected a number in (0, 1e6], got {seconds}"
+        )));
+    }
+    // One item per thread, each looping in chunks of 2^20 instructions (about a millisecond)
+    // until `seconds` have passed since the call began; the rate is all flop over the wall time.
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs_f64(seconds);
+    let flop = AtomicU64::new(0);
+    parallel_for(threads, threads, &|_, _| {
+        let mut done = 0;
+        loop {
+            // SAFETY: the loop's instruction set was found available above.
+            done += unsafe { peak_loop(1 << 20) };
+            if Instant::now() >= deadline {
+                break;
+            }
+        }
+        flop.fetch_add(done, Ordering::Relaxed);
+    });
+    let elapsed = start.elapsed().as_secs_f64();
+    Ok(flop.load(Ordering::Relaxed) as f64 / elapsed / 1e9)
+}
+
+/// The FMA loop of the widest x86 set available; None on other CPUs.
+fn fma32_loop(has: &dyn Fn(&str) -> bool) -> Option<PeakLoop> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has("avx512") {
+            return Some(peak_fma32_avx512);
+        }
+        if has("avx2") {
+            return Some(peak_fma32_avx2);
+        }
+    }
+    let _ = has;
+    None
+}
+
+/// The VDPBF16PS loop where AVX512_BF16 is available.
+fn bf16dot_loop(has: &dyn Fn(&str) -> bool) -> Option<PeakLoop> {
+    #[cfg(target_arch = "x86_64")]
+    if has("avx512bf16") {
+        return Some(crate::flash_avx512bf16::peak_bf16dot);
+    }
+    let _ = has;
+    None
+}
+
+/// 16 independent accumulators, each acc = acc * b + c with b just below 1 and c small, so the
+/// values stay normal and bounded however long it runs.
+///
+/// # Safety
+/// AVX-512F available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn peak_fma32_avx512(instructions: u64) -> u64 {
+    use std::arch::x86_64::*;
+    let mut acc: [__m512; 16] = std::array::from_fn(|i| _mm512_set1_ps(i as f32));
+    let (b, c) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-6));
+    let mut done = 0;
+    while done < instructions {
+        for x in &mut acc {
+            *x = _mm512_fmadd_ps(*x, b, c);
+        }
+        done += 16;
+    }
+    let mut sum = acc[0];
+    for x in &acc[1..] {
+        sum = _mm512_add_ps(sum, *x);
+    }
+    std::hint::black_box(_mm512_cvtss_f32(sum)); // the loop's result is used
+    instructions.div_ceil(16) * 16 * 32
+}
+
+/// As [`peak_fma32_avx512`] with 12 accumulators of 8 floats (16 flop per instruction).
+///
+/// # Safety
+/// AVX2 and FMA available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn peak_fma32_avx2(instructions: u64) -> u64 {
+    use std::arch::x86_64::*;
+    let mut acc: [__m256; 12] = std::array::from_fn(|i| _mm256_set1_ps(i as f32));
+    let (b, c) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-6));
+    let mut done = 0;
+    while done < instructions {
+        for x in &mut acc {
+            *x = _mm256_fmadd_ps(*x, b, c);
+        }
+        done += 12;
+    }
+    let mut sum = acc[0];
+    for x in &acc[1..] {
+        sum = _mm256_add_ps(sum, *x);
+    }
+    std::hint::black_box(_mm256_cvtss_f32(sum)); // the loop's result is used
+    instructions.div_ceil(12) * 12 * 16
+}

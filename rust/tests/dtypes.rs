@@ -1,0 +1,343 @@
+//! float16 and bfloat16 storage (issue 12) on the plain reference kernel and the fast kernel of
+//! every instruction set this CPU runs:
+//! - the convert path: a half case gives, bit for bit, the float32 kernel's result on the same
+//!   (already rounded) inputs, rounded to the half type; lse identical;
+//! - against the float64 computation on the rounded inputs, within the half type's precision;
+//! - the shapes around the tile sizes, odd D and key counts, GQA, causal with offsets, kv_lens,
+//!   masks, strided layouts, the variants, decode (direct and packed split-key) and prefill,
+//!   NaN in hidden values.
+
+extern crate _rust as twinattn;
+
+mod common;
+
+use common::{assert_close_to_naive, Case, Kernel, Mask, Output, Rng, Tensor};
+use twinattn::element::Dtype;
+
+const HALVES: [Dtype; 2] = [Dtype::Float16, Dtype::BFloat16];
+
+fn kernels() -> Vec<Kernel> {
+    let mut kernels = vec![Kernel::Reference];
+    kernels.extend(
+        twinattn::dispatch::available_isas()
+            .into_iter()
+            .map(Kernel::Fast),
+    );
+    kernels
+}
+
+fn random_case(rng: &mut Rng, shape: (i64, i64, i64, i64, i64, i64, i64)) -> Case {
+    let (b, hq, hkv, lq, lk, d, dv) = shape;
+    Case::new(
+        Tensor::random([b, hq, lq, d], rng),
+        Tensor::random([b, hkv, lk, d], rng),
+        Tensor::random([b, hkv, lk, dv], rng),
+    )
+}
+
+/// The half case on `kernel` against the float32 case with the same rounded inputs, its out
+/// rounded: identical bits (NaN patterns included), lse identical.
+fn assert_convert_path(case: &Case, kernel: Kernel, dtype: Dtype, what: &str) -> Output {
+    let half = case.stored_as(dtype);
+    let mut float = half.clone();
+    float.dtype = Dtype::Float32;
+    let got = common::run_with(kernel, &half, 2);
+    let want = common::run_with(kernel, &float, 2);
+    let rounded: Vec<u32> = want
+        .out
+        .values()
+        .iter()
+        .map(|&x| common::round_to(dtype, x).to_bits())
+        .collect();
+    let got_bits = common::bits(&got.out.values());
+    if let Some(n) = (0..rounded.len()).find(|&n| got_bits[n] != rounded[n]) {
+        panic!(
+            "{what} {kernel:?} {dtype:?}: out element {n}: {} vs float32 rounded {}",
+            f32::from_bits(got_bits[n]),
+            f32::from_bits(rounded[n])
+        );
+    }
+    assert_eq!(
+        common::bits(&got.lse),
+        common::bits(&want.lse),
+        "{what} {kernel:?} {dtype:?}: lse"
+    );
+    got
+}
+
+/// Every kernel and half type: the convert path, and the result against float64 on the rounded
+/// inputs: the output's own rounding (half an ulp of the type) plus float32 accumulation.
+fn check(case: &Case, what: &str) {
+    for dtype in HALVES {
+        let rounded = case.stored_as(dtype);
+        for kernel in kernels() {
+            if kernel == Kernel::Fast("avx512bf16") && dtype == Dtype::BFloat16 {
+                assert_dot_path(&rounded, what);
+                continue;
+            }
+            let got = assert_convert_path(case, kernel, dtype, what);
+            // (the naive computation knows no variants)
+            if case.window_left < 0 && case.softcap == 0.0 && case.sinks.is_none() {
+                let epsilon = match dtype {
+                    Dtype::Float16 => 2f64.powi(-11),
+                    _ => 2f64.powi(-8),
+                };
+                assert_close_to_naive(&rounded, &got, epsilon + 1e-5);
+            }
+        }
+    }
+}
+
+/// The bfloat16 dot-product path (avx512bf16; prefill, the convert path elsewhere) against the
+/// reference kernel on the same bfloat16 inputs: P rounded to bfloat16 costs up to 2^-9 of the
+/// largest |v| per output, the output's rounding 2^-9 of itself, float32 sums far less; NaN and
+/// inf where the reference has them. Returns the output.
+fn assert_dot_path(case: &Case, what: &str) -> Output {
+    let got = common::run_with(Kernel::Fast("avx512bf16"), case, 2);
+    let want = common::run_with(Kernel::Reference, case, 2);
+    let v_max = case.v.values().iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let tolerance = 2f32.powi(-7);
+    let pairs = got.out.values().into_iter().zip(want.out.values());
+    for (n, (g, w)) in pairs.enumerate() {
+        let ok = if w.is_nan() {
+            g.is_nan()
+        } else if w.is_infinite() {
+            g == w
+        } else {
+            (g - w).abs() <= tolerance * (v_max + w.abs())
+        };
+        assert!(
+            ok,
+            "{what} avx512bf16 dot path: out element {n}: {g} vs reference {w}"
+        );
+    }
+    for (n, (&g, &w)) in got.lse.iter().zip(&want.lse).enumerate() {
+        let ok = if w.is_nan() {
+            g.is_nan()
+        } else if w.is_infinite() {
+            g == w
+        } else {
+            (g - w).abs() <= 1e-5 * (1.0 + w.abs())
+        };
+        assert!(
+            ok,
+            "{what} avx512bf16 dot path: lse element {n}: {g} vs reference {w}"
+        );
+    }
+    got
+}
+
+/// Prefill in bfloat16 on avx512bf16 takes the dot-product path (its results differ from the
+/// convert path's: P is rounded to bfloat16), decode the convert path (bit for bit the avx512
+/// kernel's); odd D and odd key counts, GQA, causal offsets, NaN in hidden values.
+#[test]
+#[cfg_attr(
+    not(twinattn_cpu_avx512bf16),
+    ignore = "AVX-512F/BW/VL + AVX512_BF16 is not available on this CPU"
+)]
+fn bf16_dot_product_path() {
+    let mut rng = Rng::new(431);
+    let mut case = random_case(&mut rng, (2, 8, 2, 61, 301, 37, 45)).causal(&[240, 0]);
+    case.kv_lens = vec![301, 99];
+    let case = case.stored_as(Dtype::BFloat16);
+    let dot = assert_dot_path(&case, "prefill");
+    let convert = common::run_with(Kernel::Fast("avx512"), &case, 2);
+    assert_ne!(
+        common::bits(&dot.out.values()),
+        common::bits(&convert.out.values()),
+        "the prefill ran the convert path"
+    );
+    let mut decode = case.clone();
+    decode.q = decode.q.seq(60..61);
+    decode.q_offset = vec![300, 60];
+    let dot = common::run_with(Kernel::Fast("avx512bf16"), &decode, 2);
+    let convert = common::run_with(Kernel::Fast("avx512"), &decode, 2);
+    common::assert_identical(&dot, &convert);
+    // NaN / inf in values hidden by a mask (masked blocks) and past kv_lens (an odd pair pad)
+    let mut hidden = case.clone();
+    hidden.v.set([1, 0, 99, 3], f32::NAN);
+    for j in (0..301).filter(|j| j % 7 == 2) {
+        hidden.v.set([0, 1, j, 4], f32::INFINITY);
+        hidden.v.set([0, 1, j, 5], f32::NAN);
+    }
+    hidden.mask = Mask::bool_from_fn([2, 8, 61, 301], |[_, _, _, j]| j % 7 != 2);
+    let got = assert_dot_path(&hidden, "hidden non-finite values");
+    assert!(got.out.values().iter().all(|x| x.is_finite()));
+    // a visible NaN reaches its column, as in the reference
+    let mut visible = case.clone();
+    visible.v.set([0, 1, 5, 4], f32::NAN);
+    let got = assert_dot_path(&visible, "visible NaN");
+    assert!(got.out.values().iter().any(|x| x.is_nan()));
+}
+
+#[test]
+fn shapes_around_tiles() {
+    let mut rng = Rng::new(401);
+    // (B, Hq, Hkv, Lq, Lk, D, Dv): odd D and key counts, below/at/above 6, 16, 48, 256
+    let shapes = [
+        (1, 1, 1, 5, 15, 7, 9),
+        (1, 1, 1, 7, 17, 17, 15),
+        (2, 2, 2, 47, 255, 63, 65),
+        (1, 1, 1, 49, 257, 49, 47),
+        (1, 8, 2, 11, 300, 80, 80),
+        (1, 6, 3, 96, 513, 33, 48),
+        (1, 3, 1, 130, 130, 3, 1),
+    ];
+    for shape in shapes {
+        let case = random_case(&mut rng, shape);
+        check(&case, &format!("{shape:?} full"));
+        let mut causal = case.clone().causal(&vec![0; shape.0 as usize]);
+        if shape.3 <= shape.4 {
+            causal.q_offset = vec![shape.4 - shape.3; shape.0 as usize];
+        }
+        check(&causal, &format!("{shape:?} causal"));
+    }
+}
+
+#[test]
+fn decode_paths_gqa_and_strides() {
+    let mut rng = Rng::new(409);
+    // one query row (direct scores), 8 rows of a GQA group (direct), 32 rows (packed
+    // split-key), 4500 keys: several split-key chunks and a merge; odd D
+    for (hq, lq, d) in [(4, 1, 128), (8, 1, 37), (32, 1, 64), (4, 8, 40)] {
+        let case = random_case(&mut rng, (2, hq, 4.min(hq), lq, 4500, d, d))
+            .causal(&[4500 - lq, 3000 - lq]);
+        let mut case = case;
+        case.kv_lens = vec![4500, 3000];
+        check(&case, &format!("decode hq={hq} lq={lq} d={d}"));
+    }
+    // (B, L, H, D) layouts and reversed axes, read in place
+    let case = random_case(&mut rng, (2, 4, 2, 60, 300, 24, 20));
+    let mut strided = case.clone();
+    strided.q = case.q.relayout([0, 2, 1, 3], &[1], 3);
+    strided.k = case.k.relayout([0, 2, 1, 3], &[2], 0);
+    strided.v = case.v.relayout([2, 0, 1, 3], &[], 5);
+    check(&strided.causal(&[240, 100]), "strided");
+}
+
+#[test]
+fn masks_variants_and_hidden_non_finite_values() {
+    let mut rng = Rng::new(419);
+    let (b, hq, hkv, lq, lk, d, dv) = (2, 4, 2, 50, 600, 40, 24);
+    let mut case = random_case(&mut rng, (b, hq, hkv, lq, lk, d, dv)).causal(&[550, 100]);
+    case.kv_lens = vec![600, 257];
+    // NaN in every value and key the mask or the lengths hide
+    for kv_head in 0..hkv {
+        for j in 257..lk {
+            case.k.set([1, kv_head, j, 3], f32::NAN);
+            case.v.set([1, kv_head, j, 5], f32::NAN);
+        }
+    }
+    let hidden = |j: i64| j % 10 == 3;
+    for kv_head in 0..hkv {
+        for j in (0..lk).filter(|&j| hidden(j)) {
+            case.v.set([0, kv_head, j, 1], f32::NAN);
+            case.v.set([0, kv_head, j, 2], f32::INFINITY);
+        }
+    }
+    let shape = [b, hq, lq, lk];
+    let mut bool_case = case.clone();
+    bool_case.mask = Mask::bool_from_fn(shape, |[_, _, _, j]| !hidden(j));
+    let got = assert_convert_path(&bool_case, Kernel::Fast("scalar"), Dtype::BFloat16, "nan");
+    assert!(got.out.values().iter().all(|x| x.is_finite()));
+    check(&bool_case, "bool mask, NaN in hidden values");
+    let mut float_case = case.clone();
+    float_case.mask = Mask::float_from_fn(shape, |[_, h, i, j]| {
+        if hidden(j) {
+            f32::NEG_INFINITY
+        } else {
+            0.01 * ((h * 13 + i * 7 + j * 3) % 17) as f32 - 0.08
+        }
+    });
+    check(&float_case, "float mask, NaN in hidden values");
+    let mut variants = case.clone();
+    variants.window_left = 70;
+    variants.softcap = 0.5;
+    variants.alibi_slopes = Some((0..b * hq).map(|n| 0.01 * n as f32).collect());
+    variants.sinks = Some(vec![0.5, -1.0, 2.0, 0.0]);
+    check(&variants, "window, softcap, ALiBi, sinks");
+}
+
+/// Large logits (scores up to ~900) and values near float16's largest (65504), tiny values in
+/// float16's subnormal range: the convert path holds bit for bit and nothing overflows.
+#[test]
+fn large_logits_and_extreme_values() {
+    let mut rng = Rng::new(421);
+    let mut case = random_case(&mut rng, (1, 2, 1, 9, 70, 16, 16));
+    for x in &mut case.q.buffer {
+        *x *= 30.0;
+    }
+    for (n, x) in case.v.buffer.iter_mut().enumerate() {
+        *x *= if n % 2 == 0 { 65000.0 } else { 1e-6 };
+    }
+    for dtype in HALVES {
+        for kernel in kernels() {
+            let got = assert_convert_path(&case, kernel, dtype, "large");
+            assert!(got.out.values().iter().all(|x| x.is_finite()), "{kernel:?}");
+        }
+    }
+    check(&case, "large");
+}
+
+/// The vector types' conversions (F16C, the vectorised bfloat16 rule) equal the software ones
+/// (element.rs) bit for bit: every float16 and bfloat16 in, and float32 patterns out that hit
+/// every exponent, the halfway points, subnormals, inf and NaN.
+#[test]
+fn vector_conversions_match_software() {
+    use twinattn::element::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+    use twinattn::simd::Vector;
+
+    fn check<V: Vector>() {
+        let halves: Vec<u16> = (0..=u16::MAX).collect();
+        let mut lanes = [0.0f32; 16];
+        let mut back = [0u16; 16];
+        for chunk in halves.chunks(V::WIDTH) {
+            // SAFETY: the caller checked V's instruction set; chunk holds WIDTH halves, lanes
+            // 16 >= WIDTH floats.
+            unsafe {
+                V::load_f16(chunk.as_ptr()).store(lanes.as_mut_ptr());
+                for (t, &h) in chunk.iter().enumerate() {
+                    assert_eq!(lanes[t].to_bits(), f16_to_f32(h).to_bits(), "{h:#06x}");
+                }
+                V::load_bf16(chunk.as_ptr()).store(lanes.as_mut_ptr());
+                for (t, &h) in chunk.iter().enumerate() {
+                    assert_eq!(lanes[t].to_bits(), bf16_to_f32(h).to_bits(), "{h:#06x}");
+                }
+            }
+        }
+        let mut floats = Vec::new();
+        for high in 0u32..0x10000 {
+            for low in [
+                0u32, 1, 0xfff, 0x1000, 0x1001, 0x7fff, 0x8000, 0x8001, 0xffff,
+            ] {
+                floats.push(f32::from_bits((high << 16) | low));
+            }
+        }
+        for chunk in floats.chunks(V::WIDTH) {
+            // SAFETY: as above; back holds 16 >= WIDTH halves.
+            unsafe {
+                let x = V::load(chunk.as_ptr());
+                x.store_f16(back.as_mut_ptr());
+                for (t, &f) in chunk.iter().enumerate() {
+                    assert_eq!(back[t], f32_to_f16(f), "f16 of {:#010x}", f.to_bits());
+                }
+                x.store_bf16(back.as_mut_ptr());
+                for (t, &f) in chunk.iter().enumerate() {
+                    assert_eq!(back[t], f32_to_bf16(f), "bf16 of {:#010x}", f.to_bits());
+                }
+            }
+        }
+    }
+    check::<twinattn::simd::scalar::Scalar>();
+    #[cfg(target_arch = "x86_64")]
+    {
+        if twinattn::dispatch::kernels_for("avx2").is_some() {
+            check::<twinattn::simd::avx2::Avx2>();
+        }
+        if twinattn::dispatch::kernels_for("avx512").is_some() {
+            check::<twinattn::simd::avx512::Avx512>();
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    check::<twinattn::simd::neon::Neon>();
+}
