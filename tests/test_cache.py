@@ -179,7 +179,7 @@ def test_other_argument_errors() -> None:
         cache.reset(5)
     with pytest.raises(ValueError, match=r"n: expected a non-negative int, got -1"):
         cache.crop(-1)
-    with pytest.raises(TypeError, match=r"dtype: expected a floating dtype.*got int32"):
+    with pytest.raises(TypeError, match=r"dtype: expected float32, float16 or bfloat16 \(ml_dtypes.bfloat16\), or float64 \(backend='numpy' only\), got int32"):
         twinattn.KVCache(1, 1, 1, 1, 1, dtype=np.int32)
     np.testing.assert_array_equal(cache.seq_lens(0), [0, 0])
 

@@ -282,7 +282,7 @@ def test_constructor_and_call_errors() -> None:
         module(np.zeros((1, 2, HIDDEN)))
     with pytest.raises(ValueError, match=r"hidden_states: expected shape \(B, L, hidden_size=24\), got \(1, 2, 16\)"):
         module(np.zeros((1, 2, 16), np.float32))
-    with pytest.raises(ValueError, match=r"cache: expected \(batch_size, num_kv_heads, head_dim, dtype\) = \(1, 2, 8, float32\), got \(1, 4, 8, float32\)"):
+    with pytest.raises(ValueError, match=r"cache: expected \(batch_size, num_kv_heads, head_dim\) = \(1, 2, 8\), got \(1, 4, 8\)"):
         module(np.zeros((1, 2, HIDDEN), np.float32), cache=twinattn.KVCache(1, 1, 4, 8, 4))
     with pytest.raises(ValueError, match=r"positions: expected shape \(L=2,\) or \(B=1, L=2\), got \(3,\)"):
         module(np.zeros((1, 2, HIDDEN), np.float32), positions=np.arange(3))
