@@ -1,0 +1,437 @@
+"""float16 and bfloat16 (ml_dtypes.bfloat16): every backend and instruction set, every feature.
+
+What is asserted, for q, k, v all float16 or all bfloat16 (the inputs rounded from random or small
+hand-made float32 values):
+- out has q's dtype and lse is float32, and both are within tolerance of the float64 reference
+  computed from the same rounded inputs (helpers.assert_half_within says where the tolerance
+  comes from: the float32 kernel's error, half an ulp of out in its dtype, and on the bfloat16
+  dot path of avx512bf16 the rounding of P to bfloat16);
+- on every path but that one (the convert path), out is exactly the float32 kernel's result on
+  the converted inputs rounded to q's dtype, and lse is exactly its lse (docs/kernels.md);
+- accuracy against torch: the largest error of twinattn in a dtype is at most twice that of
+  torch.nn.functional.scaled_dot_product_attention in the same dtype on the same inputs (random,
+  large logits, long rows), on every backend and instruction set;
+- bad dtypes raise the same TypeError, with the fix in the message, on every backend;
+- KVCache stores in its dtype (rounding float32 states to nearest, ties to even: checked against
+  the bit-level rule) and nn.Attention runs with a float16 / bfloat16 cache; RoPE on half inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import twinattn
+from conftest import _require, import_optional
+from helpers import (
+    BFLOAT16, DOT_PATH, FLOAT16, HALF_DTYPES, ISAS, as32, as64, assert_half_within, assert_lse_within, forced_isa, max_abs,
+    UNIT_ROUNDOFF, half_ulp, rand, reference32, reference64,
+)
+from twinattn.reference import round_to_dtype
+
+DTYPE_IDS = {FLOAT16: "float16", BFLOAT16: "bfloat16"}
+_PAIRS = [("numpy", "-")] + [(port, isa) for port in ("cpp", "rust") for isa in ISAS]
+
+
+@pytest.fixture(params=_PAIRS, ids=[p if i == "-" else f"{p}-{i}" for p, i in _PAIRS])
+def backend_isa(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """numpy once, each native port once per instruction set (forced with set_isa)."""
+    port, isa = request.param
+    if port != "numpy":
+        _require(port)
+    with forced_isa(port, isa):
+        yield port, isa
+
+
+half_dtypes = pytest.mark.parametrize("dtype", HALF_DTYPES, ids=DTYPE_IDS.get)
+
+
+# ---- problems: float32 values and keywords; the test rounds q, k, v (and a "dtype" mask) -------
+
+
+def _small_asymmetric(rng: np.random.Generator) -> tuple[Any, ...]:
+    """B=1, Hq=2, Hkv=1, Lq=3, Lk=5, D=4, Dv=3, every value distinct and exact in both dtypes
+    (multiples of 1/16 below 8): equal keys or rows would hide a transposed or misrouted index."""
+    q = (np.arange(24).reshape(1, 2, 3, 4) % 7 - 3.0) / 4 + np.arange(4) / 16
+    k = (np.arange(20).reshape(1, 1, 5, 4)[..., ::-1] % 9 - 4.0) / 8 + np.arange(5)[:, None] / 16
+    v = np.arange(15).reshape(1, 1, 5, 3) / 4 - np.array([1.0, 0.5, 2.0])
+    return q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), {"causal": True, "q_offset": 2}
+
+
+def _shape(b: int, hq: int, hkv: int, lq: int, lk: int, d: int, dv: int, **kwargs: Any) -> Callable[[np.random.Generator], tuple[Any, ...]]:
+    def make(rng: np.random.Generator) -> tuple[Any, ...]:
+        return rand(rng, b, hq, lq, d), rand(rng, b, hkv, lk, d), rand(rng, b, hkv, lk, dv), dict(kwargs)
+    return make
+
+
+def _with(make: Callable[[np.random.Generator], tuple[Any, ...]], extra: Callable[[np.random.Generator, tuple[int, ...], tuple[int, ...]], dict[str, Any]]) -> Callable[[np.random.Generator], tuple[Any, ...]]:
+    def made(rng: np.random.Generator) -> tuple[Any, ...]:
+        q, k, v, kwargs = make(rng)
+        kwargs.update(extra(rng, q.shape, k.shape))
+        return q, k, v, kwargs
+    return made
+
+
+def _ragged(rng: np.random.Generator) -> tuple[Any, ...]:
+    """Causal with explicit offsets and lengths; NaN in the padding (never read)."""
+    q, k, v = rand(rng, 2, 8, 60, 40), rand(rng, 2, 2, 400, 40), rand(rng, 2, 2, 400, 24)
+    k[1, :, 150:] = np.nan
+    v[1, :, 150:] = np.nan
+    return q, k, v, {"causal": True, "q_offset": np.array([340, 10]), "kv_lens": np.array([400, 150])}
+
+
+def _bool_mask(rng: np.random.Generator, qs: tuple[int, ...], ks: tuple[int, ...]) -> dict[str, Any]:
+    return {"attn_mask": rng.random((qs[0], 1, qs[2], ks[2])) < 0.8}
+
+
+def _float_mask(rng: np.random.Generator, qs: tuple[int, ...], ks: tuple[int, ...]) -> dict[str, Any]:
+    bias = rng.standard_normal((qs[1], qs[2], ks[2])).astype(np.float32)
+    bias[:, :, 7:19] = -np.inf
+    return {"attn_mask": bias}
+
+
+def _dtype_mask(rng: np.random.Generator, qs: tuple[int, ...], ks: tuple[int, ...]) -> dict[str, Any]:
+    return {"attn_mask": rng.standard_normal((qs[2], ks[2])).astype(np.float32), "mask_in_dtype": True}
+
+
+def _alibi(rng: np.random.Generator, qs: tuple[int, ...], ks: tuple[int, ...]) -> dict[str, Any]:
+    return {"alibi_slopes": rng.uniform(0.0, 0.2, (qs[0], qs[1])).astype(np.float32)}
+
+
+def _sinks(rng: np.random.Generator, qs: tuple[int, ...], ks: tuple[int, ...]) -> dict[str, Any]:
+    return {"sinks": rng.uniform(-1.0, 4.0, qs[1]).astype(np.float32)}
+
+
+PREFILL = _shape(1, 4, 2, 100, 300, 64, 48)  # 200 packed rows: several query tiles and key blocks
+DECODE = _shape(2, 8, 2, 1, 2100, 64, 64, kv_lens=np.array([2100, 1500]))  # split-key, merged partials
+CASES: dict[str, Callable[[np.random.Generator], tuple[Any, ...]]] = {
+    "small-asymmetric": _small_asymmetric,
+    "prefill": PREFILL,
+    "prefill-causal": _shape(1, 4, 2, 100, 100, 64, 48, causal=True),
+    "odd-dims": _shape(1, 3, 3, 55, 257, 17, 9),  # odd D: bfloat16 pairs padded
+    "mqa": _shape(1, 6, 1, 50, 130, 32, 32, causal=True, q_offset=80),
+    "decode": DECODE,
+    "decode-direct": _shape(1, 8, 2, 3, 1500, 40, 24, causal=True),  # 12 rows, K read in place
+    "decode-panels": _shape(1, 16, 2, 4, 1300, 40, 24, causal=True),  # 32 rows, K packed per block
+    "ragged": _ragged,
+    "mask-bool": _with(PREFILL, _bool_mask),
+    "mask-float": _with(PREFILL, _float_mask),
+    "mask-in-dtype": _with(PREFILL, _dtype_mask),
+    "decode-mask-float": _with(DECODE, _float_mask),
+    "window": _shape(1, 4, 2, 100, 300, 64, 48, window_size=(37, 5)),
+    "sliding-causal": _shape(1, 4, 2, 100, 300, 64, 48, causal=True, window_size=(63, 0)),
+    "decode-window": _shape(2, 8, 2, 1, 2100, 64, 64, causal=True, window_size=(300, 0)),
+    "softcap": _shape(1, 4, 2, 100, 300, 64, 48, causal=True, scale=0.5, softcap=5.0),
+    "alibi": _with(_shape(1, 4, 2, 100, 300, 64, 48, causal=True), _alibi),
+    "sinks": _with(PREFILL, _sinks),
+    "decode-sinks-alibi": _with(_with(DECODE, _sinks), _alibi),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _problem(case: str, dtype: np.dtype) -> tuple[Any, ...]:
+    """The rounded inputs of a case and its references, computed once for every backend and
+    instruction set: (q, k, v, kwargs, want, want_lse, f32, f32_lse, weighted)."""
+    rng = np.random.default_rng(sum(map(ord, case)))
+    q, k, v, kwargs = CASES[case](rng)
+    if kwargs.pop("mask_in_dtype", False):
+        kwargs["attn_mask"] = kwargs["attn_mask"].astype(dtype)
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    want, want_lse = reference64(q, k, v, return_lse=True, **kwargs)
+    f32, f32_lse = reference32(as32(q), as32(k), as32(v), return_lse=True, **{n: as32(x) for n, x in kwargs.items()})
+    weighted = reference64(q, k, np.abs(as64(v)), **kwargs) if dtype == BFLOAT16 else None
+    return q, k, v, kwargs, want, want_lse, f32, f32_lse, weighted
+
+
+def _assert_bits_equal(got: np.ndarray, want: np.ndarray) -> None:
+    """The same values bit for bit (NaN matching NaN whatever its payload)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan = np.isnan(got.astype(np.float64))
+    np.testing.assert_array_equal(nan, np.isnan(want.astype(np.float64)))
+    unsigned = np.uint16 if got.itemsize == 2 else np.uint32
+    np.testing.assert_array_equal(np.where(nan, 0, got.view(unsigned)), np.where(nan, 0, want.view(unsigned)))
+
+
+@half_dtypes
+@pytest.mark.parametrize("case", CASES)
+def test_against_float64_reference(backend_isa: tuple[str, str], case: str, dtype: np.dtype) -> None:
+    port, isa = backend_isa
+    q, k, v, kwargs, want, want_lse, f32, f32_lse, weighted = _problem(case, dtype)
+    out, lse = twinattn.attention(q, k, v, return_lse=True, backend=port, **kwargs)
+    assert out.dtype == dtype and lse.dtype == np.float32
+    assert_half_within(out, want, f32, max_abs(as64(v)), dtype, weighted if (isa, dtype) == DOT_PATH else None)
+    assert_lse_within(lse, want_lse, f32_lse)
+    if port != "numpy" and (isa, dtype) != DOT_PATH:
+        # the convert path: the float32 kernel on the exactly converted inputs, rounded once
+        out32, lse32 = twinattn.attention(as32(q), as32(k), as32(v), return_lse=True, backend=port,
+                                          **{n: as32(x) for n, x in kwargs.items()})
+        _assert_bits_equal(out, round_to_dtype(out32, dtype))
+        _assert_bits_equal(lse, lse32)
+
+
+@half_dtypes
+def test_strided_views_and_out(backend_isa: tuple[str, str], dtype: np.dtype) -> None:
+    """q as a (B, L, H, D) array seen as (B, H, L, D), k and v slices of a longer cache, out a
+    preallocated view (unit last stride: written in place; stride 2: through a temporary)."""
+    port, isa = backend_isa
+    rng = np.random.default_rng(21)
+    q = rand(rng, 2, 70, 4, 32).astype(dtype).swapaxes(1, 2)
+    cache_k, cache_v = rand(rng, 2, 2, 500, 32).astype(dtype), rand(rng, 2, 2, 500, 24).astype(dtype)
+    k, v = cache_k[:, :, :333], cache_v[:, :, :333]
+    kwargs: dict[str, Any] = {"causal": True, "kv_lens": np.array([333, 200]), "q_offset": np.array([263, 0])}
+    want = reference64(q, k, v, **kwargs)
+    f32 = reference32(as32(q), as32(k), as32(v), **kwargs)
+    weighted = reference64(q, k, np.abs(as64(v)), **kwargs) if (isa, dtype) == DOT_PATH else None
+    in_place = np.full((2, 70, 4, 24), 7, dtype).swapaxes(1, 2)
+    every_other = np.full((2, 4, 70, 48), 7, dtype)[..., ::2]
+    for out in (in_place, every_other):
+        result = twinattn.attention(q, k, v, out=out, backend=port, **kwargs)
+        assert result is out
+        assert_half_within(out, want, f32, max_abs(as64(v)), dtype, weighted)
+    np.testing.assert_array_equal(every_other.base[..., 1::2].astype(np.float64), 7.0)  # the gaps untouched
+    np.testing.assert_array_equal(in_place, every_other)
+    if port != "numpy" and (isa, dtype) != DOT_PATH:
+        _assert_bits_equal(np.ascontiguousarray(in_place), round_to_dtype(
+            twinattn.attention(as32(q), as32(k), as32(v), backend=port, **kwargs), dtype))
+
+
+@half_dtypes
+def test_empty_rows_and_axes(backend_isa: tuple[str, str], dtype: np.dtype) -> None:
+    port, _ = backend_isa
+    rng = np.random.default_rng(5)
+    q, k, v = (rand(rng, 2, 2, 3, 8).astype(dtype) for _ in range(3))
+    out, lse = twinattn.attention(q, k, v, kv_lens=np.array([0, 3]), return_lse=True, backend=port)
+    assert out.dtype == dtype and (out[0].astype(np.float32) == 0).all() and (lse[0] == -np.inf).all()
+    assert np.isfinite(out[1].astype(np.float32)).all()
+    empty = twinattn.attention(q[:, :, :0], k, v, backend=port)
+    assert empty.shape == (2, 2, 0, 8) and empty.dtype == dtype
+
+
+@half_dtypes
+def test_float16_and_bfloat16_round_out_not_truncate(backend_isa: tuple[str, str], dtype: np.dtype) -> None:
+    """One visible key per row: out is that key's value exactly. Two keys of equal score: the mean
+    of two values whose midpoint needs one more bit: rounded to nearest, ties to even."""
+    port, _ = backend_isa
+    one = np.float32(1.0)
+    bits = 11 if dtype == FLOAT16 else 8
+    ulp = 2.0 ** (1 - bits)
+    q = np.zeros((1, 1, 3, 2), np.float32)
+    k = np.zeros((1, 1, 2, 2), np.float32)
+    # values at 1, 1 + ulp, 1 + 2 ulp, ...: means of neighbours are ties, even mantissas win
+    v = np.array([[1.0, 1 + ulp, 1 + 2 * ulp, 1 + 3 * ulp], [1 + ulp, 1 + 2 * ulp, 1 + 3 * ulp, 1 + 4 * ulp]], np.float32)[None, None]
+    mask = np.array([[True, False], [True, True], [False, True]])
+    out = twinattn.attention(q.astype(dtype), k.astype(dtype), v.astype(dtype), attn_mask=mask, backend=port)
+    got = out[0, 0].astype(np.float64)
+    np.testing.assert_array_equal(got[0], v[0, 0, 0])
+    np.testing.assert_array_equal(got[2], v[0, 0, 1])
+    # midpoints 1 + ulp/2 (-> 1), 1 + 3ulp/2 (-> 1 + 2ulp), 1 + 5ulp/2 (-> 1 + 2ulp), 1 + 7ulp/2 (-> 1 + 4ulp)
+    np.testing.assert_array_equal(got[1], [one, 1 + 2 * ulp, 1 + 2 * ulp, 1 + 4 * ulp])
+
+
+# ---- accuracy against torch in the same dtype ------------------------------------------------
+
+# name: (B, Hq, Hkv, Lq, Lk, D, input scale, causal)
+TORCH_CASES = {
+    "random": (1, 8, 2, 128, 512, 64, 1.0, True),
+    "large-logits": (1, 4, 2, 96, 384, 64, 4.0, False),  # scores of standard deviation 16
+    "long-rows": (1, 4, 2, 64, 8192, 64, 1.0, False),  # 8192 keys per row, prefill
+    "long-decode": (1, 8, 2, 1, 16384, 128, 1.0, False),  # one query, 16384 keys, split-key
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_problem(case: str, dtype: np.dtype) -> tuple[Any, ...]:
+    torch = import_optional("torch", "the accuracy comparison with torch's SDPA")
+    b, hq, hkv, lq, lk, d, spread, causal = TORCH_CASES[case]
+    rng = np.random.default_rng(sum(map(ord, case)) + 7)
+    q, k, v = ((spread * rand(rng, b, h, n, d)).astype(dtype) for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
+    kwargs: dict[str, Any] = {"causal": causal, "q_offset": 0} if causal else {}
+    want = reference64(q, k, v, **kwargs)
+    torch_dtype = {FLOAT16: torch.float16, BFLOAT16: torch.bfloat16}[dtype]
+    tq, tk, tv = (torch.from_numpy(as32(a)).to(torch_dtype) for a in (q, k, v))
+    # torch's causal mask is top-left aligned: with q_offset=0 that is the same mask
+    theirs = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, enable_gqa=True)
+    torch_err = float(np.max(np.abs(theirs.float().numpy().astype(np.float64) - want)))
+    return q, k, v, kwargs, want, torch_err
+
+
+@half_dtypes
+@pytest.mark.parametrize("case", TORCH_CASES)
+def test_error_at_most_twice_torchs(backend_isa: tuple[str, str], case: str, dtype: np.dtype) -> None:
+    port, _ = backend_isa
+    q, k, v, kwargs, want, torch_err = _torch_problem(case, dtype)
+    out = twinattn.attention(q, k, v, backend=port, **kwargs)
+    err = float(np.max(np.abs(out.astype(np.float64) - want)))
+    assert torch_err > 0
+    assert err <= 2 * torch_err, f"max error {err:.3g} > 2 x torch's {torch_err:.3g}"
+
+
+# ---- bad dtypes: the same TypeError, with the fix, on every backend --------------------------
+
+_Q = np.random.default_rng(0).standard_normal((2, 4, 5, 8)).astype(np.float32)
+_K = np.random.default_rng(1).standard_normal((2, 2, 7, 8)).astype(np.float32)
+_V = np.random.default_rng(2).standard_normal((2, 2, 7, 6)).astype(np.float32)
+_B16 = ml_dtypes.bfloat16
+BAD_DTYPES: list[tuple[str, dict[str, Any], str]] = [
+    ("k-float32-for-bfloat16", {"q": _Q.astype(_B16), "k": _K, "v": _V.astype(_B16)},
+     "k: expected dtype bfloat16 (q's dtype), got float32; convert with k.astype(ml_dtypes.bfloat16)"),
+    ("v-bfloat16-for-float16", {"q": _Q.astype(np.float16), "k": _K.astype(np.float16), "v": _V.astype(_B16)},
+     "v: expected dtype float16 (q's dtype), got bfloat16; convert with v.astype(np.float16)"),
+    ("k-float16-for-float32", {"k": _K.astype(np.float16)},
+     "k: expected dtype float32 (q's dtype), got float16; convert with k.astype(np.float32)"),
+    ("q-int8", {"q": _Q.astype(np.int8)},
+     "q: expected float32, float16 or bfloat16 (ml_dtypes.bfloat16), got int8; convert with q.astype(np.float32)"),
+    ("q-float16-big-endian", {"q": _Q.astype(">f2"), "k": _K.astype(">f2"), "v": _V.astype(">f2")},
+     "q: expected float32, float16 or bfloat16 (ml_dtypes.bfloat16), got >f2; convert with q.astype(np.float32)"),
+    ("out-float32-for-bfloat16", {"q": _Q.astype(_B16), "k": _K.astype(_B16), "v": _V.astype(_B16),
+                                  "out": np.empty((2, 4, 5, 6), np.float32)},
+     "out: expected dtype bfloat16 (q's dtype), got float32"),
+    ("mask-float64-for-float16", {"q": _Q.astype(np.float16), "k": _K.astype(np.float16), "v": _V.astype(np.float16),
+                                  "attn_mask": np.zeros((5, 7))},
+     "attn_mask: expected bool (True = may attend) or float32 or float16 (additive bias), got float64"),
+    ("mask-bfloat16-for-float32", {"attn_mask": np.zeros((5, 7), _B16)},
+     "attn_mask: expected bool (True = may attend) or float32 (additive bias), got bfloat16"),
+    ("sinks-bfloat16", {"q": _Q.astype(_B16), "k": _K.astype(_B16), "v": _V.astype(_B16), "sinks": np.zeros(4, _B16)},
+     "sinks: expected float32 of shape (Hq=4,), got bfloat16; convert with sinks.astype(np.float32)"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", [pytest.param(*c[1:], id=c[0]) for c in BAD_DTYPES])
+def test_bad_dtypes_same_error_on_every_backend(overrides: dict[str, Any], message: str) -> None:
+    args = {"q": _Q, "k": _K, "v": _V, **overrides}
+    outcomes = set()
+    for backend in twinattn.backends():
+        kwargs = dict(args)
+        with pytest.raises(TypeError) as info:
+            twinattn.attention(kwargs.pop("q"), kwargs.pop("k"), kwargs.pop("v"), backend=backend, **kwargs)
+        outcomes.add(str(info.value))
+    assert outcomes == {message}
+
+
+@half_dtypes
+def test_float64_still_numpy_only_and_half_runs_everywhere(dtype: np.dtype) -> None:
+    for backend in twinattn.backends():
+        out = twinattn.attention(_Q.astype(dtype), _K.astype(dtype), _V.astype(dtype), backend=backend)
+        assert out.dtype == dtype
+    with pytest.raises(TypeError, match="computes in float32 and does not cast silently"):
+        twinattn.attention(_Q.astype(np.float64), _K.astype(np.float64), _V.astype(np.float64), backend="cpp" if "cpp" in twinattn.backends() else "rust")
+
+
+# ---- KVCache, nn.Attention and RoPE in half precision ------------------------------------------
+
+
+def _round_bits_rne(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """float32 -> bfloat16 bits by the integer rule (to nearest, ties to even; NaN kept quiet), or
+    float32 -> float16 through float64 (NumPy rounds float64 to float16 directly, once)."""
+    if dtype == BFLOAT16:
+        bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return np.where(np.isnan(x), (bits >> 16).astype(np.uint16) | 0x0040, rounded).astype(np.uint16)
+    return x.astype(np.float64).astype(np.float16).view(np.uint16)
+
+
+@half_dtypes
+def test_kv_cache_stores_in_its_dtype(dtype: np.dtype) -> None:
+    cache = twinattn.KVCache(num_layers=2, batch_size=2, num_kv_heads=3, head_dim=16, max_seq_len=40, dtype=dtype)
+    assert cache.dtype == dtype
+    assert cache.nbytes == twinattn.kv_cache_bytes(2, 2, 3, head_dim=16, tokens=40, bytes_per_entry=2)
+    assert cache.nbytes * 2 == twinattn.KVCache(2, 2, 3, 16, 40).nbytes  # half of float32's bytes
+    rng = np.random.default_rng(4)
+    # float32 states (what projections give): values at and between the dtype's neighbours, ties
+    k = rand(rng, 2, 3, 5, 16) * 3
+    bits = 11 if dtype == FLOAT16 else 8
+    k[0, 0, 0, :4] = [1 + 2.0**-bits, 1 + 3 * 2.0**-bits, -(1 + 2.0**-bits), 1 + 2.0**-bits + 2.0**-20]  # ties, and just above one
+    v = rand(rng, 2, 3, 5, 16)
+    keys, values = cache.update(k, v, 1)
+    assert keys.dtype == values.dtype == dtype
+    np.testing.assert_array_equal(keys.view(np.uint16), _round_bits_rne(k, dtype))
+    np.testing.assert_array_equal(values.view(np.uint16), _round_bits_rne(v, dtype))
+    assert keys[0, 0, 0, 0] == 1 and keys[0, 0, 0, 1] == 1 + 4 * 2.0**-bits and keys[0, 0, 0, 3] == 1 + 2 * 2.0**-bits
+    # states already in the dtype are stored as they are; other dtypes are refused
+    more = (rand(rng, 2, 3, 1, 16)).astype(dtype)
+    keys, _ = cache.update(more, more, 1)
+    np.testing.assert_array_equal(keys[:, :, 5:].view(np.uint16), more.view(np.uint16))
+    with pytest.raises(TypeError, match=rf"key_states: expected dtype {DTYPE_IDS[dtype]} \(the cache's\) or float32 \(rounded to {DTYPE_IDS[dtype]} as it is stored\), got float64"):
+        cache.update(np.zeros((2, 3, 1, 16)), more, 1)
+    np.testing.assert_array_equal(cache.seq_lens(1), [6, 6])
+
+
+@pytest.mark.parametrize("dtype, accepted", [
+    ("bfloat16", BFLOAT16), (ml_dtypes.bfloat16, BFLOAT16), (np.float16, FLOAT16), ("float32", np.dtype(np.float32)),
+])
+def test_kv_cache_dtype_spellings(dtype: Any, accepted: np.dtype) -> None:
+    assert twinattn.KVCache(1, 1, 1, 2, 3, dtype=dtype).dtype == accepted
+
+
+@pytest.mark.parametrize("dtype, shown", [(np.int8, "int8"), (ml_dtypes.float8_e4m3fn, "float8_e4m3fn"), ("float128x", "'float128x'"), (np.complex64, "complex64")])
+def test_kv_cache_rejects_other_dtypes_naming_the_accepted_ones(dtype: Any, shown: str) -> None:
+    with pytest.raises(TypeError) as info:
+        twinattn.KVCache(1, 1, 1, 2, 3, dtype=dtype)
+    assert str(info.value) == (
+        f"dtype: expected float32, float16 or bfloat16 (ml_dtypes.bfloat16), or float64 (backend='numpy' only), got {shown}"
+    )
+
+
+def _attention_module(backend: str) -> tuple[twinattn.nn.Attention, np.random.Generator]:
+    rng = np.random.default_rng(12)
+    hidden, heads, kv_heads, head_dim = 64, 8, 2, 16
+    module = twinattn.nn.Attention(hidden, heads, kv_heads, head_dim, rope=twinattn.RotaryEmbedding(head_dim), backend=backend)
+    return module, rng
+
+
+@half_dtypes
+def test_nn_attention_with_a_half_cache(backend: str, dtype: np.dtype) -> None:
+    """Prefill then three decode steps with a float16 / bfloat16 cache, against the same steps done
+    by hand: float32 projections and RoPE (the same operations, so the same bits), q, k and v
+    rounded to the dtype, the float64 reference attention over everything cached, out rounded to
+    the dtype, the output projection in float64. The layer may differ from that by its float32
+    attention error and by one ulp of out in the dtype (it rounds its float32 result, the
+    reference the exact one) carried through o_proj: sum_c |W_o[r, c]| ulp(out_c), plus float32
+    roundoff of the output projection."""
+    module, rng = _attention_module(backend)
+    params = module.state_dict()
+    w_q, w_k, w_v, w_o = (params[f"{n}_proj.weight"] for n in "qkvo")
+    x = rand(rng, 2, 12, 64)
+    cache = twinattn.KVCache(1, 2, 2, 16, 20, dtype=dtype)
+    stored_k, stored_v = np.zeros((2, 2, 0, 16), dtype), np.zeros((2, 2, 0, 16), dtype)
+    for start, end in ((0, 9), (9, 10), (10, 11), (11, 12)):
+        got = module(x[:, start:end], cache=cache)
+        assert got.dtype == np.float32
+        # by hand
+        chunk, length, positions = x[:, start:end], end - start, np.arange(start, end)
+        q, k, v = ((chunk @ w.T).reshape(2, length, -1, 16).transpose(0, 2, 1, 3) for w in (w_q, w_k, w_v))
+        q, k = module.rope.apply(q, positions), module.rope.apply(k, positions)  # type: ignore[union-attr]
+        stored_k = np.concatenate([stored_k, k.astype(dtype)], axis=2)
+        stored_v = np.concatenate([stored_v, v.astype(dtype)], axis=2)
+        exact = reference64(q.astype(dtype), stored_k, stored_v, causal=True, q_offset=start, scale=0.25)
+        out = round_to_dtype(exact, dtype).astype(np.float64)
+        merged = out.transpose(0, 2, 1, 3).reshape(2, length, -1)
+        want = merged @ w_o.T.astype(np.float64)
+        ulp = 2 * half_ulp(np.abs(exact), dtype).transpose(0, 2, 1, 3).reshape(2, length, -1)
+        tol = ulp @ np.abs(w_o.T).astype(np.float64) + 64 * UNIT_ROUNDOFF * (np.abs(merged) @ np.abs(w_o.T).astype(np.float64))
+        err = np.abs(got - want)
+        assert (err <= tol).all(), f"max error {float(err.max()):.3g}, tolerance there {float(tol.flat[np.argmax(err)]):.3g}"
+    np.testing.assert_array_equal(cache.keys(0).view(np.uint16), stored_k.view(np.uint16))
+    assert cache.keys(0).dtype == dtype and cache.nbytes * 2 == twinattn.KVCache(1, 2, 2, 16, 20).nbytes
+
+
+def test_nn_attention_refuses_a_float64_cache(backend: str) -> None:
+    module, rng = _attention_module(backend)
+    with pytest.raises(TypeError, match=r"cache: expected a KVCache of dtype float32, float16 or bfloat16 \(ml_dtypes.bfloat16\), got float64"):
+        module(rand(rng, 2, 3, 64), cache=twinattn.KVCache(1, 2, 2, 16, 20, dtype=np.float64))
+
+
+@half_dtypes
+def test_rope_on_half_inputs_rounds_the_float32_rotation_once(dtype: np.dtype) -> None:
+    rope = twinattn.RotaryEmbedding(16)
+    rng = np.random.default_rng(3)
+    x = rand(rng, 2, 3, 5, 16).astype(dtype)
+    positions = np.arange(100, 105)
+    got = rope.apply(x, positions)
+    assert got.dtype == dtype
+    _assert_bits_equal(got, rope.apply(x.astype(np.float32), positions).astype(dtype))
