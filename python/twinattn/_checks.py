@@ -31,7 +31,7 @@ def storage_dtype(name: str, value: object, *, float64_too: bool) -> np.dtype:
     accepted = ATTENTION_DTYPES + ((FLOAT64,) if float64_too else ())
     text = ATTENTION_DTYPES_TEXT + (", or float64 (backend='numpy' only)" if float64_too else "")
     try:
-        dtype = np.dtype(value)  # type: ignore[call-overload]
+        dtype: np.dtype = np.dtype(value)  # type: ignore[call-overload]
     except TypeError:
         raise TypeError(f"{name}: expected {text}, got {value!r}") from None
     if dtype not in accepted:

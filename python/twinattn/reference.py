@@ -70,7 +70,8 @@ def round_to_dtype(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
         x32 = np.where(away, np.nextafter(x32, FLOAT32.type(0)), x32)
         inexact = x32.astype(FLOAT64) != x  # NaN too: setting a mantissa bit keeps it NaN
         x32 = (x32.view(np.uint32) | inexact.astype(np.uint32)).view(FLOAT32)
-        return x32.astype(BFLOAT16)
+        rounded: np.ndarray = x32.astype(BFLOAT16)
+        return rounded
 
 
 def attention_reference(
