@@ -192,3 +192,13 @@ def assert_lse_within(got_lse: np.ndarray, want: np.ndarray, f32: np.ndarray) ->
     tol = FLOAT32_ERROR_FACTOR * f32_err + FLOOR_ULPS * UNIT_ROUNDOFF * scale_of
     err = float(np.max(np.abs(got_lse[finite].astype(np.float64) - want[finite]), initial=0.0))
     assert err <= tol, f"lse max abs error {err:.3g} > tolerance {tol:.3g}"
+
+
+def round_bits_rne(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """float32 -> bfloat16 bits by the integer rule (to nearest, ties to even; NaN kept quiet), or
+    float32 -> float16 through float64 (NumPy rounds float64 to float16 directly, once)."""
+    if dtype == BFLOAT16:
+        bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return np.where(np.isnan(x), (bits >> 16).astype(np.uint16) | 0x0040, rounded).astype(np.uint16)
+    return x.astype(np.float64).astype(np.float16).view(np.uint16)

@@ -12,8 +12,9 @@ hand-made float32 values):
   torch.nn.functional.scaled_dot_product_attention in the same dtype on the same inputs (random,
   large logits, long rows), on every backend and instruction set;
 - bad dtypes raise the same TypeError, with the fix in the message, on every backend;
-- KVCache stores in its dtype (rounding float32 states to nearest, ties to even: checked against
-  the bit-level rule) and nn.Attention runs with a float16 / bfloat16 cache; RoPE on half inputs.
+- scaled_dot_product_attention passes them through; RoPE rotates them in float32.
+KVCache and nn.Attention in float16 / bfloat16: tests/test_cache.py and tests/test_nn.py; the
+ports' bits and messages: tests/test_port_parity.py; NaN and inf: tests/test_nonfinite.py.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import twinattn
 from conftest import _require, import_optional
 from helpers import (
     BFLOAT16, DOT_PATH, FLOAT16, HALF_DTYPES, ISAS, as32, as64, assert_half_within, assert_lse_within, forced_isa, max_abs,
-    UNIT_ROUNDOFF, half_ulp, rand, reference32, reference64,
+    rand, reference32, reference64,
 )
 from twinattn.reference import round_to_dtype
 
@@ -322,108 +323,19 @@ def test_float64_still_numpy_only_and_half_runs_everywhere(dtype: np.dtype) -> N
         twinattn.attention(_Q.astype(np.float64), _K.astype(np.float64), _V.astype(np.float64), backend="cpp" if "cpp" in twinattn.backends() else "rust")
 
 
-# ---- KVCache, nn.Attention and RoPE in half precision ------------------------------------------
-
-
-def _round_bits_rne(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """float32 -> bfloat16 bits by the integer rule (to nearest, ties to even; NaN kept quiet), or
-    float32 -> float16 through float64 (NumPy rounds float64 to float16 directly, once)."""
-    if dtype == BFLOAT16:
-        bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-        return np.where(np.isnan(x), (bits >> 16).astype(np.uint16) | 0x0040, rounded).astype(np.uint16)
-    return x.astype(np.float64).astype(np.float16).view(np.uint16)
-
-
 @half_dtypes
-def test_kv_cache_stores_in_its_dtype(dtype: np.dtype) -> None:
-    cache = twinattn.KVCache(num_layers=2, batch_size=2, num_kv_heads=3, head_dim=16, max_seq_len=40, dtype=dtype)
-    assert cache.dtype == dtype
-    assert cache.nbytes == twinattn.kv_cache_bytes(2, 2, 3, head_dim=16, tokens=40, bytes_per_entry=2)
-    assert cache.nbytes * 2 == twinattn.KVCache(2, 2, 3, 16, 40).nbytes  # half of float32's bytes
-    rng = np.random.default_rng(4)
-    # float32 states (what projections give): values at and between the dtype's neighbours, ties
-    k = rand(rng, 2, 3, 5, 16) * 3
-    bits = 11 if dtype == FLOAT16 else 8
-    k[0, 0, 0, :4] = [1 + 2.0**-bits, 1 + 3 * 2.0**-bits, -(1 + 2.0**-bits), 1 + 2.0**-bits + 2.0**-20]  # ties, and just above one
-    v = rand(rng, 2, 3, 5, 16)
-    keys, values = cache.update(k, v, 1)
-    assert keys.dtype == values.dtype == dtype
-    np.testing.assert_array_equal(keys.view(np.uint16), _round_bits_rne(k, dtype))
-    np.testing.assert_array_equal(values.view(np.uint16), _round_bits_rne(v, dtype))
-    assert keys[0, 0, 0, 0] == 1 and keys[0, 0, 0, 1] == 1 + 4 * 2.0**-bits and keys[0, 0, 0, 3] == 1 + 2 * 2.0**-bits
-    # states already in the dtype are stored as they are; other dtypes are refused
-    more = (rand(rng, 2, 3, 1, 16)).astype(dtype)
-    keys, _ = cache.update(more, more, 1)
-    np.testing.assert_array_equal(keys[:, :, 5:].view(np.uint16), more.view(np.uint16))
-    with pytest.raises(TypeError, match=rf"key_states: expected dtype {DTYPE_IDS[dtype]} \(the cache's\) or float32 \(rounded to {DTYPE_IDS[dtype]} as it is stored\), got float64"):
-        cache.update(np.zeros((2, 3, 1, 16)), more, 1)
-    np.testing.assert_array_equal(cache.seq_lens(1), [6, 6])
+def test_sdpa_takes_half_inputs(backend: str, dtype: np.dtype) -> None:
+    """twinattn.scaled_dot_product_attention: torch's signature, the same dtypes as attention."""
+    rng = np.random.default_rng(8)
+    q, k, v = (rand(rng, 2, 3, 4, 6, 16).astype(dtype) for _ in range(3))  # rank 5: flattened batch
+    mask = rng.standard_normal((6, 6)).astype(np.float32)
+    got = twinattn.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend=backend)
+    want = twinattn.attention(q.reshape(6, 4, 6, 16), k.reshape(6, 4, 6, 16), v.reshape(6, 4, 6, 16), attn_mask=mask, backend=backend)
+    assert got.dtype == dtype and got.shape == (2, 3, 4, 6, 16)
+    _assert_bits_equal(got.reshape(want.shape), want)
 
 
-@pytest.mark.parametrize("dtype, accepted", [
-    ("bfloat16", BFLOAT16), (ml_dtypes.bfloat16, BFLOAT16), (np.float16, FLOAT16), ("float32", np.dtype(np.float32)),
-])
-def test_kv_cache_dtype_spellings(dtype: Any, accepted: np.dtype) -> None:
-    assert twinattn.KVCache(1, 1, 1, 2, 3, dtype=dtype).dtype == accepted
-
-
-@pytest.mark.parametrize("dtype, shown", [(np.int8, "int8"), (ml_dtypes.float8_e4m3fn, "float8_e4m3fn"), ("float128x", "'float128x'"), (np.complex64, "complex64")])
-def test_kv_cache_rejects_other_dtypes_naming_the_accepted_ones(dtype: Any, shown: str) -> None:
-    with pytest.raises(TypeError) as info:
-        twinattn.KVCache(1, 1, 1, 2, 3, dtype=dtype)
-    assert str(info.value) == (
-        f"dtype: expected float32, float16 or bfloat16 (ml_dtypes.bfloat16), or float64 (backend='numpy' only), got {shown}"
-    )
-
-
-def _attention_module(backend: str) -> tuple[twinattn.nn.Attention, np.random.Generator]:
-    rng = np.random.default_rng(12)
-    hidden, heads, kv_heads, head_dim = 64, 8, 2, 16
-    module = twinattn.nn.Attention(hidden, heads, kv_heads, head_dim, rope=twinattn.RotaryEmbedding(head_dim), backend=backend)
-    return module, rng
-
-
-@half_dtypes
-def test_nn_attention_with_a_half_cache(backend: str, dtype: np.dtype) -> None:
-    """Prefill then three decode steps with a float16 / bfloat16 cache, against the same steps done
-    by hand: float32 projections and RoPE (the same operations, so the same bits), q, k and v
-    rounded to the dtype, the float64 reference attention over everything cached, out rounded to
-    the dtype, the output projection in float64. The layer may differ from that by its float32
-    attention error and by one ulp of out in the dtype (it rounds its float32 result, the
-    reference the exact one) carried through o_proj: sum_c |W_o[r, c]| ulp(out_c), plus float32
-    roundoff of the output projection."""
-    module, rng = _attention_module(backend)
-    params = module.state_dict()
-    w_q, w_k, w_v, w_o = (params[f"{n}_proj.weight"] for n in "qkvo")
-    x = rand(rng, 2, 12, 64)
-    cache = twinattn.KVCache(1, 2, 2, 16, 20, dtype=dtype)
-    stored_k, stored_v = np.zeros((2, 2, 0, 16), dtype), np.zeros((2, 2, 0, 16), dtype)
-    for start, end in ((0, 9), (9, 10), (10, 11), (11, 12)):
-        got = module(x[:, start:end], cache=cache)
-        assert got.dtype == np.float32
-        # by hand
-        chunk, length, positions = x[:, start:end], end - start, np.arange(start, end)
-        q, k, v = ((chunk @ w.T).reshape(2, length, -1, 16).transpose(0, 2, 1, 3) for w in (w_q, w_k, w_v))
-        q, k = module.rope.apply(q, positions), module.rope.apply(k, positions)  # type: ignore[union-attr]
-        stored_k = np.concatenate([stored_k, k.astype(dtype)], axis=2)
-        stored_v = np.concatenate([stored_v, v.astype(dtype)], axis=2)
-        exact = reference64(q.astype(dtype), stored_k, stored_v, causal=True, q_offset=start, scale=0.25)
-        out = round_to_dtype(exact, dtype).astype(np.float64)
-        merged = out.transpose(0, 2, 1, 3).reshape(2, length, -1)
-        want = merged @ w_o.T.astype(np.float64)
-        ulp = 2 * half_ulp(np.abs(exact), dtype).transpose(0, 2, 1, 3).reshape(2, length, -1)
-        tol = ulp @ np.abs(w_o.T).astype(np.float64) + 64 * UNIT_ROUNDOFF * (np.abs(merged) @ np.abs(w_o.T).astype(np.float64))
-        err = np.abs(got - want)
-        assert (err <= tol).all(), f"max error {float(err.max()):.3g}, tolerance there {float(tol.flat[np.argmax(err)]):.3g}"
-    np.testing.assert_array_equal(cache.keys(0).view(np.uint16), stored_k.view(np.uint16))
-    assert cache.keys(0).dtype == dtype and cache.nbytes * 2 == twinattn.KVCache(1, 2, 2, 16, 20).nbytes
-
-
-def test_nn_attention_refuses_a_float64_cache(backend: str) -> None:
-    module, rng = _attention_module(backend)
-    with pytest.raises(TypeError, match=r"cache: expected a KVCache of dtype float32, float16 or bfloat16 \(ml_dtypes.bfloat16\), got float64"):
-        module(rand(rng, 2, 3, 64), cache=twinattn.KVCache(1, 2, 2, 16, 20, dtype=np.float64))
+# ---- RoPE in half precision ----------------------------------------------------------------
 
 
 @half_dtypes
