@@ -175,6 +175,26 @@ def test_against_float64_reference(backend_isa: tuple[str, str], case: str, dtyp
         _assert_bits_equal(lse, lse32)
 
 
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), FLOAT16, BFLOAT16], ids=str)
+def test_avx512bf16_is_avx512_but_for_bfloat16_prefill(native_backend: str, dtype: np.dtype) -> None:
+    """float32 and float16 on avx512bf16 run exactly the avx512 kernels (the same bits); so does
+    bfloat16 decode (the split-key path converts). bfloat16 prefill takes the dot path there,
+    checked against the reference by test_against_float64_reference."""
+    cases = ("prefill", "decode", "mask-float", "odd-dims") if dtype != BFLOAT16 else ("decode", "decode-window", "decode-sinks-alibi")
+    results: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for isa in ("avx512", "avx512bf16"):
+        with forced_isa(native_backend, isa):
+            results[isa] = []
+            for case in cases:
+                q, k, v, kwargs = _problem(case, BFLOAT16)[:4]
+                if dtype != BFLOAT16:
+                    q, k, v = (a.astype(dtype) for a in (q, k, v))
+                results[isa].append(twinattn.attention(q, k, v, return_lse=True, backend=native_backend, **kwargs))
+    for (out_a, lse_a), (out_b, lse_b) in zip(results["avx512"], results["avx512bf16"]):
+        _assert_bits_equal(out_a, out_b)
+        _assert_bits_equal(lse_a, lse_b)
+
+
 @half_dtypes
 def test_strided_views_and_out(backend_isa: tuple[str, str], dtype: np.dtype) -> None:
     """q as a (B, L, H, D) array seen as (B, H, L, D), k and v slices of a longer cache, out a
