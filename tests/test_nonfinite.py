@@ -176,7 +176,7 @@ def test_hidden_positions_never_matter(backend: str, isa: str, dtype: np.dtype, 
     """k, v and the bias hold NaN / inf wherever a key is hidden: past kv_lens, under a False bool
     mask, under a -inf bias (there k and v are poisoned, the bias stays -inf), above the causal
     diagonal. The result equals the reference on the same inputs with those positions zeroed, and
-    a native port gives the same bits on both."""
+    a native port gives the same bits on both (but for the bfloat16 dot path: see below)."""
     q, k, v, kwargs = _problem(path, 6)
     b, hq, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     group = hq // k.shape[1]
@@ -231,7 +231,11 @@ def test_hidden_positions_never_matter(backend: str, isa: str, dtype: np.dtype, 
         clean, clean_lse = twinattn.attention(
             qd, clean_k, clean_v, attn_mask=clean_mask, return_lse=True, backend=backend, **args
         )
-        if backend != "numpy":  # never read: the same bits
+        # never read: the same bits. Except on the bfloat16 dot path (avx512bf16), where a block of
+        # keys that is masked and holds a non-finite value takes the convert path (float32 P, so
+        # no 0 * NaN) while the clean run's block takes VDPBF16PS (P rounded to bfloat16): both
+        # are within the dot path's tolerance (checked above), not the same bits (docs/kernels.md)
+        if backend != "numpy" and (isa, dtype) != DOT_PATH:
             np.testing.assert_array_equal(got, clean)
             np.testing.assert_array_equal(got_lse, clean_lse)
 
