@@ -3,11 +3,17 @@ reorder, the seeds' byte formula, and the kernel reading the cache in place on e
 
 from __future__ import annotations
 
+from typing import Any
+
+import ml_dtypes
 import numpy as np
 import pytest
 
 import twinattn
-from helpers import assert_close_to_reference, rand
+from helpers import BFLOAT16, FLOAT16, HALF_DTYPES, assert_close_to_reference, assert_half_close_to_reference, rand, round_bits_rne
+
+DTYPE_IDS = {FLOAT16: "float16", BFLOAT16: "bfloat16"}
+half_dtypes = pytest.mark.parametrize("dtype", HALF_DTYPES, ids=DTYPE_IDS.get)
 
 MiB, GiB = 2**20, 2**30
 
@@ -179,21 +185,23 @@ def test_other_argument_errors() -> None:
         cache.reset(5)
     with pytest.raises(ValueError, match=r"n: expected a non-negative int, got -1"):
         cache.crop(-1)
-    with pytest.raises(TypeError, match=r"dtype: expected a floating dtype.*got int32"):
+    with pytest.raises(TypeError, match=r"dtype: expected float32, float16 or bfloat16 \(ml_dtypes.bfloat16\), or float64 \(backend='numpy' only\), got int32"):
         twinattn.KVCache(1, 1, 1, 1, 1, dtype=np.int32)
     np.testing.assert_array_equal(cache.seq_lens(0), [0, 0])
 
 
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), *HALF_DTYPES], ids=str)
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-def test_kernel_reads_a_ragged_cache_in_place(backend: str, kv_heads: int) -> None:
+def test_kernel_reads_a_ragged_cache_in_place(backend: str, kv_heads: int, dtype: np.dtype) -> None:
     """Decode against a cache whose sequences hold 7, 2 and 5 tokens: the views go to the kernel
-    with explicit offsets and lengths and match the float64 reference on each sequence alone."""
+    with explicit offsets and lengths and match the float64 reference on each sequence alone
+    (float16 / bfloat16 caches: q rounded to the cache's dtype, helpers' half tolerance)."""
     rng = np.random.default_rng(3)
-    cache = twinattn.KVCache(num_layers=1, batch_size=3, num_kv_heads=kv_heads, head_dim=8, max_seq_len=16)
+    cache = twinattn.KVCache(num_layers=1, batch_size=3, num_kv_heads=kv_heads, head_dim=8, max_seq_len=16, dtype=dtype)
     prompt = np.array([7, 2, 5])
     cache.update(rand(rng, 3, kv_heads, 7, 8), rand(rng, 3, kv_heads, 7, 8), 0, num_new=prompt)
     cache._keys[0, 1, :, 2:] = np.nan  # whatever lies past a sequence's length is never read
-    q = rand(rng, 3, 4, 2, 8)
+    q = rand(rng, 3, 4, 2, 8).astype(dtype)
     offsets = cache.seq_lens(0)
     keys, values = cache.update(rand(rng, 3, kv_heads, 2, 8), rand(rng, 3, kv_heads, 2, 8), 0)
     lens = cache.seq_lens(0)
@@ -201,4 +209,52 @@ def test_kernel_reads_a_ragged_cache_in_place(backend: str, kv_heads: int) -> No
     for b in range(3):
         n = int(lens[b])
         k_b, v_b = keys[b : b + 1, :, :n].copy(), values[b : b + 1, :, :n].copy()
-        assert_close_to_reference(out[b : b + 1], q[b : b + 1], k_b, v_b, causal=True)
+        if dtype in HALF_DTYPES:
+            assert_half_close_to_reference(out[b : b + 1], q[b : b + 1], k_b, v_b, causal=True)
+        else:
+            assert_close_to_reference(out[b : b + 1], q[b : b + 1], k_b, v_b, causal=True)
+
+
+# ---- float16 / bfloat16 caches ----------------------------------------------------------------
+
+
+@half_dtypes
+def test_kv_cache_stores_in_its_dtype(dtype: np.dtype) -> None:
+    cache = twinattn.KVCache(num_layers=2, batch_size=2, num_kv_heads=3, head_dim=16, max_seq_len=40, dtype=dtype)
+    assert cache.dtype == dtype
+    assert cache.nbytes == twinattn.kv_cache_bytes(2, 2, 3, head_dim=16, tokens=40, bytes_per_entry=2)
+    assert cache.nbytes * 2 == twinattn.KVCache(2, 2, 3, 16, 40).nbytes  # half of float32's bytes
+    rng = np.random.default_rng(4)
+    # float32 states (what projections give): values at and between the dtype's neighbours, ties
+    k = rand(rng, 2, 3, 5, 16) * 3
+    bits = 11 if dtype == FLOAT16 else 8
+    k[0, 0, 0, :4] = [1 + 2.0**-bits, 1 + 3 * 2.0**-bits, -(1 + 2.0**-bits), 1 + 2.0**-bits + 2.0**-20]  # ties, and just above one
+    v = rand(rng, 2, 3, 5, 16)
+    keys, values = cache.update(k, v, 1)
+    assert keys.dtype == values.dtype == dtype
+    np.testing.assert_array_equal(keys.view(np.uint16), round_bits_rne(k, dtype))
+    np.testing.assert_array_equal(values.view(np.uint16), round_bits_rne(v, dtype))
+    assert keys[0, 0, 0, 0] == 1 and keys[0, 0, 0, 1] == 1 + 4 * 2.0**-bits and keys[0, 0, 0, 3] == 1 + 2 * 2.0**-bits
+    # states already in the dtype are stored as they are; other dtypes are refused
+    more = (rand(rng, 2, 3, 1, 16)).astype(dtype)
+    keys, _ = cache.update(more, more, 1)
+    np.testing.assert_array_equal(keys[:, :, 5:].view(np.uint16), more.view(np.uint16))
+    with pytest.raises(TypeError, match=rf"key_states: expected dtype {DTYPE_IDS[dtype]} \(the cache's\) or float32 \(rounded to {DTYPE_IDS[dtype]} as it is stored\), got float64"):
+        cache.update(np.zeros((2, 3, 1, 16)), more, 1)
+    np.testing.assert_array_equal(cache.seq_lens(1), [6, 6])
+
+
+@pytest.mark.parametrize("dtype, accepted", [
+    ("bfloat16", BFLOAT16), (ml_dtypes.bfloat16, BFLOAT16), (np.float16, FLOAT16), ("float32", np.dtype(np.float32)),
+])
+def test_kv_cache_dtype_spellings(dtype: Any, accepted: np.dtype) -> None:
+    assert twinattn.KVCache(1, 1, 1, 2, 3, dtype=dtype).dtype == accepted
+
+
+@pytest.mark.parametrize("dtype, shown", [(np.int8, "int8"), (ml_dtypes.float8_e4m3fn, "float8_e4m3fn"), ("float128x", "'float128x'"), (np.complex64, "complex64")])
+def test_kv_cache_rejects_other_dtypes_naming_the_accepted_ones(dtype: Any, shown: str) -> None:
+    with pytest.raises(TypeError) as info:
+        twinattn.KVCache(1, 1, 1, 2, 3, dtype=dtype)
+    assert str(info.value) == (
+        f"dtype: expected float32, float16 or bfloat16 (ml_dtypes.bfloat16), or float64 (backend='numpy' only), got {shown}"
+    )

@@ -17,8 +17,11 @@ V = RNG.standard_normal((2, 2, 7, 6)).astype(np.float32)
 
 # (id, kwargs overriding q/k/v/options, exception, substring of the message)
 CASES: list[tuple[str, dict[str, Any], type[Exception], str]] = [
-    ("q-float16", {"q": Q.astype(np.float16)}, TypeError, "q: expected float32, got float16"),
-    ("k-int", {"k": K.astype(np.int32)}, TypeError, "k: expected float32, got int32"),
+    ("q-int32", {"q": Q.astype(np.int32)}, TypeError,
+     "q: expected float32, float16 or bfloat16 (ml_dtypes.bfloat16), got int32; convert with q.astype(np.float32)"),
+    ("k-int", {"k": K.astype(np.int32)}, TypeError, "k: expected dtype float32 (q's dtype), got int32; convert with k.astype(np.float32)"),
+    ("v-float16", {"v": V.astype(np.float16)}, TypeError,
+     "v: expected dtype float32 (q's dtype), got float16; convert with v.astype(np.float32)"),
     ("q-not-array", {"q": "abc"}, TypeError, "q: expected a numpy array"),
     ("q-rank5", {"q": Q[None]}, ValueError, "q: expected 2, 3 or 4 dimensions"),
     ("k-rank3", {"k": K[0]}, ValueError, "k: expected 4 dimensions"),
@@ -42,7 +45,7 @@ CASES: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("scale-str", {"scale": "1"}, TypeError, "scale: expected a float"),
     ("scale-beyond-float32", {"scale": 1e39}, ValueError, "scale: expected a finite float, got 1e+39, which is inf in float32"),
     ("out-shape", {"out": np.empty((2, 4, 5, 8), np.float32)}, ValueError, "out: expected shape (2, 4, 5, 6)"),
-    ("out-dtype", {"out": np.empty((2, 4, 5, 6), np.float64)}, TypeError, "out: expected dtype float32"),
+    ("out-dtype", {"out": np.empty((2, 4, 5, 6), np.float64)}, TypeError, "out: expected dtype float32 (q's dtype), got float64"),
     ("out-readonly", {"out": np.broadcast_to(np.empty((1, 1, 1, 6), np.float32), (2, 4, 5, 6))}, ValueError, "out: expected a writeable array"),
     ("num-threads-zero", {"num_threads": 0}, ValueError, "num_threads: expected a positive int"),
     ("backend-name", {"backend": "cuda"}, ValueError, "backend: expected one of 'auto', 'cpp', 'rust', 'numpy'"),

@@ -11,7 +11,12 @@ import numpy as np
 import pytest
 
 import twinattn
-from helpers import FLOAT32_ERROR_FACTOR, FLOOR_ULPS, UNIT_ROUNDOFF, rand
+from helpers import (
+    FLOAT32_ERROR_FACTOR, FLOOR_ULPS, HALF_DTYPES, UNIT_ROUNDOFF, half_ulp, rand, reference64,
+)
+from twinattn.reference import round_to_dtype
+
+half_dtypes = pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 
 HIDDEN, HEADS, HEAD_DIM, BASE = 24, 4, 8, 10000.0  # hidden != heads * head_dim: orientation errors show
 
@@ -282,7 +287,7 @@ def test_constructor_and_call_errors() -> None:
         module(np.zeros((1, 2, HIDDEN)))
     with pytest.raises(ValueError, match=r"hidden_states: expected shape \(B, L, hidden_size=24\), got \(1, 2, 16\)"):
         module(np.zeros((1, 2, 16), np.float32))
-    with pytest.raises(ValueError, match=r"cache: expected \(batch_size, num_kv_heads, head_dim, dtype\) = \(1, 2, 8, float32\), got \(1, 4, 8, float32\)"):
+    with pytest.raises(ValueError, match=r"cache: expected \(batch_size, num_kv_heads, head_dim\) = \(1, 2, 8\), got \(1, 4, 8\)"):
         module(np.zeros((1, 2, HIDDEN), np.float32), cache=twinattn.KVCache(1, 1, 4, 8, 4))
     with pytest.raises(ValueError, match=r"positions: expected shape \(L=2,\) or \(B=1, L=2\), got \(3,\)"):
         module(np.zeros((1, 2, HIDDEN), np.float32), positions=np.arange(3))
@@ -291,3 +296,55 @@ def test_constructor_and_call_errors() -> None:
     with pytest.raises(twinattn.CacheOverflowError):
         module(np.zeros((1, 2, HIDDEN), np.float32), cache=cache)
     np.testing.assert_array_equal(cache.seq_lens(0), [2])
+
+
+# ---- with a float16 / bfloat16 cache ------------------------------------------------------------
+
+
+def _attention_module(backend: str) -> tuple[twinattn.nn.Attention, np.random.Generator]:
+    rng = np.random.default_rng(12)
+    hidden, heads, kv_heads, head_dim = 64, 8, 2, 16
+    module = twinattn.nn.Attention(hidden, heads, kv_heads, head_dim, rope=twinattn.RotaryEmbedding(head_dim), backend=backend)
+    return module, rng
+
+
+@half_dtypes
+def test_nn_attention_with_a_half_cache(backend: str, dtype: np.dtype) -> None:
+    """Prefill then three decode steps with a float16 / bfloat16 cache, against the same steps done
+    by hand: float32 projections and RoPE (the same operations, so the same bits), q, k and v
+    rounded to the dtype, the float64 reference attention over everything cached, out rounded to
+    the dtype, the output projection in float64. The layer may differ from that by its float32
+    attention error and by one ulp of out in the dtype (it rounds its float32 result, the
+    reference the exact one) carried through o_proj: sum_c |W_o[r, c]| ulp(out_c), plus float32
+    roundoff of the output projection."""
+    module, rng = _attention_module(backend)
+    params = module.state_dict()
+    w_q, w_k, w_v, w_o = (params[f"{n}_proj.weight"] for n in "qkvo")
+    x = rand(rng, 2, 12, 64)
+    cache = twinattn.KVCache(1, 2, 2, 16, 20, dtype=dtype)
+    stored_k, stored_v = np.zeros((2, 2, 0, 16), dtype), np.zeros((2, 2, 0, 16), dtype)
+    for start, end in ((0, 9), (9, 10), (10, 11), (11, 12)):
+        got = module(x[:, start:end], cache=cache)
+        assert got.dtype == np.float32
+        # by hand
+        chunk, length, positions = x[:, start:end], end - start, np.arange(start, end)
+        q, k, v = ((chunk @ w.T).reshape(2, length, -1, 16).transpose(0, 2, 1, 3) for w in (w_q, w_k, w_v))
+        q, k = module.rope.apply(q, positions), module.rope.apply(k, positions)  # type: ignore[union-attr]
+        stored_k = np.concatenate([stored_k, k.astype(dtype)], axis=2)
+        stored_v = np.concatenate([stored_v, v.astype(dtype)], axis=2)
+        exact = reference64(q.astype(dtype), stored_k, stored_v, causal=True, q_offset=start, scale=0.25)
+        out = round_to_dtype(exact, dtype).astype(np.float64)
+        merged = out.transpose(0, 2, 1, 3).reshape(2, length, -1)
+        want = merged @ w_o.T.astype(np.float64)
+        ulp = 2 * half_ulp(np.abs(exact), dtype).transpose(0, 2, 1, 3).reshape(2, length, -1)
+        tol = ulp @ np.abs(w_o.T).astype(np.float64) + 64 * UNIT_ROUNDOFF * (np.abs(merged) @ np.abs(w_o.T).astype(np.float64))
+        err = np.abs(got - want)
+        assert (err <= tol).all(), f"max error {float(err.max()):.3g}, tolerance there {float(tol.flat[np.argmax(err)]):.3g}"
+    np.testing.assert_array_equal(cache.keys(0).view(np.uint16), stored_k.view(np.uint16))
+    assert cache.keys(0).dtype == dtype and cache.nbytes * 2 == twinattn.KVCache(1, 2, 2, 16, 20).nbytes
+
+
+def test_nn_attention_refuses_a_float64_cache(backend: str) -> None:
+    module, rng = _attention_module(backend)
+    with pytest.raises(TypeError, match=r"cache: expected a KVCache of dtype float32, float16 or bfloat16 \(ml_dtypes.bfloat16\), got float64"):
+        module(rand(rng, 2, 3, 64), cache=twinattn.KVCache(1, 2, 2, 16, 20, dtype=np.float64))

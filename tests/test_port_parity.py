@@ -15,11 +15,12 @@ import sys
 from types import ModuleType
 from typing import Any, Callable
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 import twinattn
-from helpers import assert_close_to_reference
+from helpers import HALF_DTYPES, ISAS, assert_close_to_reference, forced_isa, rand
 
 PORTS = ("cpp", "rust")
 KERNELS = ("attention_forward", "attention_reference")
@@ -29,6 +30,8 @@ Q = RNG.standard_normal((2, 4, 5, 8)).astype(np.float32)
 K = RNG.standard_normal((2, 2, 7, 8)).astype(np.float32)
 V = RNG.standard_normal((2, 2, 7, 6)).astype(np.float32)
 OUT_SHAPE = (2, 4, 5, 6)
+BF16 = ml_dtypes.bfloat16
+HALF = {"q": Q.astype(np.float16), "k": K.astype(np.float16), "v": V.astype(np.float16), "out": np.zeros(OUT_SHAPE, np.float16)}
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +87,31 @@ _mask_and_out = np.zeros((2, 4, 5, 7), np.float32)
 BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     # conversion (the bindings)
     ("q-list", {"q": Q.tolist()}, TypeError, "q: expected a numpy.ndarray, got list"),
-    ("q-float64", {"q": Q.astype(np.float64)}, TypeError, "q: expected dtype float32, got float64"),
-    ("k-float16", {"k": K.astype(np.float16)}, TypeError, "k: expected dtype float32, got float16"),
-    ("v-big-endian", {"v": V.astype(">f4")}, TypeError, "v: expected dtype float32, got >f4"),
-    ("out-int32", {"out": np.zeros(OUT_SHAPE, np.int32)}, TypeError, "out: expected dtype float32, got int32"),
+    # dtypes (docs/native_api.md): q first, then k, v and out against q's dtype
+    ("q-float64", {"q": Q.astype(np.float64)}, TypeError, "q: expected dtype float32, float16 or bfloat16, got float64"),
+    ("q-int8", {"q": Q.astype(np.int8)}, TypeError, "q: expected dtype float32, float16 or bfloat16, got int8"),
+    ("q-float16-big-endian", {"q": Q.astype(">f2"), "k": Q.astype(">f2")}, TypeError,
+     "q: expected dtype float32, float16 or bfloat16, got >f2"),
+    ("q-float8", {"q": Q.astype(ml_dtypes.float8_e4m3fn)}, TypeError,
+     "q: expected dtype float32, float16 or bfloat16, got float8_e4m3fn"),
+    ("k-float16", {"k": K.astype(np.float16)}, TypeError, "k: expected dtype float32 (q's dtype), got float16"),
+    ("v-big-endian", {"v": V.astype(">f4")}, TypeError, "v: expected dtype float32 (q's dtype), got >f4"),
+    ("out-int32", {"out": np.zeros(OUT_SHAPE, np.int32)}, TypeError, "out: expected dtype float32 (q's dtype), got int32"),
+    ("k-float32-for-bfloat16", {"q": Q.astype(BF16), "v": V.astype(BF16), "out": np.zeros(OUT_SHAPE, BF16)}, TypeError,
+     "k: expected dtype bfloat16 (q's dtype), got float32"),
+    ("v-bfloat16-for-float16", {"q": Q.astype(np.float16), "k": K.astype(np.float16), "v": V.astype(BF16),
+                                "out": np.zeros(OUT_SHAPE, np.float16)}, TypeError,
+     "v: expected dtype float16 (q's dtype), got bfloat16"),
+    ("out-float32-for-bfloat16", {"q": Q.astype(BF16), "k": K.astype(BF16), "v": V.astype(BF16)}, TypeError,
+     "out: expected dtype bfloat16 (q's dtype), got float32"),
+    ("out-bfloat16-for-float16", {**HALF, "out": np.zeros(OUT_SHAPE, BF16)}, TypeError,
+     "out: expected dtype float16 (q's dtype), got bfloat16"),
+    ("lse-float16", {**HALF, "lse": np.zeros((2, 4, 5), np.float16)}, TypeError, "lse: expected dtype float32, got float16"),
+    ("mask-float16", {**HALF, "mask": np.zeros((2, 4, 5, 7), np.float16)}, TypeError,
+     "mask: expected dtype bool or float32, got float16"),
+    ("sinks-bfloat16", {"q": Q.astype(BF16), "k": K.astype(BF16), "v": V.astype(BF16), "out": np.zeros(OUT_SHAPE, BF16),
+                        "sinks": np.zeros(4, BF16)}, TypeError, "sinks: expected dtype float32, got bfloat16"),
+    ("half-q-rank3", {**HALF, "q": Q[0].astype(np.float16)}, ValueError, "q: expected 4 dimensions (B, Hq, Lq, D), got shape (4, 5, 8)"),
     ("q-rank3", {"q": Q[0]}, ValueError, "q: expected 4 dimensions (B, Hq, Lq, D), got shape (4, 5, 8)"),
     ("k-rank5", {"k": K[None]}, ValueError, "k: expected 4 dimensions (B, Hkv, Lk, D), got shape (1, 2, 2, 7, 8)"),
     ("out-rank1", {"out": np.zeros(6, np.float32)}, ValueError, "out: expected 4 dimensions (B, Hq, Lq, Dv), got shape (6,)"),
@@ -205,6 +229,46 @@ def test_bad_native_call_same_error_in_both_ports(
             args = _args(**overrides)
             outcomes[port, kernel] = _outcome(lambda: getattr(module, kernel)(**args))
     assert set(outcomes.values()) == {(exc.__name__, message)}, outcomes
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("isa", ISAS)
+def test_half_precision_same_bits_in_both_ports(modules: dict[str, ModuleType], isa: str, dtype: np.dtype) -> None:
+    """float16 and bfloat16 on each instruction set: one algorithm in both ports, so the same bits
+    in out and lse (a random sweep of GQA, causal or not, offsets, kv_lens, masks, odd D, decode
+    and prefill, and the variants), through twinattn and through both native kernels."""
+    with forced_isa("cpp", isa), forced_isa("rust", isa):
+        rng = np.random.default_rng(4242)
+        for n in range(14):
+            b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 4))
+            hq = hkv * int(rng.choice([1, 2, 4, 8]))
+            lk = int(rng.integers(1, 1500))
+            lq = 1 if n % 4 == 0 else int(rng.integers(1, min(120, lk) + 1))
+            d, dv = int(rng.choice([17, 32, 64, 128])), int(rng.choice([9, 24, 64, 128]))
+            q, k, v = (rand(rng, b, h, n_, w).astype(dtype) for h, n_, w in ((hq, lq, d), (hkv, lk, d), (hkv, lk, dv)))
+            kwargs: dict[str, Any] = dict(causal=bool(rng.integers(0, 2)), return_lse=True)
+            kwargs["kv_lens"] = rng.integers(0 if not kwargs["causal"] else lq, lk + 1, size=b)
+            if n % 3 == 0:
+                kwargs["attn_mask"] = rng.random((b, hq, lq, lk)) > 0.3
+            elif n % 3 == 1:
+                kwargs["attn_mask"] = rng.standard_normal((1, hq, 1, lk)).astype(np.float32)
+            if n % 5 == 2:
+                kwargs.update(window_size=(int(rng.integers(0, 300)), -1), softcap=3.0,
+                              alibi_slopes=rng.uniform(0, 0.1, hq).astype(np.float32), sinks=rng.standard_normal(hq).astype(np.float32))
+            out_cpp, lse_cpp = twinattn.attention(q, k, v, backend="cpp", **kwargs)
+            out_rust, lse_rust = twinattn.attention(q, k, v, backend="rust", **kwargs)
+            assert out_cpp.dtype == out_rust.dtype == dtype
+            np.testing.assert_array_equal(out_cpp.view(np.uint16), out_rust.view(np.uint16))
+            np.testing.assert_array_equal(lse_cpp, lse_rust)
+        for kernel in KERNELS:  # the plain kernels as well, called directly
+            outs = []
+            for module in modules.values():
+                args = _args(q=Q.astype(dtype), k=K.astype(dtype), v=V.astype(dtype), out=np.zeros(OUT_SHAPE, dtype),
+                             lse=np.zeros((2, 4, 5), np.float32), causal=True, kv_lens=np.array([7, 4]), q_offset=np.array([2, 0]))
+                getattr(module, kernel)(**args)
+                outs.append((args["out"].view(np.uint16), args["lse"]))
+            for a, b_ in zip(*outs):
+                np.testing.assert_array_equal(a, b_)
 
 
 def test_numbers_in_messages_are_written_alike_by_both_ports(modules: dict[str, ModuleType]) -> None:

@@ -306,5 +306,5 @@ def test_apply_errors() -> None:
         rope.apply(x, np.arange(4))
     with pytest.raises(ValueError, match=r"x: expected shape \(B, H, L, D=8\), got \(1, 2, 3, 6\)"):
         rope.apply(np.zeros((1, 2, 3, 6), dtype=np.float32), np.arange(3))
-    with pytest.raises(TypeError, match=r"x: expected float32 or float64, got float16"):
-        rope.apply(x.astype(np.float16), np.arange(3))
+    with pytest.raises(TypeError, match=r"x: expected float32, float64, float16 or bfloat16 \(ml_dtypes.bfloat16\), got int32"):
+        rope.apply(x.astype(np.int32), np.arange(3))

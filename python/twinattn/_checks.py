@@ -6,7 +6,37 @@ import math
 import numbers
 from typing import Iterable
 
+import ml_dtypes
 import numpy as np
+
+# The dtypes of attention's q, k, v and out, and of KVCache's storage. float16 and bfloat16 are
+# storage formats: the kernels convert them exactly to float32 and compute in float32.
+FLOAT32 = np.dtype(np.float32)
+FLOAT16 = np.dtype(np.float16)
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT64 = np.dtype(np.float64)
+HALF_DTYPES = (FLOAT16, BFLOAT16)
+ATTENTION_DTYPES = (FLOAT32, FLOAT16, BFLOAT16)
+ATTENTION_DTYPES_TEXT = "float32, float16 or bfloat16 (ml_dtypes.bfloat16)"
+
+
+def dtype_in_code(dtype: np.dtype) -> str:
+    """How a dtype is written in a fix a message suggests: np.float32, ml_dtypes.bfloat16."""
+    return "ml_dtypes.bfloat16" if dtype == BFLOAT16 else f"np.{dtype.name}"
+
+
+def storage_dtype(name: str, value: object, *, float64_too: bool) -> np.dtype:
+    """A dtype argument that must be float32, float16 or bfloat16 (float64 too when float64_too).
+    Accepts anything np.dtype does (np.float16, "bfloat16", ml_dtypes.bfloat16, np.dtype(...))."""
+    accepted = ATTENTION_DTYPES + ((FLOAT64,) if float64_too else ())
+    text = ATTENTION_DTYPES_TEXT + (", or float64 (backend='numpy' only)" if float64_too else "")
+    try:
+        dtype: np.dtype = np.dtype(value)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"{name}: expected {text}, got {value!r}") from None
+    if dtype not in accepted:
+        raise TypeError(f"{name}: expected {text}, got {dtype}")
+    return dtype
 
 
 def shape_str(shape: Iterable[int]) -> str:

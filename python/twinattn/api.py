@@ -2,9 +2,10 @@
 
 Every backend receives the same normalised problem, so every backend raises the same exceptions
 with the same messages:
-    q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) float32 (float64: numpy only), unit
-    last stride; q_offset and kv_lens int64 (B,); mask None or a (B, Hq, Lq, Lk) broadcast view,
-    bool or float; out (B, Hq, Lq, Dv); lse None or (B, Hq, Lq).
+    q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) all float32, all float16 or all
+    bfloat16 (float64: numpy only), unit last stride; q_offset and kv_lens int64 (B,); mask None
+    or a (B, Hq, Lq, Lk) broadcast view, bool or float32 (float64 for a float64 problem);
+    out (B, Hq, Lq, Dv) in q's dtype; lse None or (B, Hq, Lq) float32 (float64 for float64).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from numpy.typing import ArrayLike
 from . import reference
 from ._backends import native_module, resolve_backend
 from . import _checks
-from ._checks import count, elements_overlap, shape_str
+from ._checks import (
+    ATTENTION_DTYPES, ATTENTION_DTYPES_TEXT, FLOAT32, FLOAT64, count, dtype_in_code, elements_overlap, shape_str,
+)
 from ._threads import get_num_threads
 
 Result = Union[np.ndarray, "tuple[np.ndarray, np.ndarray]"]
@@ -35,20 +38,28 @@ def _as_array(name: str, value: object) -> np.ndarray:
     raise TypeError(f"{name}: expected a numpy array, got {type(value).__name__}")
 
 
-def _check_float_dtype(name: str, a: np.ndarray, backend: str) -> None:
-    if a.dtype == np.float32:
+def _check_query_dtype(a: np.ndarray, backend: str) -> None:
+    """q: float32, float16 or bfloat16 on every backend; float64 on backend="numpy" only."""
+    if a.dtype in ATTENTION_DTYPES:
         return
-    if a.dtype == np.float64:
+    if a.dtype == FLOAT64:
         if backend == "numpy":
             return
         raise TypeError(
-            f"{name}: backend {backend!r} computes in float32 and does not cast silently; "
-            f"got float64: pass {name}.astype(np.float32), or use backend='numpy' for float64"
+            f"q: backend {backend!r} computes in float32 and does not cast silently; "
+            "got float64: pass q.astype(np.float32), or use backend='numpy' for float64"
         )
-    raise TypeError(f"{name}: expected float32, got {a.dtype}; convert with {name}.astype(np.float32)")
+    raise TypeError(f"q: expected {ATTENTION_DTYPES_TEXT}, got {a.dtype}; convert with q.astype(np.float32)")
 
 
-_FLOAT32 = np.dtype(np.float32)
+def _check_like_query(name: str, a: np.ndarray, dtype: np.dtype) -> None:
+    """k, v: q's dtype (nothing is cast silently, mixed dtypes included)."""
+    if a.dtype != dtype:
+        raise TypeError(
+            f"{name}: expected dtype {dtype} (q's dtype), got {a.dtype}; convert with {name}.astype({dtype_in_code(dtype)})"
+        )
+
+
 # the smallest magnitude that rounds to inf in float32 (half an ulp above its largest finite value)
 _FLOAT32_OVERFLOW = 2.0**128 * (1 - 2.0**-25)
 _filled_cache: dict[tuple[int, int], np.ndarray] = {}
@@ -107,12 +118,12 @@ def _prepare_mask(attn_mask: object, dtype: np.dtype, full_shape: tuple[int, int
             "pass a bool mask (True = may attend) or a float additive bias"
         )
     if mask.dtype != np.bool_:
-        if mask.dtype.kind != "f" or (mask.dtype != dtype and not (dtype == np.float64 and mask.dtype == np.float32)):
-            raise TypeError(
-                f"attn_mask: expected bool (True = may attend) or {np.dtype(dtype).name} (additive bias), "
-                f"got {mask.dtype}"
-            )
-        mask = mask.astype(dtype, copy=False)
+        # an additive float32 bias (float64 for a float64 problem); one in q's dtype is widened
+        bias_dtype = FLOAT64 if dtype == FLOAT64 else FLOAT32
+        if mask.dtype != bias_dtype and mask.dtype != dtype and mask.dtype != FLOAT32:
+            accepted = bias_dtype.name if dtype in (FLOAT32, FLOAT64) else f"float32 or {dtype}"
+            raise TypeError(f"attn_mask: expected bool (True = may attend) or {accepted} (additive bias), got {mask.dtype}")
+        mask = mask.astype(bias_dtype, copy=False)
     if mask.ndim > 4:
         raise ValueError(f"attn_mask: expected at most 4 dimensions broadcastable to (B, Hq, Lq, Lk) = {full_shape}, got shape {shape_str(mask.shape)}")
     try:
@@ -129,7 +140,7 @@ def _prepare_out(
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out: expected a numpy array, got {type(out).__name__}")
     if out.dtype != dtype:
-        raise TypeError(f"out: expected dtype {np.dtype(dtype).name}, got {out.dtype}")
+        raise TypeError(f"out: expected dtype {dtype} (q's dtype), got {out.dtype}")
     if out.shape != shape:
         raise ValueError(f"out: expected shape {shape}, got {shape_str(out.shape)}")
     if not out.flags.writeable:
@@ -138,7 +149,7 @@ def _prepare_out(
         # each element is written by one thread: aliased elements would race (and be wrong)
         raise ValueError(
             f"out: expected an array whose elements do not overlap each other, got strides {out.strides} "
-            f"(bytes) for shape {shape_str(out.shape)}: pass a fresh array such as np.empty({shape_str(out.shape)}, np.{np.dtype(dtype).name})"
+            f"(bytes) for shape {shape_str(out.shape)}: pass a fresh array such as np.empty({shape_str(out.shape)}, {dtype_in_code(dtype)})"
         )
     for name, a in zip(("q", "k", "v", "attn_mask"), inputs):
         if a is not None and np.may_share_memory(out, a):
@@ -237,12 +248,15 @@ def attention(
 
     Every backend gets the same checked arguments and gives the same result within float32
     rounding (the cpp and rust backends bit for bit); the whole contract is in docs/contract.md.
+    float16 and bfloat16 (ml_dtypes.bfloat16) inputs are computed in float32 from their exact
+    values, and out is rounded once to their dtype.
 
     Parameters
     ----------
     q : array_like, shape (B, Hq, Lq, D), (Hq, Lq, D) or (Lq, D)
         Queries. 3-D inputs mean B=1 and 2-D inputs B=1 and Hq=1; the results come back with
-        the same rank. float32; float64 only with backend="numpy". Nothing is cast silently.
+        the same rank. float32, float16 or bfloat16 (ml_dtypes.bfloat16); float64 only with
+        backend="numpy". Nothing is cast silently.
     k : array_like, shape (B, Hkv, Lk, D), same rank and dtype as q
         Keys. Grouped-query attention: Hq must be a multiple of Hkv, and query head h reads
         KV head h // (Hq // Hkv) (Hkv == Hq is multi-head, Hkv == 1 multi-query).
@@ -264,8 +278,9 @@ def attention(
         Number of valid keys of each sequence, 0 <= kv_lens[b] <= Lk; None means Lk. Keys
         j >= kv_lens[b] are padding: never read, whatever they hold.
     attn_mask : None or array_like broadcastable to (B, Hq, Lq, Lk), default None
-        bool: True means the key may be attended (torch's polarity); float (q's dtype): an
-        additive bias, -inf hiding the key. Applied on top of causal and kv_lens. Integer masks
+        bool: True means the key may be attended (torch's polarity); float32: an additive bias,
+        -inf hiding the key (a bias in q's dtype is widened to float32; float64 for a float64
+        problem). Applied on top of causal and kv_lens. Integer masks
         are refused, their polarity being ambiguous.
     scale : float, optional
         Factor applied to q k^T; None (the default) means 1 / sqrt(D). Must be finite.
@@ -275,7 +290,7 @@ def attention(
         softcap and alibi_slopes (scale * q_i . k_j + bias_ij without them), plus exp(sinks[h])
         inside the sum when sinks is given.
     out : numpy.ndarray, optional
-        A writeable array of the output's shape and dtype, written in place and returned. It
+        A writeable array of the output's shape and dtype (q's), written in place and returned. It
         must not share memory with q, k, v or attn_mask. Any strides.
     backend : {"auto", "cpp", "rust", "numpy"}, default "auto"
         "auto" takes the first of twinattn.backends() (a native port when one is built);
@@ -302,15 +317,18 @@ def attention(
     Returns
     -------
     out : numpy.ndarray, shape (..., Hq, Lq, Dv), q's rank and dtype
+        float16 / bfloat16: the float32 result rounded to nearest (ties to even).
         A row with no visible key is all zeros (masking never produces NaN).
     lse : numpy.ndarray, shape (..., Hq, Lq), only with return_lse=True
+        float32 (float64 for a float64 problem), whatever q's dtype.
         -inf for a row with no visible key (sinks[h] with sinks).
 
     Raises
     ------
     TypeError
         An argument of the wrong type: q, k, v, attn_mask or out not an array; a dtype other
-        than float32 (float64 outside backend="numpy"); q, k and v of different dtypes; an
+        than float32, float16 or bfloat16 (float64 outside backend="numpy"); q, k and v of
+        different dtypes (the message names the fix, k.astype(...)); an
         integer mask; causal or return_lse not a bool; q_offset, kv_lens or num_threads not
         ints; scale or softcap not a real number; window_size not a pair of ints;
         alibi_slopes or sinks not float32 arrays; out of the wrong dtype.
@@ -357,16 +375,17 @@ def attention(
     if type(v) is not np.ndarray:
         v = _as_array("v", v)
     rank = q.ndim
+    dtype = q.dtype
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a.ndim != rank or rank not in _RANK_NAMES:
             if a.ndim not in _RANK_NAMES:
                 raise ValueError(f"{name}: expected 2, 3 or 4 dimensions (B, H, L, D), got shape {shape_str(a.shape)}")
             raise ValueError(f"{name}: expected {rank} dimensions {_RANK_NAMES[rank]} like q, got shape {shape_str(a.shape)}")
-        if a.dtype != _FLOAT32:
-            _check_float_dtype(name, a, port)
-    dtype = q.dtype
-    if k.dtype != dtype or v.dtype != dtype:
-        raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if a.dtype != FLOAT32 or dtype != FLOAT32:
+            if name == "q":
+                _check_query_dtype(a, port)
+            else:
+                _check_like_query(name, a, dtype)
 
     # Shapes, in the 4-D form every backend sees (views, no copies).
     if rank == 4:
@@ -446,7 +465,7 @@ def attention(
         scale_value = float(scale)
         if not math.isfinite(scale_value):
             raise ValueError(f"scale: expected a finite float, got {scale_value}")
-        if dtype == _FLOAT32 and abs(scale_value) >= _FLOAT32_OVERFLOW:
+        if dtype != FLOAT64 and abs(scale_value) >= _FLOAT32_OVERFLOW:
             raise ValueError(f"scale: expected a finite float, got {scale_value}, which is inf in float32")
     out_shape = q.shape[:-1] + (value_dim,)
     if out is None:
@@ -454,7 +473,8 @@ def attention(
     else:
         result = _prepare_out(out, out_shape, dtype, [q, k, v, None if attn_mask is None else mask])
     out4 = result if rank == 4 else result.reshape((1,) * (4 - rank) + out_shape)
-    lse = np.empty((batch, q_heads, q_len), dtype=dtype) if return_lse else None
+    # lse is float32 whatever q's dtype (float64 for a float64 problem)
+    lse = np.empty((batch, q_heads, q_len), dtype=FLOAT64 if dtype == FLOAT64 else FLOAT32) if return_lse else None
 
     # Compute.
     if port == "numpy":
@@ -466,7 +486,7 @@ def attention(
         if lse is not None:
             lse[...] = ref_lse
     else:
-        target = out4 if value_dim <= 1 or out4.strides[-1] == 4 else np.empty(out4.shape, dtype)
+        target = out4 if value_dim <= 1 or out4.strides[-1] == out4.itemsize else np.empty(out4.shape, dtype)
         native_module(port).attention_forward(
             q4, k4, v4, target, lse, offsets, lens, mask, bool(causal), scale_value, threads,
             window_left, window_right, cap, slopes, sink_logits,

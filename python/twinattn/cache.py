@@ -12,6 +12,10 @@ the stored prefix, which twinattn.attention reads in place with kv_lens = seq_le
 
 Payload bytes: kv_cache_bytes(layers, batch, kv_heads, head_dim=..., tokens=..., bytes_per_entry=...),
 2 x layers x batch x KV heads x head width x tokens x bytes per entry.
+
+dtype: float32 (the default), float16 or bfloat16 (ml_dtypes.bfloat16), which halve the bytes the
+cache holds and decode streams; float64 too, for backend="numpy". update() takes states in the
+cache's dtype or float32 (what projections give) and rounds them to nearest, ties to even.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import count, shape_str
+from ._checks import FLOAT32, count, shape_str, storage_dtype
 
 __all__ = ["CacheOverflowError", "KVCache", "kv_cache_bytes"]
 
@@ -107,9 +111,7 @@ class KVCache:
         self.num_kv_heads = count("num_kv_heads", num_kv_heads)
         self.head_dim = count("head_dim", head_dim)
         self.max_seq_len = count("max_seq_len", max_seq_len, positive=False)
-        self.dtype = np.dtype(dtype)
-        if self.dtype.kind != "f":
-            raise TypeError(f"dtype: expected a floating dtype (float32 for the native kernels), got {self.dtype}")
+        self.dtype = storage_dtype("dtype", dtype, float64_too=True)
         shape = (self.num_layers, self.batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim)
         # np.zeros maps pages lazily: untouched capacity costs no memory until written.
         self._keys = np.zeros(shape, dtype=self.dtype)
@@ -161,8 +163,9 @@ class KVCache:
     def _check_states(self, name: str, states: object) -> np.ndarray:
         if not isinstance(states, np.ndarray):
             raise TypeError(f"{name}: expected a numpy array (B, Hkv, L, D), got {type(states).__name__}")
-        if states.dtype != self.dtype:
-            raise TypeError(f"{name}: expected dtype {self.dtype} (the cache's), got {states.dtype}")
+        if states.dtype != self.dtype and states.dtype != FLOAT32:
+            also = "" if self.dtype == FLOAT32 else f" or float32 (rounded to {self.dtype} as it is stored)"
+            raise TypeError(f"{name}: expected dtype {self.dtype} (the cache's){also}, got {states.dtype}")
         expected = (self.batch_size, self.num_kv_heads, self.head_dim)
         if states.ndim != 4 or (states.shape[0], states.shape[1], states.shape[3]) != expected:
             raise ValueError(
@@ -181,7 +184,9 @@ class KVCache:
     ) -> tuple[np.ndarray, np.ndarray]:
         """Append key_states and value_states (B, Hkv, L, D) to layer layer_idx, each sequence's
         tokens at its own length, and return (keys, values): views (B, Hkv, max(seq_lens), D) of
-        the stored prefix. Sequence b's keys past seq_lens(layer_idx)[b] are not its own (pass
+        the stored prefix, in the cache's dtype. The states are in the cache's dtype or float32;
+        float32 states are rounded to the cache's dtype (to nearest, ties to even) as they are
+        stored. Sequence b's keys past seq_lens(layer_idx)[b] are not its own (pass
         kv_lens=seq_lens(layer_idx) to attention).
 
         num_new: None (every sequence appends all L tokens) or an int array (B,) with

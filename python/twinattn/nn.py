@@ -13,6 +13,11 @@ attention of the new queries over the stored prefix with explicit q_offset (each
 cache length before the update) and kv_lens (after it), so sequences of different cached lengths
 batch together; out = attention x W_o^T (+ b_o).
 
+Reduced precision: with a KVCache of dtype float16 or bfloat16 the projections stay float32, keys
+and values are stored in the cache's dtype (rounded to nearest, half the bytes), q is rounded to
+it for the attention call (the kernels take one dtype), and the attention output is widened back
+to float32 for the output projection.
+
 The variants of Mistral / Gemma 2 / gpt-oss: sliding_window=w (Hugging Face's meaning: each query
 sees itself and the w - 1 keys before it, window_size=(w - 1, 0) with causal), softcap (attention
 logit softcapping) and sinks=True (a learned per-head logit, state_dict key "sinks", gpt-oss).
@@ -28,7 +33,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _checks
-from ._checks import count, shape_str
+from ._checks import ATTENTION_DTYPES, FLOAT32, count, shape_str
 from ._backends import BACKENDS, native_module, resolve_backend
 from .api import attention
 from .cache import KVCache
@@ -199,7 +204,8 @@ class Attention:
         positions: the absolute positions (L,) or (B, L) used by RoPE; default
             cache.positions(L, layer_idx) with a cache, arange(L) without.
         cache, layer_idx: keys and values are appended to cache layer layer_idx and the queries
-            attend over everything stored there; query row i of sequence b sits at cache slot
+            attend over everything stored there (in the cache's dtype: float32, float16 or
+            bfloat16; the output is float32 in every case); query row i of sequence b sits at cache slot
             seq_lens[b] + i (q_offset), keys past each sequence's length are never read (kv_lens).
         num_new: with a cache, an int array (B,): sequence b appends only its first num_new[b]
             rows (a right-padded batch of prompts of different lengths; the outputs of the padding
@@ -225,12 +231,16 @@ class Attention:
         if cache is not None:
             if not isinstance(cache, KVCache):
                 raise TypeError(f"cache: expected None or a twinattn.KVCache, got {type(cache).__name__}")
-            expected = (hidden_states.shape[0], self.num_kv_heads, self.head_dim, np.dtype(np.float32))
-            got = (cache.batch_size, cache.num_kv_heads, cache.head_dim, cache.dtype)
+            expected = (hidden_states.shape[0], self.num_kv_heads, self.head_dim)
+            got = (cache.batch_size, cache.num_kv_heads, cache.head_dim)
             if got != expected:
                 raise ValueError(
-                    "cache: expected (batch_size, num_kv_heads, head_dim, dtype) = "
-                    f"({expected[0]}, {expected[1]}, {expected[2]}, float32), got ({got[0]}, {got[1]}, {got[2]}, {got[3]})"
+                    "cache: expected (batch_size, num_kv_heads, head_dim) = "
+                    f"({expected[0]}, {expected[1]}, {expected[2]}), got ({got[0]}, {got[1]}, {got[2]})"
+                )
+            if cache.dtype not in ATTENTION_DTYPES:
+                raise TypeError(
+                    f"cache: expected a KVCache of dtype float32, float16 or bfloat16 (ml_dtypes.bfloat16), got {cache.dtype}"
                 )
             layer = cache._layer(layer_idx)
         elif num_new is not None:
@@ -254,10 +264,13 @@ class Attention:
             q, k = self.rope.apply(q, pos), self.rope.apply(k, pos)
 
         # Keys are cached rotated; the kernel gets each sequence's offset and length explicitly.
+        # A float16 / bfloat16 cache rounds k and v as it stores them; q is rounded to match.
         if cache is not None:
             q_offset: Any = cache.seq_lens(layer)
             keys, values = cache.update(np.ascontiguousarray(k), np.ascontiguousarray(v), layer, num_new=num_new)
             kv_lens: Any = cache.seq_lens(layer)
+            if cache.dtype != FLOAT32:
+                q = q.astype(cache.dtype)
         else:
             q_offset, kv_lens, keys, values = 0, None, k, v
         out = attention(
@@ -275,8 +288,8 @@ class Attention:
             sinks=self._params["sinks"] if self.sinks else None,
         )
 
-        # (B, H, L, D) -> (B, L, H * D) -> output projection.
-        merged = out.transpose(0, 2, 1, 3).reshape(batch, length, self.num_heads * self.head_dim)
+        # (B, H, L, D) -> (B, L, H * D) -> output projection (in float32, whatever the cache's dtype).
+        merged = out.transpose(0, 2, 1, 3).reshape(batch, length, self.num_heads * self.head_dim).astype(FLOAT32, copy=False)
         return self._project(merged, "o_proj")
 
     def __repr__(self) -> str:

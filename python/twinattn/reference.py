@@ -2,7 +2,9 @@
 
 Written for clarity, not speed. It follows the seeds' algorithm: choose the legal keys first,
 subtract the row max, exponentiate, normalise, mix the values. It computes in the inputs' dtype
-(float32 or float64); the tests call it in float64.
+(float32 or float64); the tests call it in float64. float16 and bfloat16 inputs are computed in
+float64 from the given (already rounded) values, and out is rounded once to q's dtype (to
+nearest, ties to even); lse is float32 then.
 
 Shapes (after the Python layer has normalised the call, see twinattn.attention):
     q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), q_offset (B,), kv_lens (B,),
@@ -44,7 +46,32 @@ from typing import Any
 
 import numpy as np
 
+from ._checks import BFLOAT16, FLOAT32, FLOAT64, HALF_DTYPES
+
 _INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def round_to_dtype(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """x (float64 or float32) rounded once to float32, float16 or bfloat16: to nearest, ties to
+    even, subnormals kept, overflow to inf, NaN stays NaN.
+
+    NumPy rounds float64 to float16 directly; ml_dtypes takes float64 to bfloat16 through float32,
+    which rounds twice (1 + 2^-8 + 2^-40 would become 1, not 1 + 2^-7). Rounding to float32 to odd
+    first (toward zero, then the last bit set when inexact) keeps the 16 extra bits honest, so the
+    second rounding is the only one.
+    """
+    dtype = np.dtype(dtype)
+    if dtype != BFLOAT16 or x.dtype != FLOAT64:
+        with np.errstate(over="ignore"):
+            return x.astype(dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        x32 = np.ascontiguousarray(x, dtype=FLOAT32)
+        away = np.abs(x32.astype(FLOAT64)) > np.abs(x)  # rounded away from zero (beyond float32: to inf)
+        x32 = np.where(away, np.nextafter(x32, FLOAT32.type(0)), x32)
+        inexact = x32.astype(FLOAT64) != x  # NaN too: setting a mantissa bit keeps it NaN
+        x32 = (x32.view(np.uint32) | inexact.astype(np.uint32)).view(FLOAT32)
+        rounded: np.ndarray = x32.astype(BFLOAT16)
+        return rounded
 
 
 def attention_reference(
@@ -63,6 +90,17 @@ def attention_reference(
     alibi_slopes: np.ndarray | None = None,
     sinks: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
+    if q.dtype in HALF_DTYPES:
+        # float16 / bfloat16: float64 from the given values (exact), out rounded once, lse float32
+        out, lse = attention_reference(
+            q.astype(FLOAT64), k.astype(FLOAT64), v.astype(FLOAT64), causal=causal, q_offset=q_offset,
+            kv_lens=kv_lens, mask=mask if mask is None or mask.dtype == np.bool_ else mask.astype(FLOAT64),
+            scale=scale, window_left=window_left, window_right=window_right, softcap=softcap,
+            alibi_slopes=None if alibi_slopes is None else alibi_slopes.astype(FLOAT64),
+            sinks=None if sinks is None else sinks.astype(FLOAT64),
+        )
+        with np.errstate(over="ignore"):
+            return round_to_dtype(out, q.dtype), lse.astype(FLOAT32)
     # Non-finite inputs (NaN, inf, overflowing scores) are the caller's: they propagate into the
     # result as IEEE arithmetic says, without warnings.
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
@@ -164,7 +202,8 @@ def _attention_reference(
 
 
 def attention(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
-    """twinattn.attention computed by the NumPy reference (accepts float32 and float64)."""
+    """twinattn.attention computed by the NumPy reference (float32, float16, bfloat16 and float64;
+    float16 and bfloat16 are computed in float64 and rounded once to q's dtype)."""
     from .api import attention as _attention
 
     kwargs.pop("backend", None)

@@ -35,7 +35,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._checks import count
+from ._checks import FLOAT32, FLOAT64, HALF_DTYPES, count
 
 __all__ = ["RotaryEmbedding", "ROPE_TYPES"]
 
@@ -267,11 +267,13 @@ class RotaryEmbedding:
 
     def apply(self, x: np.ndarray, positions: object) -> np.ndarray:
         """Rotate x (B, H, L, D) with D = head_dim at positions (L,) or (B, L); a new array of
-        x's dtype (float32 or float64). Pair p: (a, b) -> (a cos - b sin, b cos + a sin)."""
+        x's dtype (float32, float64, float16 or bfloat16). Pair p: (a, b) -> (a cos - b sin,
+        b cos + a sin). float16 and bfloat16 are rotated in float32 and rounded once (to nearest,
+        ties to even)."""
         if not isinstance(x, np.ndarray):
             raise TypeError(f"x: expected a numpy array (B, H, L, D), got {type(x).__name__}")
-        if x.dtype not in (np.float32, np.float64):
-            raise TypeError(f"x: expected float32 or float64, got {x.dtype}")
+        if x.dtype not in (FLOAT32, FLOAT64) + HALF_DTYPES:
+            raise TypeError(f"x: expected float32, float64, float16 or bfloat16 (ml_dtypes.bfloat16), got {x.dtype}")
         if x.ndim != 4 or x.shape[3] != self.head_dim:
             raise ValueError(f"x: expected shape (B, H, L, D={self.head_dim}), got {tuple(x.shape)}")
         arr = self._check_positions(positions)
@@ -285,9 +287,13 @@ class RotaryEmbedding:
         if theta.ndim == 3:
             theta = theta[:, None]  # (B, 1, L, d/2): one rotation for every head
         scale = self.attention_factor
-        cos = (np.cos(theta) * scale).astype(x.dtype)  # the one cast
-        sin = (np.sin(theta) * scale).astype(x.dtype)
+        work = FLOAT32 if x.dtype in HALF_DTYPES else x.dtype  # half precision: rotated in float32
+        cos = (np.cos(theta) * scale).astype(work)  # the one cast
+        sin = (np.sin(theta) * scale).astype(work)
 
+        given = x.dtype
+        if work != given:
+            x = x.astype(work)
         out = np.empty_like(x)
         r = self.rotary_dim
         if self.interleaved:
@@ -300,7 +306,7 @@ class RotaryEmbedding:
             out[..., :half] = first * cos - second * sin
             out[..., half:r] = second * cos + first * sin
         out[..., r:] = x[..., r:]
-        return out
+        return out if given == work else out.astype(given)
 
     def __repr__(self) -> str:
         return (

@@ -48,19 +48,21 @@ def scaled_dot_product_attention(
 
     Takes torch's arguments in torch's order, with torch's meaning, and raises where torch would
     silently surprise (see causal_alignment). Computed by twinattn.attention, whose contract
-    (docs/contract.md) applies: float32 in and out, nothing cast silently.
+    (docs/contract.md) applies: float32, float16 or bfloat16 in, the same dtype out, nothing
+    cast silently.
 
     Parameters
     ----------
     query : array_like, shape (N, ..., Hq, L, E)
-        float32 (float64 only with backend="numpy"). Ranks 2 to 4 are passed on as they are
+        float32, float16 or bfloat16 (ml_dtypes.bfloat16); float64 only with backend="numpy".
+        Ranks 2 to 4 are passed on as they are
         ((L, E) and (Hq, L, E) meaning N=1); higher ranks have their leading axes flattened
         into one batch axis and restored on the way out.
     key : array_like, shape (N, ..., Hkv, S, E), same rank and dtype as query
     value : array_like, shape (N, ..., Hkv, S, Ev), same rank and dtype as query
     attn_mask : array_like, optional
         Broadcastable to (N, ..., Hq, L, S). bool: True means the key takes part in attention
-        (torch's polarity); float of query's dtype: an additive bias. Integer masks are
+        (torch's polarity); float32 (or query's dtype, widened to float32): an additive bias. Integer masks are
         refused. Not together with is_causal=True (as in torch).
     dropout_p : float, default 0.0
         Must be 0.0: twinattn computes inference attention only.
@@ -94,7 +96,8 @@ def scaled_dot_product_attention(
     ------
     TypeError
         dropout_p not a real number; is_causal or enable_gqa not a bool; a dtype other than
-        float32 (float64 outside backend="numpy"); mixed dtypes; an integer mask.
+        float32, float16 or bfloat16 (float64 outside backend="numpy"); mixed dtypes; an
+        integer mask.
     ValueError
         Inputs of rank below 2 or of different ranks, or mismatched shapes; unequal head counts
         without enable_gqa, or Hq not a multiple of Hkv with it; attn_mask given with
