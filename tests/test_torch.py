@@ -92,10 +92,17 @@ def test_errors_name_the_argument_and_the_fix() -> None:
         tt.attention(q.clone().requires_grad_(), k, v)
     with pytest.raises(ValueError, match=r"k: twinattn runs on the CPU.*meta"):
         tt.attention(q, k.to("meta"), v)
-    with pytest.raises(TypeError, match=r"v: expected float32, got torch.bfloat16.*v.float\(\)"):
-        tt.attention(q, k, v.to(torch.bfloat16))
     with pytest.raises(TypeError, match=r"q: expected a torch.Tensor, got ndarray"):
         tt.attention(q.numpy(), k, v)
+    # dtypes: q's first, then k and v against q's, then out; each with the conversion that fixes it
+    with pytest.raises(TypeError, match=r"q: expected dtype torch.float32, torch.float16 or torch.bfloat16, got torch.int64"):
+        tt.attention(q.long(), k, v)
+    with pytest.raises(TypeError, match=r"v: expected dtype torch.float32 \(q's dtype\), got torch.bfloat16; convert with v.to\(torch.float32\)"):
+        tt.attention(q, k, v.to(torch.bfloat16))
+    with pytest.raises(TypeError, match=r"k: expected dtype torch.float16 \(q's dtype\), got torch.float32; convert with k.to\(torch.float16\)"):
+        tt.attention(q.half(), k, v.half())
+    with pytest.raises(TypeError, match=r"out: expected dtype torch.float32 \(q's dtype\), got torch.bfloat16"):
+        tt.attention(q, k, v, out=torch.empty(1, 2, 4, 8, dtype=torch.bfloat16))
     # the NumPy API's own checks come through with the same messages
     with pytest.raises(ValueError, match=r"query heads Hq=2 must be a multiple"):
         tt.attention(q, torch.zeros(1, 3, 6, 8), torch.zeros(1, 3, 6, 8))
