@@ -43,7 +43,9 @@ __all__ = ["attention", "scaled_dot_product_attention"]
 # NumPy has no bfloat16: a bfloat16 tensor is viewed as int16 (the same bytes) and that as
 # ml_dtypes.bfloat16, the NumPy dtype twinattn's bfloat16 API takes. Measured per tensor on the tiny
 # case: Tensor.numpy() 0.57 us; bfloat16 through the int16 view 1.1-1.2 us (the view alone 0.46 us);
-# np.from_dlpack 2.0 us (and no bfloat16); an __array_interface__ object 1.5 us.
+# np.from_dlpack 2.0 us (and no bfloat16; through torch.utils.dlpack.to_dlpack and a capsule holder
+# 0.47 us, which skips the requires-grad check: too little gained for a second path); an
+# __array_interface__ object 1.5 us.
 _BFLOAT16 = torch.bfloat16
 _INT16 = torch.int16
 _NP_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
@@ -133,54 +135,6 @@ def _optional_array(name: str, t: Any) -> Any:
     return _array(name, t) if isinstance(t, torch.Tensor) else t
 
 
-def _compute(
-    q: Any,
-    k: Any,
-    v: Any,
-    out: Any,
-    causal: bool,
-    q_offset: Any,
-    kv_lens: Any,
-    attn_mask: Any,
-    scale: Optional[float],
-    return_lse: bool,
-    backend: str,
-    num_threads: Optional[int],
-) -> Any:
-    """The shared implementation: torch tensors in, twinattn.attention on their NumPy views."""
-    qa, ka, va = _inputs(q, k, v)
-    out_array = None
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
-        if out.dtype is not q.dtype:
-            raise TypeError(f"out: expected dtype {q.dtype} (q's dtype), got {out.dtype}; allocate it with dtype={q.dtype}")
-        out_array = _array("out", out)
-    if q_offset is not None:
-        q_offset = _optional_array("q_offset", q_offset)
-        if isinstance(q_offset, np.ndarray) and q_offset.ndim == 0:
-            q_offset = int(q_offset)  # an int q_offset crosses the op's schema as a 0-d tensor
-    result: Any = api.attention(
-        qa,
-        ka,
-        va,
-        causal=causal,
-        q_offset=q_offset,
-        kv_lens=None if kv_lens is None else _optional_array("kv_lens", kv_lens),
-        attn_mask=None if attn_mask is None else _optional_array("attn_mask", attn_mask),
-        scale=scale,
-        return_lse=return_lse,
-        # without out, twinattn allocates with NumPy and torch.from_numpy shares that memory:
-        # cheaper per call (0.45 us) than torch.empty (1.05 us) and a view of it
-        out=out_array,
-        backend=backend,
-        num_threads=num_threads,
-    )
-    if return_lse:
-        return out if out is not None else _tensor(result[0]), _from_numpy(result[1])
-    return out if out is not None else _tensor(result)
-
-
 # ---- the custom ops: what torch.compile and torch.export see -------------------------------------
 # Their signatures need one type per argument: q_offset and kv_lens are int64 tensors (B,) or None
 # (twinattn.torch.attention converts an int), and lse always comes back (it costs Lq floats a head).
@@ -198,7 +152,10 @@ def _attention_impl(
     backend: str = "auto",
     num_threads: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _compute(q, k, v, None, causal, q_offset, kv_lens, attn_mask, scale, True, backend, num_threads)
+    out, lse = attention(
+        q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, attn_mask=attn_mask, scale=scale, return_lse=True,
+        backend=backend, num_threads=num_threads,
+    )
     return out, lse
 
 
@@ -232,7 +189,10 @@ def _attention_out_impl(
     backend: str = "auto",
     num_threads: Optional[int] = None,
 ) -> torch.Tensor:
-    _, lse = _compute(q, k, v, out, causal, q_offset, kv_lens, attn_mask, scale, True, backend, num_threads)
+    _, lse = attention(
+        q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, attn_mask=attn_mask, scale=scale, return_lse=True,
+        out=out, backend=backend, num_threads=num_threads,
+    )
     return lse
 
 
@@ -311,19 +271,52 @@ def attention(
     broadcastable to (B, Hq, Lq, Lk); out: a preallocated tensor in q's dtype (any strides),
     written in place and returned. Forward only.
     """
-    # eager: straight to the implementation (the dispatcher would cost several times the tiny
-    # problems this exists for). A plain Tensor outside Dynamo is eager (is_dynamo_compiling: 15 ns);
-    # anything else (a subclass, torch.export's fake tensors) asks is_compiling (110 ns).
-    if (type(q) is _Tensor and not _is_dynamo_compiling()) or not torch.compiler.is_compiling():
-        return _compute(q, k, v, out, causal, q_offset, kv_lens, attn_mask, scale, return_lse, backend, num_threads)
-    # Traced (torch.compile, torch.export): one custom op in the graph.
-    offsets = _as_index_tensor("q_offset", q_offset)
-    lens = _as_index_tensor("kv_lens", kv_lens)
-    if out is None:
-        out, lse = torch.ops.twinattn.attention(q, k, v, causal, offsets, lens, attn_mask, scale, backend, num_threads)
-    else:
-        lse = torch.ops.twinattn.attention_out(q, k, v, out, causal, offsets, lens, attn_mask, scale, backend, num_threads)
-    return (out, lse) if return_lse else out
+    if not ((type(q) is _Tensor and not _is_dynamo_compiling()) or not torch.compiler.is_compiling()):
+        # Traced (torch.compile, torch.export): one custom op in the graph. (A plain Tensor outside
+        # Dynamo is eager, which is_dynamo_compiling says in 15 ns; anything else, a subclass or
+        # torch.export's fake tensors, asks is_compiling, 110 ns.)
+        offsets = _as_index_tensor("q_offset", q_offset)
+        lens = _as_index_tensor("kv_lens", kv_lens)
+        if out is None:
+            out, lse = torch.ops.twinattn.attention(q, k, v, causal, offsets, lens, attn_mask, scale, backend, num_threads)
+        else:
+            lse = torch.ops.twinattn.attention_out(q, k, v, out, causal, offsets, lens, attn_mask, scale, backend, num_threads)
+        return (out, lse) if return_lse else out
+
+    # Eager (and the custom ops' implementation): twinattn.attention on the tensors' NumPy views,
+    # called directly (the dispatcher would cost several times the tiny problems this exists for).
+    # Every step here is per call: q, k and v share one dtype read and one conversion (_inputs).
+    qa, ka, va = _inputs(q, k, v)
+    out_array = None
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+        if out.dtype is not q.dtype:
+            raise TypeError(f"out: expected dtype {q.dtype} (q's dtype), got {out.dtype}; allocate it with dtype={q.dtype}")
+        out_array = _array("out", out)
+    if q_offset is not None:
+        q_offset = _optional_array("q_offset", q_offset)
+        if isinstance(q_offset, np.ndarray) and q_offset.ndim == 0:
+            q_offset = int(q_offset)  # an int q_offset crosses the op's schema as a 0-d tensor
+    result: Any = api.attention(
+        qa,
+        ka,
+        va,
+        causal=causal,
+        q_offset=q_offset,
+        kv_lens=None if kv_lens is None else _optional_array("kv_lens", kv_lens),
+        attn_mask=None if attn_mask is None else _optional_array("attn_mask", attn_mask),
+        scale=scale,
+        return_lse=return_lse,
+        # without out, twinattn allocates with NumPy and torch.from_numpy shares that memory:
+        # cheaper per call (0.45 us) than torch.empty (1.05 us) and a view of it
+        out=out_array,
+        backend=backend,
+        num_threads=num_threads,
+    )
+    if return_lse:
+        return out if out is not None else _tensor(result[0]), _from_numpy(result[1])
+    return out if out is not None else _tensor(result)
 
 
 def scaled_dot_product_attention(
