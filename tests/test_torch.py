@@ -137,6 +137,10 @@ def test_half_reads_strided_inputs_and_writes_strided_out_in_place(request: pyte
     rng = np.random.default_rng(31)
     q_blhd, k_blhd, v_blhd = (torch.from_numpy(rand(rng, 2, 11, h, 16)).to(torch_dtype) for h in (6, 3, 3))
     q, k, v = (t.transpose(1, 2) for t in (q_blhd, k_blhd, v_blhd))
+    # read in place: the NumPy view twinattn.attention gets starts at the tensor's first element,
+    # with its strides (bfloat16 through the int16 view: no copy)
+    view = tt._array("q", q)
+    assert view.__array_interface__["data"][0] == q.data_ptr() and view.strides == tuple(2 * s for s in q.stride())
     out_blhd = torch.full((2, 11, 6, 16), float("nan"), dtype=torch_dtype)
     out = out_blhd.transpose(1, 2)
     got = tt.attention(q, k, v, causal=True, out=out, backend=backend)
@@ -214,6 +218,14 @@ def test_custom_op_real_and_fake_agree(request: pytest.FixtureRequest, dtype: st
     torch.library.opcheck(torch.ops.twinattn.attention.default, (q, k, v, True, None, lens, None, 0.5))
     out_buf = torch.empty(2, 4, 3, 8, dtype=q.dtype)
     torch.library.opcheck(torch.ops.twinattn.attention_out.default, (q, k, v, out_buf, True, None, lens, None, 0.5))
+
+
+def test_custom_op_float64_on_the_numpy_backend() -> None:
+    # float64 (backend="numpy" only): out float64, and lse float64 too, in the real op and the fake
+    q, k, v = (torch.from_numpy(a).double() for a in _tensors(9, 1, 2, 1, 3, 5, 8, 8))
+    out, lse = torch.ops.twinattn.attention(q, k, v, True, None, None, None, None, "numpy")
+    assert out.dtype == lse.dtype == torch.float64
+    torch.library.opcheck(torch.ops.twinattn.attention.default, (q, k, v, True, None, None, None, None, "numpy"))
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
