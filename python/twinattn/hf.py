@@ -38,7 +38,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import ml_dtypes
 import numpy as np
 
 try:
@@ -58,7 +57,7 @@ from . import api
 from .cache import KVCache
 # twinattn.torch's checks and zero-copy NumPy view of a tensor: the variants' keywords are not in
 # twinattn.torch.attention's signature, so attention_forward calls twinattn.attention with them
-from .torch import _array, _tensor
+from .torch import _NUMPY_DTYPES, _array, _tensor
 from .torch import attention
 
 __all__ = ["NAME", "TwinattnCache", "attention_forward", "mask_function", "register"]
@@ -253,9 +252,6 @@ def attention_forward(
 
 # ---- the cache --------------------------------------------------------------------------------------
 
-# the model's dtype -> the KVCache's: keys and values are stored as the model computes them
-_STORAGE = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16), torch.bfloat16: np.dtype(ml_dtypes.bfloat16)}
-
 
 class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
     """One layer of a TwinattnCache: views into the shared twinattn.KVCache."""
@@ -319,9 +315,10 @@ class TwinattnCache(Cache):  # type: ignore[misc]
     """A transformers Cache that preallocates and appends in place.
 
     Backed by one twinattn.KVCache: per layer, keys and values (B, Hkv, max_cache_len, D) in the
-    model's dtype (float32, bfloat16 or float16), allocated at the first update (when batch, heads and width are known). update()
-    writes the new tokens at the stored length and returns views of the stored prefix, so a decode
-    step copies one token per layer, where DynamicCache re-concatenates the whole cache.
+    model's dtype (float32, bfloat16 or float16), allocated at the first update (when batch, heads
+    and width are known). update() writes the new tokens at the stored length and returns views of
+    the stored prefix, so a decode step copies one token per layer, where DynamicCache
+    re-concatenates the whole cache.
 
         cache = TwinattnCache(max_cache_len=4096, config=model.config)
         model.generate(**inputs, cache=cache)
@@ -358,7 +355,8 @@ class TwinattnCache(Cache):  # type: ignore[misc]
     def _allocate(self, key_states: Any, value_states: Any) -> None:
         if self.kv is not None:
             return
-        dtype = _STORAGE.get(key_states.dtype)
+        # keys and values are stored in the model's dtype, as it computes them
+        dtype = _NUMPY_DTYPES.get(key_states.dtype)
         if dtype is None:
             raise TypeError(
                 f"key_states: TwinattnCache stores torch.float32, torch.float16 or torch.bfloat16 (the model's dtype), "

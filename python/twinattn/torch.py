@@ -58,6 +58,8 @@ _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 # q, k and v: float32, float16 or bfloat16 (float64 with backend="numpy", which twinattn.attention checks)
 _DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
 _DTYPES_TEXT = "torch.float32, torch.float16 or torch.bfloat16"
+# the NumPy dtype each of those is viewed as (twinattn.hf's cache stores in it)
+_NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16), torch.bfloat16: _NP_BFLOAT16}
 
 
 def _array(name: str, t: Any) -> np.ndarray:
