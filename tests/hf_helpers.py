@@ -1,8 +1,9 @@
-"""What the Hugging Face test modules share (import it only after torch and twinattn.hf imported).
+"""What the torch and Hugging Face test modules share (import it only after torch imported).
 
 Tolerance: twinattn's logits may differ from the reference by at most FACTOR times the gap that
-transformers' own float32 implementations show on the same inputs, plus FLOOR_ULPS float32 ulps
-of the largest value.
+transformers' own implementations (eager and sdpa) show on the same inputs in the same dtype,
+plus a floor of a few units of roundoff of the largest value (FLOOR_ULPS float32 ulps;
+BF16_FLOOR_ULPS bfloat16 ulps).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,10 +20,34 @@ from helpers import UNIT_ROUNDOFF
 
 FACTOR = 4.0
 FLOOR_ULPS = 16.0
+BF16_ROUNDOFF = 2.0**-8  # 8 significant bits: rounding to nearest moves a value by at most 2^-8 of it
+BF16_FLOOR_ULPS = 2.0
 
 
-def tolerance(gap: float, want: Any) -> float:
-    return FACTOR * gap + FLOOR_ULPS * UNIT_ROUNDOFF * float(want.abs().max())
+def tolerance(gap: float, want: Any, roundoff: float = UNIT_ROUNDOFF, floor_ulps: float = FLOOR_ULPS) -> float:
+    return FACTOR * gap + floor_ulps * roundoff * float(want.abs().max())
+
+
+def needs_dtype(request: pytest.FixtureRequest, backend: Any, dtype: Any, *, cache: bool = False) -> None:
+    """float16 and bfloat16 come with issue 12 (branch h-py for the API and KVCache, h-cpp and
+    h-rust for the ports). Where the installed twinattn still refuses them with its float32-only
+    messages (twinattn.attention on `backend` unless it is None; twinattn.KVCache when `cache`),
+    the test is a strict xfail; every other outcome (a pass, another error) counts."""
+    if dtype in ("float32", torch.float32):
+        return
+    import ml_dtypes
+
+    np_dtype = {"float16": np.float16, torch.float16: np.float16}.get(dtype, ml_dtypes.bfloat16)
+    a = np.zeros((1, 1), np_dtype)
+    try:
+        if backend is not None:
+            twinattn.attention(a, a, a, backend=backend)
+        if cache:
+            twinattn.KVCache(1, 1, 1, 1, 1, dtype=np_dtype)
+    except TypeError as error:
+        old = ("expected float32, got", "expected dtype float32, got", "expected a floating dtype (float32 for the native kernels)")
+        if any(text in str(error) for text in old):
+            request.applymarker(pytest.mark.xfail(strict=True, reason=f"twinattn ({backend or 'KVCache'}) predates float16/bfloat16 (issue 12)"))
 
 
 @pytest.fixture(scope="module", autouse=True)

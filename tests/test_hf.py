@@ -14,6 +14,7 @@ folder, so later runs load it in a second or two.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 from typing import Any
@@ -29,7 +30,7 @@ import_optional("gguf", "loading SmolLM2's GGUF needs it: pip install twinattn[h
 hf = import_optional("twinattn.hf", "the Hugging Face integration")
 
 import twinattn  # noqa: E402
-from hf_helpers import cache_kw, forward_logits, one_thread, tolerance  # noqa: E402, F401
+from hf_helpers import BF16_FLOOR_ULPS, BF16_ROUNDOFF, cache_kw, forward_logits, needs_dtype, one_thread, tolerance  # noqa: E402, F401
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 DECODE_STEPS = 6
@@ -124,6 +125,109 @@ def test_smollm2_greedy_generation_gives_sdpas_tokens(smol: tuple[Any, Any], cas
         got = model.generate(**batch, **settings, **{cache_kw(model): cache})
     assert got.shape == want.shape == (len(PROMPTS[case]), batch.input_ids.shape[1] + GENERATED)
     assert torch.equal(got, want), tok.batch_decode(got) + tok.batch_decode(want)
+
+
+# ---- SmolLM2 in bfloat16 -------------------------------------------------------------------------
+# Every layer of a bfloat16 model rounds its activations to bfloat16, so two bfloat16 runs that
+# differ only in their attention drift apart by far more than attention's own rounding, and so does
+# each from the float32 model. What is asserted, and why:
+# - each step, |twinattn - sdpa| (both bfloat16) within FACTOR times the gap between transformers'
+#   own two bfloat16 attentions, eager and sdpa (the float32 rule above, in bfloat16), plus
+#   BF16_FLOOR_ULPS bfloat16 ulps of the largest logit;
+# - over the whole run (prefill and every decode step, real rows), twinattn's error against the
+#   float32 model, largest and mean, no worse than twice sdpa-bfloat16's (the contract's accuracy
+#   rule for the dtypes, applied to the model);
+# - greedy generation: see the test.
+
+
+@pytest.fixture(scope="module")
+def smol_bf16(smol: tuple[Any, Any]) -> Any:
+    model, _ = smol
+    return copy.deepcopy(model).to(torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("case", list(PROMPTS))
+def test_smollm2_bfloat16_prefill_and_decode_steps_match_sdpa_and_float32(
+    request: pytest.FixtureRequest, smol: tuple[Any, Any], smol_bf16: Any, case: str
+) -> None:
+    needs_dtype(request, "auto", torch.bfloat16, cache=True)
+    model32, tok = smol
+    batch = _inputs(tok, PROMPTS[case])
+    ids, mask = batch.input_ids, batch.attention_mask
+    real = mask.bool()
+    cache = hf.TwinattnCache(max_cache_len=ids.shape[1] + DECODE_STEPS, config=smol_bf16.config)
+    runs = {  # name: (model, attention, cache)
+        "float32": (model32, "sdpa", DynamicCache()),
+        "sdpa": (smol_bf16, "sdpa", DynamicCache()),
+        "eager": (smol_bf16, "eager", DynamicCache()),
+        "twinattn": (smol_bf16, "twinattn", cache),
+    }
+    errors: dict[str, list[Any]] = {"sdpa": [], "twinattn": []}
+    with torch.inference_mode():
+        for step in range(DECODE_STEPS + 1):
+            logits = {name: forward_logits(m, impl, ids, mask, c).float() for name, (m, impl, c) in runs.items()}
+            rows = real[:, -ids.shape[1] :]
+            got, want, other = logits["twinattn"][rows], logits["sdpa"][rows], logits["eager"][rows]
+            err = float((got - want).abs().max())
+            tol = tolerance(float((other - want).abs().max()), want, BF16_ROUNDOFF, BF16_FLOOR_ULPS)
+            assert err <= tol, f"step {step}: max |twinattn - sdpa| = {err:.3g} > {tol:.3g} (bfloat16)"
+            for name in errors:
+                errors[name].append((logits[name][rows] - logits["float32"][rows]).abs().flatten())
+            ids = logits["float32"][:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+            real = mask.bool()
+    ours, theirs = torch.cat(errors["twinattn"]), torch.cat(errors["sdpa"])
+    assert float(ours.max()) <= 2 * float(theirs.max()), (float(ours.max()), float(theirs.max()))
+    assert float(ours.mean()) <= 2 * float(theirs.mean()), (float(ours.mean()), float(theirs.mean()))
+    # the cache holds bfloat16, half the bytes of a float32 one, appended in place
+    layer = cache.layers[0]
+    assert layer.keys.dtype == torch.bfloat16 and cache.get_seq_length() == mask.shape[1] - 1
+    config = smol_bf16.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    assert cache.nbytes == twinattn.kv_cache_bytes(
+        config.num_hidden_layers, len(PROMPTS[case]), config.num_key_value_heads, head_dim=head_dim,
+        tokens=batch.input_ids.shape[1] + DECODE_STEPS, bytes_per_entry=2,
+    )
+
+
+@pytest.mark.parametrize("case", list(PROMPTS))
+def test_smollm2_bfloat16_greedy_generation_follows_sdpa_until_a_tie(
+    request: pytest.FixtureRequest, smol: tuple[Any, Any], smol_bf16: Any, case: str
+) -> None:
+    # bfloat16 logits tie often (they are bfloat16 numbers, 0.125-0.25 apart near the top logits
+    # here), and where sdpa's best two are within the two runs' difference, either may win; from
+    # there on the sequences are different continuations (transformers' own eager and sdpa part
+    # the same way), so they are not compared past it. Per sequence: the tokens agree up to its
+    # first difference, if any, and at every step up to and including that one (the inputs still
+    # the same) twinattn's logits are within the per-step bfloat16 tolerance of sdpa's, the gap
+    # being eager's logits on sdpa's tokens (one teacher-forced forward); so a difference can
+    # only come from a near-tie, where sdpa's margin for its token is at most twice that.
+    needs_dtype(request, "auto", torch.bfloat16, cache=True)
+    _, tok = smol
+    batch = _inputs(tok, PROMPTS[case])
+    prompt = batch.input_ids.shape[1]
+    settings = {"max_new_tokens": GENERATED, "min_new_tokens": GENERATED, "do_sample": False,
+                "return_dict_in_generate": True, "output_logits": True}
+    with torch.inference_mode():
+        smol_bf16.set_attn_implementation("sdpa")
+        want = smol_bf16.generate(**batch, **settings)
+        smol_bf16.set_attn_implementation("twinattn")
+        cache = hf.TwinattnCache(max_cache_len=prompt + GENERATED, config=smol_bf16.config)
+        got = smol_bf16.generate(**batch, **settings, **{cache_kw(smol_bf16): cache})
+        full_mask = torch.cat([batch.attention_mask, torch.ones(len(PROMPTS[case]), GENERATED, dtype=torch.long)], dim=1)
+        eager = forward_logits(smol_bf16, "eager", want.sequences, full_mask, DynamicCache()).float()
+    agreed = []
+    for row in range(len(PROMPTS[case])):
+        ours, theirs = got.sequences[row, prompt:], want.sequences[row, prompt:]
+        differs = (ours != theirs).nonzero()
+        first = int(differs[0]) if len(differs) else GENERATED
+        agreed.append(first)
+        for step in range(min(first + 1, GENERATED)):
+            a, b = got.logits[step][row].float(), want.logits[step][row].float()
+            gap = float((eager[row, prompt - 1 + step] - b).abs().max())
+            tol = tolerance(gap, b, BF16_ROUNDOFF, BF16_FLOOR_ULPS)
+            assert float((a - b).abs().max()) <= tol, f"sequence {row}, step {step}: max |twinattn - sdpa| {float((a - b).abs().max()):.3g} > {tol:.3g}"
+    print(f"bfloat16 generation, {case}: tokens equal to sdpa's before the first difference, per sequence: {agreed} of {GENERATED}")
 
 
 def test_smollm2_static_cache_goes_through_the_materialised_mask(smol: tuple[Any, Any]) -> None:
@@ -225,8 +329,23 @@ def test_cache_refuses_other_layer_kinds_and_dtypes() -> None:
     with pytest.raises(NotImplementedError, match="chunked_attention"):
         hf.TwinattnCache(max_cache_len=16, config=config)
     cache = hf.TwinattnCache(max_cache_len=16, num_layers=1)
-    with pytest.raises(TypeError, match="float32"):
-        cache.update(torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 1, 2, 8, dtype=torch.bfloat16), 0)
+    with pytest.raises(TypeError, match=r"key_states: TwinattnCache stores torch.float32, torch.float16 or torch.bfloat16.*got torch.float64"):
+        cache.update(torch.zeros(1, 1, 2, 8, dtype=torch.float64), torch.zeros(1, 1, 2, 8, dtype=torch.float64), 0)
+    with pytest.raises(TypeError, match=r"value_states: expected dtype torch.float16 \(key_states'\), got torch.float32"):
+        cache.update(torch.zeros(1, 1, 2, 8, dtype=torch.float16), torch.zeros(1, 1, 2, 8), 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_cache_stores_the_models_half_dtype(request: pytest.FixtureRequest, dtype: Any) -> None:
+    needs_dtype(request, None, dtype, cache=True)
+    cache = hf.TwinattnCache(max_cache_len=16, num_layers=2)
+    keys, values = (torch.randn(2, 3, 5, 8).to(dtype) for _ in range(2))
+    got_k, got_v = cache.update(keys, values, 1)
+    assert got_k.dtype == got_v.dtype == dtype and torch.equal(got_k, keys) and torch.equal(got_v, values)
+    more = torch.randn(2, 3, 1, 8).to(dtype)
+    got_k, _ = cache.update(more, more, 1)
+    assert torch.equal(got_k, torch.cat([keys, more], dim=2))  # appended, the same bits
+    assert cache.nbytes == twinattn.kv_cache_bytes(2, 2, 3, head_dim=8, tokens=16, bytes_per_entry=2)
 
 
 def test_e2e_bench_measures_what_it_is_asked(smol: tuple[Any, Any]) -> None:

@@ -14,6 +14,8 @@ float32 attentions on the same padded batch differ from it (eager, and sdpa wher
 supports it), plus a floor of a few float32 ulps of the largest logit. (Run on the padded batch,
 the float64 eager model gives NaN: its softmax runs in float32, where the float64 mask's minimum
 is -inf, so a padding query that sees no key gets NaN, which 0 * NaN carries into real rows.)
+Each model runs in bfloat16 too, against the same reference, the scale being the error of
+transformers' own bfloat16 attentions.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ transformers = import_optional("transformers", "twinattn.hf needs it: pip instal
 hf = import_optional("twinattn.hf", "the Hugging Face integration")
 
 import twinattn  # noqa: E402
-from hf_helpers import cache_kw, forward_logits, one_thread, tolerance  # noqa: E402, F401
+from hf_helpers import BF16_FLOOR_ULPS, BF16_ROUNDOFF, cache_kw, forward_logits, needs_dtype, one_thread, tolerance  # noqa: E402, F401
 from transformers import AttentionInterface  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
@@ -166,14 +168,15 @@ def _prompts(case: str) -> tuple[Any, Any]:
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def _check(got: Any, want: Any, others: list[Any], what: str) -> None:
+def _check(got: Any, want: Any, others: list[Any], what: str, bfloat16: bool = False) -> None:
     err = float((got - want).abs().max())
     gap = max(float((other - want).abs().max()) for other in others)
-    tol = tolerance(gap, want)
-    assert err <= tol, f"{what}: max |twinattn - eager float64| = {err:.3g} > {tol:.3g} (float32 attentions: {gap:.3g})"
+    tol = tolerance(gap, want, BF16_ROUNDOFF, BF16_FLOOR_ULPS) if bfloat16 else tolerance(gap, want)
+    assert err <= tol, f"{what}: max |twinattn - eager float64| = {err:.3g} > {tol:.3g} (transformers' {'bfloat16' if bfloat16 else 'float32'} attentions: {gap:.3g})"
 
 
 def _compare_steps(name: str, model: Any, reference: Any, case: str, twinattn_cache: str) -> None:
+    bfloat16 = model.dtype == torch.bfloat16
     ids, mask = _prompts(case)
     real = mask.bool()
     caches: dict[str, Any] = {impl: DynamicCache(config=model.config) for impl in _impls(model)}
@@ -192,6 +195,7 @@ def _compare_steps(name: str, model: Any, reference: Any, case: str, twinattn_ca
                 want,
                 [logits[impl][rows] for impl in _impls(model)],
                 f"{name}, {case}, {twinattn_cache}, step {step}",
+                bfloat16,
             )
             ids = logits["eager"][:, -1].argmax(-1, keepdim=True)  # the same next tokens for every impl
             history = torch.cat([history, ids], dim=1)
@@ -219,6 +223,17 @@ def _reference(reference: Any, history: Any, mask: Any, rows: Any) -> Any:
 def test_prefill_and_every_decode_step_match_eager(models: tuple[str, Any, Any], case: str, cache: str) -> None:
     name, model, reference = models
     _compare_steps(name, model, reference, case, cache)
+
+
+def test_bfloat16_prefill_and_every_decode_step_match_eager(request: pytest.FixtureRequest, models: tuple[str, Any, Any]) -> None:
+    # the model in bfloat16 (each variant's inputs, s_aux included, in bfloat16; TwinattnCache
+    # storing bfloat16) against the same float64 reference, within FACTOR times the error of
+    # transformers' own bfloat16 attentions, plus BF16_FLOOR_ULPS bfloat16 ulps
+    needs_dtype(request, "auto", torch.bfloat16, cache=True)
+    name, model, reference = models
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    _compare_steps(name, half, reference, "left-padded", "TwinattnCache")
+    assert half.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("cache", ["TwinattnCache", "default cache"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,6 +17,30 @@ from conftest import import_optional  # noqa: E402
 
 torch = import_optional("torch", "twinattn.torch needs it: pip install twinattn[torch]")
 tt = import_optional("twinattn.torch", "the torch integration")
+import ml_dtypes  # noqa: E402  (a dependency of twinattn)
+from hf_helpers import needs_dtype  # noqa: E402
+
+# (torch dtype, NumPy dtype, unit roundoff: half an ulp relative, 2^-p for p significand bits)
+DTYPES = {
+    "float32": (torch.float32, np.dtype(np.float32), 2.0**-24),
+    "float16": (torch.float16, np.dtype(np.float16), 2.0**-11),
+    "bfloat16": (torch.bfloat16, np.dtype(ml_dtypes.bfloat16), 2.0**-8),
+}
+HALF = ["float16", "bfloat16"]
+
+
+def _as_tensor(a: np.ndarray) -> Any:
+    """The tensor over a NumPy array's memory (ml_dtypes.bfloat16 as torch.bfloat16), for inputs
+    whose values are exactly those the NumPy API gets."""
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _as_array(t: Any) -> np.ndarray:
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
 
 
 def _tensors(seed: int, batch: int, q_heads: int, kv_heads: int, q_len: int, k_len: int, dim: int, vdim: int):
@@ -58,6 +83,72 @@ def test_matches_numpy_api_bit_for_bit(native_backend: str, case: str, shapes: t
     assert float(np.abs(got.numpy() - ref).max()) <= tol
 
 
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize(("case", "shapes", "kwargs"), CASES, ids=[c[0] for c in CASES])
+def test_half_matches_numpy_api_bit_for_bit(
+    request: pytest.FixtureRequest, backend: str, dtype: str, case: str, shapes: tuple[int, ...], kwargs: dict
+) -> None:
+    # float16 / bfloat16 tensors: the NumPy API's result on the same values (bfloat16 as
+    # ml_dtypes.bfloat16), bit for bit, out in q's dtype, lse float32
+    needs_dtype(request, backend, dtype)
+    torch_dtype, np_dtype, roundoff = DTYPES[dtype]
+    q, k, v = (x.astype(np_dtype) for x in _tensors(23, *shapes))
+    if case == "rank3":
+        q, k, v = q[0], k[0], v[0]
+    want, want_lse = twinattn.attention(q, k, v, return_lse=True, backend=backend, **kwargs)
+    as_torch = {n: torch.from_numpy(np.asarray(x)) if isinstance(x, np.ndarray) else x for n, x in kwargs.items()}
+    got, lse = tt.attention(_as_tensor(q), _as_tensor(k), _as_tensor(v), return_lse=True, backend=backend, **as_torch)
+    assert got.dtype == torch_dtype and lse.dtype == torch.float32
+    np.testing.assert_array_equal(_as_array(got).view(np.int16), want.view(np.int16))
+    np.testing.assert_array_equal(lse.numpy(), want_lse)
+    # and against the float64 reference on the same (rounded) inputs: the float32 computation's
+    # error (as measured on the float32 reference), then out rounded once to the dtype (half an ulp,
+    # relative: roundoff x |out|; float16's subnormals: half the smallest one, 2^-25, absolute), and
+    # for bfloat16 the ports' dot-product path rounds each p to bfloat16 before P.V (8 significant
+    # bits: relative 2^-8, so 2^-8 sum p |v| <= 2^-8 max |v|)
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    ref = reference64(q64, k64, v64, **kwargs)
+    f32 = twinattn.attention(*(x.astype(np.float32) for x in (q, k, v)), backend="numpy", **kwargs)
+    tol32 = FLOAT32_ERROR_FACTOR * float(np.abs(f32 - ref).max()) + FLOOR_ULPS * UNIT_ROUNDOFF * max(1.0, float(np.abs(ref).max()))
+    p_rounding = 2.0**-8 * float(np.abs(v64).max()) if dtype == "bfloat16" else 0.0
+    tol = tol32 + p_rounding + roundoff * (np.abs(ref) + tol32 + p_rounding) + 2.0**-25
+    err = np.abs(_as_array(got).astype(np.float64) - ref)
+    assert (err <= tol).all(), f"max error {err.max():.3g}, where the tolerance is {tol.flat[err.argmax()]:.3g}"
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_bias_in_qs_dtype_is_the_float32_bias(request: pytest.FixtureRequest, backend: str, dtype: str) -> None:
+    # an additive bias given in q's dtype is widened to float32 (exactly), so it gives what the
+    # float32 bias of the same values gives
+    needs_dtype(request, backend, dtype)
+    torch_dtype = DTYPES[dtype][0]
+    q, k, v = (torch.from_numpy(a).to(torch_dtype) for a in _tensors(29, 2, 4, 2, 5, 9, 8, 8))
+    bias = torch.linspace(-3, 2, 9).to(torch_dtype)
+    got = tt.attention(q, k, v, attn_mask=bias, backend=backend)
+    want = tt.attention(q, k, v, attn_mask=bias.float(), backend=backend)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert not torch.equal(got, tt.attention(q, k, v, backend=backend))  # the bias changes the result
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_reads_strided_inputs_and_writes_strided_out_in_place(request: pytest.FixtureRequest, backend: str, dtype: str) -> None:
+    needs_dtype(request, backend, dtype)
+    torch_dtype = DTYPES[dtype][0]
+    rng = np.random.default_rng(31)
+    q_blhd, k_blhd, v_blhd = (torch.from_numpy(rand(rng, 2, 11, h, 16)).to(torch_dtype) for h in (6, 3, 3))
+    q, k, v = (t.transpose(1, 2) for t in (q_blhd, k_blhd, v_blhd))
+    # read in place: the NumPy view twinattn.attention gets starts at the tensor's first element,
+    # with its strides (bfloat16 through the int16 view: no copy)
+    view = tt._array("q", q)
+    assert view.__array_interface__["data"][0] == q.data_ptr() and view.strides == tuple(2 * s for s in q.stride())
+    out_blhd = torch.full((2, 11, 6, 16), float("nan"), dtype=torch_dtype)
+    out = out_blhd.transpose(1, 2)
+    got = tt.attention(q, k, v, causal=True, out=out, backend=backend)
+    assert got is out and got.data_ptr() == out_blhd.data_ptr()
+    want = twinattn.attention(*(_as_array(t.contiguous()) for t in (q, k, v)), causal=True, backend=backend)
+    np.testing.assert_array_equal(_as_array(out_blhd.transpose(1, 2).contiguous()).view(np.int16), want.view(np.int16))
+
+
 def test_reads_strided_inputs_and_writes_strided_out_in_place() -> None:
     # the layout a model has: (B, L, H, D) projections viewed as (B, H, L, D), and the output
     # written straight into a (B, L, H, Dv) buffer through its transposed view
@@ -73,9 +164,12 @@ def test_reads_strided_inputs_and_writes_strided_out_in_place() -> None:
     np.testing.assert_array_equal(out_blhd.transpose(1, 2).numpy(), want)
 
 
-def test_works_under_inference_mode_and_no_grad() -> None:
-    q, k, v = (torch.from_numpy(a) for a in _tensors(5, 1, 2, 1, 4, 6, 8, 8))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_works_under_inference_mode_and_no_grad(request: pytest.FixtureRequest, dtype: str) -> None:
+    needs_dtype(request, "auto", dtype)
+    q, k, v = (torch.from_numpy(a).to(DTYPES[dtype][0]) for a in _tensors(5, 1, 2, 1, 4, 6, 8, 8))
     want = tt.attention(q, k, v, causal=True)
+    assert want.dtype == q.dtype
     with torch.inference_mode():
         qi, ki, vi = q.clone(), k.clone(), v.clone()
         got = tt.attention(qi, ki, vi, causal=True)
@@ -92,29 +186,51 @@ def test_errors_name_the_argument_and_the_fix() -> None:
         tt.attention(q.clone().requires_grad_(), k, v)
     with pytest.raises(ValueError, match=r"k: twinattn runs on the CPU.*meta"):
         tt.attention(q, k.to("meta"), v)
-    with pytest.raises(TypeError, match=r"v: expected float32, got torch.bfloat16.*v.float\(\)"):
-        tt.attention(q, k, v.to(torch.bfloat16))
     with pytest.raises(TypeError, match=r"q: expected a torch.Tensor, got ndarray"):
         tt.attention(q.numpy(), k, v)
+    # dtypes: q's first, then k and v against q's, then out; each with the conversion that fixes it
+    with pytest.raises(TypeError, match=r"q: expected dtype torch.float32, torch.float16 or torch.bfloat16, got torch.int64"):
+        tt.attention(q.long(), k, v)
+    with pytest.raises(TypeError, match=r"v: expected dtype torch.float32 \(q's dtype\), got torch.bfloat16; convert with v.to\(torch.float32\)"):
+        tt.attention(q, k, v.to(torch.bfloat16))
+    with pytest.raises(TypeError, match=r"k: expected dtype torch.float16 \(q's dtype\), got torch.float32; convert with k.to\(torch.float16\)"):
+        tt.attention(q.half(), k, v.half())
+    with pytest.raises(TypeError, match=r"out: expected dtype torch.float32 \(q's dtype\), got torch.bfloat16"):
+        tt.attention(q, k, v, out=torch.empty(1, 2, 4, 8, dtype=torch.bfloat16))
     # the NumPy API's own checks come through with the same messages
     with pytest.raises(ValueError, match=r"query heads Hq=2 must be a multiple"):
         tt.attention(q, torch.zeros(1, 3, 6, 8), torch.zeros(1, 3, 6, 8))
 
 
-def test_custom_op_real_and_fake_agree() -> None:
-    q, k, v = (torch.from_numpy(a) for a in _tensors(9, 2, 4, 2, 3, 7, 8, 8))
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_custom_op_real_and_fake_agree(request: pytest.FixtureRequest, dtype: str) -> None:
+    needs_dtype(request, "auto", dtype)
+    q, k, v = (torch.from_numpy(a).to(DTYPES[dtype][0]) for a in _tensors(9, 2, 4, 2, 3, 7, 8, 8))
     lens = torch.tensor([5, 7])
     out, lse = torch.ops.twinattn.attention(q, k, v, True, None, lens, None, 0.5)
-    want, want_lse = twinattn.attention(q.numpy(), k.numpy(), v.numpy(), causal=True, kv_lens=lens.numpy(), scale=0.5, return_lse=True)
-    np.testing.assert_array_equal(out.numpy(), want)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    want, want_lse = twinattn.attention(
+        _as_array(q), _as_array(k), _as_array(v), causal=True, kv_lens=lens.numpy(), scale=0.5, return_lse=True
+    )
+    np.testing.assert_array_equal(_as_array(out), want)
     np.testing.assert_array_equal(lse.numpy(), want_lse)
-    # opcheck: schema, fake (meta) shapes and strides against the real kernel, and dispatch
+    # opcheck: schema, fake (meta) shapes, strides and dtypes against the real kernel, and dispatch
     torch.library.opcheck(torch.ops.twinattn.attention.default, (q, k, v, True, None, lens, None, 0.5))
-    out_buf = torch.empty(2, 4, 3, 8)
+    out_buf = torch.empty(2, 4, 3, 8, dtype=q.dtype)
     torch.library.opcheck(torch.ops.twinattn.attention_out.default, (q, k, v, out_buf, True, None, lens, None, 0.5))
 
 
-def test_compile_fullgraph_sees_one_op() -> None:
+def test_custom_op_float64_on_the_numpy_backend() -> None:
+    # float64 (backend="numpy" only): out float64, and lse float64 too, in the real op and the fake
+    q, k, v = (torch.from_numpy(a).double() for a in _tensors(9, 1, 2, 1, 3, 5, 8, 8))
+    out, lse = torch.ops.twinattn.attention(q, k, v, True, None, None, None, None, "numpy")
+    assert out.dtype == lse.dtype == torch.float64
+    torch.library.opcheck(torch.ops.twinattn.attention.default, (q, k, v, True, None, None, None, None, "numpy"))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_compile_fullgraph_sees_one_op(request: pytest.FixtureRequest, dtype: str) -> None:
+    needs_dtype(request, "auto", dtype)
     seen: list[object] = []
 
     def record(gm, example_inputs):  # a torch.compile backend that keeps the traced graph
@@ -124,9 +240,10 @@ def test_compile_fullgraph_sees_one_op() -> None:
     def block(q, k, v):
         return tt.attention(q * 2.0, k, v, causal=True, q_offset=3) + 1.0
 
-    q, k, v = (torch.from_numpy(a) for a in _tensors(11, 1, 2, 1, 4, 7, 8, 8))
+    q, k, v = (torch.from_numpy(a).to(DTYPES[dtype][0]) for a in _tensors(11, 1, 2, 1, 4, 7, 8, 8))
     compiled = torch.compile(block, backend=record, fullgraph=True)
     got = compiled(q, k, v)
+    assert got.dtype == q.dtype
     torch.testing.assert_close(got, block(q, k, v), rtol=0, atol=0)
     assert sum(1 for t in seen if "twinattn" in str(t)) == 1, seen
 

@@ -27,7 +27,11 @@ Gemma 2/3, gpt-oss) is key j visible to the query at position p only if p - w < 
 `softcap` (Gemma 2's attn_logit_softcapping) turns each scaled score s into
 softcap * tanh(s / softcap) before the mask; `s_aux` (gpt-oss's sinks, one logit per query head)
 is a virtual key that takes softmax mass and carries no value. A learned `position_bias` raises
-NotImplementedError; bfloat16/float16 models wait for those dtypes.
+NotImplementedError.
+
+dtypes: float32, bfloat16 and float16 models. Query, key and value reach twinattn in the model's
+dtype (computed in float32, out rounded once to that dtype), and TwinattnCache stores keys and
+values in it (a bfloat16 cache is half a float32 one).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from . import api
 from .cache import KVCache
 # twinattn.torch's checks and zero-copy NumPy view of a tensor: the variants' keywords are not in
 # twinattn.torch.attention's signature, so attention_forward calls twinattn.attention with them
-from .torch import _array
+from .torch import _NUMPY_DTYPES, _array, _tensor
 from .torch import attention
 
 __all__ = ["NAME", "TwinattnCache", "attention_forward", "mask_function", "register"]
@@ -237,10 +241,11 @@ def attention_forward(
         kv_lens=None if kv_lens is None else kv_lens.numpy(),
         attn_mask=None if attn_mask is None else _array("attention_mask", attn_mask),
         scale=scaling,
-        out=out.transpose(1, 2).numpy(),
+        out=_array("out", out.transpose(1, 2)),
         window_size=window,
         softcap=0.0 if softcap is None else float(softcap),
-        sinks=None if sinks is None else _array("s_aux", sinks),
+        # sinks are float32 (a bfloat16 model's s_aux converts exactly)
+        sinks=None if sinks is None else _array("s_aux", sinks.float()),
     )
     return out, None
 
@@ -273,8 +278,8 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         self.is_initialized = True
         # one slice assignment of the new tokens into the preallocated buffers; the result is a
         # view (B, Hkv, stored, D) of them: nothing already cached is copied
-        keys, values = kv.update(key_states.detach().numpy(), value_states.detach().numpy(), self._layer_idx)
-        self.keys, self.values = torch.from_numpy(keys), torch.from_numpy(values)
+        keys, values = kv.update(_array("key_states", key_states.detach()), _array("value_states", value_states.detach()), self._layer_idx)
+        self.keys, self.values = _tensor(keys), _tensor(values)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -310,9 +315,10 @@ class TwinattnCache(Cache):  # type: ignore[misc]
     """A transformers Cache that preallocates and appends in place.
 
     Backed by one twinattn.KVCache: per layer, keys and values (B, Hkv, max_cache_len, D) in the
-    model's dtype, allocated at the first update (when batch, heads and width are known). update()
-    writes the new tokens at the stored length and returns views of the stored prefix, so a decode
-    step copies one token per layer, where DynamicCache re-concatenates the whole cache.
+    model's dtype (float32, bfloat16 or float16), allocated at the first update (when batch, heads
+    and width are known). update() writes the new tokens at the stored length and returns views of
+    the stored prefix, so a decode step copies one token per layer, where DynamicCache
+    re-concatenates the whole cache.
 
         cache = TwinattnCache(max_cache_len=4096, config=model.config)
         model.generate(**inputs, cache=cache)
@@ -349,11 +355,15 @@ class TwinattnCache(Cache):  # type: ignore[misc]
     def _allocate(self, key_states: Any, value_states: Any) -> None:
         if self.kv is not None:
             return
-        if key_states.dtype != torch.float32 or value_states.dtype != torch.float32:
+        # keys and values are stored in the model's dtype, as it computes them
+        dtype = _NUMPY_DTYPES.get(key_states.dtype)
+        if dtype is None:
             raise TypeError(
-                f"key_states: TwinattnCache stores float32 for now (twinattn's kernels), got {key_states.dtype}; "
-                "load the model with dtype=torch.float32"
+                f"key_states: TwinattnCache stores torch.float32, torch.float16 or torch.bfloat16 (the model's dtype), "
+                f"got {key_states.dtype}; load the model with dtype=torch.bfloat16 or torch.float32"
             )
+        if value_states.dtype != key_states.dtype:
+            raise TypeError(f"value_states: expected dtype {key_states.dtype} (key_states'), got {value_states.dtype}")
         if key_states.device.type != "cpu":
             raise ValueError(f"key_states: TwinattnCache lives in CPU memory, got a tensor on {key_states.device}")
         batch, kv_heads, _, head_dim = key_states.shape
@@ -361,7 +371,7 @@ class TwinattnCache(Cache):  # type: ignore[misc]
             raise NotImplementedError(
                 f"value_states: TwinattnCache stores keys and values of one width, got {head_dim} and {value_states.shape[-1]}"
             )
-        self.kv = KVCache(self.num_layers, batch, kv_heads, head_dim, self.max_cache_len, dtype=np.float32)
+        self.kv = KVCache(self.num_layers, batch, kv_heads, head_dim, self.max_cache_len, dtype=dtype)
 
     def _reset_layer(self, layer_idx: int) -> None:
         # KVCache.reset empties every layer at once: transformers calls this for each layer in turn

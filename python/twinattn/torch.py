@@ -1,12 +1,18 @@
 """twinattn on torch CPU tensors (needs `pip install twinattn[torch]`).
 
     import twinattn.torch
-    out = twinattn.torch.attention(q, k, v, causal=True)        # q (B, Hq, Lq, D) float32 CPU tensors
+    out = twinattn.torch.attention(q, k, v, causal=True)        # q (B, Hq, Lq, D) CPU tensors
     out = torch.ops.twinattn.attention(q, k, v, True, None, None, None, None)[0]   # the custom op
 
 `attention` takes the keywords of twinattn.attention and reads the tensors in place: each one is
-viewed as a NumPy array (Tensor.numpy(), strides as they are, no copy), the result is allocated as
-a torch tensor and written through such a view, and the GIL is released while the kernel runs.
+viewed as a NumPy array (Tensor.numpy(), strides as they are, no copy; a bfloat16 tensor through an
+int16 view of its bytes, as ml_dtypes.bfloat16), the result is allocated by NumPy and handed back as
+a tensor sharing its memory, and the GIL is released while the kernel runs.
+
+dtypes: q, k and v all torch.float32, all torch.float16 or all torch.bfloat16 (float64 with
+backend="numpy"); out comes back in q's dtype (a given out must have it), lse in float32. Mixed
+dtypes raise TypeError naming the conversion; nothing is cast silently. attn_mask: bool, or an
+additive float bias (float32, or q's dtype, widened).
 
 The same computation is registered as the torch custom ops `twinattn::attention` (returns out and
 lse) and `twinattn::attention_out` (writes a given out, returns lse), each with a fake
@@ -14,14 +20,14 @@ implementation, so torch.compile(fullgraph=True) and torch.export see one opaque
 `attention` calls the implementation directly: the dispatcher's per-call cost would be several
 times that of the tiny problems it exists for.
 
-Forward only: inputs that require grad raise (there is no backward). float32 for now (float64 with
-backend="numpy"); bfloat16 and float16 raise TypeError until the kernels take them.
+Forward only: inputs that require grad raise (there is no backward).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+import ml_dtypes
 import numpy as np
 
 try:
@@ -34,14 +40,44 @@ from . import sdpa as _sdpa
 
 __all__ = ["attention", "scaled_dot_product_attention"]
 
-_ACCEPTED = (torch.float32, torch.float64)
+# NumPy has no bfloat16: a bfloat16 tensor is viewed as int16 (the same bytes) and that as
+# ml_dtypes.bfloat16, the NumPy dtype twinattn's bfloat16 API takes. Measured per tensor on the tiny
+# case: Tensor.numpy() 0.57 us; bfloat16 through the int16 view 1.1-1.2 us (the view alone 0.46 us);
+# np.from_dlpack 2.0 us (and no bfloat16; through torch.utils.dlpack.to_dlpack and a capsule holder
+# 0.47 us, which skips the requires-grad check: too little gained for a second path); an
+# __array_interface__ object 1.5 us.
+_BFLOAT16 = torch.bfloat16
+_INT16 = torch.int16
+_NP_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+_NP_INT16 = np.dtype(np.int16)
+_Tensor = torch.Tensor
+_numpy = torch.Tensor.numpy
+_view = torch.Tensor.view
+_from_numpy = torch.from_numpy
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
+# q, k and v: float32, float16 or bfloat16 (float64 with backend="numpy", which twinattn.attention checks)
+_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
+_DTYPES_TEXT = "torch.float32, torch.float16 or torch.bfloat16"
+# the NumPy dtype each of those is viewed as (twinattn.hf's cache stores in it)
+_NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16), torch.bfloat16: _NP_BFLOAT16}
 
 
 def _array(name: str, t: Any) -> np.ndarray:
-    """A NumPy view of a CPU tensor that takes part in no autograd graph."""
-    # the common case first, in the fewest attribute reads (this runs four times a call)
-    if type(t) is torch.Tensor and t.is_cpu and t.dtype is torch.float32 and not t.requires_grad:
-        return t.numpy()  # type: ignore[no-any-return]
+    """A NumPy view of a CPU tensor that takes part in no autograd graph (bfloat16 as
+    ml_dtypes.bfloat16); no copy, whatever the strides."""
+    try:
+        if t.dtype is _BFLOAT16:
+            return _numpy(_view(t, _INT16)).view(_NP_BFLOAT16)  # type: ignore[no-any-return]
+        # Tensor.numpy refuses what it cannot view (another device, requires grad, a sparse
+        # layout, a non-tensor): _checked_array then says which, in twinattn's words
+        return _numpy(t)  # type: ignore[no-any-return]
+    except (AttributeError, TypeError, RuntimeError):
+        return _checked_array(name, t)
+
+
+def _checked_array(name: str, t: Any) -> np.ndarray:
+    """_array's slow path: a clear error for what cannot be read in place, or the view of a tensor
+    that requires grad where no graph is recorded (torch.no_grad)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -54,57 +90,51 @@ def _array(name: str, t: Any) -> np.ndarray:
             f"{name}: requires grad, but twinattn computes the forward pass only (no backward); "
             "call it under torch.no_grad() or torch.inference_mode(), or pass a detached tensor"
         )
-    if t.is_floating_point() and t.dtype not in _ACCEPTED:
-        raise TypeError(
-            f"{name}: expected float32, got {t.dtype}; twinattn's kernels take float32 for now: "
-            f"pass {name}.float()"
-        )
     if t.layout != torch.strided:
         raise TypeError(f"{name}: expected a dense strided tensor, got layout {t.layout}")
-    return t.detach().numpy()  # type: ignore[no-any-return]
+    t = t.detach()
+    if t.dtype is _BFLOAT16:
+        return _numpy(_view(t, _INT16)).view(_NP_BFLOAT16)  # type: ignore[no-any-return]
+    return _numpy(t)  # type: ignore[no-any-return]
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    """The tensor sharing a NumPy array's memory (ml_dtypes.bfloat16 as torch.bfloat16)."""
+    if a.dtype is _NP_BFLOAT16:
+        return _view(_from_numpy(a.view(_NP_INT16)), _BFLOAT16)
+    return _from_numpy(a)
+
+
+def _inputs(q: Any, k: Any, v: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The NumPy views of q, k and v, one dtype for the three (float32, float16 or bfloat16;
+    float64 too, for backend="numpy"). The common case reads each dtype once and converts the three
+    the same way; anything else takes the checked path, whose messages name the argument."""
+    try:
+        dtype = q.dtype
+        if k.dtype is dtype and v.dtype is dtype and dtype in _DTYPES:
+            if dtype is _BFLOAT16:
+                return (
+                    _numpy(_view(q, _INT16)).view(_NP_BFLOAT16),
+                    _numpy(_view(k, _INT16)).view(_NP_BFLOAT16),
+                    _numpy(_view(v, _INT16)).view(_NP_BFLOAT16),
+                )
+            return _numpy(q), _numpy(k), _numpy(v)
+    except (AttributeError, TypeError, RuntimeError):
+        pass
+    # q's dtype first, then k's and v's, then what Tensor.numpy refused (device, grad, layout)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q: expected dtype {_DTYPES_TEXT}, got {q.dtype}; convert with q.float()")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype is not q.dtype:
+            raise TypeError(f"{name}: expected dtype {q.dtype} (q's dtype), got {t.dtype}; convert with {name}.to({q.dtype})")
+    return _checked_array("q", q), _checked_array("k", k), _checked_array("v", v)
 
 
 def _optional_array(name: str, t: Any) -> Any:
     return _array(name, t) if isinstance(t, torch.Tensor) else t
-
-
-def _compute(
-    q: Any,
-    k: Any,
-    v: Any,
-    out: Any,
-    causal: bool,
-    q_offset: Any,
-    kv_lens: Any,
-    attn_mask: Any,
-    scale: Optional[float],
-    return_lse: bool,
-    backend: str,
-    num_threads: Optional[int],
-) -> Any:
-    """The shared implementation: torch tensors in, twinattn.attention on their NumPy views."""
-    offsets = _optional_array("q_offset", q_offset)
-    if isinstance(offsets, np.ndarray) and offsets.ndim == 0:
-        offsets = int(offsets)  # an int q_offset crosses the op's schema as a 0-d tensor
-    result = api.attention(
-        _array("q", q),
-        _array("k", k),
-        _array("v", v),
-        causal=causal,
-        q_offset=offsets,
-        kv_lens=_optional_array("kv_lens", kv_lens),
-        attn_mask=_optional_array("attn_mask", attn_mask),
-        scale=scale,
-        return_lse=return_lse,
-        # without out, twinattn allocates with NumPy and torch.from_numpy shares that memory: cheaper
-        # per call than torch.empty and a view of it
-        out=None if out is None else _array("out", out),
-        backend=backend,
-        num_threads=num_threads,
-    )
-    if return_lse:
-        return out if out is not None else torch.from_numpy(result[0]), torch.from_numpy(result[1])
-    return out if out is not None else torch.from_numpy(result)
 
 
 # ---- the custom ops: what torch.compile and torch.export see -------------------------------------
@@ -124,7 +154,10 @@ def _attention_impl(
     backend: str = "auto",
     num_threads: Optional[int] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    out, lse = _compute(q, k, v, None, causal, q_offset, kv_lens, attn_mask, scale, True, backend, num_threads)
+    out, lse = attention(
+        q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, attn_mask=attn_mask, scale=scale, return_lse=True,
+        backend=backend, num_threads=num_threads,
+    )
     return out, lse
 
 
@@ -142,7 +175,7 @@ def _attention_fake(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     _check_fake_ranks(q, k, v)
     out = q.new_empty(q.shape[:-1] + v.shape[-1:])
-    return out, q.new_empty(q.shape[:-1])
+    return out, q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 
 def _attention_out_impl(
@@ -158,7 +191,10 @@ def _attention_out_impl(
     backend: str = "auto",
     num_threads: Optional[int] = None,
 ) -> torch.Tensor:
-    _, lse = _compute(q, k, v, out, causal, q_offset, kv_lens, attn_mask, scale, True, backend, num_threads)
+    _, lse = attention(
+        q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, attn_mask=attn_mask, scale=scale, return_lse=True,
+        out=out, backend=backend, num_threads=num_threads,
+    )
     return lse
 
 
@@ -176,7 +212,7 @@ def _attention_out_fake(
     num_threads: Optional[int] = None,
 ) -> torch.Tensor:
     _check_fake_ranks(q, k, v)
-    return q.new_empty(q.shape[:-1])
+    return q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 
 # (registered by call rather than as decorators: torch is typed Any here, and mypy --strict rejects
@@ -185,6 +221,11 @@ _attention_op = torch.library.custom_op("twinattn::attention", _attention_impl, 
 _attention_op.register_fake(_attention_fake)
 _attention_out_op = torch.library.custom_op("twinattn::attention_out", _attention_out_impl, mutates_args=("out",))
 _attention_out_op.register_fake(_attention_out_fake)
+
+
+def _lse_dtype(q: Any) -> torch.dtype:
+    # lse is float32 whatever q's dtype (float64 for a float64 problem, backend="numpy")
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _check_fake_ranks(q: Any, k: Any, v: Any) -> None:
@@ -225,22 +266,59 @@ def attention(
 ) -> Any:
     """twinattn.attention on torch CPU tensors: same keywords, same semantics, tensors back.
 
-    q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) float32 -> out (B, Hq, Lq, Dv)
-    [and lse (B, Hq, Lq) with return_lse=True]. q_offset: None, an int or an int tensor (B,);
-    kv_lens: None or an int tensor (B,); attn_mask: bool (True = may attend) or float32 bias
-    broadcastable to (B, Hq, Lq, Lk); out: a preallocated float32 tensor (any strides with a
-    unit last one), written in place and returned. Forward only.
+    q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), all float32, all float16 or all
+    bfloat16 -> out (B, Hq, Lq, Dv) in q's dtype [and lse (B, Hq, Lq) float32 with
+    return_lse=True]. q_offset: None, an int or an int tensor (B,); kv_lens: None or an int
+    tensor (B,); attn_mask: bool (True = may attend) or a float bias (float32 or q's dtype)
+    broadcastable to (B, Hq, Lq, Lk); out: a preallocated tensor in q's dtype (any strides),
+    written in place and returned. Forward only.
     """
-    if not torch.compiler.is_compiling():
-        return _compute(q, k, v, out, causal, q_offset, kv_lens, attn_mask, scale, return_lse, backend, num_threads)
-    # Traced (torch.compile, torch.export): one custom op in the graph.
-    offsets = _as_index_tensor("q_offset", q_offset)
-    lens = _as_index_tensor("kv_lens", kv_lens)
-    if out is None:
-        out, lse = torch.ops.twinattn.attention(q, k, v, causal, offsets, lens, attn_mask, scale, backend, num_threads)
-    else:
-        lse = torch.ops.twinattn.attention_out(q, k, v, out, causal, offsets, lens, attn_mask, scale, backend, num_threads)
-    return (out, lse) if return_lse else out
+    if not ((type(q) is _Tensor and not _is_dynamo_compiling()) or not torch.compiler.is_compiling()):
+        # Traced (torch.compile, torch.export): one custom op in the graph. (A plain Tensor outside
+        # Dynamo is eager, which is_dynamo_compiling says in 15 ns; anything else, a subclass or
+        # torch.export's fake tensors, asks is_compiling, 110 ns.)
+        offsets = _as_index_tensor("q_offset", q_offset)
+        lens = _as_index_tensor("kv_lens", kv_lens)
+        if out is None:
+            out, lse = torch.ops.twinattn.attention(q, k, v, causal, offsets, lens, attn_mask, scale, backend, num_threads)
+        else:
+            lse = torch.ops.twinattn.attention_out(q, k, v, out, causal, offsets, lens, attn_mask, scale, backend, num_threads)
+        return (out, lse) if return_lse else out
+
+    # Eager (and the custom ops' implementation): twinattn.attention on the tensors' NumPy views,
+    # called directly (the dispatcher would cost several times the tiny problems this exists for).
+    # Every step here is per call: q, k and v share one dtype read and one conversion (_inputs).
+    qa, ka, va = _inputs(q, k, v)
+    out_array = None
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+        if out.dtype is not q.dtype:
+            raise TypeError(f"out: expected dtype {q.dtype} (q's dtype), got {out.dtype}; allocate it with dtype={q.dtype}")
+        out_array = _array("out", out)
+    if q_offset is not None:
+        q_offset = _optional_array("q_offset", q_offset)
+        if isinstance(q_offset, np.ndarray) and q_offset.ndim == 0:
+            q_offset = int(q_offset)  # an int q_offset crosses the op's schema as a 0-d tensor
+    result: Any = api.attention(
+        qa,
+        ka,
+        va,
+        causal=causal,
+        q_offset=q_offset,
+        kv_lens=None if kv_lens is None else _optional_array("kv_lens", kv_lens),
+        attn_mask=None if attn_mask is None else _optional_array("attn_mask", attn_mask),
+        scale=scale,
+        return_lse=return_lse,
+        # without out, twinattn allocates with NumPy and torch.from_numpy shares that memory:
+        # cheaper per call (0.45 us) than torch.empty (1.05 us) and a view of it
+        out=out_array,
+        backend=backend,
+        num_threads=num_threads,
+    )
+    if return_lse:
+        return out if out is not None else _tensor(result[0]), _from_numpy(result[1])
+    return out if out is not None else _tensor(result)
 
 
 def scaled_dot_product_attention(
