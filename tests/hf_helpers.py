@@ -28,28 +28,6 @@ def tolerance(gap: float, want: Any, roundoff: float = UNIT_ROUNDOFF, floor_ulps
     return FACTOR * gap + floor_ulps * roundoff * float(want.abs().max())
 
 
-def needs_dtype(request: pytest.FixtureRequest, backend: Any, dtype: Any, *, cache: bool = False) -> None:
-    """float16 and bfloat16 come with issue 12 (branch h-py for the API and KVCache, h-cpp and
-    h-rust for the ports). Where the installed twinattn still refuses them with its float32-only
-    messages (twinattn.attention on `backend` unless it is None; twinattn.KVCache when `cache`),
-    the test is a strict xfail; every other outcome (a pass, another error) counts."""
-    if dtype in ("float32", torch.float32):
-        return
-    import ml_dtypes
-
-    np_dtype = {"float16": np.float16, torch.float16: np.float16}.get(dtype, ml_dtypes.bfloat16)
-    a = np.zeros((1, 1), np_dtype)
-    try:
-        if backend is not None:
-            twinattn.attention(a, a, a, backend=backend)
-        if cache:
-            twinattn.KVCache(1, 1, 1, 1, 1, dtype=np_dtype)
-    except TypeError as error:
-        old = ("expected float32, got", "expected dtype float32, got", "expected a floating dtype (float32 for the native kernels)")
-        if any(text in str(error) for text in old):
-            request.applymarker(pytest.mark.xfail(strict=True, reason=f"twinattn ({backend or 'KVCache'}) predates float16/bfloat16 (issue 12)"))
-
-
 @pytest.fixture(scope="module", autouse=True)
 def one_thread() -> Iterator[None]:
     # two threads on a machine shared with other jobs make torch's OpenMP pool spin; the

@@ -30,7 +30,7 @@ import_optional("gguf", "loading SmolLM2's GGUF needs it: pip install twinattn[h
 hf = import_optional("twinattn.hf", "the Hugging Face integration")
 
 import twinattn  # noqa: E402
-from hf_helpers import BF16_FLOOR_ULPS, BF16_ROUNDOFF, cache_kw, forward_logits, needs_dtype, one_thread, tolerance  # noqa: E402, F401
+from hf_helpers import BF16_FLOOR_ULPS, BF16_ROUNDOFF, cache_kw, forward_logits, one_thread, tolerance  # noqa: E402, F401
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 DECODE_STEPS = 6
@@ -148,9 +148,8 @@ def smol_bf16(smol: tuple[Any, Any]) -> Any:
 
 @pytest.mark.parametrize("case", list(PROMPTS))
 def test_smollm2_bfloat16_prefill_and_decode_steps_match_sdpa_and_float32(
-    request: pytest.FixtureRequest, smol: tuple[Any, Any], smol_bf16: Any, case: str
+    smol: tuple[Any, Any], smol_bf16: Any, case: str
 ) -> None:
-    needs_dtype(request, "auto", torch.bfloat16, cache=True)
     model32, tok = smol
     batch = _inputs(tok, PROMPTS[case])
     ids, mask = batch.input_ids, batch.attention_mask
@@ -192,7 +191,7 @@ def test_smollm2_bfloat16_prefill_and_decode_steps_match_sdpa_and_float32(
 
 @pytest.mark.parametrize("case", list(PROMPTS))
 def test_smollm2_bfloat16_greedy_generation_follows_sdpa_until_a_tie(
-    request: pytest.FixtureRequest, smol: tuple[Any, Any], smol_bf16: Any, case: str
+    smol: tuple[Any, Any], smol_bf16: Any, case: str
 ) -> None:
     # bfloat16 logits tie often (they are bfloat16 numbers, 0.125-0.25 apart near the top logits
     # here), and where sdpa's best two are within the two runs' difference, either may win; from
@@ -202,7 +201,6 @@ def test_smollm2_bfloat16_greedy_generation_follows_sdpa_until_a_tie(
     # the same) twinattn's logits are within the per-step bfloat16 tolerance of sdpa's, the gap
     # being eager's logits on sdpa's tokens (one teacher-forced forward); so a difference can
     # only come from a near-tie, where sdpa's margin for its token is at most twice that.
-    needs_dtype(request, "auto", torch.bfloat16, cache=True)
     _, tok = smol
     batch = _inputs(tok, PROMPTS[case])
     prompt = batch.input_ids.shape[1]
@@ -336,8 +334,7 @@ def test_cache_refuses_other_layer_kinds_and_dtypes() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
-def test_cache_stores_the_models_half_dtype(request: pytest.FixtureRequest, dtype: Any) -> None:
-    needs_dtype(request, None, dtype, cache=True)
+def test_cache_stores_the_models_half_dtype(dtype: Any) -> None:
     cache = hf.TwinattnCache(max_cache_len=16, num_layers=2)
     keys, values = (torch.randn(2, 3, 5, 8).to(dtype) for _ in range(2))
     got_k, got_v = cache.update(keys, values, 1)

@@ -32,7 +32,7 @@ transformers = import_optional("transformers", "twinattn.hf needs it: pip instal
 hf = import_optional("twinattn.hf", "the Hugging Face integration")
 
 import twinattn  # noqa: E402
-from hf_helpers import BF16_FLOOR_ULPS, BF16_ROUNDOFF, cache_kw, forward_logits, needs_dtype, one_thread, tolerance  # noqa: E402, F401
+from hf_helpers import BF16_FLOOR_ULPS, BF16_ROUNDOFF, cache_kw, forward_logits, one_thread, tolerance  # noqa: E402, F401
 from transformers import AttentionInterface  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
@@ -225,11 +225,10 @@ def test_prefill_and_every_decode_step_match_eager(models: tuple[str, Any, Any],
     _compare_steps(name, model, reference, case, cache)
 
 
-def test_bfloat16_prefill_and_every_decode_step_match_eager(request: pytest.FixtureRequest, models: tuple[str, Any, Any]) -> None:
+def test_bfloat16_prefill_and_every_decode_step_match_eager(models: tuple[str, Any, Any]) -> None:
     # the model in bfloat16 (each variant's inputs, s_aux included, in bfloat16; TwinattnCache
     # storing bfloat16) against the same float64 reference, within FACTOR times the error of
     # transformers' own bfloat16 attentions, plus BF16_FLOOR_ULPS bfloat16 ulps
-    needs_dtype(request, "auto", torch.bfloat16, cache=True)
     name, model, reference = models
     half = copy.deepcopy(model).to(torch.bfloat16)
     _compare_steps(name, half, reference, "left-padded", "TwinattnCache")

@@ -18,7 +18,6 @@ from conftest import import_optional  # noqa: E402
 torch = import_optional("torch", "twinattn.torch needs it: pip install twinattn[torch]")
 tt = import_optional("twinattn.torch", "the torch integration")
 import ml_dtypes  # noqa: E402  (a dependency of twinattn)
-from hf_helpers import needs_dtype  # noqa: E402
 
 # (torch dtype, NumPy dtype, unit roundoff: half an ulp relative, 2^-p for p significand bits)
 DTYPES = {
@@ -86,11 +85,10 @@ def test_matches_numpy_api_bit_for_bit(native_backend: str, case: str, shapes: t
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize(("case", "shapes", "kwargs"), CASES, ids=[c[0] for c in CASES])
 def test_half_matches_numpy_api_bit_for_bit(
-    request: pytest.FixtureRequest, backend: str, dtype: str, case: str, shapes: tuple[int, ...], kwargs: dict
+    backend: str, dtype: str, case: str, shapes: tuple[int, ...], kwargs: dict
 ) -> None:
     # float16 / bfloat16 tensors: the NumPy API's result on the same values (bfloat16 as
     # ml_dtypes.bfloat16), bit for bit, out in q's dtype, lse float32
-    needs_dtype(request, backend, dtype)
     torch_dtype, np_dtype, roundoff = DTYPES[dtype]
     q, k, v = (x.astype(np_dtype) for x in _tensors(23, *shapes))
     if case == "rank3":
@@ -117,10 +115,9 @@ def test_half_matches_numpy_api_bit_for_bit(
 
 
 @pytest.mark.parametrize("dtype", HALF)
-def test_half_bias_in_qs_dtype_is_the_float32_bias(request: pytest.FixtureRequest, backend: str, dtype: str) -> None:
+def test_half_bias_in_qs_dtype_is_the_float32_bias(backend: str, dtype: str) -> None:
     # an additive bias given in q's dtype is widened to float32 (exactly), so it gives what the
     # float32 bias of the same values gives
-    needs_dtype(request, backend, dtype)
     torch_dtype = DTYPES[dtype][0]
     q, k, v = (torch.from_numpy(a).to(torch_dtype) for a in _tensors(29, 2, 4, 2, 5, 9, 8, 8))
     bias = torch.linspace(-3, 2, 9).to(torch_dtype)
@@ -131,8 +128,7 @@ def test_half_bias_in_qs_dtype_is_the_float32_bias(request: pytest.FixtureReques
 
 
 @pytest.mark.parametrize("dtype", HALF)
-def test_half_reads_strided_inputs_and_writes_strided_out_in_place(request: pytest.FixtureRequest, backend: str, dtype: str) -> None:
-    needs_dtype(request, backend, dtype)
+def test_half_reads_strided_inputs_and_writes_strided_out_in_place(backend: str, dtype: str) -> None:
     torch_dtype = DTYPES[dtype][0]
     rng = np.random.default_rng(31)
     q_blhd, k_blhd, v_blhd = (torch.from_numpy(rand(rng, 2, 11, h, 16)).to(torch_dtype) for h in (6, 3, 3))
@@ -165,8 +161,7 @@ def test_reads_strided_inputs_and_writes_strided_out_in_place() -> None:
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_works_under_inference_mode_and_no_grad(request: pytest.FixtureRequest, dtype: str) -> None:
-    needs_dtype(request, "auto", dtype)
+def test_works_under_inference_mode_and_no_grad(dtype: str) -> None:
     q, k, v = (torch.from_numpy(a).to(DTYPES[dtype][0]) for a in _tensors(5, 1, 2, 1, 4, 6, 8, 8))
     want = tt.attention(q, k, v, causal=True)
     assert want.dtype == q.dtype
@@ -203,8 +198,7 @@ def test_errors_name_the_argument_and_the_fix() -> None:
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_custom_op_real_and_fake_agree(request: pytest.FixtureRequest, dtype: str) -> None:
-    needs_dtype(request, "auto", dtype)
+def test_custom_op_real_and_fake_agree(dtype: str) -> None:
     q, k, v = (torch.from_numpy(a).to(DTYPES[dtype][0]) for a in _tensors(9, 2, 4, 2, 3, 7, 8, 8))
     lens = torch.tensor([5, 7])
     out, lse = torch.ops.twinattn.attention(q, k, v, True, None, lens, None, 0.5)
@@ -229,8 +223,7 @@ def test_custom_op_float64_on_the_numpy_backend() -> None:
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_compile_fullgraph_sees_one_op(request: pytest.FixtureRequest, dtype: str) -> None:
-    needs_dtype(request, "auto", dtype)
+def test_compile_fullgraph_sees_one_op(dtype: str) -> None:
     seen: list[object] = []
 
     def record(gm, example_inputs):  # a torch.compile backend that keeps the traced graph
