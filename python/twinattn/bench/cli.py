@@ -2,6 +2,8 @@
 
 Backends: cpp and rust (twinattn's ports), numpy (the reference), and, when importable, torch
 (scaled_dot_product_attention) and onnxruntime (com.microsoft::GroupQueryAttention on the CPU).
+Each case runs in every dtype of --dtype (float32 by default; float16 and bfloat16 on the ports and
+torch; numpy and onnxruntime are timed in float32 only).
 Every output is checked against a float64 reference before its time counts; a wrong result is
 reported as WRONG and the command exits with status 1. The layer-decode case times one decode step
 of twinattn.nn.Attention on the twinattn backends and, beside it, the attention kernel alone.
@@ -10,6 +12,7 @@ of twinattn.nn.Attention on the twinattn backends and, beside it, the attention 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import sys
@@ -20,19 +23,27 @@ import twinattn
 
 from . import machine, report
 from .peers import PORTS, make_runners, parse_backends
-from .suite import QUICK_CASES, select, standard_suite
+from .suite import QUICK_CASES, parse_dtypes, select, standard_suite, unsupported, with_dtypes
 from .timing import Budget, run_suite
 
 EPILOG = """\
 columns:
+  dtype     q, k, v and out (--dtype): inputs drawn in float32 and rounded; out in that dtype;
+            checked against float64 from the rounded inputs, within float32 arithmetic plus the
+            dtype's rounding of out (and, for bfloat16, of P before P.V)
   median    median wall time of one call (timed alone, after warm-up)
   GFLOP/s   2 x visible query-key pairs x (D + Dv) / median: work above the causal diagonal
             or past kv_lens is not counted
   %gemm     GFLOP/s over NumPy's float32 matrix-multiply throughput with the same threads
-  GB/s      decode only: bytes of K and V that must be read / median
+  %peak     GFLOP/s over the dtype's arithmetic peak, measured by the native port's measure_peak:
+            float32 FMA for float32 and float16, the BF16 dot product (VDPBF16PS) for bfloat16
+            where the CPU has it
+  GB/s      decode only: bytes of K and V that must be read / median (2 bytes per element in
+            float16 and bfloat16)
   %read     GB/s over the read bandwidth measured right beside that run
-  vs ...    speedup: the other backend's median / this one's (>1: this one is faster);
-            "peer" is the fastest of torch and onnxruntime present
+  vs f32    float16 / bfloat16: the same backend's float32 median / this one's
+  vs ...    speedup: the other backend's median / this one's (>1: this one is faster), in the
+            same dtype; "peer" is the fastest of torch and onnxruntime present
   max err   max |out - float64 reference| over the checked rows
 
 layer-decode (twinattn backends only; torch and onnxruntime are skipped):
@@ -45,6 +56,7 @@ layer-decode (twinattn backends only; torch and onnxruntime are skipped):
 
 examples:
   twinattn-bench --quick
+  twinattn-bench --dtype all --cases prefill-causal/N=2048,decode/N=32768   # issue #12's targets
   twinattn-bench --cases prefill-causal,decode --backends cpp,rust --json out.json --plot out.png
   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE twinattn-bench   # the GEMM ceiling unhobbled
 """
@@ -113,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="skip a backend on a case when one call is estimated to take longer (default 10, --quick 3)",
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        metavar="LIST",
+        help="dtypes of q, k, v and out, comma-separated: float32, float16, bfloat16 (bf16, fp16), or all; "
+        "each case runs in each (default: float32)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every figure of the run as JSON")
     parser.add_argument(
         "--plot", metavar="PATH", help="write a PNG plot (needs matplotlib: pip install twinattn[plot])"
@@ -153,7 +172,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         return 0
     runners = make_runners()
     try:
-        cases = select(suite, args.cases, args.quick)
+        dtypes = parse_dtypes(args.dtype)
+        selected = select(suite, args.cases, args.quick)
         backends = parse_backends(args.backends, runners)
     except ValueError as exc:
         parser.error(str(exc))
@@ -163,6 +183,20 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         except ImportError:
             parser.error("--plot needs matplotlib: pip install matplotlib (or twinattn[plot])")
     skipped_peers = {name: why for name, r in runners.items() if name not in backends and (why := r.available())}
+    cases = with_dtypes(selected, dtypes)
+    # cases and backends not run in a dtype of the run: named once, not a skipped row each
+    not_in_dtype = {
+        f"{case.name} in {dtype}": why
+        for case in selected
+        for dtype in dtypes
+        if (why := unsupported(dataclasses.replace(case, dtype=dtype)))
+    }
+    not_in_dtype |= {
+        f"{name} in {dtype}": why
+        for dtype in dtypes
+        for name in backends
+        if (why := runners[name].dtype_support(dtype))
+    }
 
     budget = Budget(
         time_s=args.time_budget or (0.4 if args.quick else 2.0),
@@ -170,13 +204,14 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         max_call_s=args.max_call or (3.0 if args.quick else 10.0),
         memory_bytes=int(0.4 * machine.memory_available()),
     )
+    timed = [(case, b) for case in cases for b in backends if runners[b].dtype_support(case.dtype) is None]
     pairs = len(cases) if all(p in backends for p in PORTS) else 0  # the ports timed alternately
-    progress = report.Progress(len(cases) * len(backends) + pairs, enabled=not args.no_progress)
+    progress = report.Progress(len(timed) + pairs, enabled=not args.no_progress)
     bandwidth = machine.ReadBandwidth()
     started = time.perf_counter()
     try:
         thread_counts = sorted({case.threads or threads for case in cases} | {threads})
-        ceilings = machine.measure_ceilings(thread_counts, args.quick, bandwidth, progress.show)
+        ceilings = machine.measure_ceilings(thread_counts, args.quick, bandwidth, progress.show, dtypes)
         rows = run_suite(cases, backends, runners, threads, budget, progress, bandwidth, ceilings)
     except KeyboardInterrupt:
         progress.close()
@@ -191,6 +226,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "wall_s": time.perf_counter() - started,
         "shrink": args.shrink,
+        "dtypes": dtypes,
         "budget": {
             "time_s": budget.time_s,
             "min_repeats": budget.min_repeats,
@@ -200,6 +236,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         },
         "machine": machine.describe({name: runners[name].version() for name in backends}, threads),
         "peers_missing": skipped_peers,
+        "not_timed_in_dtype": not_in_dtype,
         "ceilings": ceilings,
         "results": rows,
     }
@@ -213,6 +250,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     bad = [r for r in rows if r["status"] in ("wrong", "error")]
     print(
         f"\n{len(rows)} runs in {document['wall_s']:.0f} s"
-        + (f"; {len(bad)} WRONG or failed: " + ", ".join(f"{r['case']} on {r['backend']}" for r in bad) if bad else "")
+        + (f"; {len(bad)} WRONG or failed: " + ", ".join(f"{r['case']} {r['dtype']} on {r['backend']}" for r in bad)
+           if bad else "")
     )
     return 1 if bad else 0
