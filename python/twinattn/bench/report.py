@@ -10,6 +10,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from . import e2e
 from .machine import PEAK_KINDS, peak_for
 from .peers import PEERS, PORTS
 from .suite import DECODE, LAYER, Case, work
@@ -393,7 +394,22 @@ def text(document: dict[str, Any]) -> str:
             "(overhead = step - kernel: projections, RoPE, cache append, o_proj, Python):"
         )
         parts.append(f"{heading}\n{layers}")
+    end_to_end = document.get("e2e")
+    if end_to_end and end_to_end.get("rows") is not None:
+        heading = (
+            f"end to end: {end_to_end['model']} with transformers {end_to_end['transformers']}, torch "
+            f"{end_to_end['torch']}, {end_to_end['threads']} threads; prefill of a random prompt, then "
+            f"{end_to_end['steps']} greedy decode steps (median) at each context; split: one more pass profiled:"
+        )
+        parts.append(f"{heading}\n{e2e.format_rows(end_to_end['rows'])}")
+        goals = e2e.targets(end_to_end["rows"])
+        if goals:
+            parts.append(f"end-to-end targets (issue #14; ratios within this run):\n{goals}")
+    elif end_to_end and end_to_end.get("error"):
+        parts.append(f"end to end: failed: {end_to_end['error']}")
     missing = {**document["peers_missing"], **document.get("not_timed_in_dtype", {})}
+    if end_to_end and end_to_end.get("skipped"):
+        missing["e2e"] = end_to_end["skipped"]
     if missing:
         parts.append("not run: " + "; ".join(f"{name} ({why})" for name, why in missing.items()))
     return "\n\n".join(parts)
