@@ -1044,3 +1044,31 @@ def test_e2e_targets_say_met_or_missed() -> None:
     assert lines[0].endswith("1.07x (<= 1.15x): met")
     assert lines[1].endswith("1.50x (>= 1.4x): met")
     assert lines[2].endswith("1.00x (>= 1.1x): missed by 9%")
+
+
+@pytest.mark.parametrize("quick,included", [(False, True), (True, False)], ids=["full", "quick"])
+def test_a_full_run_includes_e2e_and_quick_does_not(
+    quick: bool, included: bool, small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    from twinattn.bench import e2e
+
+    monkeypatch.setattr(cli, "standard_suite", lambda threads: [dataclasses.replace(tiny_case(), name="tiny")])
+    monkeypatch.setattr(suite, "QUICK_CASES", ("tiny",))
+    monkeypatch.setattr(e2e, "NEEDS", ("twinattn_no_such_package",))  # skipped: quick to run, and says so
+    path = tmp_path / "out.json"
+    args = ["--backends", "numpy", "--time-budget", "0.01", "--no-progress", "--json", str(path)]
+    assert cli.main(args + (["--quick"] if quick else [])) == 0
+    assert ("e2e (needs twinattn_no_such_package" in capsys.readouterr().out) == included
+    assert ("e2e" in json.loads(path.read_text())) == included
+
+
+def test_plot_carries_the_dtypes(small_ceilings: None, tmp_path: Any) -> None:
+    pytest.importorskip("matplotlib")
+    runners = peers.make_runners()
+    backend = "torch" if runners["torch"].available() is None else "numpy"  # numpy: float32 only
+    path = tmp_path / "bench.png"
+    args = ["--shrink", "64", "--time-budget", "0.01", "--backends", backend, "--no-progress", "--dtype", "float32,bf16",
+            "--cases", "prefill-causal/N=512,prefill-causal/N=1024,decode/N=1024,decode/N=4096", "--plot", str(path)]
+    assert cli.main(args) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
