@@ -772,10 +772,9 @@ def test_bad_dtype_is_a_usage_error(value: str, words: str, capsys: pytest.Captu
 def test_each_case_runs_in_each_dtype_side_by_side() -> None:
     cases = suite.standard_suite(2)
     chosen = suite.with_dtypes(suite.select(cases, "tiny,layer-decode", quick=False), ["float32", "bfloat16"])
-    # the layer case is float32 only (suite.unsupported says why); a case's dtypes stay together
-    assert [(c.name, c.dtype) for c in chosen] == [("tiny", "float32"), ("tiny", "bfloat16"), ("layer-decode", "float32")]
-    layer = next(c for c in cases if c.kind == suite.LAYER)
-    assert suite.unsupported(dataclasses.replace(layer, dtype="float16")) == "layer case: float32 only (not float16)"
+    assert [(c.name, c.dtype) for c in chosen] == [
+        ("tiny", "float32"), ("tiny", "bfloat16"), ("layer-decode", "float32"), ("layer-decode", "bfloat16")
+    ]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -1072,3 +1071,42 @@ def test_plot_carries_the_dtypes(small_ceilings: None, tmp_path: Any) -> None:
             "--cases", "prefill-causal/N=512,prefill-causal/N=1024,decode/N=1024,decode/N=4096", "--plot", str(path)]
     assert cli.main(args) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("backend", ["cpp", "rust", "numpy"])
+def test_layer_step_in_a_narrow_cache_is_checked_and_timed(backend: str, dtype: str) -> None:
+    """nn.Attention with a float16 / bfloat16 KVCache: the step (float32 out) and the kernel alone
+    (out in the dtype) pass their checks, whose allowance is the dtype's rounding carried through."""
+    why = _native_rejects(backend, dtype)
+    if why is not None:
+        pytest.skip(why)
+    case = dataclasses.replace(tiny_layer(), dtype=dtype)
+    outcome = _run_one(peers.make_runners()[backend], case, repeat=2)
+    assert outcome.status == "ok", outcome.note
+    problem = _layer_problem(case)
+    step_allowance, kernel_allowance = problem.rounding
+    assert 0 < kernel_allowance < 0.05 and 0 < step_allowance < 0.05
+    assert outcome.check is not None and outcome.check.max_abs_err <= outcome.check.tolerance
+    assert outcome.kernel_check is not None and outcome.kernel_check.max_abs_err > 0  # rounded
+    # the kernel answering for another head is caught in the narrow dtype too
+    broken = _run_one(BrokenLayerRunner("kernel"), case, repeat=2) if backend == "numpy" else None
+    assert broken is None or (broken.status == "wrong" and "kernel" in broken.note)
+
+
+def test_layer_expected_in_a_narrow_dtype_uses_the_rounded_cache() -> None:
+    """The float16 reference attends over the cache's rounded keys and values: it differs from the
+    float32 case's reference by about the rounding, and its kernel part is the numpy reference on
+    exactly what the step passes (bit for bit with kernel_arguments)."""
+    why = _native_rejects("numpy", "float16")
+    if why is not None:
+        pytest.skip(why)
+    wide, narrow = _layer_problem(tiny_layer()), _layer_problem(dataclasses.replace(tiny_layer(), dtype="float16"))
+    gap = float(np.max(np.abs(wide.expected[1] - narrow.expected[1])))
+    assert 0 < gap < 50 * suite.UNIT_ROUNDOFF["float16"] * float(np.max(np.abs(wide.expected[1])))
+    q, keys, values, q_offset, kv_lens = narrow.kernel_arguments(narrow.cache(), narrow.rope())
+    assert q.dtype == keys.dtype == values.dtype == np.float16
+    again = twinattn.attention(q, keys, values, causal=True, q_offset=q_offset, kv_lens=kv_lens, scale=narrow.scale,
+                               backend="numpy")
+    assert narrow.check(again, 1).ok
+    assert not narrow.check(again.astype(np.float32), 1).ok  # the kernel part must come back in the dtype

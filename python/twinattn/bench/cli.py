@@ -12,7 +12,6 @@ of twinattn.nn.Attention on the twinattn backends and, beside it, the attention 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import os
 import sys
@@ -23,7 +22,7 @@ import twinattn
 
 from . import e2e, machine, report
 from .peers import PORTS, make_runners, parse_backends
-from .suite import QUICK_CASES, parse_dtypes, select, standard_suite, unsupported, with_dtypes
+from .suite import QUICK_CASES, parse_dtypes, select, standard_suite, with_dtypes
 from .timing import Budget, run_suite
 
 EPILOG = """\
@@ -199,14 +198,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             parser.error("--plot needs matplotlib: pip install matplotlib (or twinattn[plot])")
     skipped_peers = {name: why for name, r in runners.items() if name not in backends and (why := r.available())}
     cases = with_dtypes(selected, dtypes)
-    # cases and backends not run in a dtype of the run: named once, not a skipped row each
+    # backends not timed in a dtype of the run: named once, not a skipped row each
     not_in_dtype = {
-        f"{case.name} in {dtype}": why
-        for case in selected
-        for dtype in dtypes
-        if (why := unsupported(dataclasses.replace(case, dtype=dtype)))
-    }
-    not_in_dtype |= {
         f"{name} in {dtype}": why
         for dtype in dtypes
         for name in backends

@@ -224,20 +224,9 @@ def layer_decode_case(
                 value_dim=head_dim, x=cached, hidden_size=hidden_size, note=note)
 
 
-def unsupported(case: Case) -> Optional[str]:
-    """Why no backend runs `case`, or None. The layer case runs in float32 only: nn.Attention's
-    float32 step against its float64 recomputation is its check, and a step with a float16 or
-    bfloat16 cache rounds K/V and q at points that check does not model yet."""
-    if case.kind == LAYER and case.dtype != "float32":
-        return f"layer case: float32 only (not {case.dtype})"
-    return None
-
-
 def with_dtypes(cases: Sequence[Case], dtypes: Sequence[str]) -> list[Case]:
-    """Each case in each dtype it runs in (see unsupported), case by case: a case's dtypes side by
-    side, in `dtypes` order."""
-    every = (dataclasses.replace(case, dtype=dtype) for case in cases for dtype in dtypes)
-    return [case for case in every if unsupported(case) is None]
+    """Each case in each dtype, case by case: a case's dtypes side by side, in `dtypes` order."""
+    return [dataclasses.replace(case, dtype=dtype) for case in cases for dtype in dtypes]
 
 
 def standard_suite(all_threads: int) -> list[Case]:
@@ -458,10 +447,12 @@ class LayerProblem:
     def rope(self) -> twinattn.RotaryEmbedding:
         return twinattn.RotaryEmbedding(self.case.head_dim, base=self.rope_base)
 
-    def cache(self, dtype: type = np.float32) -> twinattn.KVCache:
-        """A KVCache holding the cached tokens, with room for exactly one step: a step taken
-        without cropping the cache back first overflows it, loudly."""
+    def cache(self, dtype: Any = None) -> twinattn.KVCache:
+        """A KVCache in `dtype` (default: the case's) holding the cached tokens, with room for
+        exactly one step: a step taken without cropping the cache back first overflows it, loudly.
+        A float16 / bfloat16 cache holds the float32 draws rounded."""
         case = self.case
+        dtype = numpy_dtype(case.dtype) if dtype is None else dtype
         cache = twinattn.KVCache(
             num_layers=1,
             batch_size=case.batch,
@@ -476,9 +467,11 @@ class LayerProblem:
     def kernel_arguments(
         self, cache: twinattn.KVCache, rope: twinattn.RotaryEmbedding, dtype: type = np.float32
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """What nn.Attention passes twinattn.attention in this step, in `dtype`: the new queries
-        (projected, rotated at their positions), the cache views after the new keys and values are
-        appended (this appends them to `cache`), q_offset and kv_lens."""
+        """What nn.Attention passes twinattn.attention in this step, computed in `dtype`: the new
+        queries (projected, rotated at their positions; rounded to the cache's dtype when that is
+        narrower, as nn.Attention rounds them), the cache views after the new keys and values are
+        appended (this appends them to `cache`, which rounds them to its dtype), q_offset and
+        kv_lens."""
         case, length = self.case, self.case.q_len
         x: np.ndarray = self.hidden.astype(dtype, copy=False)
 
@@ -492,24 +485,65 @@ class LayerProblem:
         v = np.ascontiguousarray(heads("v_proj.weight", case.kv_heads))
         q_offset = cache.seq_lens(0)
         keys, values = cache.update(k, v, 0)
+        if cache.dtype.itemsize < np.dtype(dtype).itemsize:
+            q = q.astype(cache.dtype)
         return q, keys, values, q_offset, cache.seq_lens(0)
+
+    def _attention64(self, dtype: Any, absolute_values: bool = False) -> np.ndarray:
+        """The step's attention (B, Hq, q_len, D) in float64 from its inputs computed in `dtype`
+        (float64; or float32 into the case's cache, then widened), over |values| if asked."""
+        q, keys, values, q_offset, kv_lens = self.kernel_arguments(
+            self.cache(np.float64 if dtype == np.float64 else None), self.rope(), dtype
+        )
+        wide = [a.astype(np.float64) for a in (q, keys, values)]
+        if absolute_values:
+            wide[2] = np.abs(wide[2])
+        out: np.ndarray = twinattn.attention(
+            *wide, causal=True, q_offset=q_offset, kv_lens=kv_lens, scale=self.scale, backend="numpy"
+        )
+        return out
+
+    def _output64(self, attn: np.ndarray) -> np.ndarray:
+        """The output projection in float64 of attention (B, Hq, q_len, D): (B, q_len, hidden)."""
+        merged = attn.transpose(0, 2, 1, 3).reshape(self.case.batch, self.case.q_len, -1)
+        out: np.ndarray = merged @ self.weights["o_proj.weight"].astype(np.float64).T
+        return out
 
     @functools.cached_property
     def expected(self) -> tuple[np.ndarray, np.ndarray]:
-        """The step in float64 from the float32 inputs: (output (B, q_len, hidden), attention
-        output (B, Hq, q_len, D)). nn.Attention takes float32 only, so its pieces are used
-        directly: RotaryEmbedding, a float64 KVCache, the NumPy reference, the projections."""
-        case = self.case
-        q, keys, values, q_offset, kv_lens = self.kernel_arguments(self.cache(np.float64), self.rope(), np.float64)
-        attn = twinattn.attention(
-            q, keys, values, causal=True, q_offset=q_offset, kv_lens=kv_lens, scale=self.scale, backend="numpy"
-        )
-        merged = attn.transpose(0, 2, 1, 3).reshape(case.batch, case.q_len, -1)
-        return merged @ self.weights["o_proj.weight"].astype(np.float64).T, attn
+        """(output (B, q_len, hidden), attention output (B, Hq, q_len, D)) in float64, the step
+        recomputed from its pieces: RotaryEmbedding, a KVCache, the NumPy reference, the
+        projections. float32: everything in float64 from the float32 inputs. float16 / bfloat16:
+        q, k and v exactly as the step has them (projected and rotated in float32, rounded by the
+        cache and to the cache's dtype), then attention and o_proj in float64."""
+        attn = self._attention64(np.float64 if self.case.dtype == "float32" else np.float32)
+        return self._output64(attn), attn
+
+    @functools.cached_property
+    def rounding(self) -> tuple[float, float]:
+        """Per part, what the narrow dtype's rounding may add to an element's error (0 for float32):
+        the kernel's output, u x |attn| for its rounding, plus for bfloat16 u x sum_j P_j |v_j|
+        (P rounded before P.V), at their largest; the step's, that bound per attention element e
+        carried through the output projection, max_i sum_e |W_o[i, e]| bound_e."""
+        dtype = self.case.dtype
+        if dtype == "float32":
+            return 0.0, 0.0
+        u = UNIT_ROUNDOFF[dtype]
+        bound = u * np.abs(self.expected[1])
+        if dtype == "bfloat16":
+            bound = bound + u * self._attention64(np.float32, absolute_values=True)
+        merged = bound.transpose(0, 2, 1, 3).reshape(self.case.batch, self.case.q_len, -1)
+        through = merged @ np.abs(self.weights["o_proj.weight"].astype(np.float64)).T
+        return float(np.max(through, initial=0.0)), float(np.max(bound, initial=0.0))
 
     def check(self, out: object, part: int = 0) -> Check:
-        """Part 0: the step's output; part 1: the kernel's; every element against float64."""
-        return check_close(out, self.expected[part], self.parts[part])
+        """Part 0: the step's output (float32); part 1: the kernel's (the case's dtype); every
+        element against float64."""
+        out = np.asarray(out)
+        want = np.dtype(np.float32) if part == 0 else numpy_dtype(self.case.dtype)
+        if out.dtype != want:
+            return Check(False, math.inf, 0.0, 0.0, f"{self.parts[part]} dtype {out.dtype}, expected {want}")
+        return check_close(out, self.expected[part], self.parts[part], rounding=self.rounding[part])
 
 
 AnyProblem = Union[Problem, LayerProblem]

@@ -270,8 +270,15 @@ def run_suite(
         label = case.name if case.dtype == "float32" else f"{case.name} {case.dtype}"
         timed = [b for b in backends if runners[b].dtype_support(case.dtype) is None]
         progress.show(f"{label}: making inputs and the reference")
-        problem = make_problem(case)
-        _ = problem.expected  # computed once, before any timing
+        try:
+            problem = make_problem(case)
+            _ = problem.expected  # computed once, before any timing
+        except Exception as exc:  # noqa: BLE001 - e.g. a KVCache of a dtype this build lacks: the case's rows say so
+            for backend in timed:
+                outcome = Outcome("error", f"{_error(exc)} (making the inputs and the reference)")
+                rows.append(report.result_row(case, backend, case_threads, outcome, {}, []))
+                progress.step()
+            continue
         case_rows = []
         for backend in timed:
             progress.show(f"{label} on {backend}")
