@@ -288,20 +288,21 @@ def layer_table(rows: Sequence[dict[str, Any]]) -> str:
     if not layer_rows:
         return ""
     head = (
-        f"{'case':<16} {'backend':<11} {'thr':>3} {'step':>10} {'kernel':>10} {'overhead':>10} "
+        f"{'case':<16} {'backend':<11} {'dtype':<8} {'thr':>3} {'step':>10} {'kernel':>10} {'overhead':>10} "
         f"{'of step':>7} {'max err':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in layer_rows:
+        start = f"{r['case']:<16} {r['backend']:<11} {r.get('dtype', 'float32'):<8} {r['threads']:>3}"
         if r["status"] == "ok":
             lines.append(
-                f"{r['case']:<16} {r['backend']:<11} {r['threads']:>3} {fmt_time(r['layer_s']):>10} "
+                f"{start} {fmt_time(r['layer_s']):>10} "
                 f"{fmt_time(r['kernel_s']):>10} {fmt_time(r['overhead_s']):>10} "
                 f"{_pct(r['overhead_fraction']):>7} {_num(r.get('max_abs_err'), '.1e'):>8}"
             )
         else:
             status = "WRONG" if r["status"] == "wrong" else r["status"]
-            lines.append(f"{r['case']:<16} {r['backend']:<11} {r['threads']:>3} {status:>10}  {r.get('note') or ''}")
+            lines.append(f"{start} {status:>10}  {r.get('note') or ''}")
     return "\n".join(lines)
 
 
