@@ -1015,6 +1015,7 @@ def test_e2e_case_in_the_json_and_the_table(
             assert r["max_logit_diff"] < 1e-4  # the same prompt as sdpa's, the same logits
     assert "end to end: " in out and "end-to-end targets (issue #14" in out
     assert "float32  twinattn / sdpa decode tokens/s at 16:" in out
+    assert "\nthe end-to-end case in " in out and "numpy in" not in out  # no kernel case: no kernel-case lines
     assert model.dtype == __import__("torch").float32  # run in place for float32, untouched
 
 

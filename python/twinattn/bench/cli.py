@@ -198,12 +198,12 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             parser.error("--plot needs matplotlib: pip install matplotlib (or twinattn[plot])")
     skipped_peers = {name: why for name, r in runners.items() if name not in backends and (why := r.available())}
     cases = with_dtypes(selected, dtypes)
-    # backends not timed in a dtype of the run: named once, not a skipped row each
+    # backends not timed in a dtype of the run's kernel cases: named once, not a skipped row each
     not_in_dtype = {
         f"{name} in {dtype}": why
         for dtype in dtypes
         for name in backends
-        if (why := runners[name].dtype_support(dtype))
+        if selected and (why := runners[name].dtype_support(dtype))
     }
 
     budget = Budget(
@@ -264,7 +264,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if end_to_end is not None and end_to_end.get("error"):
         bad.append("e2e")
     print(
-        f"\n{len(rows)} runs{f' and the end-to-end case' if e2e_rows else ''} in {document['wall_s']:.0f} s"
+        f"\n{' and '.join(([f'{len(rows)} runs'] if rows or not e2e_rows else []) + (['the end-to-end case'] if e2e_rows else []))}"
+        f" in {document['wall_s']:.0f} s"
         + (f"; {len(bad)} WRONG or failed: " + ", ".join(bad) if bad else "")
     )
     return 1 if bad else 0
