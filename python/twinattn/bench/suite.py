@@ -1,9 +1,14 @@
 """The standard suite, defined once: the cases, the work each does, their inputs and the check of
 a result. twinattn-bench and the pytest-benchmark suites in benchmarks/ both take their cases here.
 
-A kernel case is one attention call, q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D), float32, always with
+A kernel case is one attention call, q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D), always with
 bottom-right causal alignment (the queries are the last Lq positions of each sequence, the
 KV-cache convention of twinattn.attention with q_offset=None).
+
+Every case is defined in float32 and can be run in float16 or bfloat16 as well (Case.dtype,
+`with_dtypes`): the inputs are drawn in float32 and rounded to the dtype (NumPy's float16,
+ml_dtypes.bfloat16), the output is in that dtype, and the reference is float64 from the rounded
+inputs. K/V bytes count the dtype's size (2 bytes per element for float16 and bfloat16).
 
 A case may carry a variant: a sliding window (window_left, as window_size=(window_left, 0)) or a
 softcap; both are passed to twinattn.attention and to the reference.
@@ -12,7 +17,8 @@ Work is counted exactly, from the visible (query row, key) pairs of every query 
     row i of sequence b sits at p = q_offset[b] + i, q_offset[b] = kv_len[b] - Lq, and sees keys
     max(0, p - window_left) <= j < min(kv_len[b], p + 1)   (no lower bound without a window),
     FLOPs = 2 x pairs x (D + Dv)          (Q.K^T and P.V, one multiply-add = 2 FLOPs)
-    K/V bytes = keys some row sees x Hkv x (D + Dv) x 4, summed over b    (each read once)
+    K/V bytes = keys some row sees x Hkv x (D + Dv) x itemsize, summed over b    (each read once;
+                itemsize 4 for float32, 2 for float16 and bfloat16)
 GB/s is reported for decode cases, where reading K and V is the cost.
 
 One case is a layer, not a kernel call: layer-decode times one decode step of twinattn.nn.Attention
@@ -29,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
+import importlib.util
 import math
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
@@ -36,6 +43,49 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 import twinattn
+
+DTYPES = ("float32", "float16", "bfloat16")  # the dtypes a case runs in (--dtype)
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+# unit roundoff (half an ulp at 1.0): 24, 11 and 8 significand bits
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+
+
+DTYPE_ALIASES = {"f32": "float32", "fp32": "float32", "f16": "float16", "fp16": "float16", "half": "float16",
+                 "bf16": "bfloat16"}
+
+
+def parse_dtypes(spec: str) -> list[str]:
+    """--dtype: a comma-separated list of DTYPES (or their short names: f32, fp16, bf16 ...), or
+    "all"; in DTYPES order. Raises ValueError naming the valid values, or saying how to get
+    ml_dtypes when bfloat16 is asked for without it."""
+    wanted = [w.strip().lower() for w in spec.split(",") if w.strip()]
+    if not wanted:
+        raise ValueError(f"--dtype: expected a comma-separated list of {', '.join(DTYPES)} (or all), got {spec!r}")
+    chosen: set[str] = set()
+    for word in wanted:
+        if word == "all":
+            chosen.update(DTYPES)
+            continue
+        name = DTYPE_ALIASES.get(word, word)
+        if name not in DTYPES:
+            raise ValueError(f"--dtype: unknown dtype {word!r}; valid: {', '.join(DTYPES)}, all")
+        chosen.add(name)
+    if "bfloat16" in chosen and importlib.util.find_spec("ml_dtypes") is None:
+        raise ValueError("--dtype bfloat16 needs ml_dtypes (NumPy's bfloat16): pip install ml_dtypes")
+    return [d for d in DTYPES if d in chosen]
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of a DTYPES name (bfloat16: ml_dtypes', imported only when asked for)."""
+    if name == "bfloat16":
+        import ml_dtypes
+
+        bfloat16: np.dtype = np.dtype(ml_dtypes.bfloat16)
+        return bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {name!r}")
+    return np.dtype(name)
+
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -64,6 +114,7 @@ class Case:
     hidden_size: int = 0  # LAYER: the model width of nn.Attention; 0 for a kernel case
     window_left: int = -1  # a sliding window: window_size=(window_left, 0); -1 for none
     softcap: float = 0.0  # attention logit softcapping; 0 for none
+    dtype: str = "float32"  # q, k, v and out: one of DTYPES
 
     @property
     def variant_kwargs(self) -> dict[str, Any]:
@@ -161,7 +212,7 @@ def work(case: Case) -> Work:
     seen = end > first
     read = np.where(seen.any(axis=1), np.max(np.where(seen, end, 0), axis=1, initial=0)
                     - np.min(np.where(seen, first, case.k_len), axis=1, initial=case.k_len), 0)
-    kv_bytes = int(read.sum()) * case.kv_heads * (case.head_dim + case.value_dim) * 4
+    kv_bytes = int(read.sum()) * case.kv_heads * (case.head_dim + case.value_dim) * ITEMSIZE[case.dtype]
     return Work(pairs=pairs, flops=flops, kv_bytes=kv_bytes)
 
 
@@ -173,8 +224,14 @@ def layer_decode_case(
                 value_dim=head_dim, x=cached, hidden_size=hidden_size, note=note)
 
 
+def with_dtypes(cases: Sequence[Case], dtypes: Sequence[str]) -> list[Case]:
+    """Each case in each dtype, case by case: a case's dtypes side by side, in `dtypes` order."""
+    return [dataclasses.replace(case, dtype=dtype) for case in cases for dtype in dtypes]
+
+
 def standard_suite(all_threads: int) -> list[Case]:
-    """Every case, float32, B=1 unless said. `all_threads` is the scaling case's top count."""
+    """Every case, float32 (with_dtypes makes the other dtypes), B=1 unless said. `all_threads` is
+    the scaling case's top count."""
     cases = [Case(f"prefill-causal/N={n}", "prefill-causal", PREFILL, n, n, x=n) for n in (512, 1024, 2048, 4096)]
     cases.append(Case("prefill-mha-d64/N=2048", "prefill-mha-d64", PREFILL, 2048, 2048, q_heads=16, kv_heads=16,
                       head_dim=64, value_dim=64, x=2048))
@@ -242,18 +299,20 @@ class Check:
     reason: str = ""
 
 
-def check_close(got: object, expected: np.ndarray, what: str = "output") -> Check:
+def check_close(got: object, expected: np.ndarray, what: str = "output", rounding: float = 0.0) -> Check:
     """Every element of `got` against the float64 `expected`, within RELATIVE_TOLERANCE x the
-    largest |expected|; an element that is not finite (or was never written: outputs start as NaN
+    largest |expected|, plus `rounding` (the bound of a narrower dtype's rounding, see
+    Problem.rounding); an element that is not finite (or was never written: outputs start as NaN
     where the backend allows) fails."""
     got = np.asarray(got)
     if got.shape != expected.shape:
         return Check(False, math.inf, 0.0, 0.0, f"{what} shape {got.shape}, expected {expected.shape}")
     scale = float(np.max(np.abs(expected))) if expected.size else 0.0
-    tolerance = RELATIVE_TOLERANCE * max(scale, 1e-3)
-    if not np.isfinite(got).all():
+    tolerance = RELATIVE_TOLERANCE * max(scale, 1e-3) + rounding
+    values = got.astype(np.float64)  # bfloat16 and float16 widen exactly
+    if not np.isfinite(values).all():
         return Check(False, math.inf, scale, tolerance, f"non-finite (or unwritten) {what} elements")
-    err = float(np.max(np.abs(got.astype(np.float64) - expected))) if got.size else 0.0
+    err = float(np.max(np.abs(values - expected))) if got.size else 0.0
     if err > tolerance:
         return Check(False, err, scale, tolerance, f"{what}: max abs error {err:.2e} > tolerance {tolerance:.2e}")
     return Check(True, err, scale, tolerance)
@@ -276,10 +335,13 @@ def check_rows(case: Case, count: int = 4, seed: int = 1) -> list[tuple[int, int
 # Inputs: made once per case from a fixed seed and shared (read-only) by every backend
 
 
-def _random(rng: np.random.Generator, *shape: int, scale: float = 1.0) -> np.ndarray:
+def _random(rng: np.random.Generator, *shape: int, scale: float = 1.0, dtype: str = "float32") -> np.ndarray:
+    """Standard normal values drawn in float32 (the same draws for every dtype), rounded to `dtype`."""
     a = rng.standard_normal(shape, dtype=np.float32)
     if scale != 1.0:
         a *= np.float32(scale)
+    if dtype != "float32":
+        a = a.astype(numpy_dtype(dtype))  # round to nearest even
     a.flags.writeable = False  # shared by every backend: none may change them
     return a
 
@@ -289,17 +351,17 @@ class Problem:
     """A kernel case's arrays; its output (B, Hq, Lq, Dv) is checked on check_rows(case)."""
 
     case: Case
-    q: np.ndarray  # (B, Hq, Lq, D) float32
+    q: np.ndarray  # (B, Hq, Lq, D) in case.dtype
     k: np.ndarray  # (B, Hkv, Lk, D)
     v: np.ndarray  # (B, Hkv, Lk, Dv)
     kv_lens: Optional[np.ndarray]  # (B,) int64, or None
     scale: float
     parts = ("output",)  # what a prepared backend times and hands back, in order
 
-    @functools.cached_property
-    def expected(self) -> tuple[list[tuple[int, int, int]], np.ndarray]:
-        """The checked rows and their float64 reference (len(rows), Dv): per (sequence, query
-        head), twinattn's NumPy backend on those rows, each row masked to the keys it sees."""
+    def _reference_rows(self, values: np.ndarray) -> np.ndarray:
+        """Per checked row, attention over `values` (B, Hkv, Lk, Dv) in float64 from the (rounded)
+        inputs: per (sequence, query head), twinattn's NumPy backend on those rows, each row masked
+        to the keys it sees."""
         case = self.case
         rows = check_rows(case)
         first, end = visible_key_range(case)
@@ -313,24 +375,47 @@ class Problem:
             result[picked] = twinattn.attention(
                 self.q[b, h, queries][None, None].astype(np.float64),
                 self.k[b, h // group][None, None].astype(np.float64),
-                self.v[b, h // group][None, None].astype(np.float64),
+                values[b, h // group][None, None].astype(np.float64),
                 attn_mask=mask[None, None],
                 scale=self.scale,
                 softcap=case.softcap,
                 backend="numpy",
             )[0, 0]
-        return rows, result
+        return result
+
+    @functools.cached_property
+    def expected(self) -> tuple[list[tuple[int, int, int]], np.ndarray]:
+        """The checked rows and their float64 reference (len(rows), Dv)."""
+        return check_rows(self.case), self._reference_rows(self.v)
+
+    @functools.cached_property
+    def rounding(self) -> float:
+        """What a narrower dtype's rounding may add to an output element's error, beyond float32
+        arithmetic: the output rounded to the dtype, u x |out| (u its unit roundoff); for
+        bfloat16 also the bf16 dot-product path's probabilities P rounded to bfloat16 before P.V,
+        u x sum_j P_j |v_j| per element (that sum is attention over |V|). Both taken at their
+        largest over the checked rows. 0 for float32."""
+        if self.case.dtype == "float32":
+            return 0.0
+        u = UNIT_ROUNDOFF[self.case.dtype]
+        bound = u * float(np.max(np.abs(self.expected[1]), initial=0.0))
+        if self.case.dtype == "bfloat16":
+            bound += u * float(np.max(self._reference_rows(np.abs(self.v.astype(np.float64))), initial=0.0))
+        return bound
 
     def check(self, out: object, part: int = 0) -> Check:
-        """The output against the reference on the checked rows, and every element finite."""
+        """The output against the reference on the checked rows, its dtype the case's, and every
+        element finite."""
         case, (rows, expected) = self.case, self.expected
         out = np.asarray(out)
         shape = (case.batch, case.q_heads, case.q_len, case.value_dim)
         if out.shape != shape:
             return Check(False, math.inf, 0.0, 0.0, f"output shape {out.shape}, expected {shape}")
-        if not np.isfinite(out).all():  # outside the checked rows too
+        if out.dtype != numpy_dtype(case.dtype):
+            return Check(False, math.inf, 0.0, 0.0, f"output dtype {out.dtype}, expected {case.dtype}")
+        if not np.isfinite(out.astype(np.float32)).all():  # outside the checked rows too
             return Check(False, math.inf, 0.0, 0.0, "non-finite (or unwritten) output elements")
-        return check_close(np.stack([out[b, h, i] for b, h, i in rows]), expected)
+        return check_close(np.stack([out[b, h, i] for b, h, i in rows]), expected, rounding=self.rounding)
 
 
 ROPE_BASE = 500000.0  # Llama 3's rope_theta
@@ -362,10 +447,12 @@ class LayerProblem:
     def rope(self) -> twinattn.RotaryEmbedding:
         return twinattn.RotaryEmbedding(self.case.head_dim, base=self.rope_base)
 
-    def cache(self, dtype: type = np.float32) -> twinattn.KVCache:
-        """A KVCache holding the cached tokens, with room for exactly one step: a step taken
-        without cropping the cache back first overflows it, loudly."""
+    def cache(self, dtype: Any = None) -> twinattn.KVCache:
+        """A KVCache in `dtype` (default: the case's) holding the cached tokens, with room for
+        exactly one step: a step taken without cropping the cache back first overflows it, loudly.
+        A float16 / bfloat16 cache holds the float32 draws rounded."""
         case = self.case
+        dtype = numpy_dtype(case.dtype) if dtype is None else dtype
         cache = twinattn.KVCache(
             num_layers=1,
             batch_size=case.batch,
@@ -380,9 +467,11 @@ class LayerProblem:
     def kernel_arguments(
         self, cache: twinattn.KVCache, rope: twinattn.RotaryEmbedding, dtype: type = np.float32
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """What nn.Attention passes twinattn.attention in this step, in `dtype`: the new queries
-        (projected, rotated at their positions), the cache views after the new keys and values are
-        appended (this appends them to `cache`), q_offset and kv_lens."""
+        """What nn.Attention passes twinattn.attention in this step, computed in `dtype`: the new
+        queries (projected, rotated at their positions; rounded to the cache's dtype when that is
+        narrower, as nn.Attention rounds them), the cache views after the new keys and values are
+        appended (this appends them to `cache`, which rounds them to its dtype), q_offset and
+        kv_lens."""
         case, length = self.case, self.case.q_len
         x: np.ndarray = self.hidden.astype(dtype, copy=False)
 
@@ -396,38 +485,79 @@ class LayerProblem:
         v = np.ascontiguousarray(heads("v_proj.weight", case.kv_heads))
         q_offset = cache.seq_lens(0)
         keys, values = cache.update(k, v, 0)
+        if cache.dtype.itemsize < np.dtype(dtype).itemsize:
+            q = q.astype(cache.dtype)
         return q, keys, values, q_offset, cache.seq_lens(0)
+
+    def _attention64(self, dtype: Any, absolute_values: bool = False) -> np.ndarray:
+        """The step's attention (B, Hq, q_len, D) in float64 from its inputs computed in `dtype`
+        (float64; or float32 into the case's cache, then widened), over |values| if asked."""
+        q, keys, values, q_offset, kv_lens = self.kernel_arguments(
+            self.cache(np.float64 if dtype == np.float64 else None), self.rope(), dtype
+        )
+        wide = [a.astype(np.float64) for a in (q, keys, values)]
+        if absolute_values:
+            wide[2] = np.abs(wide[2])
+        out: np.ndarray = twinattn.attention(
+            *wide, causal=True, q_offset=q_offset, kv_lens=kv_lens, scale=self.scale, backend="numpy"
+        )
+        return out
+
+    def _output64(self, attn: np.ndarray) -> np.ndarray:
+        """The output projection in float64 of attention (B, Hq, q_len, D): (B, q_len, hidden)."""
+        merged = attn.transpose(0, 2, 1, 3).reshape(self.case.batch, self.case.q_len, -1)
+        out: np.ndarray = merged @ self.weights["o_proj.weight"].astype(np.float64).T
+        return out
 
     @functools.cached_property
     def expected(self) -> tuple[np.ndarray, np.ndarray]:
-        """The step in float64 from the float32 inputs: (output (B, q_len, hidden), attention
-        output (B, Hq, q_len, D)). nn.Attention takes float32 only, so its pieces are used
-        directly: RotaryEmbedding, a float64 KVCache, the NumPy reference, the projections."""
-        case = self.case
-        q, keys, values, q_offset, kv_lens = self.kernel_arguments(self.cache(np.float64), self.rope(), np.float64)
-        attn = twinattn.attention(
-            q, keys, values, causal=True, q_offset=q_offset, kv_lens=kv_lens, scale=self.scale, backend="numpy"
-        )
-        merged = attn.transpose(0, 2, 1, 3).reshape(case.batch, case.q_len, -1)
-        return merged @ self.weights["o_proj.weight"].astype(np.float64).T, attn
+        """(output (B, q_len, hidden), attention output (B, Hq, q_len, D)) in float64, the step
+        recomputed from its pieces: RotaryEmbedding, a KVCache, the NumPy reference, the
+        projections. float32: everything in float64 from the float32 inputs. float16 / bfloat16:
+        q, k and v exactly as the step has them (projected and rotated in float32, rounded by the
+        cache and to the cache's dtype), then attention and o_proj in float64."""
+        attn = self._attention64(np.float64 if self.case.dtype == "float32" else np.float32)
+        return self._output64(attn), attn
+
+    @functools.cached_property
+    def rounding(self) -> tuple[float, float]:
+        """Per part, what the narrow dtype's rounding may add to an element's error (0 for float32):
+        the kernel's output, u x |attn| for its rounding, plus for bfloat16 u x sum_j P_j |v_j|
+        (P rounded before P.V), at their largest; the step's, that bound per attention element e
+        carried through the output projection, max_i sum_e |W_o[i, e]| bound_e."""
+        dtype = self.case.dtype
+        if dtype == "float32":
+            return 0.0, 0.0
+        u = UNIT_ROUNDOFF[dtype]
+        bound = u * np.abs(self.expected[1])
+        if dtype == "bfloat16":
+            bound = bound + u * self._attention64(np.float32, absolute_values=True)
+        merged = bound.transpose(0, 2, 1, 3).reshape(self.case.batch, self.case.q_len, -1)
+        through = merged @ np.abs(self.weights["o_proj.weight"].astype(np.float64)).T
+        return float(np.max(through, initial=0.0)), float(np.max(bound, initial=0.0))
 
     def check(self, out: object, part: int = 0) -> Check:
-        """Part 0: the step's output; part 1: the kernel's; every element against float64."""
-        return check_close(out, self.expected[part], self.parts[part])
+        """Part 0: the step's output (float32); part 1: the kernel's (the case's dtype); every
+        element against float64."""
+        out = np.asarray(out)
+        want = np.dtype(np.float32) if part == 0 else numpy_dtype(self.case.dtype)
+        if out.dtype != want:
+            return Check(False, math.inf, 0.0, 0.0, f"{self.parts[part]} dtype {out.dtype}, expected {want}")
+        return check_close(out, self.expected[part], self.parts[part], rounding=self.rounding[part])
 
 
 AnyProblem = Union[Problem, LayerProblem]
 
 
 def make_problem(case: Case, seed: int = 0) -> AnyProblem:
-    """Random inputs from a fixed seed, float32. A layer's weights are normal / sqrt(in_features),
-    so q, k, v and the output stay O(1)."""
+    """Random inputs from a fixed seed, drawn in float32 and rounded to the case's dtype. A layer's
+    weights are normal / sqrt(in_features), so q, k, v and the output stay O(1)."""
     rng = np.random.default_rng(seed)
-    b, d = case.batch, case.head_dim
+    b, d, dtype = case.batch, case.head_dim, case.dtype
     if case.kind != LAYER:
-        q = _random(rng, b, case.q_heads, case.q_len, d)
-        k = _random(rng, b, case.kv_heads, case.k_len, d)
-        v = _random(rng, b, case.kv_heads, case.k_len, case.value_dim)
+        q = _random(rng, b, case.q_heads, case.q_len, d, dtype=dtype)
+        k = _random(rng, b, case.kv_heads, case.k_len, d, dtype=dtype)
+        v = _random(rng, b, case.kv_heads, case.k_len, case.value_dim, dtype=dtype)
         kv_lens = None if case.kv_lens is None else np.asarray(case.kv_lens, dtype=np.int64)
         return Problem(case, q, k, v, kv_lens, 1.0 / math.sqrt(d))
     h, q_out, kv_out = case.hidden_size, case.q_heads * d, case.kv_heads * d

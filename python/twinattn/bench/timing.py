@@ -73,10 +73,10 @@ PROBE_ABOVE_BYTES = 1 << 30
 
 
 class Rates:
-    """Per (backend, kind, threads): work per second seen so far, to predict a bigger case."""
+    """Per (backend, kind, dtype, threads): work per second seen so far, to predict a bigger case."""
 
     def __init__(self) -> None:
-        self._rates: dict[tuple[str, str, int], float] = {}
+        self._rates: dict[tuple[str, str, str, int], float] = {}
 
     @staticmethod
     def amount(case: Case) -> float:
@@ -84,14 +84,14 @@ class Rates:
         return float(w.kv_bytes if case.kind == DECODE else w.flops) or 1.0
 
     def predict(self, backend: str, case: Case, threads: int) -> Optional[float]:
-        rate = self._rates.get((backend, case.kind, threads))
+        rate = self._rates.get((backend, case.kind, case.dtype, threads))
         return None if rate is None else self.amount(case) / rate
 
     def record(self, backend: str, case: Case, threads: int, seconds: float) -> None:
         # per-call overhead dominates small cases: their rate would predict big ones badly
         w = work(case)
         if seconds > 0 and (w.flops >= PROBE_ABOVE_FLOPS / 16 or w.kv_bytes >= PROBE_ABOVE_BYTES / 16):
-            self._rates[(backend, case.kind, threads)] = self.amount(case) / seconds
+            self._rates[(backend, case.kind, case.dtype, threads)] = self.amount(case) / seconds
 
 
 def estimate_call_s(runner: Runner, case: Case, threads: int, rates: Rates) -> Optional[float]:
@@ -261,17 +261,27 @@ def run_suite(
     bandwidth: machine.ReadBandwidth,
     ceilings: dict[str, Any],
 ) -> list[dict[str, Any]]:
-    """The result rows of a run (report.result_row), with the comparisons between backends."""
+    """The result rows of a run (report.result_row), with the comparisons between backends. A
+    backend is left out of the dtypes it is not timed in (Runner.dtype_support; the CLI names them)."""
     rows: list[dict[str, Any]] = []
     rates = Rates()
     for case in cases:
         case_threads = case.threads or threads
-        progress.show(f"{case.name}: making inputs and the reference")
-        problem = make_problem(case)
-        _ = problem.expected  # computed once, before any timing
+        label = case.name if case.dtype == "float32" else f"{case.name} {case.dtype}"
+        timed = [b for b in backends if runners[b].dtype_support(case.dtype) is None]
+        progress.show(f"{label}: making inputs and the reference")
+        try:
+            problem = make_problem(case)
+            _ = problem.expected  # computed once, before any timing
+        except Exception as exc:  # noqa: BLE001 - e.g. a KVCache of a dtype this build lacks: the case's rows say so
+            for backend in timed:
+                outcome = Outcome("error", f"{_error(exc)} (making the inputs and the reference)")
+                rows.append(report.result_row(case, backend, case_threads, outcome, {}, []))
+                progress.step()
+            continue
         case_rows = []
-        for backend in backends:
-            progress.show(f"{case.name} on {backend}")
+        for backend in timed:
+            progress.show(f"{label} on {backend}")
             beside: list[float] = []  # decode: read bandwidth measured right before and after the run
 
             def before() -> None:
@@ -282,12 +292,12 @@ def run_suite(
             outcome = run_one(runners[backend], problem, case_threads, budget, rates, between=before)
             if case.kind == DECODE and outcome.status == "ok":
                 beside.append(bandwidth.measure(case_threads)["gbps"])
-            gemm = ceilings["by_threads"].get(str(case_threads), {}).get("gemm_gflops")
-            case_rows.append(report.result_row(case, backend, case_threads, outcome, gemm, beside))
+            ceiling = ceilings["by_threads"].get(str(case_threads), {})
+            case_rows.append(report.result_row(case, backend, case_threads, outcome, ceiling, beside))
             progress.step()
         ran = {r["backend"] for r in case_rows if r["status"] == "ok"}
-        if all(p in backends and p in ran for p in PORTS):
-            progress.show(f"{case.name}: cpp and rust alternately")
+        if all(p in timed and p in ran for p in PORTS):
+            progress.show(f"{label}: cpp and rust alternately")
             machine.settle()
             report.add_pair(case_rows, *run_pair([runners[p] for p in PORTS], problem, case_threads, budget))
             progress.step()
