@@ -159,6 +159,10 @@ def _padding(mask: Any) -> tuple[Any, Any]:
 
 # ---- the attention function -----------------------------------------------------------------------
 
+# Hq * Lq * Lk * (D + Dv) below which attention_forward runs on one thread (about 0.1 ms of work
+# on one core here): every decode step of SmolLM2 up to ~30k tokens of context, no prefill.
+_SERIAL_WORK = 2**25
+
 
 def attention_forward(
     module: Any,
@@ -216,6 +220,13 @@ def attention_forward(
     # the queries are the last q_len positions of a cache holding k_len keys (HF's alignment), said
     # explicitly so that right-padded rows (kv_lens < q_len) stay causal rather than raise
     q_offset = k_len - q_len if causal else None
+    # A decode-sized call runs on the calling thread alone. Between the layer's torch ops,
+    # torch's OpenMP threads keep spinning on both cores, so waking twinattn's second thread
+    # costs more than it saves: SmolLM2-135M bfloat16, 2 cores, one decode step of 30 layers took
+    # 20.1 / 25.7 / 28.8 ms at 16 / 1024 / 4096 tokens of context with 2 threads and 16.3 /
+    # 17.5 / 21.1 ms with 1 (float32: 40.5 -> ~38 ms at 16). Prefill keeps every thread.
+    work = q_heads * q_len * k_len * (query.shape[-1] + value.shape[-1])
+    num_threads = 1 if work < _SERIAL_WORK else None
 
     out = torch.empty((batch, q_len, q_heads, value.shape[-1]), dtype=query.dtype)
     if window == (-1, -1) and not softcap and sinks is None:
@@ -230,6 +241,7 @@ def attention_forward(
             attn_mask=attn_mask,
             scale=scaling,
             out=out.transpose(1, 2),
+            num_threads=num_threads,
         )
         return out, None
     api.attention(
@@ -246,6 +258,7 @@ def attention_forward(
         softcap=0.0 if softcap is None else float(softcap),
         # sinks are float32 (a bfloat16 model's s_aux converts exactly)
         sinks=None if sinks is None else _array("s_aux", sinks.float()),
+        num_threads=num_threads,
     )
     return out, None
 
