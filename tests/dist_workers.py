@@ -265,3 +265,40 @@ def fail_on_one_rank(rank: int, world_size: int) -> None:
         raise RuntimeError("rank 1 fails on purpose")
     q, k, v, _ = _problem({"seq_len": 8, "batch": 1, "q_heads": 1, "kv_heads": 1, "head_dim": 4, "value_dim": 4})
     td.ring_attention(*(td.shard(t, rank, world_size) for t in (q, k, v)))
+
+
+# ---- float16 / bfloat16 ---------------------------------------------------------------------------
+
+
+def check_half_against_reference(rank: int, world_size: int, cases: list[dict[str, Any]]) -> None:
+    """Each case in float16 and bfloat16: the shards hold the rounded inputs; out comes back in
+    that dtype, lse float32, against the float64 reference on the same rounded inputs. Allowed on
+    top of the float32 tolerance: the rounding of out (half an ulp), and per part (a part's out is
+    rounded to the dtype before the float32 merge, and on the bfloat16 dot path P too) half an
+    ulp of max|v| each, 2^-8 max|v| for bfloat16 (P and the part), 2^-11 for float16 (the part)."""
+    import ml_dtypes
+    from helpers import half_ulp
+
+    for case in cases:
+        for torch_dtype, np_dtype, part_unit in ((torch.bfloat16, ml_dtypes.bfloat16, 2.0**-8), (torch.float16, np.float16, 2.0**-11)):
+            what = f"rank {rank}/{world_size}, {torch_dtype}, {case}"
+            q, k, v, _ = (t.to(torch_dtype) for t in _problem(case))
+            as_np = [t.float().numpy().astype(np_dtype) for t in (q, k, v)]
+            want, want_lse = twinattn.attention(*(a.astype(np.float64) for a in as_np), return_lse=True, backend="numpy", causal=case["causal"])
+            f32 = twinattn.attention(*(a.astype(np.float32) for a in as_np), backend="numpy", causal=case["causal"])
+            out, lse = td.ring_attention(*(td.shard(t, rank, world_size) for t in (q, k, v)), causal=case["causal"],
+                                         return_lse=True, backend=case["backend"], timeout=20)
+            assert out.dtype == torch_dtype and lse.dtype == torch.float32, what
+            mine_want = td.shard(torch.from_numpy(want), rank, world_size).numpy()
+            mine_f32 = td.shard(torch.from_numpy(f32), rank, world_size).numpy()
+            got = out.float().numpy().astype(np.float64)
+            v_max = float(np.abs(as_np[2].astype(np.float64)).max())
+            f32_err = float(np.abs(mine_f32 - mine_want).max(initial=0.0))
+            tol = (FLOAT32_ERROR_FACTOR * f32_err + FLOOR_ULPS * UNIT_ROUNDOFF * max(1.0, v_max) + part_unit * v_max
+                   + half_ulp(np.maximum(np.abs(got), np.abs(mine_want)), np.dtype(np_dtype)))
+            err = np.abs(got - mine_want)
+            assert (err <= tol).all(), f"{what}: worst error {float(err.max()):.3g}, tolerance there {float(tol.flat[np.argmax(err)]):.3g}"
+            # lse: computed in float32 from the exact values, merged in float32
+            mine_lse = td.shard(torch.from_numpy(want_lse[..., None]), rank, world_size).numpy()[..., 0]
+            lse_scale = float(np.abs(want_lse[np.isfinite(want_lse)]).max(initial=1.0))
+            assert np.abs(lse.numpy() - mine_lse).max() <= 1e-5 * max(1.0, lse_scale), what

@@ -182,3 +182,11 @@ def test_a_failing_rank_fails_the_test_instead_of_hanging() -> None:
     with pytest.raises(dist_workers.RankFailure, match="rank 1 failed first") as failure:
         dist_workers.run_ranks(2, dist_workers.fail_on_one_rank)
     assert "RuntimeError: rank 1 fails on purpose" in str(failure.value)
+
+
+def test_ring_attention_in_float16_and_bfloat16() -> None:
+    # both ports, causal (the bfloat16 dot path runs in the prefill-sized parts) and not
+    cases = [_case(40, True, "cpp", q_heads=4, kv_heads=2, head_dim=32, value_dim=32),
+             _case(29, False, "rust", q_heads=4, kv_heads=1, head_dim=32, value_dim=16),
+             _case(96, True, "rust", batch=1, q_heads=8, kv_heads=2, head_dim=64, value_dim=64)]
+    dist_workers.run_ranks(2, dist_workers.check_half_against_reference, cases)
