@@ -40,7 +40,8 @@ std::string tuple_string(const py::ssize_t* values, py::ssize_t count) {
 
 // Element: q's dtype (float32, float16 or bfloat16) when `like` is null, else like's dtype
 // (k, v and out take q's).
-enum class Dtype { Float32, Int64, BoolOrFloat32, Element };
+// KeyElement: q's dtype or int8 (k); Int8: int8 (v when k is int8, "k's dtype").
+enum class Dtype { Float32, Int64, BoolOrFloat32, Element, KeyElement, Int8 };
 
 std::string dtype_string(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
 
@@ -71,7 +72,14 @@ py::array as_array(const py::handle& object, const char* name, Dtype dtype, py::
     if (!py::isinstance<py::array>(object))
         throw py::type_error(std::string(name) + ": expected a numpy.ndarray, got " + type_name(object));
     const auto a = py::reinterpret_borrow<py::array>(object);
-    if (dtype == Dtype::Element) {
+    if (dtype == Dtype::KeyElement) {
+        if (!a.dtype().equal(like->dtype()) && !a.dtype().equal(py::dtype::of<int8_t>()))
+            throw py::type_error(std::string(name) + ": expected dtype " + dtype_string(*like) +
+                                 " (q's dtype) or int8, got " + dtype_string(a));
+    } else if (dtype == Dtype::Int8) {
+        if (!a.dtype().equal(py::dtype::of<int8_t>()))
+            throw py::type_error(std::string(name) + ": expected dtype int8 (k's dtype), got " + dtype_string(a));
+    } else if (dtype == Dtype::Element) {
         ElementType type;
         if (like == nullptr && !element_type_of(a.dtype(), &type))
             throw py::type_error(std::string(name) + ": expected dtype float32, float16 or bfloat16, got " +
@@ -178,13 +186,17 @@ void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
                 const py::handle& scale_obj, const py::handle& num_threads_obj,
                 const py::handle& window_left_obj, const py::handle& window_right_obj,
                 const py::handle& softcap_obj, const py::handle& alibi_slopes_obj,
-                const py::handle& sinks_obj) {
+                const py::handle& sinks_obj, const py::handle& k_scale_obj,
+                const py::handle& v_scale_obj) {
     // 1. Arrays: dtypes, ranks, addressable elements; writeable outputs; the mask's shape.
     // Each array is checked whole (dtype, rank, strides, alignment) before the next, in the order
     // q, k, v, out; k, v and out must have q's dtype (float32, float16 or bfloat16).
     const py::array q = as_array(q_obj, "q", Dtype::Element, 4, "(B, Hq, Lq, D)");
-    const py::array k = as_array(k_obj, "k", Dtype::Element, 4, "(B, Hkv, Lk, D)", &q);
-    const py::array v = as_array(v_obj, "v", Dtype::Element, 4, "(B, Hkv, Lk, Dv)", &q);
+    // k and v: q's dtype, or both int8 (docs/kernels.md, "int8 K/V").
+    const py::array k = as_array(k_obj, "k", Dtype::KeyElement, 4, "(B, Hkv, Lk, D)", &q);
+    const bool kv_int8 = k.dtype().equal(py::dtype::of<int8_t>());
+    const py::array v = kv_int8 ? as_array(v_obj, "v", Dtype::Int8, 4, "(B, Hkv, Lk, Dv)")
+                                : as_array(v_obj, "v", Dtype::Element, 4, "(B, Hkv, Lk, Dv)", &q);
     py::array out = as_array(out_obj, "out", Dtype::Element, 4, "(B, Hq, Lq, Dv)", &q);
     require_writeable(out, "out");
     py::array lse, mask;  // default-constructed: empty arrays, used only when given
@@ -217,6 +229,26 @@ void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
     const bool has_alibi = !alibi_slopes_obj.is_none(), has_sinks = !sinks_obj.is_none();
     if (has_alibi) alibi_slopes = as_array(alibi_slopes_obj, "alibi_slopes", Dtype::Float32, 2, "(B, Hq)");
     if (has_sinks) sinks = as_array(sinks_obj, "sinks", Dtype::Float32, 1, "(Hq,)");
+    // The scales of int8 k and v, each checked whole (required or not, dtype, rank, shape)
+    // before the next; check_problem repeats the shape check for C++ callers.
+    py::array scales[2];
+    const py::handle scale_objs[2] = {k_scale_obj, v_scale_obj};
+    const char* const scale_names[2] = {"k_scale", "v_scale"};
+    for (int which = 0; which < 2; ++which) {
+        const std::string name = scale_names[which];
+        if (kv_int8 && scale_objs[which].is_none())
+            throw py::value_error(name + ": required with int8 k and v (float32, shape (B, Hkv, Lk)), got None");
+        if (!kv_int8 && !scale_objs[which].is_none())
+            throw py::value_error(name + ": expected None with " + dtype_string(k) +
+                                  " k and v (scales are only for int8), got an array");
+        if (!kv_int8) continue;
+        scales[which] = as_array(scale_objs[which], scale_names[which], Dtype::Float32, 3, "(B, Hkv, Lk)");
+        const py::ssize_t expected[3] = {q.shape(0), k.shape(1), k.shape(2)};
+        if (!std::equal(expected, expected + 3, scales[which].shape()))
+            throw py::value_error(name + ": expected shape (B=" + std::to_string(expected[0]) + ", Hkv=" +
+                                  std::to_string(expected[1]) + ", Lk=" + std::to_string(expected[2]) +
+                                  "), got " + tuple_string(scales[which].shape(), 3));
+    }
 
     // 3. The problem: views over the arrays' memory.
     AttentionProblem problem{};
@@ -253,6 +285,13 @@ void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
         problem.sinks.data = static_cast<const float*>(sinks.data());
         fill_shape_strides<ParamView1, 1>(sinks, problem.sinks);
     }
+    problem.kv_int8 = kv_int8;
+    if (kv_int8) {
+        problem.k_scale.data = static_cast<const float*>(scales[0].data());
+        fill_shape_strides<ParamView3, 3>(scales[0], problem.k_scale);
+        problem.v_scale.data = static_cast<const float*>(scales[1].data());
+        fill_shape_strides<ParamView3, 3>(scales[1], problem.v_scale);
+    }
 
     // 4. The kernel without the GIL; it checks the problem first (check_problem, once per call).
     // std::invalid_argument is ValueError, std::bad_alloc MemoryError, with Rust's messages.
@@ -275,9 +314,9 @@ void attention_forward_py(const py::object& q, const py::object& k, const py::ob
                           const py::object& scale, const py::object& num_threads,
                           const py::object& window_left, const py::object& window_right,
                           const py::object& softcap, const py::object& alibi_slopes,
-                          const py::object& sinks) {
+                          const py::object& sinks, const py::object& k_scale, const py::object& v_scale) {
     run_kernel(&twinattn::attention_forward, q, k, v, out, lse, q_offset, kv_lens, mask, causal,
-               scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks);
+               scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks, k_scale, v_scale);
 }
 
 // The plain scalar reference kernel, which every fast path is tested against.
@@ -287,9 +326,10 @@ void attention_reference_py(const py::object& q, const py::object& k, const py::
                             const py::object& scale, const py::object& num_threads,
                             const py::object& window_left, const py::object& window_right,
                             const py::object& softcap, const py::object& alibi_slopes,
-                            const py::object& sinks) {
+                            const py::object& sinks, const py::object& k_scale, const py::object& v_scale) {
     run_kernel(&twinattn::attention_reference, q, k, v, out, lse, q_offset, kv_lens, mask,
-               causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks);
+               causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks,
+               k_scale, v_scale);
 }
 
 // tanh of a float32 vector (any stride) with the fast kernel's vectorised tanh (softcap) and the
@@ -408,12 +448,14 @@ PYBIND11_MODULE(_cpp, m) {
           py::arg("out"), py::arg("lse"), py::arg("q_offset"), py::arg("kv_lens"), py::arg("mask"),
           py::arg("causal"), py::arg("scale"), py::arg("num_threads"), py::arg("window_left"),
           py::arg("window_right"), py::arg("softcap"), py::arg("alibi_slopes"), py::arg("sinks"),
+          py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
           "Exact scaled-dot-product attention into out (and lse) with the fast kernel and the "
           "instruction set in use; see docs/native_api.md.");
     m.def("attention_reference", &attention_reference_py, py::arg("q"), py::arg("k"), py::arg("v"),
           py::arg("out"), py::arg("lse"), py::arg("q_offset"), py::arg("kv_lens"), py::arg("mask"),
           py::arg("causal"), py::arg("scale"), py::arg("num_threads"), py::arg("window_left"),
           py::arg("window_right"), py::arg("softcap"), py::arg("alibi_slopes"), py::arg("sinks"),
+          py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
           "attention_forward computed by the plain scalar reference kernel (for tests).");
     m.def("set_isa", &set_isa_py, py::arg("name"),
           "Switches the instruction set among build_info()['isa_available']; ValueError otherwise.");

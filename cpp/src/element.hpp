@@ -41,6 +41,9 @@ static inline float bits_float(uint32_t bits) {
 
 static inline float to_f32(float x) { return x; }
 
+// int8 K / V (docs/kernels.md, "int8 K/V"): exact; the per-token scale is applied by the caller.
+static inline float to_f32(int8_t x) { return static_cast<float>(x); }
+
 static inline float to_f32(BFloat16 x) { return bits_float(static_cast<uint32_t>(x.bits) << 16); }
 
 static inline float to_f32(Float16 x) {

@@ -95,7 +95,7 @@ private:
 
 // Everything one thread needs for a work item (flash_kernel.hpp, ThreadScratch).
 struct ScratchBuffers {
-    GrowBuffer<float> q_tile, scores, out_acc, row_max, row_sum, rescale, key_panels;
+    GrowBuffer<float> q_tile, scores, out_acc, row_max, row_sum, rescale, key_panels, key_scales, value_scales;
     GrowBuffer<int64_t> row_key_begin, row_key_end;
     GrowBuffer<uint32_t> probs_pairs;
 
@@ -111,6 +111,8 @@ struct ScratchBuffers {
         s.row_key_end = row_key_end.reserve(kQTileRows);
         s.key_panels = split_key ? key_panels.reserve(kKeyBlock * std::max<int64_t>(D, 1)) : nullptr;
         s.probs_pairs = bf16_pairs ? probs_pairs.reserve(kQTileRows * kKeyBlock / 2) : nullptr;
+        s.key_scales = key_scales.reserve(kKeyBlock);
+        s.value_scales = value_scales.reserve(kKeyBlock);
         return s;
     }
 };
@@ -149,8 +151,9 @@ void run_items(const FlashPlan& plan, const FlashKernels& kernels, std::vector<C
     parallel_for(static_cast<int64_t>(items.size()), num_threads, [&](int64_t index, int) {
         const ThreadScratch scratch =
             thread_scratch().get(plan.head_dim, plan.value_stride, split_key, plan.packed_values != nullptr);
-        kernels.attend_rows[static_cast<int>(plan.problem->dtype)](plan, items[static_cast<size_t>(index)].item,
-                                                               scratch);
+        const int dtype = static_cast<int>(plan.problem->dtype);
+        const AttendRowsFn attend = plan.problem->kv_int8 ? kernels.attend_rows_int8[dtype] : kernels.attend_rows[dtype];
+        attend(plan, items[static_cast<size_t>(index)].item, scratch);
     });
 }
 
@@ -160,7 +163,8 @@ void run_prefill(FlashPlan& plan, const FlashKernels& kernels, int num_threads) 
     const int64_t B = p.q.shape[0], Hkv = p.k.shape[1], D = plan.head_dim;
     plan.panels_per_head = ceil_div(p.k.shape[2], kKeyPanel);
     // bfloat16 with dot products (avx512bf16): K and V pair panels (a pair fills a float's slot).
-    const bool pairs = kernels.pack_pairs != nullptr && p.dtype == ElementType::BFloat16;
+    // (Not with int8 K/V: those take the convert path.)
+    const bool pairs = kernels.pack_pairs != nullptr && p.dtype == ElementType::BFloat16 && !p.kv_int8;
     const int64_t panel_size = (pairs ? ceil_div(D, 2) : D) * kKeyPanel;
     const int64_t keys_per_head = plan.panels_per_head * kKeyPanel;
     CallerBuffers& buffers = caller_buffers();
@@ -192,8 +196,8 @@ void run_prefill(FlashPlan& plan, const FlashKernels& kernels, int num_threads) 
                                packed_values + (head * keys_per_head + first_key) / 2 * plan.value_stride,
                                value_finite + head * keys_per_head + first_key, plan.value_stride);
         else
-            kernels.pack_keys[static_cast<int>(p.dtype)](p, b, kv_head, first_key, key_end,
-                                                         packed + (head * plan.panels_per_head + first_panel) * panel_size);
+            (p.kv_int8 ? kernels.pack_keys_int8 : kernels.pack_keys[static_cast<int>(p.dtype)])(
+                p, b, kv_head, first_key, key_end, packed + (head * plan.panels_per_head + first_panel) * panel_size);
     });
 
     const int64_t tiles = ceil_div(plan.rows_per_group, kQTileRows);

@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "element.hpp"
 #include "twinattn/constants.hpp"
@@ -84,6 +85,9 @@ struct ThreadScratch {
     int64_t* row_key_end;
     float* key_panels;
     uint32_t* probs_pairs;  // (rows, kKeyBlock / 2) bfloat16 pairs of P: the dot-product path
+    // int8 K/V: the current block's k_scale and v_scale (kKeyBlock each; 0 past the block's keys).
+    float* key_scales;
+    float* value_scales;
 };
 
 using AttendRowsFn = void (*)(const FlashPlan& plan, const WorkItem& item, const ThreadScratch& scratch);
@@ -113,6 +117,9 @@ struct FlashKernels {
     // bfloat16 prefill by dot products (avx512bf16 only; nullptr elsewhere): packs the pair
     // panels that attend_rows[BFloat16] then reads.
     PackPairsFn pack_pairs;
+    // int8 K/V, indexed by q's ElementType; the K^T panels hold float32(k) * k_scale whatever q is.
+    AttendRowsFn attend_rows_int8[kElementTypes];
+    PackKeysFn pack_keys_int8;
 };
 
 // Defined in flash_{scalar,avx2,avx512}.cpp (the last two only when built for x86-64), each
@@ -150,16 +157,19 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
-// T: the storage type of q, k, v and out (float, Float16 or BFloat16; element.hpp). The
+// T: the storage type of q and out, KV that of k and v: T, or int8_t (docs/kernels.md, "int8
+// K/V": K and V converted exactly per vector load, the per-token scales applied to each score
+// (direct) or to the packed K^T panel (prefill), and to P before P.V). The
 // 16-bit instantiations are the convert path (docs/kernels.md, "Reduced precision"): every load
 // of q, k or v converts to float32 exactly (V::load_as_f32), everything else is the float32
 // kernel operation for operation, and out is rounded as it is stored (V::store_from_f32), so
 // their results equal the float32 kernel's on the converted inputs, rounded. Kernel<V, float>
 // is today's float32 kernel (load_as_f32 of a float is V::load).
-template <class V, class T = float>
+template <class V, class T = float, class KV = T>
 struct Kernel {
     using Reg = typename V::Reg;
     static constexpr int64_t W = V::kWidth;
+    static constexpr bool kInt8 = std::is_same<KV, int8_t>::value;
 
     static int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
     // a > b ? a : b, and NaN when either is NaN (the row max keeps a NaN score).
@@ -202,23 +212,35 @@ struct Kernel {
     static void pack_keys(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_begin,
                           int64_t key_end, float* dst) {
         const int64_t D = p.k.shape[3], key_stride = p.k.stride[2];
-        const T* k_head = static_cast<const T*>(p.k.data) + b * p.k.stride[0] + kv_head * p.k.stride[1];
+        const KV* k_head = static_cast<const KV*>(p.k.data) + b * p.k.stride[0] + kv_head * p.k.stride[1];
+        // int8: column j holds float32(k_j) * k_scale[j] (one rounding), so the micro-kernels
+        // below are the float32 ones.
+        const float* k_scale = kInt8 ? p.k_scale.data + b * p.k_scale.stride[0] + kv_head * p.k_scale.stride[1]
+                                     : nullptr;
         for (int64_t panel_begin = key_begin; panel_begin < key_end; panel_begin += kKeyPanel) {
             const int64_t keys = key_end - panel_begin < kKeyPanel ? key_end - panel_begin : kKeyPanel;
-            const T* k_rows = k_head + panel_begin * key_stride;
+            const KV* k_rows = k_head + panel_begin * key_stride;
             int64_t d_done = 0;
             if (keys == kKeyPanel) {  // whole panel: W x W blocks transposed in registers
                 for (; d_done + W <= D; d_done += W)
                     for (int64_t j = 0; j < kKeyPanel; j += W) {
                         Reg block[W];
                         for (int64_t t = 0; t < W; ++t) block[t] = V::load_as_f32(k_rows + (j + t) * key_stride + d_done);
+                        if (kInt8)
+                            for (int64_t t = 0; t < W; ++t)
+                                block[t] = V::mul(block[t], V::broadcast(k_scale[(panel_begin + j + t) * p.k_scale.stride[2]]));
                         V::transpose(block);
                         for (int64_t t = 0; t < W; ++t) V::store(dst + (d_done + t) * kKeyPanel + j, block[t]);
                     }
             }
             for (int64_t j = 0; j < keys; ++j) {  // the rest, element by element
-                const T* k_row = k_rows + j * key_stride;
-                for (int64_t d = d_done; d < D; ++d) dst[d * kKeyPanel + j] = to_f32(k_row[d]);
+                const KV* k_row = k_rows + j * key_stride;
+                if (kInt8) {
+                    const float scale = k_scale[(panel_begin + j) * p.k_scale.stride[2]];
+                    for (int64_t d = d_done; d < D; ++d) dst[d * kKeyPanel + j] = to_f32(k_row[d]) * scale;
+                } else {
+                    for (int64_t d = d_done; d < D; ++d) dst[d * kKeyPanel + j] = to_f32(k_row[d]);
+                }
             }
             for (int64_t j = keys; j < kKeyPanel; ++j)
                 for (int64_t d = 0; d < D; ++d) dst[d * kKeyPanel + j] = 0.0f;
@@ -295,7 +317,7 @@ struct Kernel {
     // reuses each q chunk four times but interleaves four rows; measured at 32k keys on one
     // thread that stalls on memory: 22 ms against 13.5-14 ms with whole rows, 1.6x slower.)
     template <int R>
-    static void direct_batch(const float* q, int64_t D, const T* const k[4], Reg* y,
+    static void direct_batch(const float* q, int64_t D, const KV* const k[4], Reg* y,
                              int64_t y_stride) {
         Reg acc[R][4];
 #pragma GCC unroll 8
@@ -304,7 +326,7 @@ struct Kernel {
             for (int t = 0; t < 4; ++t) acc[r][t] = V::zero();
 #pragma GCC unroll 4
         for (int t = 0; t < 4; ++t) {
-            const T* key = k[t];
+            const KV* key = k[t];
             int64_t d = 0;
             for (; d + W <= D; d += W) {
                 const Reg key_d = V::load_as_f32(key + d);
@@ -326,10 +348,11 @@ struct Kernel {
     // S of R rows for keys [j0, j0 + W) of the block: W / 4 batches of four keys, then per row
     // V::fold_groups into W scores. A key at or past n (past the block's end) is never read: a
     // batch wholly past n is 0, a key past n inside a batch reuses key n - 1; both scores are
-    // overwritten with -inf before the softmax.
+    // overwritten with -inf before the softmax. int8: each score is then acc * k_scale (one
+    // multiply per (row, key); key_scales is the block's, 0 past n).
     template <int R>
-    static void direct_strip(const float* q, int64_t D, const T* k_rows, int64_t k_stride,
-                             int64_t j0, int64_t n, float* scores) {
+    static void direct_strip(const float* q, int64_t D, const KV* k_rows, int64_t k_stride,
+                             int64_t j0, int64_t n, const float* key_scales, float* scores) {
         constexpr int64_t kBatches = W / 4;
         Reg y[R][kBatches];
         for (int64_t b = 0; b < kBatches; ++b) {
@@ -339,19 +362,24 @@ struct Kernel {
                 for (int r = 0; r < R; ++r) y[r][b] = V::zero();
                 continue;
             }
-            const T* k[4];
+            const KV* k[4];
 #pragma GCC unroll 4
             for (int t = 0; t < 4; ++t) k[t] = k_rows + (first + t < n ? first + t : n - 1) * k_stride;
             direct_batch<R>(q, D, k, &y[0][b], kBatches);
         }
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) V::store(scores + r * kKeyBlock + j0, V::fold_groups(y[r]));
+        for (int r = 0; r < R; ++r) {
+            if (kInt8)
+                V::store(scores + r * kKeyBlock + j0, V::mul(V::fold_groups(y[r]), V::load(key_scales + j0)));
+            else
+                V::store(scores + r * kKeyBlock + j0, V::fold_groups(y[r]));
+        }
     }
 
     // S for all rows (<= kDirectScoreRows) against the block's n keys read in place: groups of
     // W keys, each in strips of V::kDirectStripRows rows (the last strip as many as remain).
-    static void direct_block_scores(const float* q_tile, int64_t D, int64_t rows, const T* k_rows,
-                                    int64_t k_stride, int64_t n, float* scores) {
+    static void direct_block_scores(const float* q_tile, int64_t D, int64_t rows, const KV* k_rows,
+                                    int64_t k_stride, int64_t n, const float* key_scales, float* scores) {
         constexpr int64_t SR = V::kDirectStripRows;
         static_assert(SR >= 1 && SR <= 6, "the switch below lists the strip heights 1..6");
         for (int64_t j0 = 0; j0 < n; j0 += W) {
@@ -359,12 +387,12 @@ struct Kernel {
                 const float* q = q_tile + r * D;
                 float* s = scores + r * kKeyBlock;
                 switch (rows - r < SR ? rows - r : SR) {
-                    case 1: direct_strip<1>(q, D, k_rows, k_stride, j0, n, s); break;
-                    case 2: direct_strip<2>(q, D, k_rows, k_stride, j0, n, s); break;
-                    case 3: direct_strip<(SR >= 3 ? 3 : 1)>(q, D, k_rows, k_stride, j0, n, s); break;
-                    case 4: direct_strip<(SR >= 4 ? 4 : 1)>(q, D, k_rows, k_stride, j0, n, s); break;
-                    case 5: direct_strip<(SR >= 5 ? 5 : 1)>(q, D, k_rows, k_stride, j0, n, s); break;
-                    default: direct_strip<(SR >= 6 ? 6 : 1)>(q, D, k_rows, k_stride, j0, n, s); break;
+                    case 1: direct_strip<1>(q, D, k_rows, k_stride, j0, n, key_scales, s); break;
+                    case 2: direct_strip<2>(q, D, k_rows, k_stride, j0, n, key_scales, s); break;
+                    case 3: direct_strip<(SR >= 3 ? 3 : 1)>(q, D, k_rows, k_stride, j0, n, key_scales, s); break;
+                    case 4: direct_strip<(SR >= 4 ? 4 : 1)>(q, D, k_rows, k_stride, j0, n, key_scales, s); break;
+                    case 5: direct_strip<(SR >= 5 ? 5 : 1)>(q, D, k_rows, k_stride, j0, n, key_scales, s); break;
+                    default: direct_strip<(SR >= 6 ? 6 : 1)>(q, D, k_rows, k_stride, j0, n, key_scales, s); break;
                 }
             }
         }
@@ -374,7 +402,7 @@ struct Kernel {
     // kTail: the last vector holds only `tail` columns. kSafe: a row whose p is 0 (a hidden key)
     // skips the key, so a NaN in a hidden value never enters (0 * NaN = NaN).
     template <int R, int NV, bool kTail, bool kSafe>
-    static void value_micro(const float* probs, int64_t n, const T* v_rows, int64_t v_stride,
+    static void value_micro(const float* probs, int64_t n, const KV* v_rows, int64_t v_stride,
                             float* out, int64_t out_stride, const float* rescale, bool do_rescale,
                             int64_t tail) {
         Reg acc[R][NV] = {};  // (= {}: silences a false -Wuninitialized)
@@ -388,7 +416,7 @@ struct Kernel {
             }
         }
         for (int64_t key = 0; key < n; ++key) {
-            const T* v_row = v_rows + key * v_stride;
+            const KV* v_row = v_rows + key * v_stride;
             Reg values[NV];
 #pragma GCC unroll 4
             for (int v = 0; v < NV; ++v)
@@ -425,7 +453,7 @@ struct Kernel {
     // O for one strip of R rows: column blocks of kValueVectors vectors, then single vectors,
     // then the masked tail.
     template <int R, bool kSafe>
-    static void strip_values(const float* probs, int64_t n, const T* v_rows, int64_t v_stride,
+    static void strip_values(const float* probs, int64_t n, const KV* v_rows, int64_t v_stride,
                              float* out, int64_t out_stride, int64_t Dv, const float* rescale) {
         constexpr int NV = V::kValueVectors;
         bool do_rescale = false;
@@ -443,7 +471,7 @@ struct Kernel {
     }
 
     template <bool kSafe>
-    static void block_values(const float* scores, int64_t rows, int64_t n, const T* v_rows,
+    static void block_values(const float* scores, int64_t rows, int64_t n, const KV* v_rows,
                              int64_t v_stride, float* out_acc, int64_t out_stride, int64_t Dv,
                              const float* rescale) {
         for (int64_t r = 0; r < rows; r += kMicroRows) {
@@ -501,8 +529,13 @@ struct Kernel {
             plan.packed_keys == nullptr
                 ? nullptr
                 : plan.packed_keys + (b * p.k.shape[1] + item.kv_head) * plan.panels_per_head * D * kKeyPanel;
-        const T* v_head = static_cast<const T*>(p.v.data) + b * p.v.stride[0] + item.kv_head * p.v.stride[1];
-        const T* k_head = static_cast<const T*>(p.k.data) + b * p.k.stride[0] + item.kv_head * p.k.stride[1];
+        const KV* v_head = static_cast<const KV*>(p.v.data) + b * p.v.stride[0] + item.kv_head * p.v.stride[1];
+        const KV* k_head = static_cast<const KV*>(p.k.data) + b * p.k.stride[0] + item.kv_head * p.k.stride[1];
+        // int8: this head's scales (read through their strides, gathered per block).
+        const float* k_scale_head =
+            kInt8 ? p.k_scale.data + b * p.k_scale.stride[0] + item.kv_head * p.k_scale.stride[1] : nullptr;
+        const float* v_scale_head =
+            kInt8 ? p.v_scale.data + b * p.v_scale.stride[0] + item.kv_head * p.v_scale.stride[1] : nullptr;
         // Split-key groups of few rows read K in place (3a'); the others pack K^T panels.
         const bool direct = plan.packed_keys == nullptr && rows <= kDirectScoreRows;
         for (int64_t key_block = item.key_begin; key_block < key_stop; key_block += kKeyBlock) {
@@ -517,11 +550,18 @@ struct Kernel {
             }
             // No software prefetch on any path: K and V are read as forward streams that the
             // hardware prefetcher follows (docs/kernels.md, step 6).
-            const T* v_rows = v_head + key_block * p.v.stride[2];
-            // (a) S = Q K^T.
+            const KV* v_rows = v_head + key_block * p.v.stride[2];
+            if (kInt8) {  // the block's scales, 0 past n (those scores become -inf below)
+                for (int64_t j = 0; j < n_padded; ++j) {
+                    const int64_t key = key_block + j;
+                    s.key_scales[j] = j < n ? k_scale_head[key * p.k_scale.stride[2]] : 0.0f;
+                    s.value_scales[j] = j < n ? v_scale_head[key * p.v_scale.stride[2]] : 0.0f;
+                }
+            }
+            // (a) S = Q K^T (int8: direct scores times k_scale here, panels already scaled).
             if (direct)
                 direct_block_scores(s.q_tile, D, rows, k_head + key_block * p.k.stride[2], p.k.stride[2],
-                                    n, s.scores);
+                                    n, s.key_scales, s.scores);
             else
                 block_scores(s.q_tile, D, rows, panels, n, s.scores);
             // (a') Softcap.
@@ -535,6 +575,14 @@ struct Kernel {
                 for (int64_t j = n; j < n_padded; ++j) s.scores[r * kKeyBlock + j] = kNegInf;
             // (c) Online softmax.
             for (int64_t r = 0; r < rows; ++r) softmax_row(s.scores + r * kKeyBlock, n_padded, s, r);
+            // (c') int8: P times v_scale after l has summed the unscaled P; a P of 0 (a hidden
+            // key) stays 0, so a hidden key's NaN scale never enters.
+            if (kInt8)
+                for (int64_t r = 0; r < rows; ++r) {
+                    float* probs = s.scores + r * kKeyBlock;
+                    for (int64_t j = 0; j < n; ++j)
+                        probs[j] = probs[j] == 0.0f ? 0.0f : probs[j] * s.value_scales[j];
+                }
             // (d) O = alpha O + P V.
             if (masked)
                 block_values<true>(s.scores, rows, n, v_rows, p.v.stride[2], s.out_acc,
@@ -669,7 +717,10 @@ FlashKernels make_kernels() {
                          Kernel<V, BFloat16>::pack_keys},
                         Kernel<V, float>::tanh_values,
                         V::kWidth,
-                        nullptr};
+                        nullptr,
+                        {Kernel<V, float, int8_t>::attend_rows, Kernel<V, Float16, int8_t>::attend_rows,
+                         Kernel<V, BFloat16, int8_t>::attend_rows},
+                        Kernel<V, float, int8_t>::pack_keys};
 }
 
 }  // namespace flash

@@ -200,6 +200,11 @@ void check_finite_values(const char* argument, const float* data, const int64_t*
         }
 }
 
+// The dtype's name as NumPy prints it.
+const char* element_name(ElementType dtype) {
+    return dtype == ElementType::Float32 ? "float32" : dtype == ElementType::Float16 ? "float16" : "bfloat16";
+}
+
 }  // namespace
 
 // The order of the checks, and every message, is the same in problem.rs.
@@ -284,11 +289,25 @@ void check_problem(const AttentionProblem& p) {
         check_shape("sinks", p.sinks.shape, sink_dims, 1);
         check_finite_values("sinks", p.sinks.data, p.sinks.shape, p.sinks.stride, 1);
     }
+    // int8 K/V: both scales (B, Hkv, Lk), any values (a NaN scale acts like a NaN in K or V).
+    const Dim scale_dims[3] = {b, {"Hkv", kv_heads}, {"Lk", key_len}};
+    const std::pair<const char*, const ParamView3*> scales[] = {{"k_scale", &p.k_scale},
+                                                                {"v_scale", &p.v_scale}};
+    for (const auto& scale : scales) {
+        if (p.kv_int8 && scale.second->data == nullptr)
+            fail(std::string(scale.first) +
+                 ": required with int8 k and v (float32, shape (B, Hkv, Lk)), got None");
+        if (!p.kv_int8 && scale.second->data != nullptr)
+            fail(std::string(scale.first) + ": expected None with " + element_name(p.dtype) +
+                 " k and v (scales are only for int8), got an array");
+        if (scale.second->data != nullptr) check_shape(scale.first, scale.second->shape, scale_dims, 3);
+    }
 
     // 7. Outputs: every element written once, by one thread, never read as input.
     check_distinct_elements("out", p.out.shape, p.out.stride, 4);
     if (p.lse.data != nullptr) check_distinct_elements("lse", p.lse.shape, p.lse.stride, 3);
-    const int64_t item = element_size(p.dtype);  // q, k, v and out
+    const int64_t item = element_size(p.dtype);  // q and out
+    const int64_t kv_item = p.kv_int8 ? 1 : item;  // k and v
     const Extent out = extent(p.out.data, p.out.shape, p.out.stride, 4, item);
     const Extent lse = p.lse.data != nullptr ? extent(p.lse.data, p.lse.shape, p.lse.stride, 3, 4)
                                              : Extent{true, 0, 0};
@@ -298,8 +317,8 @@ void check_problem(const AttentionProblem& p) {
                                      p.mask.kind == MaskKind::Float ? 4 : 1);
     const std::pair<const char*, Extent> inputs[] = {
         {"q", extent(p.q.data, p.q.shape, p.q.stride, 4, item)},
-        {"k", extent(p.k.data, p.k.shape, p.k.stride, 4, item)},
-        {"v", extent(p.v.data, p.v.shape, p.v.stride, 4, item)},
+        {"k", extent(p.k.data, p.k.shape, p.k.stride, 4, kv_item)},
+        {"v", extent(p.v.data, p.v.shape, p.v.stride, 4, kv_item)},
         {"mask", mask},
         {"alibi_slopes", p.alibi_slopes.data != nullptr
                              ? extent(p.alibi_slopes.data, p.alibi_slopes.shape,
@@ -308,6 +327,12 @@ void check_problem(const AttentionProblem& p) {
         {"sinks", p.sinks.data != nullptr
                       ? extent(p.sinks.data, p.sinks.shape, p.sinks.stride, 1, 4)
                       : Extent{true, 0, 0}},
+        {"k_scale", p.k_scale.data != nullptr
+                        ? extent(p.k_scale.data, p.k_scale.shape, p.k_scale.stride, 3, 4)
+                        : Extent{true, 0, 0}},
+        {"v_scale", p.v_scale.data != nullptr
+                        ? extent(p.v_scale.data, p.v_scale.shape, p.v_scale.stride, 3, 4)
+                        : Extent{true, 0, 0}},
         {"lse", lse}};
     const std::pair<const char*, Extent> outputs[] = {{"out", out}, {"lse", lse}};
     for (const auto& output : outputs)

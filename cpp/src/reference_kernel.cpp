@@ -37,6 +37,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "element.hpp"
@@ -79,15 +80,19 @@ bool in_window(const AttentionProblem& p, int64_t b, int64_t i, int64_t j) {
     return true;
 }
 
-// T: the element type of q, k, v and out (float, Float16 or BFloat16).
-template <typename T>
+// T: the element type of q and out (float, Float16 or BFloat16), KV that of k and v (T, or
+// int8_t: dequantized as float32(x) * scale in float32, then used as float32 inputs are).
+template <typename T, typename KV = T>
 void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowScratch& scratch) {
     const int64_t head_dim = p.q.shape[3];
     const int64_t value_dim = p.v.shape[3];
     const int64_t kv_head = h / (p.q.shape[1] / p.k.shape[1]);
     const T* q_row = static_cast<const T*>(p.q.data) + b * p.q.stride[0] + h * p.q.stride[1] + i * p.q.stride[2];
-    const T* k_head = static_cast<const T*>(p.k.data) + b * p.k.stride[0] + kv_head * p.k.stride[1];
-    const T* v_head = static_cast<const T*>(p.v.data) + b * p.v.stride[0] + kv_head * p.v.stride[1];
+    const KV* k_head = static_cast<const KV*>(p.k.data) + b * p.k.stride[0] + kv_head * p.k.stride[1];
+    const KV* v_head = static_cast<const KV*>(p.v.data) + b * p.v.stride[0] + kv_head * p.v.stride[1];
+    constexpr bool int8 = std::is_same<KV, int8_t>::value;
+    const float* k_scale = int8 ? p.k_scale.data + b * p.k_scale.stride[0] + kv_head * p.k_scale.stride[1] : nullptr;
+    const float* v_scale = int8 ? p.v_scale.data + b * p.v_scale.stride[0] + kv_head * p.v_scale.stride[1] : nullptr;
     T* out_row = static_cast<T*>(p.out.data) + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
     const int64_t mask_row = b * p.mask.stride[0] + h * p.mask.stride[1] + i * p.mask.stride[2];
 
@@ -112,10 +117,13 @@ void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowS
             bias = static_cast<const float*>(p.mask.data)[mask_index];
             if (bias == kNegInf) continue;  // hidden before k_j is read
         }
-        const T* k_row = k_head + j * p.k.stride[2];
+        const KV* k_row = k_head + j * p.k.stride[2];
+        const float k_multiplier = int8 ? k_scale[j * p.k_scale.stride[2]] : 1.0f;
         double dot = 0.0;
-        for (int64_t d = 0; d < head_dim; ++d)
-            dot += static_cast<double>(to_f32(q_row[d])) * static_cast<double>(to_f32(k_row[d]));
+        for (int64_t d = 0; d < head_dim; ++d) {
+            const float k_value = int8 ? to_f32(k_row[d]) * k_multiplier : to_f32(k_row[d]);
+            dot += static_cast<double>(to_f32(q_row[d])) * static_cast<double>(k_value);
+        }
         double score = static_cast<double>(p.scale) * dot;
         if (softcap > 0.0) score = softcap * std::tanh(score / softcap);
         if (p.alibi_slopes.data != nullptr) {
@@ -155,9 +163,12 @@ void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowS
     std::vector<double>& out_acc = scratch.out_row;
     std::fill(out_acc.begin(), out_acc.end(), 0.0);
     for (const VisibleKey& key : visible) {
-        const T* v_row = v_head + key.key * p.v.stride[2];
-        for (int64_t d = 0; d < value_dim; ++d)
-            out_acc[d] += key.score * static_cast<double>(to_f32(v_row[d]));
+        const KV* v_row = v_head + key.key * p.v.stride[2];
+        const float v_multiplier = int8 ? v_scale[key.key * p.v_scale.stride[2]] : 1.0f;
+        for (int64_t d = 0; d < value_dim; ++d) {
+            const float v_value = int8 ? to_f32(v_row[d]) * v_multiplier : to_f32(v_row[d]);
+            out_acc[d] += key.score * static_cast<double>(v_value);
+        }
     }
     for (int64_t d = 0; d < value_dim; ++d) from_f32(static_cast<float>(out_acc[d]), &out_row[d]);
     if (lse != nullptr)  // a +inf score: log(sum) = +inf, though the weights are inf / inf
@@ -173,9 +184,17 @@ void attend_pairs(const AttentionProblem& p, int64_t pair_begin, int64_t pair_en
         const int64_t b = pair / q_heads, h = pair % q_heads;
         for (int64_t i = 0; i < p.q.shape[2]; ++i) {
             switch (p.dtype) {
-                case ElementType::Float32: attend_row<float>(p, b, h, i, scratch); break;
-                case ElementType::Float16: attend_row<Float16>(p, b, h, i, scratch); break;
-                case ElementType::BFloat16: attend_row<BFloat16>(p, b, h, i, scratch); break;
+                case ElementType::Float32:
+                    p.kv_int8 ? attend_row<float, int8_t>(p, b, h, i, scratch) : attend_row<float>(p, b, h, i, scratch);
+                    break;
+                case ElementType::Float16:
+                    p.kv_int8 ? attend_row<Float16, int8_t>(p, b, h, i, scratch)
+                              : attend_row<Float16>(p, b, h, i, scratch);
+                    break;
+                case ElementType::BFloat16:
+                    p.kv_int8 ? attend_row<BFloat16, int8_t>(p, b, h, i, scratch)
+                              : attend_row<BFloat16>(p, b, h, i, scratch);
+                    break;
             }
         }
     }

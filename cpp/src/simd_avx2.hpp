@@ -133,6 +133,10 @@ struct VecAvx2 {
         const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
         return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
     }
+    // int8 K / V: sign-extend 8 bytes to int32 (vpmovsxbd), convert (vcvtdq2ps): exact.
+    static Reg load_as_f32(const int8_t* p) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    }
     static void store_from_f32(Float16* p, Reg x) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
                          _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

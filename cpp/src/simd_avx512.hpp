@@ -149,6 +149,10 @@ struct VecAvx512Unit {
         const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
         return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
     }
+    // int8 K / V: sign-extend to int32 (vpmovsxbd), convert (vcvtdq2ps): exact.
+    static Reg load_as_f32(const int8_t* p) {
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    }
     static void store_from_f32(Float16* p, Reg x) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
                             _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

@@ -156,6 +156,11 @@ struct VecNeon {
     static float32x4_t load4(const BFloat16* p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(&p->bits), 16)); }
     static Reg load_as_f32(const Float16* p) { return Reg{load4(p), load4(p + 4)}; }
     static Reg load_as_f32(const BFloat16* p) { return Reg{load4(p), load4(p + 4)}; }
+    // int8 K / V: widen (vmovl) to int16, then int32, convert (vcvtq): exact.
+    static Reg load_as_f32(const int8_t* p) {
+        const int16x8_t wide = vmovl_s8(vld1_s8(p));
+        return Reg{vcvtq_f32_s32(vmovl_s16(vget_low_s16(wide))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(wide)))};
+    }
     // vcvt_f16_f32 rounds to nearest even (the default FPCR mode) and keeps subnormals.
     static void store4(Float16* p, float32x4_t x) { vst1_u16(&p->bits, vreinterpret_u16_f16(vcvt_f16_f32(x))); }
     // The software rule of element.hpp, 4 lanes at once.

@@ -66,11 +66,19 @@ struct ParamView1 {
     int64_t stride[1];
 };
 
+// A float32 array of rank 3 (k_scale, v_scale (B, Hkv, Lk)); data == nullptr: not given.
+struct ParamView3 {
+    const float* data;
+    int64_t shape[3];
+    int64_t stride[3];
+};
+
 struct AttentionProblem {
     TensorView4 q, k, v;
     MutTensorView4 out;
     LseView lse;
-    // The element type of q, k, v and out (all four alike); lse is float32 whatever it is.
+    // The element type of q, k, v and out (all four alike, except k and v when kv_int8); lse is
+    // float32 whatever it is.
     // float16 / bfloat16: the kernels convert the inputs exactly to float32, compute in float32
     // and round out to the dtype (docs/kernels.md, "Reduced precision").
     ElementType dtype = ElementType::Float32;
@@ -92,6 +100,13 @@ struct AttentionProblem {
     ParamView2 alibi_slopes = {nullptr, {0, 0}, {0, 0}};
     // One extra logit per query head (natural-log units, not scaled): softmax mass, no value.
     ParamView1 sinks = {nullptr, {0}, {0}};
+    // int8 K/V (docs/kernels.md, "int8 K/V"): k and v hold int8 (q and out keep dtype), and
+    // k_scale / v_scale (B, Hkv, Lk), both required, give each token's float32 scale: the kernels
+    // attend over float32(k) * k_scale, float32(v) * v_scale. false: k and v have dtype, and the
+    // scales must not be given.
+    bool kv_int8 = false;
+    ParamView3 k_scale = {nullptr, {0, 0, 0}, {0, 0, 0}};
+    ParamView3 v_scale = {nullptr, {0, 0, 0}, {0, 0, 0}};
 };
 
 // Throws std::invalid_argument naming the argument, what was expected and what was given,
