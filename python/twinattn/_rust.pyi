@@ -30,14 +30,16 @@ _F32: TypeAlias = NDArray[np.float32]
 # dtype that NumPy's typing cannot name, hence Any)
 _Data: TypeAlias = NDArray[np.float32] | NDArray[np.float16] | NDArray[Any]
 _I64: TypeAlias = NDArray[np.int64]
+# k and v: q's dtype, or both int8 with their float32 (B, Hkv, Lk) scales k_scale / v_scale
+_KV: TypeAlias = _Data | NDArray[np.int8]
 # float32 (B, Hq) ALiBi slopes (any strides: a (Hq,) vector as a stride-0 view) and (Hq,) sinks
 # bool (True = may attend) or float32 additive bias, shape exactly (B, Hq, Lq, Lk)
 _Mask: TypeAlias = NDArray[np.bool_] | NDArray[np.float32]
 
 def attention_forward(
     q: _Data,
-    k: _Data,
-    v: _Data,
+    k: _KV,
+    v: _KV,
     out: _Data,
     lse: _F32 | None,
     q_offset: _I64,
@@ -51,13 +53,15 @@ def attention_forward(
     softcap: float,
     alibi_slopes: _F32 | None,
     sinks: _F32 | None,
+    k_scale: _F32 | None = None,
+    v_scale: _F32 | None = None,
 ) -> None:
     """Exact attention into out (and lse) with the fast kernel and the ISA in use (set_isa)."""
 
 def attention_reference(
     q: _Data,
-    k: _Data,
-    v: _Data,
+    k: _KV,
+    v: _KV,
     out: _Data,
     lse: _F32 | None,
     q_offset: _I64,
@@ -71,6 +75,8 @@ def attention_reference(
     softcap: float,
     alibi_slopes: _F32 | None,
     sinks: _F32 | None,
+    k_scale: _F32 | None = None,
+    v_scale: _F32 | None = None,
 ) -> None:
     """As attention_forward, computed by the plain scalar reference kernel (for tests)."""
 

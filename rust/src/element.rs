@@ -114,40 +114,52 @@ pub fn f32_to_bf16(x: f32) -> u16 {
     }
 }
 
-/// A storage type of q, k, v and out, read and written as float32 vectors of type V.
-pub trait Element: Copy + Send + Sync + 'static {
-    const DTYPE: Dtype;
+/// A storage type that the kernels read as float32 vectors of type V: q's, k's and v's
+/// ([`Element`]s), or int8 for k and v (their per-token scales are applied by the kernels:
+/// docs/kernels.md, "int8 K/V").
+pub trait Load: Copy + Send + Sync + 'static {
+    /// Zero in this type (the lanes past a tail).
+    const ZERO: Self;
+    /// int8: each token's value is float32(x) times its scale (k_scale / v_scale).
+    const SCALED: bool = false;
     /// The exact float32 value.
     fn to_f32(self) -> f32;
-    /// The value rounded to this type (module documentation).
-    fn from_f32(x: f32) -> Self;
 
     /// `V::WIDTH` elements from `p`, converted.
     ///
     /// # Safety
     /// V's instruction set is available; `p` is valid for reading `V::WIDTH` elements.
     unsafe fn load<V: Vector>(p: *const Self) -> V;
-    /// Rounds and writes `V::WIDTH` elements to `p`.
-    ///
-    /// # Safety
-    /// `p` is valid for writing `V::WIDTH` elements (x proves V's instruction set).
-    unsafe fn store<V: Vector>(x: V, p: *mut Self);
 
     /// The first `n` (< `V::WIDTH`) elements from `p`, the other lanes 0; the memory past them is
-    /// never touched. (Halves: through a zeroed buffer; no instruction set here has a masked
-    /// 16-bit load in its baseline.)
+    /// never touched. (Halves and int8: through a zeroed buffer; no instruction set here has a
+    /// masked 16-bit or 8-bit load in its baseline.)
     ///
     /// # Safety
     /// V's instruction set is available; `p` is valid for reading `n` elements.
     #[inline(always)]
     unsafe fn load_tail<V: Vector>(p: *const Self, n: usize) -> V {
-        let mut lanes = [Self::from_f32(0.0); MAX_LANES];
+        let mut lanes = [Self::ZERO; MAX_LANES];
         // SAFETY: n < V::WIDTH <= MAX_LANES elements readable at p; lanes holds MAX_LANES.
         unsafe {
             std::ptr::copy_nonoverlapping(p, lanes.as_mut_ptr(), n);
             Self::load::<V>(lanes.as_ptr())
         }
     }
+}
+
+/// A storage type of q, k, v and out: read as [`Load`], and written from float32 vectors.
+pub trait Element: Load {
+    const DTYPE: Dtype;
+    /// The value rounded to this type (module documentation).
+    fn from_f32(x: f32) -> Self;
+
+    /// Rounds and writes `V::WIDTH` elements to `p`.
+    ///
+    /// # Safety
+    /// `p` is valid for writing `V::WIDTH` elements (x proves V's instruction set).
+    unsafe fn store<V: Vector>(x: V, p: *mut Self);
+
     /// Rounds and writes the first `n` (< `V::WIDTH`) lanes to `p`; the memory after them is not
     /// touched.
     ///
@@ -155,7 +167,7 @@ pub trait Element: Copy + Send + Sync + 'static {
     /// `p` is valid for writing `n` elements.
     #[inline(always)]
     unsafe fn store_tail<V: Vector>(x: V, p: *mut Self, n: usize) {
-        let mut lanes = [Self::from_f32(0.0); MAX_LANES];
+        let mut lanes = [Self::ZERO; MAX_LANES];
         // SAFETY: lanes holds MAX_LANES >= V::WIDTH elements; n are writeable at p.
         unsafe {
             Self::store::<V>(x, lanes.as_mut_ptr());
@@ -167,15 +179,11 @@ pub trait Element: Copy + Send + Sync + 'static {
 /// The widest vector type's WIDTH (AVX-512: 16 floats).
 const MAX_LANES: usize = 16;
 
-impl Element for f32 {
-    const DTYPE: Dtype = Dtype::Float32;
+impl Load for f32 {
+    const ZERO: Self = 0.0;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
-    }
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        x
     }
     #[inline(always)]
     unsafe fn load<V: Vector>(p: *const f32) -> V {
@@ -183,14 +191,22 @@ impl Element for f32 {
         unsafe { V::load(p) }
     }
     #[inline(always)]
-    unsafe fn store<V: Vector>(x: V, p: *mut f32) {
-        // SAFETY: forwarded.
-        unsafe { x.store(p) }
-    }
-    #[inline(always)]
     unsafe fn load_tail<V: Vector>(p: *const f32, n: usize) -> V {
         // SAFETY: forwarded.
         unsafe { V::load_tail(p, n) }
+    }
+}
+
+impl Element for f32 {
+    const DTYPE: Dtype = Dtype::Float32;
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    #[inline(always)]
+    unsafe fn store<V: Vector>(x: V, p: *mut f32) {
+        // SAFETY: forwarded.
+        unsafe { x.store(p) }
     }
     #[inline(always)]
     unsafe fn store_tail<V: Vector>(x: V, p: *mut f32, n: usize) {
@@ -199,20 +215,24 @@ impl Element for f32 {
     }
 }
 
-impl Element for Float16 {
-    const DTYPE: Dtype = Dtype::Float16;
+impl Load for Float16 {
+    const ZERO: Self = Float16(0);
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16_to_f32(self.0)
     }
     #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        Float16(f32_to_f16(x))
-    }
-    #[inline(always)]
     unsafe fn load<V: Vector>(p: *const Float16) -> V {
         // SAFETY: forwarded (Float16 is a transparent u16).
         unsafe { V::load_f16(p.cast()) }
+    }
+}
+
+impl Element for Float16 {
+    const DTYPE: Dtype = Dtype::Float16;
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        Float16(f32_to_f16(x))
     }
     #[inline(always)]
     unsafe fn store<V: Vector>(x: V, p: *mut Float16) {
@@ -221,25 +241,45 @@ impl Element for Float16 {
     }
 }
 
-impl Element for BFloat16 {
-    const DTYPE: Dtype = Dtype::BFloat16;
+impl Load for BFloat16 {
+    const ZERO: Self = BFloat16(0);
     #[inline(always)]
     fn to_f32(self) -> f32 {
         bf16_to_f32(self.0)
-    }
-    #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        BFloat16(f32_to_bf16(x))
     }
     #[inline(always)]
     unsafe fn load<V: Vector>(p: *const BFloat16) -> V {
         // SAFETY: forwarded (BFloat16 is a transparent u16).
         unsafe { V::load_bf16(p.cast()) }
     }
+}
+
+impl Element for BFloat16 {
+    const DTYPE: Dtype = Dtype::BFloat16;
+    #[inline(always)]
+    fn from_f32(x: f32) -> Self {
+        BFloat16(f32_to_bf16(x))
+    }
     #[inline(always)]
     unsafe fn store<V: Vector>(x: V, p: *mut BFloat16) {
         // SAFETY: forwarded.
         unsafe { x.store_bf16(p.cast()) }
+    }
+}
+
+/// int8 K and V (docs/kernels.md, "int8 K/V"): exact (sign extension, then float32); the
+/// per-token scales are the kernels' part. Never q or out, so not an [`Element`].
+impl Load for i8 {
+    const ZERO: Self = 0;
+    const SCALED: bool = true;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        f32::from(self)
+    }
+    #[inline(always)]
+    unsafe fn load<V: Vector>(p: *const i8) -> V {
+        // SAFETY: forwarded.
+        unsafe { V::load_i8(p) }
     }
 }
 

@@ -94,6 +94,8 @@ struct ScratchBuffers {
     row_key_end: Vec<usize>,
     key_panels: AlignedBuffer,
     probs_pairs: AlignedBuffer,
+    key_scales: AlignedBuffer,
+    value_scales: AlignedBuffer,
 }
 
 impl ScratchBuffers {
@@ -133,6 +135,8 @@ impl ScratchBuffers {
             } else {
                 std::ptr::null_mut()
             },
+            key_scales: self.key_scales.ensure(KEY_BLOCK)?,
+            value_scales: self.value_scales.ensure(KEY_BLOCK)?,
         })
     }
 }
@@ -305,7 +309,11 @@ fn run_items(
     split_key: bool,
 ) -> Result<(), ProblemError> {
     items.sort_by_key(|costed| std::cmp::Reverse(costed.cost)); // stable, as in C++
-    let attend = kernels.attend_rows[plan.problem.dtype as usize];
+    let attend = if plan.problem.kv_int8 {
+        kernels.attend_rows_int8[plan.problem.dtype as usize]
+    } else {
+        kernels.attend_rows[plan.problem.dtype as usize]
+    };
     let items = &*items;
     // C++ rethrows a worker's std::bad_alloc on the caller; here the failed item sets this flag.
     let out_of_memory = AtomicBool::new(false);
@@ -344,7 +352,10 @@ fn run_prefill(
     let (batch, kv_heads, d_len) = (p.q.shape[0] as usize, p.k.shape[1] as usize, plan.head_dim);
     plan.panels_per_head = (p.k.shape[2] as usize).div_ceil(KEY_PANEL);
     // bfloat16 with dot products (avx512bf16): K and V pair panels (a pair fills a float's slot)
-    let pairs = kernels.pack_pairs.filter(|_| p.dtype == Dtype::BFloat16);
+    // (Not with int8 K/V: those take the convert path.)
+    let pairs = kernels
+        .pack_pairs
+        .filter(|_| p.dtype == Dtype::BFloat16 && !p.kv_int8);
     let panel_size = if pairs.is_some() {
         d_len.div_ceil(2)
     } else {
@@ -408,6 +419,9 @@ fn run_prefill(
                         finite.add(head * keys_per_head + first_key),
                         plan_ref.value_stride,
                     )
+                }
+                None if p.kv_int8 => {
+                    (kernels.pack_keys_int8)(p, b, kv_head, first_key, key_end, key_dst)
                 }
                 None => (kernels.pack_keys[p.dtype as usize])(
                     p, b, kv_head, first_key, key_end, key_dst,

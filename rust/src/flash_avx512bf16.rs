@@ -427,7 +427,9 @@ unsafe fn attend_rows_bf16(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch)
     if plan.packed_values.is_null() {
         // split-key: the convert path
         // SAFETY: forwarded.
-        return unsafe { crate::flash_kernel::attend_rows::<Avx512, BFloat16>(plan, item, s) };
+        return unsafe {
+            crate::flash_kernel::attend_rows::<Avx512, BFloat16, BFloat16>(plan, item, s)
+        };
     }
     let p = plan.problem;
     let (group, d_len, value_dim) = (plan.group, plan.head_dim, plan.value_dim);

@@ -24,7 +24,7 @@ use crate::constants::{
     DIRECT_SCORE_ROWS, KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, MICRO_ROWS, TANH_COEFFICIENTS,
     TANH_DEGREE, TANH_SMALL,
 };
-use crate::element::{BFloat16, Element, Float16};
+use crate::element::{BFloat16, Element, Float16, Load};
 use crate::problem::{AttentionProblem, MaskKind};
 use crate::simd::Vector;
 
@@ -104,6 +104,10 @@ pub struct ThreadScratch {
     pub key_panels: *mut f32,
     /// (rows, KEY_BLOCK / 2) bfloat16 pairs of P: the dot-product path only, else null
     pub probs_pairs: *mut u32,
+    /// int8 K/V: the current block's k_scale and v_scale (KEY_BLOCK each; 0 past the block's
+    /// keys)
+    pub key_scales: *mut f32,
+    pub value_scales: *mut f32,
 }
 
 /// Runs one work item. # Safety: see [`attend_rows`].
@@ -131,6 +135,9 @@ pub struct FlashKernels {
     pub isa: &'static str,
     pub attend_rows: [AttendRowsFn; 3],
     pub pack_keys: [PackKeysFn; 3],
+    /// int8 K/V, indexed by q's dtype; the K^T panels hold float32(k) * k_scale whatever q is.
+    pub attend_rows_int8: [AttendRowsFn; 3],
+    pub pack_keys_int8: PackKeysFn,
     pub tanh_values: TanhFn,
     /// floats per vector
     pub width: usize,
@@ -285,7 +292,7 @@ pub(crate) unsafe fn softcap_block<V: Vector>(
 /// `p` is a checked problem whose views are valid; b < B, kv_head < Hkv, key_end <= kv_lens[b];
 /// `dst` is valid for writing ceil((key_end - key_begin) / KEY_PANEL) * D * KEY_PANEL floats.
 #[inline(always)]
-pub unsafe fn pack_keys<V: Vector, T: Element>(
+pub unsafe fn pack_keys<V: Vector, T: Load>(
     p: &AttentionProblem,
     b: usize,
     kv_head: usize,
@@ -301,6 +308,18 @@ pub unsafe fn pack_keys<V: Vector, T: Element>(
             p.k.data
                 .cast::<T>()
                 .offset(at([b, kv_head], &[p.k.stride[0], p.k.stride[1]]));
+        // int8: column j holds float32(k_j) * k_scale[j] (one rounding), so the micro-kernels
+        // are the float32 ones.
+        let k_scale_head = if T::SCALED {
+            p.k_scale.data.offset(at(
+                [b, kv_head],
+                &[p.k_scale.stride[0], p.k_scale.stride[1]],
+            ))
+        } else {
+            std::ptr::null()
+        };
+        let k_scale_at =
+            |key: usize| *k_scale_head.offset(key as isize * p.k_scale.stride[2] as isize);
         let w = V::WIDTH;
         let mut panel_begin = key_begin;
         let key_stride = p.k.stride[2] as isize;
@@ -317,6 +336,9 @@ pub unsafe fn pack_keys<V: Vector, T: Element>(
                             *row = T::load::<V>(
                                 panel_rows.offset((j + t) as isize * key_stride).add(d_done),
                             );
+                            if T::SCALED {
+                                *row = V::mul(*row, V::broadcast(k_scale_at(panel_begin + j + t)));
+                            }
                         }
                         V::transpose(&mut block[..w]);
                         for (t, column) in block.iter().enumerate().take(w) {
@@ -329,8 +351,15 @@ pub unsafe fn pack_keys<V: Vector, T: Element>(
             for j in 0..keys {
                 // the rest, element by element
                 let k_row = panel_rows.offset(j as isize * key_stride);
-                for d in d_done..d_len {
-                    *dst.add(d * KEY_PANEL + j) = (*k_row.add(d)).to_f32();
+                if T::SCALED {
+                    let scale = k_scale_at(panel_begin + j);
+                    for d in d_done..d_len {
+                        *dst.add(d * KEY_PANEL + j) = (*k_row.add(d)).to_f32() * scale;
+                    }
+                } else {
+                    for d in d_done..d_len {
+                        *dst.add(d * KEY_PANEL + j) = (*k_row.add(d)).to_f32();
+                    }
                 }
             }
             for j in keys..KEY_PANEL {
@@ -455,7 +484,7 @@ unsafe fn block_scores<V: Vector>(
 /// # Safety
 /// V's instruction set is available; q: R rows of d_len floats; k: four rows of d_len floats.
 #[inline(always)]
-unsafe fn direct_batch<V: Vector, T: Element, const R: usize>(
+unsafe fn direct_batch<V: Vector, T: Load, const R: usize>(
     q: *const f32,
     d_len: usize,
     k: &[*const T; 4],
@@ -492,19 +521,22 @@ unsafe fn direct_batch<V: Vector, T: Element, const R: usize>(
 /// S of R rows for keys [j0, j0 + WIDTH) of the block: WIDTH / 4 batches of four keys, then per
 /// row [`Vector::fold_groups`] into WIDTH scores. A key at or past n (past the block's end) is
 /// never read: a batch wholly past n is 0, a key past n inside a batch reuses key n - 1; both
-/// scores are overwritten with -inf before the softmax.
+/// scores are overwritten with -inf before the softmax. int8: each score is then acc * k_scale
+/// (one multiply per (row, key); key_scales holds the block's, 0 past n).
 ///
 /// # Safety
 /// V's instruction set is available; q: R rows of d_len floats; k_rows: n rows of stride
 /// k_stride, d_len floats each; scores: R rows of stride KEY_BLOCK, j0 + WIDTH <= KEY_BLOCK.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn direct_strip<V: Vector, T: Element, const R: usize>(
+unsafe fn direct_strip<V: Vector, T: Load, const R: usize>(
     q: *const f32,
     d_len: usize,
     k_rows: *const T,
     k_stride: isize,
     j0: usize,
     n: usize,
+    key_scales: *const f32,
     scores: *mut f32,
 ) {
     // SAFETY: forwarded from this function's contract.
@@ -520,7 +552,11 @@ unsafe fn direct_strip<V: Vector, T: Element, const R: usize>(
             direct_batch::<V, T, R>(q, d_len, &k, &mut y, batch);
         }
         for (r, y_r) in y.iter().enumerate() {
-            V::fold_groups(y_r).store(scores.add(r * KEY_BLOCK + j0));
+            let mut scores_r = V::fold_groups(y_r);
+            if T::SCALED {
+                scores_r = V::mul(scores_r, V::load(key_scales.add(j0)));
+            }
+            scores_r.store(scores.add(r * KEY_BLOCK + j0));
         }
     }
 }
@@ -532,13 +568,14 @@ unsafe fn direct_strip<V: Vector, T: Element, const R: usize>(
 /// As [`direct_strip`], for rows rows of q_tile and scores.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn direct_block_scores<V: Vector, T: Element>(
+unsafe fn direct_block_scores<V: Vector, T: Load>(
     q_tile: *const f32,
     d_len: usize,
     rows: usize,
     k_rows: *const T,
     k_stride: isize,
     n: usize,
+    key_scales: *const f32,
     scores: *mut f32,
 ) {
     let strip = V::DIRECT_STRIP_ROWS;
@@ -549,12 +586,12 @@ unsafe fn direct_block_scores<V: Vector, T: Element>(
                 let q = q_tile.add(r * d_len);
                 let s = scores.add(r * KEY_BLOCK);
                 match (rows - r).min(strip) {
-                    1 => direct_strip::<V, T, 1>(q, d_len, k_rows, k_stride, j0, n, s),
-                    2 => direct_strip::<V, T, 2>(q, d_len, k_rows, k_stride, j0, n, s),
-                    3 => direct_strip::<V, T, 3>(q, d_len, k_rows, k_stride, j0, n, s),
-                    4 => direct_strip::<V, T, 4>(q, d_len, k_rows, k_stride, j0, n, s),
-                    5 => direct_strip::<V, T, 5>(q, d_len, k_rows, k_stride, j0, n, s),
-                    _ => direct_strip::<V, T, 6>(q, d_len, k_rows, k_stride, j0, n, s),
+                    1 => direct_strip::<V, T, 1>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
+                    2 => direct_strip::<V, T, 2>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
+                    3 => direct_strip::<V, T, 3>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
+                    4 => direct_strip::<V, T, 4>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
+                    5 => direct_strip::<V, T, 5>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
+                    _ => direct_strip::<V, T, 6>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
                 }
             }
         }
@@ -574,7 +611,7 @@ unsafe fn direct_block_scores<V: Vector, T: Element>(
 #[inline(always)]
 unsafe fn value_micro<
     V: Vector,
-    T: Element,
+    T: Load,
     const R: usize,
     const NV: usize,
     const TAIL: bool,
@@ -651,7 +688,7 @@ unsafe fn value_micro<
 /// As [`value_micro`].
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn value_micro_full<V: Vector, T: Element, const R: usize, const SAFE: bool>(
+unsafe fn value_micro_full<V: Vector, T: Load, const R: usize, const SAFE: bool>(
     probs: *const f32,
     n: usize,
     v_rows: *const T,
@@ -682,7 +719,7 @@ unsafe fn value_micro_full<V: Vector, T: Element, const R: usize, const SAFE: bo
 /// As [`value_micro`], for R rows and Dv columns.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn strip_values<V: Vector, T: Element, const R: usize, const SAFE: bool>(
+unsafe fn strip_values<V: Vector, T: Load, const R: usize, const SAFE: bool>(
     probs: *const f32,
     n: usize,
     v_rows: *const T,
@@ -750,7 +787,7 @@ unsafe fn strip_values<V: Vector, T: Element, const R: usize, const SAFE: bool>(
 /// As [`value_micro`], for every strip: rows rows, Dv columns.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(crate) unsafe fn block_values<V: Vector, T: Element, const SAFE: bool>(
+pub(crate) unsafe fn block_values<V: Vector, T: Load, const SAFE: bool>(
     scores: *const f32,
     rows: usize,
     n: usize,
@@ -799,7 +836,7 @@ pub(crate) unsafe fn block_values<V: Vector, T: Element, const SAFE: bool>(
 /// problem whose views are valid; `item` is one of its work items; `s` points to scratch sized
 /// for the plan and used by no other thread.
 #[inline(always)]
-pub unsafe fn attend_rows<V: Vector, T: Element>(
+pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
     plan: &FlashPlan,
     item: &WorkItem,
     s: &ThreadScratch,
@@ -864,34 +901,61 @@ pub unsafe fn attend_rows<V: Vector, T: Element>(
         };
         let v_head =
             p.v.data
-                .cast::<T>()
+                .cast::<KV>()
                 .offset(at([b, item.kv_head], &[p.v.stride[0], p.v.stride[1]]));
         let v_stride = p.v.stride[2] as isize;
         let k_head =
             p.k.data
-                .cast::<T>()
+                .cast::<KV>()
                 .offset(at([b, item.kv_head], &[p.k.stride[0], p.k.stride[1]]));
         let k_stride = p.k.stride[2] as isize;
+        // int8: this head's scales (read through their strides, gathered per block).
+        let scale_head = |view: &crate::problem::ParamView3| {
+            if KV::SCALED {
+                view.data
+                    .offset(at([b, item.kv_head], &[view.stride[0], view.stride[1]]))
+            } else {
+                std::ptr::null()
+            }
+        };
+        let (k_scale_head, v_scale_head) = (scale_head(&p.k_scale), scale_head(&p.v_scale));
         // Split-key groups of few rows read K in place (3a'); the others pack K^T panels.
         let direct = plan.packed_keys.is_null() && rows <= DIRECT_SCORE_ROWS;
         let mut key_block = item.key_begin;
         while key_block < key_stop {
             let n = (key_stop - key_block).min(KEY_BLOCK);
             let n_padded = round_up(n, w);
-            // (a) S = Q K^T.
+            if KV::SCALED {
+                // the block's scales, 0 past n (those scores become -inf below)
+                for j in 0..n_padded {
+                    let key = (key_block + j) as isize;
+                    let (k_scale, v_scale) = if j < n {
+                        (
+                            *k_scale_head.offset(key * p.k_scale.stride[2] as isize),
+                            *v_scale_head.offset(key * p.v_scale.stride[2] as isize),
+                        )
+                    } else {
+                        (0.0, 0.0)
+                    };
+                    *s.key_scales.add(j) = k_scale;
+                    *s.value_scales.add(j) = v_scale;
+                }
+            }
+            // (a) S = Q K^T (int8: direct scores times k_scale there, panels already scaled).
             if direct {
-                direct_block_scores::<V, T>(
+                direct_block_scores::<V, KV>(
                     s.q_tile,
                     d_len,
                     rows,
                     k_head.offset(key_block as isize * k_stride),
                     k_stride,
                     n,
+                    s.key_scales,
                     s.scores,
                 );
             } else {
                 let panels = if k_head_panels.is_null() {
-                    pack_keys::<V, T>(p, b, item.kv_head, key_block, key_block + n, s.key_panels);
+                    pack_keys::<V, KV>(p, b, item.kv_head, key_block, key_block + n, s.key_panels);
                     s.key_panels.cast_const()
                 } else {
                     k_head_panels.add((key_block / KEY_PANEL) * d_len * KEY_PANEL)
@@ -919,15 +983,30 @@ pub unsafe fn attend_rows<V: Vector, T: Element>(
             for r in 0..rows {
                 softmax_row::<V>(s.scores.add(r * KEY_BLOCK), n_padded, s, r);
             }
+            // (c') int8: P times v_scale after l has summed the unscaled P; a P of 0 (a hidden
+            // key) stays 0, so a hidden key's NaN scale never enters.
+            if KV::SCALED {
+                for r in 0..rows {
+                    let probs = s.scores.add(r * KEY_BLOCK);
+                    for j in 0..n {
+                        let prob = *probs.add(j);
+                        *probs.add(j) = if prob == 0.0 {
+                            0.0
+                        } else {
+                            prob * *s.value_scales.add(j)
+                        };
+                    }
+                }
+            }
             // (d) O = alpha O + P V.
             let v_rows = v_head.offset(key_block as isize * v_stride);
             if masked {
-                block_values::<V, T, true>(
+                block_values::<V, KV, true>(
                     s.scores, rows, n, v_rows, v_stride, s.out_acc, out_stride, value_dim,
                     s.rescale,
                 );
             } else {
-                block_values::<V, T, false>(
+                block_values::<V, KV, false>(
                     s.scores, rows, n, v_rows, v_stride, s.out_acc, out_stride, value_dim,
                     s.rescale,
                 );
@@ -1149,19 +1228,19 @@ macro_rules! isa_kernels {
             /// # Safety
             /// The CPU supports this instruction set; otherwise as [`super::attend_rows`].
             $(#[target_feature(enable = $feature)])?
-            pub unsafe fn attend_rows<T: Element>(
+            pub unsafe fn attend_rows<T: Element, KV: Load>(
                 plan: &FlashPlan,
                 item: &WorkItem,
                 s: &ThreadScratch,
             ) {
                 // SAFETY: forwarded; the dispatcher only hands this out after detection.
-                unsafe { super::attend_rows::<$vector, T>(plan, item, s) }
+                unsafe { super::attend_rows::<$vector, T, KV>(plan, item, s) }
             }
 
             /// # Safety
             /// The CPU supports this instruction set; otherwise as [`super::pack_keys`].
             $(#[target_feature(enable = $feature)])?
-            pub unsafe fn pack_keys<T: Element>(
+            pub unsafe fn pack_keys<T: Load>(
                 p: &AttentionProblem,
                 b: usize,
                 kv_head: usize,
@@ -1186,10 +1265,16 @@ macro_rules! isa_kernels {
             pub const KERNELS: FlashKernels = FlashKernels {
                 isa: $name,
                 attend_rows: [
-                    attend_rows::<f32>,
-                    attend_rows::<Float16>,
-                    attend_rows::<BFloat16>,
+                    attend_rows::<f32, f32>,
+                    attend_rows::<Float16, Float16>,
+                    attend_rows::<BFloat16, BFloat16>,
                 ],
+                attend_rows_int8: [
+                    attend_rows::<f32, i8>,
+                    attend_rows::<Float16, i8>,
+                    attend_rows::<BFloat16, i8>,
+                ],
+                pack_keys_int8: pack_keys::<i8>,
                 pack_keys: [
                     pack_keys::<f32>,
                     pack_keys::<Float16>,

@@ -123,13 +123,32 @@ impl ParamView1 {
     };
 }
 
+/// A float32 array of rank 3 (k_scale, v_scale: (B, Hkv, Lk)); a null `data` means "not given".
+/// Strides in elements, any sign.
+#[derive(Clone, Copy, Debug)]
+pub struct ParamView3 {
+    pub data: *const f32,
+    pub shape: [i64; 3],
+    pub stride: [i64; 3],
+}
+
+impl ParamView3 {
+    /// Not given.
+    pub const NONE: ParamView3 = ParamView3 {
+        data: std::ptr::null(),
+        shape: [0; 3],
+        stride: [0; 3],
+    };
+}
+
 /// Everything one attention call needs.
 ///
 /// The C++ twin holds `q_offset` and `kv_lens` as `const int64_t*`; here they are slices, which
 /// carry their length, so [`check_problem`] can check them without reading out of bounds.
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionProblem<'a> {
-    /// the element type of q, k, v and out (lse, the mask and the parameters are float32)
+    /// the element type of q, k, v and out (k and v: int8 instead when `kv_int8`; lse, the mask
+    /// and the parameters are float32)
     pub dtype: Dtype,
     pub q: TensorView4,
     pub k: TensorView4,
@@ -155,6 +174,13 @@ pub struct AttentionProblem<'a> {
     pub alibi_slopes: ParamView2,
     /// one extra logit per query head (natural-log units, not scaled): softmax mass, no value
     pub sinks: ParamView1,
+    /// int8 K/V (docs/kernels.md, "int8 K/V"): k and v hold int8 (q and out keep `dtype`), and
+    /// k_scale / v_scale (B, Hkv, Lk), both required, give each token's float32 scale: the kernels
+    /// attend over float32(k) * k_scale, float32(v) * v_scale. false: k and v have `dtype`, and
+    /// the scales must not be given.
+    pub kv_int8: bool,
+    pub k_scale: ParamView3,
+    pub v_scale: ParamView3,
 }
 
 /// What is wrong with a call: a message naming the argument, what was expected and what was
@@ -506,13 +532,34 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
         )?;
         check_finite_values("sinks", p.sinks.data, &p.sinks.shape, &p.sinks.stride)?;
     }
+    // int8 K/V: both scales (B, Hkv, Lk), any values (a NaN scale acts like a NaN in K or V).
+    for (name, view) in [("k_scale", &p.k_scale), ("v_scale", &p.v_scale)] {
+        if p.kv_int8 && view.data.is_null() {
+            reject!("{name}: required with int8 k and v (float32, shape (B, Hkv, Lk)), got None");
+        }
+        if !p.kv_int8 && !view.data.is_null() {
+            reject!(
+                "{name}: expected None with {} k and v (scales are only for int8), got an array",
+                p.dtype.name()
+            );
+        }
+        if !view.data.is_null() {
+            check_shape(
+                name,
+                || format!("(B={batch}, Hkv={kv_heads}, Lk={k_len})"),
+                &view.shape,
+                view.shape == [batch, kv_heads, k_len],
+            )?;
+        }
+    }
 
     // 7. Outputs: every element written once, by one thread, never read as input.
     check_distinct_elements("out", &p.out.shape, &p.out.stride)?;
     if p.lse.is_requested() {
         check_distinct_elements("lse", &p.lse.shape, &p.lse.stride)?;
     }
-    let item = p.dtype.size() as i64;
+    let item = p.dtype.size() as i64; // q and out
+    let kv_item = if p.kv_int8 { 1 } else { item }; // k and v
     let out_extent = byte_extent(p.out.data as usize, &p.out.shape, &p.out.stride, item);
     let lse_extent = if p.lse.is_requested() {
         byte_extent(p.lse.data as usize, &p.lse.shape, &p.lse.stride, 4)
@@ -527,11 +574,11 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
         ),
         (
             "k",
-            byte_extent(p.k.data as usize, &p.k.shape, &p.k.stride, item),
+            byte_extent(p.k.data as usize, &p.k.shape, &p.k.stride, kv_item),
         ),
         (
             "v",
-            byte_extent(p.v.data as usize, &p.v.shape, &p.v.stride, item),
+            byte_extent(p.v.data as usize, &p.v.shape, &p.v.stride, kv_item),
         ),
         (
             "mask",
@@ -554,6 +601,26 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
             "sinks",
             byte_extent(p.sinks.data as usize, &p.sinks.shape, &p.sinks.stride, 4)
                 .filter(|_| !p.sinks.data.is_null()),
+        ),
+        (
+            "k_scale",
+            byte_extent(
+                p.k_scale.data as usize,
+                &p.k_scale.shape,
+                &p.k_scale.stride,
+                4,
+            )
+            .filter(|_| !p.k_scale.data.is_null()),
+        ),
+        (
+            "v_scale",
+            byte_extent(
+                p.v_scale.data as usize,
+                &p.v_scale.shape,
+                &p.v_scale.stride,
+                4,
+            )
+            .filter(|_| !p.v_scale.data.is_null()),
         ),
         ("lse", lse_extent),
     ];

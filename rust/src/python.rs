@@ -15,7 +15,7 @@ use crate::constants::ConstantValue;
 use crate::element::Dtype as ElementType;
 use crate::problem::{
     check_num_threads, AttentionProblem, LseView, MaskKind, MaskView, MutTensorView4, ParamView1,
-    ParamView2, ProblemError, TensorView4,
+    ParamView2, ParamView3, ProblemError, TensorView4,
 };
 
 /// Which kernel a call runs.
@@ -53,6 +53,10 @@ enum Dtype {
     Data,
     /// k, v, out: q's element type, whose NumPy name is given
     Like(ElementType, &'static str),
+    /// k: q's element type (its NumPy name given) or int8
+    LikeOrInt8(ElementType, &'static str),
+    /// v when k is int8
+    Int8,
 }
 
 /// The element type of a float32, float16 (NumPy's) or bfloat16 (ml_dtypes') array of native
@@ -104,6 +108,10 @@ fn as_array<'a, 'py>(
         Dtype::BoolOrFloat32 => is_float32 || given.is_equiv_to(&dtype::<bool>(py)),
         Dtype::Data => element_type(&given).is_some(),
         Dtype::Like(element, _) => element_type(&given) == Some(element),
+        Dtype::LikeOrInt8(element, _) => {
+            element_type(&given) == Some(element) || given.is_equiv_to(&dtype::<i8>(py))
+        }
+        Dtype::Int8 => given.is_equiv_to(&dtype::<i8>(py)),
     };
     if !ok {
         let expected = match expected {
@@ -112,6 +120,8 @@ fn as_array<'a, 'py>(
             Dtype::BoolOrFloat32 => "bool or float32".to_owned(),
             Dtype::Data => "float32, float16 or bfloat16".to_owned(),
             Dtype::Like(_, name) => format!("{name} (q's dtype)"),
+            Dtype::LikeOrInt8(_, name) => format!("{name} (q's dtype) or int8"),
+            Dtype::Int8 => "int8 (k's dtype)".to_owned(),
         };
         return Err(PyTypeError::new_err(format!(
             "{name}: expected dtype {expected}, got {given}"
@@ -173,6 +183,18 @@ fn shape_of<const N: usize>(array: &Bound<'_, PyUntypedArray>) -> [i64; N] {
 fn strides_of<const N: usize>(array: &Bound<'_, PyUntypedArray>) -> [i64; N] {
     let item = array.dtype().itemsize() as i64;
     std::array::from_fn(|axis| array.strides()[axis] as i64 / item)
+}
+
+/// The view of a checked scale array, or [`ParamView3::NONE`].
+fn scale_view(array: Option<&Bound<'_, PyUntypedArray>>) -> ParamView3 {
+    match array {
+        None => ParamView3::NONE,
+        Some(array) => ParamView3 {
+            data: data_of(array).cast::<f32>().cast_const(),
+            shape: shape_of(array),
+            stride: strides_of(array),
+        },
+    }
 }
 
 /// A (B,) int64 array copied into a Vec (B numbers; the copy frees the kernel from its strides).
@@ -267,13 +289,13 @@ impl DetachedProblem<'_> {
 }
 
 /// attention_forward(q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads,
-///     window_left, window_right, softcap, alibi_slopes, sinks)
+///     window_left, window_right, softcap, alibi_slopes, sinks, k_scale=None, v_scale=None)
 /// --
 ///
 /// Computes out (and lse when given) in place with the fast kernel and the instruction set in
 /// use (set_isa). See docs/native_api.md.
 #[pyfunction]
-#[pyo3(signature = (q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks))]
+#[pyo3(signature = (q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks, k_scale=None, v_scale=None))]
 #[allow(clippy::too_many_arguments)]
 fn attention_forward<'py>(
     q: &Bound<'py, PyAny>,
@@ -292,6 +314,8 @@ fn attention_forward<'py>(
     softcap: &Bound<'py, PyAny>,
     alibi_slopes: &Bound<'py, PyAny>,
     sinks: &Bound<'py, PyAny>,
+    k_scale: Option<&Bound<'py, PyAny>>,
+    v_scale: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<()> {
     run_kernel(
         Kernel::Fast,
@@ -313,17 +337,18 @@ fn attention_forward<'py>(
             alibi_slopes,
             sinks,
         ],
+        [k_scale, v_scale],
     )
 }
 
 /// attention_reference(q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads,
-///     window_left, window_right, softcap, alibi_slopes, sinks)
+///     window_left, window_right, softcap, alibi_slopes, sinks, k_scale=None, v_scale=None)
 /// --
 ///
 /// As attention_forward, with the plain reference kernel (the scalar twin every fast path is
 /// tested against).
 #[pyfunction]
-#[pyo3(signature = (q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks))]
+#[pyo3(signature = (q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks, k_scale=None, v_scale=None))]
 #[allow(clippy::too_many_arguments)]
 fn attention_reference<'py>(
     q: &Bound<'py, PyAny>,
@@ -342,6 +367,8 @@ fn attention_reference<'py>(
     softcap: &Bound<'py, PyAny>,
     alibi_slopes: &Bound<'py, PyAny>,
     sinks: &Bound<'py, PyAny>,
+    k_scale: Option<&Bound<'py, PyAny>>,
+    v_scale: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<()> {
     run_kernel(
         Kernel::Reference,
@@ -363,11 +390,16 @@ fn attention_reference<'py>(
             alibi_slopes,
             sinks,
         ],
+        [k_scale, v_scale],
     )
 }
 
 /// Converts the arguments and runs `kernel`, which checks them, without the GIL.
-fn run_kernel(kernel: Kernel, args: [&Bound<'_, PyAny>; 16]) -> PyResult<()> {
+fn run_kernel(
+    kernel: Kernel,
+    args: [&Bound<'_, PyAny>; 16],
+    scale_args: [Option<&Bound<'_, PyAny>>; 2],
+) -> PyResult<()> {
     let [q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks] =
         args;
     // 1. Arrays: dtypes, ranks, addressable elements; writeable outputs; the mask's shape.
@@ -376,8 +408,17 @@ fn run_kernel(kernel: Kernel, args: [&Bound<'_, PyAny>; 16]) -> PyResult<()> {
     let q = as_array(q, "q", Dtype::Data, 4, "(B, Hq, Lq, D)")?;
     let element = element_type(&q.dtype()).expect("checked by as_array");
     let like = Dtype::Like(element, element.name());
-    let k = as_array(k, "k", like, 4, "(B, Hkv, Lk, D)")?;
-    let v = as_array(v, "v", like, 4, "(B, Hkv, Lk, Dv)")?;
+    // k and v: q's dtype, or both int8 (docs/kernels.md, "int8 K/V").
+    let k = as_array(
+        k,
+        "k",
+        Dtype::LikeOrInt8(element, element.name()),
+        4,
+        "(B, Hkv, Lk, D)",
+    )?;
+    let kv_int8 = k.dtype().is_equiv_to(&dtype::<i8>(k.py()));
+    let v_dtype = if kv_int8 { Dtype::Int8 } else { like };
+    let v = as_array(v, "v", v_dtype, 4, "(B, Hkv, Lk, Dv)")?;
     let out = as_array(out, "out", like, 4, "(B, Hq, Lq, Dv)")?;
     require_writeable(out, "out")?;
     let lse = match lse.is_none() {
@@ -427,6 +468,42 @@ fn run_kernel(kernel: Kernel, args: [&Bound<'_, PyAny>; 16]) -> PyResult<()> {
         true => None,
         false => Some(as_array(sinks, "sinks", Dtype::Float32, 1, "(Hq,)")?),
     };
+    // The scales of int8 k and v, each checked whole (required or not, dtype, rank, shape)
+    // before the next; check_problem repeats the shape check for Rust callers.
+    let mut scales = [None, None];
+    for ((name, given), slot) in ["k_scale", "v_scale"]
+        .into_iter()
+        .zip(scale_args)
+        .zip(scales.iter_mut())
+    {
+        let given = given.filter(|given| !given.is_none());
+        match (kv_int8, given) {
+            (true, None) => {
+                return Err(PyValueError::new_err(format!(
+                    "{name}: required with int8 k and v (float32, shape (B, Hkv, Lk)), got None"
+                )))
+            }
+            (false, Some(_)) => {
+                return Err(PyValueError::new_err(format!(
+                "{name}: expected None with {} k and v (scales are only for int8), got an array",
+                k.dtype()
+            )))
+            }
+            (false, None) => {}
+            (true, Some(given)) => {
+                let array = as_array(given, name, Dtype::Float32, 3, "(B, Hkv, Lk)")?;
+                let expected = [q.shape()[0], k.shape()[1], k.shape()[2]];
+                if array.shape() != expected {
+                    let [b, hkv, lk] = expected;
+                    return Err(PyValueError::new_err(format!(
+                        "{name}: expected shape (B={b}, Hkv={hkv}, Lk={lk}), got {}",
+                        tuple_string(array.shape())
+                    )));
+                }
+                *slot = Some(array);
+            }
+        }
+    }
 
     // 3. The problem: views over the arrays' memory.
     let tensor = |array: &Bound<'_, PyUntypedArray>| TensorView4 {
@@ -486,6 +563,9 @@ fn run_kernel(kernel: Kernel, args: [&Bound<'_, PyAny>; 16]) -> PyResult<()> {
                 stride: strides_of(sinks),
             },
         },
+        kv_int8,
+        k_scale: scale_view(scales[0]),
+        v_scale: scale_view(scales[1]),
     };
 
     // 4. The kernel without the GIL; it checks the problem first (check_problem, once per call).

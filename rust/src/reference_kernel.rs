@@ -38,9 +38,10 @@
 //! and one accumulator (Dv), reused for all its rows. Rows never depend on the split, so every
 //! thread count gives bit-identical results.
 
-use crate::element::{BFloat16, Dtype, Element, Float16};
+use crate::element::{BFloat16, Dtype, Element, Float16, Load};
 use crate::problem::{
-    check_num_threads, check_problem, try_filled, AttentionProblem, MaskKind, ProblemError,
+    check_num_threads, check_problem, try_filled, AttentionProblem, MaskKind, ParamView3,
+    ProblemError,
 };
 
 /// Computes attention for `p` with `num_threads` threads, after [`check_problem`] and
@@ -84,10 +85,13 @@ pub unsafe fn attention_reference(
     // SAFETY: forwarded from this function's contract; check_problem has passed.
     let shared = unsafe { SharedProblem::new(p) };
     let (first, others) = scratch.split_first_mut().expect("threads >= 1");
-    let run_pairs = match p.dtype {
-        Dtype::Float32 => run_pairs::<f32>,
-        Dtype::Float16 => run_pairs::<Float16>,
-        Dtype::BFloat16 => run_pairs::<BFloat16>,
+    let run_pairs = match (p.dtype, p.kv_int8) {
+        (Dtype::Float32, false) => run_pairs::<f32, f32>,
+        (Dtype::Float16, false) => run_pairs::<Float16, Float16>,
+        (Dtype::BFloat16, false) => run_pairs::<BFloat16, BFloat16>,
+        (Dtype::Float32, true) => run_pairs::<f32, i8>,
+        (Dtype::Float16, true) => run_pairs::<Float16, i8>,
+        (Dtype::BFloat16, true) => run_pairs::<BFloat16, i8>,
     };
     std::thread::scope(|scope| {
         for (t, scratch) in others.iter_mut().enumerate() {
@@ -160,8 +164,10 @@ unsafe fn row_mut<'x, T>(data: *mut u8, at: isize, len: i64) -> &'x mut [T] {
 /// Runs the (b, h) pairs numbered in `pair_range`, row by row, on q, k, v and out stored as T:
 /// each element read is converted exactly to float32 (then float64); each out element is
 /// rounded to float32 first, then to T (for float16 and bfloat16 that double rounding is the
-/// contract's "round the float32 result", and the same in C++).
-fn run_pairs<T: Element>(
+/// contract's "round the float32 result", and the same in C++). KV: the storage of k and v (T,
+/// or i8: each element dequantized as float32(x) * its token's scale in float32, then used as a
+/// float32 input is).
+fn run_pairs<T: Element, KV: Load>(
     shared: &SharedProblem,
     pair_range: std::ops::Range<usize>,
     scratch: &mut RowScratch,
@@ -193,6 +199,23 @@ fn run_pairs<T: Element>(
             // SAFETY: h < Hq: inside the (Hq,) sinks (checked shape).
             f64::from(unsafe { *p.sinks.data.offset(offset([h], &p.sinks.stride)) })
         };
+        // int8: the float32 scale of key j of this (b, kv_head); 1 (unused) otherwise.
+        let token_scale = |view: &ParamView3, j: i64| {
+            if p.kv_int8 {
+                // SAFETY: b < B, kv_head < Hkv, j < Lk: inside the (B, Hkv, Lk) scales (checked
+                // shape; present when kv_int8).
+                unsafe { *view.data.offset(offset([b, kv_head, j], &view.stride)) }
+            } else {
+                1.0
+            }
+        };
+        let dequantize = |x: KV, multiplier: f32| {
+            if p.kv_int8 {
+                x.to_f32() * multiplier
+            } else {
+                x.to_f32()
+            }
+        };
         for i in 0..q_len {
             // The keys to look at: j < kv_len, then each tested against causality and the window.
             let key_end = kv_len;
@@ -215,12 +238,15 @@ fn run_pairs<T: Element>(
                     f64::NEG_INFINITY
                 } else {
                     // SAFETY: j < kv_len <= Lk and kv_head < Hkv: a valid key row of D elements.
-                    let k_row: &[T] =
+                    let k_row: &[KV] =
                         unsafe { row(p.k.data, offset([b, kv_head, j, 0], &p.k.stride), head_dim) };
+                    let k_multiplier = token_scale(&p.k_scale, j);
                     let dot: f64 = q_row
                         .iter()
                         .zip(k_row)
-                        .map(|(&x, &y)| f64::from(x.to_f32()) * f64::from(y.to_f32()))
+                        .map(|(&x, &y)| {
+                            f64::from(x.to_f32()) * f64::from(dequantize(y, k_multiplier))
+                        })
                         .sum();
                     let mut score = scale * dot;
                     if softcap > 0.0 {
@@ -273,11 +299,12 @@ fn run_pairs<T: Element>(
                 }
                 let weight = (score - row_max).exp();
                 // SAFETY: j < kv_len <= Lk and kv_head < Hkv: a valid value row of Dv elements.
-                let v_row: &[T] =
+                let v_row: &[KV] =
                     unsafe { row(p.v.data, offset([b, kv_head, j, 0], &p.v.stride), value_dim) };
+                let v_multiplier = token_scale(&p.v_scale, j);
                 let weight = weight / row_sum;
                 for (a, &x) in acc.iter_mut().zip(v_row) {
-                    *a += weight * f64::from(x.to_f32());
+                    *a += weight * f64::from(dequantize(x, v_multiplier));
                 }
             }
             for (o, &a) in out_row.iter_mut().zip(acc.iter()) {

@@ -92,6 +92,22 @@ pub trait Vector: Copy {
         // SAFETY: forwarded; lanes holds 16 >= WIDTH floats.
         unsafe { Self::load(lanes.as_ptr()) }
     }
+    /// `WIDTH` int8 values from `p`, converted exactly (sign extension to int32, then float32).
+    /// The default converts lane by lane (the scalar type); the SIMD types override it
+    /// (vpmovsxbd + vcvtdq2ps; NEON vmovl + vcvtq).
+    ///
+    /// # Safety
+    /// As [`Vector::zero`], and `p` is valid for reading `WIDTH` bytes.
+    #[inline(always)]
+    unsafe fn load_i8(p: *const i8) -> Self {
+        let mut lanes = [0.0f32; 16];
+        for (i, lane) in lanes.iter_mut().enumerate().take(Self::WIDTH) {
+            // SAFETY: i < WIDTH bytes readable at p.
+            *lane = f32::from(unsafe { *p.add(i) });
+        }
+        // SAFETY: forwarded; lanes holds 16 >= WIDTH floats.
+        unsafe { Self::load(lanes.as_ptr()) }
+    }
     /// Writes the lanes rounded to float16 (element.rs) to `p`.
     ///
     /// # Safety

@@ -80,6 +80,15 @@ impl Vector for Avx2 {
         }
     }
     #[inline(always)]
+    unsafe fn load_i8(p: *const i8) -> Self {
+        // SAFETY: the caller guarantees AVX2 and 8 readable bytes (vpmovsxbd, vcvtdq2ps).
+        unsafe {
+            Avx2(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+                p.cast(),
+            ))))
+        }
+    }
+    #[inline(always)]
     unsafe fn store_f16(self, p: *mut u16) {
         // SAFETY: 8 writeable halves at p; self proves AVX2 (and F16C, dispatch.rs).
         unsafe {

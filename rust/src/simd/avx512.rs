@@ -70,6 +70,15 @@ impl Vector for Avx512 {
         }
     }
     #[inline(always)]
+    unsafe fn load_i8(p: *const i8) -> Self {
+        // SAFETY: the caller guarantees AVX-512F and 16 readable bytes (vpmovsxbd, vcvtdq2ps).
+        unsafe {
+            Avx512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                p.cast(),
+            ))))
+        }
+    }
+    #[inline(always)]
     unsafe fn store_f16(self, p: *mut u16) {
         // SAFETY: 16 writeable halves at p; self proves AVX-512F.
         unsafe {

@@ -68,6 +68,18 @@ impl Vector for Neon {
             vst1q_f32(p.add(4), self.1);
         }
     }
+    /// int8: widen to int16 (vmovl), then to int32 in two halves, convert (vcvtq): exact.
+    #[inline(always)]
+    unsafe fn load_i8(p: *const i8) -> Self {
+        // SAFETY: NEON as in zero; the caller guarantees 8 readable bytes at p.
+        unsafe {
+            let wide = vmovl_s8(vld1_s8(p));
+            Neon(
+                vcvtq_f32_s32(vmovl_s16(vget_low_s16(wide))),
+                vcvtq_f32_s32(vmovl_s16(vget_high_s16(wide))),
+            )
+        }
+    }
     /// NEON has no masked store: the lanes go to a buffer and only the first n are copied out.
     #[inline(always)]
     unsafe fn store_tail(self, p: *mut f32, n: usize) {

@@ -6,7 +6,7 @@ use std::cell::Cell;
 use twinattn::element::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, Dtype};
 use twinattn::problem::{
     AttentionProblem, LseView, MaskKind, MaskView, MutTensorView4, ParamView1, ParamView2,
-    ProblemError, TensorView4,
+    ParamView3, ProblemError, TensorView4,
 };
 use twinattn::reference_kernel::attention_reference;
 
@@ -343,6 +343,38 @@ impl Mask {
     }
 }
 
+/// int8 K/V: the per-token scales of k and v, (B, Hkv, Lk) views of owned buffers (any
+/// non-negative strides, 0 included). With them the case's k and v hold integers in [-127, 127],
+/// stored as int8 by [`Case::run_into`] (layouts kept).
+#[derive(Clone, Debug)]
+pub struct KvScales {
+    pub k: Vec<f32>,
+    pub k_stride: [i64; 3],
+    pub v: Vec<f32>,
+    pub v_stride: [i64; 3],
+}
+
+impl KvScales {
+    fn view(buffer: &[f32], stride: [i64; 3], shape: [i64; 3]) -> ParamView3 {
+        if shape.iter().all(|&n| n > 0) {
+            let reach: i64 = shape.iter().zip(&stride).map(|(n, s)| (n - 1) * s).sum();
+            assert!(
+                stride.iter().all(|&s| s >= 0) && (reach as usize) < buffer.len(),
+                "scale buffer too small"
+            );
+        }
+        ParamView3 {
+            data: buffer.as_ptr(),
+            shape,
+            stride,
+        }
+    }
+
+    pub fn at(buffer: &[f32], stride: [i64; 3], index: [i64; 3]) -> f32 {
+        buffer[index.iter().zip(&stride).map(|(i, s)| i * s).sum::<i64>() as usize]
+    }
+}
+
 /// One attention call with owned inputs.
 #[derive(Clone, Debug)]
 pub struct Case {
@@ -365,6 +397,8 @@ pub struct Case {
     /// stores q, k, v as halves of that type, the layouts kept, rounding each float, and returns
     /// out's halves converted back to float32)
     pub dtype: Dtype,
+    /// int8 K/V (issue 15): None, or the scales (k and v then hold the int8 values)
+    pub kv_scales: Option<KvScales>,
 }
 
 /// The kernel's results: out (B, Hq, Lq, Dv) and lse (B, Hq, Lq) flattened row-major.
@@ -420,10 +454,94 @@ impl Case {
             alibi_slopes: None,
             sinks: None,
             dtype: Dtype::Float32,
+            kv_scales: None,
             q,
             k,
             v,
         }
+    }
+
+    /// The same case with int8 K/V: each (b, kv_head, token) row of k and v quantized as the
+    /// contract says (scale = max |x| / 127, x / scale rounded to nearest even, clipped to
+    /// +-127, in float32), the scales laid out with `stride` (k's and v's alike; zero strides
+    /// broadcast the first token's scale: then the rows are quantized with that shared scale).
+    pub fn quantized(&self, k_stride: [i64; 3], v_stride: [i64; 3]) -> Case {
+        fn quantize(t: &Tensor, stride: [i64; 3]) -> (Tensor, Vec<f32>) {
+            let [b, h, l, d] = t.shape;
+            let len = [b, h, l]
+                .iter()
+                .zip(&stride)
+                .map(|(n, s)| (n - 1).max(0) * s)
+                .sum::<i64>() as usize
+                + 1;
+            let mut scales = vec![f32::NAN; len];
+            for bi in 0..b {
+                for hi in 0..h {
+                    for j in 0..l {
+                        let at = KvScales::at(&scales, stride, [bi, hi, j]);
+                        if at.is_nan() {
+                            let amax =
+                                (0..d).fold(0.0f32, |m, x| m.max(t.at([bi, hi, j, x]).abs()));
+                            let offset = [bi, hi, j]
+                                .iter()
+                                .zip(&stride)
+                                .map(|(i, s)| i * s)
+                                .sum::<i64>();
+                            scales[offset as usize] = amax / 127.0;
+                        }
+                    }
+                }
+            }
+            let quantized = Tensor::with_layout(
+                t.shape,
+                t.stride,
+                t.origin,
+                t.buffer.len(),
+                |[bi, hi, j, x]| {
+                    let scale = KvScales::at(&scales, stride, [bi, hi, j]);
+                    if scale == 0.0 {
+                        0.0
+                    } else {
+                        (t.at([bi, hi, j, x]) / scale)
+                            .round_ties_even()
+                            .clamp(-127.0, 127.0)
+                    }
+                },
+            );
+            (quantized, scales)
+        }
+        let mut case = self.clone();
+        let (k, k_scales) = quantize(&self.k, k_stride);
+        let (v, v_scales) = quantize(&self.v, v_stride);
+        case.k = k;
+        case.v = v;
+        case.kv_scales = Some(KvScales {
+            k: k_scales,
+            k_stride,
+            v: v_scales,
+            v_stride,
+        });
+        case
+    }
+
+    /// An int8 case's float32 twin: k and v dequantized (float32(x) * scale, one float32
+    /// multiply), the layouts kept.
+    pub fn dequantized(&self) -> Case {
+        let scales = self.kv_scales.as_ref().expect("an int8 case");
+        let mut case = self.clone();
+        let dequantize = |t: &Tensor, buffer: &[f32], stride: [i64; 3]| {
+            Tensor::with_layout(
+                t.shape,
+                t.stride,
+                t.origin,
+                t.buffer.len(),
+                |[b, h, j, d]| t.at([b, h, j, d]) * KvScales::at(buffer, stride, [b, h, j]),
+            )
+        };
+        case.k = dequantize(&self.k, &scales.k, scales.k_stride);
+        case.v = dequantize(&self.v, &scales.v, scales.v_stride);
+        case.kv_scales = None;
+        case
     }
 
     /// The same case stored as `dtype`, its q, k and v rounded to it (so the float32 case of
@@ -478,6 +596,40 @@ impl Case {
         lse: Option<&mut Vec<f32>>,
         num_threads: usize,
     ) -> Result<(), ProblemError> {
+        self.with_problem_into(out, lse, |problem| {
+            // SAFETY: every view comes from an owned buffer that Tensor::with_layout (or
+            // assert_mask_fits, KvScales::view) checked covers the view's whole shape when the
+            // shapes are consistent; when they are not, check_problem rejects the problem before
+            // any memory is touched. The buffers are borrowed (shared for inputs, exclusive for
+            // out and lse) for the whole call.
+            unsafe {
+                match kernel() {
+                    Kernel::Reference => attention_reference(problem, num_threads),
+                    Kernel::Fast(isa) => twinattn::flash_attention::attention_forward_with(
+                        problem,
+                        num_threads,
+                        twinattn::dispatch::kernels_for(isa).expect("checked by with_kernel"),
+                    ),
+                }
+            }
+        })
+    }
+
+    /// `f` on the problem of this case (into a fresh out and lse), e.g. to edit it and check it.
+    pub fn with_problem<R>(&self, f: impl FnOnce(&mut AttentionProblem) -> R) -> R {
+        let shape = self.out_shape();
+        let mut out = Tensor::from_fn(shape, |_| f32::NAN);
+        let mut lse = vec![f32::NAN; (shape[0] * shape[1] * shape[2]) as usize];
+        self.with_problem_into(&mut out, Some(&mut lse), f)
+    }
+
+    /// Builds the problem over this case's buffers, `out` and `lse`, and hands it to `f`.
+    fn with_problem_into<R>(
+        &self,
+        out: &mut Tensor,
+        lse: Option<&mut Vec<f32>>,
+        f: impl FnOnce(&mut AttentionProblem) -> R,
+    ) -> R {
         let [batch, q_heads, q_len, _] = self.q.shape;
         let lse = match lse {
             Some(lse) => {
@@ -529,8 +681,44 @@ impl Case {
             },
             None => out.view_mut(),
         };
-        let problem = AttentionProblem {
+        // int8 K/V: the int8 copies of k's and v's buffers (layouts kept) and the scales' views.
+        let int8_buffers = self.kv_scales.as_ref().map(|_| {
+            [&self.k, &self.v].map(|t| {
+                for x in t.values() {
+                    assert!(x == x.round() && x.abs() <= 127.0, "{x} is not an int8");
+                }
+                // (the buffer's NaN padding outside the view becomes 0, never read)
+                t.buffer.iter().map(|&x| x as i8).collect::<Vec<i8>>()
+            })
+        });
+        let (k, v) = match &int8_buffers {
+            Some([k_bytes, v_bytes]) => (
+                TensorView4 {
+                    data: k_bytes.as_ptr().wrapping_add(self.k.origin).cast(),
+                    shape: self.k.shape,
+                    stride: self.k.stride,
+                },
+                TensorView4 {
+                    data: v_bytes.as_ptr().wrapping_add(self.v.origin).cast(),
+                    shape: self.v.shape,
+                    stride: self.v.stride,
+                },
+            ),
+            None => (k, v),
+        };
+        let [_, kv_heads, k_len, _] = self.k.shape;
+        let (k_scale, v_scale) = match &self.kv_scales {
+            Some(scales) => (
+                KvScales::view(&scales.k, scales.k_stride, [batch, kv_heads, k_len]),
+                KvScales::view(&scales.v, scales.v_stride, [batch, kv_heads, k_len]),
+            ),
+            None => (ParamView3::NONE, ParamView3::NONE),
+        };
+        let mut problem = AttentionProblem {
             dtype: self.dtype,
+            kv_int8: self.kv_scales.is_some(),
+            k_scale,
+            v_scale,
             q,
             k,
             v,
@@ -565,20 +753,7 @@ impl Case {
                 },
             },
         };
-        // SAFETY: every view comes from an owned buffer that Tensor::with_layout (or
-        // assert_mask_fits) checked covers the view's whole shape when the shapes are consistent;
-        // when they are not, check_problem rejects the problem before any memory is touched. The
-        // buffers are borrowed (shared for inputs, exclusive for out and lse) for the whole call.
-        let result = unsafe {
-            match kernel() {
-                Kernel::Reference => attention_reference(&problem, num_threads),
-                Kernel::Fast(isa) => twinattn::flash_attention::attention_forward_with(
-                    &problem,
-                    num_threads,
-                    twinattn::dispatch::kernels_for(isa).expect("checked by with_kernel"),
-                ),
-            }
-        };
+        let result = f(&mut problem);
         if let Some(buffer) = out_halves {
             for (x, &h) in out.buffer.iter_mut().zip(&buffer.0) {
                 *x = half_value(self.dtype, h);

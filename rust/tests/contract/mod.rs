@@ -594,6 +594,9 @@ pub fn check_problem_rejects_overlapping_outputs_and_bad_lse() {
         softcap: 0.0,
         alibi_slopes: twinattn::problem::ParamView2::NONE,
         sinks: twinattn::problem::ParamView1::NONE,
+        kv_int8: false,
+        k_scale: twinattn::problem::ParamView3::NONE,
+        v_scale: twinattn::problem::ParamView3::NONE,
     };
     let lse_at = |at: usize, n: i64| LseView {
         data: base.wrapping_add(at),
