@@ -246,15 +246,17 @@ def test_kv_cache_stores_in_its_dtype(dtype: np.dtype) -> None:
 
 @pytest.mark.parametrize("dtype, accepted", [
     ("bfloat16", BFLOAT16), (ml_dtypes.bfloat16, BFLOAT16), (np.float16, FLOAT16), ("float32", np.dtype(np.float32)),
+    ("int8", np.dtype(np.int8)), (np.int8, np.dtype(np.int8)),
 ])
 def test_kv_cache_dtype_spellings(dtype: Any, accepted: np.dtype) -> None:
     assert twinattn.KVCache(1, 1, 1, 2, 3, dtype=dtype).dtype == accepted
 
 
-@pytest.mark.parametrize("dtype, shown", [(np.int8, "int8"), (ml_dtypes.float8_e4m3fn, "float8_e4m3fn"), ("float128x", "'float128x'"), (np.complex64, "complex64")])
+@pytest.mark.parametrize("dtype, shown", [(np.uint8, "uint8"), (ml_dtypes.float8_e4m3fn, "float8_e4m3fn"), ("float128x", "'float128x'"), (np.complex64, "complex64")])
 def test_kv_cache_rejects_other_dtypes_naming_the_accepted_ones(dtype: Any, shown: str) -> None:
     with pytest.raises(TypeError) as info:
         twinattn.KVCache(1, 1, 1, 2, 3, dtype=dtype)
     assert str(info.value) == (
         f"dtype: expected float32, float16 or bfloat16 (ml_dtypes.bfloat16), or float64 (backend='numpy' only), got {shown}"
+        ", or int8 (quantized with scales)"
     )
