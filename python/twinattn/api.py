@@ -304,7 +304,7 @@ def attention(
         Queries. 3-D inputs mean B=1 and 2-D inputs B=1 and Hq=1; the results come back with
         the same rank. float32, float16 or bfloat16 (ml_dtypes.bfloat16); float64 only with
         backend="numpy". Nothing is cast silently.
-    k : array_like, shape (B, Hkv, Lk, D), same rank and dtype as q
+    k : array_like, shape (B, Hkv, Lk, D), same rank and dtype as q (or int8, see k_scale)
         Keys. Grouped-query attention: Hq must be a multiple of Hkv, and query head h reads
         KV head h // (Hq // Hkv) (Hkv == Hq is multi-head, Hkv == 1 multi-query).
     v : array_like, shape (B, Hkv, Lk, Dv), same rank and dtype as q
@@ -360,6 +360,11 @@ def attention(
     sinks : None or float32 array of shape (Hq,), default None
         Attention sinks (gpt-oss): one learned logit per query head, a virtual key of score
         sinks[h] (not multiplied by scale) that takes softmax mass and carries no value.
+    k_scale, v_scale : None or float32 arrays of k's shape without D, e.g. (B, Hkv, Lk)
+        Required when k and v are int8 (twinattn.quantize_kv), None otherwise: the result is
+        attention over dequantize_kv(k, k_scale), dequantize_kv(v, v_scale) (float32(x) * scale)
+        within float32 tolerance. Any strides. Not checked for finiteness: a NaN scale of a
+        visible key gives NaN, of a hidden one never matters.
 
     Returns
     -------
