@@ -216,7 +216,7 @@ def require_native_int8(port: str) -> None:
     try:
         module.attention_forward(
             one, np.ones((1, 1, 1, 1), np.int8), np.ones((1, 1, 1, 1), np.int8), np.empty_like(one), None,
-            np.zeros(1, np.int64), np.ones(1, np.int64), None, False, 1.0, 1, -1, -1, 0.0, None, None, scale, scale,
+            np.zeros(1, np.int64), np.ones(1, np.int64), None, False, 1.0, 1, -1, -1, 0.0, None, None, k_scale=scale, v_scale=scale,
         )
     except TypeError as exc:
         pytest.xfail(f"{port}: this build has no int8 K/V yet ({str(exc).splitlines()[0][:80]})")

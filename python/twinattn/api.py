@@ -552,7 +552,7 @@ def attention(
         target = out4 if value_dim <= 1 or out4.strides[-1] == out4.itemsize else np.empty(out4.shape, dtype)
         native_module(port).attention_forward(
             q4, k4, v4, target, lse, offsets, lens, mask, bool(causal), scale_value, threads,
-            window_left, window_right, cap, slopes, sink_logits, *(() if not int8 else (k_scales, v_scales)),
+            window_left, window_right, cap, slopes, sink_logits, **({"k_scale": k_scales, "v_scale": v_scales} if int8 else {}),
         )
         if target is not out4:
             out4[...] = target
