@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 import twinattn
-from helpers import BFLOAT16, FLOAT16, HALF_DTYPES, assert_close_to_reference, assert_half_close_to_reference, rand, round_bits_rne
+from helpers import (
+    BFLOAT16, FLOAT16, HALF_DTYPES, assert_close_to_reference, assert_half_close_to_reference, rand, require_native_int8,
+    round_bits_rne,
+)
 
 DTYPE_IDS = {FLOAT16: "float16", BFLOAT16: "bfloat16"}
 half_dtypes = pytest.mark.parametrize("dtype", HALF_DTYPES, ids=DTYPE_IDS.get)
@@ -246,15 +249,79 @@ def test_kv_cache_stores_in_its_dtype(dtype: np.dtype) -> None:
 
 @pytest.mark.parametrize("dtype, accepted", [
     ("bfloat16", BFLOAT16), (ml_dtypes.bfloat16, BFLOAT16), (np.float16, FLOAT16), ("float32", np.dtype(np.float32)),
+    ("int8", np.dtype(np.int8)), (np.int8, np.dtype(np.int8)),
 ])
 def test_kv_cache_dtype_spellings(dtype: Any, accepted: np.dtype) -> None:
     assert twinattn.KVCache(1, 1, 1, 2, 3, dtype=dtype).dtype == accepted
 
 
-@pytest.mark.parametrize("dtype, shown", [(np.int8, "int8"), (ml_dtypes.float8_e4m3fn, "float8_e4m3fn"), ("float128x", "'float128x'"), (np.complex64, "complex64")])
+@pytest.mark.parametrize("dtype, shown", [(np.uint8, "uint8"), (ml_dtypes.float8_e4m3fn, "float8_e4m3fn"), ("float128x", "'float128x'"), (np.complex64, "complex64")])
 def test_kv_cache_rejects_other_dtypes_naming_the_accepted_ones(dtype: Any, shown: str) -> None:
     with pytest.raises(TypeError) as info:
         twinattn.KVCache(1, 1, 1, 2, 3, dtype=dtype)
     assert str(info.value) == (
         f"dtype: expected float32, float16 or bfloat16 (ml_dtypes.bfloat16), or float64 (backend='numpy' only), got {shown}"
+        ", or int8 (quantized with scales)"
     )
+
+
+# ---- int8 caches ------------------------------------------------------------------------------
+
+
+def test_int8_cache_quantizes_on_update_and_counts_its_scales() -> None:
+    cache = twinattn.KVCache(num_layers=2, batch_size=2, num_kv_heads=3, head_dim=16, max_seq_len=40, dtype="int8")
+    assert cache.dtype == np.int8
+    payload = twinattn.kv_cache_bytes(2, 2, 3, head_dim=16, tokens=40, bytes_per_entry=1)
+    scales = twinattn.kv_cache_bytes(2, 2, 3, head_dim=1, tokens=40, bytes_per_entry=4)
+    assert cache.nbytes == payload + scales == 2 * 2 * 2 * 3 * 40 * (16 + 4)
+    rng = np.random.default_rng(8)
+    # ragged: sequence 1 appends 3 of 5 tokens, then both append one bfloat16 token
+    k, v = rand(rng, 2, 3, 5, 16), rand(rng, 2, 3, 5, 16)
+    cache.update(k, v, 1, num_new=np.array([5, 3]))
+    more_k, more_v = rand(rng, 2, 3, 1, 16).astype(BFLOAT16), rand(rng, 2, 3, 1, 16).astype(FLOAT16)
+    keys, values = cache.update(more_k, more_v, 1)
+    k_scale, v_scale = cache.scales(1)
+    assert keys.dtype == values.dtype == np.int8 and k_scale.dtype == v_scale.dtype == np.float32
+    assert keys.shape == (2, 3, 6, 16) and k_scale.shape == v_scale.shape == (2, 3, 6)
+    assert np.shares_memory(k_scale, cache._k_scales) and np.shares_memory(keys, cache._keys)  # views, in place
+    for b, n in ((0, 5), (1, 3)):
+        for stored, scale, first, last in ((keys, k_scale, k, more_k), (values, v_scale, v, more_v)):
+            want_q, want_s = twinattn.quantize_kv(np.concatenate([first[b, :, :n], last[b].astype(np.float32)], axis=1))
+            np.testing.assert_array_equal(stored[b, :, : n + 1], want_q)
+            np.testing.assert_array_equal(scale[b, :, : n + 1], want_s)
+    np.testing.assert_array_equal(cache.seq_lens(1), [6, 4])
+    # reorder moves the scales with the payload
+    before = (keys[0].copy(), k_scale[0].copy(), v_scale[0].copy())
+    cache.reorder(np.array([0, 0]))
+    np.testing.assert_array_equal(cache.keys(1)[1], before[0])
+    np.testing.assert_array_equal(cache.scales(1)[0][1], before[1])
+    np.testing.assert_array_equal(cache.scales(1)[1][1], before[2])
+    with pytest.raises(TypeError, match=r"key_states: expected dtype float32, float16 or bfloat16 \(ml_dtypes.bfloat16\) \(quantized to the int8 cache as it is stored\), got int8"):
+        cache.update(np.zeros((2, 3, 1, 16), np.int8), v[:, :, :1], 1)
+    with pytest.raises(ValueError, match=r"scales: only an int8 KVCache has scales, this one is float32"):
+        twinattn.KVCache(1, 1, 1, 2, 3).scales(0)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
+def test_kernel_reads_a_ragged_int8_cache_in_place(backend: str, kv_heads: int) -> None:
+    """Decode against an int8 cache whose sequences hold 7, 2 and 5 tokens: the int8 views and
+    their scales go to the kernel and match the float64 reference on the dequantized keys and
+    values of each sequence alone; a NaN scale past a sequence's length is never read."""
+    require_native_int8(backend)
+    rng = np.random.default_rng(13)
+    cache = twinattn.KVCache(num_layers=1, batch_size=3, num_kv_heads=kv_heads, head_dim=8, max_seq_len=16, dtype=np.int8)
+    cache.update(rand(rng, 3, kv_heads, 7, 8), rand(rng, 3, kv_heads, 7, 8), 0, num_new=np.array([7, 2, 5]))
+    cache._k_scales[0, 1, :, 2:] = np.nan
+    cache._v_scales[0, 1, :, 2:] = np.nan
+    q = rand(rng, 3, 4, 2, 8)
+    offsets = cache.seq_lens(0)
+    keys, values = cache.update(rand(rng, 3, kv_heads, 2, 8), rand(rng, 3, kv_heads, 2, 8), 0)
+    k_scale, v_scale = cache.scales(0)
+    lens = cache.seq_lens(0)
+    out = twinattn.attention(q, keys, values, k_scale=k_scale, v_scale=v_scale, causal=True, q_offset=offsets,
+                             kv_lens=lens, backend=backend)
+    for b in range(3):
+        n = int(lens[b])
+        k_b = twinattn.dequantize_kv(keys[b : b + 1, :, :n].copy(), k_scale[b : b + 1, :, :n].copy())
+        v_b = twinattn.dequantize_kv(values[b : b + 1, :, :n].copy(), v_scale[b : b + 1, :, :n].copy())
+        assert_close_to_reference(out[b : b + 1], q[b : b + 1], k_b, v_b, causal=True)

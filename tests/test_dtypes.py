@@ -300,11 +300,11 @@ _V = np.random.default_rng(2).standard_normal((2, 2, 7, 6)).astype(np.float32)
 _B16 = ml_dtypes.bfloat16
 BAD_DTYPES: list[tuple[str, dict[str, Any], str]] = [
     ("k-float32-for-bfloat16", {"q": _Q.astype(_B16), "k": _K, "v": _V.astype(_B16)},
-     "k: expected dtype bfloat16 (q's dtype), got float32; convert with k.astype(ml_dtypes.bfloat16)"),
+     "k: expected dtype bfloat16 (q\'s dtype) or int8, got float32; convert with k.astype(ml_dtypes.bfloat16), or quantize both k and v with twinattn.quantize_kv"),
     ("v-bfloat16-for-float16", {"q": _Q.astype(np.float16), "k": _K.astype(np.float16), "v": _V.astype(_B16)},
      "v: expected dtype float16 (q's dtype), got bfloat16; convert with v.astype(np.float16)"),
     ("k-float16-for-float32", {"k": _K.astype(np.float16)},
-     "k: expected dtype float32 (q's dtype), got float16; convert with k.astype(np.float32)"),
+     "k: expected dtype float32 (q\'s dtype) or int8, got float16; convert with k.astype(np.float32), or quantize both k and v with twinattn.quantize_kv"),
     ("q-int8", {"q": _Q.astype(np.int8)},
      "q: expected float32, float16 or bfloat16 (ml_dtypes.bfloat16), got int8; convert with q.astype(np.float32)"),
     ("q-float16-big-endian", {"q": _Q.astype(">f2"), "k": _K.astype(">f2"), "v": _V.astype(">f2")},

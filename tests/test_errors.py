@@ -19,7 +19,7 @@ V = RNG.standard_normal((2, 2, 7, 6)).astype(np.float32)
 CASES: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("q-int32", {"q": Q.astype(np.int32)}, TypeError,
      "q: expected float32, float16 or bfloat16 (ml_dtypes.bfloat16), got int32; convert with q.astype(np.float32)"),
-    ("k-int", {"k": K.astype(np.int32)}, TypeError, "k: expected dtype float32 (q's dtype), got int32; convert with k.astype(np.float32)"),
+    ("k-int", {"k": K.astype(np.int32)}, TypeError, "k: expected dtype float32 (q\'s dtype) or int8, got int32; convert with k.astype(np.float32), or quantize both k and v with twinattn.quantize_kv"),
     ("v-float16", {"v": V.astype(np.float16)}, TypeError,
      "v: expected dtype float32 (q's dtype), got float16; convert with v.astype(np.float32)"),
     ("q-not-array", {"q": "abc"}, TypeError, "q: expected a numpy array"),

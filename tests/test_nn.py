@@ -12,7 +12,8 @@ import pytest
 
 import twinattn
 from helpers import (
-    FLOAT32_ERROR_FACTOR, FLOOR_ULPS, HALF_DTYPES, UNIT_ROUNDOFF, half_ulp, rand, reference64,
+    FLOAT32_ERROR_FACTOR, FLOOR_ULPS, HALF_DTYPES, UNIT_ROUNDOFF, half_ulp, rand, reference64, reference32,
+    require_native_int8,
 )
 from twinattn.reference import round_to_dtype
 
@@ -344,7 +345,41 @@ def test_nn_attention_with_a_half_cache(backend: str, dtype: np.dtype) -> None:
     assert cache.keys(0).dtype == dtype and cache.nbytes * 2 == twinattn.KVCache(1, 2, 2, 16, 20).nbytes
 
 
+def test_nn_attention_with_an_int8_cache(backend: str) -> None:
+    """Prefill then three decode steps with an int8 cache, against the same steps by hand: float32
+    projections and RoPE (the same bits), k and v quantized (quantize_kv: the cache must hold
+    exactly those), q float32, the float64 reference attention over the dequantized cache, the
+    output projection in float64. Tolerance: the float32 attention error (a multiple of the NumPy
+    float32 reference's, plus a floor) carried through o_proj, plus float32 roundoff of o_proj."""
+    require_native_int8(backend)
+    module, rng = _attention_module(backend)
+    params = module.state_dict()
+    w_q, w_k, w_v, w_o = (params[f"{n}_proj.weight"] for n in "qkvo")
+    x = rand(rng, 2, 12, 64)
+    cache = twinattn.KVCache(1, 2, 2, 16, 20, dtype="int8")
+    stored_k, stored_v = np.zeros((2, 2, 0, 16), np.float32), np.zeros((2, 2, 0, 16), np.float32)
+    w_o64 = np.abs(w_o.T).astype(np.float64)
+    for start, end in ((0, 9), (9, 10), (10, 11), (11, 12)):
+        got = module(x[:, start:end], cache=cache)
+        assert got.dtype == np.float32
+        chunk, length, positions = x[:, start:end], end - start, np.arange(start, end)
+        q, k, v = ((chunk @ w.T).reshape(2, length, -1, 16).transpose(0, 2, 1, 3) for w in (w_q, w_k, w_v))
+        q, k = module.rope.apply(q, positions), module.rope.apply(k, positions)  # type: ignore[union-attr]
+        stored_k = np.concatenate([stored_k, twinattn.dequantize_kv(*twinattn.quantize_kv(np.ascontiguousarray(k)))], axis=2)
+        stored_v = np.concatenate([stored_v, twinattn.dequantize_kv(*twinattn.quantize_kv(np.ascontiguousarray(v)))], axis=2)
+        exact = reference64(q, stored_k, stored_v, causal=True, q_offset=start, scale=0.25)
+        f32 = reference32(q, stored_k, stored_v, causal=True, q_offset=start, scale=0.25)
+        attn_tol = FLOAT32_ERROR_FACTOR * float(np.abs(f32 - exact).max()) + FLOOR_ULPS * UNIT_ROUNDOFF * max(1.0, float(np.abs(stored_v).max()))
+        merged = exact.transpose(0, 2, 1, 3).reshape(2, length, -1)
+        want = merged @ w_o.T.astype(np.float64)
+        tol = attn_tol * w_o64.sum(axis=0) + 64 * UNIT_ROUNDOFF * (np.abs(merged) @ w_o64)
+        err = np.abs(got - want)
+        assert (err <= tol).all(), f"max error {float(err.max()):.3g}, tolerance there {float(tol.flat[np.argmax(err)]):.3g}"
+    np.testing.assert_array_equal(twinattn.dequantize_kv(cache.keys(0).copy(), cache.scales(0)[0].copy()), stored_k)
+    assert cache.keys(0).dtype == np.int8 and cache.nbytes == 2 * 2 * 2 * 20 * (16 + 4)
+
+
 def test_nn_attention_refuses_a_float64_cache(backend: str) -> None:
     module, rng = _attention_module(backend)
-    with pytest.raises(TypeError, match=r"cache: expected a KVCache of dtype float32, float16 or bfloat16 \(ml_dtypes.bfloat16\), got float64"):
+    with pytest.raises(TypeError, match=r"cache: expected a KVCache of dtype float32, float16, bfloat16 \(ml_dtypes.bfloat16\) or int8, got float64"):
         module(rand(rng, 2, 3, 64), cache=twinattn.KVCache(1, 2, 2, 16, 20, dtype=np.float64))

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import twinattn
-from helpers import HALF_DTYPES, ISAS, assert_close_to_reference, forced_isa, rand
+from helpers import HALF_DTYPES, ISAS, assert_close_to_reference, forced_isa, rand, require_native_int8
 
 PORTS = ("cpp", "rust")
 KERNELS = ("attention_forward", "attention_reference")
@@ -94,11 +94,8 @@ BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
      "q: expected dtype float32, float16 or bfloat16, got >f2"),
     ("q-float8", {"q": Q.astype(ml_dtypes.float8_e4m3fn)}, TypeError,
      "q: expected dtype float32, float16 or bfloat16, got float8_e4m3fn"),
-    ("k-float16", {"k": K.astype(np.float16)}, TypeError, "k: expected dtype float32 (q's dtype), got float16"),
     ("v-big-endian", {"v": V.astype(">f4")}, TypeError, "v: expected dtype float32 (q's dtype), got >f4"),
     ("out-int32", {"out": np.zeros(OUT_SHAPE, np.int32)}, TypeError, "out: expected dtype float32 (q's dtype), got int32"),
-    ("k-float32-for-bfloat16", {"q": Q.astype(BF16), "v": V.astype(BF16), "out": np.zeros(OUT_SHAPE, BF16)}, TypeError,
-     "k: expected dtype bfloat16 (q's dtype), got float32"),
     ("v-bfloat16-for-float16", {"q": Q.astype(np.float16), "k": K.astype(np.float16), "v": V.astype(BF16),
                                 "out": np.zeros(OUT_SHAPE, np.float16)}, TypeError,
      "v: expected dtype float16 (q's dtype), got bfloat16"),
@@ -267,6 +264,102 @@ def test_half_precision_same_bits_in_both_ports(modules: dict[str, ModuleType], 
                              lse=np.zeros((2, 4, 5), np.float32), causal=True, kv_lens=np.array([7, 4]), q_offset=np.array([2, 0]))
                 getattr(module, kernel)(**args)
                 outs.append((args["out"].view(np.uint16), args["lse"]))
+            for a, b_ in zip(*outs):
+                np.testing.assert_array_equal(a, b_)
+
+
+K8, V8 = twinattn.quantize_kv(K)[0], twinattn.quantize_kv(V)[0]
+SCALES = np.full((2, 2, 7), 0.02, np.float32)
+INT8 = {"k": K8, "v": V8, "k_scale": SCALES, "v_scale": SCALES}
+
+# int8 K/V (issue 15; the order and wording: the int8 specification, docs/native_api.md): k against
+# q's dtype or int8, v against k's when that is int8, then the scales after sinks
+INT8_BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
+    ("k-float16", {"k": K.astype(np.float16)}, TypeError, "k: expected dtype float32 (q's dtype) or int8, got float16"),
+    ("k-float32-for-bfloat16", {"q": Q.astype(BF16), "v": V.astype(BF16), "out": np.zeros(OUT_SHAPE, BF16)}, TypeError,
+     "k: expected dtype bfloat16 (q's dtype) or int8, got float32"),
+    ("k-uint8", {**INT8, "k": K8.view(np.uint8)}, TypeError, "k: expected dtype float32 (q's dtype) or int8, got uint8"),
+    ("v-float32-for-int8-k", {**INT8, "v": V}, TypeError, "v: expected dtype int8 (k's dtype), got float32"),
+    ("v-int8-for-float32-k", {"v": V8}, TypeError, "v: expected dtype float32 (q's dtype), got int8"),
+    ("out-int8", {**INT8, "out": np.zeros(OUT_SHAPE, np.int8)}, TypeError, "out: expected dtype float32 (q's dtype), got int8"),
+    ("k_scale-missing", {**INT8, "k_scale": None}, ValueError,
+     "k_scale: required with int8 k and v (float32, shape (B, Hkv, Lk)), got None"),
+    ("v_scale-missing", {**INT8, "v_scale": None}, ValueError,
+     "v_scale: required with int8 k and v (float32, shape (B, Hkv, Lk)), got None"),
+    ("k_scale-superfluous", {"k_scale": SCALES}, ValueError,
+     "k_scale: expected None with float32 k and v (scales are only for int8), got an array"),
+    ("v_scale-superfluous-half", {**HALF, "v_scale": SCALES}, ValueError,
+     "v_scale: expected None with float16 k and v (scales are only for int8), got an array"),
+    ("k_scale-float16", {**INT8, "k_scale": SCALES.astype(np.float16)}, TypeError, "k_scale: expected dtype float32, got float16"),
+    ("v_scale-float64", {**INT8, "v_scale": SCALES.astype(np.float64)}, TypeError, "v_scale: expected dtype float32, got float64"),
+    ("k_scale-rank", {**INT8, "k_scale": SCALES[0]}, ValueError, "k_scale: expected 3 dimensions (B, Hkv, Lk), got shape (2, 7)"),
+    ("v_scale-shape", {**INT8, "v_scale": SCALES[:, :, :6]}, ValueError, "v_scale: expected shape (B=2, Hkv=2, Lk=7), got (2, 2, 6)"),
+    ("sinks-before-k_scale", {**INT8, "k_scale": None, "sinks": np.zeros(3, np.float32)}, ValueError, None),
+]
+
+
+@pytest.mark.parametrize("overrides, exc, message", [pytest.param(*c[1:], id=c[0]) for c in INT8_BAD_CALLS])
+def test_bad_int8_native_call_same_error_in_both_ports(
+    modules: dict[str, ModuleType], overrides: dict[str, Any], exc: type[Exception], message: str | None
+) -> None:
+    for port in modules:
+        require_native_int8(port)
+    outcomes = {}
+    for port, module in modules.items():
+        for kernel in KERNELS:
+            args = _args(**overrides)
+            outcomes[port, kernel] = _outcome(lambda: getattr(module, kernel)(**args))
+    assert len(set(outcomes.values())) == 1, outcomes
+    kind, text = next(iter(outcomes.values()))
+    assert kind == exc.__name__, outcomes
+    if message is None:  # the sinks are checked first: their message, not the scales'
+        assert text.startswith("sinks:"), outcomes
+    else:
+        assert text == message, outcomes
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_same_bits_in_both_ports(modules: dict[str, ModuleType], isa: str) -> None:
+    """int8 K/V on each instruction set: the same bits in out and lse from both ports (a random
+    sweep of q dtypes, GQA, causal or not, kv_lens, masks, odd D, decode and prefill, strided and
+    stride-0 scales, the variants), through twinattn and through both native kernels."""
+    for port in modules:
+        require_native_int8(port)
+    with forced_isa("cpp", isa), forced_isa("rust", isa):
+        rng = np.random.default_rng(1515)
+        for n in range(12):
+            dtype = (np.dtype(np.float32), *HALF_DTYPES)[n % 3]
+            b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 4))
+            hq = hkv * int(rng.choice([1, 2, 4, 8]))
+            lk = int(rng.integers(1, 1500))
+            lq = 1 if n % 4 == 0 else int(rng.integers(1, min(120, lk) + 1))
+            d, dv = int(rng.choice([17, 32, 64, 128])), int(rng.choice([9, 24, 64, 128]))
+            q = rand(rng, b, hq, lq, d).astype(dtype)
+            k8, k_scale = twinattn.quantize_kv(rand(rng, b, hkv, lk, d))
+            v8, v_scale = twinattn.quantize_kv(rand(rng, b, hkv, lk, dv))
+            if n % 4 == 1:
+                k_scale = np.broadcast_to(k_scale[:, :, :1], k_scale.shape)  # stride 0
+            kwargs: dict[str, Any] = dict(causal=bool(rng.integers(0, 2)), return_lse=True, k_scale=k_scale, v_scale=v_scale)
+            kwargs["kv_lens"] = rng.integers(0 if not kwargs["causal"] else lq, lk + 1, size=b)
+            if n % 3 == 0:
+                kwargs["attn_mask"] = rng.random((b, hq, lq, lk)) > 0.3
+            elif n % 3 == 1:
+                kwargs["attn_mask"] = rng.standard_normal((1, hq, 1, lk)).astype(np.float32)
+            if n % 5 == 2:
+                kwargs.update(window_size=(int(rng.integers(0, 300)), -1), softcap=3.0,
+                              alibi_slopes=rng.uniform(0, 0.1, hq).astype(np.float32), sinks=rng.standard_normal(hq).astype(np.float32))
+            out_cpp, lse_cpp = twinattn.attention(q, k8, v8, backend="cpp", **kwargs)
+            out_rust, lse_rust = twinattn.attention(q, k8, v8, backend="rust", **kwargs)
+            assert out_cpp.dtype == out_rust.dtype == dtype
+            np.testing.assert_array_equal(out_cpp.view(np.uint8), out_rust.view(np.uint8))
+            np.testing.assert_array_equal(lse_cpp, lse_rust)
+        for kernel in KERNELS:  # the plain kernels as well, called directly
+            outs = []
+            for module in modules.values():
+                args = _args(**INT8, lse=np.zeros((2, 4, 5), np.float32), causal=True, kv_lens=np.array([7, 4]),
+                             q_offset=np.array([2, 0]))
+                getattr(module, kernel)(**args)
+                outs.append((args["out"], args["lse"]))
             for a, b_ in zip(*outs):
                 np.testing.assert_array_equal(a, b_)
 

@@ -7,7 +7,8 @@
 
 The Python layer: twinattn.RotaryEmbedding, twinattn.KVCache, twinattn.nn.Attention (runs Hugging
 Face Llama attention weights) and twinattn.scaled_dot_product_attention (torch's signature).
-twinattn.merge_attention merges attention computed over disjoint key sets; ring attention across
+twinattn.quantize_kv / dequantize_kv make int8 keys and values with float32 scales (attention's
+k_scale and v_scale; KVCache(..., dtype="int8")). twinattn.merge_attention merges attention computed over disjoint key sets; ring attention across
 processes or machines is in twinattn.distributed (imports torch; import it explicitly).
 """
 
@@ -18,6 +19,7 @@ from ._version import __version__
 from .api import attention
 from .cache import CacheOverflowError, KVCache, kv_cache_bytes
 from .merge import merge_attention
+from .quant import dequantize_kv, quantize_kv
 from .rope import RotaryEmbedding
 from .sdpa import scaled_dot_product_attention
 from . import nn
@@ -31,10 +33,12 @@ __all__ = [
     "attention",
     "backends",
     "build_info",
+    "dequantize_kv",
     "get_num_threads",
     "kv_cache_bytes",
     "merge_attention",
     "nn",
+    "quantize_kv",
     "reference",
     "scaled_dot_product_attention",
     "set_num_threads",

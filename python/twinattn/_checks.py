@@ -15,6 +15,7 @@ FLOAT32 = np.dtype(np.float32)
 FLOAT16 = np.dtype(np.float16)
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT64 = np.dtype(np.float64)
+INT8 = np.dtype(np.int8)  # keys and values only, with float32 scales (twinattn.quantize_kv)
 HALF_DTYPES = (FLOAT16, BFLOAT16)
 ATTENTION_DTYPES = (FLOAT32, FLOAT16, BFLOAT16)
 ATTENTION_DTYPES_TEXT = "float32, float16 or bfloat16 (ml_dtypes.bfloat16)"

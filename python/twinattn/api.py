@@ -21,7 +21,7 @@ from . import reference
 from ._backends import native_module, resolve_backend
 from . import _checks
 from ._checks import (
-    ATTENTION_DTYPES, ATTENTION_DTYPES_TEXT, FLOAT32, FLOAT64, count, dtype_in_code, elements_overlap, shape_str,
+    ATTENTION_DTYPES, ATTENTION_DTYPES_TEXT, FLOAT32, FLOAT64, INT8, count, dtype_in_code, elements_overlap, shape_str,
 )
 from ._threads import get_num_threads
 
@@ -52,12 +52,51 @@ def _check_query_dtype(a: np.ndarray, backend: str) -> None:
     raise TypeError(f"q: expected {ATTENTION_DTYPES_TEXT}, got {a.dtype}; convert with q.astype(np.float32)")
 
 
-def _check_like_query(name: str, a: np.ndarray, dtype: np.dtype) -> None:
-    """k, v: q's dtype (nothing is cast silently, mixed dtypes included)."""
-    if a.dtype != dtype:
+def _check_like_query(name: str, a: np.ndarray, dtype: np.dtype, k_dtype: np.dtype) -> None:
+    """k: q's dtype, or int8 (with scales) when q is float32, float16 or bfloat16; v: k's dtype
+    when that is int8, else q's (nothing is cast silently, mixed dtypes included)."""
+    if a.dtype == dtype and (name == "k" or k_dtype != INT8):
+        return
+    int8_allowed = dtype in ATTENTION_DTYPES
+    if name == "k" and int8_allowed:
+        if a.dtype == INT8:
+            return
         raise TypeError(
-            f"{name}: expected dtype {dtype} (q's dtype), got {a.dtype}; convert with {name}.astype({dtype_in_code(dtype)})"
+            f"k: expected dtype {dtype} (q's dtype) or int8, got {a.dtype}; convert with k.astype({dtype_in_code(dtype)}), "
+            "or quantize both k and v with twinattn.quantize_kv"
         )
+    if name == "v" and k_dtype == INT8 and int8_allowed:
+        if a.dtype == INT8:
+            return
+        raise TypeError(f"v: expected dtype int8 (k's dtype), got {a.dtype}; quantize it with twinattn.quantize_kv(v)")
+    raise TypeError(
+        f"{name}: expected dtype {dtype} (q's dtype), got {a.dtype}; convert with {name}.astype({dtype_in_code(dtype)})"
+    )
+
+
+def _check_scale(name: str, value: object, int8: bool, k_dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
+    """k_scale / v_scale: a float32 array of k's shape without D when k and v are int8, else None.
+    Any strides (a broadcast view of one scale per head, say); values are not checked (a NaN
+    scale of a visible token gives NaN, of a hidden one never matters)."""
+    if value is None:
+        if int8:
+            raise ValueError(f"{name}: required with int8 k and v (float32, shape (B, Hkv, Lk)), got None")
+        return None
+    if not int8:
+        raise ValueError(f"{name}: expected None with {k_dtype} k and v (scales are only for int8), got an array")
+    if not isinstance(value, np.ndarray):
+        if not hasattr(value, "__array__"):
+            raise TypeError(f"{name}: expected a float32 numpy array of shape (B, Hkv, Lk), got {type(value).__name__}")
+        value = np.asarray(value)
+    if value.dtype != FLOAT32:
+        raise TypeError(f"{name}: expected dtype float32, got {value.dtype}; convert with {name}.astype(np.float32)")
+    names = ("B", "Hkv", "Lk")[3 - len(shape):]
+    if value.ndim != len(shape):
+        raise ValueError(f"{name}: expected {len(shape)} dimensions ({', '.join(names)}), got shape {shape_str(value.shape)}")
+    if value.shape != shape:
+        wanted = ", ".join(f"{n}={s}" for n, s in zip(names, shape))
+        raise ValueError(f"{name}: expected shape ({wanted}), got {shape_str(value.shape)}")
+    return value
 
 
 # the smallest magnitude that rounds to inf in float32 (half an ulp above its largest finite value)
@@ -151,7 +190,7 @@ def _prepare_out(
             f"out: expected an array whose elements do not overlap each other, got strides {out.strides} "
             f"(bytes) for shape {shape_str(out.shape)}: pass a fresh array such as np.empty({shape_str(out.shape)}, {dtype_in_code(dtype)})"
         )
-    for name, a in zip(("q", "k", "v", "attn_mask"), inputs):
+    for name, a in zip(("q", "k", "v", "attn_mask", "k_scale", "v_scale"), inputs):
         if a is not None and np.may_share_memory(out, a):
             raise ValueError(f"out: must not overlap the memory of {name}")
     return out
@@ -177,6 +216,8 @@ def attention(
     softcap: float = 0.0,
     alibi_slopes: ArrayLike | None = None,
     sinks: ArrayLike | None = None,
+    k_scale: ArrayLike | None = None,
+    v_scale: ArrayLike | None = None,
 ) -> np.ndarray: ...
 
 
@@ -199,6 +240,8 @@ def attention(
     softcap: float = 0.0,
     alibi_slopes: ArrayLike | None = None,
     sinks: ArrayLike | None = None,
+    k_scale: ArrayLike | None = None,
+    v_scale: ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
@@ -221,6 +264,8 @@ def attention(
     softcap: float = 0.0,
     alibi_slopes: ArrayLike | None = None,
     sinks: ArrayLike | None = None,
+    k_scale: ArrayLike | None = None,
+    v_scale: ArrayLike | None = None,
 ) -> Result: ...
 
 
@@ -242,6 +287,8 @@ def attention(
     softcap: float = 0.0,
     alibi_slopes: ArrayLike | None = None,
     sinks: ArrayLike | None = None,
+    k_scale: ArrayLike | None = None,
+    v_scale: ArrayLike | None = None,
 ) -> Result:
     """Exact scaled-dot-product attention on the CPU: softmax(scale * q k^T + bias) v, with the
     variants current models use (sliding window, logit softcapping, ALiBi, attention sinks).
@@ -257,7 +304,7 @@ def attention(
         Queries. 3-D inputs mean B=1 and 2-D inputs B=1 and Hq=1; the results come back with
         the same rank. float32, float16 or bfloat16 (ml_dtypes.bfloat16); float64 only with
         backend="numpy". Nothing is cast silently.
-    k : array_like, shape (B, Hkv, Lk, D), same rank and dtype as q
+    k : array_like, shape (B, Hkv, Lk, D), same rank and dtype as q (or int8, see k_scale)
         Keys. Grouped-query attention: Hq must be a multiple of Hkv, and query head h reads
         KV head h // (Hq // Hkv) (Hkv == Hq is multi-head, Hkv == 1 multi-query).
     v : array_like, shape (B, Hkv, Lk, Dv), same rank and dtype as q
@@ -313,6 +360,11 @@ def attention(
     sinks : None or float32 array of shape (Hq,), default None
         Attention sinks (gpt-oss): one learned logit per query head, a virtual key of score
         sinks[h] (not multiplied by scale) that takes softmax mass and carries no value.
+    k_scale, v_scale : None or float32 arrays of k's shape without D, e.g. (B, Hkv, Lk)
+        Required when k and v are int8 (twinattn.quantize_kv), None otherwise: the result is
+        attention over dequantize_kv(k, k_scale), dequantize_kv(v, v_scale) (float32(x) * scale)
+        within float32 tolerance. Any strides. Not checked for finiteness: a NaN scale of a
+        visible key gives NaN, of a hidden one never matters.
 
     Returns
     -------
@@ -381,11 +433,11 @@ def attention(
             if a.ndim not in _RANK_NAMES:
                 raise ValueError(f"{name}: expected 2, 3 or 4 dimensions (B, H, L, D), got shape {shape_str(a.shape)}")
             raise ValueError(f"{name}: expected {rank} dimensions {_RANK_NAMES[rank]} like q, got shape {shape_str(a.shape)}")
-        if a.dtype != FLOAT32 or dtype != FLOAT32:
+        if a.dtype != FLOAT32 or dtype != FLOAT32 or name == "v" and k.dtype != FLOAT32:
             if name == "q":
                 _check_query_dtype(a, port)
             else:
-                _check_like_query(name, a, dtype)
+                _check_like_query(name, a, dtype, k.dtype)
 
     # Shapes, in the 4-D form every backend sees (views, no copies).
     if rank == 4:
@@ -425,6 +477,16 @@ def attention(
         window_right = 0  # causality already hides every key right of the query
     # without causal, a window or ALiBi makes positions matter: the default offset may be negative
     signed_offsets = not causal and (windowed or slopes is not None)
+    # int8 k and v: their scales, (B, Hkv, Lk) in the 4-D form
+    int8 = k.dtype == INT8
+    k_scales = v_scales = None
+    if int8 or k_scale is not None or v_scale is not None:
+        k_scales = _check_scale("k_scale", k_scale, int8, k.dtype, k.shape[:-1])
+        v_scales = _check_scale("v_scale", v_scale, int8, k.dtype, k.shape[:-1])
+        if int8 and rank != 4:
+            assert k_scales is not None and v_scales is not None
+            k_scales = k_scales.reshape((1,) * (4 - rank) + k_scales.shape)
+            v_scales = v_scales.reshape((1,) * (4 - rank) + v_scales.shape)
 
     # Positions and lengths.
     if kv_lens is None:
@@ -471,7 +533,7 @@ def attention(
     if out is None:
         result = np.empty(out_shape, dtype=dtype)
     else:
-        result = _prepare_out(out, out_shape, dtype, [q, k, v, None if attn_mask is None else mask])
+        result = _prepare_out(out, out_shape, dtype, [q, k, v, None if attn_mask is None else mask, k_scales, v_scales])
     out4 = result if rank == 4 else result.reshape((1,) * (4 - rank) + out_shape)
     # lse is float32 whatever q's dtype (float64 for a float64 problem)
     lse = np.empty((batch, q_heads, q_len), dtype=FLOAT64 if dtype == FLOAT64 else FLOAT32) if return_lse else None
@@ -481,6 +543,7 @@ def attention(
         ref_out, ref_lse = reference.attention_reference(
             q4, k4, v4, causal=bool(causal), q_offset=offsets, kv_lens=lens, mask=mask, scale=scale_value,
             window_left=window_left, window_right=window_right, softcap=cap, alibi_slopes=slopes, sinks=sink_logits,
+            k_scale=k_scales, v_scale=v_scales,
         )
         out4[...] = ref_out
         if lse is not None:
@@ -489,7 +552,7 @@ def attention(
         target = out4 if value_dim <= 1 or out4.strides[-1] == out4.itemsize else np.empty(out4.shape, dtype)
         native_module(port).attention_forward(
             q4, k4, v4, target, lse, offsets, lens, mask, bool(causal), scale_value, threads,
-            window_left, window_right, cap, slopes, sink_logits,
+            window_left, window_right, cap, slopes, sink_logits, **({"k_scale": k_scales, "v_scale": v_scales} if int8 else {}),
         )
         if target is not out4:
             out4[...] = target

@@ -16,6 +16,15 @@ Payload bytes: kv_cache_bytes(layers, batch, kv_heads, head_dim=..., tokens=...,
 dtype: float32 (the default), float16 or bfloat16 (ml_dtypes.bfloat16), which halve the bytes the
 cache holds and decode streams; float64 too, for backend="numpy". update() takes states in the
 cache's dtype or float32 (what projections give) and rounds them to nearest, ties to even.
+
+dtype="int8" (or np.int8) stores keys and values as int8 with one float32 scale per (sequence, KV
+head, token) for each (twinattn.quantize_kv, applied by update to float32, float16 or bfloat16
+states): a quarter of float32's payload plus 4 bytes per token and head for each of K and V.
+Attention reads the int8 views in place with their scales:
+
+    keys, values = cache.update(k_new, v_new, 0)
+    k_scale, v_scale = cache.scales(0)                   # (B, Hkv, max(seq_lens)) float32 views
+    out = twinattn.attention(q, keys, values, k_scale=k_scale, v_scale=v_scale, ...)
 """
 
 from __future__ import annotations
@@ -26,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import FLOAT32, count, shape_str, storage_dtype
+from ._checks import ATTENTION_DTYPES, ATTENTION_DTYPES_TEXT, FLOAT32, INT8, count, shape_str, storage_dtype
+from .quant import quantize_kv
 
 __all__ = ["CacheOverflowError", "KVCache", "kv_cache_bytes"]
 
@@ -111,11 +121,16 @@ class KVCache:
         self.num_kv_heads = count("num_kv_heads", num_kv_heads)
         self.head_dim = count("head_dim", head_dim)
         self.max_seq_len = count("max_seq_len", max_seq_len, positive=False)
-        self.dtype = storage_dtype("dtype", dtype, float64_too=True)
+        self.dtype = _cache_dtype(dtype)
         shape = (self.num_layers, self.batch_size, self.num_kv_heads, self.max_seq_len, self.head_dim)
         # np.zeros maps pages lazily: untouched capacity costs no memory until written.
         self._keys = np.zeros(shape, dtype=self.dtype)
         self._values = np.zeros(shape, dtype=self.dtype)
+        # int8: the scales beside the payload, one per (layer, sequence, KV head, token)
+        self._k_scales = self._v_scales = None
+        if self.dtype == INT8:
+            self._k_scales = np.zeros(shape[:-1], dtype=FLOAT32)
+            self._v_scales = np.zeros(shape[:-1], dtype=FLOAT32)
         self._lens = np.zeros((self.num_layers, self.batch_size), dtype=np.int64)
 
     # ---- inspection ------------------------------------------------------------------------
@@ -123,8 +138,11 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of the preallocated keys and values: kv_cache_bytes(num_layers, batch_size,
-        num_kv_heads, head_dim=head_dim, tokens=max_seq_len, bytes_per_entry=dtype.itemsize)."""
-        return int(self._keys.nbytes + self._values.nbytes)
+        num_kv_heads, head_dim=head_dim, tokens=max_seq_len, bytes_per_entry=dtype.itemsize),
+        plus for int8 the float32 scales: kv_cache_bytes(..., head_dim=1, tokens=max_seq_len,
+        bytes_per_entry=4)."""
+        scales = 0 if self._k_scales is None or self._v_scales is None else self._k_scales.nbytes + self._v_scales.nbytes
+        return int(self._keys.nbytes + self._values.nbytes + scales)
 
     def _layer(self, layer_idx: object) -> int:
         if isinstance(layer_idx, (bool, np.bool_)) or not isinstance(layer_idx, numbers.Integral):
@@ -155,6 +173,15 @@ class KVCache:
         layer = self._layer(layer_idx)
         return self._values[layer, :, :, : self._stored(layer)]
 
+    def scales(self, layer_idx: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """int8 caches: views (k_scale, v_scale), each (B, Hkv, max(seq_lens)) float32, of this
+        layer's scales, to pass to attention with keys() and values()."""
+        layer = self._layer(layer_idx)
+        if self._k_scales is None or self._v_scales is None:
+            raise ValueError(f"scales: only an int8 KVCache has scales, this one is {self.dtype}")
+        stored = self._stored(layer)
+        return self._k_scales[layer, :, :, :stored], self._v_scales[layer, :, :, :stored]
+
     def _stored(self, layer: int) -> int:
         return int(self._lens[layer].max()) if self.batch_size else 0
 
@@ -163,7 +190,10 @@ class KVCache:
     def _check_states(self, name: str, states: object) -> np.ndarray:
         if not isinstance(states, np.ndarray):
             raise TypeError(f"{name}: expected a numpy array (B, Hkv, L, D), got {type(states).__name__}")
-        if states.dtype != self.dtype and states.dtype != FLOAT32:
+        if self.dtype == INT8:
+            if states.dtype not in ATTENTION_DTYPES:
+                raise TypeError(f"{name}: expected dtype {ATTENTION_DTYPES_TEXT} (quantized to the int8 cache as it is stored), got {states.dtype}")
+        elif states.dtype != self.dtype and states.dtype != FLOAT32:
             also = "" if self.dtype == FLOAT32 else f" or float32 (rounded to {self.dtype} as it is stored)"
             raise TypeError(f"{name}: expected dtype {self.dtype} (the cache's){also}, got {states.dtype}")
         expected = (self.batch_size, self.num_kv_heads, self.head_dim)
@@ -186,7 +216,8 @@ class KVCache:
         tokens at its own length, and return (keys, values): views (B, Hkv, max(seq_lens), D) of
         the stored prefix, in the cache's dtype. The states are in the cache's dtype or float32;
         float32 states are rounded to the cache's dtype (to nearest, ties to even) as they are
-        stored. Sequence b's keys past seq_lens(layer_idx)[b] are not its own (pass
+        stored. An int8 cache takes float32, float16 or bfloat16 states and stores
+        twinattn.quantize_kv of each (the scales: scales(layer_idx)). Sequence b's keys past seq_lens(layer_idx)[b] are not its own (pass
         kv_lens=seq_lens(layer_idx) to attention).
 
         num_new: None (every sequence appends all L tokens) or an int array (B,) with
@@ -227,15 +258,20 @@ class KVCache:
             )
 
         # Checked everything: now write. Equal lengths take one slice assignment.
+        stores: list[tuple[np.ndarray, np.ndarray]] = [(self._keys[layer], keys), (self._values[layer], values)]
+        if self._k_scales is not None and self._v_scales is not None:
+            (key_payload, key_scale), (value_payload, value_scale) = quantize_kv(keys), quantize_kv(values)
+            stores = [(self._keys[layer], key_payload), (self._values[layer], value_payload),
+                      (self._k_scales[layer], key_scale), (self._v_scales[layer], value_scale)]
         if self.batch_size and (lens == lens[0]).all() and (counts == length).all():
             start = int(lens[0])
-            self._keys[layer, :, :, start : start + length] = keys
-            self._values[layer, :, :, start : start + length] = values
+            for store, new in stores:
+                store[:, :, start : start + length] = new
         else:
             for b in range(self.batch_size):
                 start, count = int(lens[b]), int(counts[b])
-                self._keys[layer, b, :, start : start + count] = keys[b, :, :count]
-                self._values[layer, b, :, start : start + count] = values[b, :, :count]
+                for store, new in stores:
+                    store[b, :, start : start + count] = new[b, :, :count]
         self._lens[layer] = ends
         return self.keys(layer), self.values(layer)
 
@@ -276,6 +312,9 @@ class KVCache:
         # Fancy indexing gathers into a temporary before the assignment, so overlapping moves are safe.
         self._keys[:, :, :, :stored] = self._keys[:, arr, :, :stored]
         self._values[:, :, :, :stored] = self._values[:, arr, :, :stored]
+        if self._k_scales is not None and self._v_scales is not None:
+            self._k_scales[:, :, :, :stored] = self._k_scales[:, arr, :, :stored]
+            self._v_scales[:, :, :, :stored] = self._v_scales[:, arr, :, :stored]
         self._lens[:] = self._lens[:, arr]
 
     def __repr__(self) -> str:
@@ -284,3 +323,16 @@ class KVCache:
             f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, dtype={self.dtype.name}, "
             f"seq_lens(0)={self._lens[0].tolist()})"
         )
+
+
+def _cache_dtype(value: object) -> np.dtype:
+    """KVCache's dtype: float32, float16, bfloat16, float64 (backend="numpy") or int8 (with scales)."""
+    try:
+        if np.dtype(value) == INT8:  # type: ignore[call-overload]
+            return INT8
+    except TypeError:
+        pass
+    try:
+        return storage_dtype("dtype", value, float64_too=True)
+    except TypeError as exc:
+        raise TypeError(f"{exc}, or int8 (quantized with scales)") from None

@@ -16,7 +16,8 @@ batch together; out = attention x W_o^T (+ b_o).
 Reduced precision: with a KVCache of dtype float16 or bfloat16 the projections stay float32, keys
 and values are stored in the cache's dtype (rounded to nearest, half the bytes), q is rounded to
 it for the attention call (the kernels take one dtype), and the attention output is widened back
-to float32 for the output projection.
+to float32 for the output projection. With an int8 KVCache keys and values are quantized as
+they are stored (twinattn.quantize_kv) and read with their scales; q stays float32.
 
 The variants of Mistral / Gemma 2 / gpt-oss: sliding_window=w (Hugging Face's meaning: each query
 sees itself and the w - 1 keys before it, window_size=(w - 1, 0) with causal), softcap (attention
@@ -33,7 +34,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import _checks
-from ._checks import ATTENTION_DTYPES, FLOAT32, count, shape_str
+from ._checks import ATTENTION_DTYPES, FLOAT32, INT8, count, shape_str
 from ._backends import BACKENDS, native_module, resolve_backend
 from .api import attention
 from .cache import KVCache
@@ -238,9 +239,9 @@ class Attention:
                     "cache: expected (batch_size, num_kv_heads, head_dim) = "
                     f"({expected[0]}, {expected[1]}, {expected[2]}), got ({got[0]}, {got[1]}, {got[2]})"
                 )
-            if cache.dtype not in ATTENTION_DTYPES:
+            if cache.dtype not in ATTENTION_DTYPES and cache.dtype != INT8:
                 raise TypeError(
-                    f"cache: expected a KVCache of dtype float32, float16 or bfloat16 (ml_dtypes.bfloat16), got {cache.dtype}"
+                    f"cache: expected a KVCache of dtype float32, float16, bfloat16 (ml_dtypes.bfloat16) or int8, got {cache.dtype}"
                 )
             layer = cache._layer(layer_idx)
         elif num_new is not None:
@@ -264,12 +265,16 @@ class Attention:
             q, k = self.rope.apply(q, pos), self.rope.apply(k, pos)
 
         # Keys are cached rotated; the kernel gets each sequence's offset and length explicitly.
-        # A float16 / bfloat16 cache rounds k and v as it stores them; q is rounded to match.
+        # A float16 / bfloat16 cache rounds k and v as it stores them; q is rounded to match. An
+        # int8 cache quantizes them, and attention reads them with their scales; q stays float32.
+        k_scale = v_scale = None
         if cache is not None:
             q_offset: Any = cache.seq_lens(layer)
             keys, values = cache.update(np.ascontiguousarray(k), np.ascontiguousarray(v), layer, num_new=num_new)
             kv_lens: Any = cache.seq_lens(layer)
-            if cache.dtype != FLOAT32:
+            if cache.dtype == INT8:
+                k_scale, v_scale = cache.scales(layer)
+            elif cache.dtype != FLOAT32:
                 q = q.astype(cache.dtype)
         else:
             q_offset, kv_lens, keys, values = 0, None, k, v
@@ -286,6 +291,8 @@ class Attention:
             window_size=(-1, -1) if self.sliding_window is None else (self.sliding_window - 1, 0),
             softcap=self.softcap,
             sinks=self._params["sinks"] if self.sinks else None,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
         # (B, H, L, D) -> (B, L, H * D) -> output projection (in float32, whatever the cache's dtype).

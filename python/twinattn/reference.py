@@ -10,7 +10,9 @@ Shapes (after the Python layer has normalised the call, see twinattn.attention):
     q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), q_offset (B,), kv_lens (B,),
     mask None or (B, Hq, Lq, Lk) bool (True = may attend) or float (additive bias),
     window_left, window_right ints >= -1 (-1 unbounded; the caller caps the right side at 0 under
-    causal), softcap >= 0 (0 = off), alibi_slopes None or (B, Hq), sinks None or (Hq,)
+    causal), softcap >= 0 (0 = off), alibi_slopes None or (B, Hq), sinks None or (Hq,);
+    int8 k and v come with k_scale and v_scale (B, Hkv, Lk) float32: the reference dequantizes
+    them (float32(x) * scale, in float32) and computes in float64, out rounded to q's dtype
     -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq)
 
 Query row i of sequence b sits at position p = q_offset[b] + i; key j at position j.
@@ -46,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import BFLOAT16, FLOAT32, FLOAT64, HALF_DTYPES
+from ._checks import BFLOAT16, FLOAT32, FLOAT64, HALF_DTYPES, INT8
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
@@ -89,7 +91,26 @@ def attention_reference(
     softcap: float = 0.0,
     alibi_slopes: np.ndarray | None = None,
     sinks: np.ndarray | None = None,
+    k_scale: np.ndarray | None = None,
+    v_scale: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
+    if k.dtype == INT8:
+        # int8 k and v with float32 scales (B, Hkv, Lk): dequantized in float32 (float32(x) * scale,
+        # one rounding), then computed in float64 like a float16 / bfloat16 problem; out is rounded
+        # once to q's dtype and lse is float32
+        assert k_scale is not None and v_scale is not None, "int8 k and v need k_scale and v_scale"
+        with np.errstate(invalid="ignore", over="ignore"):
+            k = k.astype(FLOAT32) * k_scale[..., None]
+            v = v.astype(FLOAT32) * v_scale[..., None]
+        out, lse = attention_reference(
+            q.astype(FLOAT64), k.astype(FLOAT64), v.astype(FLOAT64), causal=causal, q_offset=q_offset,
+            kv_lens=kv_lens, mask=mask if mask is None or mask.dtype == np.bool_ else mask.astype(FLOAT64),
+            scale=scale, window_left=window_left, window_right=window_right, softcap=softcap,
+            alibi_slopes=None if alibi_slopes is None else alibi_slopes.astype(FLOAT64),
+            sinks=None if sinks is None else sinks.astype(FLOAT64),
+        )
+        with np.errstate(over="ignore"):
+            return round_to_dtype(out, q.dtype), lse.astype(FLOAT32)
     if q.dtype in HALF_DTYPES:
         # float16 / bfloat16: float64 from the given values (exact), out rounded once, lse float32
         out, lse = attention_reference(
