@@ -31,7 +31,11 @@ NotImplementedError.
 
 dtypes: float32, bfloat16 and float16 models. Query, key and value reach twinattn in the model's
 dtype (computed in float32, out rounded once to that dtype), and TwinattnCache stores keys and
-values in it (a bfloat16 cache is half a float32 one).
+values in it (a bfloat16 cache is half a float32 one). TwinattnCache(..., kv_dtype="int8") stores
+them as int8 with one float32 scale per (sequence, KV head, token) each (twinattn.quantize_kv of
+the model's keys and values as they are appended; issue #15): about a quarter of a float32 cache.
+Its update returns int8 views with their scales attached (see _Int8Store), and attention_forward
+passes them to twinattn as k_scale / v_scale: attention over the dequantized keys and values.
 """
 
 from __future__ import annotations
@@ -218,7 +222,8 @@ def attention_forward(
     q_offset = k_len - q_len if causal else None
 
     out = torch.empty((batch, q_len, q_heads, value.shape[-1]), dtype=query.dtype)
-    if window == (-1, -1) and not softcap and sinks is None:
+    scales = _int8_scales(key, value)
+    if window == (-1, -1) and not softcap and sinks is None and not scales:
         # plain attention through twinattn.torch (its custom op under torch.compile)
         attention(
             query,
@@ -246,8 +251,25 @@ def attention_forward(
         softcap=0.0 if softcap is None else float(softcap),
         # sinks are float32 (a bfloat16 model's s_aux converts exactly)
         sinks=None if sinks is None else _array("s_aux", sinks.float()),
+        **scales,
     )
     return out, None
+
+
+_SCALE = "_twinattn_scale"  # the attribute an int8 TwinattnCache view carries its scales in
+
+
+def _int8_scales(key: Any, value: Any) -> dict[str, Any]:
+    """k_scale / v_scale of int8 key and value from a TwinattnCache(kv_dtype="int8"), else nothing."""
+    if key.dtype != torch.int8 and value.dtype != torch.int8:
+        return {}
+    k_scale, v_scale = getattr(key, _SCALE, None), getattr(value, _SCALE, None)
+    if k_scale is None or v_scale is None:
+        raise TypeError(
+            "key: int8 keys and values reach twinattn with their scales only from a TwinattnCache(kv_dtype='int8'); "
+            f"got {key.dtype} key and {value.dtype} value without them"
+        )
+    return {"k_scale": k_scale, "v_scale": v_scale}
 
 
 # ---- the cache --------------------------------------------------------------------------------------
@@ -280,6 +302,9 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         # view (B, Hkv, stored, D) of them: nothing already cached is copied
         keys, values = kv.update(_array("key_states", key_states.detach()), _array("value_states", value_states.detach()), self._layer_idx)
         self.keys, self.values = _tensor(keys), _tensor(values)
+        if isinstance(kv, _Int8Store):  # the scales travel with the int8 views to attention_forward
+            setattr(self.keys, _SCALE, kv.scales(self._layer_idx, "k"))
+            setattr(self.values, _SCALE, kv.scales(self._layer_idx, "v"))
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -311,6 +336,69 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         raise NotImplementedError("TwinattnCache preallocates a fixed batch: selecting sequences out of it is not supported")
 
 
+class _Int8Store:
+    """An int8 KV cache: per layer, keys and values (B, Hkv, max_cache_len, D) int8 and their
+    scales (B, Hkv, max_cache_len) float32, all sequences at one length per layer (as transformers
+    appends). update() quantizes the new tokens (twinattn.quantize_kv, from float32) into the
+    buffers and returns int8 views of the stored prefix; scales() the matching scale views. The
+    views are what attention reads, in place: nothing is dequantized into a copy. The parts of
+    twinattn.KVCache that TwinattnCache uses (seq_lens, crop, reset, reorder, nbytes)."""
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int) -> None:
+        self.batch_size = batch
+        self.max_seq_len = max_len
+        self._payload: dict[str, np.ndarray] = {name: np.zeros((num_layers, batch, kv_heads, max_len, head_dim), np.int8) for name in "kv"}
+        self._scales: dict[str, np.ndarray] = {name: np.zeros((num_layers, batch, kv_heads, max_len), np.float32) for name in "kv"}
+        self._lens = np.zeros(num_layers, np.int64)
+
+    def update(self, keys: np.ndarray, values: np.ndarray, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        start, count = int(self._lens[layer]), keys.shape[2]
+        if start + count > self.max_seq_len:
+            raise ValueError(
+                f"key_states: {count} new tokens after {start} cached overflow max_cache_len={self.max_seq_len}"
+            )
+        for name, states in (("k", keys), ("v", values)):
+            payload, scale = _quantize_kv(states.astype(np.float32, copy=False))
+            self._payload[name][layer, :, :, start : start + count] = payload
+            self._scales[name][layer, :, :, start : start + count] = scale
+        self._lens[layer] = start + count
+        end = start + count
+        return self._payload["k"][layer, :, :, :end], self._payload["v"][layer, :, :, :end]
+
+    def scales(self, layer: int, name: str) -> np.ndarray:
+        scales: np.ndarray = self._scales[name][layer, :, :, : int(self._lens[layer])]
+        return scales
+
+    def seq_lens(self, layer: int) -> np.ndarray:
+        return np.full(self.batch_size, self._lens[layer], np.int64)
+
+    def crop(self, n: int) -> None:
+        self._lens = np.minimum(self._lens, n)
+
+    def reset(self) -> None:
+        self._lens[:] = 0
+
+    def reorder(self, indices: np.ndarray) -> None:
+        for store in (*self._payload.values(), *self._scales.values()):
+            store[:] = store[:, indices]
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for a in (*self._payload.values(), *self._scales.values())))
+
+
+def _quantize_kv(states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """twinattn.quantize_kv (issue #15's rule), looked up when used: a clear error on a twinattn
+    without it."""
+    import twinattn
+
+    quantize = getattr(twinattn, "quantize_kv", None)
+    if quantize is None:
+        raise NotImplementedError("kv_dtype='int8': this twinattn has no quantize_kv (int8 K/V, issue #15)")
+    payload, scale = quantize(states)
+    return payload, scale
+
+
 class TwinattnCache(Cache):  # type: ignore[misc]
     """A transformers Cache that preallocates and appends in place.
 
@@ -323,6 +411,10 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         cache = TwinattnCache(max_cache_len=4096, config=model.config)
         model.generate(**inputs, cache=cache)
 
+    kv_dtype="int8" stores keys and values as int8 with float32 scales (module docstring): 1 byte
+    per element plus 8 bytes per (sequence, KV head, token), a little over a quarter of float32;
+    the model's attention must then be attn_implementation="twinattn" (only it takes the scales).
+
     num_layers may be given instead of config. Sliding-window layers (Mistral, Qwen2, Gemma 2/3,
     gpt-oss) are stored like full-attention ones, at full length: attention_forward's window
     selects the keys (twinattn never reads those outside it, so a windowed decode step still costs
@@ -330,7 +422,9 @@ class TwinattnCache(Cache):  # type: ignore[misc]
     other kinds (chunked, linear attention) raise NotImplementedError.
     """
 
-    def __init__(self, max_cache_len: int, config: Any = None, *, num_layers: Optional[int] = None) -> None:
+    def __init__(
+        self, max_cache_len: int, config: Any = None, *, num_layers: Optional[int] = None, kv_dtype: Optional[str] = None
+    ) -> None:
         if (config is None) == (num_layers is None):
             raise TypeError("TwinattnCache: pass exactly one of config= (the model's config) or num_layers=")
         if config is not None:
@@ -347,9 +441,12 @@ class TwinattnCache(Cache):  # type: ignore[misc]
             raise ValueError(f"max_cache_len: expected a positive int, got {max_cache_len!r}")
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers: expected a positive int, got {num_layers!r}")
+        if kv_dtype not in (None, "int8"):
+            raise ValueError(f"kv_dtype: expected None (the model's dtype) or 'int8', got {kv_dtype!r}")
         self.max_cache_len = max_cache_len
         self.num_layers = num_layers
-        self.kv: Optional[KVCache] = None
+        self.kv_dtype = kv_dtype
+        self.kv: Optional[Any] = None  # a twinattn.KVCache, or an _Int8Store
         super().__init__(layers=[_TwinattnLayer(self, i) for i in range(num_layers)])
 
     def _allocate(self, key_states: Any, value_states: Any) -> None:
@@ -371,6 +468,9 @@ class TwinattnCache(Cache):  # type: ignore[misc]
             raise NotImplementedError(
                 f"value_states: TwinattnCache stores keys and values of one width, got {head_dim} and {value_states.shape[-1]}"
             )
+        if self.kv_dtype == "int8":
+            self.kv = _Int8Store(self.num_layers, batch, kv_heads, head_dim, self.max_cache_len)
+            return
         self.kv = KVCache(self.num_layers, batch, kv_heads, head_dim, self.max_cache_len, dtype=dtype)
 
     def _reset_layer(self, layer_idx: int) -> None:
@@ -392,7 +492,7 @@ class TwinattnCache(Cache):  # type: ignore[misc]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the preallocated keys and values (0 before the first update)."""
+        """Bytes of the preallocated keys and values, int8's scales included (0 before the first update)."""
         return 0 if self.kv is None else self.kv.nbytes
 
 
