@@ -190,6 +190,28 @@ def test_smollm2_int8_cache_is_attention_over_the_dequantized_cache(smol: tuple[
     assert f32.nbytes == per_token * 2 * dim * 4 and int8.nbytes == per_token * (2 * dim + 2 * 4)
 
 
+@needs_int8
+def test_kv_quality_report_smoke(smol: tuple[Any, Any]) -> None:
+    """python -m twinattn.bench.kv_quality's figures on 40 tokens of its text, fed 16 at a time: the
+    float32 run's perplexity is the one of a single sdpa forward over the same tokens (the chunked
+    feeding keeps every position), and the int8 run moves the log-probs."""
+    from twinattn.bench import kv_quality
+
+    model, tok = smol
+    with open(kv_quality.default_text_path(), encoding="utf-8") as f:
+        ids = tok(f.read(), return_tensors="pt").input_ids[:, :40]
+    result = kv_quality.compare(model, ids, chunk=16)
+    with torch.inference_mode():
+        model.set_attn_implementation("sdpa")
+        logits = model(input_ids=ids).logits[0, :-1].double()
+    want = float(torch.log_softmax(logits, -1)[torch.arange(39), ids[0, 1:]].mean().neg().exp())
+    assert result["positions"] == 39 and result["perplexity_float32"] == pytest.approx(want, rel=1e-4)
+    assert 0 < result["logprob_diff_mean"] <= result["logprob_diff_max"]
+    assert result["next_token_logprob_diff_max"] <= result["logprob_diff_max"]
+    assert result["greedy_changed_fraction"] == result["greedy_changed"] / 39
+    assert "greedy token changed" in kv_quality.format_report(result)
+
+
 def test_int8_cache_kv_dtype_is_checked() -> None:
     with pytest.raises(ValueError, match="kv_dtype: expected None .* or 'int8', got 'int4'"):
         hf.TwinattnCache(max_cache_len=8, num_layers=1, kv_dtype="int4")
