@@ -34,8 +34,9 @@ dtype (computed in float32, out rounded once to that dtype), and TwinattnCache s
 values in it (a bfloat16 cache is half a float32 one). TwinattnCache(..., kv_dtype="int8") stores
 them as int8 with one float32 scale per (sequence, KV head, token) each (twinattn.quantize_kv of
 the model's keys and values as they are appended; issue #15): about a quarter of a float32 cache.
-Its update returns int8 views with their scales attached (see _Int8Store), and attention_forward
-passes them to twinattn as k_scale / v_scale: attention over the dequantized keys and values.
+It is a twinattn.KVCache(dtype="int8"); update returns its int8 views with their scale views
+attached, and attention_forward passes those to twinattn as k_scale / v_scale: attention over the
+dequantized keys and values, read in place.
 """
 
 from __future__ import annotations
@@ -302,9 +303,10 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         # view (B, Hkv, stored, D) of them: nothing already cached is copied
         keys, values = kv.update(_array("key_states", key_states.detach()), _array("value_states", value_states.detach()), self._layer_idx)
         self.keys, self.values = _tensor(keys), _tensor(values)
-        if isinstance(kv, _Int8Store):  # the scales travel with the int8 views to attention_forward
-            setattr(self.keys, _SCALE, kv.scales(self._layer_idx, "k"))
-            setattr(self.values, _SCALE, kv.scales(self._layer_idx, "v"))
+        if self._owner.kv_dtype == "int8":  # the scales travel with the int8 views to attention_forward
+            k_scale, v_scale = getattr(kv, "scales")(self._layer_idx)  # KVCache.scales: int8 caches (issue #15)
+            setattr(self.keys, _SCALE, k_scale)
+            setattr(self.values, _SCALE, v_scale)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -336,67 +338,10 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         raise NotImplementedError("TwinattnCache preallocates a fixed batch: selecting sequences out of it is not supported")
 
 
-class _Int8Store:
-    """An int8 KV cache: per layer, keys and values (B, Hkv, max_cache_len, D) int8 and their
-    scales (B, Hkv, max_cache_len) float32, all sequences at one length per layer (as transformers
-    appends). update() quantizes the new tokens (twinattn.quantize_kv, from float32) into the
-    buffers and returns int8 views of the stored prefix; scales() the matching scale views. The
-    views are what attention reads, in place: nothing is dequantized into a copy. The parts of
-    twinattn.KVCache that TwinattnCache uses (seq_lens, crop, reset, reorder, nbytes)."""
-
-    def __init__(self, num_layers: int, batch: int, kv_heads: int, head_dim: int, max_len: int) -> None:
-        self.batch_size = batch
-        self.max_seq_len = max_len
-        self._payload: dict[str, np.ndarray] = {name: np.zeros((num_layers, batch, kv_heads, max_len, head_dim), np.int8) for name in "kv"}
-        self._scales: dict[str, np.ndarray] = {name: np.zeros((num_layers, batch, kv_heads, max_len), np.float32) for name in "kv"}
-        self._lens = np.zeros(num_layers, np.int64)
-
-    def update(self, keys: np.ndarray, values: np.ndarray, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        start, count = int(self._lens[layer]), keys.shape[2]
-        if start + count > self.max_seq_len:
-            raise ValueError(
-                f"key_states: {count} new tokens after {start} cached overflow max_cache_len={self.max_seq_len}"
-            )
-        for name, states in (("k", keys), ("v", values)):
-            payload, scale = _quantize_kv(states.astype(np.float32, copy=False))
-            self._payload[name][layer, :, :, start : start + count] = payload
-            self._scales[name][layer, :, :, start : start + count] = scale
-        self._lens[layer] = start + count
-        end = start + count
-        return self._payload["k"][layer, :, :, :end], self._payload["v"][layer, :, :, :end]
-
-    def scales(self, layer: int, name: str) -> np.ndarray:
-        scales: np.ndarray = self._scales[name][layer, :, :, : int(self._lens[layer])]
-        return scales
-
-    def seq_lens(self, layer: int) -> np.ndarray:
-        return np.full(self.batch_size, self._lens[layer], np.int64)
-
-    def crop(self, n: int) -> None:
-        self._lens = np.minimum(self._lens, n)
-
-    def reset(self) -> None:
-        self._lens[:] = 0
-
-    def reorder(self, indices: np.ndarray) -> None:
-        for store in (*self._payload.values(), *self._scales.values()):
-            store[:] = store[:, indices]
-
-    @property
-    def nbytes(self) -> int:
-        return int(sum(a.nbytes for a in (*self._payload.values(), *self._scales.values())))
-
-
-def _quantize_kv(states: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """twinattn.quantize_kv (issue #15's rule), looked up when used: a clear error on a twinattn
-    without it."""
+def _has_int8() -> bool:
     import twinattn
 
-    quantize = getattr(twinattn, "quantize_kv", None)
-    if quantize is None:
-        raise NotImplementedError("kv_dtype='int8': this twinattn has no quantize_kv (int8 K/V, issue #15)")
-    payload, scale = quantize(states)
-    return payload, scale
+    return hasattr(twinattn, "quantize_kv")
 
 
 class TwinattnCache(Cache):  # type: ignore[misc]
@@ -443,10 +388,12 @@ class TwinattnCache(Cache):  # type: ignore[misc]
             raise ValueError(f"num_layers: expected a positive int, got {num_layers!r}")
         if kv_dtype not in (None, "int8"):
             raise ValueError(f"kv_dtype: expected None (the model's dtype) or 'int8', got {kv_dtype!r}")
+        if kv_dtype == "int8" and not _has_int8():
+            raise NotImplementedError("kv_dtype='int8': this twinattn has no int8 K/V (twinattn.quantize_kv, issue #15)")
         self.max_cache_len = max_cache_len
         self.num_layers = num_layers
         self.kv_dtype = kv_dtype
-        self.kv: Optional[Any] = None  # a twinattn.KVCache, or an _Int8Store
+        self.kv: Optional[KVCache] = None
         super().__init__(layers=[_TwinattnLayer(self, i) for i in range(num_layers)])
 
     def _allocate(self, key_states: Any, value_states: Any) -> None:
@@ -468,10 +415,9 @@ class TwinattnCache(Cache):  # type: ignore[misc]
             raise NotImplementedError(
                 f"value_states: TwinattnCache stores keys and values of one width, got {head_dim} and {value_states.shape[-1]}"
             )
-        if self.kv_dtype == "int8":
-            self.kv = _Int8Store(self.num_layers, batch, kv_heads, head_dim, self.max_cache_len)
-            return
-        self.kv = KVCache(self.num_layers, batch, kv_heads, head_dim, self.max_cache_len, dtype=dtype)
+        # int8: quantized as they are appended (KVCache.update), from the model's dtype
+        stored = "int8" if self.kv_dtype == "int8" else dtype
+        self.kv = KVCache(self.num_layers, batch, kv_heads, head_dim, self.max_cache_len, dtype=stored)
 
     def _reset_layer(self, layer_idx: int) -> None:
         # KVCache.reset empties every layer at once: transformers calls this for each layer in turn
