@@ -756,11 +756,11 @@ def test_dtype_option_parses_lists_aliases_and_all() -> None:
 @pytest.mark.parametrize(
     "value,words",
     [
-        ("float64", "--dtype: unknown dtype 'float64'; valid: float32, float16, bfloat16, all"),
-        ("int8,bf16", "unknown dtype 'int8'"),
-        (",", "--dtype: expected a comma-separated list of float32, float16, bfloat16 (or all), got ','"),
+        ("float64", "--dtype: unknown dtype 'float64'; valid: float32, float16, bfloat16, int8, all"),
+        ("uint8,bf16", "unknown dtype 'uint8'"),
+        (",", "--dtype: expected a comma-separated list of float32, float16, bfloat16, int8 (or all), got ','"),
     ],
-    ids=["float64", "int8", "empty"],
+    ids=["float64", "uint8", "empty"],
 )
 def test_bad_dtype_is_a_usage_error(value: str, words: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
@@ -926,14 +926,14 @@ def test_narrow_dtypes_in_the_json_and_the_table(
     assert doc["dtypes"] == ["float32", "float16", "bfloat16"]
     assert set(doc["ceilings"]["peaks"]) == {"fma32", "bf16dot"}
     rows = doc["results"]
-    assert all(r["dtype"] in suite.DTYPES for r in rows)
+    assert all(r["dtype"] in suite.FLOAT_DTYPES for r in rows)
     assert {(r["case"], r["dtype"]) for r in rows} == {
-        (c, d) for c in ("tiny", "decode/N=1024") for d in suite.DTYPES
+        (c, d) for c in ("tiny", "decode/N=1024") for d in suite.FLOAT_DTYPES
     }
     assert {r["backend"] for r in rows if r["dtype"] != "float32"} == set(backends) - {"numpy"}
     assert "numpy in bfloat16 (float32 only" in out and "numpy in float16 (float32 only" in out
     by = {(r["case"], r["dtype"], r["backend"]): r for r in rows}
-    decode = {d: by[("decode/N=1024", d, "numpy" if d == "float32" else backends[-1])] for d in suite.DTYPES}
+    decode = {d: by[("decode/N=1024", d, "numpy" if d == "float32" else backends[-1])] for d in suite.FLOAT_DTYPES}
     assert decode["bfloat16"]["kv_bytes"] * 2 == decode["float32"]["kv_bytes"]
     for r in rows:
         f32 = by.get((r["case"], "float32", r["backend"]))
@@ -1111,3 +1111,126 @@ def test_layer_expected_in_a_narrow_dtype_uses_the_rounded_cache() -> None:
                                backend="numpy")
     assert narrow.check(again, 1).ok
     assert not narrow.check(again.astype(np.float32), 1).ok  # the kernel part must come back in the dtype
+
+
+# ----------------------------------------------------------------------------------------------
+# int8 K/V (issue #15): --dtype int8, its inputs, bytes, check, targets and run
+
+needs_int8 = pytest.mark.skipif(
+    suite.int8_missing() is not None, reason=str(suite.int8_missing())
+)  # until the Python layer's int8 (twinattn.quantize_kv, attention(k_scale=, v_scale=)) is in this build
+
+
+@needs_int8
+def test_int8_is_named_on_its_own() -> None:
+    assert suite.parse_dtypes("i8, float32") == ["float32", "int8"]
+    assert "int8" not in suite.parse_dtypes("all")
+
+
+def test_int8_without_it_in_twinattn_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delattr(twinattn, "quantize_kv", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--dtype", "int8", "--cases", "tiny"])
+    assert exc.value.code == 2
+    assert "--dtype int8: twinattn" in capsys.readouterr().err
+
+
+def test_the_layer_case_has_no_int8_run() -> None:
+    cases = suite.select(suite.standard_suite(2), "tiny,layer-decode", quick=False)
+    chosen = suite.with_dtypes(cases, ["float32", "int8"])
+    assert [(c.name, c.dtype) for c in chosen] == [("tiny", "float32"), ("tiny", "int8"), ("layer-decode", "float32")]
+
+
+def test_int8_reads_one_byte_per_element_and_the_scales() -> None:
+    """Per key read and KV head: D + Dv int8 bytes and two float32 scales; the pairs and FLOPs are
+    those of float32."""
+    for case in (tiny_case(q_len=1, k_len=11, kv_lens=(5, 11)), tiny_case(q_len=6, k_len=14, window_left=3)):
+        wide, narrow = work(case), work(dataclasses.replace(case, dtype="int8"))
+        per_key = case.head_dim + case.value_dim
+        keys = wide.kv_bytes // (4 * per_key)  # (key, KV head) pairs read
+        assert keys * 4 * per_key == wide.kv_bytes
+        assert narrow.kv_bytes == keys * (per_key + 8) and narrow.pairs == wide.pairs and narrow.flops == wide.flops
+    # decode N=32768, Hkv 8, D 128: 8 * 32768 * (256 + 8) bytes
+    (decode,) = suite.select(suite.standard_suite(2), "decode/N=32768", quick=False)
+    assert work(dataclasses.replace(decode, dtype="int8")).kv_bytes == 8 * 32768 * 264
+
+
+@needs_int8
+def test_int8_inputs_are_the_float32_draws_quantized_and_checked_dequantized() -> None:
+    """q is float32 as drawn; K/V are quantize_kv of the float32 draws (each element within half a
+    scale step); the check takes attention over the dequantized K/V and rejects attention over
+    the float32 draws (the quantization error is far above float32 tolerance)."""
+    case = tiny_case(q_len=1, k_len=40, kv_lens=(40, 17))
+    wide, int8 = make_problem(case), make_problem(dataclasses.replace(case, dtype="int8"))
+    assert isinstance(wide, suite.Problem) and isinstance(int8, suite.Problem)
+    np.testing.assert_array_equal(wide.q, int8.q)
+    assert int8.q.dtype == np.float32 and int8.k.dtype == np.int8 and int8.v.dtype == np.int8
+    assert int8.k_scale is not None and int8.v_scale is not None
+    assert int8.k_scale.shape == (2, 2, 40) and int8.k_scale.dtype == np.float32 and not int8.k.flags.writeable
+    for drawn, which, scale in ((wide.k, "k", int8.k_scale), (wide.v, "v", int8.v_scale)):
+        step = np.abs(drawn).max(axis=-1) / 127
+        np.testing.assert_allclose(scale, step, rtol=2**-23)
+        err = np.abs(int8.values64(which) - drawn)
+        assert np.all(err <= 0.5 * step[..., None] * (1 + 2**-20))
+    kwargs = {"causal": True, "kv_lens": int8.kv_lens, "backend": "numpy"}
+    good = twinattn.attention(int8.q.astype(np.float64), int8.values64("k"), int8.values64("v"), **kwargs)
+    assert int8.check(good.astype(np.float32)).ok
+    unquantized = twinattn.attention(*(a.astype(np.float64) for a in (wide.q, wide.k, wide.v)), **kwargs)
+    check = int8.check(unquantized.astype(np.float32))
+    assert not check.ok and "tolerance" in check.reason
+    assert not int8.check(good.astype(np.float16)).ok  # out is float32 (q's dtype)
+
+
+def test_int8_targets_and_the_port_gap() -> None:
+    def row(case: str, backend: str, **fields: Any) -> dict[str, Any]:
+        return {"case": case, "dtype": "int8", "backend": backend, "status": "ok", **fields}
+
+    rows = [
+        row("decode/N=32768", "cpp", speedup_vs_float32=3.3, speedup_vs_bfloat16=1.2, read_fraction=0.8,
+            cpp_over_rust=1.25),
+        row("decode-batch", "rust", speedup_vs_float32=2.0, cpp_over_rust=0.95),
+    ]
+    lines = bench_report.targets_table(rows, bench_report.INT8_TARGETS).splitlines()
+    assert len(lines) == 4
+    assert "vs its float32" in lines[0] and "3.30x" in lines[0] and lines[0].endswith(": met")
+    assert "vs its bfloat16" in lines[1] and lines[1].endswith("missed by 20%")
+    assert "of the read bandwidth" in lines[2] and "80%" in lines[2] and lines[2].endswith(": met")
+    assert lines[3].startswith("decode-batch int8") and lines[3].endswith("missed by 20%")
+    gaps = bench_report.int8_port_lines(rows).splitlines()
+    assert gaps[0].startswith("decode/N=32768 int8") and gaps[0].endswith("missed: 25% apart")
+    assert gaps[1].startswith("decode-batch int8") and gaps[1].endswith(": met")  # 1/0.95 - 1 = 5%
+    assert bench_report.int8_port_lines([row("tiny", "cpp", dtype="float32", cpp_over_rust=2.0)]) == ""
+
+
+@needs_int8
+def test_int8_in_the_json_and_the_table(small_ceilings: None, tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """--dtype float32,bfloat16,int8 on tiny decode shapes: the ports run int8 and pass the check,
+    torch and numpy are named once as not timed in int8, kv_bytes are payload + scales, vs f32 and
+    vs bf16 are ratios to the same backend's rows, and the int8 target lines are printed."""
+    pytest.importorskip("ml_dtypes")
+    runners = peers.make_runners()
+    ports = [b for b in ("cpp", "rust") if runners[b].available() is None]
+    if not ports:
+        pytest.skip("no native port built")
+    backends = ["numpy", *[b for b in ("torch",) if runners[b].available() is None], *ports]
+    path = tmp_path / "out.json"
+    args = ["--cases", "decode/N=1024,decode-batch", "--shrink", "64", "--time-budget", "0.01", "--no-progress",
+            "--dtype", "f32,bf16,int8", "--backends", ",".join(backends), "--json", str(path)]
+    status = cli.main(args)
+    out = capsys.readouterr().out
+    rows = json.loads(path.read_text())["results"]
+    int8_rows = [r for r in rows if r["dtype"] == "int8"]
+    assert {r["backend"] for r in int8_rows} == set(ports) and all(r["status"] == "ok" for r in int8_rows), int8_rows
+    assert "numpy in int8 (not timed" in out and ("torch" not in backends or "torch in int8 (not timed" in out)
+    by = {(r["case"], r["dtype"], r["backend"]): r for r in rows}
+    for r in int8_rows:
+        f32, bf16 = by[(r["case"], "float32", r["backend"])], by[(r["case"], "bfloat16", r["backend"])]
+        assert r["kv_bytes"] * 4 * 256 == f32["kv_bytes"] * 264  # (D + Dv) + 8 bytes against 4 (D + Dv)
+        if f32["status"] == "ok":
+            assert r["speedup_vs_float32"] == pytest.approx(f32["median_s"] / r["median_s"])
+        if bf16["status"] == "ok":
+            assert r["speedup_vs_bfloat16"] == pytest.approx(bf16["median_s"] / r["median_s"])
+    assert "int8 K/V targets (issue #15" in out and "decode-batch int8" in out
+    assert status == 0

@@ -127,6 +127,96 @@ def test_smollm2_greedy_generation_gives_sdpas_tokens(smol: tuple[Any, Any], cas
     assert torch.equal(got, want), tok.batch_decode(got) + tok.batch_decode(want)
 
 
+# ---- SmolLM2 with an int8 cache (issue #15) -------------------------------------------------------
+# The contract: int8 attention is attention over the dequantized keys and values, in float32. So
+# TwinattnCache(kv_dtype="int8") is held to the float32 rule above against transformers' own
+# attentions over a DynamicCache that stores dequantize_kv(quantize_kv(k, v)) in float32: the
+# same numbers reach attention, only the arithmetic differs. Its distance from the float32 cache
+# (quantization's effect on the model) is what python -m twinattn.bench.kv_quality reports; here,
+# over the run, the int8 logits must be nearer the dequantized reference than the float32 cache's
+# (the int8 cache is really in use), and the next token of every real position must stay the
+# float32 cache's on these short prompts.
+
+needs_int8 = pytest.mark.skipif(
+    not hasattr(twinattn, "quantize_kv"), reason="this twinattn has no int8 K/V (twinattn.quantize_kv, issue #15)"
+)
+
+
+class _DequantizedCache(DynamicCache):  # type: ignore[misc]
+    """A float32 DynamicCache of the int8 cache's values: each new key and value quantized and
+    dequantized (twinattn.quantize_kv / dequantize_kv) before it is stored."""
+
+    def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> Any:
+        def rounded(states: Any) -> Any:
+            payload, scale = twinattn.quantize_kv(states.detach().numpy())
+            return torch.from_numpy(twinattn.dequantize_kv(payload, scale))
+
+        return super().update(rounded(key_states), rounded(value_states), layer_idx, *args, **kwargs)
+
+
+@needs_int8
+@pytest.mark.parametrize("case", list(PROMPTS))
+def test_smollm2_int8_cache_is_attention_over_the_dequantized_cache(smol: tuple[Any, Any], case: str) -> None:
+    model, tok = smol
+    batch = _inputs(tok, PROMPTS[case])
+    ids, mask = batch.input_ids, batch.attention_mask
+    real = mask.bool()
+    room = ids.shape[1] + DECODE_STEPS
+    caches = {
+        "sdpa": _DequantizedCache(),
+        "eager": _DequantizedCache(),
+        "twinattn": hf.TwinattnCache(max_cache_len=room, config=model.config, kv_dtype="int8"),
+        "float32": hf.TwinattnCache(max_cache_len=room, config=model.config),
+    }
+    errors, moves = [], []
+    with torch.inference_mode():
+        for step in range(DECODE_STEPS + 1):
+            logits = {impl: forward_logits(model, "twinattn" if impl == "float32" else impl, ids, mask, cache)
+                      for impl, cache in caches.items()}
+            rows = real[:, -ids.shape[1] :]
+            err, tol = _tolerance(logits["twinattn"][rows], logits["sdpa"][rows], logits["eager"][rows])
+            assert err <= tol, f"step {step}: max |twinattn int8 - sdpa on the dequantized cache| = {err:.3g} > {tol:.3g}"
+            errors.append(err)
+            moves.append(float((logits["twinattn"][rows] - logits["float32"][rows]).abs().max()))
+            assert torch.equal(logits["twinattn"][rows].argmax(-1), logits["float32"][rows].argmax(-1)), step
+            ids = logits["float32"][:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
+            real = mask.bool()
+    assert max(moves) > max(errors), (moves, errors)
+    int8, f32 = caches["twinattn"], caches["float32"]
+    assert int8.get_seq_length() == mask.shape[1] - 1
+    layers, heads, dim = model.config.num_hidden_layers, model.config.num_key_value_heads, model.config.head_dim
+    per_token = layers * len(PROMPTS[case]) * heads * room
+    assert f32.nbytes == per_token * 2 * dim * 4 and int8.nbytes == per_token * (2 * dim + 2 * 4)
+
+
+@needs_int8
+def test_kv_quality_report_smoke(smol: tuple[Any, Any]) -> None:
+    """python -m twinattn.bench.kv_quality's figures on 40 tokens of its text, fed 16 at a time: the
+    float32 run's perplexity is the one of a single sdpa forward over the same tokens (the chunked
+    feeding keeps every position), and the int8 run moves the log-probs."""
+    from twinattn.bench import kv_quality
+
+    model, tok = smol
+    with open(kv_quality.default_text_path(), encoding="utf-8") as f:
+        ids = tok(f.read(), return_tensors="pt").input_ids[:, :40]
+    result = kv_quality.compare(model, ids, chunk=16)
+    with torch.inference_mode():
+        model.set_attn_implementation("sdpa")
+        logits = model(input_ids=ids).logits[0, :-1].double()
+    want = float(torch.log_softmax(logits, -1)[torch.arange(39), ids[0, 1:]].mean().neg().exp())
+    assert result["positions"] == 39 and result["perplexity_float32"] == pytest.approx(want, rel=1e-4)
+    assert 0 < result["logprob_diff_mean"] <= result["logprob_diff_max"]
+    assert result["next_token_logprob_diff_max"] <= result["logprob_diff_max"]
+    assert result["greedy_changed_fraction"] == result["greedy_changed"] / 39
+    assert "greedy token changed" in kv_quality.format_report(result)
+
+
+def test_int8_cache_kv_dtype_is_checked() -> None:
+    with pytest.raises(ValueError, match="kv_dtype: expected None .* or 'int8', got 'int4'"):
+        hf.TwinattnCache(max_cache_len=8, num_layers=1, kv_dtype="int4")
+
+
 # ---- SmolLM2 in bfloat16 -------------------------------------------------------------------------
 # Every layer of a bfloat16 model rounds its activations to bfloat16, so two bfloat16 runs that
 # differ only in their attention drift apart by far more than attention's own rounding, and so does

@@ -31,7 +31,12 @@ NotImplementedError.
 
 dtypes: float32, bfloat16 and float16 models. Query, key and value reach twinattn in the model's
 dtype (computed in float32, out rounded once to that dtype), and TwinattnCache stores keys and
-values in it (a bfloat16 cache is half a float32 one).
+values in it (a bfloat16 cache is half a float32 one). TwinattnCache(..., kv_dtype="int8") stores
+them as int8 with one float32 scale per (sequence, KV head, token) each (twinattn.quantize_kv of
+the model's keys and values as they are appended; issue #15): about a quarter of a float32 cache.
+It is a twinattn.KVCache(dtype="int8"); update returns its int8 views with their scale views
+attached, and attention_forward passes those to twinattn as k_scale / v_scale: attention over the
+dequantized keys and values, read in place.
 """
 
 from __future__ import annotations
@@ -229,7 +234,8 @@ def attention_forward(
     num_threads = 1 if work < _SERIAL_WORK else None
 
     out = torch.empty((batch, q_len, q_heads, value.shape[-1]), dtype=query.dtype)
-    if window == (-1, -1) and not softcap and sinks is None:
+    scales = _int8_scales(key, value)
+    if window == (-1, -1) and not softcap and sinks is None and not scales:
         # plain attention through twinattn.torch (its custom op under torch.compile)
         attention(
             query,
@@ -259,8 +265,25 @@ def attention_forward(
         # sinks are float32 (a bfloat16 model's s_aux converts exactly)
         sinks=None if sinks is None else _array("s_aux", sinks.float()),
         num_threads=num_threads,
+        **scales,
     )
     return out, None
+
+
+_SCALE = "_twinattn_scale"  # the attribute an int8 TwinattnCache view carries its scales in
+
+
+def _int8_scales(key: Any, value: Any) -> dict[str, Any]:
+    """k_scale / v_scale of int8 key and value from a TwinattnCache(kv_dtype="int8"), else nothing."""
+    if key.dtype != torch.int8 and value.dtype != torch.int8:
+        return {}
+    k_scale, v_scale = getattr(key, _SCALE, None), getattr(value, _SCALE, None)
+    if k_scale is None or v_scale is None:
+        raise TypeError(
+            "key: int8 keys and values reach twinattn with their scales only from a TwinattnCache(kv_dtype='int8'); "
+            f"got {key.dtype} key and {value.dtype} value without them"
+        )
+    return {"k_scale": k_scale, "v_scale": v_scale}
 
 
 # ---- the cache --------------------------------------------------------------------------------------
@@ -293,6 +316,10 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         # view (B, Hkv, stored, D) of them: nothing already cached is copied
         keys, values = kv.update(_array("key_states", key_states.detach()), _array("value_states", value_states.detach()), self._layer_idx)
         self.keys, self.values = _tensor(keys), _tensor(values)
+        if self._owner.kv_dtype == "int8":  # the scales travel with the int8 views to attention_forward
+            k_scale, v_scale = getattr(kv, "scales")(self._layer_idx)  # KVCache.scales: int8 caches (issue #15)
+            setattr(self.keys, _SCALE, k_scale)
+            setattr(self.values, _SCALE, v_scale)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -324,6 +351,12 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         raise NotImplementedError("TwinattnCache preallocates a fixed batch: selecting sequences out of it is not supported")
 
 
+def _has_int8() -> bool:
+    import twinattn
+
+    return hasattr(twinattn, "quantize_kv")
+
+
 class TwinattnCache(Cache):  # type: ignore[misc]
     """A transformers Cache that preallocates and appends in place.
 
@@ -336,6 +369,10 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         cache = TwinattnCache(max_cache_len=4096, config=model.config)
         model.generate(**inputs, cache=cache)
 
+    kv_dtype="int8" stores keys and values as int8 with float32 scales (module docstring): 1 byte
+    per element plus 8 bytes per (sequence, KV head, token), a little over a quarter of float32;
+    the model's attention must then be attn_implementation="twinattn" (only it takes the scales).
+
     num_layers may be given instead of config. Sliding-window layers (Mistral, Qwen2, Gemma 2/3,
     gpt-oss) are stored like full-attention ones, at full length: attention_forward's window
     selects the keys (twinattn never reads those outside it, so a windowed decode step still costs
@@ -343,7 +380,9 @@ class TwinattnCache(Cache):  # type: ignore[misc]
     other kinds (chunked, linear attention) raise NotImplementedError.
     """
 
-    def __init__(self, max_cache_len: int, config: Any = None, *, num_layers: Optional[int] = None) -> None:
+    def __init__(
+        self, max_cache_len: int, config: Any = None, *, num_layers: Optional[int] = None, kv_dtype: Optional[str] = None
+    ) -> None:
         if (config is None) == (num_layers is None):
             raise TypeError("TwinattnCache: pass exactly one of config= (the model's config) or num_layers=")
         if config is not None:
@@ -360,8 +399,13 @@ class TwinattnCache(Cache):  # type: ignore[misc]
             raise ValueError(f"max_cache_len: expected a positive int, got {max_cache_len!r}")
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise ValueError(f"num_layers: expected a positive int, got {num_layers!r}")
+        if kv_dtype not in (None, "int8"):
+            raise ValueError(f"kv_dtype: expected None (the model's dtype) or 'int8', got {kv_dtype!r}")
+        if kv_dtype == "int8" and not _has_int8():
+            raise NotImplementedError("kv_dtype='int8': this twinattn has no int8 K/V (twinattn.quantize_kv, issue #15)")
         self.max_cache_len = max_cache_len
         self.num_layers = num_layers
+        self.kv_dtype = kv_dtype
         self.kv: Optional[KVCache] = None
         super().__init__(layers=[_TwinattnLayer(self, i) for i in range(num_layers)])
 
@@ -384,7 +428,9 @@ class TwinattnCache(Cache):  # type: ignore[misc]
             raise NotImplementedError(
                 f"value_states: TwinattnCache stores keys and values of one width, got {head_dim} and {value_states.shape[-1]}"
             )
-        self.kv = KVCache(self.num_layers, batch, kv_heads, head_dim, self.max_cache_len, dtype=dtype)
+        # int8: quantized as they are appended (KVCache.update), from the model's dtype
+        stored = "int8" if self.kv_dtype == "int8" else dtype
+        self.kv = KVCache(self.num_layers, batch, kv_heads, head_dim, self.max_cache_len, dtype=stored)
 
     def _reset_layer(self, layer_idx: int) -> None:
         # KVCache.reset empties every layer at once: transformers calls this for each layer in turn
@@ -405,7 +451,7 @@ class TwinattnCache(Cache):  # type: ignore[misc]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the preallocated keys and values (0 before the first update)."""
+        """Bytes of the preallocated keys and values, int8's scales included (0 before the first update)."""
         return 0 if self.kv is None else self.kv.nbytes
 
 

@@ -3,7 +3,8 @@
 Backends: cpp and rust (twinattn's ports), numpy (the reference), and, when importable, torch
 (scaled_dot_product_attention) and onnxruntime (com.microsoft::GroupQueryAttention on the CPU).
 Each case runs in every dtype of --dtype (float32 by default; float16 and bfloat16 on the ports and
-torch; numpy and onnxruntime are timed in float32 only).
+torch; numpy and onnxruntime are timed in float32 only), and, named on its own, in int8: q float32,
+K/V int8 with float32 scales (twinattn.quantize_kv), on the ports only (torch has no int8 attention).
 Every output is checked against a float64 reference before its time counts; a wrong result is
 reported as WRONG and the command exits with status 1. The layer-decode case times one decode step
 of twinattn.nn.Attention on the twinattn backends and, beside it, the attention kernel alone.
@@ -38,9 +39,12 @@ columns:
             float32 FMA for float32 and float16, the BF16 dot product (VDPBF16PS) for bfloat16
             where the CPU has it
   GB/s      decode only: bytes of K and V that must be read / median (2 bytes per element in
-            float16 and bfloat16)
+            float16 and bfloat16; int8: 1 byte per element plus the 2 x 4 bytes of scales per
+            key and KV head)
   %read     GB/s over the read bandwidth measured right beside that run
-  vs f32    float16 / bfloat16: the same backend's float32 median / this one's
+  dtype     int8: q and out float32, K and V int8 with one float32 scale per (sequence, KV head,
+            token) each; checked against float64 attention over the dequantized K/V
+  vs f32    float16 / bfloat16 / int8: the same backend's float32 median / this one's
   vs ...    speedup: the other backend's median / this one's (>1: this one is faster), in the
             same dtype; "peer" is the fastest of torch and onnxruntime present
   max err   max |out - float64 reference| over the checked rows
@@ -56,6 +60,7 @@ layer-decode (twinattn backends only; torch and onnxruntime are skipped):
 examples:
   twinattn-bench --quick
   twinattn-bench --dtype all --cases prefill-causal/N=2048,decode/N=32768   # issue #12's targets
+  twinattn-bench --dtype f32,bf16,int8 --cases decode/N=32768,decode-batch --backends cpp,rust   # #15's
   twinattn-bench --cases prefill-causal,decode --backends cpp,rust --json out.json --plot out.png
   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE twinattn-bench   # the GEMM ceiling unhobbled
 """
@@ -135,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         default="float32",
         metavar="LIST",
-        help="dtypes of q, k, v and out, comma-separated: float32, float16, bfloat16 (bf16, fp16), or all; "
+        help="dtypes of q, k, v and out, comma-separated: float32, float16, bfloat16 (bf16, fp16), int8 (i8: "
+        "K/V int8 with scales, q float32; kernel cases only), or all (the three floating-point ones); "
         "each case runs in each (default: float32)",
     )
     parser.add_argument("--json", metavar="PATH", help="write every figure of the run as JSON")

@@ -35,7 +35,7 @@ import numpy as np
 import twinattn
 
 from .machine import blas_limits
-from .suite import LAYER, AnyProblem, Case, LayerProblem, Problem, numpy_dtype
+from .suite import INT8, LAYER, AnyProblem, Case, LayerProblem, Problem, numpy_dtype, out_dtype
 
 PORTS = ("cpp", "rust")  # twinattn's two native ports, also timed alternately
 PEERS = ("torch", "onnxruntime")
@@ -144,9 +144,9 @@ class TwinattnRunner(Runner):
     def _call(self, problem: Problem, threads: int) -> list[Part]:
         case, name = problem.case, self.name
         shape = (case.batch, case.q_heads, case.q_len, case.value_dim)
-        out = np.full(shape, np.nan, dtype=numpy_dtype(case.dtype))
+        out = np.full(shape, np.nan, dtype=out_dtype(case.dtype))
         q, k, v, causal, lens = problem.q, problem.k, problem.v, case.causal, problem.kv_lens
-        variants = case.variant_kwargs
+        variants = {**case.variant_kwargs, **problem.scale_kwargs}  # int8: k_scale, v_scale
 
         def call() -> object:
             return twinattn.attention(
@@ -204,6 +204,8 @@ class NumpyRunner(TwinattnRunner):
     def dtype_support(self, dtype: str) -> Optional[str]:
         if dtype == "float32":
             return None
+        if dtype == INT8:
+            return "not timed in int8: the NumPy backend computes over the dequantized K/V, as the reference"
         # the NumPy backend computes a narrow dtype in float64 from the rounded inputs: a check, not a peer
         return (
             "float32 only: NumPy has no bfloat16 arithmetic (float16 it widens per operation), so the "
@@ -237,6 +239,9 @@ class TorchRunner(Runner):
         return _version("torch")
 
     def dtype_support(self, dtype: str) -> Optional[str]:
+        if dtype == INT8:  # no int8 K/V in torch's CPU SDPA: no peer to time
+            return ("not timed: torch has no int8 attention (scaled_dot_product_attention takes floating-point "
+                    "q, k, v of one dtype; no scales)")
         return None  # scaled_dot_product_attention in the same dtype: the peer
 
     def supports(self, case: Case) -> Optional[str]:

@@ -134,7 +134,8 @@ def case_key(row: dict[str, Any]) -> tuple[str, str]:
 
 def add_comparisons(rows: list[dict[str, Any]]) -> None:
     """Speedups within each case and dtype: over numpy, over torch (in the same dtype), over the
-    fastest peer present; C++/Rust; and over the same backend's float32 run of the case."""
+    fastest peer present; C++/Rust; and over the same backend's float32 and bfloat16 runs of the
+    case."""
     by_case: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
     for row in rows:
         by_case.setdefault(case_key(row), {})[row["backend"]] = row
@@ -161,6 +162,8 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
             mine = row["median_s"] if row["status"] == "ok" else None
             f32_s = time_of(by_case.get((case, "float32"), {}), row["backend"])
             row["speedup_vs_float32"] = f32_s / mine if mine and f32_s else None
+            bf16_s = time_of(by_case.get((case, "bfloat16"), {}), row["backend"])
+            row["speedup_vs_bfloat16"] = bf16_s / mine if mine and bf16_s else None
 
 
 def port_times(ports: dict[str, dict[str, Any]]) -> tuple[Optional[float], Optional[float]]:
@@ -316,13 +319,22 @@ TARGETS = (
     ("decode/N=32768", "float16", "speedup_vs_float32", 1.8, "vs its float32"),
     ("decode/N=32768", "float16", "read_fraction", 0.8, "of the read bandwidth"),
 )
+# issue #15's (int8 K/V; bytes read = int8 payload + float32 scales); its "ports within 10% on every
+# int8 case" is int8_port_lines'
+INT8_TARGETS = (
+    ("decode/N=32768", "int8", "speedup_vs_float32", 3.0, "vs its float32"),
+    ("decode/N=32768", "int8", "speedup_vs_bfloat16", 1.5, "vs its bfloat16"),
+    ("decode/N=32768", "int8", "read_fraction", 0.75, "of the read bandwidth"),
+    ("decode-batch", "int8", "speedup_vs_float32", 2.5, "vs its float32"),
+)
+PORT_GAP = 0.10  # issue #15: C++ and Rust within 10% of each other on every int8 case
 
 
-def targets_table(rows: Sequence[dict[str, Any]]) -> str:
+def targets_table(rows: Sequence[dict[str, Any]], targets: Sequence[tuple[str, str, str, float, str]] = TARGETS) -> str:
     """The dtype targets this run can speak to, port by port: the figure, the target, met or by how
     much it is missed. Empty when the run has none of those cases."""
     lines = []
-    for case, dtype, field, minimum, what in TARGETS:
+    for case, dtype, field, minimum, what in targets:
         for row in rows:
             if case_key(row) != (case, dtype) or row["backend"] not in PORTS:
                 continue
@@ -335,6 +347,20 @@ def targets_table(rows: Sequence[dict[str, Any]]) -> str:
                 else "met" if value >= minimum else f"missed by {100 * (1 - value / minimum):.0f}%"
             )
             lines.append(f"{case + ' ' + dtype:<31} {row['backend']:<5} {what:<22} {shown:>6}  (>= {wanted}): {verdict}")
+    return "\n".join(lines)
+
+
+def int8_port_lines(rows: Sequence[dict[str, Any]]) -> str:
+    """Issue #15's "ports within 10%": per int8 case with both ports timed, C++ / Rust (the
+    alternate timing's medians where it ran), met when neither is more than PORT_GAP slower."""
+    lines = []
+    for name, dtype in dict.fromkeys(case_key(r) for r in rows if r.get("dtype") == "int8"):
+        ratio = next((r.get("cpp_over_rust") for r in rows if case_key(r) == (name, dtype)), None)
+        if ratio is None:
+            continue
+        gap = max(ratio, 1 / ratio) - 1
+        verdict = "met" if gap <= PORT_GAP else f"missed: {100 * gap:.0f}% apart"
+        lines.append(f"{name + ' ' + dtype:<31} cpp/rust {ratio:.2f}  (within {100 * PORT_GAP:.0f}%): {verdict}")
     return "\n".join(lines)
 
 
@@ -388,6 +414,12 @@ def text(document: dict[str, Any]) -> str:
     targets = targets_table(rows)
     if targets:
         parts.append(f"float16 / bfloat16 targets (issue #12; ratios within this run):\n{targets}")
+    int8_targets = "\n".join(t for t in (targets_table(rows, INT8_TARGETS), int8_port_lines(rows)) if t)
+    if int8_targets:
+        parts.append(
+            "int8 K/V targets (issue #15; ratios within this run; bytes = int8 payload + float32 scales; "
+            f"torch has no int8 attention, so no peer):\n{int8_targets}"
+        )
     layers = layer_table(rows)
     if layers:
         heading = (
@@ -449,7 +481,7 @@ STYLE = {
 }
 
 
-DTYPE_LINES = {"float32": "-", "bfloat16": "--", "float16": ":"}
+DTYPE_LINES = {"float32": "-", "bfloat16": "--", "float16": ":", "int8": "-."}
 
 
 def plot(path: str, document: dict[str, Any]) -> None:

@@ -10,6 +10,13 @@ Every case is defined in float32 and can be run in float16 or bfloat16 as well (
 ml_dtypes.bfloat16), the output is in that dtype, and the reference is float64 from the rounded
 inputs. K/V bytes count the dtype's size (2 bytes per element for float16 and bfloat16).
 
+A kernel case can also run with an int8 K/V cache (dtype "int8", issue #15): q stays float32, K and V
+are the float32 draws quantized by twinattn.quantize_kv (int8, one float32 scale per (sequence, KV
+head, token) for each), passed with k_scale / v_scale; the output is float32 and the reference is
+float64 attention over twinattn.dequantize_kv of them (the contract: int8 attention is attention over
+the dequantized K/V). K/V bytes are the int8 payload plus the two float32 scales of every key read:
+(D + Dv) x 1 + 2 x 4 bytes per (key, KV head). The layer case (nn.Attention) has no int8 run.
+
 A case may carry a variant: a sliding window (window_left, as window_size=(window_left, 0)) or a
 softcap; both are passed to twinattn.attention and to the reference.
 
@@ -17,8 +24,9 @@ Work is counted exactly, from the visible (query row, key) pairs of every query 
     row i of sequence b sits at p = q_offset[b] + i, q_offset[b] = kv_len[b] - Lq, and sees keys
     max(0, p - window_left) <= j < min(kv_len[b], p + 1)   (no lower bound without a window),
     FLOPs = 2 x pairs x (D + Dv)          (Q.K^T and P.V, one multiply-add = 2 FLOPs)
-    K/V bytes = keys some row sees x Hkv x (D + Dv) x itemsize, summed over b    (each read once;
-                itemsize 4 for float32, 2 for float16 and bfloat16)
+    K/V bytes = keys some row sees x Hkv x ((D + Dv) x itemsize + scale bytes), summed over b
+                (each read once; itemsize 4 for float32, 2 for float16 and bfloat16, 1 for int8;
+                scale bytes 2 x 4 for int8's float32 scales of K and V, else 0)
 GB/s is reported for decode cases, where reading K and V is the cost.
 
 One case is a layer, not a kernel call: layer-decode times one decode step of twinattn.nn.Attention
@@ -44,27 +52,38 @@ import numpy as np
 
 import twinattn
 
-DTYPES = ("float32", "float16", "bfloat16")  # the dtypes a case runs in (--dtype)
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-# unit roundoff (half an ulp at 1.0): 24, 11 and 8 significand bits
-UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+INT8 = "int8"  # K/V int8 with float32 scales, q and out float32 (see the module docstring)
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")  # "all" on --dtype
+DTYPES = (*FLOAT_DTYPES, INT8)  # the dtypes a case runs in (--dtype)
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, INT8: 1}  # of a K/V element
+SCALE_BYTES = {INT8: 2 * 4}  # per (key, KV head): the float32 scales of K and V
+# unit roundoff (half an ulp at 1.0) of the output: 24, 11 and 8 significand bits (int8: out is float32)
+UNIT_ROUNDOFF = {"float32": 2.0**-24, "float16": 2.0**-11, "bfloat16": 2.0**-8, INT8: 2.0**-24}
 
 
 DTYPE_ALIASES = {"f32": "float32", "fp32": "float32", "f16": "float16", "fp16": "float16", "half": "float16",
-                 "bf16": "bfloat16"}
+                 "bf16": "bfloat16", "i8": INT8}
+
+
+def int8_missing() -> Optional[str]:
+    """None when this twinattn takes int8 K/V (quantize_kv, attention's k_scale / v_scale), else why not."""
+    if not hasattr(twinattn, "quantize_kv") or not hasattr(twinattn, "dequantize_kv"):
+        return f"twinattn {twinattn.__version__} has no int8 K/V (twinattn.quantize_kv, issue #15)"
+    return None
 
 
 def parse_dtypes(spec: str) -> list[str]:
-    """--dtype: a comma-separated list of DTYPES (or their short names: f32, fp16, bf16 ...), or
-    "all"; in DTYPES order. Raises ValueError naming the valid values, or saying how to get
-    ml_dtypes when bfloat16 is asked for without it."""
+    """--dtype: a comma-separated list of DTYPES (or their short names: f32, fp16, bf16, i8 ...), or
+    "all" (the FLOAT_DTYPES: int8 is named on its own); in DTYPES order. Raises ValueError naming
+    the valid values, saying how to get ml_dtypes when bfloat16 is asked for without it, or that
+    this twinattn has no int8 K/V."""
     wanted = [w.strip().lower() for w in spec.split(",") if w.strip()]
     if not wanted:
         raise ValueError(f"--dtype: expected a comma-separated list of {', '.join(DTYPES)} (or all), got {spec!r}")
     chosen: set[str] = set()
     for word in wanted:
         if word == "all":
-            chosen.update(DTYPES)
+            chosen.update(FLOAT_DTYPES)
             continue
         name = DTYPE_ALIASES.get(word, word)
         if name not in DTYPES:
@@ -72,11 +91,14 @@ def parse_dtypes(spec: str) -> list[str]:
         chosen.add(name)
     if "bfloat16" in chosen and importlib.util.find_spec("ml_dtypes") is None:
         raise ValueError("--dtype bfloat16 needs ml_dtypes (NumPy's bfloat16): pip install ml_dtypes")
+    if INT8 in chosen and (why := int8_missing()) is not None:
+        raise ValueError(f"--dtype int8: {why}")
     return [d for d in DTYPES if d in chosen]
 
 
 def numpy_dtype(name: str) -> np.dtype:
-    """The NumPy dtype of a DTYPES name (bfloat16: ml_dtypes', imported only when asked for)."""
+    """The NumPy dtype of a DTYPES name (bfloat16: ml_dtypes', imported only when asked for). int8:
+    that of K and V; q and out are float32 (out_dtype)."""
     if name == "bfloat16":
         import ml_dtypes
 
@@ -85,6 +107,11 @@ def numpy_dtype(name: str) -> np.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {name!r}")
     return np.dtype(name)
+
+
+def out_dtype(name: str) -> np.dtype:
+    """The dtype of q and out in a case of dtype `name` (float32 for an int8 K/V cache)."""
+    return np.dtype(np.float32) if name == INT8 else numpy_dtype(name)
 
 
 PREFILL = "prefill"
@@ -114,7 +141,7 @@ class Case:
     hidden_size: int = 0  # LAYER: the model width of nn.Attention; 0 for a kernel case
     window_left: int = -1  # a sliding window: window_size=(window_left, 0); -1 for none
     softcap: float = 0.0  # attention logit softcapping; 0 for none
-    dtype: str = "float32"  # q, k, v and out: one of DTYPES
+    dtype: str = "float32"  # q, k, v and out: one of DTYPES (int8: k and v; q and out float32)
 
     @property
     def variant_kwargs(self) -> dict[str, Any]:
@@ -212,7 +239,8 @@ def work(case: Case) -> Work:
     seen = end > first
     read = np.where(seen.any(axis=1), np.max(np.where(seen, end, 0), axis=1, initial=0)
                     - np.min(np.where(seen, first, case.k_len), axis=1, initial=case.k_len), 0)
-    kv_bytes = int(read.sum()) * case.kv_heads * (case.head_dim + case.value_dim) * ITEMSIZE[case.dtype]
+    per_key = (case.head_dim + case.value_dim) * ITEMSIZE[case.dtype] + SCALE_BYTES.get(case.dtype, 0)
+    kv_bytes = int(read.sum()) * case.kv_heads * per_key
     return Work(pairs=pairs, flops=flops, kv_bytes=kv_bytes)
 
 
@@ -225,8 +253,10 @@ def layer_decode_case(
 
 
 def with_dtypes(cases: Sequence[Case], dtypes: Sequence[str]) -> list[Case]:
-    """Each case in each dtype, case by case: a case's dtypes side by side, in `dtypes` order."""
-    return [dataclasses.replace(case, dtype=dtype) for case in cases for dtype in dtypes]
+    """Each case in each dtype, case by case: a case's dtypes side by side, in `dtypes` order. The
+    layer case has no int8 run (int8 K/V is a kernel-case dtype: twinattn.attention with scales)."""
+    return [dataclasses.replace(case, dtype=dtype) for case in cases for dtype in dtypes
+            if not (dtype == INT8 and case.kind == LAYER)]
 
 
 def standard_suite(all_threads: int) -> list[Case]:
@@ -351,12 +381,30 @@ class Problem:
     """A kernel case's arrays; its output (B, Hq, Lq, Dv) is checked on check_rows(case)."""
 
     case: Case
-    q: np.ndarray  # (B, Hq, Lq, D) in case.dtype
+    q: np.ndarray  # (B, Hq, Lq, D) in case.dtype (int8: float32)
     k: np.ndarray  # (B, Hkv, Lk, D)
     v: np.ndarray  # (B, Hkv, Lk, Dv)
     kv_lens: Optional[np.ndarray]  # (B,) int64, or None
     scale: float
+    k_scale: Optional[np.ndarray] = None  # int8: (B, Hkv, Lk) float32, from twinattn.quantize_kv
+    v_scale: Optional[np.ndarray] = None
     parts = ("output",)  # what a prepared backend times and hands back, in order
+
+    @property
+    def scale_kwargs(self) -> dict[str, np.ndarray]:
+        """k_scale / v_scale for twinattn.attention (int8), else nothing."""
+        if self.k_scale is None or self.v_scale is None:
+            return {}
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+
+    def values64(self, which: str) -> np.ndarray:
+        """K ("k") or V ("v") as the kernel must see them, in float64: int8 dequantized
+        (twinattn.dequantize_kv, float32, exact in float64), else widened."""
+        stored, scale = (self.k, self.k_scale) if which == "k" else (self.v, self.v_scale)
+        if scale is not None:
+            wide: np.ndarray = getattr(twinattn, "dequantize_kv")(stored, scale).astype(np.float64)
+            return wide
+        return stored.astype(np.float64)
 
     def _reference_rows(self, values: np.ndarray) -> np.ndarray:
         """Per checked row, attention over `values` (B, Hkv, Lk, Dv) in float64 from the (rounded)
@@ -367,6 +415,7 @@ class Problem:
         first, end = visible_key_range(case)
         group = case.q_heads // case.kv_heads
         result = np.zeros((len(rows), case.value_dim))
+        keys = self.values64("k")
         for b, h in dict.fromkeys((b, h) for b, h, _ in rows):
             picked = [n for n, row in enumerate(rows) if row[:2] == (b, h)]
             queries = [rows[n][2] for n in picked]
@@ -374,7 +423,7 @@ class Problem:
             mask = (key >= first[b, queries][:, None]) & (key < end[b, queries][:, None])  # (rows, Lk)
             result[picked] = twinattn.attention(
                 self.q[b, h, queries][None, None].astype(np.float64),
-                self.k[b, h // group][None, None].astype(np.float64),
+                keys[b, h // group][None, None],
                 values[b, h // group][None, None].astype(np.float64),
                 attn_mask=mask[None, None],
                 scale=self.scale,
@@ -386,7 +435,7 @@ class Problem:
     @functools.cached_property
     def expected(self) -> tuple[list[tuple[int, int, int]], np.ndarray]:
         """The checked rows and their float64 reference (len(rows), Dv)."""
-        return check_rows(self.case), self._reference_rows(self.v)
+        return check_rows(self.case), self._reference_rows(self.values64("v"))
 
     @functools.cached_property
     def rounding(self) -> float:
@@ -394,13 +443,14 @@ class Problem:
         arithmetic: the output rounded to the dtype, u x |out| (u its unit roundoff); for
         bfloat16 also the bf16 dot-product path's probabilities P rounded to bfloat16 before P.V,
         u x sum_j P_j |v_j| per element (that sum is attention over |V|). Both taken at their
-        largest over the checked rows. 0 for float32."""
-        if self.case.dtype == "float32":
+        largest over the checked rows. 0 for float32 and int8 (out is float32; the reference is
+        from the dequantized K/V, so quantization is no error)."""
+        if self.case.dtype in ("float32", INT8):
             return 0.0
         u = UNIT_ROUNDOFF[self.case.dtype]
         bound = u * float(np.max(np.abs(self.expected[1]), initial=0.0))
         if self.case.dtype == "bfloat16":
-            bound += u * float(np.max(self._reference_rows(np.abs(self.v.astype(np.float64))), initial=0.0))
+            bound += u * float(np.max(self._reference_rows(np.abs(self.values64("v"))), initial=0.0))
         return bound
 
     def check(self, out: object, part: int = 0) -> Check:
@@ -411,8 +461,8 @@ class Problem:
         shape = (case.batch, case.q_heads, case.q_len, case.value_dim)
         if out.shape != shape:
             return Check(False, math.inf, 0.0, 0.0, f"output shape {out.shape}, expected {shape}")
-        if out.dtype != numpy_dtype(case.dtype):
-            return Check(False, math.inf, 0.0, 0.0, f"output dtype {out.dtype}, expected {case.dtype}")
+        if out.dtype != out_dtype(case.dtype):
+            return Check(False, math.inf, 0.0, 0.0, f"output dtype {out.dtype}, expected {out_dtype(case.dtype)}")
         if not np.isfinite(out.astype(np.float32)).all():  # outside the checked rows too
             return Check(False, math.inf, 0.0, 0.0, "non-finite (or unwritten) output elements")
         return check_close(np.stack([out[b, h, i] for b, h, i in rows]), expected, rounding=self.rounding)
@@ -550,16 +600,24 @@ AnyProblem = Union[Problem, LayerProblem]
 
 
 def make_problem(case: Case, seed: int = 0) -> AnyProblem:
-    """Random inputs from a fixed seed, drawn in float32 and rounded to the case's dtype. A layer's
-    weights are normal / sqrt(in_features), so q, k, v and the output stay O(1)."""
+    """Random inputs from a fixed seed, drawn in float32 and rounded to the case's dtype (int8: q
+    float32, K and V quantized by twinattn.quantize_kv). A layer's weights are normal /
+    sqrt(in_features), so q, k, v and the output stay O(1)."""
     rng = np.random.default_rng(seed)
     b, d, dtype = case.batch, case.head_dim, case.dtype
     if case.kind != LAYER:
-        q = _random(rng, b, case.q_heads, case.q_len, d, dtype=dtype)
-        k = _random(rng, b, case.kv_heads, case.k_len, d, dtype=dtype)
-        v = _random(rng, b, case.kv_heads, case.k_len, case.value_dim, dtype=dtype)
+        drawn = "float32" if dtype == INT8 else dtype
+        q = _random(rng, b, case.q_heads, case.q_len, d, dtype=drawn)
+        k = _random(rng, b, case.kv_heads, case.k_len, d, dtype=drawn)
+        v = _random(rng, b, case.kv_heads, case.k_len, case.value_dim, dtype=drawn)
         kv_lens = None if case.kv_lens is None else np.asarray(case.kv_lens, dtype=np.int64)
-        return Problem(case, q, k, v, kv_lens, 1.0 / math.sqrt(d))
+        if dtype != INT8:
+            return Problem(case, q, k, v, kv_lens, 1.0 / math.sqrt(d))
+        quantize = getattr(twinattn, "quantize_kv")  # issue #15's API (parse_dtypes checks it is there)
+        (k8, k_scale), (v8, v_scale) = quantize(k), quantize(v)
+        for a in (k8, k_scale, v8, v_scale):
+            a.flags.writeable = False  # shared by every backend
+        return Problem(case, q, k8, v8, kv_lens, 1.0 / math.sqrt(d), k_scale, v_scale)
     h, q_out, kv_out = case.hidden_size, case.q_heads * d, case.kv_heads * d
     weights = {
         "q_proj.weight": _random(rng, q_out, h, scale=h**-0.5),
