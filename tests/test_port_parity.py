@@ -294,7 +294,7 @@ INT8_BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("v_scale-float64", {**INT8, "v_scale": SCALES.astype(np.float64)}, TypeError, "v_scale: expected dtype float32, got float64"),
     ("k_scale-rank", {**INT8, "k_scale": SCALES[0]}, ValueError, "k_scale: expected 3 dimensions (B, Hkv, Lk), got shape (2, 7)"),
     ("v_scale-shape", {**INT8, "v_scale": SCALES[:, :, :6]}, ValueError, "v_scale: expected shape (B=2, Hkv=2, Lk=7), got (2, 2, 6)"),
-    ("sinks-before-k_scale", {**INT8, "k_scale": None, "sinks": np.zeros(3, np.float32)}, ValueError, None),
+    ("sinks-before-k_scale", {**INT8, "k_scale": None, "sinks": np.zeros(4, np.float64)}, TypeError, None),
 ]
 
 
@@ -312,7 +312,7 @@ def test_bad_int8_native_call_same_error_in_both_ports(
     assert len(set(outcomes.values())) == 1, outcomes
     kind, text = next(iter(outcomes.values()))
     assert kind == exc.__name__, outcomes
-    if message is None:  # the sinks are checked first: their message, not the scales'
+    if message is None:  # the binding checks the sinks before the scales: their message
         assert text.startswith("sinks:"), outcomes
     else:
         assert text == message, outcomes
