@@ -202,21 +202,3 @@ def round_bits_rne(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
         return np.where(np.isnan(x), (bits >> 16).astype(np.uint16) | 0x0040, rounded).astype(np.uint16)
     return x.astype(np.float64).astype(np.float16).view(np.uint16)
-
-
-def require_native_int8(port: str) -> None:
-    """xfails the test while `port` is built without int8 K/V (its attention_forward takes no
-    k_scale / v_scale yet: the ports add them on their own branches, issue 15); numpy always has
-    it. Remove once both ports are merged."""
-    if port == "numpy":
-        return
-    module = importlib.import_module(f"twinattn._{port}")
-    one = np.ones((1, 1, 1, 1), np.float32)
-    scale = np.ones((1, 1, 1), np.float32)
-    try:
-        module.attention_forward(
-            one, np.ones((1, 1, 1, 1), np.int8), np.ones((1, 1, 1, 1), np.int8), np.empty_like(one), None,
-            np.zeros(1, np.int64), np.ones(1, np.int64), None, False, 1.0, 1, -1, -1, 0.0, None, None, k_scale=scale, v_scale=scale,
-        )
-    except TypeError as exc:
-        pytest.xfail(f"{port}: this build has no int8 K/V yet ({str(exc).splitlines()[0][:80]})")

@@ -1116,25 +1116,11 @@ def test_layer_expected_in_a_narrow_dtype_uses_the_rounded_cache() -> None:
 # ----------------------------------------------------------------------------------------------
 # int8 K/V (issue #15): --dtype int8, its inputs, bytes, check, targets and run
 
-needs_int8 = pytest.mark.skipif(
-    suite.int8_missing() is not None, reason=str(suite.int8_missing())
-)  # until the Python layer's int8 (twinattn.quantize_kv, attention(k_scale=, v_scale=)) is in this build
 
 
-@needs_int8
 def test_int8_is_named_on_its_own() -> None:
     assert suite.parse_dtypes("i8, float32") == ["float32", "int8"]
     assert "int8" not in suite.parse_dtypes("all")
-
-
-def test_int8_without_it_in_twinattn_is_a_usage_error(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.delattr(twinattn, "quantize_kv", raising=False)
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["--dtype", "int8", "--cases", "tiny"])
-    assert exc.value.code == 2
-    assert "--dtype int8: twinattn" in capsys.readouterr().err
 
 
 def test_the_layer_case_has_no_int8_run() -> None:
@@ -1157,7 +1143,6 @@ def test_int8_reads_one_byte_per_element_and_the_scales() -> None:
     assert work(dataclasses.replace(decode, dtype="int8")).kv_bytes == 8 * 32768 * 264
 
 
-@needs_int8
 def test_int8_inputs_are_the_float32_draws_quantized_and_checked_dequantized() -> None:
     """q is float32 as drawn; K/V are quantize_kv of the float32 draws (each element within half a
     scale step); the check takes attention over the dequantized K/V and rejects attention over
@@ -1204,7 +1189,6 @@ def test_int8_targets_and_the_port_gap() -> None:
     assert bench_report.int8_port_lines([row("tiny", "cpp", dtype="float32", cpp_over_rust=2.0)]) == ""
 
 
-@needs_int8
 def test_int8_in_the_json_and_the_table(small_ceilings: None, tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """--dtype float32,bfloat16,int8 on tiny decode shapes: the ports run int8 and pass the check,
     torch and numpy are named once as not timed in int8, kv_bytes are payload + scales, vs f32 and

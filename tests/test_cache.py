@@ -11,7 +11,7 @@ import pytest
 
 import twinattn
 from helpers import (
-    BFLOAT16, FLOAT16, HALF_DTYPES, assert_close_to_reference, assert_half_close_to_reference, rand, require_native_int8,
+    BFLOAT16, FLOAT16, HALF_DTYPES, assert_close_to_reference, assert_half_close_to_reference, rand,
     round_bits_rne,
 )
 
@@ -307,7 +307,6 @@ def test_kernel_reads_a_ragged_int8_cache_in_place(backend: str, kv_heads: int) 
     """Decode against an int8 cache whose sequences hold 7, 2 and 5 tokens: the int8 views and
     their scales go to the kernel and match the float64 reference on the dequantized keys and
     values of each sequence alone; a NaN scale past a sequence's length is never read."""
-    require_native_int8(backend)
     rng = np.random.default_rng(13)
     cache = twinattn.KVCache(num_layers=1, batch_size=3, num_kv_heads=kv_heads, head_dim=8, max_seq_len=16, dtype=np.int8)
     cache.update(rand(rng, 3, kv_heads, 7, 8), rand(rng, 3, kv_heads, 7, 8), 0, num_new=np.array([7, 2, 5]))

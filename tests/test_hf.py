@@ -137,9 +137,6 @@ def test_smollm2_greedy_generation_gives_sdpas_tokens(smol: tuple[Any, Any], cas
 # (the int8 cache is really in use), and the next token of every real position must stay the
 # float32 cache's on these short prompts.
 
-needs_int8 = pytest.mark.skipif(
-    not hasattr(twinattn, "quantize_kv"), reason="this twinattn has no int8 K/V (twinattn.quantize_kv, issue #15)"
-)
 
 
 class _DequantizedCache(DynamicCache):  # type: ignore[misc]
@@ -154,7 +151,6 @@ class _DequantizedCache(DynamicCache):  # type: ignore[misc]
         return super().update(rounded(key_states), rounded(value_states), layer_idx, *args, **kwargs)
 
 
-@needs_int8
 @pytest.mark.parametrize("case", list(PROMPTS))
 def test_smollm2_int8_cache_is_attention_over_the_dequantized_cache(smol: tuple[Any, Any], case: str) -> None:
     model, tok = smol
@@ -190,7 +186,6 @@ def test_smollm2_int8_cache_is_attention_over_the_dequantized_cache(smol: tuple[
     assert f32.nbytes == per_token * 2 * dim * 4 and int8.nbytes == per_token * (2 * dim + 2 * 4)
 
 
-@needs_int8
 def test_kv_quality_report_smoke(smol: tuple[Any, Any]) -> None:
     """python -m twinattn.bench.kv_quality's figures on 40 tokens of its text, fed 16 at a time: the
     float32 run's perplexity is the one of a single sdpa forward over the same tokens (the chunked

@@ -28,7 +28,7 @@ import twinattn
 from conftest import _require
 from helpers import (
     BFLOAT16, FLOAT16, ISAS, assert_close_to_reference, assert_half_close_to_reference, assert_lse_close,
-    forced_isa, rand, require_native_int8,
+    forced_isa, rand,
 )
 
 _PAIRS = [("numpy", "-")] + [(port, isa) for port in ("cpp", "rust") for isa in ISAS]
@@ -39,7 +39,6 @@ def backend_isa(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     port, isa = request.param
     if port != "numpy":
         _require(port)
-        require_native_int8(port)
     with forced_isa(port, isa):
         yield port, isa
 

@@ -13,7 +13,6 @@ import pytest
 import twinattn
 from helpers import (
     FLOAT32_ERROR_FACTOR, FLOOR_ULPS, HALF_DTYPES, UNIT_ROUNDOFF, half_ulp, rand, reference64, reference32,
-    require_native_int8,
 )
 from twinattn.reference import round_to_dtype
 
@@ -351,7 +350,6 @@ def test_nn_attention_with_an_int8_cache(backend: str) -> None:
     exactly those), q float32, the float64 reference attention over the dequantized cache, the
     output projection in float64. Tolerance: the float32 attention error (a multiple of the NumPy
     float32 reference's, plus a floor) carried through o_proj, plus float32 roundoff of o_proj."""
-    require_native_int8(backend)
     module, rng = _attention_module(backend)
     params = module.state_dict()
     w_q, w_k, w_v, w_o = (params[f"{n}_proj.weight"] for n in "qkvo")

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import twinattn
-from helpers import HALF_DTYPES, ISAS, assert_close_to_reference, forced_isa, rand, require_native_int8
+from helpers import HALF_DTYPES, ISAS, assert_close_to_reference, forced_isa, rand
 
 PORTS = ("cpp", "rust")
 KERNELS = ("attention_forward", "attention_reference")
@@ -302,8 +302,6 @@ INT8_BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
 def test_bad_int8_native_call_same_error_in_both_ports(
     modules: dict[str, ModuleType], overrides: dict[str, Any], exc: type[Exception], message: str | None
 ) -> None:
-    for port in modules:
-        require_native_int8(port)
     outcomes = {}
     for port, module in modules.items():
         for kernel in KERNELS:
@@ -323,8 +321,6 @@ def test_int8_same_bits_in_both_ports(modules: dict[str, ModuleType], isa: str) 
     """int8 K/V on each instruction set: the same bits in out and lse from both ports (a random
     sweep of q dtypes, GQA, causal or not, kv_lens, masks, odd D, decode and prefill, strided and
     stride-0 scales, the variants), through twinattn and through both native kernels."""
-    for port in modules:
-        require_native_int8(port)
     with forced_isa("cpp", isa), forced_isa("rust", isa):
         rng = np.random.default_rng(1515)
         for n in range(12):

@@ -317,7 +317,7 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         keys, values = kv.update(_array("key_states", key_states.detach()), _array("value_states", value_states.detach()), self._layer_idx)
         self.keys, self.values = _tensor(keys), _tensor(values)
         if self._owner.kv_dtype == "int8":  # the scales travel with the int8 views to attention_forward
-            k_scale, v_scale = getattr(kv, "scales")(self._layer_idx)  # KVCache.scales: int8 caches (issue #15)
+            k_scale, v_scale = kv.scales(self._layer_idx)
             setattr(self.keys, _SCALE, k_scale)
             setattr(self.values, _SCALE, v_scale)
         return self.keys, self.values

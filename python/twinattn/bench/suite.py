@@ -65,18 +65,10 @@ DTYPE_ALIASES = {"f32": "float32", "fp32": "float32", "f16": "float16", "fp16": 
                  "bf16": "bfloat16", "i8": INT8}
 
 
-def int8_missing() -> Optional[str]:
-    """None when this twinattn takes int8 K/V (quantize_kv, attention's k_scale / v_scale), else why not."""
-    if not hasattr(twinattn, "quantize_kv") or not hasattr(twinattn, "dequantize_kv"):
-        return f"twinattn {twinattn.__version__} has no int8 K/V (twinattn.quantize_kv, issue #15)"
-    return None
-
-
 def parse_dtypes(spec: str) -> list[str]:
     """--dtype: a comma-separated list of DTYPES (or their short names: f32, fp16, bf16, i8 ...), or
     "all" (the FLOAT_DTYPES: int8 is named on its own); in DTYPES order. Raises ValueError naming
-    the valid values, saying how to get ml_dtypes when bfloat16 is asked for without it, or that
-    this twinattn has no int8 K/V."""
+    the valid values, saying how to get ml_dtypes when bfloat16 is asked for without it."""
     wanted = [w.strip().lower() for w in spec.split(",") if w.strip()]
     if not wanted:
         raise ValueError(f"--dtype: expected a comma-separated list of {', '.join(DTYPES)} (or all), got {spec!r}")
@@ -91,8 +83,6 @@ def parse_dtypes(spec: str) -> list[str]:
         chosen.add(name)
     if "bfloat16" in chosen and importlib.util.find_spec("ml_dtypes") is None:
         raise ValueError("--dtype bfloat16 needs ml_dtypes (NumPy's bfloat16): pip install ml_dtypes")
-    if INT8 in chosen and (why := int8_missing()) is not None:
-        raise ValueError(f"--dtype int8: {why}")
     return [d for d in DTYPES if d in chosen]
 
 
@@ -402,7 +392,7 @@ class Problem:
         (twinattn.dequantize_kv, float32, exact in float64), else widened."""
         stored, scale = (self.k, self.k_scale) if which == "k" else (self.v, self.v_scale)
         if scale is not None:
-            wide: np.ndarray = getattr(twinattn, "dequantize_kv")(stored, scale).astype(np.float64)
+            wide: np.ndarray = twinattn.dequantize_kv(stored, scale).astype(np.float64)
             return wide
         return stored.astype(np.float64)
 
@@ -613,7 +603,7 @@ def make_problem(case: Case, seed: int = 0) -> AnyProblem:
         kv_lens = None if case.kv_lens is None else np.asarray(case.kv_lens, dtype=np.int64)
         if dtype != INT8:
             return Problem(case, q, k, v, kv_lens, 1.0 / math.sqrt(d))
-        quantize = getattr(twinattn, "quantize_kv")  # issue #15's API (parse_dtypes checks it is there)
+        quantize = twinattn.quantize_kv
         (k8, k_scale), (v8, v_scale) = quantize(k), quantize(v)
         for a in (k8, k_scale, v8, v_scale):
             a.flags.writeable = False  # shared by every backend
