@@ -164,8 +164,9 @@ def _padding(mask: Any) -> tuple[Any, Any]:
 
 # ---- the attention function -----------------------------------------------------------------------
 
-# Hq * Lq * Lk * (D + Dv) below which attention_forward runs on one thread (about 0.1 ms of work
-# on one core here): every decode step of SmolLM2 up to ~30k tokens of context, no prefill.
+# Hq * Lq * Lk * (D + Dv) below which attention_forward runs a half-precision model's call on one
+# thread (about 0.1 ms of work on one core here): every decode step of SmolLM2 up to ~30k tokens
+# of context, no prefill.
 _SERIAL_WORK = 2**25
 
 
@@ -225,13 +226,14 @@ def attention_forward(
     # the queries are the last q_len positions of a cache holding k_len keys (HF's alignment), said
     # explicitly so that right-padded rows (kv_lens < q_len) stay causal rather than raise
     q_offset = k_len - q_len if causal else None
-    # A decode-sized call runs on the calling thread alone. Between the layer's torch ops,
-    # torch's OpenMP threads keep spinning on both cores, so waking twinattn's second thread
-    # costs more than it saves: SmolLM2-135M bfloat16, 2 cores, one decode step of 30 layers took
-    # 20.1 / 25.7 / 28.8 ms at 16 / 1024 / 4096 tokens of context with 2 threads and 16.3 /
-    # 17.5 / 21.1 ms with 1 (float32: 40.5 -> ~38 ms at 16). Prefill keeps every thread.
+    # A decode-sized call of a float16/bfloat16 model runs on the calling thread alone: between
+    # such a model's torch ops, torch's OpenMP threads keep spinning on both cores, so waking
+    # twinattn's second thread costs more than it saves. SmolLM2-135M bfloat16, 2 cores, one
+    # decode step of 30 layers: 20.1 / 25.7 / 28.8 ms at 16 / 1024 / 4096 tokens of context with
+    # 2 threads, 16.3 / 17.5 / 21.1 ms with 1. A float32 model keeps both (its decode reads twice
+    # the bytes: one thread took its step at 4096 from 46.2 to 55.8 ms). Prefill keeps every thread.
     work = q_heads * q_len * k_len * (query.shape[-1] + value.shape[-1])
-    num_threads = 1 if work < _SERIAL_WORK else None
+    num_threads = 1 if query.dtype != torch.float32 and work < _SERIAL_WORK else None
 
     out = torch.empty((batch, q_len, q_heads, value.shape[-1]), dtype=query.dtype)
     scales = _int8_scales(key, value)
