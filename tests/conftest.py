@@ -10,6 +10,7 @@ TWINATTN_REQUIRE_OPTIONAL=torch,transformers).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import warnings
 from types import ModuleType
@@ -52,6 +53,16 @@ def native_backend(request: pytest.FixtureRequest) -> str:
 def optional_required(name: str) -> bool:
     """Whether TWINATTN_REQUIRE_OPTIONAL says the tests needing library `name` must run."""
     return name in _named_in("TWINATTN_REQUIRE_OPTIONAL")
+
+
+def require_package(name: str, how: str) -> None:
+    """For a test that needs the package importable as `name` (found without importing it): absent,
+    it skips the test, or fails it when TWINATTN_REQUIRE_OPTIONAL names it; `how` installs it."""
+    if importlib.util.find_spec(name) is None:
+        reason = f"the package {name!r} is not installed: {how}"
+        if optional_required(name):
+            pytest.fail(f"{reason}; TWINATTN_REQUIRE_OPTIONAL requires it", pytrace=False)
+        pytest.skip(reason)
 
 
 def import_optional(name: str, purpose: str) -> ModuleType:

