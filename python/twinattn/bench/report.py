@@ -428,21 +428,27 @@ def text(document: dict[str, Any]) -> str:
         )
         parts.append(f"{heading}\n{layers}")
     end_to_end = document.get("e2e")
-    if end_to_end and end_to_end.get("rows") is not None:
+    if end_to_end and end_to_end.get("rows"):
         heading = (
-            f"end to end: {end_to_end['model']} with transformers {end_to_end['transformers']}, torch "
-            f"{end_to_end['torch']}, {end_to_end['threads']} threads; prefill of a random prompt, then "
-            f"{end_to_end['steps']} greedy decode steps (median) at each context; split: one more pass profiled:"
+            f"end to end: transformers {end_to_end['transformers']}, torch {end_to_end['torch']}, "
+            f"{end_to_end['threads']} threads; prefill of a random prompt, then {end_to_end['steps']} greedy decode "
+            "steps (median) at each context; split: one more pass profiled:"
         )
         parts.append(f"{heading}\n{e2e.format_rows(end_to_end['rows'])}")
-        goals = e2e.targets(end_to_end["rows"])
+        goals = e2e.targets(end_to_end["rows"], e2e.plans_by_title(), end_to_end.get("shrink", 1))
         if goals:
             parts.append(f"end-to-end targets (issue #14; ratios within this run):\n{goals}")
-    elif end_to_end and end_to_end.get("error"):
+    if end_to_end and end_to_end.get("error"):
         parts.append(f"end to end: failed: {end_to_end['error']}")
+    for entry in (end_to_end or {}).get("models", {}).values():
+        if entry.get("error"):
+            parts.append(f"end to end: {entry['title']} failed: {entry['error']}")
     missing = {**document["peers_missing"], **document.get("not_timed_in_dtype", {})}
     if end_to_end and end_to_end.get("skipped"):
         missing["e2e"] = end_to_end["skipped"]
+    for entry in (end_to_end or {}).get("models", {}).values():
+        if entry.get("skipped"):
+            missing[f"e2e {entry['title']}"] = entry["skipped"]
     if missing:
         parts.append("not run: " + "; ".join(f"{name} ({why})" for name, why in missing.items()))
     return "\n\n".join(parts)
