@@ -23,7 +23,7 @@ import pytest
 
 import twinattn
 from helpers import (
-    DOT_PATH, FLOAT32_ERROR_FACTOR, FLOOR_ULPS, HALF_DTYPES, ISAS, UNIT_ROUNDOFF, as32, as64, assert_close_to_reference,
+    BACKEND_ISA_IDS, BACKEND_ISA_PAIRS, DOT_PATH, FLOAT32_ERROR_FACTOR, FLOOR_ULPS, HALF_DTYPES, UNIT_ROUNDOFF, as32, as64, assert_close_to_reference,
     assert_half_within, assert_lse_close, assert_lse_within, forced_isa, max_abs, rand, reference32, reference64,
 )
 
@@ -32,10 +32,7 @@ DTYPES = pytest.mark.parametrize("dtype", (np.dtype(np.float32),) + HALF_DTYPES,
 
 # numpy once, each port once per instruction set: conftest's `backend` fixture and `isa` below,
 # parametrized together (indirect), so numpy is not repeated per instruction set
-_PAIRS = [("numpy", "-")] + [(port, isa) for port in ("cpp", "rust") for isa in ISAS]
-ACROSS_ISAS = pytest.mark.parametrize(
-    ("backend", "isa"), _PAIRS, indirect=True, ids=[b if i == "-" else f"{b}-{i}" for b, i in _PAIRS]
-)
+ACROSS_ISAS = pytest.mark.parametrize(("backend", "isa"), BACKEND_ISA_PAIRS, indirect=True, ids=BACKEND_ISA_IDS)
 
 
 @pytest.fixture
