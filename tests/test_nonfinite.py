@@ -15,7 +15,7 @@ partly hidden and holds NaN or inf in V must not turn 0 * NaN into NaN (it takes
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -52,6 +52,14 @@ PATHS = {
     "prefill-causal": (2, 4, 2, 30, 300, 24, 16, True),  # 60 rows, diagonal tiles
 }
 VALUES = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
+
+
+def each_value_on_each_path(test: Callable[..., None]) -> Callable[..., None]:
+    """The tests of one non-finite value at a visible position: every backend and instruction set,
+    dtype, value (VALUES) and path (PATHS); the parameters (backend, isa, dtype, path, value)."""
+    for mark in (pytest.mark.parametrize("path", PATHS), pytest.mark.parametrize("value", VALUES, ids=str), DTYPES, ACROSS_ISAS):
+        test = mark(test)
+    return test
 
 
 def _problem(path: str, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
@@ -93,10 +101,7 @@ def _check(backend: str, isa: str, dtype: np.dtype, q: np.ndarray, k: np.ndarray
     return want_out, want_lse
 
 
-@ACROSS_ISAS
-@DTYPES
-@pytest.mark.parametrize("value", VALUES, ids=str)
-@pytest.mark.parametrize("path", PATHS)
+@each_value_on_each_path
 def test_nonfinite_query_row(backend: str, isa: str, dtype: np.dtype, path: str, value: str) -> None:
     q, k, v, kwargs = _problem(path, 1)
     b, h, i = q.shape[0] - 1, q.shape[1] // 2 + 1, q.shape[2] - 2
@@ -110,10 +115,7 @@ def test_nonfinite_query_row(backend: str, isa: str, dtype: np.dtype, path: str,
         assert np.isnan(want_lse[b, h, i])
 
 
-@ACROSS_ISAS
-@DTYPES
-@pytest.mark.parametrize("value", VALUES, ids=str)
-@pytest.mark.parametrize("path", PATHS)
+@each_value_on_each_path
 def test_nonfinite_visible_key(backend: str, isa: str, dtype: np.dtype, path: str, value: str) -> None:
     """One element of one key row: the rows that see that key score NaN (NaN rows) or +-inf (rows
     with a +inf score are NaN with lse +inf; a -inf score leaves the key out)."""
@@ -126,10 +128,7 @@ def test_nonfinite_visible_key(backend: str, isa: str, dtype: np.dtype, path: st
     assert not np.isnan(want_out[:, group:]).any()
 
 
-@ACROSS_ISAS
-@DTYPES
-@pytest.mark.parametrize("value", VALUES, ids=str)
-@pytest.mark.parametrize("path", PATHS)
+@each_value_on_each_path
 def test_nonfinite_visible_value(backend: str, isa: str, dtype: np.dtype, path: str, value: str) -> None:
     """One element of one value row: the column it is in becomes NaN or +-inf in every row that
     sees the key; the other columns stay finite."""
@@ -143,10 +142,7 @@ def test_nonfinite_visible_value(backend: str, isa: str, dtype: np.dtype, path: 
     assert np.isfinite(np.delete(want_out, c, axis=-1)).all()
 
 
-@ACROSS_ISAS
-@DTYPES
-@pytest.mark.parametrize("value", VALUES, ids=str)
-@pytest.mark.parametrize("path", PATHS)
+@each_value_on_each_path
 def test_nonfinite_float_mask(backend: str, isa: str, dtype: np.dtype, path: str, value: str) -> None:
     """NaN or +inf in a visible bias makes that row NaN (lse NaN or +inf); -inf hides the key."""
     q, k, v, kwargs = _problem(path, 4)

@@ -67,6 +67,16 @@ def _outcome(call: Callable[[], object]) -> tuple[str, str]:
     return "no error", ""
 
 
+def _kernel_outcomes(modules: dict[str, ModuleType], overrides: dict[str, Any]) -> dict[tuple[str, str], tuple[str, str]]:
+    """(port, kernel) -> what each native kernel of each port does with _args(**overrides)."""
+    outcomes = {}
+    for port, module in modules.items():
+        for kernel in KERNELS:
+            args = _args(**overrides)
+            outcomes[port, kernel] = _outcome(lambda: getattr(module, kernel)(**args))
+    return outcomes
+
+
 def _strided(shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
     """A writeable float32 view with arbitrary byte strides over a zeroed, aligned buffer (NumPy
     checks that it stays inside the buffer)."""
@@ -220,11 +230,7 @@ BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
 def test_bad_native_call_same_error_in_both_ports(
     modules: dict[str, ModuleType], overrides: dict[str, Any], exc: type[Exception], message: str
 ) -> None:
-    outcomes = {}
-    for port, module in modules.items():
-        for kernel in KERNELS:
-            args = _args(**overrides)
-            outcomes[port, kernel] = _outcome(lambda: getattr(module, kernel)(**args))
+    outcomes = _kernel_outcomes(modules, overrides)
     assert set(outcomes.values()) == {(exc.__name__, message)}, outcomes
 
 
@@ -321,11 +327,7 @@ INT8_BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
 def test_bad_int8_native_call_same_error_in_both_ports(
     modules: dict[str, ModuleType], overrides: dict[str, Any], exc: type[Exception], message: str | None
 ) -> None:
-    outcomes = {}
-    for port, module in modules.items():
-        for kernel in KERNELS:
-            args = _args(**overrides)
-            outcomes[port, kernel] = _outcome(lambda: getattr(module, kernel)(**args))
+    outcomes = _kernel_outcomes(modules, overrides)
     assert len(set(outcomes.values())) == 1, outcomes
     kind, text = next(iter(outcomes.values()))
     assert kind == exc.__name__, outcomes
