@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import twinattn
+from conftest import _require
 from twinattn.reference import round_to_dtype
 
 UNIT_ROUNDOFF = 2.0**-24  # float32
@@ -75,6 +76,22 @@ def forced_isa(port: str, isa: str) -> Iterator[None]:
         yield
     finally:
         module.set_isa(previous)
+
+
+# numpy once, each native port once per instruction set; "-": numpy has none
+BACKEND_ISA_PAIRS = [("numpy", "-")] + [(port, isa) for port in ("cpp", "rust") for isa in ISAS]
+BACKEND_ISA_IDS = [port if isa == "-" else f"{port}-{isa}" for port, isa in BACKEND_ISA_PAIRS]
+
+
+@pytest.fixture(params=BACKEND_ISA_PAIRS, ids=BACKEND_ISA_IDS)
+def backend_isa(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """(backend, isa): numpy once, each native port once per instruction set (forced with set_isa);
+    a test module imports it to use it."""
+    port, isa = request.param
+    if port != "numpy":
+        _require(port)
+    with forced_isa(port, isa):
+        yield port, isa
 
 
 def half_ulp(x: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -415,12 +415,9 @@ def test_port_ratio_comes_from_the_alternate_timing() -> None:
 def test_both_ports_are_timed_alternately_in_a_run(
     small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cli, "standard_suite", _tiny_layer_suite)
-    path = tmp_path / "out.json"
     args = ["--cases", "tiny,decode/N=1024,layer-decode", "--shrink", "64", "--time-budget", "0.01", "--no-progress"]
-    assert cli.main(args + ["--backends", "cpp,rust", "--json", str(path)]) == 0
+    results = _run_on_tiny_layer_suite(monkeypatch, tmp_path, args + ["--backends", "cpp,rust"])
     assert "C++ against Rust, timed alternately" in capsys.readouterr().out
-    results = json.loads(path.read_text())["results"]
     assert len(results) == 6
     for case in ("tiny", "decode/N=1024", "layer-decode"):
         cpp, rust = (next(r for r in results if r["case"] == case and r["backend"] == b) for b in ("cpp", "rust"))
@@ -706,18 +703,25 @@ def _tiny_layer_suite(all_threads: int) -> list[Case]:
     return [c for c in suite.standard_suite(all_threads) if c.kind != suite.LAYER] + [tiny_layer(64)]
 
 
+def _run_on_tiny_layer_suite(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, args: list[str], status: int = 0) -> list[dict[str, Any]]:
+    """The benchmark command with args on the standard suite whose layer case is tiny: asserts its
+    exit status and returns the JSON's result rows."""
+    monkeypatch.setattr(cli, "standard_suite", _tiny_layer_suite)
+    path = tmp_path / "out.json"
+    assert cli.main(args + ["--json", str(path)]) == status
+    results: list[dict[str, Any]] = json.loads(path.read_text())["results"]
+    return results
+
+
 def test_layer_case_in_the_json_and_the_table(
     small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cli, "standard_suite", _tiny_layer_suite)
-    path = tmp_path / "out.json"
     args = ["--cases", "layer-decode", "--time-budget", "0.01", "--threads", "1", "--no-progress"]
-    assert cli.main(args + ["--backends", "numpy", "--json", str(path)]) == 0
+    (row,) = _run_on_tiny_layer_suite(monkeypatch, tmp_path, args + ["--backends", "numpy"])
     out = capsys.readouterr().out
     assert "nn.Attention decode step against the kernel alone" in out
     line = next(line for line in out.splitlines() if line.startswith("layer-decode"))
     assert "kernel alone" in line and "overhead" in line
-    (row,) = json.loads(path.read_text())["results"]
     assert RESULT_FIELDS | LAYER_FIELDS <= row.keys()
     assert row["kind"] == "layer" and row["status"] == "ok"
     assert row["layer_s"] == row["median_s"] > 0 and row["kernel_s"] > 0
@@ -730,16 +734,13 @@ def test_layer_case_in_the_json_and_the_table(
 def test_wrong_layer_fails_the_command(
     small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(cli, "standard_suite", _tiny_layer_suite)
     table = peers.make_runners()
     table["numpy"] = BrokenLayerRunner("rope-base")
     monkeypatch.setattr(cli, "make_runners", lambda: table)
-    path = tmp_path / "out.json"
-    args = ["--cases", "layer-decode", "--backends", "numpy", "--no-progress", "--json", str(path)]
-    assert cli.main(args) == 1
+    args = ["--cases", "layer-decode", "--backends", "numpy", "--no-progress"]
+    (row,) = _run_on_tiny_layer_suite(monkeypatch, tmp_path, args, status=1)
     out = capsys.readouterr().out
     assert "WRONG" in next(line for line in out.splitlines() if line.startswith("layer-decode"))
-    (row,) = json.loads(path.read_text())["results"]
     assert row["status"] == "wrong" and row["layer_s"] is None and row["kernel_s"] is None
 
 

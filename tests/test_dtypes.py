@@ -20,7 +20,7 @@ ports' bits and messages: tests/test_port_parity.py; NaN and inf: tests/test_non
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import ml_dtypes
@@ -28,27 +28,15 @@ import numpy as np
 import pytest
 
 import twinattn
-from conftest import _require, import_optional
+from conftest import import_optional
 from helpers import (
-    BFLOAT16, DOT_PATH, FLOAT16, HALF_DTYPES, ISAS, as32, as64, assert_half_within, assert_lse_within, forced_isa, max_abs,
+    BFLOAT16, DOT_PATH, FLOAT16, HALF_DTYPES, as32, as64, assert_half_within, assert_lse_within, forced_isa, max_abs,
     rand, reference32, reference64,
 )
+from helpers import backend_isa  # noqa: F401  (the fixture: numpy, and each port per instruction set)
 from twinattn.reference import round_to_dtype
 
 DTYPE_IDS = {FLOAT16: "float16", BFLOAT16: "bfloat16"}
-_PAIRS = [("numpy", "-")] + [(port, isa) for port in ("cpp", "rust") for isa in ISAS]
-
-
-@pytest.fixture(params=_PAIRS, ids=[p if i == "-" else f"{p}-{i}" for p, i in _PAIRS])
-def backend_isa(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
-    """numpy once, each native port once per instruction set (forced with set_isa)."""
-    port, isa = request.param
-    if port != "numpy":
-        _require(port)
-    with forced_isa(port, isa):
-        yield port, isa
-
-
 half_dtypes = pytest.mark.parametrize("dtype", HALF_DTYPES, ids=DTYPE_IDS.get)
 
 

@@ -17,7 +17,6 @@ The ports' bits and native messages: tests/test_port_parity.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import ml_dtypes
@@ -25,23 +24,8 @@ import numpy as np
 import pytest
 
 import twinattn
-from conftest import _require
-from helpers import (
-    BFLOAT16, FLOAT16, ISAS, assert_close_to_reference, assert_half_close_to_reference, assert_lse_close,
-    forced_isa, rand,
-)
-
-_PAIRS = [("numpy", "-")] + [(port, isa) for port in ("cpp", "rust") for isa in ISAS]
-
-
-@pytest.fixture(params=_PAIRS, ids=[p if i == "-" else f"{p}-{i}" for p, i in _PAIRS])
-def backend_isa(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
-    port, isa = request.param
-    if port != "numpy":
-        _require(port)
-    with forced_isa(port, isa):
-        yield port, isa
-
+from helpers import BFLOAT16, FLOAT16, assert_close_to_reference, assert_half_close_to_reference, assert_lse_close, rand
+from helpers import backend_isa  # noqa: F401  (the fixture: numpy, and each port per instruction set)
 
 # ---- quantize_kv / dequantize_kv ------------------------------------------------------------------
 

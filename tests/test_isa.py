@@ -25,8 +25,8 @@ import pytest
 import twinattn
 from conftest import _require
 from helpers import (
-    FLOAT32_ERROR_FACTOR, FLOOR_ULPS, UNIT_ROUNDOFF, assert_close_to_reference, assert_lse_close, rand, reference32,
-    reference64,
+    FLOAT32_ERROR_FACTOR, FLOOR_ULPS, UNIT_ROUNDOFF, assert_close_to_reference, assert_lse_close, forced_isa, rand,
+    reference32, reference64,
 )
 
 # the instruction sets a build for this machine's architecture may offer
@@ -41,17 +41,8 @@ def _module(port: str) -> ModuleType:
 def port_isa(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     port, isa = request.param
     _require(port)
-    module = _module(port)
-    info = module.build_info()
-    if isa not in info["isa_available"]:
-        pytest.skip(f"{port}: {isa} not available on this CPU/build ({info['isa_available']})")
-    previous = info["isa"]
-    module.set_isa(isa)
-    try:
-        assert module.build_info()["isa"] == isa
+    with forced_isa(port, isa):
         yield port, isa
-    finally:
-        module.set_isa(previous)
 
 
 # (B, Hq, Hkv, Lq, Lk, D, Dv) around the tile sizes: micro rows 6, vectors of 8/16 lanes, query
@@ -196,13 +187,7 @@ def test_ports_agree_bit_for_bit(isa: str) -> None:
     bits (C++ is built with -ffp-contract=off: GCC fusing a*b + c on its own broke this)."""
     _require("cpp")
     _require("rust")
-    cpp_module, rust_module = _module("cpp"), _module("rust")
-    if isa not in cpp_module.build_info()["isa_available"] or isa not in rust_module.build_info()["isa_available"]:
-        pytest.skip(f"{isa} not available to both ports on this CPU/build")
-    previous = cpp_module.build_info()["isa"], rust_module.build_info()["isa"]
-    cpp_module.set_isa(isa)
-    rust_module.set_isa(isa)
-    try:
+    with forced_isa("cpp", isa), forced_isa("rust", isa):
         rng = np.random.default_rng(2024)
         for _ in range(16):
             b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 4))
@@ -219,9 +204,6 @@ def test_ports_agree_bit_for_bit(isa: str) -> None:
             out_rust, lse_rust = twinattn.attention(q, k, v, backend="rust", **kwargs)
             np.testing.assert_array_equal(out_cpp, out_rust)
             np.testing.assert_array_equal(lse_cpp, lse_rust)
-    finally:
-        cpp_module.set_isa(previous[0])
-        rust_module.set_isa(previous[1])
 
 
 def test_ports_share_constants() -> None:

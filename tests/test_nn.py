@@ -308,6 +308,20 @@ def _attention_module(backend: str) -> tuple[twinattn.nn.Attention, np.random.Ge
     return module, rng
 
 
+# prefill 9 tokens, then three decode steps: (start, end) of each call
+_STEPS = ((0, 9), (9, 10), (10, 11), (11, 12))
+
+
+def _projected_by_hand(module: twinattn.nn.Attention, x: np.ndarray, start: int, end: int) -> tuple[np.ndarray, ...]:
+    """q, k and v (B, H, L, 16) of x[:, start:end] by hand: the layer's float32 projections and RoPE
+    (the same operations, so the same bits)."""
+    params = module.state_dict()
+    chunk, length, positions = x[:, start:end], end - start, np.arange(start, end)
+    q, k, v = ((chunk @ params[f"{n}_proj.weight"].T).reshape(2, length, -1, 16).transpose(0, 2, 1, 3) for n in "qkv")
+    q, k = module.rope.apply(q, positions), module.rope.apply(k, positions)  # type: ignore[union-attr]
+    return q, k, v
+
+
 @half_dtypes
 def test_nn_attention_with_a_half_cache(backend: str, dtype: np.dtype) -> None:
     """Prefill then three decode steps with a float16 / bfloat16 cache, against the same steps done
@@ -318,18 +332,15 @@ def test_nn_attention_with_a_half_cache(backend: str, dtype: np.dtype) -> None:
     reference the exact one) carried through o_proj: sum_c |W_o[r, c]| ulp(out_c), plus float32
     roundoff of the output projection."""
     module, rng = _attention_module(backend)
-    params = module.state_dict()
-    w_q, w_k, w_v, w_o = (params[f"{n}_proj.weight"] for n in "qkvo")
+    w_o = module.state_dict()["o_proj.weight"]
     x = rand(rng, 2, 12, 64)
     cache = twinattn.KVCache(1, 2, 2, 16, 20, dtype=dtype)
     stored_k, stored_v = np.zeros((2, 2, 0, 16), dtype), np.zeros((2, 2, 0, 16), dtype)
-    for start, end in ((0, 9), (9, 10), (10, 11), (11, 12)):
+    for start, end in _STEPS:
         got = module(x[:, start:end], cache=cache)
         assert got.dtype == np.float32
-        # by hand
-        chunk, length, positions = x[:, start:end], end - start, np.arange(start, end)
-        q, k, v = ((chunk @ w.T).reshape(2, length, -1, 16).transpose(0, 2, 1, 3) for w in (w_q, w_k, w_v))
-        q, k = module.rope.apply(q, positions), module.rope.apply(k, positions)  # type: ignore[union-attr]
+        q, k, v = _projected_by_hand(module, x, start, end)
+        length = end - start
         stored_k = np.concatenate([stored_k, k.astype(dtype)], axis=2)
         stored_v = np.concatenate([stored_v, v.astype(dtype)], axis=2)
         exact = reference64(q.astype(dtype), stored_k, stored_v, causal=True, q_offset=start, scale=0.25)
@@ -351,18 +362,16 @@ def test_nn_attention_with_an_int8_cache(backend: str) -> None:
     output projection in float64. Tolerance: the float32 attention error (a multiple of the NumPy
     float32 reference's, plus a floor) carried through o_proj, plus float32 roundoff of o_proj."""
     module, rng = _attention_module(backend)
-    params = module.state_dict()
-    w_q, w_k, w_v, w_o = (params[f"{n}_proj.weight"] for n in "qkvo")
+    w_o = module.state_dict()["o_proj.weight"]
     x = rand(rng, 2, 12, 64)
     cache = twinattn.KVCache(1, 2, 2, 16, 20, dtype="int8")
     stored_k, stored_v = np.zeros((2, 2, 0, 16), np.float32), np.zeros((2, 2, 0, 16), np.float32)
     w_o64 = np.abs(w_o.T).astype(np.float64)
-    for start, end in ((0, 9), (9, 10), (10, 11), (11, 12)):
+    for start, end in _STEPS:
         got = module(x[:, start:end], cache=cache)
         assert got.dtype == np.float32
-        chunk, length, positions = x[:, start:end], end - start, np.arange(start, end)
-        q, k, v = ((chunk @ w.T).reshape(2, length, -1, 16).transpose(0, 2, 1, 3) for w in (w_q, w_k, w_v))
-        q, k = module.rope.apply(q, positions), module.rope.apply(k, positions)  # type: ignore[union-attr]
+        q, k, v = _projected_by_hand(module, x, start, end)
+        length = end - start
         stored_k = np.concatenate([stored_k, twinattn.dequantize_kv(*twinattn.quantize_kv(np.ascontiguousarray(k)))], axis=2)
         stored_v = np.concatenate([stored_v, twinattn.dequantize_kv(*twinattn.quantize_kv(np.ascontiguousarray(v)))], axis=2)
         exact = reference64(q, stored_k, stored_v, causal=True, q_offset=start, scale=0.25)

@@ -15,7 +15,7 @@ partly hidden and holds NaN or inf in V must not turn 0 * NaN into NaN (it takes
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ import pytest
 
 import twinattn
 from helpers import (
-    DOT_PATH, FLOAT32_ERROR_FACTOR, FLOOR_ULPS, HALF_DTYPES, ISAS, UNIT_ROUNDOFF, as32, as64, assert_close_to_reference,
+    BACKEND_ISA_IDS, BACKEND_ISA_PAIRS, DOT_PATH, FLOAT32_ERROR_FACTOR, FLOOR_ULPS, HALF_DTYPES, UNIT_ROUNDOFF, as32, as64, assert_close_to_reference,
     assert_half_within, assert_lse_close, assert_lse_within, forced_isa, max_abs, rand, reference32, reference64,
 )
 
@@ -32,10 +32,7 @@ DTYPES = pytest.mark.parametrize("dtype", (np.dtype(np.float32),) + HALF_DTYPES,
 
 # numpy once, each port once per instruction set: conftest's `backend` fixture and `isa` below,
 # parametrized together (indirect), so numpy is not repeated per instruction set
-_PAIRS = [("numpy", "-")] + [(port, isa) for port in ("cpp", "rust") for isa in ISAS]
-ACROSS_ISAS = pytest.mark.parametrize(
-    ("backend", "isa"), _PAIRS, indirect=True, ids=[b if i == "-" else f"{b}-{i}" for b, i in _PAIRS]
-)
+ACROSS_ISAS = pytest.mark.parametrize(("backend", "isa"), BACKEND_ISA_PAIRS, indirect=True, ids=BACKEND_ISA_IDS)
 
 
 @pytest.fixture
@@ -55,6 +52,14 @@ PATHS = {
     "prefill-causal": (2, 4, 2, 30, 300, 24, 16, True),  # 60 rows, diagonal tiles
 }
 VALUES = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
+
+
+def each_value_on_each_path(test: Callable[..., None]) -> Callable[..., None]:
+    """The tests of one non-finite value at a visible position: every backend and instruction set,
+    dtype, value (VALUES) and path (PATHS); the parameters (backend, isa, dtype, path, value)."""
+    for mark in (pytest.mark.parametrize("path", PATHS), pytest.mark.parametrize("value", VALUES, ids=str), DTYPES, ACROSS_ISAS):
+        test = mark(test)
+    return test
 
 
 def _problem(path: str, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
@@ -96,10 +101,7 @@ def _check(backend: str, isa: str, dtype: np.dtype, q: np.ndarray, k: np.ndarray
     return want_out, want_lse
 
 
-@ACROSS_ISAS
-@DTYPES
-@pytest.mark.parametrize("value", VALUES, ids=str)
-@pytest.mark.parametrize("path", PATHS)
+@each_value_on_each_path
 def test_nonfinite_query_row(backend: str, isa: str, dtype: np.dtype, path: str, value: str) -> None:
     q, k, v, kwargs = _problem(path, 1)
     b, h, i = q.shape[0] - 1, q.shape[1] // 2 + 1, q.shape[2] - 2
@@ -113,10 +115,7 @@ def test_nonfinite_query_row(backend: str, isa: str, dtype: np.dtype, path: str,
         assert np.isnan(want_lse[b, h, i])
 
 
-@ACROSS_ISAS
-@DTYPES
-@pytest.mark.parametrize("value", VALUES, ids=str)
-@pytest.mark.parametrize("path", PATHS)
+@each_value_on_each_path
 def test_nonfinite_visible_key(backend: str, isa: str, dtype: np.dtype, path: str, value: str) -> None:
     """One element of one key row: the rows that see that key score NaN (NaN rows) or +-inf (rows
     with a +inf score are NaN with lse +inf; a -inf score leaves the key out)."""
@@ -129,10 +128,7 @@ def test_nonfinite_visible_key(backend: str, isa: str, dtype: np.dtype, path: st
     assert not np.isnan(want_out[:, group:]).any()
 
 
-@ACROSS_ISAS
-@DTYPES
-@pytest.mark.parametrize("value", VALUES, ids=str)
-@pytest.mark.parametrize("path", PATHS)
+@each_value_on_each_path
 def test_nonfinite_visible_value(backend: str, isa: str, dtype: np.dtype, path: str, value: str) -> None:
     """One element of one value row: the column it is in becomes NaN or +-inf in every row that
     sees the key; the other columns stay finite."""
@@ -146,10 +142,7 @@ def test_nonfinite_visible_value(backend: str, isa: str, dtype: np.dtype, path: 
     assert np.isfinite(np.delete(want_out, c, axis=-1)).all()
 
 
-@ACROSS_ISAS
-@DTYPES
-@pytest.mark.parametrize("value", VALUES, ids=str)
-@pytest.mark.parametrize("path", PATHS)
+@each_value_on_each_path
 def test_nonfinite_float_mask(backend: str, isa: str, dtype: np.dtype, path: str, value: str) -> None:
     """NaN or +inf in a visible bias makes that row NaN (lse NaN or +inf); -inf hides the key."""
     q, k, v, kwargs = _problem(path, 4)

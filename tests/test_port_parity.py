@@ -67,6 +67,16 @@ def _outcome(call: Callable[[], object]) -> tuple[str, str]:
     return "no error", ""
 
 
+def _kernel_outcomes(modules: dict[str, ModuleType], overrides: dict[str, Any]) -> dict[tuple[str, str], tuple[str, str]]:
+    """(port, kernel) -> what each native kernel of each port does with _args(**overrides)."""
+    outcomes = {}
+    for port, module in modules.items():
+        for kernel in KERNELS:
+            args = _args(**overrides)
+            outcomes[port, kernel] = _outcome(lambda: getattr(module, kernel)(**args))
+    return outcomes
+
+
 def _strided(shape: tuple[int, ...], strides: tuple[int, ...]) -> np.ndarray:
     """A writeable float32 view with arbitrary byte strides over a zeroed, aligned buffer (NumPy
     checks that it stays inside the buffer)."""
@@ -220,12 +230,53 @@ BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
 def test_bad_native_call_same_error_in_both_ports(
     modules: dict[str, ModuleType], overrides: dict[str, Any], exc: type[Exception], message: str
 ) -> None:
-    outcomes = {}
-    for port, module in modules.items():
-        for kernel in KERNELS:
-            args = _args(**overrides)
-            outcomes[port, kernel] = _outcome(lambda: getattr(module, kernel)(**args))
+    outcomes = _kernel_outcomes(modules, overrides)
     assert set(outcomes.values()) == {(exc.__name__, message)}, outcomes
+
+
+def _sweep_problem(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
+    """Problem n of a same-bits sweep: float32 q, k, v and the keywords. GQA, causal or not,
+    kv_lens, odd D; a decode step every fourth, a bool mask or a float bias two in three, and every
+    fifth the variants (window, softcap, ALiBi, sinks)."""
+    b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 4))
+    hq = hkv * int(rng.choice([1, 2, 4, 8]))
+    lk = int(rng.integers(1, 1500))
+    lq = 1 if n % 4 == 0 else int(rng.integers(1, min(120, lk) + 1))
+    d, dv = int(rng.choice([17, 32, 64, 128])), int(rng.choice([9, 24, 64, 128]))
+    q, k, v = (rand(rng, b, h, n_, w) for h, n_, w in ((hq, lq, d), (hkv, lk, d), (hkv, lk, dv)))
+    kwargs: dict[str, Any] = dict(causal=bool(rng.integers(0, 2)), return_lse=True)
+    kwargs["kv_lens"] = rng.integers(0 if not kwargs["causal"] else lq, lk + 1, size=b)
+    if n % 3 == 0:
+        kwargs["attn_mask"] = rng.random((b, hq, lq, lk)) > 0.3
+    elif n % 3 == 1:
+        kwargs["attn_mask"] = rng.standard_normal((1, hq, 1, lk)).astype(np.float32)
+    if n % 5 == 2:
+        kwargs.update(window_size=(int(rng.integers(0, 300)), -1), softcap=3.0,
+                      alibi_slopes=rng.uniform(0, 0.1, hq).astype(np.float32), sinks=rng.standard_normal(hq).astype(np.float32))
+    return q, k, v, kwargs
+
+
+def _assert_ports_same_bits(q: np.ndarray, k: np.ndarray, v: np.ndarray, **kwargs: Any) -> None:
+    """twinattn.attention with backend="cpp" and "rust": the same bits in out (q's dtype) and lse."""
+    out_cpp, lse_cpp = twinattn.attention(q, k, v, backend="cpp", **kwargs)
+    out_rust, lse_rust = twinattn.attention(q, k, v, backend="rust", **kwargs)
+    assert out_cpp.dtype == out_rust.dtype == q.dtype
+    np.testing.assert_array_equal(out_cpp.view(np.uint8), out_rust.view(np.uint8))
+    np.testing.assert_array_equal(lse_cpp, lse_rust)
+
+
+def _assert_kernels_same_bits(modules: dict[str, ModuleType], out_dtype: np.dtype, **overrides: Any) -> None:
+    """Both ports' plain kernels, called directly (causal, offsets and kv_lens set), write the same
+    bits to out and lse; each call gets its own out and lse."""
+    for kernel in KERNELS:
+        outs = []
+        for module in modules.values():
+            args = _args(out=np.zeros(OUT_SHAPE, out_dtype), lse=np.zeros((2, 4, 5), np.float32), causal=True,
+                         kv_lens=np.array([7, 4]), q_offset=np.array([2, 0]), **overrides)
+            getattr(module, kernel)(**args)
+            outs.append((args["out"].view(np.uint8), args["lse"]))
+        for a, b_ in zip(*outs):
+            np.testing.assert_array_equal(a, b_)
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
@@ -237,35 +288,9 @@ def test_half_precision_same_bits_in_both_ports(modules: dict[str, ModuleType], 
     with forced_isa("cpp", isa), forced_isa("rust", isa):
         rng = np.random.default_rng(4242)
         for n in range(14):
-            b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 4))
-            hq = hkv * int(rng.choice([1, 2, 4, 8]))
-            lk = int(rng.integers(1, 1500))
-            lq = 1 if n % 4 == 0 else int(rng.integers(1, min(120, lk) + 1))
-            d, dv = int(rng.choice([17, 32, 64, 128])), int(rng.choice([9, 24, 64, 128]))
-            q, k, v = (rand(rng, b, h, n_, w).astype(dtype) for h, n_, w in ((hq, lq, d), (hkv, lk, d), (hkv, lk, dv)))
-            kwargs: dict[str, Any] = dict(causal=bool(rng.integers(0, 2)), return_lse=True)
-            kwargs["kv_lens"] = rng.integers(0 if not kwargs["causal"] else lq, lk + 1, size=b)
-            if n % 3 == 0:
-                kwargs["attn_mask"] = rng.random((b, hq, lq, lk)) > 0.3
-            elif n % 3 == 1:
-                kwargs["attn_mask"] = rng.standard_normal((1, hq, 1, lk)).astype(np.float32)
-            if n % 5 == 2:
-                kwargs.update(window_size=(int(rng.integers(0, 300)), -1), softcap=3.0,
-                              alibi_slopes=rng.uniform(0, 0.1, hq).astype(np.float32), sinks=rng.standard_normal(hq).astype(np.float32))
-            out_cpp, lse_cpp = twinattn.attention(q, k, v, backend="cpp", **kwargs)
-            out_rust, lse_rust = twinattn.attention(q, k, v, backend="rust", **kwargs)
-            assert out_cpp.dtype == out_rust.dtype == dtype
-            np.testing.assert_array_equal(out_cpp.view(np.uint16), out_rust.view(np.uint16))
-            np.testing.assert_array_equal(lse_cpp, lse_rust)
-        for kernel in KERNELS:  # the plain kernels as well, called directly
-            outs = []
-            for module in modules.values():
-                args = _args(q=Q.astype(dtype), k=K.astype(dtype), v=V.astype(dtype), out=np.zeros(OUT_SHAPE, dtype),
-                             lse=np.zeros((2, 4, 5), np.float32), causal=True, kv_lens=np.array([7, 4]), q_offset=np.array([2, 0]))
-                getattr(module, kernel)(**args)
-                outs.append((args["out"].view(np.uint16), args["lse"]))
-            for a, b_ in zip(*outs):
-                np.testing.assert_array_equal(a, b_)
+            q, k, v, kwargs = _sweep_problem(rng, n)
+            _assert_ports_same_bits(q.astype(dtype), k.astype(dtype), v.astype(dtype), **kwargs)
+        _assert_kernels_same_bits(modules, dtype, q=Q.astype(dtype), k=K.astype(dtype), v=V.astype(dtype))
 
 
 K8, V8 = twinattn.quantize_kv(K)[0], twinattn.quantize_kv(V)[0]
@@ -302,11 +327,7 @@ INT8_BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
 def test_bad_int8_native_call_same_error_in_both_ports(
     modules: dict[str, ModuleType], overrides: dict[str, Any], exc: type[Exception], message: str | None
 ) -> None:
-    outcomes = {}
-    for port, module in modules.items():
-        for kernel in KERNELS:
-            args = _args(**overrides)
-            outcomes[port, kernel] = _outcome(lambda: getattr(module, kernel)(**args))
+    outcomes = _kernel_outcomes(modules, overrides)
     assert len(set(outcomes.values())) == 1, outcomes
     kind, text = next(iter(outcomes.values()))
     assert kind == exc.__name__, outcomes
@@ -324,40 +345,14 @@ def test_int8_same_bits_in_both_ports(modules: dict[str, ModuleType], isa: str) 
     with forced_isa("cpp", isa), forced_isa("rust", isa):
         rng = np.random.default_rng(1515)
         for n in range(12):
-            dtype = (np.dtype(np.float32), *HALF_DTYPES)[n % 3]
-            b, hkv = int(rng.integers(1, 3)), int(rng.integers(1, 4))
-            hq = hkv * int(rng.choice([1, 2, 4, 8]))
-            lk = int(rng.integers(1, 1500))
-            lq = 1 if n % 4 == 0 else int(rng.integers(1, min(120, lk) + 1))
-            d, dv = int(rng.choice([17, 32, 64, 128])), int(rng.choice([9, 24, 64, 128]))
-            q = rand(rng, b, hq, lq, d).astype(dtype)
-            k8, k_scale = twinattn.quantize_kv(rand(rng, b, hkv, lk, d))
-            v8, v_scale = twinattn.quantize_kv(rand(rng, b, hkv, lk, dv))
+            q, k, v, kwargs = _sweep_problem(rng, n)
+            k8, k_scale = twinattn.quantize_kv(k)
+            v8, v_scale = twinattn.quantize_kv(v)
             if n % 4 == 1:
                 k_scale = np.broadcast_to(k_scale[:, :, :1], k_scale.shape)  # stride 0
-            kwargs: dict[str, Any] = dict(causal=bool(rng.integers(0, 2)), return_lse=True, k_scale=k_scale, v_scale=v_scale)
-            kwargs["kv_lens"] = rng.integers(0 if not kwargs["causal"] else lq, lk + 1, size=b)
-            if n % 3 == 0:
-                kwargs["attn_mask"] = rng.random((b, hq, lq, lk)) > 0.3
-            elif n % 3 == 1:
-                kwargs["attn_mask"] = rng.standard_normal((1, hq, 1, lk)).astype(np.float32)
-            if n % 5 == 2:
-                kwargs.update(window_size=(int(rng.integers(0, 300)), -1), softcap=3.0,
-                              alibi_slopes=rng.uniform(0, 0.1, hq).astype(np.float32), sinks=rng.standard_normal(hq).astype(np.float32))
-            out_cpp, lse_cpp = twinattn.attention(q, k8, v8, backend="cpp", **kwargs)
-            out_rust, lse_rust = twinattn.attention(q, k8, v8, backend="rust", **kwargs)
-            assert out_cpp.dtype == out_rust.dtype == dtype
-            np.testing.assert_array_equal(out_cpp.view(np.uint8), out_rust.view(np.uint8))
-            np.testing.assert_array_equal(lse_cpp, lse_rust)
-        for kernel in KERNELS:  # the plain kernels as well, called directly
-            outs = []
-            for module in modules.values():
-                args = _args(**INT8, lse=np.zeros((2, 4, 5), np.float32), causal=True, kv_lens=np.array([7, 4]),
-                             q_offset=np.array([2, 0]))
-                getattr(module, kernel)(**args)
-                outs.append((args["out"], args["lse"]))
-            for a, b_ in zip(*outs):
-                np.testing.assert_array_equal(a, b_)
+            dtype = (np.dtype(np.float32), *HALF_DTYPES)[n % 3]
+            _assert_ports_same_bits(q.astype(dtype), k8, v8, k_scale=k_scale, v_scale=v_scale, **kwargs)
+        _assert_kernels_same_bits(modules, np.dtype(np.float32), **INT8)
 
 
 def test_numbers_in_messages_are_written_alike_by_both_ports(modules: dict[str, ModuleType]) -> None:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import twinattn
 from conftest import ALL_BACKENDS, _require
-from helpers import UNIT_ROUNDOFF, assert_close_to_reference, assert_lse_close, rand
+from helpers import UNIT_ROUNDOFF, assert_close_to_reference, assert_lse_close, forced_isa, rand
 from test_isa import ISAS, port_isa  # noqa: F401  (the fixture: every port x instruction set)
 
 VARIANTS = ("window", "softcap", "alibi", "sinks", "all")
@@ -439,21 +439,12 @@ def test_fast_kernel_matches_plain_kernel(port_isa: tuple[str, str], seed: int) 
 def test_ports_agree_bit_for_bit(isa: str) -> None:
     _require("cpp")
     _require("rust")
-    modules = [importlib.import_module(f"twinattn._{port}") for port in ("cpp", "rust")]
-    if any(isa not in m.build_info()["isa_available"] for m in modules):
-        pytest.skip(f"{isa} not available to both ports on this CPU/build")
-    previous = [m.build_info()["isa"] for m in modules]
-    for m in modules:
-        m.set_isa(isa)
-    try:
+    with forced_isa("cpp", isa), forced_isa("rust", isa):
         for (q, k, v), kwargs in _isa_problems(78):
             out_cpp, lse_cpp = twinattn.attention(q, k, v, backend="cpp", **kwargs)
             out_rust, lse_rust = twinattn.attention(q, k, v, backend="rust", **kwargs)
             np.testing.assert_array_equal(out_cpp, out_rust)
             np.testing.assert_array_equal(lse_cpp, lse_rust)
-    finally:
-        for m, isa_before in zip(modules, previous):
-            m.set_isa(isa_before)
 
 
 def _tanh_inputs() -> np.ndarray:
@@ -488,18 +479,10 @@ def test_softcap_tanh_alone(port_isa: tuple[str, str]) -> None:  # noqa: F811
 def test_softcap_tanh_same_bits_in_both_ports(isa: str) -> None:
     _require("cpp")
     _require("rust")
-    modules = [importlib.import_module(f"twinattn._{port}") for port in ("cpp", "rust")]
-    if any(isa not in m.build_info()["isa_available"] for m in modules):
-        pytest.skip(f"{isa} not available to both ports on this CPU/build")
-    previous = [m.build_info()["isa"] for m in modules]
-    for m in modules:
-        m.set_isa(isa)
-    try:
+    with forced_isa("cpp", isa), forced_isa("rust", isa):
         x = _tanh_inputs()
-        np.testing.assert_array_equal(modules[0].softcap_tanh(x), modules[1].softcap_tanh(x))
-    finally:
-        for m, isa_before in zip(modules, previous):
-            m.set_isa(isa_before)
+        cpp, rust = (importlib.import_module(f"twinattn._{port}") for port in ("cpp", "rust"))
+        np.testing.assert_array_equal(cpp.softcap_tanh(x), rust.softcap_tanh(x))
 
 
 # ---- property test ---------------------------------------------------------------------------

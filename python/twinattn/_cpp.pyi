@@ -4,82 +4,51 @@ Hand-written from docs/native_api.md; `python -m mypy.stubtest twinattn._cpp twi
 (run by scripts/test.sh) checks them against the built module. Both native modules expose the
 same six functions with the same signatures, and raise the same exceptions with the same
 messages (docs/native_api.md lists them; tests/test_port_parity.py compares the two), so
-_cpp.pyi and _rust.pyi differ only in this docstring and __all__. They stay two files on
-purpose: re-exported from _cpp.pyi, the Rust functions' signatures (which PyO3 exposes and
-pybind11 does not) would go unchecked by stubtest.
+_cpp.pyi and _rust.pyi differ only in this docstring and __all__; their argument types are
+written once, in _native_types.pyi. The functions stay written in both files: stubtest checks
+only what a stub defines itself, so signatures imported from the other stub would go unchecked
+(the Rust ones, which PyO3 exposes and pybind11 does not, included).
 """
 
 from typing import Any
 
-from typing_extensions import TypeAlias
-
-import numpy as np
-from numpy.typing import NDArray
-
-# float32 (B, Hq, Lq) lse, float32 alibi_slopes and sinks; int64 (B,) for q_offset and kv_lens
-_F32: TypeAlias = NDArray[np.float32]
-# q, k, v, out (B, H, L, D): all float32, all float16, or all ml_dtypes.bfloat16 (a NumPy user
-# dtype that numpy's stubs cannot name: NDArray[Any] stands for it)
-_Data: TypeAlias = NDArray[np.float32] | NDArray[np.float16] | NDArray[Any]
-_I64: TypeAlias = NDArray[np.int64]
-# k and v: q's dtype, or both int8 with their float32 (B, Hkv, Lk) scales k_scale / v_scale
-_KV: TypeAlias = _Data | NDArray[np.int8]
-# float32 (B, Hq) ALiBi slopes (any strides: a (Hq,) vector as a stride-0 view) and (Hq,) sinks
-# bool (True = may attend) or float32 additive bias, shape exactly (B, Hq, Lq, Lk)
-_Mask: TypeAlias = NDArray[np.bool_] | NDArray[np.float32]
+from twinattn._native_types import F32, KV, Data, I64, Mask
 
 def attention_forward(
-    q: _Data,
-    k: _KV,
-    v: _KV,
-    out: _Data,
-    lse: _F32 | None,
-    q_offset: _I64,
-    kv_lens: _I64,
-    mask: _Mask | None,
+    q: Data,
+    k: KV,
+    v: KV,
+    out: Data,
+    lse: F32 | None,
+    q_offset: I64,
+    kv_lens: I64,
+    mask: Mask | None,
     causal: bool,
     scale: float,
     num_threads: int,
     window_left: int,
     window_right: int,
     softcap: float,
-    alibi_slopes: _F32 | None,
-    sinks: _F32 | None,
-    k_scale: _F32 | None = None,
-    v_scale: _F32 | None = None,
+    alibi_slopes: F32 | None,
+    sinks: F32 | None,
+    k_scale: F32 | None = None,
+    v_scale: F32 | None = None,
 ) -> None:
     """Exact attention into out (and lse) with the fast kernel and the ISA in use (set_isa)."""
 
-def attention_reference(
-    q: _Data,
-    k: _KV,
-    v: _KV,
-    out: _Data,
-    lse: _F32 | None,
-    q_offset: _I64,
-    kv_lens: _I64,
-    mask: _Mask | None,
-    causal: bool,
-    scale: float,
-    num_threads: int,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi_slopes: _F32 | None,
-    sinks: _F32 | None,
-    k_scale: _F32 | None = None,
-    v_scale: _F32 | None = None,
-) -> None:
-    """As attention_forward, computed by the plain scalar reference kernel (for tests)."""
+# as attention_forward, computed by the plain scalar reference kernel (for tests); an alias, which
+# stubtest checks against the module's attention_reference like a function
+attention_reference = attention_forward
 
-def softcap_tanh(x: _F32) -> _F32:
+def softcap_tanh(x: F32) -> F32:
     """tanh of a float32 vector with the fast kernel's vectorised tanh (softcap), for tests."""
 
 def set_isa(name: str) -> None:
     """Switches the instruction set among build_info()["isa_available"]; ValueError otherwise."""
 
 def measure_peak(kind: str, num_threads: int, seconds: float) -> float:
-    """GFLOP/s of a register-resident "fma32" or "bf16dot" loop on num_threads threads."""
+    """GFLOP/s of a register-resident loop of "fma32" (FMA) or "bf16dot" (VDPBF16PS) operations
+    on num_threads threads."""
 
 def build_info() -> dict[str, Any]:
     """{"isa": str, "isa_available": list[str], "compiler": str, "version": str,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Literal, Union, overload
+from typing import TYPE_CHECKING, Any, Literal, Union, overload
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -196,76 +196,42 @@ def _prepare_out(
     return out
 
 
-# return_lse=False (the default) gives out; return_lse=True gives (out, lse)
+if TYPE_CHECKING:
+    from typing_extensions import TypedDict, Unpack
+
+    class _Keywords(TypedDict, total=False):
+        """attention's keywords other than return_lse, for its overloads (the defaults and the
+        meaning: attention itself)."""
+
+        causal: bool
+        q_offset: int | ArrayLike | None
+        kv_lens: ArrayLike | None
+        attn_mask: ArrayLike | None
+        scale: float | None
+        out: np.ndarray | None
+        backend: str
+        num_threads: int | None
+        window_size: tuple[int, int]
+        softcap: float
+        alibi_slopes: ArrayLike | None
+        sinks: ArrayLike | None
+        k_scale: ArrayLike | None
+        v_scale: ArrayLike | None
+
+
+# return_lse=False (the default) gives out; return_lse=True gives (out, lse); the other keywords
+# as attention below (_Keywords, one entry each)
 @overload
 def attention(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    *,
-    causal: bool = False,
-    q_offset: int | ArrayLike | None = None,
-    kv_lens: ArrayLike | None = None,
-    attn_mask: ArrayLike | None = None,
-    scale: float | None = None,
-    return_lse: Literal[False] = False,
-    out: np.ndarray | None = None,
-    backend: str = "auto",
-    num_threads: int | None = None,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: ArrayLike | None = None,
-    sinks: ArrayLike | None = None,
-    k_scale: ArrayLike | None = None,
-    v_scale: ArrayLike | None = None,
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: Literal[False] = False, **keywords: Unpack[_Keywords]
 ) -> np.ndarray: ...
-
-
 @overload
 def attention(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    *,
-    causal: bool = False,
-    q_offset: int | ArrayLike | None = None,
-    kv_lens: ArrayLike | None = None,
-    attn_mask: ArrayLike | None = None,
-    scale: float | None = None,
-    return_lse: Literal[True],
-    out: np.ndarray | None = None,
-    backend: str = "auto",
-    num_threads: int | None = None,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: ArrayLike | None = None,
-    sinks: ArrayLike | None = None,
-    k_scale: ArrayLike | None = None,
-    v_scale: ArrayLike | None = None,
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: Literal[True], **keywords: Unpack[_Keywords]
 ) -> tuple[np.ndarray, np.ndarray]: ...
-
-
 @overload
 def attention(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    *,
-    causal: bool = False,
-    q_offset: int | ArrayLike | None = None,
-    kv_lens: ArrayLike | None = None,
-    attn_mask: ArrayLike | None = None,
-    scale: float | None = None,
-    return_lse: bool = False,
-    out: np.ndarray | None = None,
-    backend: str = "auto",
-    num_threads: int | None = None,
-    window_size: tuple[int, int] = (-1, -1),
-    softcap: float = 0.0,
-    alibi_slopes: ArrayLike | None = None,
-    sinks: ArrayLike | None = None,
-    k_scale: ArrayLike | None = None,
-    v_scale: ArrayLike | None = None,
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, *, return_lse: bool = False, **keywords: Unpack[_Keywords]
 ) -> Result: ...
 
 

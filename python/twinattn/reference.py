@@ -76,6 +76,9 @@ def round_to_dtype(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
         return rounded
 
 
+# Non-finite inputs (NaN, inf, overflowing scores) are the caller's: they propagate into the result as
+# IEEE arithmetic says, without warnings.
+@np.errstate(over="ignore", invalid="ignore", divide="ignore")
 def attention_reference(
     q: np.ndarray,
     k: np.ndarray,
@@ -94,14 +97,15 @@ def attention_reference(
     k_scale: np.ndarray | None = None,
     v_scale: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    if k.dtype == INT8:
-        # int8 k and v with float32 scales (B, Hkv, Lk): dequantized in float32 (float32(x) * scale,
-        # one rounding), then computed in float64 like a float16 / bfloat16 problem; out is rounded
-        # once to q's dtype and lse is float32
-        assert k_scale is not None and v_scale is not None, "int8 k and v need k_scale and v_scale"
-        with np.errstate(invalid="ignore", over="ignore"):
+    if k.dtype == INT8 or q.dtype in HALF_DTYPES:
+        if k.dtype == INT8:
+            # int8 k and v with float32 scales (B, Hkv, Lk): dequantized in float32 (float32(x) * scale,
+            # one rounding), then computed in float64 like a float16 / bfloat16 problem
+            assert k_scale is not None and v_scale is not None, "int8 k and v need k_scale and v_scale"
             k = k.astype(FLOAT32) * k_scale[..., None]
             v = v.astype(FLOAT32) * v_scale[..., None]
+        # float16 / bfloat16 (and dequantized int8): float64 from the given values (exact), out
+        # rounded once to q's dtype, lse float32
         out, lse = attention_reference(
             q.astype(FLOAT64), k.astype(FLOAT64), v.astype(FLOAT64), causal=causal, q_offset=q_offset,
             kv_lens=kv_lens, mask=mask if mask is None or mask.dtype == np.bool_ else mask.astype(FLOAT64),
@@ -109,45 +113,8 @@ def attention_reference(
             alibi_slopes=None if alibi_slopes is None else alibi_slopes.astype(FLOAT64),
             sinks=None if sinks is None else sinks.astype(FLOAT64),
         )
-        with np.errstate(over="ignore"):
-            return round_to_dtype(out, q.dtype), lse.astype(FLOAT32)
-    if q.dtype in HALF_DTYPES:
-        # float16 / bfloat16: float64 from the given values (exact), out rounded once, lse float32
-        out, lse = attention_reference(
-            q.astype(FLOAT64), k.astype(FLOAT64), v.astype(FLOAT64), causal=causal, q_offset=q_offset,
-            kv_lens=kv_lens, mask=mask if mask is None or mask.dtype == np.bool_ else mask.astype(FLOAT64),
-            scale=scale, window_left=window_left, window_right=window_right, softcap=softcap,
-            alibi_slopes=None if alibi_slopes is None else alibi_slopes.astype(FLOAT64),
-            sinks=None if sinks is None else sinks.astype(FLOAT64),
-        )
-        with np.errstate(over="ignore"):
-            return round_to_dtype(out, q.dtype), lse.astype(FLOAT32)
-    # Non-finite inputs (NaN, inf, overflowing scores) are the caller's: they propagate into the
-    # result as IEEE arithmetic says, without warnings.
-    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        return _attention_reference(
-            q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, mask=mask, scale=scale,
-            window_left=window_left, window_right=window_right, softcap=softcap,
-            alibi_slopes=alibi_slopes, sinks=sinks,
-        )
+        return round_to_dtype(out, q.dtype), lse.astype(FLOAT32)
 
-
-def _attention_reference(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    *,
-    causal: bool,
-    q_offset: np.ndarray,
-    kv_lens: np.ndarray,
-    mask: np.ndarray | None,
-    scale: float,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi_slopes: np.ndarray | None,
-    sinks: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray]:
     dtype = q.dtype
     batch, q_heads, q_len, _ = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]

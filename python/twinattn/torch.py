@@ -161,23 +161,6 @@ def _attention_impl(
     return out, lse
 
 
-def _attention_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    q_offset: Optional[torch.Tensor],
-    kv_lens: Optional[torch.Tensor],
-    attn_mask: Optional[torch.Tensor],
-    scale: Optional[float],
-    backend: str = "auto",
-    num_threads: Optional[int] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    _check_fake_ranks(q, k, v)
-    out = q.new_empty(q.shape[:-1] + v.shape[-1:])
-    return out, q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
-
-
 def _attention_out_impl(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -198,21 +181,26 @@ def _attention_out_impl(
     return lse
 
 
-def _attention_out_fake(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    causal: bool,
-    q_offset: Optional[torch.Tensor],
-    kv_lens: Optional[torch.Tensor],
-    attn_mask: Optional[torch.Tensor],
-    scale: Optional[float],
-    backend: str = "auto",
-    num_threads: Optional[int] = None,
-) -> torch.Tensor:
-    _check_fake_ranks(q, k, v)
-    return q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
+# The fake implementations: the results' shapes and dtypes, from q, k and v alone (the options
+# after them change neither)
+def _attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_options: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    lse = _lse_fake(q, k, v)
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), lse
+
+
+def _attention_out_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *_options: Any) -> torch.Tensor:
+    return _lse_fake(q, k, v)
+
+
+def _lse_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # the shapes the fake results are built from; the real op checks everything else
+    if not (q.dim() == k.dim() == v.dim() and 2 <= q.dim() <= 4):
+        raise ValueError(
+            f"q, k, v: expected 2, 3 or 4 dimensions (B, H, L, D), one rank for all three, got shapes "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    # lse is float32 whatever q's dtype (float64 for a float64 problem, backend="numpy")
+    return q.new_empty(q.shape[:-1], dtype=torch.float64 if q.dtype == torch.float64 else torch.float32)
 
 
 # (registered by call rather than as decorators: torch is typed Any here, and mypy --strict rejects
@@ -221,20 +209,6 @@ _attention_op = torch.library.custom_op("twinattn::attention", _attention_impl, 
 _attention_op.register_fake(_attention_fake)
 _attention_out_op = torch.library.custom_op("twinattn::attention_out", _attention_out_impl, mutates_args=("out",))
 _attention_out_op.register_fake(_attention_out_fake)
-
-
-def _lse_dtype(q: Any) -> torch.dtype:
-    # lse is float32 whatever q's dtype (float64 for a float64 problem, backend="numpy")
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def _check_fake_ranks(q: Any, k: Any, v: Any) -> None:
-    # the shapes the fake results are built from; the real op checks everything else
-    if not (q.dim() == k.dim() == v.dim() and 2 <= q.dim() <= 4):
-        raise ValueError(
-            f"q, k, v: expected 2, 3 or 4 dimensions (B, H, L, D), one rank for all three, got shapes "
-            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
 
 
 def _as_index_tensor(name: str, value: Any) -> Any:
