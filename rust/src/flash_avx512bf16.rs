@@ -34,15 +34,14 @@
 
 use std::arch::x86_64::*;
 
-use crate::constants::{AVX512_VALUE_VECTORS, KEY_BLOCK, KEY_PANEL, LOG2_E, MICRO_ROWS};
-use crate::element::{BFloat16, Element};
+use crate::constants::{AVX512_VALUE_VECTORS, KEY_BLOCK, KEY_PANEL, MICRO_ROWS};
+use crate::element::BFloat16;
 use crate::flash_kernel::{
-    at, block_values, flash_row_key_range, mask_block, round_up, row_lse, softcap_block,
-    softmax_row, FlashKernels, FlashPlan, ThreadScratch, WorkItem,
+    at, block_probabilities, block_values, finish_row, round_up, start_row, FlashKernels,
+    FlashPlan, ThreadScratch, WorkItem,
 };
 use crate::problem::AttentionProblem;
 use crate::simd::avx512::Avx512;
-use crate::simd::Vector;
 
 const PAIRS_PER_BLOCK: usize = KEY_BLOCK / 2;
 
@@ -457,20 +456,7 @@ unsafe fn attend_rows_bf16(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch)
                 };
                 *q_pairs.add(r * d2_len + d2) = u32::from(*q_src.add(2 * d2)) | (high << 16);
             }
-            let (key_begin, key_end) = flash_row_key_range(p, b, group, packed);
-            *s.row_key_begin.add(r) = key_begin;
-            *s.row_key_end.add(r) = key_end;
-            if plan.has_sinks && item.partial_slot.is_none() {
-                let sink = *p.sinks.data.offset(h as isize * p.sinks.stride[0] as isize);
-                *s.row_max.add(r) = sink * LOG2_E;
-                *s.row_sum.add(r) = 1.0;
-            } else {
-                *s.row_max.add(r) = f32::NEG_INFINITY;
-                *s.row_sum.add(r) = 0.0;
-            }
-            for c in 0..value_stride {
-                *s.out_acc.add(r * value_stride + c) = 0.0;
-            }
+            start_row(plan, item, s, r);
         }
 
         // 3. Key blocks, as the float32 kernel.
@@ -505,23 +491,7 @@ unsafe fn attend_rows_bf16(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch)
                 plan.q_multiplier,
             );
             // (a') - (c) as the float32 kernel.
-            if plan.has_softcap {
-                softcap_block::<Avx512>(plan, s, rows, n_padded);
-            }
-            let masked = plan.has_mask
-                || *s.row_key_end < key_block + n
-                || *s.row_key_begin.add(rows - 1) > key_block;
-            if masked || plan.has_alibi {
-                mask_block(plan, item, s, rows, key_block, n);
-            }
-            for r in 0..rows {
-                for j in n..n_padded {
-                    *s.scores.add(r * KEY_BLOCK + j) = f32::NEG_INFINITY;
-                }
-            }
-            for r in 0..rows {
-                softmax_row::<Avx512>(s.scores.add(r * KEY_BLOCK), n_padded, s, r);
-            }
+            let masked = block_probabilities::<Avx512>(plan, item, s, rows, key_block, n, n_padded);
             // (d) O = alpha O + P V: by pairs, unless P's zeros meet a non-finite V (module
             // documentation).
             let mut values_finite = true;
@@ -559,31 +529,7 @@ unsafe fn attend_rows_bf16(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch)
 
         // 4. Finish: out = O / l rounded to bfloat16, and lse (prefill never writes partials).
         for r in 0..rows {
-            let packed = item.row_begin + r;
-            let o = s.out_acc.add(r * value_stride);
-            let (h, i) = (item.kv_head * group + packed % group, packed / group);
-            let dst = p.out.data.cast::<BFloat16>().offset(at(
-                [b, h, i],
-                &[p.out.stride[0], p.out.stride[1], p.out.stride[2]],
-            ));
-            let l = *s.row_sum.add(r);
-            let inverse = Avx512::broadcast(if l == 0.0 { 0.0 } else { 1.0 / l });
-            let mut c = 0;
-            while c + 16 <= value_dim {
-                BFloat16::store(Avx512::mul(Avx512::load(o.add(c)), inverse), dst.add(c));
-                c += 16;
-            }
-            if c < value_dim {
-                BFloat16::store_tail(
-                    Avx512::mul(Avx512::load(o.add(c)), inverse),
-                    dst.add(c),
-                    value_dim - c,
-                );
-            }
-            if p.lse.is_requested() {
-                let lse = p.lse.data.offset(at([b, h, i], &p.lse.stride));
-                *lse = row_lse(*s.row_max.add(r), l);
-            }
+            finish_row::<Avx512, BFloat16>(plan, item, s, r);
         }
     }
 }

@@ -869,21 +869,7 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
                 V::mul(T::load_tail::<V>(q_src.add(d), d_len - d), multiplier)
                     .store_tail(q_dst.add(d), d_len - d);
             }
-            let (key_begin, key_end) = flash_row_key_range(p, b, group, packed);
-            *s.row_key_begin.add(r) = key_begin;
-            *s.row_key_end.add(r) = key_end;
-            // The sink enters once per row: here when this item writes out, else in the merge.
-            if plan.has_sinks && item.partial_slot.is_none() {
-                let sink = *p.sinks.data.offset(h as isize * p.sinks.stride[0] as isize);
-                *s.row_max.add(r) = sink * LOG2_E;
-                *s.row_sum.add(r) = 1.0;
-            } else {
-                *s.row_max.add(r) = f32::NEG_INFINITY;
-                *s.row_sum.add(r) = 0.0;
-            }
-            for c in 0..out_stride {
-                *s.out_acc.add(r * out_stride + c) = 0.0;
-            }
+            start_row(plan, item, s, r);
         }
 
         // 3. Key blocks from item.key_begin (at or before the first row's window start) up to
@@ -962,27 +948,8 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
                 };
                 block_scores::<V>(s.q_tile, d_len, rows, panels, n, s.scores);
             }
-            // (a') Softcap.
-            if plan.has_softcap {
-                softcap_block::<V>(plan, s, rows, n_padded);
-            }
-            // (b) Mask only blocks that cross a row's visible range (its window start or its
-            // visible end), or when a mask is given; ALiBi adds its term to every block.
-            let masked = plan.has_mask
-                || *s.row_key_end < key_block + n
-                || *s.row_key_begin.add(rows - 1) > key_block;
-            if masked || plan.has_alibi {
-                mask_block(plan, item, s, rows, key_block, n);
-            }
-            for r in 0..rows {
-                for j in n..n_padded {
-                    *s.scores.add(r * KEY_BLOCK + j) = f32::NEG_INFINITY;
-                }
-            }
-            // (c) Online softmax.
-            for r in 0..rows {
-                softmax_row::<V>(s.scores.add(r * KEY_BLOCK), n_padded, s, r);
-            }
+            // (a') - (c) Softcap, mask, online softmax.
+            let masked = block_probabilities::<V>(plan, item, s, rows, key_block, n, n_padded);
             // (c') int8: P times v_scale after l has summed the unscaled P; a P of 0 (a hidden
             // key) stays 0, so a hidden key's NaN scale never enters.
             if KV::SCALED {
@@ -1029,29 +996,119 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
                 *plan.partial_sum.add(slot_row) = *s.row_sum.add(r);
                 continue;
             }
-            let (h, i) = (item.kv_head * group + packed % group, packed / group);
-            let dst = p.out.data.cast::<T>().offset(at(
-                [b, h, i],
-                &[p.out.stride[0], p.out.stride[1], p.out.stride[2]],
-            ));
-            let l = *s.row_sum.add(r);
-            let inverse = V::broadcast(if l == 0.0 { 0.0 } else { 1.0 / l });
-            let mut c = 0;
-            while c + w <= value_dim {
-                T::store(V::mul(V::load(o.add(c)), inverse), dst.add(c));
-                c += w;
+            finish_row::<V, T>(plan, item, s, r);
+        }
+    }
+}
+
+/// 2, per row: row r's visible key range, m and l (the sink's when this item writes out, else
+/// -inf and 0: the sink enters once per row, here or in the merge), and O = 0.
+///
+/// # Safety
+/// As [`attend_rows`], for a row r of the item.
+#[inline(always)]
+pub(crate) unsafe fn start_row(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch, r: usize) {
+    let p = plan.problem;
+    let packed = item.row_begin + r;
+    let h = item.kv_head * plan.group + packed % plan.group;
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let (key_begin, key_end) = flash_row_key_range(p, item.b, plan.group, packed);
+        *s.row_key_begin.add(r) = key_begin;
+        *s.row_key_end.add(r) = key_end;
+        if plan.has_sinks && item.partial_slot.is_none() {
+            let sink = *p.sinks.data.offset(h as isize * p.sinks.stride[0] as isize);
+            *s.row_max.add(r) = sink * LOG2_E;
+            *s.row_sum.add(r) = 1.0;
+        } else {
+            *s.row_max.add(r) = f32::NEG_INFINITY;
+            *s.row_sum.add(r) = 0.0;
+        }
+        for c in 0..plan.value_stride {
+            *s.out_acc.add(r * plan.value_stride + c) = 0.0;
+        }
+    }
+}
+
+/// 3 (a') - (c) on the block's scores S (rows x n, padded to n_padded): softcap; the mask,
+/// applied only to blocks that cross a row's visible range (its window start or its visible
+/// end) or when a mask is given, ALiBi's term on every block; -inf on the padding; the online
+/// softmax (S becomes P, m and l updated, rescale set). Returns whether the block was masked.
+///
+/// # Safety
+/// As [`attend_rows`], for the item's rows and the block's keys.
+#[inline(always)]
+pub(crate) unsafe fn block_probabilities<V: Vector>(
+    plan: &FlashPlan,
+    item: &WorkItem,
+    s: &ThreadScratch,
+    rows: usize,
+    key_block: usize,
+    n: usize,
+    n_padded: usize,
+) -> bool {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        if plan.has_softcap {
+            softcap_block::<V>(plan, s, rows, n_padded);
+        }
+        let masked = plan.has_mask
+            || *s.row_key_end < key_block + n
+            || *s.row_key_begin.add(rows - 1) > key_block;
+        if masked || plan.has_alibi {
+            mask_block(plan, item, s, rows, key_block, n);
+        }
+        for r in 0..rows {
+            for j in n..n_padded {
+                *s.scores.add(r * KEY_BLOCK + j) = f32::NEG_INFINITY;
             }
-            if c < value_dim {
-                T::store_tail(
-                    V::mul(V::load(o.add(c)), inverse),
-                    dst.add(c),
-                    value_dim - c,
-                );
-            }
-            if p.lse.is_requested() {
-                let lse = p.lse.data.offset(at([b, h, i], &p.lse.stride));
-                *lse = row_lse(*s.row_max.add(r), l);
-            }
+        }
+        for r in 0..rows {
+            softmax_row::<V>(s.scores.add(r * KEY_BLOCK), n_padded, s, r);
+        }
+        masked
+    }
+}
+
+/// 4, per row of an item that writes out: out = O / l, rounded to T as it is stored, and lse.
+///
+/// # Safety
+/// As [`attend_rows`], for a row r of the item.
+#[inline(always)]
+pub(crate) unsafe fn finish_row<V: Vector, T: Element>(
+    plan: &FlashPlan,
+    item: &WorkItem,
+    s: &ThreadScratch,
+    r: usize,
+) {
+    let p = plan.problem;
+    let (w, group, value_dim) = (V::WIDTH, plan.group, plan.value_dim);
+    let packed = item.row_begin + r;
+    let (h, i) = (item.kv_head * group + packed % group, packed / group);
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let o = s.out_acc.add(r * plan.value_stride);
+        let dst = p.out.data.cast::<T>().offset(at(
+            [item.b, h, i],
+            &[p.out.stride[0], p.out.stride[1], p.out.stride[2]],
+        ));
+        let l = *s.row_sum.add(r);
+        let inverse = V::broadcast(if l == 0.0 { 0.0 } else { 1.0 / l });
+        let mut c = 0;
+        while c + w <= value_dim {
+            T::store(V::mul(V::load(o.add(c)), inverse), dst.add(c));
+            c += w;
+        }
+        if c < value_dim {
+            T::store_tail(
+                V::mul(V::load(o.add(c)), inverse),
+                dst.add(c),
+                value_dim - c,
+            );
+        }
+        if p.lse.is_requested() {
+            let lse = p.lse.data.offset(at([item.b, h, i], &p.lse.stride));
+            *lse = row_lse(*s.row_max.add(r), l);
         }
     }
 }
