@@ -681,37 +681,6 @@ unsafe fn value_micro<
     }
 }
 
-/// The full-width micro-kernel for V's VALUE_VECTORS (a const argument cannot be an associated
-/// constant of a generic parameter on stable Rust, hence the match; C++ passes it directly).
-///
-/// # Safety
-/// As [`value_micro`].
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn value_micro_full<V: Vector, T: Load, const R: usize, const SAFE: bool>(
-    probs: *const f32,
-    n: usize,
-    v_rows: *const T,
-    v_stride: isize,
-    out: *mut f32,
-    out_stride: usize,
-    rescale: *const f32,
-    do_rescale: bool,
-) {
-    // SAFETY: forwarded from this function's contract.
-    unsafe {
-        match V::VALUE_VECTORS {
-            4 => value_micro::<V, T, R, 4, false, SAFE>(
-                probs, n, v_rows, v_stride, out, out_stride, rescale, do_rescale, 0,
-            ),
-            2 => value_micro::<V, T, R, 2, false, SAFE>(
-                probs, n, v_rows, v_stride, out, out_stride, rescale, do_rescale, 0,
-            ),
-            _ => unreachable!("VALUE_VECTORS is 2 or 4"),
-        }
-    }
-}
-
 /// O for one strip of R rows: column blocks of VALUE_VECTORS vectors, then single vectors,
 /// then the masked tail.
 ///
@@ -737,46 +706,39 @@ unsafe fn strip_values<V: Vector, T: Load, const R: usize, const SAFE: bool>(
         for s in 0..R {
             do_rescale |= *rescale.add(s) != 1.0;
         }
+        // value_micro with NV vectors (TAIL: the last one `tail` columns) from column c
+        macro_rules! micro {
+            ($nv:literal, $tail:literal, $c:expr, $tail_columns:expr) => {
+                value_micro::<V, T, R, $nv, $tail, SAFE>(
+                    probs,
+                    n,
+                    v_rows.add($c),
+                    v_stride,
+                    out.add($c),
+                    out_stride,
+                    rescale,
+                    do_rescale,
+                    $tail_columns,
+                )
+            };
+        }
         let mut c = 0;
         while c + nv * w <= value_dim {
-            value_micro_full::<V, T, R, SAFE>(
-                probs,
-                n,
-                v_rows.add(c),
-                v_stride,
-                out.add(c),
-                out_stride,
-                rescale,
-                do_rescale,
-            );
+            // a const argument cannot be an associated constant of a generic parameter on
+            // stable Rust, hence the match on VALUE_VECTORS (C++ passes it directly)
+            match nv {
+                4 => micro!(4, false, c, 0),
+                2 => micro!(2, false, c, 0),
+                _ => unreachable!("VALUE_VECTORS is 2 or 4"),
+            }
             c += nv * w;
         }
         while c + w <= value_dim {
-            value_micro::<V, T, R, 1, false, SAFE>(
-                probs,
-                n,
-                v_rows.add(c),
-                v_stride,
-                out.add(c),
-                out_stride,
-                rescale,
-                do_rescale,
-                0,
-            );
+            micro!(1, false, c, 0);
             c += w;
         }
         if c < value_dim {
-            value_micro::<V, T, R, 1, true, SAFE>(
-                probs,
-                n,
-                v_rows.add(c),
-                v_stride,
-                out.add(c),
-                out_stride,
-                rescale,
-                do_rescale,
-                value_dim - c,
-            );
+            micro!(1, true, c, value_dim - c);
         }
     }
 }
