@@ -290,18 +290,13 @@ FlashKernels flash_kernels_avx512bf16() {
 // measure_peak (flash_kernel.hpp): 16 independent accumulators, each acc += a . b over pairs of
 // small bfloat16 values (2^-10: the sums grow by 2^-19 per instruction, never near overflow).
 int64_t peak_bf16dot_avx512bf16(int64_t instructions) {
-    __m512 acc[16];
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
     const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3a803a80));  // (2^-10, 2^-10)
     const __m512bh b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3a803a80));
-    for (int64_t done = 0; done < instructions; done += 16)
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-    __m512 sum = acc[0];
-    for (int i = 1; i < 16; ++i) sum = _mm512_add_ps(sum, acc[i]);
-    volatile float sink = _mm512_cvtss_f32(sum);  // the loop's result is used
-    (void)sink;
-    return (instructions + 15) / 16 * 16 * 64;
+    return 64 * run_peak_loop<16>(
+                    instructions, [](int i) { return _mm512_set1_ps(static_cast<float>(i)); },
+                    [a, b](__m512 acc) { return _mm512_dpbf16_ps(acc, a, b); },
+                    [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); },
+                    [](__m512 x) { return _mm512_cvtss_f32(x); });
 }
 
 }  // namespace twinattn

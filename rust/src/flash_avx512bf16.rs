@@ -40,6 +40,7 @@ use crate::flash_kernel::{
     at, block_probabilities, block_values, finish_row, round_up, start_row, FlashKernels,
     FlashPlan, ThreadScratch, WorkItem,
 };
+use crate::measure_peak::run_peak_loop;
 use crate::problem::AttentionProblem;
 use crate::simd::avx512::Avx512;
 
@@ -552,19 +553,13 @@ pub const KERNELS: FlashKernels = {
 /// AVX512_BF16 available.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
 pub unsafe fn peak_bf16dot(instructions: u64) -> u64 {
-    let mut acc: [__m512; 16] = std::array::from_fn(|i| _mm512_set1_ps(i as f32));
     let a = as_pairs(_mm512_set1_epi32(0x3a80_3a80)); // (2^-10, 2^-10)
-    let mut done = 0;
-    while done < instructions {
-        for x in &mut acc {
-            *x = _mm512_dpbf16_ps(*x, a, a);
-        }
-        done += 16;
-    }
-    let mut sum = acc[0];
-    for x in &acc[1..] {
-        sum = _mm512_add_ps(sum, *x);
-    }
-    std::hint::black_box(_mm512_cvtss_f32(sum)); // the loop's result is used
-    instructions.div_ceil(16) * 16 * 64
+    64 * run_peak_loop!(
+        instructions,
+        16,
+        |i| _mm512_set1_ps(i as f32),
+        |acc| _mm512_dpbf16_ps(acc, a, a),
+        _mm512_add_ps,
+        _mm512_cvtss_f32
+    )
 }
