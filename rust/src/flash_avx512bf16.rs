@@ -554,11 +554,12 @@ pub const KERNELS: FlashKernels = {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
 pub unsafe fn peak_bf16dot(instructions: u64) -> u64 {
     let a = as_pairs(_mm512_set1_epi32(0x3a80_3a80)); // (2^-10, 2^-10)
+    let dot = |acc| _mm512_dpbf16_ps(acc, a, a);
     64 * run_peak_loop!(
         instructions,
         16,
-        |i| _mm512_set1_ps(i as f32),
-        |acc| _mm512_dpbf16_ps(acc, a, a),
+        _mm512_set1_ps,
+        dot,
         _mm512_add_ps,
         _mm512_cvtss_f32
     )

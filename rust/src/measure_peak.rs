@@ -86,18 +86,17 @@ fn bf16dot_loop(has: &dyn Fn(&str) -> bool) -> Option<PeakLoop> {
 
 /// The loop of each kind, expanded inside its `#[target_feature]` function (a macro: the
 /// intrinsics differ; C++ passes lambdas to one template): N independent accumulators,
-/// accumulator i starting at `init`, each advanced by `step` once per round until `instructions`
+/// accumulator i starting at `broadcast(i)`, each advanced by `step` (a closure, inlined with
+/// the function's target features) once per round until `instructions`
 /// are issued (whole rounds), then summed (`add`) and the sum's first lane kept (black_box), so
 /// that the loop stays. Evaluates to the instructions issued.
 macro_rules! run_peak_loop {
-    ($instructions:expr, $n:literal, |$i:ident| $init:expr, |$acc:ident| $step:expr,
-     $add:ident, $first_lane:ident) => {{
-        let mut accumulators: [_; $n] = std::array::from_fn(|$i| $init);
+    ($instructions:expr, $n:literal, $broadcast:ident, $step:ident, $add:ident, $first_lane:ident) => {{
+        let mut accumulators: [_; $n] = std::array::from_fn(|i| $broadcast(i as f32));
         let mut done = 0;
         while done < $instructions {
             for slot in &mut accumulators {
-                let $acc = *slot;
-                *slot = $step;
+                *slot = $step(*slot);
             }
             done += $n;
         }
@@ -121,11 +120,12 @@ pub(crate) use run_peak_loop;
 unsafe fn peak_fma32_avx512(instructions: u64) -> u64 {
     use std::arch::x86_64::*;
     let (b, c) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-6));
+    let fma = |acc| _mm512_fmadd_ps(acc, b, c);
     32 * run_peak_loop!(
         instructions,
         16,
-        |i| _mm512_set1_ps(i as f32),
-        |acc| _mm512_fmadd_ps(acc, b, c),
+        _mm512_set1_ps,
+        fma,
         _mm512_add_ps,
         _mm512_cvtss_f32
     )
@@ -140,11 +140,12 @@ unsafe fn peak_fma32_avx512(instructions: u64) -> u64 {
 unsafe fn peak_fma32_avx2(instructions: u64) -> u64 {
     use std::arch::x86_64::*;
     let (b, c) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-6));
+    let fma = |acc| _mm256_fmadd_ps(acc, b, c);
     16 * run_peak_loop!(
         instructions,
         12,
-        |i| _mm256_set1_ps(i as f32),
-        |acc| _mm256_fmadd_ps(acc, b, c),
+        _mm256_set1_ps,
+        fma,
         _mm256_add_ps,
         _mm256_cvtss_f32
     )

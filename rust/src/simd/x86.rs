@@ -10,6 +10,15 @@ use std::arch::x86_64::*;
 /// register): constructors and loads as `unsafe fn`s (the caller guarantees the instruction
 /// set), stores on `self`, and the arithmetic, which a value of the type makes sound.
 macro_rules! one_intrinsic_ops {
+    (@binary $vector:ident, $($name:ident: $intrinsic:ident),+) => {
+        $(
+            #[inline(always)]
+            fn $name(a: Self, b: Self) -> Self {
+                // SAFETY: as in fma.
+                $vector(unsafe { $intrinsic(a.0, b.0) })
+            }
+        )+
+    };
     ($vector:ident,zero: $zero:ident,broadcast: $broadcast:ident,load: $load:ident,
      store: $store:ident,fma: $fma:ident,mul: $mul:ident,add: $add:ident,sub: $sub:ident,
      max: $max:ident,div: $div:ident) => {
@@ -39,48 +48,38 @@ macro_rules! one_intrinsic_ops {
             // SAFETY: a value of this type proves its instruction set (and FMA; see simd.rs).
             $vector(unsafe { $fma(a.0, b.0, c.0) })
         }
-        #[inline(always)]
-        fn mul(a: Self, b: Self) -> Self {
-            // SAFETY: as in fma.
-            $vector(unsafe { $mul(a.0, b.0) })
-        }
-        #[inline(always)]
-        fn add(a: Self, b: Self) -> Self {
-            // SAFETY: as in fma.
-            $vector(unsafe { $add(a.0, b.0) })
-        }
-        #[inline(always)]
-        fn sub(a: Self, b: Self) -> Self {
-            // SAFETY: as in fma.
-            $vector(unsafe { $sub(a.0, b.0) })
-        }
-        #[inline(always)]
-        fn max(a: Self, b: Self) -> Self {
-            // SAFETY: as in fma.
-            $vector(unsafe { $max(a.0, b.0) })
-        }
-        #[inline(always)]
-        fn div(a: Self, b: Self) -> Self {
-            // SAFETY: as in fma.
-            $vector(unsafe { $div(a.0, b.0) })
-        }
+        one_intrinsic_ops!(@binary $vector, mul: $mul, add: $add, sub: $sub, max: $max, div: $div);
     };
 }
 pub(super) use one_intrinsic_ops;
 
-/// The largest of 8 lanes, halves folded 128, 64, 32 bits.
+/// The 8 lanes of x folded in halves by `op`: 128, 64, then 32 bits (`op_low`, the lowest lane).
+///
+/// # Safety
+/// The CPU supports AVX.
+#[inline(always)]
+unsafe fn fold_halves_256(
+    x: __m256,
+    op: impl Fn(__m128, __m128) -> __m128,
+    op_low: impl Fn(__m128, __m128) -> __m128,
+) -> f32 {
+    // SAFETY: the caller guarantees AVX.
+    unsafe {
+        let mut q = op(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
+        q = op(q, _mm_movehl_ps(q, q));
+        q = op_low(q, _mm_shuffle_ps::<1>(q, q));
+        _mm_cvtss_f32(q)
+    }
+}
+
+/// The largest of 8 lanes, halves folded.
 ///
 /// # Safety
 /// The CPU supports AVX.
 #[inline(always)]
 pub(super) unsafe fn reduce_max_256(x: __m256) -> f32 {
-    // SAFETY: the caller guarantees AVX.
-    unsafe {
-        let mut q = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
-        q = _mm_max_ps(q, _mm_movehl_ps(q, q));
-        q = _mm_max_ss(q, _mm_shuffle_ps::<1>(q, q));
-        _mm_cvtss_f32(q)
-    }
+    // SAFETY: the caller guarantees AVX (SSE with it).
+    unsafe { fold_halves_256(x, |a, b| _mm_max_ps(a, b), |a, b| _mm_max_ss(a, b)) }
 }
 
 /// The sum of 8 lanes, halves folded like [`reduce_max_256`].
@@ -89,11 +88,6 @@ pub(super) unsafe fn reduce_max_256(x: __m256) -> f32 {
 /// The CPU supports AVX.
 #[inline(always)]
 pub(super) unsafe fn reduce_sum_256(x: __m256) -> f32 {
-    // SAFETY: the caller guarantees AVX.
-    unsafe {
-        let mut q = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps::<1>(x));
-        q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-        q = _mm_add_ss(q, _mm_shuffle_ps::<1>(q, q));
-        _mm_cvtss_f32(q)
-    }
+    // SAFETY: the caller guarantees AVX (SSE with it).
+    unsafe { fold_halves_256(x, |a, b| _mm_add_ps(a, b), |a, b| _mm_add_ss(a, b)) }
 }
