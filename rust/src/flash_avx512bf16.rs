@@ -37,8 +37,8 @@ use std::arch::x86_64::*;
 use crate::constants::{AVX512_VALUE_VECTORS, KEY_BLOCK, KEY_PANEL, MICRO_ROWS};
 use crate::element::BFloat16;
 use crate::flash_kernel::{
-    at, block_probabilities, block_values, finish_row, round_up, start_row, FlashKernels,
-    FlashPlan, ThreadScratch, WorkItem,
+    at, block_probabilities, block_values, finish_row, match_strip_rows, round_up, start_row,
+    FlashKernels, FlashPlan, ThreadScratch, WorkItem,
 };
 use crate::measure_peak::run_peak_loop;
 use crate::problem::AttentionProblem;
@@ -216,26 +216,15 @@ unsafe fn block_scores(
     scores: *mut f32,
     q_multiplier: f32,
 ) {
-    const {
-        assert!(
-            MICRO_ROWS == 6,
-            "the match below lists the strip heights 1..MICRO_ROWS"
-        )
-    };
     // SAFETY: forwarded from this function's contract.
     unsafe {
         let multiplier = _mm512_set1_ps(q_multiplier);
         for r in (0..rows).step_by(MICRO_ROWS) {
             let q = q_pairs.add(r * d2_len);
             let s = scores.add(r * KEY_BLOCK);
-            match (rows - r).min(MICRO_ROWS) {
-                1 => strip_scores::<1>(q, d2_len, panels, n, s, multiplier),
-                2 => strip_scores::<2>(q, d2_len, panels, n, s, multiplier),
-                3 => strip_scores::<3>(q, d2_len, panels, n, s, multiplier),
-                4 => strip_scores::<4>(q, d2_len, panels, n, s, multiplier),
-                5 => strip_scores::<5>(q, d2_len, panels, n, s, multiplier),
-                _ => strip_scores::<6>(q, d2_len, panels, n, s, multiplier),
-            }
+            match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
+                strip_scores::<R>(q, d2_len, panels, n, s, multiplier)
+            });
         }
     }
 }
@@ -392,27 +381,9 @@ unsafe fn pair_block_values(
             let probs = probs_pairs.add(r * PAIRS_PER_BLOCK);
             let out = out_acc.add(r * value_stride);
             let alpha = rescale.add(r);
-            macro_rules! strip {
-                ($r:literal) => {
-                    strip_values::<$r>(
-                        probs,
-                        pairs,
-                        v_pairs,
-                        value_stride,
-                        out,
-                        value_stride,
-                        alpha,
-                    )
-                };
-            }
-            match (rows - r).min(MICRO_ROWS) {
-                1 => strip!(1),
-                2 => strip!(2),
-                3 => strip!(3),
-                4 => strip!(4),
-                5 => strip!(5),
-                _ => strip!(6),
-            }
+            match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
+                strip_values::<R>(probs, pairs, v_pairs, value_stride, out, value_stride, alpha)
+            });
         }
     }
 }

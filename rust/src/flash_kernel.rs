@@ -373,6 +373,47 @@ pub unsafe fn pack_keys<V: Vector, T: Load>(
     }
 }
 
+/// `$body` for the strip height `$height` (1..=MICRO_ROWS; 6 above), with the const `$rows` set
+/// to it, so that each height runs its own monomorphised micro-kernel (used here and by
+/// flash_avx512bf16.rs).
+macro_rules! match_strip_rows {
+    ($height:expr, $rows:ident => $body:expr) => {{
+        const {
+            assert!(
+                crate::constants::MICRO_ROWS == 6,
+                "the match below lists the strip heights 1..MICRO_ROWS"
+            )
+        };
+        match $height {
+            1 => {
+                const $rows: usize = 1;
+                $body
+            }
+            2 => {
+                const $rows: usize = 2;
+                $body
+            }
+            3 => {
+                const $rows: usize = 3;
+                $body
+            }
+            4 => {
+                const $rows: usize = 4;
+                $body
+            }
+            5 => {
+                const $rows: usize = 5;
+                $body
+            }
+            _ => {
+                const $rows: usize = 6;
+                $body
+            }
+        }
+    }};
+}
+pub(crate) use match_strip_rows;
+
 // ---- 3a. S = Q K^T: R (<= MICRO_ROWS) rows x SCORE_VECTORS vectors of keys -------------------
 
 /// Accumulator arrays are sized for the widest blocking; only the first SV / NV are used (the
@@ -436,12 +477,6 @@ unsafe fn block_scores<V: Vector>(
     n: usize,
     scores: *mut f32,
 ) {
-    const {
-        assert!(
-            MICRO_ROWS == 6,
-            "the match below lists the strip heights 1..MICRO_ROWS"
-        )
-    };
     let keys_per_micro = V::SCORE_VECTORS * V::WIDTH;
     let mut panel = 0;
     while panel * KEY_PANEL < n {
@@ -454,14 +489,9 @@ unsafe fn block_scores<V: Vector>(
                     let q = q_tile.add(r * d_len);
                     let k = panel_data.add(column);
                     let out = scores.add(r * KEY_BLOCK + panel * KEY_PANEL + column);
-                    match (rows - r).min(MICRO_ROWS) {
-                        1 => score_micro::<V, 1>(q, d_len, k, out),
-                        2 => score_micro::<V, 2>(q, d_len, k, out),
-                        3 => score_micro::<V, 3>(q, d_len, k, out),
-                        4 => score_micro::<V, 4>(q, d_len, k, out),
-                        5 => score_micro::<V, 5>(q, d_len, k, out),
-                        _ => score_micro::<V, 6>(q, d_len, k, out),
-                    }
+                    match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
+                        score_micro::<V, R>(q, d_len, k, out)
+                    });
                 }
                 column += keys_per_micro;
             }
@@ -585,14 +615,9 @@ unsafe fn direct_block_scores<V: Vector, T: Load>(
             for r in (0..rows).step_by(strip) {
                 let q = q_tile.add(r * d_len);
                 let s = scores.add(r * KEY_BLOCK);
-                match (rows - r).min(strip) {
-                    1 => direct_strip::<V, T, 1>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
-                    2 => direct_strip::<V, T, 2>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
-                    3 => direct_strip::<V, T, 3>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
-                    4 => direct_strip::<V, T, 4>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
-                    5 => direct_strip::<V, T, 5>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
-                    _ => direct_strip::<V, T, 6>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
-                }
+                match_strip_rows!((rows - r).min(strip), R => {
+                    direct_strip::<V, T, R>(q, d_len, k_rows, k_stride, j0, n, key_scales, s)
+                });
             }
         }
     }
@@ -760,33 +785,17 @@ pub(crate) unsafe fn block_values<V: Vector, T: Load, const SAFE: bool>(
     value_dim: usize,
     rescale: *const f32,
 ) {
-    const {
-        assert!(
-            MICRO_ROWS == 6,
-            "the match below lists the strip heights 1..MICRO_ROWS"
-        )
-    };
     // SAFETY: forwarded from this function's contract.
     unsafe {
         for r in (0..rows).step_by(MICRO_ROWS) {
             let probs = scores.add(r * KEY_BLOCK);
             let out = out_acc.add(r * out_stride);
             let alpha = rescale.add(r);
-            macro_rules! strip {
-                ($r:literal) => {
-                    strip_values::<V, T, $r, SAFE>(
-                        probs, n, v_rows, v_stride, out, out_stride, value_dim, alpha,
-                    )
-                };
-            }
-            match (rows - r).min(MICRO_ROWS) {
-                1 => strip!(1),
-                2 => strip!(2),
-                3 => strip!(3),
-                4 => strip!(4),
-                5 => strip!(5),
-                _ => strip!(6),
-            }
+            match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
+                strip_values::<V, T, R, SAFE>(
+                    probs, n, v_rows, v_stride, out, out_stride, value_dim, alpha,
+                )
+            });
         }
     }
 }
