@@ -377,36 +377,23 @@ pub unsafe fn pack_keys<V: Vector, T: Load>(
 /// to it, so that each height runs its own monomorphised micro-kernel (used here and by
 /// flash_avx512bf16.rs).
 macro_rules! match_strip_rows {
-    ($height:expr, $rows:ident => $body:expr) => {{
+    ($height:expr, $rows:ident => $body:expr) => {
+        match_strip_rows!(@arms $height, $rows, $body, [1 2 3 4 5], 6)
+    };
+    (@arms $height:expr, $rows:ident, $body:expr, [$($n:literal)*], $last:literal) => {{
         const {
             assert!(
-                crate::constants::MICRO_ROWS == 6,
+                crate::constants::MICRO_ROWS == $last,
                 "the match below lists the strip heights 1..MICRO_ROWS"
             )
         };
         match $height {
-            1 => {
-                const $rows: usize = 1;
+            $($n => {
+                const $rows: usize = $n;
                 $body
-            }
-            2 => {
-                const $rows: usize = 2;
-                $body
-            }
-            3 => {
-                const $rows: usize = 3;
-                $body
-            }
-            4 => {
-                const $rows: usize = 4;
-                $body
-            }
-            5 => {
-                const $rows: usize = 5;
-                $body
-            }
+            })*
             _ => {
-                const $rows: usize = 6;
+                const $rows: usize = $last;
                 $body
             }
         }
