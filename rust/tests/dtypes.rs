@@ -30,12 +30,7 @@ fn assert_convert_path(case: &Case, kernel: Kernel, dtype: Dtype, what: &str) ->
     float.dtype = Dtype::Float32;
     let got = common::run_with(kernel, &half, 2);
     let want = common::run_with(kernel, &float, 2);
-    let rounded: Vec<u32> = want
-        .out
-        .values()
-        .iter()
-        .map(|&x| common::round_to(dtype, x).to_bits())
-        .collect();
+    let rounded = common::rounded_bits(dtype, &want.out.values());
     let got_bits = common::bits(&got.out.values());
     if let Some(n) = (0..rounded.len()).find(|&n| got_bits[n] != rounded[n]) {
         panic!(

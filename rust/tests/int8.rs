@@ -75,12 +75,7 @@ fn check(case: &Case, what: &str) -> Vec<Output> {
         dequantized.dtype = Dtype::Float32;
         let want = common::run_with(Kernel::Reference, &dequantized, 2);
         let reference = common::run_with(Kernel::Reference, &int8, 2);
-        let rounded: Vec<u32> = want
-            .out
-            .values()
-            .iter()
-            .map(|&x| common::round_to(dtype, x).to_bits())
-            .collect();
+        let rounded = common::rounded_bits(dtype, &want.out.values());
         assert_eq!(
             common::bits(&reference.out.values()),
             rounded,

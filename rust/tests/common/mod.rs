@@ -437,6 +437,14 @@ pub fn bits(values: &[f32]) -> Vec<u32> {
     values.iter().map(|x| x.to_bits()).collect()
 }
 
+/// The bits of `values` each rounded to `dtype` (as float32 values: [`round_to`]).
+pub fn rounded_bits(dtype: Dtype, values: &[f32]) -> Vec<u32> {
+    values
+        .iter()
+        .map(|&x| round_to(dtype, x).to_bits())
+        .collect()
+}
+
 /// A case of random q (B, Hq, Lq, D), k (B, Hkv, Lk, D) and v (B, Hkv, Lk, Dv) for the shape
 /// (B, Hq, Hkv, Lq, Lk, D, Dv).
 pub fn random_case(rng: &mut Rng, shape: (i64, i64, i64, i64, i64, i64, i64)) -> Case {
