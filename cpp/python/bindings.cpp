@@ -307,29 +307,19 @@ void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
     }
 }
 
-// The fast kernel with the instruction set in use (docs/kernels.md).
-void attention_forward_py(const py::object& q, const py::object& k, const py::object& v,
-                          const py::object& out, const py::object& lse, const py::object& q_offset,
-                          const py::object& kv_lens, const py::object& mask, const py::object& causal,
-                          const py::object& scale, const py::object& num_threads,
-                          const py::object& window_left, const py::object& window_right,
-                          const py::object& softcap, const py::object& alibi_slopes,
-                          const py::object& sinks, const py::object& k_scale, const py::object& v_scale) {
-    run_kernel(&twinattn::attention_forward, q, k, v, out, lse, q_offset, kv_lens, mask, causal,
-               scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks, k_scale, v_scale);
-}
-
-// The plain scalar reference kernel, which every fast path is tested against.
-void attention_reference_py(const py::object& q, const py::object& k, const py::object& v,
-                            const py::object& out, const py::object& lse, const py::object& q_offset,
-                            const py::object& kv_lens, const py::object& mask, const py::object& causal,
-                            const py::object& scale, const py::object& num_threads,
-                            const py::object& window_left, const py::object& window_right,
-                            const py::object& softcap, const py::object& alibi_slopes,
-                            const py::object& sinks, const py::object& k_scale, const py::object& v_scale) {
-    run_kernel(&twinattn::attention_reference, q, k, v, out, lse, q_offset, kv_lens, mask,
-               causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks,
-               k_scale, v_scale);
+// attention_forward (the fast kernel with the instruction set in use, docs/kernels.md) and
+// attention_reference (the plain scalar reference kernel, which every fast path is tested
+// against): the same arguments, handed to run_kernel with another kernel.
+template <Kernel kernel>
+void attention_py(const py::object& q, const py::object& k, const py::object& v, const py::object& out,
+                  const py::object& lse, const py::object& q_offset, const py::object& kv_lens,
+                  const py::object& mask, const py::object& causal, const py::object& scale,
+                  const py::object& num_threads, const py::object& window_left,
+                  const py::object& window_right, const py::object& softcap,
+                  const py::object& alibi_slopes, const py::object& sinks, const py::object& k_scale,
+                  const py::object& v_scale) {
+    run_kernel(kernel, q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads, window_left,
+               window_right, softcap, alibi_slopes, sinks, k_scale, v_scale);
 }
 
 // tanh of a float32 vector (any stride) with the fast kernel's vectorised tanh (softcap) and the
@@ -444,19 +434,19 @@ PYBIND11_MODULE(_cpp, m) {
     // TWINATTN_ISA naming an instruction set this build or CPU cannot run fails the import:
     // pybind11 raises the std::invalid_argument as ImportError with its message, as Rust does.
     init_isa_from_environment();
-    m.def("attention_forward", &attention_forward_py, py::arg("q"), py::arg("k"), py::arg("v"),
-          py::arg("out"), py::arg("lse"), py::arg("q_offset"), py::arg("kv_lens"), py::arg("mask"),
-          py::arg("causal"), py::arg("scale"), py::arg("num_threads"), py::arg("window_left"),
-          py::arg("window_right"), py::arg("softcap"), py::arg("alibi_slopes"), py::arg("sinks"),
-          py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
-          "Exact scaled-dot-product attention into out (and lse) with the fast kernel and the "
-          "instruction set in use; see docs/native_api.md.");
-    m.def("attention_reference", &attention_reference_py, py::arg("q"), py::arg("k"), py::arg("v"),
-          py::arg("out"), py::arg("lse"), py::arg("q_offset"), py::arg("kv_lens"), py::arg("mask"),
-          py::arg("causal"), py::arg("scale"), py::arg("num_threads"), py::arg("window_left"),
-          py::arg("window_right"), py::arg("softcap"), py::arg("alibi_slopes"), py::arg("sinks"),
-          py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
-          "attention_forward computed by the plain scalar reference kernel (for tests).");
+    // attention_forward and attention_reference: the same arguments (attention_py), another kernel.
+    const auto def_attention = [&m](const char* name, auto function, const char* doc) {
+        m.def(name, function, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
+              py::arg("q_offset"), py::arg("kv_lens"), py::arg("mask"), py::arg("causal"), py::arg("scale"),
+              py::arg("num_threads"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
+              py::arg("alibi_slopes"), py::arg("sinks"), py::arg("k_scale") = py::none(),
+              py::arg("v_scale") = py::none(), doc);
+    };
+    def_attention("attention_forward", &attention_py<&twinattn::attention_forward>,
+                  "Exact scaled-dot-product attention into out (and lse) with the fast kernel and the "
+                  "instruction set in use; see docs/native_api.md.");
+    def_attention("attention_reference", &attention_py<&twinattn::attention_reference>,
+                  "attention_forward computed by the plain scalar reference kernel (for tests).");
     m.def("set_isa", &set_isa_py, py::arg("name"),
           "Switches the instruction set among build_info()['isa_available']; ValueError otherwise.");
     m.def("softcap_tanh", &softcap_tanh_py, py::arg("x"),

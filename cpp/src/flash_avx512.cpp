@@ -12,17 +12,12 @@ FlashKernels flash_kernels_avx512() { return flash::make_kernels<VecAvx512>(); }
 // measure_peak (flash_kernel.hpp): 16 independent accumulators, each acc = acc * b + c with
 // b just below 1 and c small, so the values stay normal and bounded however long it runs.
 int64_t peak_fma32_avx512(int64_t instructions) {
-    __m512 acc[16];
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
     const __m512 b = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-6f);
-    for (int64_t done = 0; done < instructions; done += 16)
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(acc[i], b, c);
-    __m512 sum = acc[0];
-    for (int i = 1; i < 16; ++i) sum = _mm512_add_ps(sum, acc[i]);
-    volatile float sink = _mm512_cvtss_f32(sum);  // the loop's result is used
-    (void)sink;
-    return (instructions + 15) / 16 * 16 * 32;
+    return 32 * run_peak_loop<16>(
+                    instructions, [](int i) { return _mm512_set1_ps(static_cast<float>(i)); },
+                    [b, c](__m512 acc) { return _mm512_fmadd_ps(acc, b, c); },
+                    [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); },
+                    [](__m512 x) { return _mm512_cvtss_f32(x); });
 }
 
 }  // namespace twinattn

@@ -236,15 +236,7 @@ struct DotKernel : Convert {
                 const uint32_t high = 2 * d2 + 1 < D ? q_src[2 * d2 + 1] : 0u;
                 q_pairs[r * D2 + d2] = static_cast<uint32_t>(q_src[2 * d2]) | (high << 16);
             }
-            flash_row_key_range(p, b, G, packed, &s.row_key_begin[r], &s.row_key_end[r]);
-            if (plan.has_sinks && item.partial_slot < 0) {
-                s.row_max[r] = p.sinks.data[h * p.sinks.stride[0]] * kLog2E;
-                s.row_sum[r] = 1.0f;
-            } else {
-                s.row_max[r] = flash::kNegInf;
-                s.row_sum[r] = 0.0f;
-            }
-            for (int64_t c = 0; c < value_stride; ++c) s.out_acc[r * value_stride + c] = 0.0f;
+            start_row(plan, item, s, r);
         }
 
         // 3. Key blocks, as the float32 kernel.
@@ -264,13 +256,7 @@ struct DotKernel : Convert {
             block_scores(q_pairs, D2, rows, k_head_panels + (key_block / kKeyPanel) * D2 * kKeyPanel, n,
                          s.scores, plan.q_multiplier);
             // (a') - (c) as the float32 kernel.
-            if (plan.has_softcap) softcap_block(plan, s, rows, n_padded);
-            const bool masked = plan.has_mask || s.row_key_end[0] < key_block + n ||
-                                s.row_key_begin[rows - 1] > key_block;
-            if (masked || plan.has_alibi) mask_block(plan, item, s, rows, key_block, n);
-            for (int64_t r = 0; r < rows; ++r)
-                for (int64_t j = n; j < n_padded; ++j) s.scores[r * kKeyBlock + j] = flash::kNegInf;
-            for (int64_t r = 0; r < rows; ++r) softmax_row(s.scores + r * kKeyBlock, n_padded, s, r);
+            const bool masked = block_probabilities(plan, item, s, rows, key_block, n, n_padded);
             // (d) O = alpha O + P V: by pairs, unless P's zeros meet a non-finite V (header).
             bool values_finite = true;
             if (masked || n % 2 != 0)
@@ -286,24 +272,7 @@ struct DotKernel : Convert {
         }
 
         // 4. Finish: out = O / l rounded to bfloat16, and lse (prefill items never write partials).
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t packed = item.row_begin + r;
-            const float* o = s.out_acc + r * value_stride;
-            const int64_t h = item.kv_head * G + packed % G, i = packed / G;
-            BFloat16* dst = static_cast<BFloat16*>(p.out.data) + b * p.out.stride[0] + h * p.out.stride[1] +
-                            i * p.out.stride[2];
-            const float l = s.row_sum[r];
-            const __m512 inverse = _mm512_set1_ps(l == 0.0f ? 0.0f : 1.0f / l);
-            int64_t c = 0;
-            for (; c + 16 <= Dv; c += 16)
-                VecAvx512Bf16::store_from_f32(dst + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), inverse));
-            if (c < Dv)
-                VecAvx512Bf16::store_tail_from_f32(dst + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), inverse), Dv - c);
-            if (p.lse.data != nullptr) {
-                float* lse = p.lse.data + b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2];
-                *lse = flash_row_lse(s.row_max[r], l);
-            }
-        }
+        for (int64_t r = 0; r < rows; ++r) finish_row(plan, item, s, r);
     }
 };
 
@@ -321,18 +290,13 @@ FlashKernels flash_kernels_avx512bf16() {
 // measure_peak (flash_kernel.hpp): 16 independent accumulators, each acc += a . b over pairs of
 // small bfloat16 values (2^-10: the sums grow by 2^-19 per instruction, never near overflow).
 int64_t peak_bf16dot_avx512bf16(int64_t instructions) {
-    __m512 acc[16];
-    for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
     const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3a803a80));  // (2^-10, 2^-10)
     const __m512bh b = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3a803a80));
-    for (int64_t done = 0; done < instructions; done += 16)
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-    __m512 sum = acc[0];
-    for (int i = 1; i < 16; ++i) sum = _mm512_add_ps(sum, acc[i]);
-    volatile float sink = _mm512_cvtss_f32(sum);  // the loop's result is used
-    (void)sink;
-    return (instructions + 15) / 16 * 16 * 64;
+    return 64 * run_peak_loop<16>(
+                    instructions, [](int i) { return _mm512_set1_ps(static_cast<float>(i)); },
+                    [a, b](__m512 acc) { return _mm512_dpbf16_ps(acc, a, b); },
+                    [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); },
+                    [](__m512 x) { return _mm512_cvtss_f32(x); });
 }
 
 }  // namespace twinattn

@@ -138,6 +138,26 @@ int64_t peak_fma32_avx512(int64_t instructions);
 int64_t peak_fma32_avx2(int64_t instructions);
 int64_t peak_bf16dot_avx512bf16(int64_t instructions);
 
+// The loop of each: kAccumulators independent accumulators, acc[i] = init(i), each advanced by
+// acc = step(acc) once per round until `instructions` are issued (whole rounds), then summed
+// (add) and the sum's first lane kept (first_lane, into a volatile), so that the loop stays.
+// Returns the instructions issued. Each unit instantiates it with its own lambdas, so no
+// symbol is shared across instruction sets (ODR note above).
+template <int kAccumulators, typename Init, typename Step, typename Add, typename FirstLane>
+int64_t run_peak_loop(int64_t instructions, Init init, Step step, Add add, FirstLane first_lane) {
+    static_assert(kAccumulators <= 16, "the unroll pragma below covers up to 16 accumulators");
+    decltype(init(0)) acc[kAccumulators];
+    for (int i = 0; i < kAccumulators; ++i) acc[i] = init(i);
+    for (int64_t done = 0; done < instructions; done += kAccumulators)
+#pragma GCC unroll 16
+        for (int i = 0; i < kAccumulators; ++i) acc[i] = step(acc[i]);
+    auto sum = acc[0];
+    for (int i = 1; i < kAccumulators; ++i) sum = add(sum, acc[i]);
+    volatile float sink = first_lane(sum);  // the loop's result is used
+    (void)sink;
+    return (instructions + kAccumulators - 1) / kAccumulators * kAccumulators;
+}
+
 // The keys packed row r of (b, *) may see by length, causality and window: [*begin, *end),
 // both in [0, kv_len]; empty when *end <= *begin (defined in flash_attention.cpp; deliberately
 // not inline, see the ODR note above).
@@ -509,16 +529,7 @@ struct Kernel {
             for (; d + W <= D; d += W) V::store(q_dst + d, V::mul(V::load_as_f32(q_src + d), multiplier));
             if (d < D)
                 V::store_tail(q_dst + d, V::mul(V::load_tail_as_f32(q_src + d, D - d), multiplier), D - d);
-            flash_row_key_range(p, b, G, packed, &s.row_key_begin[r], &s.row_key_end[r]);
-            // The sink enters once per row: here when this item writes out, else in the merge.
-            if (plan.has_sinks && item.partial_slot < 0) {
-                s.row_max[r] = p.sinks.data[h * p.sinks.stride[0]] * kLog2E;
-                s.row_sum[r] = 1.0f;
-            } else {
-                s.row_max[r] = kNegInf;
-                s.row_sum[r] = 0.0f;
-            }
-            for (int64_t c = 0; c < out_stride; ++c) s.out_acc[r * out_stride + c] = 0.0f;
+            start_row(plan, item, s, r);
         }
 
         // 3. Key blocks from item.key_begin (at or before the first row's window start) up to the
@@ -564,17 +575,8 @@ struct Kernel {
                                     n, s.key_scales, s.scores);
             else
                 block_scores(s.q_tile, D, rows, panels, n, s.scores);
-            // (a') Softcap.
-            if (plan.has_softcap) softcap_block(plan, s, rows, n_padded);
-            // (b) Mask only blocks that cross a row's visible range (its window start or its
-            // visible end), or when a mask is given; ALiBi adds its term to every block.
-            const bool masked = plan.has_mask || s.row_key_end[0] < key_block + n ||
-                                s.row_key_begin[rows - 1] > key_block;
-            if (masked || plan.has_alibi) mask_block(plan, item, s, rows, key_block, n);
-            for (int64_t r = 0; r < rows; ++r)
-                for (int64_t j = n; j < n_padded; ++j) s.scores[r * kKeyBlock + j] = kNegInf;
-            // (c) Online softmax.
-            for (int64_t r = 0; r < rows; ++r) softmax_row(s.scores + r * kKeyBlock, n_padded, s, r);
+            // (a') - (c) Softcap, mask, online softmax.
+            const bool masked = block_probabilities(plan, item, s, rows, key_block, n, n_padded);
             // (c') int8: P times v_scale after l has summed the unscaled P; a P of 0 (a hidden
             // key) stays 0, so a hidden key's NaN scale never enters.
             if (kInt8)
@@ -604,17 +606,59 @@ struct Kernel {
                 plan.partial_sum[slot_row] = s.row_sum[r];
                 continue;
             }
-            const int64_t h = item.kv_head * G + packed % G, i = packed / G;
-            T* dst = static_cast<T*>(p.out.data) + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
-            const float l = s.row_sum[r];
-            const Reg inverse = V::broadcast(l == 0.0f ? 0.0f : 1.0f / l);
-            int64_t c = 0;
-            for (; c + W <= Dv; c += W) V::store_from_f32(dst + c, V::mul(V::load(o + c), inverse));
-            if (c < Dv) V::store_tail_from_f32(dst + c, V::mul(V::load(o + c), inverse), Dv - c);
-            if (p.lse.data != nullptr) {
-                float* lse = p.lse.data + b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2];
-                *lse = flash_row_lse(s.row_max[r], l);
-            }
+            finish_row(plan, item, s, r);
+        }
+    }
+
+    // 2, per row: row r's visible key range, m and l (the sink's when this item writes out, else
+    // -inf and 0: the sink enters once per row, here or in the merge), and O = 0.
+    static void start_row(const FlashPlan& plan, const WorkItem& item, const ThreadScratch& s, int64_t r) {
+        const AttentionProblem& p = *plan.problem;
+        const int64_t packed = item.row_begin + r;
+        const int64_t h = item.kv_head * plan.group + packed % plan.group;
+        flash_row_key_range(p, item.b, plan.group, packed, &s.row_key_begin[r], &s.row_key_end[r]);
+        if (plan.has_sinks && item.partial_slot < 0) {
+            s.row_max[r] = p.sinks.data[h * p.sinks.stride[0]] * kLog2E;
+            s.row_sum[r] = 1.0f;
+        } else {
+            s.row_max[r] = kNegInf;
+            s.row_sum[r] = 0.0f;
+        }
+        for (int64_t c = 0; c < plan.value_stride; ++c) s.out_acc[r * plan.value_stride + c] = 0.0f;
+    }
+
+    // 3 (a') - (c) on the block's scores S (rows x n, padded to n_padded): softcap; the mask,
+    // applied only to blocks that cross a row's visible range (its window start or its visible
+    // end) or when a mask is given, ALiBi's term on every block; -inf on the padding; the online
+    // softmax (S becomes P, m and l updated, rescale set). Returns whether the block was masked.
+    static bool block_probabilities(const FlashPlan& plan, const WorkItem& item, const ThreadScratch& s,
+                                    int64_t rows, int64_t key_block, int64_t n, int64_t n_padded) {
+        if (plan.has_softcap) softcap_block(plan, s, rows, n_padded);
+        const bool masked = plan.has_mask || s.row_key_end[0] < key_block + n ||
+                            s.row_key_begin[rows - 1] > key_block;
+        if (masked || plan.has_alibi) mask_block(plan, item, s, rows, key_block, n);
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = n; j < n_padded; ++j) s.scores[r * kKeyBlock + j] = kNegInf;
+        for (int64_t r = 0; r < rows; ++r) softmax_row(s.scores + r * kKeyBlock, n_padded, s, r);
+        return masked;
+    }
+
+    // 4, per row of an item that writes out: out = O / l, rounded to T as it is stored, and lse.
+    static void finish_row(const FlashPlan& plan, const WorkItem& item, const ThreadScratch& s, int64_t r) {
+        const AttentionProblem& p = *plan.problem;
+        const int64_t G = plan.group, Dv = plan.value_dim, b = item.b;
+        const int64_t packed = item.row_begin + r;
+        const int64_t h = item.kv_head * G + packed % G, i = packed / G;
+        const float* o = s.out_acc + r * plan.value_stride;
+        T* dst = static_cast<T*>(p.out.data) + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
+        const float l = s.row_sum[r];
+        const Reg inverse = V::broadcast(l == 0.0f ? 0.0f : 1.0f / l);
+        int64_t c = 0;
+        for (; c + W <= Dv; c += W) V::store_from_f32(dst + c, V::mul(V::load(o + c), inverse));
+        if (c < Dv) V::store_tail_from_f32(dst + c, V::mul(V::load(o + c), inverse), Dv - c);
+        if (p.lse.data != nullptr) {
+            float* lse = p.lse.data + b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2];
+            *lse = flash_row_lse(s.row_max[r], l);
         }
     }
 

@@ -8,15 +8,14 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
-
 #include "element.hpp"
+#include "simd_storage.hpp"
 #include "twinattn/constants.hpp"
 
 namespace twinattn {
 
 template <int kUnit>
-struct VecAvx512Unit {
+struct VecAvx512Unit : StorageOps<VecAvx512Unit<kUnit>> {
     using Reg = __m512;
     static constexpr int kWidth = 16;
     static constexpr int kScoreVectors = kAvx512ScoreVectors;
@@ -125,23 +124,9 @@ struct VecAvx512Unit {
     }
 
     // ---- Storage types (element.hpp): loads convert to float32 exactly, stores round ------
-    static Reg load_as_f32(const float* p) { return load(p); }
-    static Reg load_tail_as_f32(const float* p, int64_t n) { return load_tail(p, n); }
-    static void store_from_f32(float* p, Reg x) { store(p, x); }
-    static void store_tail_from_f32(float* p, Reg x, int64_t n) { store_tail(p, x, n); }
-    // 16-bit tails go through a zeroed buffer (lanes past n are 0; memory past n never touched).
-    template <typename T>
-    static Reg load_tail_as_f32(const T* p, int64_t n) {
-        T buffer[kWidth] = {};
-        std::memcpy(buffer, p, static_cast<size_t>(n) * sizeof(T));
-        return load_as_f32(buffer);
-    }
-    template <typename T>
-    static void store_tail_from_f32(T* p, Reg x, int64_t n) {
-        T buffer[kWidth];
-        store_from_f32(buffer, x);
-        std::memcpy(p, buffer, static_cast<size_t>(n) * sizeof(T));
-    }
+    // float32, and the tails of every type: simd_storage.hpp
+    using StorageOps<VecAvx512Unit>::load_as_f32;
+    using StorageOps<VecAvx512Unit>::store_from_f32;
     static Reg load_as_f32(const Float16* p) {
         return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     }

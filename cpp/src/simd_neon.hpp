@@ -8,14 +8,13 @@
 #include <arm_neon.h>
 
 #include <cstdint>
-#include <cstring>
-
 #include "element.hpp"
+#include "simd_storage.hpp"
 #include "twinattn/constants.hpp"
 
 namespace twinattn {
 
-struct VecNeon {
+struct VecNeon : StorageOps<VecNeon> {
     struct Reg {
         float32x4_t lo, hi;
     };
@@ -133,23 +132,9 @@ struct VecNeon {
     }
 
     // ---- Storage types (element.hpp): loads convert to float32 exactly, stores round ------
-    static Reg load_as_f32(const float* p) { return load(p); }
-    static Reg load_tail_as_f32(const float* p, int64_t n) { return load_tail(p, n); }
-    static void store_from_f32(float* p, Reg x) { store(p, x); }
-    static void store_tail_from_f32(float* p, Reg x, int64_t n) { store_tail(p, x, n); }
-    // 16-bit tails go through a zeroed buffer (lanes past n are 0; memory past n never touched).
-    template <typename T>
-    static Reg load_tail_as_f32(const T* p, int64_t n) {
-        T buffer[kWidth] = {};
-        std::memcpy(buffer, p, static_cast<size_t>(n) * sizeof(T));
-        return load_as_f32(buffer);
-    }
-    template <typename T>
-    static void store_tail_from_f32(T* p, Reg x, int64_t n) {
-        T buffer[kWidth];
-        store_from_f32(buffer, x);
-        std::memcpy(p, buffer, static_cast<size_t>(n) * sizeof(T));
-    }
+    // float32, and the tails of every type: simd_storage.hpp
+    using StorageOps::load_as_f32;
+    using StorageOps::store_from_f32;
     static float32x4_t load4(const Float16* p) {
         return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(&p->bits)));
     }

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "case_options.hpp"
 #include "check.hpp"
 #include "element.hpp"
 #include "twinattn/flash_attention.hpp"
@@ -160,19 +161,9 @@ struct Inputs {
                           {vd[0], vd[1], vd[2], vd[3]}};
         p.out = MutTensorView4{out, {c.B, c.Hq, c.Lq, c.Dv}, {c.Hq * c.Lq * c.Dv, c.Lq * c.Dv, c.Dv, 1}};
         lse.assign(static_cast<size_t>(c.B * c.Hq * c.Lq), 0.0f);
-        p.lse = contiguous_lse_view(lse.data(), c.B, c.Hq, c.Lq);
+        twinattn_test::set_case_options(p, c, lse, q_offset, kv_lens, mask, alibi, sinks);
         p.dtype = c.dtype;
-        p.q_offset = q_offset.data();
-        p.kv_lens = kv_lens.data();
-        p.mask = MaskView{MaskKind::None, nullptr, {0, 0, 0, 0}};
-        if (c.bool_mask)
-            p.mask = MaskView{MaskKind::Bool, mask.data(), {c.Hq * c.Lq * c.Lk, c.Lq * c.Lk, c.Lk, 1}};
-        p.causal = c.causal;
-        p.scale = 1.0f / std::sqrt(static_cast<float>(c.D));
         p.window_left = c.window_left;
-        p.softcap = c.softcap;
-        if (c.alibi) p.alibi_slopes = ParamView2{alibi.data(), {c.B, c.Hq}, {c.Hq, 1}};
-        if (c.sinks) p.sinks = ParamView1{sinks.data(), {c.Hq}, {1}};
         if (int8) {
             p.kv_int8 = true;
             p.k_scale = scale_view(k_scale);

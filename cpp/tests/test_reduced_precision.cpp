@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "case_options.hpp"
 #include "check.hpp"
 #include "element.hpp"
 #include "twinattn/flash_attention.hpp"
@@ -251,17 +252,7 @@ struct Inputs {
         AttentionProblem p{};
         p.q = qv, p.k = kv, p.v = vv, p.out = out;
         p.dtype = dtype;
-        p.lse = contiguous_lse_view(lse.data(), c.B, c.Hq, c.Lq);
-        p.q_offset = q_offset.data();
-        p.kv_lens = kv_lens.data();
-        p.mask = MaskView{MaskKind::None, nullptr, {0, 0, 0, 0}};
-        if (c.bool_mask)
-            p.mask = MaskView{MaskKind::Bool, mask.data(), {c.Hq * c.Lq * c.Lk, c.Lq * c.Lk, c.Lk, 1}};
-        p.causal = c.causal;
-        p.scale = 1.0f / std::sqrt(static_cast<float>(c.D));
-        p.softcap = c.softcap;
-        if (c.alibi) p.alibi_slopes = ParamView2{slopes.data(), {c.B, c.Hq}, {c.Hq, 1}};
-        if (c.sinks) p.sinks = ParamView1{sinks.data(), {c.Hq}, {1}};
+        twinattn_test::set_case_options(p, c, lse, q_offset, kv_lens, mask, slopes, sinks);
         return p;
     }
 };

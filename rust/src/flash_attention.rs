@@ -17,6 +17,7 @@
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::LocalKey;
 
 use crate::constants::{KEY_BLOCK, KEY_PANEL, LOG2_E, Q_TILE_ROWS, SPLIT_KEY_CHUNK};
 use crate::dispatch::current_kernels;
@@ -182,16 +183,26 @@ fn with_scratch(
     bf16_pairs: bool,
     f: impl FnOnce(&ThreadScratch),
 ) -> Result<(), ProblemError> {
-    SCRATCH.with(|cell| {
-        let mut owned = ScratchBuffers::default();
+    with_thread_buffers(&SCRATCH, |buffers| {
+        f(&buffers.view(head_dim, value_stride, split_key, bf16_pairs)?);
+        Ok(())
+    })
+}
+
+/// Runs `f` with this thread's buffers in `key`, or with fresh ones when they are already
+/// borrowed (not reachable: calls and work items never nest; correct regardless).
+fn with_thread_buffers<B: Default, R>(
+    key: &'static LocalKey<RefCell<B>>,
+    f: impl FnOnce(&mut B) -> R,
+) -> R {
+    key.with(|cell| {
+        let mut owned = B::default();
         let mut borrowed = cell.try_borrow_mut();
-        // Not reachable through parallel_for (items never nest); stay correct regardless.
         let buffers = match borrowed.as_deref_mut() {
             Ok(buffers) => buffers,
             Err(_) => &mut owned,
         };
-        f(&buffers.view(head_dim, value_stride, split_key, bf16_pairs)?);
-        Ok(())
+        f(buffers)
     })
 }
 
@@ -279,14 +290,7 @@ pub unsafe fn attention_forward_with(
         partial_max: std::ptr::null_mut(),
         partial_sum: std::ptr::null_mut(),
     };
-    CALLER_BUFFERS.with(|cell| {
-        let mut owned = CallerBuffers::default();
-        let mut borrowed = cell.try_borrow_mut();
-        // Not reachable through the binding (a call never nests); stay correct regardless.
-        let buffers = match borrowed.as_deref_mut() {
-            Ok(buffers) => buffers,
-            Err(_) => &mut owned,
-        };
+    with_thread_buffers(&CALLER_BUFFERS, |buffers| {
         if plan.rows_per_group > Q_TILE_ROWS {
             run_prefill(&mut plan, kernels, threads, buffers)
         } else {

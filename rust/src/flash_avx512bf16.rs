@@ -34,15 +34,15 @@
 
 use std::arch::x86_64::*;
 
-use crate::constants::{AVX512_VALUE_VECTORS, KEY_BLOCK, KEY_PANEL, LOG2_E, MICRO_ROWS};
-use crate::element::{BFloat16, Element};
+use crate::constants::{AVX512_VALUE_VECTORS, KEY_BLOCK, KEY_PANEL, MICRO_ROWS};
+use crate::element::BFloat16;
 use crate::flash_kernel::{
-    at, block_values, flash_row_key_range, mask_block, round_up, row_lse, softcap_block,
-    softmax_row, FlashKernels, FlashPlan, ThreadScratch, WorkItem,
+    at, block_probabilities, block_values, finish_row, match_strip_rows, round_up, start_row,
+    FlashKernels, FlashPlan, ThreadScratch, WorkItem,
 };
+use crate::measure_peak::run_peak_loop;
 use crate::problem::AttentionProblem;
 use crate::simd::avx512::Avx512;
-use crate::simd::Vector;
 
 const PAIRS_PER_BLOCK: usize = KEY_BLOCK / 2;
 
@@ -216,26 +216,15 @@ unsafe fn block_scores(
     scores: *mut f32,
     q_multiplier: f32,
 ) {
-    const {
-        assert!(
-            MICRO_ROWS == 6,
-            "the match below lists the strip heights 1..MICRO_ROWS"
-        )
-    };
     // SAFETY: forwarded from this function's contract.
     unsafe {
         let multiplier = _mm512_set1_ps(q_multiplier);
         for r in (0..rows).step_by(MICRO_ROWS) {
             let q = q_pairs.add(r * d2_len);
             let s = scores.add(r * KEY_BLOCK);
-            match (rows - r).min(MICRO_ROWS) {
-                1 => strip_scores::<1>(q, d2_len, panels, n, s, multiplier),
-                2 => strip_scores::<2>(q, d2_len, panels, n, s, multiplier),
-                3 => strip_scores::<3>(q, d2_len, panels, n, s, multiplier),
-                4 => strip_scores::<4>(q, d2_len, panels, n, s, multiplier),
-                5 => strip_scores::<5>(q, d2_len, panels, n, s, multiplier),
-                _ => strip_scores::<6>(q, d2_len, panels, n, s, multiplier),
-            }
+            match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
+                strip_scores::<R>(q, d2_len, panels, n, s, multiplier)
+            });
         }
     }
 }
@@ -392,27 +381,9 @@ unsafe fn pair_block_values(
             let probs = probs_pairs.add(r * PAIRS_PER_BLOCK);
             let out = out_acc.add(r * value_stride);
             let alpha = rescale.add(r);
-            macro_rules! strip {
-                ($r:literal) => {
-                    strip_values::<$r>(
-                        probs,
-                        pairs,
-                        v_pairs,
-                        value_stride,
-                        out,
-                        value_stride,
-                        alpha,
-                    )
-                };
-            }
-            match (rows - r).min(MICRO_ROWS) {
-                1 => strip!(1),
-                2 => strip!(2),
-                3 => strip!(3),
-                4 => strip!(4),
-                5 => strip!(5),
-                _ => strip!(6),
-            }
+            match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
+                strip_values::<R>(probs, pairs, v_pairs, value_stride, out, value_stride, alpha)
+            });
         }
     }
 }
@@ -457,20 +428,7 @@ unsafe fn attend_rows_bf16(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch)
                 };
                 *q_pairs.add(r * d2_len + d2) = u32::from(*q_src.add(2 * d2)) | (high << 16);
             }
-            let (key_begin, key_end) = flash_row_key_range(p, b, group, packed);
-            *s.row_key_begin.add(r) = key_begin;
-            *s.row_key_end.add(r) = key_end;
-            if plan.has_sinks && item.partial_slot.is_none() {
-                let sink = *p.sinks.data.offset(h as isize * p.sinks.stride[0] as isize);
-                *s.row_max.add(r) = sink * LOG2_E;
-                *s.row_sum.add(r) = 1.0;
-            } else {
-                *s.row_max.add(r) = f32::NEG_INFINITY;
-                *s.row_sum.add(r) = 0.0;
-            }
-            for c in 0..value_stride {
-                *s.out_acc.add(r * value_stride + c) = 0.0;
-            }
+            start_row(plan, item, s, r);
         }
 
         // 3. Key blocks, as the float32 kernel.
@@ -505,23 +463,7 @@ unsafe fn attend_rows_bf16(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch)
                 plan.q_multiplier,
             );
             // (a') - (c) as the float32 kernel.
-            if plan.has_softcap {
-                softcap_block::<Avx512>(plan, s, rows, n_padded);
-            }
-            let masked = plan.has_mask
-                || *s.row_key_end < key_block + n
-                || *s.row_key_begin.add(rows - 1) > key_block;
-            if masked || plan.has_alibi {
-                mask_block(plan, item, s, rows, key_block, n);
-            }
-            for r in 0..rows {
-                for j in n..n_padded {
-                    *s.scores.add(r * KEY_BLOCK + j) = f32::NEG_INFINITY;
-                }
-            }
-            for r in 0..rows {
-                softmax_row::<Avx512>(s.scores.add(r * KEY_BLOCK), n_padded, s, r);
-            }
+            let masked = block_probabilities::<Avx512>(plan, item, s, rows, key_block, n, n_padded);
             // (d) O = alpha O + P V: by pairs, unless P's zeros meet a non-finite V (module
             // documentation).
             let mut values_finite = true;
@@ -559,31 +501,7 @@ unsafe fn attend_rows_bf16(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch)
 
         // 4. Finish: out = O / l rounded to bfloat16, and lse (prefill never writes partials).
         for r in 0..rows {
-            let packed = item.row_begin + r;
-            let o = s.out_acc.add(r * value_stride);
-            let (h, i) = (item.kv_head * group + packed % group, packed / group);
-            let dst = p.out.data.cast::<BFloat16>().offset(at(
-                [b, h, i],
-                &[p.out.stride[0], p.out.stride[1], p.out.stride[2]],
-            ));
-            let l = *s.row_sum.add(r);
-            let inverse = Avx512::broadcast(if l == 0.0 { 0.0 } else { 1.0 / l });
-            let mut c = 0;
-            while c + 16 <= value_dim {
-                BFloat16::store(Avx512::mul(Avx512::load(o.add(c)), inverse), dst.add(c));
-                c += 16;
-            }
-            if c < value_dim {
-                BFloat16::store_tail(
-                    Avx512::mul(Avx512::load(o.add(c)), inverse),
-                    dst.add(c),
-                    value_dim - c,
-                );
-            }
-            if p.lse.is_requested() {
-                let lse = p.lse.data.offset(at([b, h, i], &p.lse.stride));
-                *lse = row_lse(*s.row_max.add(r), l);
-            }
+            finish_row::<Avx512, BFloat16>(plan, item, s, r);
         }
     }
 }
@@ -606,19 +524,14 @@ pub const KERNELS: FlashKernels = {
 /// AVX512_BF16 available.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
 pub unsafe fn peak_bf16dot(instructions: u64) -> u64 {
-    let mut acc: [__m512; 16] = std::array::from_fn(|i| _mm512_set1_ps(i as f32));
     let a = as_pairs(_mm512_set1_epi32(0x3a80_3a80)); // (2^-10, 2^-10)
-    let mut done = 0;
-    while done < instructions {
-        for x in &mut acc {
-            *x = _mm512_dpbf16_ps(*x, a, a);
-        }
-        done += 16;
-    }
-    let mut sum = acc[0];
-    for x in &acc[1..] {
-        sum = _mm512_add_ps(sum, *x);
-    }
-    std::hint::black_box(_mm512_cvtss_f32(sum)); // the loop's result is used
-    instructions.div_ceil(16) * 16 * 64
+    let dot = |acc| _mm512_dpbf16_ps(acc, a, a);
+    64 * run_peak_loop!(
+        instructions,
+        16,
+        _mm512_set1_ps,
+        dot,
+        _mm512_add_ps,
+        _mm512_cvtss_f32
+    )
 }

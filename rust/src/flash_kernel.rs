@@ -373,6 +373,34 @@ pub unsafe fn pack_keys<V: Vector, T: Load>(
     }
 }
 
+/// `$body` for the strip height `$height` (1..=MICRO_ROWS; 6 above), with the const `$rows` set
+/// to it, so that each height runs its own monomorphised micro-kernel (used here and by
+/// flash_avx512bf16.rs).
+macro_rules! match_strip_rows {
+    ($height:expr, $rows:ident => $body:expr) => {
+        match_strip_rows!(@arms $height, $rows, $body, [1 2 3 4 5], 6)
+    };
+    (@arms $height:expr, $rows:ident, $body:expr, [$($n:literal)*], $last:literal) => {{
+        const {
+            assert!(
+                crate::constants::MICRO_ROWS == $last,
+                "the match below lists the strip heights 1..MICRO_ROWS"
+            )
+        };
+        match $height {
+            $($n => {
+                const $rows: usize = $n;
+                $body
+            })*
+            _ => {
+                const $rows: usize = $last;
+                $body
+            }
+        }
+    }};
+}
+pub(crate) use match_strip_rows;
+
 // ---- 3a. S = Q K^T: R (<= MICRO_ROWS) rows x SCORE_VECTORS vectors of keys -------------------
 
 /// Accumulator arrays are sized for the widest blocking; only the first SV / NV are used (the
@@ -436,12 +464,6 @@ unsafe fn block_scores<V: Vector>(
     n: usize,
     scores: *mut f32,
 ) {
-    const {
-        assert!(
-            MICRO_ROWS == 6,
-            "the match below lists the strip heights 1..MICRO_ROWS"
-        )
-    };
     let keys_per_micro = V::SCORE_VECTORS * V::WIDTH;
     let mut panel = 0;
     while panel * KEY_PANEL < n {
@@ -454,14 +476,9 @@ unsafe fn block_scores<V: Vector>(
                     let q = q_tile.add(r * d_len);
                     let k = panel_data.add(column);
                     let out = scores.add(r * KEY_BLOCK + panel * KEY_PANEL + column);
-                    match (rows - r).min(MICRO_ROWS) {
-                        1 => score_micro::<V, 1>(q, d_len, k, out),
-                        2 => score_micro::<V, 2>(q, d_len, k, out),
-                        3 => score_micro::<V, 3>(q, d_len, k, out),
-                        4 => score_micro::<V, 4>(q, d_len, k, out),
-                        5 => score_micro::<V, 5>(q, d_len, k, out),
-                        _ => score_micro::<V, 6>(q, d_len, k, out),
-                    }
+                    match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
+                        score_micro::<V, R>(q, d_len, k, out)
+                    });
                 }
                 column += keys_per_micro;
             }
@@ -585,14 +602,9 @@ unsafe fn direct_block_scores<V: Vector, T: Load>(
             for r in (0..rows).step_by(strip) {
                 let q = q_tile.add(r * d_len);
                 let s = scores.add(r * KEY_BLOCK);
-                match (rows - r).min(strip) {
-                    1 => direct_strip::<V, T, 1>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
-                    2 => direct_strip::<V, T, 2>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
-                    3 => direct_strip::<V, T, 3>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
-                    4 => direct_strip::<V, T, 4>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
-                    5 => direct_strip::<V, T, 5>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
-                    _ => direct_strip::<V, T, 6>(q, d_len, k_rows, k_stride, j0, n, key_scales, s),
-                }
+                match_strip_rows!((rows - r).min(strip), R => {
+                    direct_strip::<V, T, R>(q, d_len, k_rows, k_stride, j0, n, key_scales, s)
+                });
             }
         }
     }
@@ -681,37 +693,6 @@ unsafe fn value_micro<
     }
 }
 
-/// The full-width micro-kernel for V's VALUE_VECTORS (a const argument cannot be an associated
-/// constant of a generic parameter on stable Rust, hence the match; C++ passes it directly).
-///
-/// # Safety
-/// As [`value_micro`].
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn value_micro_full<V: Vector, T: Load, const R: usize, const SAFE: bool>(
-    probs: *const f32,
-    n: usize,
-    v_rows: *const T,
-    v_stride: isize,
-    out: *mut f32,
-    out_stride: usize,
-    rescale: *const f32,
-    do_rescale: bool,
-) {
-    // SAFETY: forwarded from this function's contract.
-    unsafe {
-        match V::VALUE_VECTORS {
-            4 => value_micro::<V, T, R, 4, false, SAFE>(
-                probs, n, v_rows, v_stride, out, out_stride, rescale, do_rescale, 0,
-            ),
-            2 => value_micro::<V, T, R, 2, false, SAFE>(
-                probs, n, v_rows, v_stride, out, out_stride, rescale, do_rescale, 0,
-            ),
-            _ => unreachable!("VALUE_VECTORS is 2 or 4"),
-        }
-    }
-}
-
 /// O for one strip of R rows: column blocks of VALUE_VECTORS vectors, then single vectors,
 /// then the masked tail.
 ///
@@ -737,46 +718,39 @@ unsafe fn strip_values<V: Vector, T: Load, const R: usize, const SAFE: bool>(
         for s in 0..R {
             do_rescale |= *rescale.add(s) != 1.0;
         }
+        // value_micro with NV vectors (TAIL: the last one `tail` columns) from column c
+        macro_rules! micro {
+            ($nv:literal, $tail:literal, $c:expr, $tail_columns:expr) => {
+                value_micro::<V, T, R, $nv, $tail, SAFE>(
+                    probs,
+                    n,
+                    v_rows.add($c),
+                    v_stride,
+                    out.add($c),
+                    out_stride,
+                    rescale,
+                    do_rescale,
+                    $tail_columns,
+                )
+            };
+        }
         let mut c = 0;
         while c + nv * w <= value_dim {
-            value_micro_full::<V, T, R, SAFE>(
-                probs,
-                n,
-                v_rows.add(c),
-                v_stride,
-                out.add(c),
-                out_stride,
-                rescale,
-                do_rescale,
-            );
+            // a const argument cannot be an associated constant of a generic parameter on
+            // stable Rust, hence the match on VALUE_VECTORS (C++ passes it directly)
+            match nv {
+                4 => micro!(4, false, c, 0),
+                2 => micro!(2, false, c, 0),
+                _ => unreachable!("VALUE_VECTORS is 2 or 4"),
+            }
             c += nv * w;
         }
         while c + w <= value_dim {
-            value_micro::<V, T, R, 1, false, SAFE>(
-                probs,
-                n,
-                v_rows.add(c),
-                v_stride,
-                out.add(c),
-                out_stride,
-                rescale,
-                do_rescale,
-                0,
-            );
+            micro!(1, false, c, 0);
             c += w;
         }
         if c < value_dim {
-            value_micro::<V, T, R, 1, true, SAFE>(
-                probs,
-                n,
-                v_rows.add(c),
-                v_stride,
-                out.add(c),
-                out_stride,
-                rescale,
-                do_rescale,
-                value_dim - c,
-            );
+            micro!(1, true, c, value_dim - c);
         }
     }
 }
@@ -798,33 +772,17 @@ pub(crate) unsafe fn block_values<V: Vector, T: Load, const SAFE: bool>(
     value_dim: usize,
     rescale: *const f32,
 ) {
-    const {
-        assert!(
-            MICRO_ROWS == 6,
-            "the match below lists the strip heights 1..MICRO_ROWS"
-        )
-    };
     // SAFETY: forwarded from this function's contract.
     unsafe {
         for r in (0..rows).step_by(MICRO_ROWS) {
             let probs = scores.add(r * KEY_BLOCK);
             let out = out_acc.add(r * out_stride);
             let alpha = rescale.add(r);
-            macro_rules! strip {
-                ($r:literal) => {
-                    strip_values::<V, T, $r, SAFE>(
-                        probs, n, v_rows, v_stride, out, out_stride, value_dim, alpha,
-                    )
-                };
-            }
-            match (rows - r).min(MICRO_ROWS) {
-                1 => strip!(1),
-                2 => strip!(2),
-                3 => strip!(3),
-                4 => strip!(4),
-                5 => strip!(5),
-                _ => strip!(6),
-            }
+            match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
+                strip_values::<V, T, R, SAFE>(
+                    probs, n, v_rows, v_stride, out, out_stride, value_dim, alpha,
+                )
+            });
         }
     }
 }
@@ -869,21 +827,7 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
                 V::mul(T::load_tail::<V>(q_src.add(d), d_len - d), multiplier)
                     .store_tail(q_dst.add(d), d_len - d);
             }
-            let (key_begin, key_end) = flash_row_key_range(p, b, group, packed);
-            *s.row_key_begin.add(r) = key_begin;
-            *s.row_key_end.add(r) = key_end;
-            // The sink enters once per row: here when this item writes out, else in the merge.
-            if plan.has_sinks && item.partial_slot.is_none() {
-                let sink = *p.sinks.data.offset(h as isize * p.sinks.stride[0] as isize);
-                *s.row_max.add(r) = sink * LOG2_E;
-                *s.row_sum.add(r) = 1.0;
-            } else {
-                *s.row_max.add(r) = f32::NEG_INFINITY;
-                *s.row_sum.add(r) = 0.0;
-            }
-            for c in 0..out_stride {
-                *s.out_acc.add(r * out_stride + c) = 0.0;
-            }
+            start_row(plan, item, s, r);
         }
 
         // 3. Key blocks from item.key_begin (at or before the first row's window start) up to
@@ -962,27 +906,8 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
                 };
                 block_scores::<V>(s.q_tile, d_len, rows, panels, n, s.scores);
             }
-            // (a') Softcap.
-            if plan.has_softcap {
-                softcap_block::<V>(plan, s, rows, n_padded);
-            }
-            // (b) Mask only blocks that cross a row's visible range (its window start or its
-            // visible end), or when a mask is given; ALiBi adds its term to every block.
-            let masked = plan.has_mask
-                || *s.row_key_end < key_block + n
-                || *s.row_key_begin.add(rows - 1) > key_block;
-            if masked || plan.has_alibi {
-                mask_block(plan, item, s, rows, key_block, n);
-            }
-            for r in 0..rows {
-                for j in n..n_padded {
-                    *s.scores.add(r * KEY_BLOCK + j) = f32::NEG_INFINITY;
-                }
-            }
-            // (c) Online softmax.
-            for r in 0..rows {
-                softmax_row::<V>(s.scores.add(r * KEY_BLOCK), n_padded, s, r);
-            }
+            // (a') - (c) Softcap, mask, online softmax.
+            let masked = block_probabilities::<V>(plan, item, s, rows, key_block, n, n_padded);
             // (c') int8: P times v_scale after l has summed the unscaled P; a P of 0 (a hidden
             // key) stays 0, so a hidden key's NaN scale never enters.
             if KV::SCALED {
@@ -1029,29 +954,119 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
                 *plan.partial_sum.add(slot_row) = *s.row_sum.add(r);
                 continue;
             }
-            let (h, i) = (item.kv_head * group + packed % group, packed / group);
-            let dst = p.out.data.cast::<T>().offset(at(
-                [b, h, i],
-                &[p.out.stride[0], p.out.stride[1], p.out.stride[2]],
-            ));
-            let l = *s.row_sum.add(r);
-            let inverse = V::broadcast(if l == 0.0 { 0.0 } else { 1.0 / l });
-            let mut c = 0;
-            while c + w <= value_dim {
-                T::store(V::mul(V::load(o.add(c)), inverse), dst.add(c));
-                c += w;
+            finish_row::<V, T>(plan, item, s, r);
+        }
+    }
+}
+
+/// 2, per row: row r's visible key range, m and l (the sink's when this item writes out, else
+/// -inf and 0: the sink enters once per row, here or in the merge), and O = 0.
+///
+/// # Safety
+/// As [`attend_rows`], for a row r of the item.
+#[inline(always)]
+pub(crate) unsafe fn start_row(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch, r: usize) {
+    let p = plan.problem;
+    let packed = item.row_begin + r;
+    let h = item.kv_head * plan.group + packed % plan.group;
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let (key_begin, key_end) = flash_row_key_range(p, item.b, plan.group, packed);
+        *s.row_key_begin.add(r) = key_begin;
+        *s.row_key_end.add(r) = key_end;
+        if plan.has_sinks && item.partial_slot.is_none() {
+            let sink = *p.sinks.data.offset(h as isize * p.sinks.stride[0] as isize);
+            *s.row_max.add(r) = sink * LOG2_E;
+            *s.row_sum.add(r) = 1.0;
+        } else {
+            *s.row_max.add(r) = f32::NEG_INFINITY;
+            *s.row_sum.add(r) = 0.0;
+        }
+        for c in 0..plan.value_stride {
+            *s.out_acc.add(r * plan.value_stride + c) = 0.0;
+        }
+    }
+}
+
+/// 3 (a') - (c) on the block's scores S (rows x n, padded to n_padded): softcap; the mask,
+/// applied only to blocks that cross a row's visible range (its window start or its visible
+/// end) or when a mask is given, ALiBi's term on every block; -inf on the padding; the online
+/// softmax (S becomes P, m and l updated, rescale set). Returns whether the block was masked.
+///
+/// # Safety
+/// As [`attend_rows`], for the item's rows and the block's keys.
+#[inline(always)]
+pub(crate) unsafe fn block_probabilities<V: Vector>(
+    plan: &FlashPlan,
+    item: &WorkItem,
+    s: &ThreadScratch,
+    rows: usize,
+    key_block: usize,
+    n: usize,
+    n_padded: usize,
+) -> bool {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        if plan.has_softcap {
+            softcap_block::<V>(plan, s, rows, n_padded);
+        }
+        let masked = plan.has_mask
+            || *s.row_key_end < key_block + n
+            || *s.row_key_begin.add(rows - 1) > key_block;
+        if masked || plan.has_alibi {
+            mask_block(plan, item, s, rows, key_block, n);
+        }
+        for r in 0..rows {
+            for j in n..n_padded {
+                *s.scores.add(r * KEY_BLOCK + j) = f32::NEG_INFINITY;
             }
-            if c < value_dim {
-                T::store_tail(
-                    V::mul(V::load(o.add(c)), inverse),
-                    dst.add(c),
-                    value_dim - c,
-                );
-            }
-            if p.lse.is_requested() {
-                let lse = p.lse.data.offset(at([b, h, i], &p.lse.stride));
-                *lse = row_lse(*s.row_max.add(r), l);
-            }
+        }
+        for r in 0..rows {
+            softmax_row::<V>(s.scores.add(r * KEY_BLOCK), n_padded, s, r);
+        }
+        masked
+    }
+}
+
+/// 4, per row of an item that writes out: out = O / l, rounded to T as it is stored, and lse.
+///
+/// # Safety
+/// As [`attend_rows`], for a row r of the item.
+#[inline(always)]
+pub(crate) unsafe fn finish_row<V: Vector, T: Element>(
+    plan: &FlashPlan,
+    item: &WorkItem,
+    s: &ThreadScratch,
+    r: usize,
+) {
+    let p = plan.problem;
+    let (w, group, value_dim) = (V::WIDTH, plan.group, plan.value_dim);
+    let packed = item.row_begin + r;
+    let (h, i) = (item.kv_head * group + packed % group, packed / group);
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let o = s.out_acc.add(r * plan.value_stride);
+        let dst = p.out.data.cast::<T>().offset(at(
+            [item.b, h, i],
+            &[p.out.stride[0], p.out.stride[1], p.out.stride[2]],
+        ));
+        let l = *s.row_sum.add(r);
+        let inverse = V::broadcast(if l == 0.0 { 0.0 } else { 1.0 / l });
+        let mut c = 0;
+        while c + w <= value_dim {
+            T::store(V::mul(V::load(o.add(c)), inverse), dst.add(c));
+            c += w;
+        }
+        if c < value_dim {
+            T::store_tail(
+                V::mul(V::load(o.add(c)), inverse),
+                dst.add(c),
+                value_dim - c,
+            );
+        }
+        if p.lse.is_requested() {
+            let lse = p.lse.data.offset(at([item.b, h, i], &p.lse.stride));
+            *lse = row_lse(*s.row_max.add(r), l);
         }
     }
 }

@@ -84,6 +84,32 @@ fn bf16dot_loop(has: &dyn Fn(&str) -> bool) -> Option<PeakLoop> {
     None
 }
 
+/// The loop of each kind, expanded inside its `#[target_feature]` function (a macro: the
+/// intrinsics differ; C++ passes lambdas to one template): N independent accumulators,
+/// accumulator i starting at `broadcast(i)`, each advanced by `step` (a closure, inlined with
+/// the function's target features) once per round until `instructions`
+/// are issued (whole rounds), then summed (`add`) and the sum's first lane kept (black_box), so
+/// that the loop stays. Evaluates to the instructions issued.
+macro_rules! run_peak_loop {
+    ($instructions:expr, $n:literal, $broadcast:ident, $step:ident, $add:ident, $first_lane:ident) => {{
+        let mut accumulators: [_; $n] = std::array::from_fn(|i| $broadcast(i as f32));
+        let mut done = 0;
+        while done < $instructions {
+            for slot in &mut accumulators {
+                *slot = $step(*slot);
+            }
+            done += $n;
+        }
+        let mut sum = accumulators[0];
+        for x in &accumulators[1..] {
+            sum = $add(sum, *x);
+        }
+        std::hint::black_box($first_lane(sum)); // the loop's result is used
+        $instructions.div_ceil($n) * $n
+    }};
+}
+pub(crate) use run_peak_loop;
+
 /// 16 independent accumulators, each acc = acc * b + c with b just below 1 and c small, so the
 /// values stay normal and bounded however long it runs.
 ///
@@ -93,21 +119,16 @@ fn bf16dot_loop(has: &dyn Fn(&str) -> bool) -> Option<PeakLoop> {
 #[target_feature(enable = "avx512f")]
 unsafe fn peak_fma32_avx512(instructions: u64) -> u64 {
     use std::arch::x86_64::*;
-    let mut acc: [__m512; 16] = std::array::from_fn(|i| _mm512_set1_ps(i as f32));
     let (b, c) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-6));
-    let mut done = 0;
-    while done < instructions {
-        for x in &mut acc {
-            *x = _mm512_fmadd_ps(*x, b, c);
-        }
-        done += 16;
-    }
-    let mut sum = acc[0];
-    for x in &acc[1..] {
-        sum = _mm512_add_ps(sum, *x);
-    }
-    std::hint::black_box(_mm512_cvtss_f32(sum)); // the loop's result is used
-    instructions.div_ceil(16) * 16 * 32
+    let fma = |acc| _mm512_fmadd_ps(acc, b, c);
+    32 * run_peak_loop!(
+        instructions,
+        16,
+        _mm512_set1_ps,
+        fma,
+        _mm512_add_ps,
+        _mm512_cvtss_f32
+    )
 }
 
 /// As [`peak_fma32_avx512`] with 12 accumulators of 8 floats (16 flop per instruction).
@@ -118,19 +139,14 @@ unsafe fn peak_fma32_avx512(instructions: u64) -> u64 {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn peak_fma32_avx2(instructions: u64) -> u64 {
     use std::arch::x86_64::*;
-    let mut acc: [__m256; 12] = std::array::from_fn(|i| _mm256_set1_ps(i as f32));
     let (b, c) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-6));
-    let mut done = 0;
-    while done < instructions {
-        for x in &mut acc {
-            *x = _mm256_fmadd_ps(*x, b, c);
-        }
-        done += 12;
-    }
-    let mut sum = acc[0];
-    for x in &acc[1..] {
-        sum = _mm256_add_ps(sum, *x);
-    }
-    std::hint::black_box(_mm256_cvtss_f32(sum)); // the loop's result is used
-    instructions.div_ceil(12) * 12 * 16
+    let fma = |acc| _mm256_fmadd_ps(acc, b, c);
+    16 * run_peak_loop!(
+        instructions,
+        12,
+        _mm256_set1_ps,
+        fma,
+        _mm256_add_ps,
+        _mm256_cvtss_f32
+    )
 }

@@ -288,111 +288,81 @@ impl DetachedProblem<'_> {
     }
 }
 
-/// attention_forward(q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads,
-///     window_left, window_right, softcap, alibi_slopes, sinks, k_scale=None, v_scale=None)
-/// --
-///
-/// Computes out (and lse when given) in place with the fast kernel and the instruction set in
-/// use (set_isa). See docs/native_api.md.
-#[pyfunction]
-#[pyo3(signature = (q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks, k_scale=None, v_scale=None))]
-#[allow(clippy::too_many_arguments)]
-fn attention_forward<'py>(
-    q: &Bound<'py, PyAny>,
-    k: &Bound<'py, PyAny>,
-    v: &Bound<'py, PyAny>,
-    out: &Bound<'py, PyAny>,
-    lse: &Bound<'py, PyAny>,
-    q_offset: &Bound<'py, PyAny>,
-    kv_lens: &Bound<'py, PyAny>,
-    mask: &Bound<'py, PyAny>,
-    causal: &Bound<'py, PyAny>,
-    scale: &Bound<'py, PyAny>,
-    num_threads: &Bound<'py, PyAny>,
-    window_left: &Bound<'py, PyAny>,
-    window_right: &Bound<'py, PyAny>,
-    softcap: &Bound<'py, PyAny>,
-    alibi_slopes: &Bound<'py, PyAny>,
-    sinks: &Bound<'py, PyAny>,
-    k_scale: Option<&Bound<'py, PyAny>>,
-    v_scale: Option<&Bound<'py, PyAny>>,
-) -> PyResult<()> {
-    run_kernel(
-        Kernel::Fast,
-        [
-            q,
-            k,
-            v,
-            out,
-            lse,
-            q_offset,
-            kv_lens,
-            mask,
-            causal,
-            scale,
-            num_threads,
-            window_left,
-            window_right,
-            softcap,
-            alibi_slopes,
-            sinks,
-        ],
-        [k_scale, v_scale],
-    )
+/// One `#[pyfunction]` per kernel, the same arguments for both, handed to [`run_kernel`] (a macro:
+/// PyO3 needs a function each; C++ instantiates one template twice, bindings.cpp).
+macro_rules! attention_pyfunction {
+    ($(#[$doc:meta])* $name:ident, $kernel:expr) => {
+        $(#[$doc])*
+        #[pyfunction]
+        #[pyo3(signature = (q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks, k_scale=None, v_scale=None))]
+        #[allow(clippy::too_many_arguments)]
+        fn $name<'py>(
+            q: &Bound<'py, PyAny>,
+            k: &Bound<'py, PyAny>,
+            v: &Bound<'py, PyAny>,
+            out: &Bound<'py, PyAny>,
+            lse: &Bound<'py, PyAny>,
+            q_offset: &Bound<'py, PyAny>,
+            kv_lens: &Bound<'py, PyAny>,
+            mask: &Bound<'py, PyAny>,
+            causal: &Bound<'py, PyAny>,
+            scale: &Bound<'py, PyAny>,
+            num_threads: &Bound<'py, PyAny>,
+            window_left: &Bound<'py, PyAny>,
+            window_right: &Bound<'py, PyAny>,
+            softcap: &Bound<'py, PyAny>,
+            alibi_slopes: &Bound<'py, PyAny>,
+            sinks: &Bound<'py, PyAny>,
+            k_scale: Option<&Bound<'py, PyAny>>,
+            v_scale: Option<&Bound<'py, PyAny>>,
+        ) -> PyResult<()> {
+            run_kernel(
+                $kernel,
+                [
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                    q_offset,
+                    kv_lens,
+                    mask,
+                    causal,
+                    scale,
+                    num_threads,
+                    window_left,
+                    window_right,
+                    softcap,
+                    alibi_slopes,
+                    sinks,
+                ],
+                [k_scale, v_scale],
+            )
+        }
+    };
 }
 
-/// attention_reference(q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads,
-///     window_left, window_right, softcap, alibi_slopes, sinks, k_scale=None, v_scale=None)
-/// --
-///
-/// As attention_forward, with the plain reference kernel (the scalar twin every fast path is
-/// tested against).
-#[pyfunction]
-#[pyo3(signature = (q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks, k_scale=None, v_scale=None))]
-#[allow(clippy::too_many_arguments)]
-fn attention_reference<'py>(
-    q: &Bound<'py, PyAny>,
-    k: &Bound<'py, PyAny>,
-    v: &Bound<'py, PyAny>,
-    out: &Bound<'py, PyAny>,
-    lse: &Bound<'py, PyAny>,
-    q_offset: &Bound<'py, PyAny>,
-    kv_lens: &Bound<'py, PyAny>,
-    mask: &Bound<'py, PyAny>,
-    causal: &Bound<'py, PyAny>,
-    scale: &Bound<'py, PyAny>,
-    num_threads: &Bound<'py, PyAny>,
-    window_left: &Bound<'py, PyAny>,
-    window_right: &Bound<'py, PyAny>,
-    softcap: &Bound<'py, PyAny>,
-    alibi_slopes: &Bound<'py, PyAny>,
-    sinks: &Bound<'py, PyAny>,
-    k_scale: Option<&Bound<'py, PyAny>>,
-    v_scale: Option<&Bound<'py, PyAny>>,
-) -> PyResult<()> {
-    run_kernel(
-        Kernel::Reference,
-        [
-            q,
-            k,
-            v,
-            out,
-            lse,
-            q_offset,
-            kv_lens,
-            mask,
-            causal,
-            scale,
-            num_threads,
-            window_left,
-            window_right,
-            softcap,
-            alibi_slopes,
-            sinks,
-        ],
-        [k_scale, v_scale],
-    )
-}
+attention_pyfunction!(
+    /// attention_forward(q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads,
+    ///     window_left, window_right, softcap, alibi_slopes, sinks, k_scale=None, v_scale=None)
+    /// --
+    ///
+    /// Computes out (and lse when given) in place with the fast kernel and the instruction set in
+    /// use (set_isa). See docs/native_api.md.
+    attention_forward,
+    Kernel::Fast
+);
+
+attention_pyfunction!(
+    /// attention_reference(q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads,
+    ///     window_left, window_right, softcap, alibi_slopes, sinks, k_scale=None, v_scale=None)
+    /// --
+    ///
+    /// As attention_forward, with the plain reference kernel (the scalar twin every fast path is
+    /// tested against).
+    attention_reference,
+    Kernel::Reference
+);
 
 /// Converts the arguments and runs `kernel`, which checks them, without the GIL.
 fn run_kernel(

@@ -17,6 +17,8 @@ pub mod avx512;
 #[cfg(target_arch = "aarch64")]
 pub mod neon;
 pub mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 /// A vector of `WIDTH` floats with the operations the tile kernel needs.
 pub trait Vector: Copy {

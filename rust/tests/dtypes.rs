@@ -11,28 +11,15 @@ extern crate _rust as twinattn;
 
 mod common;
 
-use common::{assert_close_to_naive, Case, Kernel, Mask, Output, Rng, Tensor};
+use common::{assert_close_to_naive, fast_kernels, random_case, Case, Kernel, Mask, Output, Rng};
 use twinattn::element::Dtype;
 
 const HALVES: [Dtype; 2] = [Dtype::Float16, Dtype::BFloat16];
 
 fn kernels() -> Vec<Kernel> {
     let mut kernels = vec![Kernel::Reference];
-    kernels.extend(
-        twinattn::dispatch::available_isas()
-            .into_iter()
-            .map(Kernel::Fast),
-    );
+    kernels.extend(fast_kernels());
     kernels
-}
-
-fn random_case(rng: &mut Rng, shape: (i64, i64, i64, i64, i64, i64, i64)) -> Case {
-    let (b, hq, hkv, lq, lk, d, dv) = shape;
-    Case::new(
-        Tensor::random([b, hq, lq, d], rng),
-        Tensor::random([b, hkv, lk, d], rng),
-        Tensor::random([b, hkv, lk, dv], rng),
-    )
 }
 
 /// The half case on `kernel` against the float32 case with the same rounded inputs, its out
@@ -43,12 +30,7 @@ fn assert_convert_path(case: &Case, kernel: Kernel, dtype: Dtype, what: &str) ->
     float.dtype = Dtype::Float32;
     let got = common::run_with(kernel, &half, 2);
     let want = common::run_with(kernel, &float, 2);
-    let rounded: Vec<u32> = want
-        .out
-        .values()
-        .iter()
-        .map(|&x| common::round_to(dtype, x).to_bits())
-        .collect();
+    let rounded = common::rounded_bits(dtype, &want.out.values());
     let got_bits = common::bits(&got.out.values());
     if let Some(n) = (0..rounded.len()).find(|&n| got_bits[n] != rounded[n]) {
         panic!(

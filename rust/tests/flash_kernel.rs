@@ -10,7 +10,9 @@ mod common;
 #[macro_use]
 mod contract;
 
-use common::{assert_close_to_naive, assert_identical, Case, Kernel, Mask, Output, Rng, Tensor};
+use common::{
+    assert_close_to_naive, assert_identical, random_case, Case, Kernel, Mask, Output, Rng,
+};
 
 // One module per instruction set. A set this architecture never has is not compiled; a set this
 // CPU lacks is compiled and ignored (build.rs), so `cargo test` lists it as ignored.
@@ -85,15 +87,6 @@ fn check_all_isas(case: &Case, threads: usize, what: &str) {
         let fast = run_on(Kernel::Fast(isa), case, threads);
         assert_close_to_reference(case, &fast, &reference, &format!("{isa} {what}"));
     }
-}
-
-fn random_case(rng: &mut Rng, shape: (i64, i64, i64, i64, i64, i64, i64)) -> Case {
-    let (b, hq, hkv, lq, lk, d, dv) = shape;
-    Case::new(
-        Tensor::random([b, hq, lq, d], rng),
-        Tensor::random([b, hkv, lk, d], rng),
-        Tensor::random([b, hkv, lk, dv], rng),
-    )
 }
 
 #[test]

@@ -12,27 +12,11 @@ extern crate _rust as twinattn;
 
 mod common;
 
-use common::{Case, Kernel, Mask, Output, Rng, Tensor};
+use common::{fast_kernels, random_case, Case, Kernel, Mask, Output, Rng};
 use twinattn::element::Dtype;
 use twinattn::problem::{check_problem, ParamView3};
 
 const Q_DTYPES: [Dtype; 3] = [Dtype::Float32, Dtype::Float16, Dtype::BFloat16];
-
-fn fast_kernels() -> Vec<Kernel> {
-    twinattn::dispatch::available_isas()
-        .into_iter()
-        .map(Kernel::Fast)
-        .collect()
-}
-
-fn random_case(rng: &mut Rng, shape: (i64, i64, i64, i64, i64, i64, i64)) -> Case {
-    let (b, hq, hkv, lq, lk, d, dv) = shape;
-    Case::new(
-        Tensor::random([b, hq, lq, d], rng),
-        Tensor::random([b, hkv, lk, d], rng),
-        Tensor::random([b, hkv, lk, dv], rng),
-    )
-}
 
 /// Contiguous (B, Hkv, Lk) strides.
 fn contiguous(case: &Case) -> [i64; 3] {
@@ -91,12 +75,7 @@ fn check(case: &Case, what: &str) -> Vec<Output> {
         dequantized.dtype = Dtype::Float32;
         let want = common::run_with(Kernel::Reference, &dequantized, 2);
         let reference = common::run_with(Kernel::Reference, &int8, 2);
-        let rounded: Vec<u32> = want
-            .out
-            .values()
-            .iter()
-            .map(|&x| common::round_to(dtype, x).to_bits())
-            .collect();
+        let rounded = common::rounded_bits(dtype, &want.out.values());
         assert_eq!(
             common::bits(&reference.out.values()),
             rounded,

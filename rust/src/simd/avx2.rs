@@ -5,6 +5,7 @@
 
 use std::arch::x86_64::*;
 
+use super::x86::{one_intrinsic_ops, reduce_max_256, reduce_sum_256};
 use super::Vector;
 use crate::constants::{
     AVX2_DIRECT_STRIP_ROWS, AVX2_SCORE_VECTORS, AVX2_VALUE_VECTORS, EXP2_COEFFICIENTS, EXP2_DEGREE,
@@ -36,30 +37,23 @@ impl Vector for Avx2 {
     const DIRECT_STRIP_ROWS: usize = AVX2_DIRECT_STRIP_ROWS;
     const NAME: &'static str = "avx2";
 
-    #[inline(always)]
-    unsafe fn zero() -> Self {
-        // SAFETY: the caller guarantees AVX2.
-        Avx2(unsafe { _mm256_setzero_ps() })
-    }
-    #[inline(always)]
-    unsafe fn broadcast(x: f32) -> Self {
-        // SAFETY: the caller guarantees AVX2.
-        Avx2(unsafe { _mm256_set1_ps(x) })
-    }
-    #[inline(always)]
-    unsafe fn load(p: *const f32) -> Self {
-        // SAFETY: the caller guarantees AVX2 and 8 readable floats at p.
-        Avx2(unsafe { _mm256_loadu_ps(p) })
-    }
+    one_intrinsic_ops!(
+        Avx2,
+        zero: _mm256_setzero_ps,
+        broadcast: _mm256_set1_ps,
+        load: _mm256_loadu_ps,
+        store: _mm256_storeu_ps,
+        fma: _mm256_fmadd_ps,
+        mul: _mm256_mul_ps,
+        add: _mm256_add_ps,
+        sub: _mm256_sub_ps,
+        max: _mm256_max_ps,
+        div: _mm256_div_ps
+    );
     #[inline(always)]
     unsafe fn load_tail(p: *const f32, n: usize) -> Self {
         // SAFETY: AVX2 and n readable floats at p; masked-off lanes are never accessed.
         Avx2(unsafe { _mm256_maskload_ps(p, tail_mask(n)) })
-    }
-    #[inline(always)]
-    unsafe fn store(self, p: *mut f32) {
-        // SAFETY: the caller guarantees 8 writeable floats at p; self proves AVX2.
-        unsafe { _mm256_storeu_ps(p, self.0) }
     }
     #[inline(always)]
     unsafe fn store_tail(self, p: *mut f32, n: usize) {
@@ -119,36 +113,6 @@ impl Vector for Avx2 {
         }
     }
     #[inline(always)]
-    fn fma(a: Self, b: Self, c: Self) -> Self {
-        // SAFETY: a value of this type proves AVX2 and FMA (see simd.rs).
-        Avx2(unsafe { _mm256_fmadd_ps(a.0, b.0, c.0) })
-    }
-    #[inline(always)]
-    fn mul(a: Self, b: Self) -> Self {
-        // SAFETY: as in fma.
-        Avx2(unsafe { _mm256_mul_ps(a.0, b.0) })
-    }
-    #[inline(always)]
-    fn add(a: Self, b: Self) -> Self {
-        // SAFETY: as in fma.
-        Avx2(unsafe { _mm256_add_ps(a.0, b.0) })
-    }
-    #[inline(always)]
-    fn sub(a: Self, b: Self) -> Self {
-        // SAFETY: as in fma.
-        Avx2(unsafe { _mm256_sub_ps(a.0, b.0) })
-    }
-    #[inline(always)]
-    fn max(a: Self, b: Self) -> Self {
-        // SAFETY: as in fma.
-        Avx2(unsafe { _mm256_max_ps(a.0, b.0) })
-    }
-    #[inline(always)]
-    fn div(a: Self, b: Self) -> Self {
-        // SAFETY: as in fma.
-        Avx2(unsafe { _mm256_div_ps(a.0, b.0) })
-    }
-    #[inline(always)]
     fn select_less(a: Self, b: Self, x: Self, y: Self) -> Self {
         // SAFETY: as in fma.
         Avx2(unsafe { _mm256_blendv_ps(y.0, x.0, _mm256_cmp_ps::<_CMP_LT_OQ>(a.0, b.0)) })
@@ -175,22 +139,12 @@ impl Vector for Avx2 {
     #[inline(always)]
     fn reduce_max(x: Self) -> f32 {
         // SAFETY: as in fma.
-        unsafe {
-            let mut q = _mm_max_ps(_mm256_castps256_ps128(x.0), _mm256_extractf128_ps::<1>(x.0));
-            q = _mm_max_ps(q, _mm_movehl_ps(q, q));
-            q = _mm_max_ss(q, _mm_shuffle_ps::<1>(q, q));
-            _mm_cvtss_f32(q)
-        }
+        unsafe { reduce_max_256(x.0) }
     }
     #[inline(always)]
     fn reduce_sum(x: Self) -> f32 {
         // SAFETY: as in fma.
-        unsafe {
-            let mut q = _mm_add_ps(_mm256_castps256_ps128(x.0), _mm256_extractf128_ps::<1>(x.0));
-            q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-            q = _mm_add_ss(q, _mm_shuffle_ps::<1>(q, q));
-            _mm_cvtss_f32(q)
-        }
+        unsafe { reduce_sum_256(x.0) }
     }
     #[inline(always)]
     fn reduce4(a0: Self, a1: Self, a2: Self, a3: Self) -> Self {

@@ -5,6 +5,7 @@
 
 use std::arch::x86_64::*;
 
+use super::x86::{one_intrinsic_ops, reduce_max_256, reduce_sum_256};
 use super::Vector;
 use crate::constants::{
     AVX512_DIRECT_STRIP_ROWS, AVX512_SCORE_VECTORS, AVX512_VALUE_VECTORS, EXP2_COEFFICIENTS,
@@ -26,30 +27,23 @@ impl Vector for Avx512 {
     const DIRECT_STRIP_ROWS: usize = AVX512_DIRECT_STRIP_ROWS;
     const NAME: &'static str = "avx512";
 
-    #[inline(always)]
-    unsafe fn zero() -> Self {
-        // SAFETY: the caller guarantees AVX-512F.
-        Avx512(unsafe { _mm512_setzero_ps() })
-    }
-    #[inline(always)]
-    unsafe fn broadcast(x: f32) -> Self {
-        // SAFETY: the caller guarantees AVX-512F.
-        Avx512(unsafe { _mm512_set1_ps(x) })
-    }
-    #[inline(always)]
-    unsafe fn load(p: *const f32) -> Self {
-        // SAFETY: the caller guarantees AVX-512F and 16 readable floats at p.
-        Avx512(unsafe { _mm512_loadu_ps(p) })
-    }
+    one_intrinsic_ops!(
+        Avx512,
+        zero: _mm512_setzero_ps,
+        broadcast: _mm512_set1_ps,
+        load: _mm512_loadu_ps,
+        store: _mm512_storeu_ps,
+        fma: _mm512_fmadd_ps,
+        mul: _mm512_mul_ps,
+        add: _mm512_add_ps,
+        sub: _mm512_sub_ps,
+        max: _mm512_max_ps,
+        div: _mm512_div_ps
+    );
     #[inline(always)]
     unsafe fn load_tail(p: *const f32, n: usize) -> Self {
         // SAFETY: AVX-512F and n readable floats at p; masked-off lanes are never accessed.
         Avx512(unsafe { _mm512_maskz_loadu_ps(tail_mask(n), p) })
-    }
-    #[inline(always)]
-    unsafe fn store(self, p: *mut f32) {
-        // SAFETY: the caller guarantees 16 writeable floats at p; self proves AVX-512F.
-        unsafe { _mm512_storeu_ps(p, self.0) }
     }
     #[inline(always)]
     unsafe fn store_tail(self, p: *mut f32, n: usize) {
@@ -105,36 +99,6 @@ impl Vector for Avx512 {
         }
     }
     #[inline(always)]
-    fn fma(a: Self, b: Self, c: Self) -> Self {
-        // SAFETY: a value of this type proves AVX-512F (see simd.rs).
-        Avx512(unsafe { _mm512_fmadd_ps(a.0, b.0, c.0) })
-    }
-    #[inline(always)]
-    fn mul(a: Self, b: Self) -> Self {
-        // SAFETY: as in fma.
-        Avx512(unsafe { _mm512_mul_ps(a.0, b.0) })
-    }
-    #[inline(always)]
-    fn add(a: Self, b: Self) -> Self {
-        // SAFETY: as in fma.
-        Avx512(unsafe { _mm512_add_ps(a.0, b.0) })
-    }
-    #[inline(always)]
-    fn sub(a: Self, b: Self) -> Self {
-        // SAFETY: as in fma.
-        Avx512(unsafe { _mm512_sub_ps(a.0, b.0) })
-    }
-    #[inline(always)]
-    fn max(a: Self, b: Self) -> Self {
-        // SAFETY: as in fma.
-        Avx512(unsafe { _mm512_max_ps(a.0, b.0) })
-    }
-    #[inline(always)]
-    fn div(a: Self, b: Self) -> Self {
-        // SAFETY: as in fma.
-        Avx512(unsafe { _mm512_div_ps(a.0, b.0) })
-    }
-    #[inline(always)]
     fn select_less(a: Self, b: Self, x: Self, y: Self) -> Self {
         // SAFETY: as in fma.
         Avx512(unsafe {
@@ -164,28 +128,16 @@ impl Vector for Avx512 {
     fn reduce_max(x: Self) -> f32 {
         // SAFETY: as in fma (AVX-512F implies AVX and SSE).
         unsafe {
-            let h = _mm256_max_ps(
-                _mm512_castps512_ps256(x.0),
-                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x.0))),
-            );
-            let mut q = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
-            q = _mm_max_ps(q, _mm_movehl_ps(q, q));
-            q = _mm_max_ss(q, _mm_shuffle_ps::<1>(q, q));
-            _mm_cvtss_f32(q)
+            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x.0)));
+            reduce_max_256(_mm256_max_ps(_mm512_castps512_ps256(x.0), high))
         }
     }
     #[inline(always)]
     fn reduce_sum(x: Self) -> f32 {
         // SAFETY: as in fma.
         unsafe {
-            let h = _mm256_add_ps(
-                _mm512_castps512_ps256(x.0),
-                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x.0))),
-            );
-            let mut q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
-            q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-            q = _mm_add_ss(q, _mm_shuffle_ps::<1>(q, q));
-            _mm_cvtss_f32(q)
+            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x.0)));
+            reduce_sum_256(_mm256_add_ps(_mm512_castps512_ps256(x.0), high))
         }
     }
     #[inline(always)]

@@ -437,6 +437,33 @@ pub fn bits(values: &[f32]) -> Vec<u32> {
     values.iter().map(|x| x.to_bits()).collect()
 }
 
+/// The bits of `values` each rounded to `dtype` (as float32 values: [`round_to`]).
+pub fn rounded_bits(dtype: Dtype, values: &[f32]) -> Vec<u32> {
+    values
+        .iter()
+        .map(|&x| round_to(dtype, x).to_bits())
+        .collect()
+}
+
+/// A case of random q (B, Hq, Lq, D), k (B, Hkv, Lk, D) and v (B, Hkv, Lk, Dv) for the shape
+/// (B, Hq, Hkv, Lq, Lk, D, Dv).
+pub fn random_case(rng: &mut Rng, shape: (i64, i64, i64, i64, i64, i64, i64)) -> Case {
+    let (b, hq, hkv, lq, lk, d, dv) = shape;
+    Case::new(
+        Tensor::random([b, hq, lq, d], rng),
+        Tensor::random([b, hkv, lk, d], rng),
+        Tensor::random([b, hkv, lk, dv], rng),
+    )
+}
+
+/// The fast kernel on every instruction set this build and CPU can run.
+pub fn fast_kernels() -> Vec<Kernel> {
+    twinattn::dispatch::available_isas()
+        .into_iter()
+        .map(Kernel::Fast)
+        .collect()
+}
+
 impl Case {
     /// Defaults: not causal, q_offset 0, every key valid, no mask, scale 1/sqrt(D).
     pub fn new(q: Tensor, k: Tensor, v: Tensor) -> Case {
