@@ -432,7 +432,8 @@ def text(document: dict[str, Any]) -> str:
         heading = (
             f"end to end: transformers {end_to_end['transformers']}, torch {end_to_end['torch']}, "
             f"{end_to_end['threads']} threads; prefill of a random prompt, then {end_to_end['steps']} greedy decode "
-            "steps (median) at each context; split: one more pass profiled:"
+            "steps (median) at each context; split: attention and cache appends timed in one more pass, matrix products "
+            "profiled in another:"
         )
         parts.append(f"{heading}\n{e2e.format_rows(end_to_end['rows'])}")
         goals = e2e.targets(end_to_end["rows"], e2e.plans_by_title(), end_to_end.get("shrink", 1))
