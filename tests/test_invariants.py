@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import threading
 
 import numpy as np
@@ -83,6 +84,22 @@ def test_thread_counts_agree(native_backend: str) -> None:
     for threads in (2, 3, 7):
         many = twinattn.attention(q, k, v, causal=True, backend=native_backend, num_threads=threads)
         np.testing.assert_allclose(many, one, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("side", [-1, 1], ids=["below", "above"])
+def test_calls_beside_the_serial_bound_agree_across_thread_counts(native_backend: str, side: int) -> None:
+    # below build_info's serial_work (B * Hq * Lq * Lk * (D + Dv) multiply-adds) a call runs on the
+    # calling thread whatever num_threads says; above it, on the pool: the same bits either way
+    bound = importlib.import_module(f"twinattn._{native_backend}").build_info()["constants"]["serial_work"]
+    keys = bound // (9 * 128) + side  # one-token decode, 9 query / 3 KV heads, D 64
+    assert (9 * keys * 128 < bound) == (side < 0)
+    rng = np.random.default_rng(6)
+    q, k, v = rand(rng, 1, 9, 1, 64), rand(rng, 1, 3, keys, 64), rand(rng, 1, 3, keys, 64)
+    one = twinattn.attention(q, k, v, causal=True, q_offset=keys - 1, backend=native_backend, num_threads=1)
+    for threads in (2, 3):
+        many = twinattn.attention(q, k, v, causal=True, q_offset=keys - 1, backend=native_backend, num_threads=threads)
+        np.testing.assert_array_equal(many, one)
+    assert_close_to_reference(one, q, k, v, causal=True, q_offset=keys - 1)
 
 
 def test_concurrent_calls_from_python_threads(native_backend: str) -> None:

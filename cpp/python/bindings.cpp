@@ -397,6 +397,7 @@ py::dict build_info() {
     constants["key_panel"] = kKeyPanel;
     constants["split_key_chunk"] = kSplitKeyChunk;
     constants["pool_spin_microseconds"] = kPoolSpinMicroseconds;
+    constants["serial_work"] = kSerialWork;
     constants["direct_score_rows"] = kDirectScoreRows;
     constants["avx512_score_vectors"] = kAvx512ScoreVectors;
     constants["avx512_value_vectors"] = kAvx512ValueVectors;

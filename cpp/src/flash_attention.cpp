@@ -348,6 +348,10 @@ void attention_forward(const AttentionProblem& p, int num_threads) {
     plan.has_mask = p.mask.kind != MaskKind::None;
     plan.has_alibi = p.alibi_slopes.data != nullptr;
     plan.has_sinks = p.sinks.data != nullptr;
+    // Work in double: the product of five int64 extents may overflow.
+    const double work = static_cast<double>(B) * static_cast<double>(Hq) * static_cast<double>(Lq) *
+                        static_cast<double>(p.k.shape[2]) * static_cast<double>(plan.head_dim + plan.value_dim);
+    if (work < static_cast<double>(kSerialWork)) num_threads = 1;
     if (plan.rows_per_group > kQTileRows)
         run_prefill(plan, kernels, num_threads);
     else

@@ -19,7 +19,7 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::LocalKey;
 
-use crate::constants::{KEY_BLOCK, KEY_PANEL, LOG2_E, Q_TILE_ROWS, SPLIT_KEY_CHUNK};
+use crate::constants::{KEY_BLOCK, KEY_PANEL, LOG2_E, Q_TILE_ROWS, SERIAL_WORK, SPLIT_KEY_CHUNK};
 use crate::dispatch::current_kernels;
 use crate::element::{BFloat16, Dtype, Element, Float16};
 use crate::flash_kernel::{
@@ -289,6 +289,20 @@ pub unsafe fn attention_forward_with(
         partial_out: std::ptr::null_mut(),
         partial_max: std::ptr::null_mut(),
         partial_sum: std::ptr::null_mut(),
+    };
+    // Work in f64: the product of five extents may overflow.
+    let extents = [
+        batch,
+        q_heads,
+        q_len,
+        p.k.shape[2] as usize,
+        head_dim + value_dim,
+    ];
+    let work: f64 = extents.iter().map(|&n| n as f64).product();
+    let threads = if work < SERIAL_WORK as f64 {
+        1
+    } else {
+        threads
     };
     with_thread_buffers(&CALLER_BUFFERS, |buffers| {
         if plan.rows_per_group > Q_TILE_ROWS {
