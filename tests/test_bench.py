@@ -888,7 +888,9 @@ def test_native_peaks_are_measured_or_say_why() -> None:
         return
     assert fma["gflops"] > 0
     if "avx512_bf16" in flags:
-        assert bf16["gflops"] > fma["gflops"]  # twice the FMA's FLOPs per instruction
+        # no ratio to the FMA peak: VDPBF16PS's throughput is a fact of the processor (about twice
+        # the FMA's FLOP/s on Zen 5, about half on the Intel Xeon with AMX these machines became)
+        assert bf16["gflops"] > 0
     else:
         assert bf16["gflops"] is None and "AVX512_BF16" in bf16["why"]
 
