@@ -1032,7 +1032,7 @@ def test_e2e_case_in_the_json_and_the_table(
         assert r["tokens_per_s"] == pytest.approx((r["context"] if r["phase"] == "prefill" else 1) * 1e3 / r["ms"])
         if r["phase"] == "prefill" and r["impl"].startswith("twinattn"):
             assert r["max_logit_diff"] < 1e-4  # the same prompt as sdpa's, the same logits
-    assert "end to end: " in out and "end-to-end targets (issue #14" in out
+    assert "end to end: " in out and "end-to-end targets (ratios" in out
     assert "SmolLM2-135M-Instruct float32: twinattn / sdpa decode tokens/s at 16:" in out
     assert "SmolLM2-135M-Instruct float32: twinattn decode step at 16 / at 1:" in out
     assert "\nthe end-to-end case in " in out and "numpy in" not in out  # no kernel case: no kernel-case lines
@@ -1167,7 +1167,7 @@ def test_layer_expected_in_a_narrow_dtype_uses_the_rounded_cache() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# int8 K/V (issue #15): --dtype int8, its inputs, bytes, check, targets and run
+# int8 K/V: --dtype int8, its inputs, bytes, check, targets and run
 
 
 
@@ -1269,5 +1269,5 @@ def test_int8_in_the_json_and_the_table(small_ceilings: None, tmp_path: Any, cap
             assert r["speedup_vs_float32"] == pytest.approx(f32["median_s"] / r["median_s"])
         if bf16["status"] == "ok":
             assert r["speedup_vs_bfloat16"] == pytest.approx(bf16["median_s"] / r["median_s"])
-    assert "int8 K/V targets (issue #15" in out and "decode-batch int8" in out
+    assert "int8 K/V targets (ratios" in out and "decode-batch int8" in out
     assert status == 0

@@ -112,7 +112,7 @@ def test_smollm2_greedy_generation_gives_sdpas_tokens(smol: tuple[Any, Any], cas
     assert torch.equal(got, want), tok.batch_decode(got) + tok.batch_decode(want)
 
 
-# ---- SmolLM2 with an int8 cache (issue #15) -------------------------------------------------------
+# ---- SmolLM2 with an int8 cache ------------------------------------------------------------------
 # The contract: int8 attention is attention over the dequantized keys and values, in float32. So
 # TwinattnCache(kv_dtype="int8") is held to the float32 rule above against transformers' own
 # attentions over a DynamicCache that stores dequantize_kv(quantize_kv(k, v)) in float32: the

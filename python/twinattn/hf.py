@@ -33,7 +33,7 @@ dtypes: float32, bfloat16 and float16 models. Query, key and value reach twinatt
 dtype (computed in float32, out rounded once to that dtype), and TwinattnCache stores keys and
 values in it (a bfloat16 cache is half a float32 one). TwinattnCache(..., kv_dtype="int8") stores
 them as int8 with one float32 scale per (sequence, KV head, token) each (twinattn.quantize_kv of
-the model's keys and values as they are appended; issue #15): about a quarter of a float32 cache.
+the model's keys and values as they are appended): about a quarter of a float32 cache.
 It is a twinattn.KVCache(dtype="int8"); update returns its int8 views with their scale views
 attached, and attention_forward passes those to twinattn as k_scale / v_scale: attention over the
 dequantized keys and values, read in place.
@@ -404,7 +404,7 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         if kv_dtype not in (None, "int8"):
             raise ValueError(f"kv_dtype: expected None (the model's dtype) or 'int8', got {kv_dtype!r}")
         if kv_dtype == "int8" and not _has_int8():
-            raise NotImplementedError("kv_dtype='int8': this twinattn has no int8 K/V (twinattn.quantize_kv, issue #15)")
+            raise NotImplementedError("kv_dtype='int8': this twinattn has no int8 K/V (twinattn.quantize_kv)")
         self.max_cache_len = max_cache_len
         self.num_layers = num_layers
         self.kv_dtype = kv_dtype

@@ -60,8 +60,8 @@ layer-decode (twinattn backends only; torch and onnxruntime are skipped):
 
 examples:
   twinattn-bench --quick
-  twinattn-bench --dtype all --cases prefill-causal/N=2048,decode/N=32768   # issue #12's targets
-  twinattn-bench --dtype f32,bf16,int8 --cases decode/N=32768,decode-batch --backends cpp,rust   # #15's
+  twinattn-bench --dtype all --cases prefill-causal/N=2048,decode/N=32768   # the float16 / bfloat16 targets
+  twinattn-bench --dtype f32,bf16,int8 --cases decode/N=32768,decode-batch --backends cpp,rust   # the int8 targets
   twinattn-bench --cases prefill-causal,decode --backends cpp,rust --json out.json --plot out.png
   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE twinattn-bench   # the GEMM ceiling unhobbled
 """

@@ -50,7 +50,7 @@ _MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
 @dataclass(frozen=True)
 class Plan:
     """Where a model is measured: decode contexts (the first, short one is the baseline the longer
-    steps are compared with) and prefill lengths; and issue #14's targets, if it sets any: the
+    steps are compared with) and prefill lengths; and its targets, if it has any: the
     decode step at `growth_at` at most `growth` times the step at the first context, twinattn's
     decode tokens/s at least `decode` times sdpa's (per context), its prefill at least `prefill`
     times sdpa's (per length)."""
@@ -66,7 +66,7 @@ class Plan:
 PLANS = {
     "smollm2": Plan(contexts=(16, 1024, 4096, 8192), prefill=(1024, 4096, 8192), growth_at=4096, growth=1.15,
                     decode=((4096, 1.4), (8192, 1.8)), prefill_ratio=((4096, 1.1),)),
-    # Gemma 3 at 8192: the issue asks for its figures against sdpa, with no target
+    # Gemma 3 at 8192: its figures against sdpa are reported, with no target
     "gemma3": Plan(contexts=(16, 8192), prefill=(8192,)),
 }
 
@@ -335,7 +335,7 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def targets(rows: Sequence[dict[str, Any]], plans: dict[str, Plan], shrink: int = 1) -> str:
-    """Issue #14's targets that these rows speak to, per model (`plans`: its Plan by the rows'
+    """The end-to-end targets that these rows speak to, per model (`plans`: its Plan by the rows'
     "model") and dtype: twinattn's decode step at growth_at against its own at the first context,
     its decode and prefill tokens/s against sdpa's; a model without targets gets its ratios to
     sdpa at the longest context, reported. Contexts as the plan's, divided by `shrink`."""
