@@ -316,7 +316,18 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         self.is_initialized = True
         # one slice assignment of the new tokens into the preallocated buffers; the result is a
         # view (B, Hkv, stored, D) of them: nothing already cached is copied
-        keys, values = kv.update(_array("key_states", key_states.detach()), _array("value_states", value_states.detach()), self._layer_idx)
+        try:
+            keys, values = kv.update(
+                _array("key_states", key_states.detach()), _array("value_states", value_states.detach()), self._layer_idx
+            )
+        except ValueError:
+            if key_states.shape[0] != kv.batch_size:
+                raise ValueError(
+                    f"key_states: this TwinattnCache holds a batch of {kv.batch_size}, fixed at its first forward, "
+                    f"got a batch of {key_states.shape[0]}; pass a new TwinattnCache(max_cache_len=..., "
+                    "config=model.config) for each generate call or batch (it allocates for the batch it first sees)"
+                ) from None
+            raise
         self.keys, self.values = _tensor(keys), _tensor(values)
         if self._owner.kv_dtype == "int8":  # the scales travel with the int8 views to attention_forward
             k_scale, v_scale = kv.scales(self._layer_idx)
@@ -345,8 +356,8 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError(
-            "TwinattnCache preallocates a fixed batch: create it for the expanded batch "
-            "(batch_size x num_return_sequences) instead of repeating it"
+            "TwinattnCache fixes its batch at its first forward: pass generate a new, empty TwinattnCache, which "
+            "then allocates for the expanded batch (batch_size x num_return_sequences), instead of repeating a filled one"
         )
 
     def batch_select_indices(self, indices: Any) -> None:
