@@ -258,6 +258,14 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def set_peak_fractions(rows: Sequence[dict[str, Any]], ceilings: dict[str, Any]) -> None:
+    """Each row's %peak against its thread count's peak as the run ended (see machine.raise_peak)."""
+    for row in rows:
+        kind, peak = peak_for(row["dtype"], ceilings["by_threads"].get(str(row["threads"]), {}))
+        row["peak_kind"] = kind
+        row["peak_fraction"] = row["gflops"] / peak if row.get("gflops") and peak else None
+
+
 def port_table(rows: Sequence[dict[str, Any]]) -> str:
     """C++ against Rust, case by case: the ratio of their median times (< 1: C++ is faster)."""
     cases: dict[tuple[str, str], dict[str, Any]] = {}
@@ -385,7 +393,9 @@ def header(document: dict[str, Any]) -> str:
         for kind, peak in entry.get("peaks", {}).items():
             name = PEAK_KINDS.get(kind, kind)
             if peak.get("gflops"):
-                peaks.append(f"{name} {peak['gflops']:.1f} GFLOP/s ({peak['port']} measure_peak)")
+                how = f"best of {peak['repeats']}" if peak.get("repeats") else ""
+                how = "; ".join(t for t in (how, peak.get("note")) if t)
+                peaks.append(f"{name} {peak['gflops']:.1f} GFLOP/s ({peak['port']} measure_peak{', ' + how if how else ''})")
             else:
                 peaks.append(f"{name}: not measured ({peak.get('why', 'unknown')})")
         if peaks:
@@ -406,7 +416,7 @@ def header(document: dict[str, Any]) -> str:
 def text(document: dict[str, Any]) -> str:
     """The run on stdout: header, the table, C++ against Rust, the layer case, what was not run."""
     rows = document["results"]
-    parts = [header(document), table(rows)]
+    parts = [header(document)] + ([table(rows)] if rows else [])  # --cases e2e alone has no kernel rows
     ports = port_table(rows)
     if ports:
         heading = "C++ against Rust, timed alternately call by call (ratio of median times; < 1: C++ faster):"
