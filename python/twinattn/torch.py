@@ -1,4 +1,4 @@
-"""twinattn on torch CPU tensors (needs `pip install twinattn[torch]`).
+"""twinattn on torch CPU tensors (needs torch: `pip install torch`, or the `torch` extra).
 
     import twinattn.torch
     out = twinattn.torch.attention(q, k, v, causal=True)        # q (B, Hq, Lq, D) CPU tensors
@@ -33,7 +33,7 @@ import numpy as np
 try:
     import torch
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError("twinattn.torch needs torch: pip install 'twinattn[torch]'") from error
+    raise ImportError("twinattn.torch needs torch: pip install torch") from error
 
 from . import api
 from ._backends import resolve_backend

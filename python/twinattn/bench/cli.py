@@ -71,7 +71,7 @@ examples:
 E2E = "e2e"
 E2E_TEXT = (
     "real models through transformers, sdpa + DynamicCache against twinattn + TwinattnCache: prefill and decode "
-    "tokens/s (needs twinattn[hf,models] and the model packages): " + ", ".join(f"{E2E}/{name}" for name in e2e.PLANS)
+    "tokens/s (needs twinattn's hf and models extras and the model packages): " + ", ".join(f"{E2E}/{name}" for name in e2e.PLANS)
 )
 
 
@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", metavar="PATH", help="write every figure of the run as JSON")
     parser.add_argument(
-        "--plot", metavar="PATH", help="write a PNG plot (needs matplotlib: pip install twinattn[plot])"
+        "--plot", metavar="PATH", help="write a PNG plot (needs matplotlib: pip install matplotlib)"
     )
     parser.add_argument(
         "--shrink",
@@ -228,7 +228,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            parser.error("--plot needs matplotlib: pip install matplotlib (or twinattn[plot])")
+            parser.error("--plot needs matplotlib: pip install matplotlib")
     skipped_peers = {name: why for name, r in runners.items() if name not in backends and (why := r.available())}
     cases = with_dtypes(selected, dtypes)
     # backends not timed in a dtype of the run's kernel cases: named once, not a skipped row each

