@@ -24,8 +24,40 @@ PY
 
 ensure_venv() {
   if [ ! -x "$VENV_PY" ]; then
+    step "creating the virtual environment $(dirname "$(dirname "$VENV_PY")")"
     "${PYTHON:-python3}" -m venv "$(dirname "$(dirname "$VENV_PY")")"
     "$VENV_PY" -m pip install --quiet --upgrade pip
+    step_done
+  fi
+}
+
+# A line as a step of an install starts ("  - what ..."), and its duration as it ends.
+step() {
+  STEP_START=$SECONDS
+  echo "  - $1"
+}
+step_done() {
+  echo "    done in $((SECONDS - STEP_START)) s"
+}
+
+# The lines of pip -v's output that say how an install is going: what pip downloads and builds, and
+# the build's own steps (ninja's "[n/N] ..." and cargo's "Compiling ..." / "Finished ...")
+PROGRESS_LINES='^(Collecting|Downloading|Building wheel|Created wheel|Installing collected|Successfully installed)|^ *\[[0-9]+/[0-9]+\] |^ *(Compiling|Finished) '
+
+# Runs a command, showing only the lines of its output that match PROGRESS_LINES, as they come; the
+# whole output goes to the log file $1, whose last lines are shown if the command fails.
+run_showing_progress() {
+  local log=$1 status
+  shift
+  mkdir -p "$(dirname "$log")"
+  { "$@" 2>&1 && echo 0 >"$log.status" || echo $? >"$log.status"; } | tee "$log" \
+    | { grep --line-buffered -E "$PROGRESS_LINES" | sed -u 's/^ */    /' || true; }
+  status=$(cat "$log.status")
+  rm -f "$log.status"
+  if [ "$status" != 0 ]; then
+    echo "failed (exit status $status); the end of its output (all of it: $log):"
+    tail -n 60 "$log"
+    return "$status"
   fi
 }
 
@@ -34,6 +66,7 @@ ensure_venv() {
 # per run, and CMake hands cargo the same interpreter path every time, so cargo's build is reused.
 install_twinattn() {
   ensure_venv
+  step "the build requirements: $(pyproject_list requires)"
   # shellcheck disable=SC2046  # the lists are whitespace-separated requirement specifiers
   "$VENV_PY" -m pip install --quiet $(pyproject_list requires)
   # and what the backend asks for on top (cmake and ninja from PyPI where the system has none)
@@ -41,9 +74,13 @@ install_twinattn() {
   extra=$("$VENV_PY" -c 'from scikit_build_core.build import get_requires_for_build_wheel as r; print(" ".join(r()))')
   # shellcheck disable=SC2086
   [ -z "$extra" ] || "$VENV_PY" -m pip install --quiet $extra
-  CMAKE_BUILD_PARALLEL_LEVEL=$JOBS CARGO_BUILD_JOBS=$JOBS "$VENV_PY" -m pip install --quiet \
-    --no-build-isolation --config-settings=build-dir="$WHEEL_BUILD" \
+  step_done
+  step "twinattn[$1]: its dependencies, then both native ports built in $WHEEL_BUILD (a few minutes the first time, reused after)"
+  # -v for the build's own progress lines, of which run_showing_progress shows the steps
+  CMAKE_BUILD_PARALLEL_LEVEL=$JOBS CARGO_BUILD_JOBS=$JOBS run_showing_progress "$WHEEL_BUILD/pip-install.log" \
+    "$VENV_PY" -m pip install -v --no-build-isolation --config-settings=build-dir="$WHEEL_BUILD" \
     --config-settings=cmake.define.TWINATTN_BUILD_TESTS=ON ".[$1]"
+  step_done
 }
 
 # The environment CMakeLists.txt gives cargo for the wheel build (same target folder, same

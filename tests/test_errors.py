@@ -74,13 +74,28 @@ def test_float64_only_on_numpy(native_backend: str) -> None:
     assert out.dtype == np.float64
 
 
-def test_same_message_on_every_backend() -> None:
-    messages = set()
-    for backend in twinattn.backends():
+def test_same_message_on_every_backend(native_backend: str) -> None:
+    messages = []
+    for backend in ("numpy", native_backend):
         with pytest.raises(ValueError) as info:
             twinattn.attention(Q, K, V, kv_lens=[9, 1], backend=backend)
-        messages.add(str(info.value))
-    assert len(messages) == 1
+        messages.append(str(info.value))
+    assert messages[0] == messages[1], messages
+
+
+def test_a_list_says_to_pass_a_numpy_array(backend: str) -> None:
+    """A list of Python numbers converts to float64 or int64: where the backend refuses that dtype,
+    the message says how to make the array (the numpy backend computes a float64 list in float64)."""
+    ints = tuple(np.ones((2, 2, 7, 8), int).tolist())
+    with pytest.raises(TypeError) as info:
+        twinattn.attention(Q, ints, V, backend=backend)
+    assert str(info.value) == "k: got a tuple (of int64 values); pass a numpy array, e.g. np.asarray(k, dtype=np.float32)"
+    if backend == "numpy":
+        assert twinattn.attention(Q.tolist(), K.tolist(), V.tolist(), backend=backend).dtype == np.float64
+        return
+    with pytest.raises(TypeError) as info:
+        twinattn.attention(Q.tolist(), K, V, backend=backend)
+    assert str(info.value) == "q: got a list (of float64 values); pass a numpy array, e.g. np.asarray(q, dtype=np.float32)"
 
 
 # ---- the native entry points, called directly -------------------------------------------------

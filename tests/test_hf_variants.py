@@ -27,8 +27,8 @@ import pytest
 
 from conftest import import_optional  # noqa: E402
 
-torch = import_optional("torch", "twinattn.hf needs it: pip install twinattn[hf]")
-transformers = import_optional("transformers", "twinattn.hf needs it: pip install twinattn[hf]")
+torch = import_optional("torch", "twinattn.hf needs it: pip install torch transformers")
+transformers = import_optional("transformers", "twinattn.hf needs it: pip install torch transformers")
 hf = import_optional("twinattn.hf", "the Hugging Face integration")
 
 import twinattn  # noqa: E402
@@ -341,3 +341,29 @@ def test_static_cache_goes_through_the_materialised_mask(name: str) -> None:
         cache = StaticCache(config=model.config, max_cache_len=PROMPT + 8)
         got = model.generate(input_ids=ids, attention_mask=mask, **settings, **{cache_kw(model): cache})
     assert torch.equal(got, want)
+
+
+def test_a_cache_is_bound_to_its_first_batch() -> None:
+    """TwinattnCache allocates for the batch of its first forward: generate's expanded batch (beams
+    and num_return_sequences) fits a new cache, and a cache given another batch size says to make
+    a new one."""
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(_mistral()).eval()
+    ids = torch.randint(3, VOCAB, (2, 5))
+    settings = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, num_beams=3, num_return_sequences=2,
+                    do_sample=False)
+    got = {}
+    for impl in ("eager", "twinattn"):
+        model.set_attn_implementation(impl)
+        cache = {cache_kw(model): hf.TwinattnCache(max_cache_len=16, config=model.config)} if impl == "twinattn" else {}
+        with torch.inference_mode():
+            got[impl] = model.generate(ids, **settings, **cache)
+    assert got["twinattn"].shape == (4, 9) and torch.equal(got["twinattn"], got["eager"])
+
+    cache = hf.TwinattnCache(max_cache_len=16, num_layers=1)
+    states = torch.zeros(2, 2, 3, 16)
+    cache.update(states, states, 0)
+    other = torch.zeros(3, 2, 1, 16)
+    with pytest.raises(ValueError, match=r"key_states: this TwinattnCache holds a batch of 2, fixed at its first forward, "
+                                         r"got a batch of 3; pass a new TwinattnCache\(max_cache_len=\.\.\., config=model.config\)"):
+        cache.update(other, other, 0)

@@ -1,6 +1,6 @@
 """Optional: Hugging Face Llama attention (torch + transformers) against twinattn.nn.Attention.
 
-torch and transformers are optional (pip install "twinattn[hf]"); without them this file is skipped,
+torch and transformers are optional (pip install torch transformers); without them this file is skipped,
 with the reason, unless TWINATTN_REQUIRE_OPTIONAL names them (the test command does), which fails it.
 A randomly initialised LlamaAttention with a DynamicCache and twinattn's Attention with a KVCache,
 holding the same weights, see the same prefill, decode steps and a multi-token chunk.

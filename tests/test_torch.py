@@ -15,7 +15,7 @@ from helpers import FLOAT32_ERROR_FACTOR, FLOOR_ULPS, UNIT_ROUNDOFF, rand, refer
 
 from conftest import import_optional  # noqa: E402
 
-torch = import_optional("torch", "twinattn.torch needs it: pip install twinattn[torch]")
+torch = import_optional("torch", "twinattn.torch needs it: pip install torch")
 tt = import_optional("twinattn.torch", "the torch integration")
 import ml_dtypes  # noqa: E402  (a dependency of twinattn)
 
@@ -195,6 +195,32 @@ def test_errors_name_the_argument_and_the_fix() -> None:
     # the NumPy API's own checks come through with the same messages
     with pytest.raises(ValueError, match=r"query heads Hq=2 must be a multiple"):
         tt.attention(q, torch.zeros(1, 3, 6, 8), torch.zeros(1, 3, 6, 8))
+
+
+def test_float64_on_a_port_names_the_torch_conversion(native_backend: str) -> None:
+    """float64 is the numpy backend's: on a port the message names the fix in torch's terms."""
+    q, k, v = (torch.from_numpy(a).double() for a in _tensors(5, 1, 2, 1, 4, 6, 8, 8))
+    with pytest.raises(TypeError, match=rf"^q: backend '{native_backend}' computes in float32 and does not cast silently; "
+                                        r"got torch.float64: pass q.float\(\) \(and k.float\(\), v.float\(\)\), or use "
+                                        r"backend='numpy' for float64$"):
+        tt.attention(q, k, v, backend=native_backend)
+    assert tt.attention(q, k, v, backend="numpy").dtype == torch.float64
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float32, requires grad"])
+def test_numpy_api_given_tensors_names_twinattn_torch(dtype: str) -> None:
+    """twinattn.attention takes NumPy arrays: torch tensors (of any dtype, requiring grad or not)
+    raise TypeError naming twinattn.torch.attention, never torch's own error nor an ndarray back."""
+    q, k, v = (torch.from_numpy(a).to(DTYPES[dtype.split(",")[0]][0]) for a in _tensors(5, 1, 2, 1, 4, 6, 8, 8))
+    if "grad" in dtype:
+        q.requires_grad_()
+    for backend in twinattn.backends():
+        with pytest.raises(TypeError, match=r"^q: got a torch tensor, and twinattn.attention takes NumPy arrays; for "
+                                            r"torch tensors call twinattn.torch.attention\(q, k, v, ...\), which takes "
+                                            r"the same keywords and returns tensors$"):
+            twinattn.attention(q, k, v, causal=True, backend=backend)
+    with pytest.raises(TypeError, match=r"^v: got a torch tensor"):
+        twinattn.attention(_as_array(q.detach()), _as_array(k), v)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

@@ -38,6 +38,24 @@ def _as_array(name: str, value: object) -> np.ndarray:
     raise TypeError(f"{name}: expected a numpy array, got {type(value).__name__}")
 
 
+def _as_input(name: str, value: object, port: str) -> np.ndarray:
+    """q, k or v that is not an ndarray (the slow path): an array-like converted, or a TypeError
+    that says what to pass instead of a torch tensor or of a list that converts to a dtype the
+    backend refuses. torch is recognised by the type's module, never imported."""
+    if type(value).__module__.partition(".")[0] == "torch":
+        raise TypeError(
+            f"{name}: got a torch tensor, and twinattn.attention takes NumPy arrays; for torch tensors call "
+            "twinattn.torch.attention(q, k, v, ...), which takes the same keywords and returns tensors"
+        )
+    a = _as_array(name, value)
+    if isinstance(value, (list, tuple)) and a.dtype not in ATTENTION_DTYPES and not (a.dtype == FLOAT64 and port == "numpy"):
+        raise TypeError(
+            f"{name}: got a {type(value).__name__} (of {a.dtype} values); pass a numpy array, "
+            f"e.g. np.asarray({name}, dtype=np.float32)"
+        )
+    return a
+
+
 def _check_query_dtype(a: np.ndarray, backend: str) -> None:
     """q: float32, float16 or bfloat16 on every backend; float64 on backend="numpy" only."""
     if a.dtype in ATTENTION_DTYPES:
@@ -260,7 +278,8 @@ def attention(
     variants current models use (sliding window, logit softcapping, ALiBi, attention sinks).
 
     Every backend gets the same checked arguments and gives the same result within float32
-    rounding (the cpp and rust backends bit for bit); the whole contract is in docs/contract.md.
+    rounding (the cpp and rust backends bit for bit). For torch tensors use
+    twinattn.torch.attention, which takes the same keywords and returns tensors.
     float16 and bfloat16 (ml_dtypes.bfloat16) inputs are computed in float32 from their exact
     values, and out is rounded once to their dtype.
 
@@ -344,7 +363,8 @@ def attention(
     Raises
     ------
     TypeError
-        An argument of the wrong type: q, k, v, attn_mask or out not an array; a dtype other
+        An argument of the wrong type: q, k, v, attn_mask or out not an array (a torch tensor:
+        the message names twinattn.torch.attention; a list: np.asarray); a dtype other
         than float32, float16 or bfloat16 (float64 outside backend="numpy"); q, k and v of
         different dtypes (the message names the fix, k.astype(...)); an
         integer mask; causal or return_lse not a bool; q_offset, kv_lens or num_threads not
@@ -387,11 +407,11 @@ def attention(
 
     # Ranks and dtypes.
     if type(q) is not np.ndarray:
-        q = _as_array("q", q)
+        q = _as_input("q", q, port)
     if type(k) is not np.ndarray:
-        k = _as_array("k", k)
+        k = _as_input("k", k, port)
     if type(v) is not np.ndarray:
-        v = _as_array("v", v)
+        v = _as_input("v", v, port)
     rank = q.ndim
     dtype = q.dtype
     for name, a in (("q", q), ("k", k), ("v", v)):

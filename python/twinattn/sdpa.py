@@ -48,7 +48,7 @@ def scaled_dot_product_attention(
 
     Takes torch's arguments in torch's order, with torch's meaning, and raises where torch would
     silently surprise (see causal_alignment). Computed by twinattn.attention, whose contract
-    (docs/contract.md) applies: float32, float16 or bfloat16 in, the same dtype out, nothing
+    (help(twinattn.attention)) applies: float32, float16 or bfloat16 in, the same dtype out, nothing
     cast silently.
 
     Parameters

@@ -1,4 +1,4 @@
-"""twinattn on torch CPU tensors (needs `pip install twinattn[torch]`).
+"""twinattn on torch CPU tensors (needs torch: `pip install torch`, or the `torch` extra).
 
     import twinattn.torch
     out = twinattn.torch.attention(q, k, v, causal=True)        # q (B, Hq, Lq, D) CPU tensors
@@ -33,9 +33,10 @@ import numpy as np
 try:
     import torch
 except ImportError as error:  # pragma: no cover - depends on the environment
-    raise ImportError("twinattn.torch needs torch: pip install 'twinattn[torch]'") from error
+    raise ImportError("twinattn.torch needs torch: pip install torch") from error
 
 from . import api
+from ._backends import resolve_backend
 from . import sdpa as _sdpa
 
 __all__ = ["attention", "scaled_dot_product_attention"]
@@ -55,8 +56,9 @@ _numpy = torch.Tensor.numpy
 _view = torch.Tensor.view
 _from_numpy = torch.from_numpy
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
-# q, k and v: float32, float16 or bfloat16 (float64 with backend="numpy", which twinattn.attention checks)
-_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
+# q, k and v: float32, float16 or bfloat16 (the fast path); float64 with backend="numpy" (_inputs' slow path)
+_FAST_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
+_DTYPES = _FAST_DTYPES | {torch.float64}
 _DTYPES_TEXT = "torch.float32, torch.float16 or torch.bfloat16"
 # the NumPy dtype each of those is viewed as (twinattn.hf's cache stores in it)
 _NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16), torch.bfloat16: _NP_BFLOAT16}
@@ -105,13 +107,14 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
     return _from_numpy(a)
 
 
-def _inputs(q: Any, k: Any, v: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _inputs(q: Any, k: Any, v: Any, backend: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The NumPy views of q, k and v, one dtype for the three (float32, float16 or bfloat16;
     float64 too, for backend="numpy"). The common case reads each dtype once and converts the three
-    the same way; anything else takes the checked path, whose messages name the argument."""
+    the same way; anything else takes the checked path, whose messages name the argument and the
+    conversion in torch's terms."""
     try:
         dtype = q.dtype
-        if k.dtype is dtype and v.dtype is dtype and dtype in _DTYPES:
+        if k.dtype is dtype and v.dtype is dtype and dtype in _FAST_DTYPES:
             if dtype is _BFLOAT16:
                 return (
                     _numpy(_view(q, _INT16)).view(_NP_BFLOAT16),
@@ -130,6 +133,13 @@ def _inputs(q: Any, k: Any, v: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]
     for name, t in (("k", k), ("v", v)):
         if t.dtype is not q.dtype:
             raise TypeError(f"{name}: expected dtype {q.dtype} (q's dtype), got {t.dtype}; convert with {name}.to({q.dtype})")
+    if q.dtype is torch.float64:
+        port = resolve_backend(backend)
+        if port != "numpy":
+            raise TypeError(
+                f"q: backend {port!r} computes in float32 and does not cast silently; got torch.float64: "
+                "pass q.float() (and k.float(), v.float()), or use backend='numpy' for float64"
+            )
     return _checked_array("q", q), _checked_array("k", k), _checked_array("v", v)
 
 
@@ -262,7 +272,7 @@ def attention(
     # Eager (and the custom ops' implementation): twinattn.attention on the tensors' NumPy views,
     # called directly (the dispatcher would cost several times the tiny problems this exists for).
     # Every step here is per call: q, k and v share one dtype read and one conversion (_inputs).
-    qa, ka, va = _inputs(q, k, v)
+    qa, ka, va = _inputs(q, k, v, backend)
     out_array = None
     if out is not None:
         if not isinstance(out, torch.Tensor):

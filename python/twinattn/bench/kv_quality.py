@@ -1,4 +1,4 @@
-"""The int8 KV cache's effect on a model (issue #15): SmolLM2-135M-Instruct reads a 2048-token
+"""The int8 KV cache's effect on a model: SmolLM2-135M-Instruct reads a 2048-token
 English text twice, with attn_implementation="twinattn" both times, once with a float32
 TwinattnCache and once with TwinattnCache(kv_dtype="int8"), and the next-token log-probabilities
 at every position are compared.

@@ -17,7 +17,10 @@ where there is none) and, when the run has bfloat16 cases, "bf16dot" (VDPBF16PS,
 float32: 64 FLOPs per instruction). A CPU without AVX512_BF16, or a build without measure_peak,
 gives no figure and the reason instead. float32 and float16 cases (float16 is converted to float32
 and multiplied in float32) are reported against the FMA peak, bfloat16 against the dot-product
-peak where it exists (else the FMA peak: the kernels then convert to float32 too).
+peak where it exists (else the FMA peak: the kernels then convert to float32 too). A peak is the
+best of PEAK_REPEATS measurements (another process on the machine only ever lowers one), and a case
+that runs faster than that has the peak measured again (raise_peak): %peak never passes 100% by a
+low measurement.
 """
 
 from __future__ import annotations
@@ -205,12 +208,14 @@ READ_METHOD = (
 
 
 PEAK_KINDS = {"fma32": "float32 FMA", "bf16dot": "BF16 dot product (VDPBF16PS)"}
+PEAK_REPEATS = 5  # a peak is the best of this many measurements
 
 
-def native_peak(kind: str, threads: int, seconds: float) -> dict[str, Any]:
-    """measure_peak(kind, threads, seconds) of the first native port that has it: {"gflops",
-    "port"}, or {"gflops": None, "why"} where no port measures it (the CPU lacks the instruction:
-    the port's own message; no port built; a build without measure_peak)."""
+def native_peak(kind: str, threads: int, seconds: float, repeats: int = PEAK_REPEATS) -> dict[str, Any]:
+    """The best of `repeats` calls of measure_peak(kind, threads, seconds) of the first native port
+    that has it: {"gflops", "port", "repeats", "each"}, or {"gflops": None, "why"} where no port
+    measures it (the CPU lacks the instruction: the port's own message; no port built; a build
+    without measure_peak)."""
     why = "no native port built"
     for port in ("cpp", "rust"):
         if port not in twinattn.backends():
@@ -220,10 +225,28 @@ def native_peak(kind: str, threads: int, seconds: float) -> dict[str, Any]:
             why = "no native port of this build has measure_peak"
             continue
         try:
-            return {"gflops": float(measure(kind, threads, seconds)), "port": port}
+            each = [float(measure(kind, threads, seconds)) for _ in range(repeats)]
         except ValueError as exc:  # the CPU lacks the instruction (the message says which)
             return {"gflops": None, "port": port, "why": str(exc)}
+        return {"gflops": max(each), "port": port, "repeats": repeats, "each": each}
     return {"gflops": None, "why": why}
+
+
+def raise_peak(entry: dict[str, Any], kind: str, threads: int, seconds: float, gflops: float, what: str) -> None:
+    """A case (`what`) ran at `gflops`, above the `kind` peak of one thread count's ceilings
+    (`entry`): the peak is measured again and becomes the best of all its measurements; if the case
+    is still faster, the case's own figure becomes the peak. Either way entry's peak says so in
+    its "note"."""
+    peak = entry["peaks"][kind]
+    first = peak["gflops"]
+    again = native_peak(kind, threads, seconds)
+    best = max(first, again["gflops"] or 0.0)
+    peak["each"] = peak.get("each", []) + again.get("each", [])
+    note = f"measured again after {what} ran at {gflops:.1f} GFLOP/s, above the {first:.1f} measured first"
+    if gflops > best:
+        best = gflops
+        note += f"; still above, so the peak is {what}'s own figure"
+    peak["gflops"], peak["note"] = best, note
 
 
 def peak_for(dtype: str, entry: dict[str, Any]) -> tuple[Optional[str], Optional[float]]:
@@ -234,6 +257,11 @@ def peak_for(dtype: str, entry: dict[str, Any]) -> tuple[Optional[str], Optional
         if peaks.get(kind, {}).get("gflops"):
             return kind, peaks[kind]["gflops"]
     return None, None
+
+
+def peak_seconds(quick: bool) -> float:
+    """Seconds of each measure_peak call."""
+    return 0.1 if quick else 0.25
 
 
 def measure_ceilings(
@@ -258,7 +286,7 @@ def measure_ceilings(
         for kind in kinds:
             show(f"ceilings: {PEAK_KINDS[kind]} peak, {t} thread(s)")
             settle()
-            peaks[kind] = native_peak(kind, t, 0.2 if quick else 0.5)
+            peaks[kind] = native_peak(kind, t, peak_seconds(quick))
         by_threads[str(t)] = {
             "gemm_gflops": gemm["gflops"],
             "gemm_kernel": gemm["kernel"],
@@ -274,7 +302,8 @@ def measure_ceilings(
         "peaks": top["peaks"],
         "gemm_method": f"numpy.matmul float32 {GEMM_N}x{GEMM_N}, median, BLAS threads = case threads",
         "read_method": READ_METHOD.format(size=f"{bandwidth.nbytes >> 20} MiB", threads="T"),
-        "peak_method": "the native port's measure_peak(kind, threads, seconds): independent register-resident "
-        "FMA (fma32) or VDPBF16PS (bf16dot) instructions on its thread pool",
+        "peak_method": f"the best of {PEAK_REPEATS} calls of the native port's measure_peak(kind, threads, seconds): "
+        "independent register-resident FMA (fma32) or VDPBF16PS (bf16dot) instructions on its thread pool; "
+        "measured again when a case runs faster (raise_peak)",
         "by_threads": by_threads,
     }

@@ -258,6 +258,14 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def set_peak_fractions(rows: Sequence[dict[str, Any]], ceilings: dict[str, Any]) -> None:
+    """Each row's %peak against its thread count's peak as the run ended (see machine.raise_peak)."""
+    for row in rows:
+        kind, peak = peak_for(row["dtype"], ceilings["by_threads"].get(str(row["threads"]), {}))
+        row["peak_kind"] = kind
+        row["peak_fraction"] = row["gflops"] / peak if row.get("gflops") and peak else None
+
+
 def port_table(rows: Sequence[dict[str, Any]]) -> str:
     """C++ against Rust, case by case: the ratio of their median times (< 1: C++ is faster)."""
     cases: dict[tuple[str, str], dict[str, Any]] = {}
@@ -309,7 +317,7 @@ def layer_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-# issue #12's targets, as ratios within one run: (case, dtype, row field, minimum, what it is)
+# the float16 / bfloat16 targets, as ratios within one run: (case, dtype, row field, minimum, what it is)
 TARGETS = (
     ("prefill-causal/N=2048", "bfloat16", "speedup_vs_float32", 1.6, "vs its float32"),
     ("prefill-causal/N=2048", "bfloat16", "speedup_vs_torch", 2.2, "vs torch bfloat16"),
@@ -319,7 +327,7 @@ TARGETS = (
     ("decode/N=32768", "float16", "speedup_vs_float32", 1.8, "vs its float32"),
     ("decode/N=32768", "float16", "read_fraction", 0.8, "of the read bandwidth"),
 )
-# issue #15's (int8 K/V; bytes read = int8 payload + float32 scales); its "ports within 10% on every
+# the int8 K/V targets (bytes read = int8 payload + float32 scales); "ports within 10% on every
 # int8 case" is int8_port_lines'
 INT8_TARGETS = (
     ("decode/N=32768", "int8", "speedup_vs_float32", 3.0, "vs its float32"),
@@ -327,7 +335,7 @@ INT8_TARGETS = (
     ("decode/N=32768", "int8", "read_fraction", 0.75, "of the read bandwidth"),
     ("decode-batch", "int8", "speedup_vs_float32", 2.5, "vs its float32"),
 )
-PORT_GAP = 0.10  # issue #15: C++ and Rust within 10% of each other on every int8 case
+PORT_GAP = 0.10  # C++ and Rust within 10% of each other on every int8 case
 
 
 def targets_table(rows: Sequence[dict[str, Any]], targets: Sequence[tuple[str, str, str, float, str]] = TARGETS) -> str:
@@ -351,7 +359,7 @@ def targets_table(rows: Sequence[dict[str, Any]], targets: Sequence[tuple[str, s
 
 
 def int8_port_lines(rows: Sequence[dict[str, Any]]) -> str:
-    """Issue #15's "ports within 10%": per int8 case with both ports timed, C++ / Rust (the
+    """The int8 target "ports within 10%": per int8 case with both ports timed, C++ / Rust (the
     alternate timing's medians where it ran), met when neither is more than PORT_GAP slower."""
     lines = []
     for name, dtype in dict.fromkeys(case_key(r) for r in rows if r.get("dtype") == "int8"):
@@ -385,7 +393,9 @@ def header(document: dict[str, Any]) -> str:
         for kind, peak in entry.get("peaks", {}).items():
             name = PEAK_KINDS.get(kind, kind)
             if peak.get("gflops"):
-                peaks.append(f"{name} {peak['gflops']:.1f} GFLOP/s ({peak['port']} measure_peak)")
+                how = f"best of {peak['repeats']}" if peak.get("repeats") else ""
+                how = "; ".join(t for t in (how, peak.get("note")) if t)
+                peaks.append(f"{name} {peak['gflops']:.1f} GFLOP/s ({peak['port']} measure_peak{', ' + how if how else ''})")
             else:
                 peaks.append(f"{name}: not measured ({peak.get('why', 'unknown')})")
         if peaks:
@@ -406,18 +416,18 @@ def header(document: dict[str, Any]) -> str:
 def text(document: dict[str, Any]) -> str:
     """The run on stdout: header, the table, C++ against Rust, the layer case, what was not run."""
     rows = document["results"]
-    parts = [header(document), table(rows)]
+    parts = [header(document)] + ([table(rows)] if rows else [])  # --cases e2e alone has no kernel rows
     ports = port_table(rows)
     if ports:
         heading = "C++ against Rust, timed alternately call by call (ratio of median times; < 1: C++ faster):"
         parts.append(f"{heading}\n{ports}")
     targets = targets_table(rows)
     if targets:
-        parts.append(f"float16 / bfloat16 targets (issue #12; ratios within this run):\n{targets}")
+        parts.append(f"float16 / bfloat16 targets (ratios within this run):\n{targets}")
     int8_targets = "\n".join(t for t in (targets_table(rows, INT8_TARGETS), int8_port_lines(rows)) if t)
     if int8_targets:
         parts.append(
-            "int8 K/V targets (issue #15; ratios within this run; bytes = int8 payload + float32 scales; "
+            "int8 K/V targets (ratios within this run; bytes = int8 payload + float32 scales; "
             f"torch has no int8 attention, so no peer):\n{int8_targets}"
         )
     layers = layer_table(rows)
@@ -438,7 +448,7 @@ def text(document: dict[str, Any]) -> str:
         parts.append(f"{heading}\n{e2e.format_rows(end_to_end['rows'])}")
         goals = e2e.targets(end_to_end["rows"], e2e.plans_by_title(), end_to_end.get("shrink", 1))
         if goals:
-            parts.append(f"end-to-end targets (issue #14; ratios within this run):\n{goals}")
+            parts.append(f"end-to-end targets (ratios within this run):\n{goals}")
     if end_to_end and end_to_end.get("error"):
         parts.append(f"end to end: failed: {end_to_end['error']}")
     for entry in (end_to_end or {}).get("models", {}).values():

@@ -10,7 +10,7 @@ Every case is defined in float32 and can be run in float16 or bfloat16 as well (
 ml_dtypes.bfloat16), the output is in that dtype, and the reference is float64 from the rounded
 inputs. K/V bytes count the dtype's size (2 bytes per element for float16 and bfloat16).
 
-A kernel case can also run with an int8 K/V cache (dtype "int8", issue #15): q stays float32, K and V
+A kernel case can also run with an int8 K/V cache (dtype "int8"): q stays float32, K and V
 are the float32 draws quantized by twinattn.quantize_kv (int8, one float32 scale per (sequence, KV
 head, token) for each), passed with k_scale / v_scale; the output is float32 and the reference is
 float64 attention over twinattn.dequantize_kv of them (the contract: int8 attention is attention over

@@ -293,7 +293,12 @@ def run_suite(
             if case.kind == DECODE and outcome.status == "ok":
                 beside.append(bandwidth.measure(case_threads)["gbps"])
             ceiling = ceilings["by_threads"].get(str(case_threads), {})
-            case_rows.append(report.result_row(case, backend, case_threads, outcome, ceiling, beside))
+            row = report.result_row(case, backend, case_threads, outcome, ceiling, beside)
+            if (row["peak_fraction"] or 0.0) > 1.0:
+                progress.show(f"{label} on {backend}: faster than the {row['peak_kind']} peak, measuring it again")
+                machine.raise_peak(ceiling, row["peak_kind"], case_threads, machine.peak_seconds(quick=False),
+                                   row["gflops"], f"{label} on {backend}")
+            case_rows.append(row)
             progress.step()
         ran = {r["backend"] for r in case_rows if r["status"] == "ok"}
         if all(p in timed and p in ran for p in PORTS):
@@ -304,5 +309,6 @@ def run_suite(
         rows.extend(case_rows)
         del problem
     progress.show("done")
+    report.set_peak_fractions(rows, ceilings)  # against the final peaks (raise_peak may have raised one)
     report.add_comparisons(rows)
     return rows
