@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import twinattn
-from twinattn.reference import attention_reference
+from twinattn.core.reference import attention_reference
 from conftest import _require
 from helpers import (
     FLOAT32_ERROR_FACTOR,

@@ -58,8 +58,8 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
-from . import api
-from .cache import KVCache
+from .core import api
+from .nn.cache import KVCache
 # twinattn.torch's checks and zero-copy NumPy view of a tensor: the variants' keywords are not in
 # twinattn.torch.attention's signature, so attention_forward calls twinattn.attention with them
 from .torch import _NUMPY_DTYPES, _array, _tensor

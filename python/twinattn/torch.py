@@ -35,8 +35,8 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("twinattn.torch needs torch: pip install 'twinattn[torch]'") from error
 
-from . import api
-from . import sdpa as _sdpa
+from .core import api
+from .nn import sdpa as _sdpa
 
 __all__ = ["attention", "scaled_dot_product_attention"]
 
