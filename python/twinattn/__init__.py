@@ -13,7 +13,7 @@ processes or machines is in twinattn.distributed (imports torch; import it expli
 """
 
 from ._version import __version__
-from .core import reference
+from . import reference
 from .core._backends import BackendUnavailableError, backends, build_info
 from .core._threads import get_num_threads, set_num_threads
 from .core.api import attention

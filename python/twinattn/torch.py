@@ -310,7 +310,7 @@ def scaled_dot_product_attention(
 ) -> Any:
     """torch.nn.functional.scaled_dot_product_attention's signature on torch CPU tensors.
 
-    The same function as twinattn.scaled_dot_product_attention (see twinattn.sdpa), reading the
+    The same function as twinattn.scaled_dot_product_attention (see twinattn.nn.sdpa), reading the
     tensors in place: is_causal with L != S asks for causal_alignment ('upper_left', torch's, or
     'lower_right', the KV-cache case) instead of guessing; dropout_p must be 0.0.
     """

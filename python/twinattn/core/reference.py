@@ -44,8 +44,6 @@ overflows float32 and no key holding a non-finite value has a weight that underf
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from ._checks import BFLOAT16, FLOAT32, FLOAT64, HALF_DTYPES, INT8
@@ -187,12 +185,3 @@ def attention_reference(
     lse = np.where(empty_row, -np.inf, safe_max + np.log(np.where(empty_row, 1, row_sum)))
     lse = np.where(row_max == np.inf, np.inf, lse)  # log of an infinite sum, not inf + log(NaN)
     return out.astype(dtype, copy=False), lse[..., 0].astype(dtype, copy=False)
-
-
-def attention(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
-    """twinattn.attention computed by the NumPy reference (float32, float16, bfloat16 and float64;
-    float16 and bfloat16 are computed in float64 and rounded once to q's dtype)."""
-    from .api import attention as _attention
-
-    kwargs.pop("backend", None)
-    return _attention(q, k, v, backend="numpy", **kwargs)
