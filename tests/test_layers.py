@@ -32,7 +32,7 @@ PACKAGE = Path(twinattn.__file__).resolve().parent
 LAYER_NAMES = ("core", "Python layer", "integrations", "tools")
 # the native modules (and the types of their stubs) and the version: leaves, beside twinattn.core
 NATIVE_AND_VERSION = ("twinattn._cpp", "twinattn._rust", "twinattn._native_types", "twinattn._version")
-INTEGRATIONS = ("twinattn.torch", "twinattn.hf", "twinattn.distributed", "twinattn.models")
+INTEGRATIONS = ("twinattn._torch_views", "twinattn.torch", "twinattn.hf", "twinattn.distributed", "twinattn.models")
 OPTIONAL_HEAVY = ("torch", "transformers")
 # what layers 0 and 1 may import besides the standard library and twinattn itself
 CORE_THIRD_PARTY = ("numpy", "ml_dtypes", "typing_extensions")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-import ml_dtypes
 import numpy as np
 
 try:
@@ -35,74 +34,20 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("twinattn.torch needs torch: pip install 'twinattn[torch]'") from error
 
-from .core import api
+from ._torch_views import BFLOAT16 as _BFLOAT16, INT16 as _INT16, NP_BFLOAT16 as _NP_BFLOAT16
+from ._torch_views import array as _array, checked_array as _checked_array, from_numpy as _from_numpy
+from ._torch_views import tensor as _tensor, to_numpy as _numpy, view as _view
+from .core import _checks, api
+from .core.api import _NO_WINDOW
 from .nn import sdpa as _sdpa
 
 __all__ = ["attention", "scaled_dot_product_attention"]
 
-# NumPy has no bfloat16: a bfloat16 tensor is viewed as int16 (the same bytes) and that as
-# ml_dtypes.bfloat16, the NumPy dtype twinattn's bfloat16 API takes. Measured per tensor on the tiny
-# case: Tensor.numpy() 0.57 us; bfloat16 through the int16 view 1.1-1.2 us (the view alone 0.46 us);
-# np.from_dlpack 2.0 us (and no bfloat16; through torch.utils.dlpack.to_dlpack and a capsule holder
-# 0.47 us, which skips the requires-grad check: too little gained for a second path); an
-# __array_interface__ object 1.5 us.
-_BFLOAT16 = torch.bfloat16
-_INT16 = torch.int16
-_NP_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-_NP_INT16 = np.dtype(np.int16)
 _Tensor = torch.Tensor
-_numpy = torch.Tensor.numpy
-_view = torch.Tensor.view
-_from_numpy = torch.from_numpy
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 # q, k and v: float32, float16 or bfloat16 (float64 with backend="numpy", which twinattn.attention checks)
 _DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16, torch.float64))
 _DTYPES_TEXT = "torch.float32, torch.float16 or torch.bfloat16"
-# the NumPy dtype each of those is viewed as (twinattn.hf's cache stores in it)
-_NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16), torch.bfloat16: _NP_BFLOAT16}
-
-
-def _array(name: str, t: Any) -> np.ndarray:
-    """A NumPy view of a CPU tensor that takes part in no autograd graph (bfloat16 as
-    ml_dtypes.bfloat16); no copy, whatever the strides."""
-    try:
-        if t.dtype is _BFLOAT16:
-            return _numpy(_view(t, _INT16)).view(_NP_BFLOAT16)  # type: ignore[no-any-return]
-        # Tensor.numpy refuses what it cannot view (another device, requires grad, a sparse
-        # layout, a non-tensor): _checked_array then says which, in twinattn's words
-        return _numpy(t)  # type: ignore[no-any-return]
-    except (AttributeError, TypeError, RuntimeError):
-        return _checked_array(name, t)
-
-
-def _checked_array(name: str, t: Any) -> np.ndarray:
-    """_array's slow path: a clear error for what cannot be read in place, or the view of a tensor
-    that requires grad where no graph is recorded (torch.no_grad)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(
-            f"{name}: twinattn runs on the CPU; expected a CPU tensor, got one on {t.device} "
-            f"(move it with {name}.cpu(), or use torch's own attention on that device)"
-        )
-    if t.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError(
-            f"{name}: requires grad, but twinattn computes the forward pass only (no backward); "
-            "call it under torch.no_grad() or torch.inference_mode(), or pass a detached tensor"
-        )
-    if t.layout != torch.strided:
-        raise TypeError(f"{name}: expected a dense strided tensor, got layout {t.layout}")
-    t = t.detach()
-    if t.dtype is _BFLOAT16:
-        return _numpy(_view(t, _INT16)).view(_NP_BFLOAT16)  # type: ignore[no-any-return]
-    return _numpy(t)  # type: ignore[no-any-return]
-
-
-def _tensor(a: np.ndarray) -> torch.Tensor:
-    """The tensor sharing a NumPy array's memory (ml_dtypes.bfloat16 as torch.bfloat16)."""
-    if a.dtype is _NP_BFLOAT16:
-        return _view(_from_numpy(a.view(_NP_INT16)), _BFLOAT16)
-    return _from_numpy(a)
 
 
 def _inputs(q: Any, k: Any, v: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -128,7 +73,8 @@ def _inputs(q: Any, k: Any, v: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]
     if q.dtype not in _DTYPES:
         raise TypeError(f"q: expected dtype {_DTYPES_TEXT}, got {q.dtype}; convert with q.float()")
     for name, t in (("k", k), ("v", v)):
-        if t.dtype is not q.dtype:
+        # int8 k and v (with k_scale and v_scale) under float q: twinattn.attention checks the pair
+        if t.dtype is not q.dtype and not (t.dtype is torch.int8 and q.dtype is not torch.float64):
             raise TypeError(f"{name}: expected dtype {q.dtype} (q's dtype), got {t.dtype}; convert with {name}.to({q.dtype})")
     return _checked_array("q", q), _checked_array("k", k), _checked_array("v", v)
 
@@ -139,7 +85,8 @@ def _optional_array(name: str, t: Any) -> Any:
 
 # ---- the custom ops: what torch.compile and torch.export see -------------------------------------
 # Their signatures need one type per argument: q_offset and kv_lens are int64 tensors (B,) or None
-# (twinattn.torch.attention converts an int), and lse always comes back (it costs Lq floats a head).
+# (twinattn.torch.attention converts an int), window_size is two ints, and lse always comes back
+# (it costs Lq floats a head).
 
 
 def _attention_impl(
@@ -153,10 +100,18 @@ def _attention_impl(
     scale: Optional[float],
     backend: str = "auto",
     num_threads: Optional[int] = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     out, lse = attention(
         q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, attn_mask=attn_mask, scale=scale, return_lse=True,
-        backend=backend, num_threads=num_threads,
+        backend=backend, num_threads=num_threads, window_size=_window(window_left, window_right), softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
     )
     return out, lse
 
@@ -173,12 +128,25 @@ def _attention_out_impl(
     scale: Optional[float],
     backend: str = "auto",
     num_threads: Optional[int] = None,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     _, lse = attention(
         q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, attn_mask=attn_mask, scale=scale, return_lse=True,
-        out=out, backend=backend, num_threads=num_threads,
+        out=out, backend=backend, num_threads=num_threads, window_size=_window(window_left, window_right), softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
     )
     return lse
+
+
+def _window(left: int, right: int) -> Tuple[int, int]:
+    # twinattn.attention's own default object when there is no window: it then checks nothing
+    return _NO_WINDOW if left == -1 and right == -1 else (left, right)
 
 
 # The fake implementations: the results' shapes and dtypes, from q, k and v alone (the options
@@ -237,6 +205,12 @@ def attention(
     out: Any = None,
     backend: str = "auto",
     num_threads: Optional[int] = None,
+    window_size: Tuple[int, int] = _NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> Any:
     """twinattn.attention on torch CPU tensors: same keywords, same semantics, tensors back.
 
@@ -245,7 +219,9 @@ def attention(
     return_lse=True]. q_offset: None, an int or an int tensor (B,); kv_lens: None or an int
     tensor (B,); attn_mask: bool (True = may attend) or a float bias (float32 or q's dtype)
     broadcastable to (B, Hq, Lq, Lk); out: a preallocated tensor in q's dtype (any strides),
-    written in place and returned. Forward only.
+    written in place and returned. window_size, softcap, alibi_slopes and sinks (float32 tensors)
+    as twinattn.attention; int8 k and v with their float32 k_scale and v_scale (B, Hkv, Lk)
+    tensors. Forward only.
     """
     if not ((type(q) is _Tensor and not _is_dynamo_compiling()) or not torch.compiler.is_compiling()):
         # Traced (torch.compile, torch.export): one custom op in the graph. (A plain Tensor outside
@@ -253,10 +229,13 @@ def attention(
         # torch.export's fake tensors, asks is_compiling, 110 ns.)
         offsets = _as_index_tensor("q_offset", q_offset)
         lens = _as_index_tensor("kv_lens", kv_lens)
+        variants = (*_checks.window_size(window_size), _checks.softcap(softcap), alibi_slopes, sinks, k_scale, v_scale)
         if out is None:
-            out, lse = torch.ops.twinattn.attention(q, k, v, causal, offsets, lens, attn_mask, scale, backend, num_threads)
+            out, lse = torch.ops.twinattn.attention(q, k, v, causal, offsets, lens, attn_mask, scale, backend, num_threads, *variants)
         else:
-            lse = torch.ops.twinattn.attention_out(q, k, v, out, causal, offsets, lens, attn_mask, scale, backend, num_threads)
+            lse = torch.ops.twinattn.attention_out(
+                q, k, v, out, causal, offsets, lens, attn_mask, scale, backend, num_threads, *variants
+            )
         return (out, lse) if return_lse else out
 
     # Eager (and the custom ops' implementation): twinattn.attention on the tensors' NumPy views,
@@ -289,6 +268,12 @@ def attention(
         out=out_array,
         backend=backend,
         num_threads=num_threads,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=None if alibi_slopes is None else _optional_array("alibi_slopes", alibi_slopes),
+        sinks=None if sinks is None else _optional_array("sinks", sinks),
+        k_scale=None if k_scale is None else _optional_array("k_scale", k_scale),
+        v_scale=None if v_scale is None else _optional_array("v_scale", v_scale),
     )
     if return_lse:
         return out if out is not None else _tensor(result[0]), _from_numpy(result[1])
