@@ -89,58 +89,38 @@ def _optional_array(name: str, t: Any) -> Any:
 # (it costs Lq floats a head).
 
 
-def _attention_impl(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    q_offset: Optional[torch.Tensor],
-    kv_lens: Optional[torch.Tensor],
-    attn_mask: Optional[torch.Tensor],
-    scale: Optional[float],
-    backend: str = "auto",
-    num_threads: Optional[int] = None,
-    window_left: int = -1,
-    window_right: int = -1,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    sinks: Optional[torch.Tensor] = None,
-    k_scale: Optional[torch.Tensor] = None,
-    v_scale: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    out, lse = attention(
+# The options after q, k, v (and out), one list for both ops' schemas: (type, name, default), in
+# twinattn.attention's keywords; the dispatcher passes the options a caller gave, the rest are the
+# defaults here
+_REQUIRED = object()
+_OPTIONS = (
+    ("bool", "causal", _REQUIRED), ("Tensor?", "q_offset", _REQUIRED), ("Tensor?", "kv_lens", _REQUIRED),
+    ("Tensor?", "attn_mask", _REQUIRED), ("float?", "scale", _REQUIRED), ("str", "backend", "auto"),
+    ("int?", "num_threads", None), ("int", "window_left", -1), ("int", "window_right", -1), ("float", "softcap", 0.0),
+    ("Tensor?", "alibi_slopes", None), ("Tensor?", "sinks", None), ("Tensor?", "k_scale", None), ("Tensor?", "v_scale", None),
+)
+_OPTIONS_SCHEMA = ", ".join(f"{kind} {name}" + ("" if default is _REQUIRED else f"={default!r}") for kind, name, default in _OPTIONS)
+_OPTION_DEFAULTS = tuple(default for _, _, default in _OPTIONS)
+
+
+def _run_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor], options: Tuple[Any, ...]) -> Any:
+    """The ops' implementation: twinattn.torch.attention (eager) with the options of the schema."""
+    options += _OPTION_DEFAULTS[len(options):]
+    causal, q_offset, kv_lens, attn_mask, scale, backend, num_threads, left, right, softcap, slopes, sinks, k_scale, v_scale = options
+    return attention(
         q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, attn_mask=attn_mask, scale=scale, return_lse=True,
-        backend=backend, num_threads=num_threads, window_size=_window(window_left, window_right), softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
+        out=out, backend=backend, num_threads=num_threads, window_size=_window(left, right), softcap=softcap,
+        alibi_slopes=slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
     )
+
+
+def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *options: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _run_op(q, k, v, None, options)
     return out, lse
 
 
-def _attention_out_impl(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    causal: bool,
-    q_offset: Optional[torch.Tensor],
-    kv_lens: Optional[torch.Tensor],
-    attn_mask: Optional[torch.Tensor],
-    scale: Optional[float],
-    backend: str = "auto",
-    num_threads: Optional[int] = None,
-    window_left: int = -1,
-    window_right: int = -1,
-    softcap: float = 0.0,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    sinks: Optional[torch.Tensor] = None,
-    k_scale: Optional[torch.Tensor] = None,
-    v_scale: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    _, lse = attention(
-        q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, attn_mask=attn_mask, scale=scale, return_lse=True,
-        out=out, backend=backend, num_threads=num_threads, window_size=_window(window_left, window_right), softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
-    )
+def _attention_out_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *options: Any) -> torch.Tensor:
+    _, lse = _run_op(q, k, v, out, options)
     return lse
 
 
@@ -173,9 +153,14 @@ def _lse_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
 # (registered by call rather than as decorators: torch is typed Any here, and mypy --strict rejects
 # untyped decorators)
-_attention_op = torch.library.custom_op("twinattn::attention", _attention_impl, mutates_args=())
+_attention_op = torch.library.custom_op(
+    "twinattn::attention", _attention_impl, mutates_args=(), schema=f"(Tensor q, Tensor k, Tensor v, {_OPTIONS_SCHEMA}) -> (Tensor, Tensor)"
+)
 _attention_op.register_fake(_attention_fake)
-_attention_out_op = torch.library.custom_op("twinattn::attention_out", _attention_out_impl, mutates_args=("out",))
+_attention_out_op = torch.library.custom_op(
+    "twinattn::attention_out", _attention_out_impl, mutates_args=("out",),
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor(a!) out, {_OPTIONS_SCHEMA}) -> Tensor",
+)
 _attention_out_op.register_fake(_attention_out_fake)
 
 
