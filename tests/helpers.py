@@ -22,7 +22,7 @@ import pytest
 
 import twinattn
 from conftest import _require
-from twinattn.reference import round_to_dtype
+from twinattn.core.reference import round_to_dtype
 
 UNIT_ROUNDOFF = 2.0**-24  # float32
 FLOAT32_ERROR_FACTOR = 3.0

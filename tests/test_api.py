@@ -35,7 +35,7 @@ def test_build_info_per_port() -> None:
 
 
 def test_unavailable_backend_says_how_to_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    from twinattn import _backends
+    from twinattn.core import _backends
 
     monkeypatch.setitem(_backends._modules, "rust", None)
     monkeypatch.setitem(_backends._errors, "rust", "No module named 'twinattn._rust'")
@@ -52,7 +52,7 @@ def test_auto_picks_a_native_port_when_built(monkeypatch: pytest.MonkeyPatch) ->
     The native module that auto calls is watched (its real attention_forward still runs), and the
     result must be the bits of that port's own call, which differ from numpy's float64-then-cast.
     """
-    from twinattn._backends import NATIVE_PORTS, native_module
+    from twinattn.core._backends import NATIVE_PORTS, native_module
 
     built = [port for port in NATIVE_PORTS if port in twinattn.backends()]
     if not built:

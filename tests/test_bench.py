@@ -896,7 +896,7 @@ def test_peak_for_picks_the_dtypes_peak() -> None:
 
 def test_native_peaks_are_measured_or_say_why() -> None:
     flags = set(machine.cpu_flags())
-    modules = [twinattn._backends.native_module(p) for p in ("cpp", "rust") if p in twinattn.backends()]
+    modules = [twinattn.core._backends.native_module(p) for p in ("cpp", "rust") if p in twinattn.backends()]
     fma = machine.native_peak("fma32", 1, 0.05)
     bf16 = machine.native_peak("bf16dot", 1, 0.05)
     if not any(hasattr(m, "measure_peak") for m in modules):

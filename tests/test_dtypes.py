@@ -34,7 +34,7 @@ from helpers import (
     rand, reference32, reference64,
 )
 from helpers import backend_isa  # noqa: F401  (the fixture: numpy, and each port per instruction set)
-from twinattn.reference import round_to_dtype
+from twinattn.core.reference import round_to_dtype
 
 DTYPE_IDS = {FLOAT16: "float16", BFLOAT16: "bfloat16"}
 half_dtypes = pytest.mark.parametrize("dtype", HALF_DTYPES, ids=DTYPE_IDS.get)

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import twinattn
-from twinattn.reference import attention_reference
+from twinattn.core.reference import attention_reference
 from conftest import _require
 from helpers import (
     FLOAT32_ERROR_FACTOR,
@@ -29,7 +29,7 @@ from helpers import (
 DTYPES = [np.float32, np.float64, np.float16, np.int8, np.int32, np.int64, np.uint8, np.bool_, np.complex64]
 CLEAR_ERRORS = (TypeError, ValueError)
 # (Huge finite values are not drawn: a score that overflows float32 but not float64 is outside the
-# rule the native ports follow, see twinattn/reference.py.)
+# rule the native ports follow, see twinattn/core/reference.py.)
 NONFINITE = [np.nan, np.inf, -np.inf]
 FUZZ = settings(
     max_examples=100, deadline=None, derandomize=True,
@@ -218,7 +218,7 @@ def nonfinite_calls(draw: st.DrawFn) -> tuple[tuple[np.ndarray, np.ndarray, np.n
 @given(call=nonfinite_calls())
 def test_nonfinite_inputs_give_the_reference_pattern(backend: str, call: Any) -> None:
     """NaN / inf anywhere in a valid call: out and lse have the float64 reference's NaN, +inf and
-    -inf pattern and its finite values within float32 tolerance (twinattn/reference.py's rule)."""
+    -inf pattern and its finite values within float32 tolerance (twinattn/core/reference.py's rule)."""
     (q, k, v), kwargs = call
     out, lse = twinattn.attention(q, k, v, backend=backend, **kwargs)
     ref_kwargs = {key: val for key, val in kwargs.items() if key != "return_lse"}

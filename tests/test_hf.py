@@ -197,6 +197,25 @@ def test_int8_cache_kv_dtype_is_checked() -> None:
         hf.TwinattnCache(max_cache_len=8, num_layers=1, kv_dtype="int4")
 
 
+def test_int8_scales_reach_only_the_call_with_the_caches_own_views() -> None:
+    # the cache hands the scales of the views it returned to the attention call given those very
+    # views, once; an int8 key and value from anywhere else (a copy included) raise
+    cache = hf.TwinattnCache(max_cache_len=8, num_layers=1, kv_dtype="int8")
+    rng = np.random.default_rng(3)
+    key, value = (torch.from_numpy(rng.standard_normal((1, 2, 3, 8), dtype=np.float32)) for _ in range(2))
+    keys, values = cache.update(key, value, 0)
+    assert keys.dtype == values.dtype == torch.int8 and not hasattr(keys, "_twinattn_scale")
+    query = torch.from_numpy(rng.standard_normal((1, 4, 3, 8), dtype=np.float32))
+    out, _ = hf.attention_forward(torch.nn.Module(), query, keys, values, None, scaling=0.5)
+    want = twinattn.attention(
+        query.numpy(), *(twinattn.dequantize_kv(*twinattn.quantize_kv(x.numpy())) for x in (key, value)), causal=True, scale=0.5
+    )
+    np.testing.assert_allclose(out.transpose(1, 2).numpy(), want, rtol=1e-5, atol=1e-6)
+    for k8, v8 in ((keys, values), (keys.clone(), values.clone())):  # handed over already; a copy
+        with pytest.raises(TypeError, match="int8 keys and values reach twinattn with their scales only from a TwinattnCache"):
+            hf.attention_forward(torch.nn.Module(), query, k8, v8, None)
+
+
 # ---- SmolLM2 in bfloat16 -------------------------------------------------------------------------
 # Every layer of a bfloat16 model rounds its activations to bfloat16, so two bfloat16 runs that
 # differ only in their attention drift apart by far more than attention's own rounding, and so does

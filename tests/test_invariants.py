@@ -102,6 +102,16 @@ def test_calls_beside_the_serial_bound_agree_across_thread_counts(native_backend
     assert_close_to_reference(one, q, k, v, causal=True, q_offset=keys - 1)
 
 
+def test_the_python_thread_policy_states_the_cores_serial_bound(native_backend: str) -> None:
+    from twinattn.core._threads import SERIAL_WORK, SERIAL_WORK_BESIDE_SPINNING_THREADS, threads_for
+
+    assert importlib.import_module(f"twinattn._{native_backend}").build_info()["constants"]["serial_work"] == SERIAL_WORK
+    # the cores decide below their bound; a caller beside spinning threads runs small calls on one
+    assert threads_for(SERIAL_WORK - 1) is None and threads_for(10**12) is None
+    assert threads_for(SERIAL_WORK_BESIDE_SPINNING_THREADS - 1, beside_spinning_threads=True) == 1
+    assert threads_for(SERIAL_WORK_BESIDE_SPINNING_THREADS, beside_spinning_threads=True) is None
+
+
 def test_concurrent_calls_from_python_threads(native_backend: str) -> None:
     rng = np.random.default_rng(5)
     problems = [(rand(rng, 1, 4, 20 + i, 32), rand(rng, 1, 2, 50 + i, 32), rand(rng, 1, 2, 50 + i, 16)) for i in range(6)]

@@ -14,7 +14,7 @@ import twinattn
 from helpers import (
     FLOAT32_ERROR_FACTOR, FLOOR_ULPS, HALF_DTYPES, UNIT_ROUNDOFF, half_ulp, rand, reference64, reference32,
 )
-from twinattn.reference import round_to_dtype
+from twinattn.core.reference import round_to_dtype
 
 half_dtypes = pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 

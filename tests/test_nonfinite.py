@@ -1,5 +1,5 @@
 """Non-finite inputs: NaN and inf at visible positions give the float64 reference's pattern, row by
-row, in out and lse; hidden positions never matter (twinattn/reference.py states the rule).
+row, in out and lse; hidden positions never matter (twinattn/core/reference.py states the rule).
 
 Every test runs on numpy, cpp and rust (the `backend` fixture) and, for the native ports, on every
 instruction set (the `isa` fixture, forced with set_isa; one the CPU or build lacks is skipped with

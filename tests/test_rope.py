@@ -1,6 +1,6 @@
 """RoPE: the seeds' identity, rotation matrices built from the RoFormer formula, and each of
 Hugging Face's scaling types against its published formula (written here element by element,
-independently of twinattn.rope's vectorised code)."""
+independently of twinattn.nn.rope's vectorised code)."""
 
 from __future__ import annotations
 

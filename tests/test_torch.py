@@ -59,6 +59,10 @@ CASES = [
     ("bool-mask", (2, 2, 1, 7, 9, 8, 8), {"attn_mask": np.arange(9) % 3 != 1}),
     ("float-bias-scale", (1, 3, 3, 4, 6, 8, 5), {"attn_mask": np.linspace(-2, 1, 6, dtype=np.float32), "scale": 0.3}),
     ("rank3", (1, 2, 2, 3, 5, 4, 4), {"causal": True}),
+    # the variants: every keyword of twinattn.attention reaches it through twinattn.torch
+    ("window-softcap", (2, 4, 2, 3, 11, 16, 16), {"causal": True, "window_size": (4, 0), "softcap": 0.8}),
+    ("alibi-sinks", (1, 4, 2, 5, 9, 8, 8), {
+        "alibi_slopes": np.array([0.5, 0.25, 0.125, 0.0625], np.float32), "sinks": np.array([0.3, -1.0, 2.0, 0.0], np.float32)}),
 ]
 
 
@@ -240,6 +244,56 @@ def test_custom_op_real_and_fake_agree(dtype: str) -> None:
     torch.library.opcheck(torch.ops.twinattn.attention_out.default, (q, k, v, out_buf, True, None, lens, None, 0.5))
 
 
+def _int8_problem(dtype: str) -> tuple[Any, ...]:
+    """q in `dtype`, k and v int8 with their float32 scales (twinattn.quantize_kv), as tensors."""
+    q, k, v = _tensors(31, 2, 4, 2, 3, 9, 8, 8)
+    (k8, k_scale), (v8, v_scale) = twinattn.quantize_kv(k), twinattn.quantize_kv(v)
+    return (_as_tensor(q.astype(DTYPES[dtype][1])), *(torch.from_numpy(a) for a in (k8, v8, k_scale, v_scale)))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_int8_kv_with_scales_matches_numpy_api_bit_for_bit(backend: str, dtype: str) -> None:
+    q, k8, v8, k_scale, v_scale = _int8_problem(dtype)
+    got, lse = tt.attention(q, k8, v8, k_scale=k_scale, v_scale=v_scale, causal=True, return_lse=True, backend=backend)
+    want, want_lse = twinattn.attention(
+        _as_array(q), k8.numpy(), v8.numpy(), k_scale=k_scale.numpy(), v_scale=v_scale.numpy(), causal=True,
+        return_lse=True, backend=backend,
+    )
+    assert got.dtype == q.dtype
+    np.testing.assert_array_equal(_as_array(got), want)
+    np.testing.assert_array_equal(lse.numpy(), want_lse)
+    # and what int8 attention means: attention over the dequantized keys and values
+    dequantized = [twinattn.dequantize_kv(x.numpy(), s.numpy()) for x, s in ((k8, k_scale), (v8, v_scale))]
+    over = twinattn.attention(_as_array(q).astype(np.float32), *dequantized, causal=True, backend="numpy")
+    np.testing.assert_allclose(_as_array(got).astype(np.float32), over, rtol=DTYPES[dtype][2] * 4, atol=1e-5)
+    with pytest.raises(ValueError, match="k_scale: required with int8 k and v"):
+        tt.attention(q, k8, v8, backend=backend)
+
+
+def test_custom_op_takes_the_variants_and_int8() -> None:
+    q, k, v = (torch.from_numpy(a) for a in _tensors(9, 2, 4, 2, 3, 7, 8, 8))
+    slopes, sinks = torch.tensor([0.5, 0.25, 0.125, 0.0625]), torch.tensor([0.3, -1.0, 2.0, 0.0])
+    # (backend, num_threads, window_left, window_right, softcap, alibi_slopes, sinks, k_scale, v_scale)
+    variants = ("auto", None, 3, 0, 0.7, slopes, sinks, None, None)
+    out, lse = torch.ops.twinattn.attention(q, k, v, True, None, None, None, 0.5, *variants)
+    want, want_lse = twinattn.attention(
+        q.numpy(), k.numpy(), v.numpy(), causal=True, scale=0.5, window_size=(3, 0), softcap=0.7,
+        alibi_slopes=slopes.numpy(), sinks=sinks.numpy(), return_lse=True,
+    )
+    np.testing.assert_array_equal(out.numpy(), want)
+    np.testing.assert_array_equal(lse.numpy(), want_lse)
+    torch.library.opcheck(torch.ops.twinattn.attention.default, (q, k, v, True, None, None, None, 0.5, *variants))
+    torch.library.opcheck(
+        torch.ops.twinattn.attention_out.default, (q, k, v, torch.empty(2, 4, 3, 8), True, None, None, None, 0.5, *variants)
+    )
+    q, k8, v8, k_scale, v_scale = _int8_problem("bfloat16")
+    int8 = (q, k8, v8, False, None, None, None, None, "auto", None, -1, -1, 0.0, None, None, k_scale, v_scale)
+    out, _ = torch.ops.twinattn.attention(*int8)
+    assert out.dtype == torch.bfloat16
+    np.testing.assert_array_equal(_as_array(out), _as_array(tt.attention(q, k8, v8, k_scale=k_scale, v_scale=v_scale)))
+    torch.library.opcheck(torch.ops.twinattn.attention.default, int8)
+
+
 def test_custom_op_float64_on_the_numpy_backend() -> None:
     # float64 (backend="numpy" only): out float64, and lse float64 too, in the real op and the fake
     q, k, v = (torch.from_numpy(a).double() for a in _tensors(9, 1, 2, 1, 3, 5, 8, 8))
@@ -257,7 +311,7 @@ def test_compile_fullgraph_sees_one_op(dtype: str) -> None:
         return gm.forward
 
     def block(q, k, v):
-        return tt.attention(q * 2.0, k, v, causal=True, q_offset=3) + 1.0
+        return tt.attention(q * 2.0, k, v, causal=True, q_offset=3, window_size=(2, 0), softcap=0.9) + 1.0
 
     q, k, v = (torch.from_numpy(a).to(DTYPES[dtype][0]) for a in _tensors(11, 1, 2, 1, 4, 7, 8, 8))
     compiled = torch.compile(block, backend=record, fullgraph=True)

@@ -12,17 +12,17 @@ k_scale and v_scale; KVCache(..., dtype="int8")). twinattn.merge_attention merge
 processes or machines is in twinattn.distributed (imports torch; import it explicitly).
 """
 
-from . import reference
-from ._backends import BackendUnavailableError, backends, build_info
-from ._threads import get_num_threads, set_num_threads
 from ._version import __version__
-from .api import attention
-from .cache import CacheOverflowError, KVCache, kv_cache_bytes
-from .merge import merge_attention
-from .quant import dequantize_kv, quantize_kv
-from .rope import RotaryEmbedding
-from .sdpa import scaled_dot_product_attention
+from . import reference
+from .core._backends import BackendUnavailableError, backends, build_info
+from .core._threads import get_num_threads, set_num_threads
+from .core.api import attention
+from .core.merge import merge_attention
+from .core.quant import dequantize_kv, quantize_kv
 from . import nn
+from .nn.cache import CacheOverflowError, KVCache, kv_cache_bytes
+from .nn.rope import RotaryEmbedding
+from .nn.sdpa import scaled_dot_product_attention
 
 __all__ = [
     "BackendUnavailableError",

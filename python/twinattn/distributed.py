@@ -46,8 +46,8 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("twinattn.distributed needs torch: pip install torch") from error
 
-from ._checks import count, per_head_floats, shape_str
-from .merge import _merge_arrays, _tensor_as_array, merge_parts
+from .core._checks import count, per_head_floats, shape_str
+from .core.merge import _merge_arrays, _tensor_as_array, merge_parts
 from .torch import attention as _attention
 
 __all__ = ["RingCost", "ring_attention", "ring_cost", "shard", "shard_positions", "unshard", "zigzag_chunks"]

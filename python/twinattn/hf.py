@@ -35,13 +35,14 @@ dtype (computed in float32, out rounded once to that dtype), and TwinattnCache s
 values in it (a bfloat16 cache is half a float32 one). TwinattnCache(..., kv_dtype="int8") stores
 them as int8 with one float32 scale per (sequence, KV head, token) each (twinattn.quantize_kv of
 the model's keys and values as they are appended): about a quarter of a float32 cache.
-It is a twinattn.KVCache(dtype="int8"); update returns its int8 views with their scale views
-attached, and attention_forward passes those to twinattn as k_scale / v_scale: attention over the
-dequantized keys and values, read in place.
+It is a twinattn.KVCache(dtype="int8"); update returns its int8 views and hands their scale views
+to attention_forward, which passes them to twinattn as k_scale / v_scale when it is called with
+those very views: attention over the dequantized keys and values, read in place.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Optional
 
 import numpy as np
@@ -59,11 +60,9 @@ from transformers.masking_utils import (
     sdpa_mask,
 )
 
-from . import api
-from .cache import KVCache
-# twinattn.torch's checks and zero-copy NumPy view of a tensor: the variants' keywords are not in
-# twinattn.torch.attention's signature, so attention_forward calls twinattn.attention with them
-from .torch import _NUMPY_DTYPES, _array, _tensor
+from ._torch_views import NUMPY_DTYPES, array, tensor
+from .core._threads import threads_for
+from .nn.cache import KVCache
 from .torch import attention
 
 __all__ = ["NAME", "TwinattnCache", "attention_forward", "mask_function", "register"]
@@ -165,11 +164,6 @@ def _padding(mask: Any) -> tuple[Any, Any]:
 
 # ---- the attention function -----------------------------------------------------------------------
 
-# Hq * Lq * Lk * (D + Dv) below which attention_forward runs a half-precision model's call on one
-# thread (about 0.1 ms of work on one core here): every decode step of SmolLM2 up to ~30k tokens
-# of context, no prefill.
-_SERIAL_WORK = 2**25
-
 
 def attention_forward(
     module: Any,
@@ -227,66 +221,64 @@ def attention_forward(
     # the queries are the last q_len positions of a cache holding k_len keys (HF's alignment), said
     # explicitly so that right-padded rows (kv_lens < q_len) stay causal rather than raise
     q_offset = k_len - q_len if causal else None
-    # A decode-sized call of a float16/bfloat16 model runs on the calling thread alone: between
-    # such a model's torch ops, torch's OpenMP threads keep spinning on both cores, so waking
-    # twinattn's second thread costs more than it saves. SmolLM2-135M bfloat16, 2 cores, one
-    # decode step of 30 layers: 20.1 / 25.7 / 28.8 ms at 16 / 1024 / 4096 tokens of context with
-    # 2 threads, 16.3 / 17.5 / 21.1 ms with 1. A float32 model keeps both (its decode reads twice
-    # the bytes: one thread took its step at 4096 from 46.2 to 55.8 ms). Prefill keeps every thread.
+    # A float16/bfloat16 model's call runs beside torch's OpenMP threads, which keep spinning on
+    # every core between the model's torch ops (threads_for says what that does to a call of this
+    # work). This work is per sequence (Hq * Lq * Lk * (D + Dv)), as measured on a batch of one.
     work = q_heads * q_len * k_len * (query.shape[-1] + value.shape[-1])
-    num_threads = 1 if query.dtype != torch.float32 and work < _SERIAL_WORK else None
+    num_threads = threads_for(work, beside_spinning_threads=query.dtype != torch.float32)
 
+    # the variants only when they are used: the plain call passes what it always did
+    variants: dict[str, Any] = {}
+    if window != (-1, -1):
+        variants["window_size"] = window
+    if softcap:
+        variants["softcap"] = float(softcap)
+    if sinks is not None:
+        variants["sinks"] = sinks.float()  # float32 (a bfloat16 model's s_aux converts exactly)
+    if key.dtype == torch.int8 or value.dtype == torch.int8:
+        variants["k_scale"], variants["v_scale"] = _int8_scales(key, value)
     out = torch.empty((batch, q_len, q_heads, value.shape[-1]), dtype=query.dtype)
-    scales = _int8_scales(key, value)
-    if window == (-1, -1) and not softcap and sinks is None and not scales:
-        # plain attention through twinattn.torch (its custom op under torch.compile)
-        attention(
-            query,
-            key,
-            value,
-            causal=causal,
-            q_offset=q_offset,
-            kv_lens=kv_lens,
-            attn_mask=attn_mask,
-            scale=scaling,
-            out=out.transpose(1, 2),
-            num_threads=num_threads,
-        )
-        return out, None
-    api.attention(
-        _array("query", query),
-        _array("key", key),
-        _array("value", value),
+    # twinattn.torch.attention: its custom op under torch.compile
+    attention(
+        query,
+        key,
+        value,
         causal=causal,
         q_offset=q_offset,
-        kv_lens=None if kv_lens is None else kv_lens.numpy(),
-        attn_mask=None if attn_mask is None else _array("attention_mask", attn_mask),
+        kv_lens=kv_lens,
+        attn_mask=attn_mask,
         scale=scaling,
-        out=_array("out", out.transpose(1, 2)),
-        window_size=window,
-        softcap=0.0 if softcap is None else float(softcap),
-        # sinks are float32 (a bfloat16 model's s_aux converts exactly)
-        sinks=None if sinks is None else _array("s_aux", sinks.float()),
+        out=out.transpose(1, 2),
         num_threads=num_threads,
-        **scales,
+        **variants,
     )
     return out, None
 
 
-_SCALE = "_twinattn_scale"  # the attribute an int8 TwinattnCache view carries its scales in
+class _Int8Views(threading.local):
+    """The int8 key and value views a TwinattnCache(kv_dtype="int8") layer last returned on this
+    thread, with their float32 scales. transformers calls the cache's update and then the
+    attention function with those very tensors, and nothing else passes between the two: the
+    scales are handed over here, to the call whose key and value are those tensors."""
+
+    keys: Any = None
+    values: Any = None
+    scales: Any = None
 
 
-def _int8_scales(key: Any, value: Any) -> dict[str, Any]:
-    """k_scale / v_scale of int8 key and value from a TwinattnCache(kv_dtype="int8"), else nothing."""
-    if key.dtype != torch.int8 and value.dtype != torch.int8:
-        return {}
-    k_scale, v_scale = getattr(key, _SCALE, None), getattr(value, _SCALE, None)
-    if k_scale is None or v_scale is None:
+_int8_views = _Int8Views()
+
+
+def _int8_scales(key: Any, value: Any) -> tuple[Any, Any]:
+    """(k_scale, v_scale) of the int8 key and value a TwinattnCache(kv_dtype="int8") returned."""
+    if key is not _int8_views.keys or value is not _int8_views.values:
         raise TypeError(
             "key: int8 keys and values reach twinattn with their scales only from a TwinattnCache(kv_dtype='int8'); "
             f"got {key.dtype} key and {value.dtype} value without them"
         )
-    return {"k_scale": k_scale, "v_scale": v_scale}
+    scales: tuple[Any, Any] = _int8_views.scales
+    _int8_views.keys = _int8_views.values = _int8_views.scales = None  # handed over once: nothing kept alive
+    return scales
 
 
 # ---- the cache --------------------------------------------------------------------------------------
@@ -318,9 +310,7 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         # one slice assignment of the new tokens into the preallocated buffers; the result is a
         # view (B, Hkv, stored, D) of them: nothing already cached is copied
         try:
-            keys, values = kv.update(
-                _array("key_states", key_states.detach()), _array("value_states", value_states.detach()), self._layer_idx
-            )
+            keys, values = kv.update(array("key_states", key_states.detach()), array("value_states", value_states.detach()), self._layer_idx)
         except ValueError:
             if key_states.shape[0] != kv.batch_size:
                 raise ValueError(
@@ -329,11 +319,10 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
                     "config=model.config) for each generate call or batch (it allocates for the batch it first sees)"
                 ) from None
             raise
-        self.keys, self.values = _tensor(keys), _tensor(values)
-        if self._owner.kv_dtype == "int8":  # the scales travel with the int8 views to attention_forward
-            k_scale, v_scale = kv.scales(self._layer_idx)
-            setattr(self.keys, _SCALE, k_scale)
-            setattr(self.values, _SCALE, v_scale)
+        self.keys, self.values = tensor(keys), tensor(values)
+        if self._owner.kv_dtype == "int8":  # their scales, for attention_forward (_Int8Views)
+            _int8_views.keys, _int8_views.values = self.keys, self.values
+            _int8_views.scales = tuple(tensor(scale) for scale in kv.scales(self._layer_idx))
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -363,12 +352,6 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
 
     def batch_select_indices(self, indices: Any) -> None:
         raise NotImplementedError("TwinattnCache preallocates a fixed batch: selecting sequences out of it is not supported")
-
-
-def _has_int8() -> bool:
-    import twinattn
-
-    return hasattr(twinattn, "quantize_kv")
 
 
 class TwinattnCache(Cache):  # type: ignore[misc]
@@ -415,8 +398,6 @@ class TwinattnCache(Cache):  # type: ignore[misc]
             raise ValueError(f"num_layers: expected a positive int, got {num_layers!r}")
         if kv_dtype not in (None, "int8"):
             raise ValueError(f"kv_dtype: expected None (the model's dtype) or 'int8', got {kv_dtype!r}")
-        if kv_dtype == "int8" and not _has_int8():
-            raise NotImplementedError("kv_dtype='int8': this twinattn has no int8 K/V (twinattn.quantize_kv)")
         self.max_cache_len = max_cache_len
         self.num_layers = num_layers
         self.kv_dtype = kv_dtype
@@ -427,7 +408,7 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         if self.kv is not None:
             return
         # keys and values are stored in the model's dtype, as it computes them
-        dtype = _NUMPY_DTYPES.get(key_states.dtype)
+        dtype = NUMPY_DTYPES.get(key_states.dtype)
         if dtype is None:
             raise TypeError(
                 f"key_states: TwinattnCache stores torch.float32, torch.float16 or torch.bfloat16 (the model's dtype), "

@@ -1,198 +1,25 @@
-"""The NumPy reference: what every native port is checked against.
+"""twinattn.reference: the NumPy reference, the definition of correct.
 
-Written for clarity, not speed. It follows the seeds' algorithm: choose the legal keys first,
-subtract the row max, exponentiate, normalise, mix the values. It computes in the inputs' dtype
-(float32 or float64); the tests call it in float64. float16 and bfloat16 inputs are computed in
-float64 from the given (already rounded) values, and out is rounded once to q's dtype (to
-nearest, ties to even); lse is float32 then.
+    out = twinattn.reference.attention(q, k, v, causal=True)    # twinattn.attention, backend="numpy"
 
-Shapes (after the Python layer has normalised the call, see twinattn.attention):
-    q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), q_offset (B,), kv_lens (B,),
-    mask None or (B, Hq, Lq, Lk) bool (True = may attend) or float (additive bias),
-    window_left, window_right ints >= -1 (-1 unbounded; the caller caps the right side at 0 under
-    causal), softcap >= 0 (0 = off), alibi_slopes None or (B, Hq), sinks None or (Hq,);
-    int8 k and v come with k_scale and v_scale (B, Hkv, Lk) float32: the reference dequantizes
-    them (float32(x) * scale, in float32) and computes in float64, out rounded to q's dtype
-    -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq)
-
-Query row i of sequence b sits at position p = q_offset[b] + i; key j at position j.
-Key j is visible to it iff j < kv_lens[b], (not causal or j <= p), (window_left < 0 or
-j >= p - window_left), (window_right < 0 or j <= p + window_right), the bool mask allows it and
-a float bias is not -inf. The score of a visible key, in this order:
-    s = scale * q.k;  s = softcap * tanh(s / softcap) if softcap > 0;
-    s -= slope[b, h] * |p - j|;  s += bias[b, h, i, j]
-A sink is one more term exp(sinks[h]) in the softmax denominator (and lse) with no value.
-
-Visible keys and non-finite inputs (the rule every backend follows, row by row):
-- Key j is visible to row i iff j < kv_lens[b], (not causal or j <= p), inside the window, the bool
-  mask (if any) is True and the float bias (if any) is not -inf. A hidden key is never read:
-  whatever k, v or the bias hold there (NaN, inf) does not matter. A -inf bias hides a key
-  exactly like False, even when its k or v row holds NaN.
-- score_j = scale * q_i . k_j + bias_ij for visible keys, in IEEE arithmetic. A score of -inf
-  (from inf in q or k) gives the key weight 0 and leaves its value out, as for a hidden key. A
-  row with no key scoring above -inf returns zeros and lse = -inf.
-- A NaN score (NaN in q_i, in a visible k_j or bias, or inf * 0 in the dot product) makes the
-  whole row NaN: every column of out_i, and lse_i.
-- Otherwise a score of +inf makes out_i NaN (its weights are inf / inf) and lse_i = +inf (the log
-  of an infinite sum).
-- NaN or inf in a visible v_j reaches the output columns it is in, for every row that gives key j
-  a weight above 0 (p_j * inf = inf; inf - inf = NaN).
-The native kernels compute in float32: they follow this rule as long as no finite score
-overflows float32 and no key holding a non-finite value has a weight that underflows to 0 there
-(a score more than about 87 below its row's max).
+attention takes twinattn.attention's arguments (float64 as well) and computes them with
+attention_reference, the algorithm on checked arrays, whose module (twinattn.core.reference) states
+the rule every backend follows, non-finite inputs included; round_to_dtype is the one rounding of a
+float64 result to float32, float16 or bfloat16.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
+from .core.api import attention as _attention
+from .core.reference import attention_reference, round_to_dtype
 
-from ._checks import BFLOAT16, FLOAT32, FLOAT64, HALF_DTYPES, INT8
-
-_INT64_MAX = int(np.iinfo(np.int64).max)
-
-
-def round_to_dtype(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """x (float64 or float32) rounded once to float32, float16 or bfloat16: to nearest, ties to
-    even, subnormals kept, overflow to inf, NaN stays NaN.
-
-    NumPy rounds float64 to float16 directly; ml_dtypes takes float64 to bfloat16 through float32,
-    which rounds twice (1 + 2^-8 + 2^-40 would become 1, not 1 + 2^-7). Rounding to float32 to odd
-    first (toward zero, then the last bit set when inexact) keeps the 16 extra bits honest, so the
-    second rounding is the only one.
-    """
-    dtype = np.dtype(dtype)
-    if dtype != BFLOAT16 or x.dtype != FLOAT64:
-        with np.errstate(over="ignore"):
-            return x.astype(dtype)
-    with np.errstate(over="ignore", invalid="ignore"):
-        x32 = np.ascontiguousarray(x, dtype=FLOAT32)
-        away = np.abs(x32.astype(FLOAT64)) > np.abs(x)  # rounded away from zero (beyond float32: to inf)
-        x32 = np.where(away, np.nextafter(x32, FLOAT32.type(0)), x32)
-        inexact = x32.astype(FLOAT64) != x  # NaN too: setting a mantissa bit keeps it NaN
-        x32 = (x32.view(np.uint32) | inexact.astype(np.uint32)).view(FLOAT32)
-        rounded: np.ndarray = x32.astype(BFLOAT16)
-        return rounded
-
-
-# Non-finite inputs (NaN, inf, overflowing scores) are the caller's: they propagate into the result as
-# IEEE arithmetic says, without warnings.
-@np.errstate(over="ignore", invalid="ignore", divide="ignore")
-def attention_reference(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    *,
-    causal: bool,
-    q_offset: np.ndarray,
-    kv_lens: np.ndarray,
-    mask: np.ndarray | None,
-    scale: float,
-    window_left: int = -1,
-    window_right: int = -1,
-    softcap: float = 0.0,
-    alibi_slopes: np.ndarray | None = None,
-    sinks: np.ndarray | None = None,
-    k_scale: np.ndarray | None = None,
-    v_scale: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    if k.dtype == INT8 or q.dtype in HALF_DTYPES:
-        if k.dtype == INT8:
-            # int8 k and v with float32 scales (B, Hkv, Lk): dequantized in float32 (float32(x) * scale,
-            # one rounding), then computed in float64 like a float16 / bfloat16 problem
-            assert k_scale is not None and v_scale is not None, "int8 k and v need k_scale and v_scale"
-            k = k.astype(FLOAT32) * k_scale[..., None]
-            v = v.astype(FLOAT32) * v_scale[..., None]
-        # float16 / bfloat16 (and dequantized int8): float64 from the given values (exact), out
-        # rounded once to q's dtype, lse float32
-        out, lse = attention_reference(
-            q.astype(FLOAT64), k.astype(FLOAT64), v.astype(FLOAT64), causal=causal, q_offset=q_offset,
-            kv_lens=kv_lens, mask=mask if mask is None or mask.dtype == np.bool_ else mask.astype(FLOAT64),
-            scale=scale, window_left=window_left, window_right=window_right, softcap=softcap,
-            alibi_slopes=None if alibi_slopes is None else alibi_slopes.astype(FLOAT64),
-            sinks=None if sinks is None else sinks.astype(FLOAT64),
-        )
-        return round_to_dtype(out, q.dtype), lse.astype(FLOAT32)
-
-    dtype = q.dtype
-    batch, q_heads, q_len, _ = q.shape
-    kv_heads, k_len = k.shape[1], k.shape[2]
-    group = q_heads // kv_heads if kv_heads else 1
-
-    # 1. Visible keys: inside the sequence's length, not in its future, inside the window, allowed
-    #    by the mask (a bias of -inf hides a key as False does). Positions: query row i at
-    #    p = q_offset[b] + i, key j at j.
-    key_index = np.arange(k_len).reshape(1, 1, 1, k_len)
-    position = q_offset.reshape(batch, 1, 1, 1) + np.arange(q_len).reshape(1, 1, q_len, 1)
-    visible = key_index < kv_lens.reshape(batch, 1, 1, 1)
-    if causal:
-        visible = visible & (key_index <= position)
-    # p - left <= j <= p + right, written as distances so that no side (up to any int) overflows
-    if window_left >= 0:
-        visible = visible & (position - key_index <= min(window_left, _INT64_MAX))
-    if window_right >= 0:
-        visible = visible & (key_index - position <= min(window_right, _INT64_MAX))
-    if mask is not None:
-        visible = visible & (mask if mask.dtype == np.bool_ else mask != -np.inf)
-    visible = np.broadcast_to(visible, (batch, q_heads, q_len, k_len))
-
-    # Padded keys are never read: whatever their memory holds (NaN too) is replaced by zeros.
-    valid_key = (np.arange(k_len)[None, :] < kv_lens[:, None])[:, None, :, None]
-    k = np.where(valid_key, k, 0).astype(dtype, copy=False)
-    v = np.where(valid_key, v, 0).astype(dtype, copy=False)
-    # Query head h reads KV head h // group.
-    k = np.repeat(k, group, axis=1)
-    v = np.repeat(v, group, axis=1)
-
-    # 2. Scores of the visible keys (softcap, then ALiBi, then the bias); a hidden key scores -inf,
-    #    whatever q k^T or the bias gave there (NaN from a hidden NaN key, say). A visible key
-    #    scoring -inf is left out too: "legal" = visible and scoring above -inf.
-    scores = (q @ np.swapaxes(k, -1, -2)) * dtype.type(scale)
-    if softcap > 0:
-        cap = dtype.type(softcap)
-        scores = cap * np.tanh(scores / cap)
-    if alibi_slopes is not None:
-        distance = np.abs(position - key_index).astype(dtype)  # (B, 1, Lq, Lk)
-        scores = scores - alibi_slopes.astype(dtype, copy=False).reshape(batch, q_heads, 1, 1) * distance
-    if mask is not None and mask.dtype != np.bool_:
-        scores = scores + mask.astype(dtype, copy=False)
-    legal = visible & (scores != -np.inf)
-    scores = np.where(legal, scores, dtype.type(-np.inf))
-
-    # 3. Subtract the row max, exponentiate, normalise. A sink is one more (virtual) score in the
-    #    max and the denominator, with no value. A row with no legal key and no sink gives zeros.
-    #    The max propagates NaN, so a NaN score makes the row NaN; a +inf max gives inf - inf = NaN.
-    row_max = scores.max(axis=-1, keepdims=True, initial=-np.inf)
-    if sinks is not None:
-        sink = np.broadcast_to(sinks.astype(dtype, copy=False).reshape(1, q_heads, 1, 1), row_max.shape)
-        row_max = np.maximum(row_max, sink)
-    empty_row = row_max == -np.inf
-    safe_max = np.where(empty_row, 0, row_max).astype(dtype, copy=False)
-    weights = np.where(empty_row, 0, np.exp(scores - safe_max)).astype(dtype, copy=False)
-    row_sum = weights.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        row_sum = row_sum + np.where(empty_row, 0, np.exp(sink - safe_max))
-    weights = weights / np.where(empty_row, 1, row_sum)
-
-    # 4. Mix the values. A hidden key's value never enters, not even as 0 * NaN: when v holds
-    #    non-finite numbers, each row sums over its legal keys alone.
-    if np.isfinite(v).all():
-        out = weights @ v
-    else:
-        out = np.zeros(weights.shape[:-1] + v.shape[-1:], dtype=dtype)
-        for b, h, i in np.ndindex(*weights.shape[:-1]):
-            keys = legal[b, h, i]
-            out[b, h, i] = weights[b, h, i, keys] @ v[b, h, keys]
-    lse = np.where(empty_row, -np.inf, safe_max + np.log(np.where(empty_row, 1, row_sum)))
-    lse = np.where(row_max == np.inf, np.inf, lse)  # log of an infinite sum, not inf + log(NaN)
-    return out.astype(dtype, copy=False), lse[..., 0].astype(dtype, copy=False)
+__all__ = ["attention", "attention_reference", "round_to_dtype"]
 
 
 def attention(q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
     """twinattn.attention computed by the NumPy reference (float32, float16, bfloat16 and float64;
     float16 and bfloat16 are computed in float64 and rounded once to q's dtype)."""
-    from .api import attention as _attention
-
     kwargs.pop("backend", None)
     return _attention(q, k, v, backend="numpy", **kwargs)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-import ml_dtypes
 import numpy as np
 
 try:
@@ -35,76 +34,22 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("twinattn.torch needs torch: pip install torch") from error
 
-from . import api
-from ._backends import resolve_backend
-from . import sdpa as _sdpa
+from ._torch_views import BFLOAT16 as _BFLOAT16, INT16 as _INT16, NP_BFLOAT16 as _NP_BFLOAT16
+from ._torch_views import array as _array, checked_array as _checked_array, from_numpy as _from_numpy
+from ._torch_views import tensor as _tensor, to_numpy as _numpy, view as _view
+from .core import _checks, api
+from .core._backends import resolve_backend
+from .core.api import _NO_WINDOW
+from .nn import sdpa as _sdpa
 
 __all__ = ["attention", "scaled_dot_product_attention"]
 
-# NumPy has no bfloat16: a bfloat16 tensor is viewed as int16 (the same bytes) and that as
-# ml_dtypes.bfloat16, the NumPy dtype twinattn's bfloat16 API takes. Measured per tensor on the tiny
-# case: Tensor.numpy() 0.57 us; bfloat16 through the int16 view 1.1-1.2 us (the view alone 0.46 us);
-# np.from_dlpack 2.0 us (and no bfloat16; through torch.utils.dlpack.to_dlpack and a capsule holder
-# 0.47 us, which skips the requires-grad check: too little gained for a second path); an
-# __array_interface__ object 1.5 us.
-_BFLOAT16 = torch.bfloat16
-_INT16 = torch.int16
-_NP_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-_NP_INT16 = np.dtype(np.int16)
 _Tensor = torch.Tensor
-_numpy = torch.Tensor.numpy
-_view = torch.Tensor.view
-_from_numpy = torch.from_numpy
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 # q, k and v: float32, float16 or bfloat16 (the fast path); float64 with backend="numpy" (_inputs' slow path)
 _FAST_DTYPES = frozenset((torch.float32, torch.float16, torch.bfloat16))
 _DTYPES = _FAST_DTYPES | {torch.float64}
 _DTYPES_TEXT = "torch.float32, torch.float16 or torch.bfloat16"
-# the NumPy dtype each of those is viewed as (twinattn.hf's cache stores in it)
-_NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16), torch.bfloat16: _NP_BFLOAT16}
-
-
-def _array(name: str, t: Any) -> np.ndarray:
-    """A NumPy view of a CPU tensor that takes part in no autograd graph (bfloat16 as
-    ml_dtypes.bfloat16); no copy, whatever the strides."""
-    try:
-        if t.dtype is _BFLOAT16:
-            return _numpy(_view(t, _INT16)).view(_NP_BFLOAT16)  # type: ignore[no-any-return]
-        # Tensor.numpy refuses what it cannot view (another device, requires grad, a sparse
-        # layout, a non-tensor): _checked_array then says which, in twinattn's words
-        return _numpy(t)  # type: ignore[no-any-return]
-    except (AttributeError, TypeError, RuntimeError):
-        return _checked_array(name, t)
-
-
-def _checked_array(name: str, t: Any) -> np.ndarray:
-    """_array's slow path: a clear error for what cannot be read in place, or the view of a tensor
-    that requires grad where no graph is recorded (torch.no_grad)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(
-            f"{name}: twinattn runs on the CPU; expected a CPU tensor, got one on {t.device} "
-            f"(move it with {name}.cpu(), or use torch's own attention on that device)"
-        )
-    if t.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError(
-            f"{name}: requires grad, but twinattn computes the forward pass only (no backward); "
-            "call it under torch.no_grad() or torch.inference_mode(), or pass a detached tensor"
-        )
-    if t.layout != torch.strided:
-        raise TypeError(f"{name}: expected a dense strided tensor, got layout {t.layout}")
-    t = t.detach()
-    if t.dtype is _BFLOAT16:
-        return _numpy(_view(t, _INT16)).view(_NP_BFLOAT16)  # type: ignore[no-any-return]
-    return _numpy(t)  # type: ignore[no-any-return]
-
-
-def _tensor(a: np.ndarray) -> torch.Tensor:
-    """The tensor sharing a NumPy array's memory (ml_dtypes.bfloat16 as torch.bfloat16)."""
-    if a.dtype is _NP_BFLOAT16:
-        return _view(_from_numpy(a.view(_NP_INT16)), _BFLOAT16)
-    return _from_numpy(a)
 
 
 def _inputs(q: Any, k: Any, v: Any, backend: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -131,7 +76,8 @@ def _inputs(q: Any, k: Any, v: Any, backend: str) -> Tuple[np.ndarray, np.ndarra
     if q.dtype not in _DTYPES:
         raise TypeError(f"q: expected dtype {_DTYPES_TEXT}, got {q.dtype}; convert with q.float()")
     for name, t in (("k", k), ("v", v)):
-        if t.dtype is not q.dtype:
+        # int8 k and v (with k_scale and v_scale) under float q: twinattn.attention checks the pair
+        if t.dtype is not q.dtype and not (t.dtype is torch.int8 and q.dtype is not torch.float64):
             raise TypeError(f"{name}: expected dtype {q.dtype} (q's dtype), got {t.dtype}; convert with {name}.to({q.dtype})")
     if q.dtype is torch.float64:
         port = resolve_backend(backend)
@@ -149,46 +95,48 @@ def _optional_array(name: str, t: Any) -> Any:
 
 # ---- the custom ops: what torch.compile and torch.export see -------------------------------------
 # Their signatures need one type per argument: q_offset and kv_lens are int64 tensors (B,) or None
-# (twinattn.torch.attention converts an int), and lse always comes back (it costs Lq floats a head).
+# (twinattn.torch.attention converts an int), window_size is two ints, and lse always comes back
+# (it costs Lq floats a head).
 
 
-def _attention_impl(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    q_offset: Optional[torch.Tensor],
-    kv_lens: Optional[torch.Tensor],
-    attn_mask: Optional[torch.Tensor],
-    scale: Optional[float],
-    backend: str = "auto",
-    num_threads: Optional[int] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    out, lse = attention(
+# The options after q, k, v (and out), one list for both ops' schemas: (type, name, default), in
+# twinattn.attention's keywords; the dispatcher passes the options a caller gave, the rest are the
+# defaults here
+_REQUIRED = object()
+_OPTIONS = (
+    ("bool", "causal", _REQUIRED), ("Tensor?", "q_offset", _REQUIRED), ("Tensor?", "kv_lens", _REQUIRED),
+    ("Tensor?", "attn_mask", _REQUIRED), ("float?", "scale", _REQUIRED), ("str", "backend", "auto"),
+    ("int?", "num_threads", None), ("int", "window_left", -1), ("int", "window_right", -1), ("float", "softcap", 0.0),
+    ("Tensor?", "alibi_slopes", None), ("Tensor?", "sinks", None), ("Tensor?", "k_scale", None), ("Tensor?", "v_scale", None),
+)
+_OPTIONS_SCHEMA = ", ".join(f"{kind} {name}" + ("" if default is _REQUIRED else f"={default!r}") for kind, name, default in _OPTIONS)
+_OPTION_DEFAULTS = tuple(default for _, _, default in _OPTIONS)
+
+
+def _run_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: Optional[torch.Tensor], options: Tuple[Any, ...]) -> Any:
+    """The ops' implementation: twinattn.torch.attention (eager) with the options of the schema."""
+    options += _OPTION_DEFAULTS[len(options):]
+    causal, q_offset, kv_lens, attn_mask, scale, backend, num_threads, left, right, softcap, slopes, sinks, k_scale, v_scale = options
+    return attention(
         q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, attn_mask=attn_mask, scale=scale, return_lse=True,
-        backend=backend, num_threads=num_threads,
+        out=out, backend=backend, num_threads=num_threads, window_size=_window(left, right), softcap=softcap,
+        alibi_slopes=slopes, sinks=sinks, k_scale=k_scale, v_scale=v_scale,
     )
+
+
+def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *options: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _run_op(q, k, v, None, options)
     return out, lse
 
 
-def _attention_out_impl(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    causal: bool,
-    q_offset: Optional[torch.Tensor],
-    kv_lens: Optional[torch.Tensor],
-    attn_mask: Optional[torch.Tensor],
-    scale: Optional[float],
-    backend: str = "auto",
-    num_threads: Optional[int] = None,
-) -> torch.Tensor:
-    _, lse = attention(
-        q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, attn_mask=attn_mask, scale=scale, return_lse=True,
-        out=out, backend=backend, num_threads=num_threads,
-    )
+def _attention_out_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, *options: Any) -> torch.Tensor:
+    _, lse = _run_op(q, k, v, out, options)
     return lse
+
+
+def _window(left: int, right: int) -> Tuple[int, int]:
+    # twinattn.attention's own default object when there is no window: it then checks nothing
+    return _NO_WINDOW if left == -1 and right == -1 else (left, right)
 
 
 # The fake implementations: the results' shapes and dtypes, from q, k and v alone (the options
@@ -215,9 +163,14 @@ def _lse_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
 
 # (registered by call rather than as decorators: torch is typed Any here, and mypy --strict rejects
 # untyped decorators)
-_attention_op = torch.library.custom_op("twinattn::attention", _attention_impl, mutates_args=())
+_attention_op = torch.library.custom_op(
+    "twinattn::attention", _attention_impl, mutates_args=(), schema=f"(Tensor q, Tensor k, Tensor v, {_OPTIONS_SCHEMA}) -> (Tensor, Tensor)"
+)
 _attention_op.register_fake(_attention_fake)
-_attention_out_op = torch.library.custom_op("twinattn::attention_out", _attention_out_impl, mutates_args=("out",))
+_attention_out_op = torch.library.custom_op(
+    "twinattn::attention_out", _attention_out_impl, mutates_args=("out",),
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor(a!) out, {_OPTIONS_SCHEMA}) -> Tensor",
+)
 _attention_out_op.register_fake(_attention_out_fake)
 
 
@@ -247,6 +200,12 @@ def attention(
     out: Any = None,
     backend: str = "auto",
     num_threads: Optional[int] = None,
+    window_size: Tuple[int, int] = _NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: Any = None,
+    sinks: Any = None,
+    k_scale: Any = None,
+    v_scale: Any = None,
 ) -> Any:
     """twinattn.attention on torch CPU tensors: same keywords, same semantics, tensors back.
 
@@ -255,7 +214,9 @@ def attention(
     return_lse=True]. q_offset: None, an int or an int tensor (B,); kv_lens: None or an int
     tensor (B,); attn_mask: bool (True = may attend) or a float bias (float32 or q's dtype)
     broadcastable to (B, Hq, Lq, Lk); out: a preallocated tensor in q's dtype (any strides),
-    written in place and returned. Forward only.
+    written in place and returned. window_size, softcap, alibi_slopes and sinks (float32 tensors)
+    as twinattn.attention; int8 k and v with their float32 k_scale and v_scale (B, Hkv, Lk)
+    tensors. Forward only.
     """
     if not ((type(q) is _Tensor and not _is_dynamo_compiling()) or not torch.compiler.is_compiling()):
         # Traced (torch.compile, torch.export): one custom op in the graph. (A plain Tensor outside
@@ -263,10 +224,13 @@ def attention(
         # torch.export's fake tensors, asks is_compiling, 110 ns.)
         offsets = _as_index_tensor("q_offset", q_offset)
         lens = _as_index_tensor("kv_lens", kv_lens)
+        variants = (*_checks.window_size(window_size), _checks.softcap(softcap), alibi_slopes, sinks, k_scale, v_scale)
         if out is None:
-            out, lse = torch.ops.twinattn.attention(q, k, v, causal, offsets, lens, attn_mask, scale, backend, num_threads)
+            out, lse = torch.ops.twinattn.attention(q, k, v, causal, offsets, lens, attn_mask, scale, backend, num_threads, *variants)
         else:
-            lse = torch.ops.twinattn.attention_out(q, k, v, out, causal, offsets, lens, attn_mask, scale, backend, num_threads)
+            lse = torch.ops.twinattn.attention_out(
+                q, k, v, out, causal, offsets, lens, attn_mask, scale, backend, num_threads, *variants
+            )
         return (out, lse) if return_lse else out
 
     # Eager (and the custom ops' implementation): twinattn.attention on the tensors' NumPy views,
@@ -299,6 +263,12 @@ def attention(
         out=out_array,
         backend=backend,
         num_threads=num_threads,
+        window_size=window_size,
+        softcap=softcap,
+        alibi_slopes=None if alibi_slopes is None else _optional_array("alibi_slopes", alibi_slopes),
+        sinks=None if sinks is None else _optional_array("sinks", sinks),
+        k_scale=None if k_scale is None else _optional_array("k_scale", k_scale),
+        v_scale=None if v_scale is None else _optional_array("v_scale", v_scale),
     )
     if return_lse:
         return out if out is not None else _tensor(result[0]), _from_numpy(result[1])
@@ -320,7 +290,7 @@ def scaled_dot_product_attention(
 ) -> Any:
     """torch.nn.functional.scaled_dot_product_attention's signature on torch CPU tensors.
 
-    The same function as twinattn.scaled_dot_product_attention (see twinattn.sdpa), reading the
+    The same function as twinattn.scaled_dot_product_attention (see twinattn.nn.sdpa), reading the
     tensors in place: is_causal with L != S asks for causal_alignment ('upper_left', torch's, or
     'lower_right', the KV-cache case) instead of guessing; dropout_p must be 0.0.
     """

@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 import twinattn
-from twinattn._backends import native_module
+from twinattn.core._backends import native_module
 
 GEMM_N = 2048
 READ_BYTES = 1 << 30  # 1 GiB: 32x the 32 MiB L3 of the development machines

@@ -8,15 +8,12 @@ import math
 import statistics
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from . import e2e
 from .machine import PEAK_KINDS, peak_for
 from .peers import PEERS, PORTS
-from .suite import DECODE, LAYER, Case, work
-
-if TYPE_CHECKING:
-    from .timing import Outcome
+from .suite import DECODE, LAYER, Case, Outcome, work
 
 
 class Progress:
@@ -48,7 +45,7 @@ class Progress:
 
 
 def result_row(
-    case: Case, backend: str, threads: int, outcome: "Outcome", ceiling: dict[str, Any], beside: list[float]
+    case: Case, backend: str, threads: int, outcome: Outcome, ceiling: dict[str, Any], beside: list[float]
 ) -> dict[str, Any]:
     """One (case, dtype, backend) of the JSON's results: the outcome, the work, and the rates
     against the ceilings of the case's thread count (`ceiling`: GEMM, the arithmetic peak of the

@@ -1,5 +1,6 @@
-"""The standard suite, defined once: the cases, the work each does, their inputs and the check of
-a result. twinattn-bench and the pytest-benchmark suites in benchmarks/ both take their cases here.
+"""The standard suite, defined once: the cases, the work each does, their inputs, the check of
+a result and the outcome of a run. twinattn-bench and the pytest-benchmark suites in benchmarks/
+both take their cases here.
 
 A kernel case is one attention call, q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D), always with
 bottom-right causal alignment (the queries are the last Lq positions of each sequence, the
@@ -45,6 +46,7 @@ import fnmatch
 import functools
 import importlib.util
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -317,6 +319,28 @@ class Check:
     max_abs_ref: float
     tolerance: float
     reason: str = ""
+
+
+# What running a case on one backend gave (twinattn.bench.timing runs it, report shows it)
+@dataclass
+class Outcome:
+    status: str  # "ok", "wrong", "skipped", "error"
+    note: str = ""
+    times: Optional[list[float]] = None
+    warmup: int = 0
+    first_call_s: Optional[float] = None
+    check: Optional[Check] = None
+    # the layer case: the attention kernel alone, timed after the step (times are the steps')
+    kernel_times: Optional[list[float]] = None
+    kernel_check: Optional[Check] = None
+
+    @property
+    def median_s(self) -> Optional[float]:
+        return statistics.median(self.times) if self.times else None
+
+    @property
+    def kernel_median_s(self) -> Optional[float]:
+        return statistics.median(self.kernel_times) if self.kernel_times else None
 
 
 def check_close(got: object, expected: np.ndarray, what: str = "output", rounding: float = 0.0) -> Check:

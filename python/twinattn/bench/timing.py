@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from . import machine, report
 from .peers import PORTS, Part, Runner, prepared
-from .suite import DECODE, LAYER, AnyProblem, Case, Check, make_problem, work
+from .suite import DECODE, LAYER, AnyProblem, Case, Check, Outcome, make_problem, work
 
 
 @dataclass
@@ -44,27 +44,6 @@ class Budget:
     max_call_s: float = 10.0  # a call predicted slower than this is skipped
     memory_bytes: int = 8 << 30  # scratch memory a backend may need beyond inputs and output
     warmup_s: float = 0.05  # warm-up calls continue (up to 10) until this much time is spent
-
-
-@dataclass
-class Outcome:
-    status: str  # "ok", "wrong", "skipped", "error"
-    note: str = ""
-    times: Optional[list[float]] = None
-    warmup: int = 0
-    first_call_s: Optional[float] = None
-    check: Optional[Check] = None
-    # the layer case: the attention kernel alone, timed after the step (times are the steps')
-    kernel_times: Optional[list[float]] = None
-    kernel_check: Optional[Check] = None
-
-    @property
-    def median_s(self) -> Optional[float]:
-        return statistics.median(self.times) if self.times else None
-
-    @property
-    def kernel_median_s(self) -> Optional[float]:
-        return statistics.median(self.kernel_times) if self.kernel_times else None
 
 
 # A case this small is simply run: probing it would cost as much as running it.

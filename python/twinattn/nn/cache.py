@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import ATTENTION_DTYPES, ATTENTION_DTYPES_TEXT, FLOAT32, INT8, count, shape_str, storage_dtype
-from .quant import quantize_kv
+from ..core._checks import ATTENTION_DTYPES, ATTENTION_DTYPES_TEXT, FLOAT32, INT8, count, shape_str, storage_dtype
+from ..core.quant import quantize_kv
 
 __all__ = ["CacheOverflowError", "KVCache", "kv_cache_bytes"]
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import shape_str
-from .api import attention
+from ..core._checks import shape_str
+from ..core.api import attention
 
 __all__ = ["scaled_dot_product_attention"]
 

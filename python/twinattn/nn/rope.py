@@ -35,7 +35,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ._checks import FLOAT32, FLOAT64, HALF_DTYPES, count
+from ..core._checks import FLOAT32, FLOAT64, HALF_DTYPES, count
 
 __all__ = ["RotaryEmbedding", "ROPE_TYPES"]
 

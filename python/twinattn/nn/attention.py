@@ -33,10 +33,10 @@ from typing import Any, Mapping
 import numpy as np
 from numpy.typing import ArrayLike
 
-from . import _checks
-from ._checks import ATTENTION_DTYPES, FLOAT32, INT8, count, shape_str
-from ._backends import BACKENDS, native_module, resolve_backend
-from .api import attention
+from ..core import _checks
+from ..core._checks import ATTENTION_DTYPES, FLOAT32, INT8, count, shape_str
+from ..core._backends import BACKENDS, native_module, resolve_backend
+from ..core.api import attention
 from .cache import KVCache
 from .rope import RotaryEmbedding
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ._threads import get_num_threads
-from ._version import __version__
+from .._version import __version__
 
 NATIVE_PORTS = ("cpp", "rust")
 BACKENDS = ("auto", "cpp", "rust", "numpy")
