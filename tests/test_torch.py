@@ -225,6 +225,11 @@ def test_numpy_api_given_tensors_names_twinattn_torch(dtype: str) -> None:
             twinattn.attention(q, k, v, causal=True, backend=backend)
     with pytest.raises(TypeError, match=r"^v: got a torch tensor"):
         twinattn.attention(_as_array(q.detach()), _as_array(k), v)
+    # the NumPy sdpa likewise names its torch twin, and never returns an ndarray for tensors
+    with pytest.raises(TypeError, match=r"^query: got a torch tensor, and twinattn.scaled_dot_product_attention takes "
+                                        r"NumPy arrays; for torch tensors call twinattn.torch.scaled_dot_product_attention"
+                                        r"\(query, key, value, ...\)"):
+        twinattn.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

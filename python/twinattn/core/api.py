@@ -38,14 +38,15 @@ def _as_array(name: str, value: object) -> np.ndarray:
     raise TypeError(f"{name}: expected a numpy array, got {type(value).__name__}")
 
 
-def _as_input(name: str, value: object, port: str) -> np.ndarray:
+def _as_input(name: str, value: object, port: str, function: str = "attention", call: str = "q, k, v, ...") -> np.ndarray:
     """q, k or v that is not an ndarray (the slow path): an array-like converted, or a TypeError
     that says what to pass instead of a torch tensor or of a list that converts to a dtype the
-    backend refuses. torch is recognised by the type's module, never imported."""
+    backend refuses. torch is recognised by the type's module, never imported. `function` is the
+    twinattn function the caller is (twinattn.torch has its twin of the same name)."""
     if type(value).__module__.partition(".")[0] == "torch":
         raise TypeError(
-            f"{name}: got a torch tensor, and twinattn.attention takes NumPy arrays; for torch tensors call "
-            "twinattn.torch.attention(q, k, v, ...), which takes the same keywords and returns tensors"
+            f"{name}: got a torch tensor, and twinattn.{function} takes NumPy arrays; for torch tensors call "
+            f"twinattn.torch.{function}({call}), which takes the same keywords and returns tensors"
         )
     a = _as_array(name, value)
     if isinstance(value, (list, tuple)) and a.dtype not in ATTENTION_DTYPES and not (a.dtype == FLOAT64 and port == "numpy"):

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..core._checks import shape_str
-from ..core.api import attention
+from ..core.api import _as_input, attention
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -115,7 +115,10 @@ def scaled_dot_product_attention(
     Non-finite values follow twinattn.attention: a NaN or inf in any visible position gives the
     float64 reference's NaN/inf pattern; hidden positions are never read.
     """
-    q, k, v = (a if isinstance(a, np.ndarray) else np.asarray(a) for a in (query, key, value))
+    q, k, v = (
+        a if isinstance(a, np.ndarray) else _as_input(name, a, backend, "scaled_dot_product_attention", "query, key, value, ...")
+        for name, a in (("query", query), ("key", key), ("value", value))
+    )
     for name, a in (("query", q), ("key", k), ("value", v)):
         if a.ndim < 2:
             raise ValueError(f"{name}: expected at least 2 dimensions (..., L, E), got shape {shape_str(a.shape)}")
