@@ -727,6 +727,25 @@ def test_layer_case_in_the_json_and_the_table(
     assert row["gflops"] is None and row["shape"]["hidden_size"] == 32 and row["shape"]["cached"] == 64
 
 
+def test_a_run_puts_the_thread_setting_back(
+    small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """--threads holds for the run only: the default (None, not the count it resolved to) and a
+    user's own setting are what twinattn has after it."""
+    from twinattn.core._threads import configured_num_threads
+
+    args = ["--cases", "layer-decode", "--time-budget", "0.01", "--threads", "1", "--no-progress", "--backends", "numpy,cpp"]
+    twinattn.set_num_threads(None)
+    _run_on_tiny_layer_suite(monkeypatch, tmp_path, args)
+    assert configured_num_threads() is None
+    twinattn.set_num_threads(3)
+    try:
+        _run_on_tiny_layer_suite(monkeypatch, tmp_path, args)
+        assert configured_num_threads() == 3
+    finally:
+        twinattn.set_num_threads(None)
+
+
 def test_wrong_layer_fails_the_command(
     small_ceilings: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence, TextIO, Tuple
 
 from .. import models
+from ..core._threads import configured_num_threads
 from .suite import parse_dtypes
 
 IMPLS = ("sdpa", "twinattn")
@@ -207,24 +208,30 @@ def measure(
 
     from .. import hf  # registers "twinattn"
 
-    torch.set_num_threads(threads)
     import twinattn
 
+    # both thread counts set for the run and put back after it
+    previous_torch, previous_twinattn = torch.get_num_threads(), configured_num_threads()
+    torch.set_num_threads(threads)
     twinattn.set_num_threads(threads)
     vocab, dtype = model.config.vocab_size, dtype_of(model)
     title = title or model.config.model_type
     lengths = sorted(set(contexts) | set(prefill))
     rows: list[dict[str, Any]] = []
     first_logits: dict[int, Any] = {}  # the first implementation's last-position prefill logits
-    for impl in impls:
-        try:
-            rows.extend(_measure_impl(model, title, impl, dtype, vocab, lengths, contexts, prefill, steps, threads,
-                                      progress, first_logits, bar))
-        except Exception as exc:  # noqa: BLE001 - one implementation failing must not stop the other
-            message = f"{type(exc).__name__}: {exc}"
-            _say(progress, f"[e2e] {title} {impl} {dtype}: error: {message}")
-            rows.append({"model": title, "dtype": dtype, "impl": impl, "phase": "error", "context": 0,
-                         "threads": threads, "tokens_per_s": None, "ms": None, "status": "error", "note": message})
+    try:
+        for impl in impls:
+            try:
+                rows.extend(_measure_impl(model, title, impl, dtype, vocab, lengths, contexts, prefill, steps, threads,
+                                          progress, first_logits, bar))
+            except Exception as exc:  # noqa: BLE001 - one implementation failing must not stop the other
+                message = f"{type(exc).__name__}: {exc}"
+                _say(progress, f"[e2e] {title} {impl} {dtype}: error: {message}")
+                rows.append({"model": title, "dtype": dtype, "impl": impl, "phase": "error", "context": 0,
+                             "threads": threads, "tokens_per_s": None, "ms": None, "status": "error", "note": message})
+    finally:
+        torch.set_num_threads(previous_torch)
+        twinattn.set_num_threads(previous_twinattn)
     return rows
 
 

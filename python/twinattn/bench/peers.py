@@ -34,6 +34,7 @@ import numpy as np
 
 import twinattn
 
+from ..core._threads import configured_num_threads
 from .machine import blas_limits
 from .suite import INT8, LAYER, AnyProblem, Case, LayerProblem, Problem, numpy_dtype, out_dtype
 
@@ -129,7 +130,7 @@ class TwinattnRunner(Runner):
     def prepare(self, problem: AnyProblem, threads: int) -> Prepared:
         layer = isinstance(problem, LayerProblem)
         parts = self._layer_parts(problem) if isinstance(problem, LayerProblem) else self._call(problem, threads)
-        previous_threads = twinattn.get_num_threads()
+        previous_threads = configured_num_threads()
         twinattn.set_num_threads(threads)
         limits = blas_limits(threads)  # NumPy's BLAS: the numpy backend and the layer's projections
 

@@ -24,6 +24,12 @@ def _usable_cores() -> int:
     return _cores
 
 
+def configured_num_threads() -> int | None:
+    """What set_num_threads last set (None: the default), for a caller that sets it for a while
+    and then puts back what was there (restoring get_num_threads() would pin the default)."""
+    return _num_threads
+
+
 def get_num_threads() -> int:
     """Threads the native ports use when a call passes num_threads=None.
 
