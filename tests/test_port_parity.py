@@ -316,8 +316,9 @@ K8, V8 = twinattn.quantize_kv(K)[0], twinattn.quantize_kv(V)[0]
 SCALES = np.full((2, 2, 7), 0.02, np.float32)
 INT8 = {"k": K8, "v": V8, "k_scale": SCALES, "v_scale": SCALES}
 
-# int8 K/V (issue 15; the order and wording: the int8 specification, docs/native_api.md): k against
-# q's dtype or int8, v against k's when that is int8, then the scales after sinks
+# int8 K/V (the order and wording: docs/native_api.md): the bindings convert k (q's dtype or int8),
+# v (k's dtype when that is int8) and, after sinks, each scale given (float32, rank 3); the cores
+# then require both scales with int8 k and v, refuse them otherwise, and check their shape
 INT8_BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("k-float16", {"k": K.astype(np.float16)}, TypeError, "k: expected dtype float32 (q's dtype) or int8, got float16"),
     ("k-float32-for-bfloat16", {"q": Q.astype(BF16), "v": V.astype(BF16), "out": np.zeros(OUT_SHAPE, BF16)}, TypeError,
@@ -350,7 +351,7 @@ def test_bad_int8_native_call_same_error_in_both_ports(
     assert len(set(outcomes.values())) == 1, outcomes
     kind, text = next(iter(outcomes.values()))
     assert kind == exc.__name__, outcomes
-    if message is None:  # the binding checks the sinks before the scales: their message
+    if message is None:  # the binding converts the sinks before the core asks for the scales
         assert text.startswith("sinks:"), outcomes
     else:
         assert text == message, outcomes
