@@ -269,11 +269,15 @@ def _assert_native_result_matches_reference(args: dict[str, Any]) -> None:
     """A native call that returned wrote out (and lse, when given) as the float64 reference says,
     within the error float32 arithmetic makes on the same problem (see helpers.py)."""
     q, k, v, out, lse = (args[name] for name in ("q", "k", "v", "out", "lse"))
+    # None is the keyword's default
+    defaults = dict(causal=False, q_offset=np.zeros(q.shape[0], np.int64), kv_lens=np.full(q.shape[0], k.shape[2], np.int64),
+                    window_left=-1, window_right=-1, softcap=0.0)
+    given = {name: defaults[name] if args[name] is None else args[name] for name in defaults}
     problem = dict(
-        causal=bool(args["causal"]), q_offset=np.asarray(args["q_offset"]), kv_lens=np.asarray(args["kv_lens"]),
+        causal=bool(given["causal"]), q_offset=np.asarray(given["q_offset"]), kv_lens=np.asarray(given["kv_lens"]),
         mask=args["mask"], scale=float(args["scale"]),
-        window_left=int(args["window_left"]), window_right=int(args["window_right"]),
-        softcap=float(args["softcap"]), alibi_slopes=args["alibi_slopes"], sinks=args["sinks"],
+        window_left=int(given["window_left"]), window_right=int(given["window_right"]),
+        softcap=float(given["softcap"]), alibi_slopes=args["alibi_slopes"], sinks=args["sinks"],
     )
     want, want_lse = attention_reference(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64), **problem)
     f32, f32_lse = attention_reference(q, k, v, **problem)

@@ -134,19 +134,20 @@ TensorView4 tensor_view(const py::array& a) {
     return view;
 }
 
-// A (B,) int64 array copied out (B numbers; the copy frees the kernel from its strides).
-std::vector<int64_t> per_sequence(const py::handle& object, const char* name, int64_t batch) {
+// A per-sequence int64 vector (q_offset, kv_lens) copied out (its length is the core's to
+// check; the copy frees the kernel from its strides); None: `batch` copies of `fill`.
+std::vector<int64_t> per_sequence(const py::handle& object, const char* name, int64_t batch, int64_t fill) {
+    if (object.is_none()) return std::vector<int64_t>(static_cast<size_t>(batch), fill);
     const py::array a = as_array(object, name, Dtype::Int64, 1, "(B,)");
-    if (a.shape(0) != batch)
-        throw py::value_error(std::string(name) + ": expected shape (B=" + std::to_string(batch) +
-                              ",), got " + tuple_string(a.shape(), 1));
-    std::vector<int64_t> values(static_cast<size_t>(batch));
+    std::vector<int64_t> values(static_cast<size_t>(a.shape(0)));
     const char* base = static_cast<const char*>(a.data());
-    for (int64_t b = 0; b < batch; ++b) std::memcpy(&values[b], base + b * a.strides(0), sizeof(int64_t));
+    for (size_t i = 0; i < values.size(); ++i)
+        std::memcpy(&values[i], base + static_cast<py::ssize_t>(i) * a.strides(0), sizeof(int64_t));
     return values;
 }
 
-// Python scalars, converted by hand so that both ports word every failure alike.
+// Python scalars, converted by hand so that both ports treat every type alike (a bool is not a
+// number here).
 bool as_bool(const py::handle& object, const char* name) {
     if (!PyBool_Check(object.ptr()))
         throw py::type_error(std::string(name) + ": expected a bool, got " + type_name(object));
@@ -176,81 +177,41 @@ int64_t as_int64(const py::handle& object, const char* name) {
     return value;
 }
 
+// A float32 parameter array (alibi_slopes, sinks, k_scale, v_scale) of rank N; None: not given.
+template <typename View, int Rank>
+View param_view(const py::handle& object, const char* name, const char* axes) {
+    View view{};
+    if (object.is_none()) return view;
+    const py::array a = as_array(object, name, Dtype::Float32, Rank, axes);
+    view.data = static_cast<const float*>(a.data());
+    fill_shape_strides<View, Rank>(a, view);
+    return view;
+}
+
 using Kernel = void (*)(const AttentionProblem&, int);
 
-// Converts the arguments and runs `kernel`, which checks them, without the GIL.
+// Converts the arguments into an AttentionProblem and runs `kernel` without the GIL; the kernel
+// checks the problem first (check_problem: shapes against each other, lengths, ranges, scales
+// required or not, overlaps), once per call. Every keyword but scale may be None: its default.
 void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
-                const py::handle& v_obj, const py::handle& out_obj, const py::handle& lse_obj,
-                const py::handle& q_offset_obj, const py::handle& kv_lens_obj,
-                const py::handle& mask_obj, const py::handle& causal_obj,
-                const py::handle& scale_obj, const py::handle& num_threads_obj,
+                const py::handle& v_obj, const py::handle& out_obj, const py::handle& scale_obj,
+                const py::handle& lse_obj, const py::handle& q_offset_obj,
+                const py::handle& kv_lens_obj, const py::handle& mask_obj,
+                const py::handle& causal_obj, const py::handle& num_threads_obj,
                 const py::handle& window_left_obj, const py::handle& window_right_obj,
                 const py::handle& softcap_obj, const py::handle& alibi_slopes_obj,
                 const py::handle& sinks_obj, const py::handle& k_scale_obj,
                 const py::handle& v_scale_obj) {
-    // 1. Arrays: dtypes, ranks, addressable elements; writeable outputs; the mask's shape.
-    // Each array is checked whole (dtype, rank, strides, alignment) before the next, in the order
-    // q, k, v, out; k, v and out must have q's dtype (float32, float16 or bfloat16).
+    // 1. Arrays, each whole (dtype, rank, strides, alignment) before the next: q, k, v and out
+    // of q's dtype (float32, float16 or bfloat16), or k and v both int8 (docs/kernels.md,
+    // "int8 K/V"); writeable outputs.
     const py::array q = as_array(q_obj, "q", Dtype::Element, 4, "(B, Hq, Lq, D)");
-    // k and v: q's dtype, or both int8 (docs/kernels.md, "int8 K/V").
     const py::array k = as_array(k_obj, "k", Dtype::KeyElement, 4, "(B, Hkv, Lk, D)", &q);
     const bool kv_int8 = k.dtype().equal(py::dtype::of<int8_t>());
     const py::array v = kv_int8 ? as_array(v_obj, "v", Dtype::Int8, 4, "(B, Hkv, Lk, Dv)")
                                 : as_array(v_obj, "v", Dtype::Element, 4, "(B, Hkv, Lk, Dv)", &q);
     py::array out = as_array(out_obj, "out", Dtype::Element, 4, "(B, Hq, Lq, Dv)", &q);
     require_writeable(out, "out");
-    py::array lse, mask;  // default-constructed: empty arrays, used only when given
-    const bool has_lse = !lse_obj.is_none(), has_mask = !mask_obj.is_none();
-    if (has_lse) {
-        lse = as_array(lse_obj, "lse", Dtype::Float32, 3, "(B, Hq, Lq)");
-        require_writeable(lse, "lse");
-    }
-    if (has_mask) {
-        mask = as_array(mask_obj, "mask", Dtype::BoolOrFloat32, 4, "(B, Hq, Lq, Lk)");
-        const py::ssize_t expected[4] = {q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
-        if (!std::equal(expected, expected + 4, mask.shape()))
-            throw py::value_error("mask: expected shape (B=" + std::to_string(expected[0]) +
-                                  ", Hq=" + std::to_string(expected[1]) + ", Lq=" +
-                                  std::to_string(expected[2]) + ", Lk=" +
-                                  std::to_string(expected[3]) + "), got " +
-                                  tuple_string(mask.shape(), 4));
-    }
-    const std::vector<int64_t> q_offset = per_sequence(q_offset_obj, "q_offset", q.shape(0));
-    const std::vector<int64_t> kv_lens = per_sequence(kv_lens_obj, "kv_lens", q.shape(0));
-
-    // 2. Scalars.
-    const bool causal = as_bool(causal_obj, "causal");
-    const double scale = as_float(scale_obj, "scale");
-    const int64_t num_threads = as_int64(num_threads_obj, "num_threads");
-    const int64_t window_left = as_int64(window_left_obj, "window_left");
-    const int64_t window_right = as_int64(window_right_obj, "window_right");
-    const double softcap = as_float(softcap_obj, "softcap");
-    py::array alibi_slopes, sinks;  // used only when given
-    const bool has_alibi = !alibi_slopes_obj.is_none(), has_sinks = !sinks_obj.is_none();
-    if (has_alibi) alibi_slopes = as_array(alibi_slopes_obj, "alibi_slopes", Dtype::Float32, 2, "(B, Hq)");
-    if (has_sinks) sinks = as_array(sinks_obj, "sinks", Dtype::Float32, 1, "(Hq,)");
-    // The scales of int8 k and v, each checked whole (required or not, dtype, rank, shape)
-    // before the next; check_problem repeats the shape check for C++ callers.
-    py::array scales[2];
-    const py::handle scale_objs[2] = {k_scale_obj, v_scale_obj};
-    const char* const scale_names[2] = {"k_scale", "v_scale"};
-    for (int which = 0; which < 2; ++which) {
-        const std::string name = scale_names[which];
-        if (kv_int8 && scale_objs[which].is_none())
-            throw py::value_error(name + ": required with int8 k and v (float32, shape (B, Hkv, Lk)), got None");
-        if (!kv_int8 && !scale_objs[which].is_none())
-            throw py::value_error(name + ": expected None with " + dtype_string(k) +
-                                  " k and v (scales are only for int8), got an array");
-        if (!kv_int8) continue;
-        scales[which] = as_array(scale_objs[which], scale_names[which], Dtype::Float32, 3, "(B, Hkv, Lk)");
-        const py::ssize_t expected[3] = {q.shape(0), k.shape(1), k.shape(2)};
-        if (!std::equal(expected, expected + 3, scales[which].shape()))
-            throw py::value_error(name + ": expected shape (B=" + std::to_string(expected[0]) + ", Hkv=" +
-                                  std::to_string(expected[1]) + ", Lk=" + std::to_string(expected[2]) +
-                                  "), got " + tuple_string(scales[which].shape(), 3));
-    }
-
-    // 3. The problem: views over the arrays' memory.
     AttentionProblem problem{};
     element_type_of(q.dtype(), &problem.dtype);
     problem.q = tensor_view(q);
@@ -258,43 +219,38 @@ void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
     problem.v = tensor_view(v);
     problem.out = MutTensorView4{out.mutable_data(), {}, {}};
     fill_shape_strides<MutTensorView4, 4>(out, problem.out);
-    problem.lse = LseView{nullptr, {0, 0, 0}, {0, 0, 0}};
-    if (has_lse) {
+    problem.kv_int8 = kv_int8;
+    if (!lse_obj.is_none()) {
+        py::array lse = as_array(lse_obj, "lse", Dtype::Float32, 3, "(B, Hq, Lq)");
+        require_writeable(lse, "lse");
         problem.lse.data = static_cast<float*>(lse.mutable_data());
         fill_shape_strides<LseView, 3>(lse, problem.lse);
     }
-    problem.mask = MaskView{MaskKind::None, nullptr, {0, 0, 0, 0}};
-    if (has_mask) {
+    if (!mask_obj.is_none()) {
+        const py::array mask = as_array(mask_obj, "mask", Dtype::BoolOrFloat32, 4, "(B, Hq, Lq, Lk)");
         problem.mask.kind = mask.dtype().kind() == 'b' ? MaskKind::Bool : MaskKind::Float;
         problem.mask.data = mask.data();
-        for (int axis = 0; axis < 4; ++axis)
-            problem.mask.stride[axis] = mask.strides(axis) / mask.itemsize();
+        fill_shape_strides<MaskView, 4>(mask, problem.mask);
     }
-    problem.q_offset = q_offset.data();
-    problem.kv_lens = kv_lens.data();
-    problem.causal = causal;
-    problem.scale = static_cast<float>(scale);  // out of float range becomes inf: rejected
-    problem.window_left = window_left;
-    problem.window_right = window_right;
-    problem.softcap = static_cast<float>(softcap);  // likewise
-    if (has_alibi) {
-        problem.alibi_slopes.data = static_cast<const float*>(alibi_slopes.data());
-        fill_shape_strides<ParamView2, 2>(alibi_slopes, problem.alibi_slopes);
-    }
-    if (has_sinks) {
-        problem.sinks.data = static_cast<const float*>(sinks.data());
-        fill_shape_strides<ParamView1, 1>(sinks, problem.sinks);
-    }
-    problem.kv_int8 = kv_int8;
-    if (kv_int8) {
-        problem.k_scale.data = static_cast<const float*>(scales[0].data());
-        fill_shape_strides<ParamView3, 3>(scales[0], problem.k_scale);
-        problem.v_scale.data = static_cast<const float*>(scales[1].data());
-        fill_shape_strides<ParamView3, 3>(scales[1], problem.v_scale);
-    }
+    const std::vector<int64_t> q_offset = per_sequence(q_offset_obj, "q_offset", q.shape(0), 0);
+    const std::vector<int64_t> kv_lens = per_sequence(kv_lens_obj, "kv_lens", q.shape(0), k.shape(2));
+    problem.q_offset = q_offset;
+    problem.kv_lens = kv_lens;
 
-    // 4. The kernel without the GIL; it checks the problem first (check_problem, once per call).
-    // std::invalid_argument is ValueError, std::bad_alloc MemoryError, with Rust's messages.
+    // 2. Scalars; then the parameter arrays.
+    problem.causal = !causal_obj.is_none() && as_bool(causal_obj, "causal");
+    problem.scale = static_cast<float>(as_float(scale_obj, "scale"));  // beyond float32: inf, rejected
+    const int64_t num_threads = num_threads_obj.is_none() ? 1 : as_int64(num_threads_obj, "num_threads");
+    problem.window_left = window_left_obj.is_none() ? -1 : as_int64(window_left_obj, "window_left");
+    problem.window_right = window_right_obj.is_none() ? -1 : as_int64(window_right_obj, "window_right");
+    problem.softcap = softcap_obj.is_none() ? 0.0f : static_cast<float>(as_float(softcap_obj, "softcap"));  // likewise
+    problem.alibi_slopes = param_view<ParamView2, 2>(alibi_slopes_obj, "alibi_slopes", "(B, Hq)");
+    problem.sinks = param_view<ParamView1, 1>(sinks_obj, "sinks", "(Hq,)");
+    problem.k_scale = param_view<ParamView3, 3>(k_scale_obj, "k_scale", "(B, Hkv, Lk)");
+    problem.v_scale = param_view<ParamView3, 3>(v_scale_obj, "v_scale", "(B, Hkv, Lk)");
+
+    // 3. The kernel without the GIL; it checks the problem first (check_problem, once per call).
+    // std::invalid_argument is ValueError, std::bad_alloc MemoryError.
     try {
         const int threads = check_num_threads(num_threads);
         py::gil_scoped_release release;
@@ -312,13 +268,13 @@ void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
 // against): the same arguments, handed to run_kernel with another kernel.
 template <Kernel kernel>
 void attention_py(const py::object& q, const py::object& k, const py::object& v, const py::object& out,
-                  const py::object& lse, const py::object& q_offset, const py::object& kv_lens,
-                  const py::object& mask, const py::object& causal, const py::object& scale,
+                  const py::object& scale, const py::object& lse, const py::object& q_offset,
+                  const py::object& kv_lens, const py::object& mask, const py::object& causal,
                   const py::object& num_threads, const py::object& window_left,
                   const py::object& window_right, const py::object& softcap,
                   const py::object& alibi_slopes, const py::object& sinks, const py::object& k_scale,
                   const py::object& v_scale) {
-    run_kernel(kernel, q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads, window_left,
+    run_kernel(kernel, q, k, v, out, scale, lse, q_offset, kv_lens, mask, causal, num_threads, window_left,
                window_right, softcap, alibi_slopes, sinks, k_scale, v_scale);
 }
 
@@ -436,12 +392,17 @@ PYBIND11_MODULE(_cpp, m) {
     // pybind11 raises the std::invalid_argument as ImportError with its message, as Rust does.
     init_isa_from_environment();
     // attention_forward and attention_reference: the same arguments (attention_py), another kernel.
+    // q, k, v and out positional, the rest keyword-only; every keyword but scale defaults to None
+    // (its default: no lse, q_offset 0, kv_lens Lk, no mask, not causal, one thread, no window,
+    // no softcap, no ALiBi, no sinks, no scales).
     const auto def_attention = [&m](const char* name, auto function, const char* doc) {
-        m.def(name, function, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
-              py::arg("q_offset"), py::arg("kv_lens"), py::arg("mask"), py::arg("causal"), py::arg("scale"),
-              py::arg("num_threads"), py::arg("window_left"), py::arg("window_right"), py::arg("softcap"),
-              py::arg("alibi_slopes"), py::arg("sinks"), py::arg("k_scale") = py::none(),
-              py::arg("v_scale") = py::none(), doc);
+        m.def(name, function, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::kw_only(),
+              py::arg("scale"), py::arg("lse") = py::none(), py::arg("q_offset") = py::none(),
+              py::arg("kv_lens") = py::none(), py::arg("mask") = py::none(), py::arg("causal") = py::none(),
+              py::arg("num_threads") = py::none(), py::arg("window_left") = py::none(),
+              py::arg("window_right") = py::none(), py::arg("softcap") = py::none(),
+              py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(),
+              py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), doc);
     };
     def_attention("attention_forward", &attention_py<&twinattn::attention_forward>,
                   "Exact scaled-dot-product attention into out (and lse) with the fast kernel and the "

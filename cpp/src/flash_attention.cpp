@@ -40,7 +40,7 @@ __extension__ typedef __int128 int128;
 
 void flash_row_key_range(const AttentionProblem& p, int64_t b, int64_t group, int64_t r,
                          int64_t* begin, int64_t* end) {
-    const int64_t kv_len = p.kv_lens != nullptr ? p.kv_lens[b] : p.k.shape[2];
+    const int64_t kv_len = p.kv_lens[b];
     *begin = 0;
     *end = kv_len;
     if (!p.causal && p.window_left < 0 && p.window_right < 0) return;

@@ -1,18 +1,17 @@
 // check_problem: everything the kernels rely on, checked once per call, so that no kernel can
 // read or write out of bounds (or race on an output) whatever its caller passes. Twin of
-// rust/src/problem.rs: the same checks in the same order, with the same messages.
+// rust/src/problem.rs: the same checks in the same order (docs/native_api.md lists them).
 #include "twinattn/problem.hpp"
 
 #include <algorithm>
 #include <charconv>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <sstream>
-#include <utility>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace twinattn {
 namespace {
@@ -128,59 +127,11 @@ void check_distinct_elements(const char* argument, const int64_t* shape, const i
              shape_string(stride, rank));
 }
 
-// A float32 as Rust's Display writes it: the shortest digits that read back as the same float32,
-// in positional notation (-2.5, 0.0000001, 1000000000000000000000000000000), so both ports'
-// messages agree for every value. An ostream would round to 6 digits and switch to exponents.
-std::string number_string(float value) {
-    if (std::isnan(value)) return "nan";  // printf would say "-nan" for some NaNs, Rust "NaN"
-    if (std::isinf(value)) return value < 0 ? "-inf" : "inf";
-    // The shortest round-trip digits come from to_chars in scientific form ("-3e+38",
-    // "1.2345678e+00"); they are then written out positionally. (to_chars in fixed form would
-    // print a large float32's exact value, 300000000549775575777803994281145270272, where Rust
-    // prints the shortest digits padded with zeros.)
-    char text[48];
-    const char* end = std::to_chars(text, text + sizeof text, value, std::chars_format::scientific).ptr;
-    std::string result, digits;
-    const char* c = text;
-    if (*c == '-') result += *c++;
-    for (; c != end && *c != 'e'; ++c)
-        if (*c != '.') digits += *c;
-    const int exponent = std::atoi(std::string(c + 1, end).c_str());  // the power of ten of the first digit
-    // Two shortest candidates can be equally close to the value (1542352.25: .2 or .3); Rust
-    // takes the one away from zero, libstdc++ the even one. The value's exact expansion (at most
-    // 112 significant digits for a float32) shows such a tie: one digit more than the
-    // candidate, a 5.
-    int first_digit_power = exponent;
-    {
-        char exact[160];
-        const char* exact_end =
-            std::to_chars(exact, exact + sizeof exact, value, std::chars_format::scientific, 120).ptr;
-        std::string exact_digits;
-        for (const char* e = exact; e != exact_end && *e != 'e'; ++e)
-            if (*e >= '0' && *e <= '9') exact_digits += *e;
-        exact_digits.erase(exact_digits.find_last_not_of('0') + 1);
-        if (exact_digits.size() == digits.size() + 1 && exact_digits.back() == '5') {
-            digits = exact_digits.substr(0, digits.size());  // the candidate toward zero, + 1:
-            size_t at = digits.size();
-            while (at > 0 && digits[at - 1] == '9') digits[--at] = '0';
-            if (at == 0) {
-                digits.insert(digits.begin(), '1');
-                ++first_digit_power;
-            } else {
-                ++digits[at - 1];
-            }
-            digits.erase(std::max<size_t>(digits.find_last_not_of('0') + 1, 1));
-        }
-    }
-    const int point = first_digit_power + 1;  // digits before the decimal point
-    if (point <= 0) {
-        result += "0." + std::string(static_cast<size_t>(-point), '0') + digits;
-    } else if (static_cast<size_t>(point) >= digits.size()) {
-        result += digits + std::string(static_cast<size_t>(point) - digits.size(), '0');
-    } else {
-        result += digits.substr(0, static_cast<size_t>(point)) + "." + digits.substr(static_cast<size_t>(point));
-    }
-    return result;
+// A float as std::to_chars writes it: the shortest digits that read back as the same float
+// ("-1.2345678", "-3e+38", "inf", "nan").
+std::string float_string(float value) {
+    char text[32];
+    return std::string(text, std::to_chars(text, text + sizeof text, value).ptr);
 }
 
 // Every element of a float32 vector (rank 1) or matrix (rank 2) finite; names the first that is
@@ -196,7 +147,7 @@ void check_finite_values(const char* argument, const float* data, const int64_t*
             const std::string index = rank == 2 ? std::to_string(row) + ", " + std::to_string(column)
                                                 : std::to_string(column);
             fail(std::string(argument) + ": expected finite values, got " + argument + "[" + index +
-                 "]=" + number_string(value));
+                 "]=" + float_string(value));
         }
 }
 
@@ -207,7 +158,7 @@ const char* element_name(ElementType dtype) {
 
 }  // namespace
 
-// The order of the checks, and every message, is the same in problem.rs.
+// The order of the checks is the same in problem.rs.
 void check_problem(const AttentionProblem& p) {
     // 1. Shapes: q defines B, Hq, Lq, D; k defines Hkv, Lk; v defines Dv.
     const Dim free_b{"B", -1}, free_hq{"Hq", -1}, free_lq{"Lq", -1}, free_d{"D", -1};
@@ -232,6 +183,10 @@ void check_problem(const AttentionProblem& p) {
         const Dim lse_dims[3] = {b, hq, lq};
         check_shape("lse", p.lse.shape, lse_dims, 3);
     }
+    if (p.mask.kind != MaskKind::None) {
+        const Dim mask_dims[4] = {b, hq, lq, lk};
+        check_shape("mask", p.mask.shape, mask_dims, 4);
+    }
 
     // 2. Grouped-query heads: query head h reads KV head h / (Hq / Hkv).
     if (q_heads > 0 && (kv_heads == 0 || q_heads % kv_heads != 0))
@@ -239,24 +194,27 @@ void check_problem(const AttentionProblem& p) {
              " (query head h reads KV head h // (Hq // Hkv)), got Hkv=" + std::to_string(kv_heads));
 
     // 3. Memory: data present when non-empty, unit stride on the feature axes.
-    const int64_t mask_shape[4] = {batch, q_heads, q_len, key_len};
     check_data("q", p.q.data, p.q.shape, 4);
     check_data("k", p.k.data, p.k.shape, 4);
     check_data("v", p.v.data, p.v.shape, 4);
     check_data("out", p.out.data, p.out.shape, 4);
-    if (p.mask.kind != MaskKind::None) check_data("mask", p.mask.data, mask_shape, 4);
+    if (p.mask.kind != MaskKind::None) check_data("mask", p.mask.data, p.mask.shape, 4);
     check_unit_last_stride("q", "D", p.q.shape, p.q.stride);
     check_unit_last_stride("k", "D", p.k.shape, p.k.stride);
     check_unit_last_stride("v", "Dv", p.v.shape, p.v.stride);
     check_unit_last_stride("out", "Dv", p.out.shape, p.out.stride);
 
-    // 4. Per-sequence lengths and positions (the C++ views carry no length: B entries each).
-    const bool uses_positions = p.causal || p.window_left >= 0 || p.window_right >= 0 ||
-                                p.alibi_slopes.data != nullptr;
-    if (batch > 0 && uses_positions && p.q_offset == nullptr)
-        fail("q_offset: expected one offset per sequence (B=" + std::to_string(batch) +
-             ") when causal, windowed or with ALiBi, got none");
-    for (int64_t seq = 0; p.kv_lens != nullptr && seq < batch; ++seq)
+    // 4. Per-sequence lengths and positions: B entries each.
+    const std::pair<const char*, const Int64Span*> per_sequence[] = {{"q_offset", &p.q_offset},
+                                                                     {"kv_lens", &p.kv_lens}};
+    for (const auto& values : per_sequence) {
+        if (values.second->size != batch)
+            fail(std::string(values.first) + ": expected shape (B=" + std::to_string(batch) +
+                 ",), got (" + std::to_string(values.second->size) + ",)");
+        // A Rust slice cannot be null; a C++ pointer can.
+        check_data(values.first, values.second->data, &values.second->size, 1);
+    }
+    for (int64_t seq = 0; seq < batch; ++seq)
         if (p.kv_lens[seq] < 0 || p.kv_lens[seq] > key_len)
             fail("kv_lens: expected values in [0, Lk=" + std::to_string(key_len) + "], got kv_lens[" +
                  std::to_string(seq) + "]=" + std::to_string(p.kv_lens[seq]));
@@ -267,7 +225,7 @@ void check_problem(const AttentionProblem& p) {
 
     // 5. Scale.
     if (!std::isfinite(p.scale))
-        fail("scale: expected a finite number, got " + number_string(p.scale));
+        fail("scale: expected a finite number, got " + float_string(p.scale));
 
     // 6. Variants: window sides, softcap, ALiBi slopes (B, Hq) and sinks (Hq,), all finite.
     if (p.window_left < -1)
@@ -277,7 +235,7 @@ void check_problem(const AttentionProblem& p) {
         fail("window_right: expected an int >= -1 (-1: unbounded), got " +
              std::to_string(p.window_right));
     if (!std::isfinite(p.softcap) || p.softcap < 0.0f)
-        fail("softcap: expected a finite number >= 0 (0: off), got " + number_string(p.softcap));
+        fail("softcap: expected a finite number >= 0 (0: off), got " + float_string(p.softcap));
     if (p.alibi_slopes.data != nullptr) {
         const Dim slope_dims[2] = {b, hq};
         check_shape("alibi_slopes", p.alibi_slopes.shape, slope_dims, 2);
@@ -313,7 +271,7 @@ void check_problem(const AttentionProblem& p) {
                                              : Extent{true, 0, 0};
     const Extent mask = p.mask.kind == MaskKind::None
                             ? Extent{true, 0, 0}
-                            : extent(p.mask.data, mask_shape, p.mask.stride, 4,
+                            : extent(p.mask.data, p.mask.shape, p.mask.stride, 4,
                                      p.mask.kind == MaskKind::Float ? 4 : 1);
     const std::pair<const char*, Extent> inputs[] = {
         {"q", extent(p.q.data, p.q.shape, p.q.stride, 4, item)},

@@ -59,7 +59,7 @@ struct RowScratch {
 };
 
 int64_t kv_len_of(const AttentionProblem& p, int64_t b) {
-    return p.kv_lens != nullptr ? p.kv_lens[b] : p.k.shape[2];
+    return p.kv_lens[b];
 }
 
 // 128-bit arithmetic (GCC and Clang): q_offset may be any int64 when not causal.

@@ -19,11 +19,11 @@ void set_case_options(twinattn::AttentionProblem& p, const Case& c, std::vector<
                       const std::vector<float>& sinks) {
     using namespace twinattn;
     p.lse = contiguous_lse_view(lse.data(), c.B, c.Hq, c.Lq);
-    p.q_offset = q_offset.data();
-    p.kv_lens = kv_lens.data();
-    p.mask = MaskView{MaskKind::None, nullptr, {0, 0, 0, 0}};
+    p.q_offset = q_offset;
+    p.kv_lens = kv_lens;
+    p.mask = MaskView{MaskKind::None, nullptr, {}, {}};
     if (c.bool_mask)
-        p.mask = MaskView{MaskKind::Bool, mask.data(), {c.Hq * c.Lq * c.Lk, c.Lq * c.Lk, c.Lk, 1}};
+        p.mask = MaskView{MaskKind::Bool, mask.data(), {c.B, c.Hq, c.Lq, c.Lk}, {c.Hq * c.Lq * c.Lk, c.Lq * c.Lk, c.Lk, 1}};
     p.causal = c.causal;
     p.scale = 1.0f / std::sqrt(static_cast<float>(c.D));
     p.softcap = c.softcap;

@@ -167,11 +167,11 @@ struct Inputs {
         p.v = v.view();
         p.out = out.mut_view();
         p.lse = contiguous_lse_view(lse.data(), c.B, c.Hq, c.Lq);
-        p.q_offset = q_offset.data();
-        p.kv_lens = kv_lens.data();
-        p.mask = MaskView{MaskKind::None, nullptr, {0, 0, 0, 0}};
-        if (!bool_mask.empty()) p.mask = MaskView{MaskKind::Bool, bool_mask.data(), {}};
-        if (!bias.empty()) p.mask = MaskView{MaskKind::Float, bias.data(), {}};
+        p.q_offset = q_offset;
+        p.kv_lens = kv_lens;
+        p.mask = MaskView{MaskKind::None, nullptr, {}, {}};
+        if (!bool_mask.empty()) p.mask = MaskView{MaskKind::Bool, bool_mask.data(), {c.B, c.Hq, c.Lq, c.Lk}, {}};
+        if (!bias.empty()) p.mask = MaskView{MaskKind::Float, bias.data(), {c.B, c.Hq, c.Lq, c.Lk}, {}};
         std::copy(mask_stride, mask_stride + 4, p.mask.stride);
         p.causal = c.causal;
         p.scale = c.scale_multiplier / std::sqrt(static_cast<float>(std::max<int64_t>(c.D, 1)));

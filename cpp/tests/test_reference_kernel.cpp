@@ -53,9 +53,9 @@ AttentionProblem make_problem(const Tensor& q, const Tensor& k, const Tensor& v,
     p.v = v.view();
     p.out = out.mut_view();
     p.lse = LseView{nullptr, {0, 0, 0}, {0, 0, 0}};
-    p.q_offset = q_offset;
-    p.kv_lens = kv_lens;
-    p.mask = MaskView{MaskKind::None, nullptr, {0, 0, 0, 0}};
+    p.q_offset = Int64Span(q_offset, q.shape[0]);  // B entries each
+    p.kv_lens = Int64Span(kv_lens, q.shape[0]);
+    p.mask = MaskView{MaskKind::None, nullptr, {}, {}};
     p.causal = causal;
     p.scale = 1.0f / std::sqrt(static_cast<float>(q.shape[3]));
     return p;
@@ -218,6 +218,7 @@ void test_batch_equals_single_sequences() {
         Tensor one(1, Hq, Lq, Dv);
         AttentionProblem p = make_problem(q, k, v, one, q_offset + b, kv_lens + b, true);
         p.q.shape[0] = p.k.shape[0] = p.v.shape[0] = 1;
+        p.q_offset.size = p.kv_lens.size = 1;
         p.q.data = static_cast<const float*>(p.q.data) + b * p.q.stride[0];
         p.k.data = static_cast<const float*>(p.k.data) + b * p.k.stride[0];
         p.v.data = static_cast<const float*>(p.v.data) + b * p.v.stride[0];
@@ -373,10 +374,10 @@ void test_masks() {
         std::vector<float> lse(static_cast<size_t>(B * Hq * Lq));
         AttentionProblem p = make_problem(q, k, v, out, q_offset.data(), kv_lens.data(), causal);
         p.lse = contiguous_lse_view(lse.data(), B, Hq, Lq);
-        p.mask = MaskView{MaskKind::Bool, bool_mask.data(), {mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3]}};
+        p.mask = MaskView{MaskKind::Bool, bool_mask.data(), {B, Hq, Lq, Lk}, {mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3]}};
         attention_reference(p, 1);
         check_close_to(out, &lse, direct_attention(q, k, v, q_offset, kv_lens, causal, p.scale, &bool_mask, nullptr));
-        p.mask = MaskView{MaskKind::Float, bias.data(), {mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3]}};
+        p.mask = MaskView{MaskKind::Float, bias.data(), {B, Hq, Lq, Lk}, {mask_strides[0], mask_strides[1], mask_strides[2], mask_strides[3]}};
         attention_reference(p, 1);
         check_close_to(out, &lse, direct_attention(q, k, v, q_offset, kv_lens, causal, p.scale, nullptr, &bias));
     }
@@ -397,11 +398,11 @@ void test_masks() {
     }
     Tensor out(B, Hq, Lq, Dv);
     AttentionProblem p = make_problem(q, k_nan, v_nan, out, q_offset.data(), kv_lens.data(), false);
-    p.mask = MaskView{MaskKind::Bool, key_allowed, {0, 0, 0, 1}};
+    p.mask = MaskView{MaskKind::Bool, key_allowed, {B, Hq, Lq, Lk}, {0, 0, 0, 1}};
     attention_reference(p, 1);
     CHECK(all_finite(out.data));
     check_close_to(out, nullptr, direct_attention(q, k, v, q_offset, kv_lens, false, p.scale, &full_allowed, nullptr));
-    p.mask = MaskView{MaskKind::Float, key_bias, {0, 0, 0, 1}};
+    p.mask = MaskView{MaskKind::Float, key_bias, {B, Hq, Lq, Lk}, {0, 0, 0, 1}};
     attention_reference(p, 1);
     CHECK(all_finite(out.data));
     check_close_to(out, nullptr, direct_attention(q, k, v, q_offset, kv_lens, false, p.scale, nullptr, &full_bias));
@@ -429,7 +430,7 @@ void test_non_finite_inputs_propagate() {
         attention_reference(p, 1);
         return r;
     };
-    const MaskView none{MaskKind::None, nullptr, {0, 0, 0, 0}};
+    const MaskView none{MaskKind::None, nullptr, {}, {}};
     const Run clean = run(q, k, v, none);
     {  // NaN in query row 1
         Tensor bad = q;
@@ -458,8 +459,8 @@ void test_non_finite_inputs_propagate() {
         bad_v.at(0, 0, 1, 1) = kNaN;
         const float bias[3] = {0.0f, -kInf, 0.0f};
         const unsigned char allowed[3] = {1, 0, 1};
-        const Run with_bias = run(q, bad_k, bad_v, MaskView{MaskKind::Float, bias, {0, 0, 0, 1}});
-        const Run with_bool = run(q, bad_k, bad_v, MaskView{MaskKind::Bool, allowed, {0, 0, 0, 1}});
+        const Run with_bias = run(q, bad_k, bad_v, MaskView{MaskKind::Float, bias, {1, 1, 3, 3}, {0, 0, 0, 1}});
+        const Run with_bool = run(q, bad_k, bad_v, MaskView{MaskKind::Bool, allowed, {1, 1, 3, 3}, {0, 0, 0, 1}});
         CHECK(all_finite(with_bias.out.data) && all_finite(with_bias.lse));
         CHECK(bit_identical(with_bias.out.data.data(), with_bool.out.data.data(), 6));
         CHECK(bit_identical(with_bias.lse.data(), with_bool.lse.data(), 3));
@@ -480,8 +481,8 @@ void test_rows_without_visible_keys() {
         std::vector<float> lse(Lq, 7.0f);
         AttentionProblem p = make_problem(q, k, v, out, zero, full, false);
         p.lse = contiguous_lse_view(lse.data(), 1, 1, Lq);
-        if (variant == 0) p.mask = MaskView{MaskKind::Bool, row0_hidden, {0, 0, Lk, 1}};
-        if (variant == 1) p.mask = MaskView{MaskKind::Float, row0_bias, {0, 0, Lk, 1}};
+        if (variant == 0) p.mask = MaskView{MaskKind::Bool, row0_hidden, {1, 1, Lq, Lk}, {0, 0, Lk, 1}};
+        if (variant == 1) p.mask = MaskView{MaskKind::Float, row0_bias, {1, 1, Lq, Lk}, {0, 0, Lk, 1}};
         if (variant == 2) p.kv_lens = none;  // every row empty
         attention_reference(p, 1);
         for (int64_t d = 0; d < Dv; ++d) CHECK(out.at(0, 0, 0, d) == 0.0f);
@@ -509,7 +510,8 @@ void test_empty_axes() {
     }
     {
         Tensor q(1, 2, 0, 4), k(1, 1, 5, 4), v(1, 1, 5, 3), out(1, 2, 0, 3);
-        attention_reference(make_problem(q, k, v, out, zero, nullptr, true), 2);
+        const int64_t five[] = {5};
+        attention_reference(make_problem(q, k, v, out, zero, five, true), 2);
     }
     {
         Tensor q(1, 1, 1, 0), k(1, 1, 2, 0), v(1, 1, 2, 2), out(1, 1, 1, 2);
@@ -645,12 +647,13 @@ void test_check_problem_rejects() {
     const int64_t negative_offset[] = {0, -1};
     p.q_offset = negative_offset;
     CHECK_THROWS(std::invalid_argument, check_problem(p), "q_offset: expected values >= 0 when causal, got q_offset[1]=-1");
-    p.causal = false;  // q_offset is unused without causal
+    p.causal = false;  // any offset without causal
     check_problem(p);
-    p.q_offset = nullptr;
-    check_problem(p);
-    p.causal = true;
-    CHECK_THROWS(std::invalid_argument, check_problem(p), "q_offset");
+    p.q_offset = Int64Span(q_offset, 1);  // B entries each, causal or not
+    CHECK_THROWS(std::invalid_argument, check_problem(p), "q_offset: expected shape (B=2,), got (1,)");
+    p = good;
+    p.kv_lens = Int64Span(nullptr, 2);
+    CHECK_THROWS(std::invalid_argument, check_problem(p), "kv_lens: expected data for a non-empty array of shape (2,), got a null pointer");
     p = good;
     std::vector<float> lse(24);
     p.lse = contiguous_lse_view(lse.data(), 2, 4, 2);
@@ -661,8 +664,13 @@ void test_check_problem_rejects() {
     p.scale = -kInf;
     CHECK_THROWS(std::invalid_argument, check_problem(p), "scale: expected a finite number, got -inf");
     p = good;
-    p.mask = MaskView{MaskKind::Bool, nullptr, {0, 0, 0, 0}};
-    CHECK_THROWS(std::invalid_argument, check_problem(p), "mask");
+    p.mask = MaskView{MaskKind::Bool, nullptr, {2, 4, 3, 5}, {0, 0, 0, 0}};
+    CHECK_THROWS(std::invalid_argument, check_problem(p), "mask: expected data");
+    const unsigned char allowed[5] = {1, 1, 1, 1, 1};
+    p.mask = MaskView{MaskKind::Bool, allowed, {2, 4, 3, 4}, {0, 0, 0, 1}};
+    CHECK_THROWS(std::invalid_argument, check_problem(p), "mask: expected shape (B=2, Hq=4, Lq=3, Lk=5), got (2, 4, 3, 4)");
+    p.mask.shape[3] = 5;
+    check_problem(p);
     p = good;
     p.q.data = nullptr;
     CHECK_THROWS(std::invalid_argument, check_problem(p), "q: expected data");

@@ -2,8 +2,8 @@
 
 Hand-written from docs/native_api.md; `python -m mypy.stubtest twinattn._cpp twinattn._rust`
 (run by scripts/test.sh) checks them against the built module. Both native modules expose the
-same six functions with the same signatures, and raise the same exceptions with the same
-messages (docs/native_api.md lists them; tests/test_port_parity.py compares the two), so
+same six functions with the same signatures, and raise the same exception types (docs/native_api.md
+lists them; tests/test_port_parity.py compares the two), so
 _cpp.pyi and _rust.pyi differ only in this docstring and __all__; their argument types are
 written once, in _native_types.pyi. The functions stay written in both files: stubtest checks
 only what a stub defines itself, so signatures imported from the other stub would go unchecked
@@ -19,22 +19,27 @@ def attention_forward(
     k: KV,
     v: KV,
     out: Data,
-    lse: F32 | None,
-    q_offset: I64,
-    kv_lens: I64,
-    mask: Mask | None,
-    causal: bool,
+    *,
     scale: float,
-    num_threads: int,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi_slopes: F32 | None,
-    sinks: F32 | None,
+    lse: F32 | None = None,
+    q_offset: I64 | None = None,
+    kv_lens: I64 | None = None,
+    mask: Mask | None = None,
+    causal: bool | None = None,
+    num_threads: int | None = None,
+    window_left: int | None = None,
+    window_right: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: F32 | None = None,
+    sinks: F32 | None = None,
     k_scale: F32 | None = None,
     v_scale: F32 | None = None,
 ) -> None:
-    """Exact attention into out (and lse) with the fast kernel and the ISA in use (set_isa)."""
+    """Exact attention into out (and lse) with the fast kernel and the ISA in use (set_isa).
+
+    None (or leaving a keyword out) means its default: no lse, q_offset 0 and kv_lens Lk for
+    every sequence, no mask, causal False, one thread, no window (-1, -1), softcap 0, no ALiBi,
+    no sinks, no int8 scales."""
 
 # as attention_forward, computed by the plain scalar reference kernel (for tests); an alias, which
 # stubtest checks against the module's attention_reference like a function

@@ -21,5 +21,5 @@ Data: TypeAlias = NDArray[np.float32] | NDArray[np.float16] | NDArray[Any]
 I64: TypeAlias = NDArray[np.int64]
 # k and v: q's dtype, or both int8 with their float32 (B, Hkv, Lk) scales k_scale / v_scale
 KV: TypeAlias = Data | NDArray[np.int8]
-# bool (True = may attend) or float32 additive bias, shape exactly (B, Hq, Lq, Lk)
+# bool (True = may attend) or float32 additive bias, shape (B, Hq, Lq, Lk) (a broadcast view)
 Mask: TypeAlias = NDArray[np.bool_] | NDArray[np.float32]

@@ -69,13 +69,15 @@ pub enum MaskKind {
     Float,
 }
 
-/// The optional mask. Its shape is always (B, Hq, Lq, Lk), taken from q and k; broadcasting
-/// is expressed by zero strides. Strides are in elements (bytes for `Bool`, floats for `Float`)
-/// and are arbitrary on every axis, the last one included.
+/// The optional mask, of shape (B, Hq, Lq, Lk) ([`check_problem`] checks it against q and k);
+/// broadcasting is expressed by zero strides. Strides are in elements (bytes for `Bool`, floats
+/// for `Float`) and are arbitrary on every axis, the last one included. Kind `None`: no mask
+/// (data and shape unused).
 #[derive(Clone, Copy, Debug)]
 pub struct MaskView {
     pub kind: MaskKind,
     pub data: *const u8,
+    pub shape: [i64; 4],
     pub stride: [i64; 4],
 }
 
@@ -84,6 +86,7 @@ impl MaskView {
     pub const NONE: MaskView = MaskView {
         kind: MaskKind::None,
         data: std::ptr::null(),
+        shape: [0; 4],
         stride: [0; 4],
     };
 }
@@ -141,10 +144,8 @@ impl ParamView3 {
     };
 }
 
-/// Everything one attention call needs.
-///
-/// The C++ twin holds `q_offset` and `kv_lens` as `const int64_t*`; here they are slices, which
-/// carry their length, so [`check_problem`] can check them without reading out of bounds.
+/// Everything one attention call needs: the same fields with the same meaning as C++'s
+/// AttentionProblem (cpp/include/twinattn/problem.hpp).
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionProblem<'a> {
     /// the element type of q, k, v and out (k and v: int8 instead when `kv_int8`; lse, the mask
@@ -155,10 +156,12 @@ pub struct AttentionProblem<'a> {
     pub v: TensorView4,
     pub out: MutTensorView4,
     pub lse: LseView,
-    /// absolute position of query row 0 of each sequence: row i sits at q_offset[b] + i (used
-    /// when causal, windowed or with ALiBi; >= 0 when causal, any value otherwise)
+    /// absolute position of query row 0 of each sequence, B entries: row i sits at
+    /// q_offset[b] + i (read when causal, windowed or with ALiBi; >= 0 when causal, any value
+    /// otherwise). C++ spells the slice Int64Span, a pointer and a length (C++17 has no slice).
     pub q_offset: &'a [i64],
-    /// number of valid keys of each sequence; keys j >= kv_lens[b] are never read
+    /// number of valid keys of each sequence, B entries, each in [0, Lk]; keys j >= kv_lens[b]
+    /// are never read
     pub kv_lens: &'a [i64],
     pub mask: MaskView,
     pub causal: bool,
@@ -184,8 +187,8 @@ pub struct AttentionProblem<'a> {
 }
 
 /// What is wrong with a call: a message naming the argument, what was expected and what was
-/// given (the Python binding raises it as ValueError), or [`OUT_OF_MEMORY`] when a kernel's
-/// scratch could not be allocated (raised as MemoryError). The messages are C++'s, word for word.
+/// given (the Python binding raises it as ValueError, as C++'s std::invalid_argument), or
+/// [`OUT_OF_MEMORY`] when a kernel's scratch could not be allocated (raised as MemoryError).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProblemError(pub String);
 
@@ -343,15 +346,6 @@ fn check_data(name: &str, null: bool, shape: &[i64]) -> Result<(), ProblemError>
     Ok(())
 }
 
-/// C++'s spelling of a float in messages ("nan", "inf", "-inf" for the non-finite ones).
-fn number_string(value: f32) -> String {
-    if value.is_nan() {
-        "nan".to_owned()
-    } else {
-        value.to_string()
-    }
-}
-
 /// Every element of a float32 vector (rank 1) or matrix (rank 2) finite; names the first that
 /// is not, e.g. "sinks: expected finite values, got sinks[3]=nan". The caller checked the shape.
 fn check_finite_values(
@@ -377,10 +371,7 @@ fn check_finite_values(
             } else {
                 column.to_string()
             };
-            reject!(
-                "{name}: expected finite values, got {name}[{index}]={}",
-                number_string(value)
-            );
+            reject!("{name}: expected finite values, got {name}[{index}]={value}");
         }
     }
     Ok(())
@@ -397,11 +388,12 @@ pub fn check_num_threads(num_threads: i64) -> Result<usize, ProblemError> {
 
 /// Checks everything a kernel relies on, except that the pointers are valid (the caller's
 /// promise, see [`crate::reference_kernel::attention_reference`]). Twin of C++'s check_problem:
-/// the same checks in the same order, with the same messages.
+/// the same checks in the same order (docs/native_api.md lists them side by side).
 ///
-/// Shapes agree; Hq % Hkv == 0; the last axis of q, k, v and out has unit stride; q_offset and
-/// kv_lens have B entries, 0 <= kv_lens[b] <= Lk, q_offset[b] >= 0 when causal; lse is
-/// (B, Hq, Lq); scale is finite; out and lse do not overlap themselves, each other, or any input.
+/// Shapes agree (the mask's included); Hq % Hkv == 0; the last axis of q, k, v and out has unit
+/// stride; q_offset and kv_lens have B entries, 0 <= kv_lens[b] <= Lk, q_offset[b] >= 0 when
+/// causal; scale is finite; the variants' parameters are in range; int8 scales are given exactly
+/// when k and v are int8; out and lse do not overlap themselves, each other, or any input.
 pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
     // 1. Shapes. q names B, Hq, Lq and D; k names Hkv and Lk; v names Dv.
     let [batch, q_heads, q_len, head_dim] = p.q.shape;
@@ -434,6 +426,15 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
             p.lse.shape == [batch, q_heads, q_len],
         )?;
     }
+    let mask_shape = [batch, q_heads, q_len, k_len];
+    if p.mask.kind != MaskKind::None {
+        check_shape(
+            "mask",
+            || format!("(B={batch}, Hq={q_heads}, Lq={q_len}, Lk={k_len})"),
+            &p.mask.shape,
+            p.mask.shape == mask_shape,
+        )?;
+    }
 
     // 2. Grouped-query heads: query head h reads KV head h / (Hq / Hkv).
     if q_heads > 0 && (kv_heads == 0 || q_heads % kv_heads != 0) {
@@ -443,7 +444,6 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
     }
 
     // 3. Memory: data present when non-empty, unit stride on the feature axes.
-    let mask_shape = [batch, q_heads, q_len, k_len];
     check_data("q", p.q.data.is_null(), &p.q.shape)?;
     check_data("k", p.k.data.is_null(), &p.k.shape)?;
     check_data("v", p.v.data.is_null(), &p.v.shape)?;
@@ -456,9 +456,7 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
     check_unit_last_stride("v", "Dv", &p.v.shape, &p.v.stride)?;
     check_unit_last_stride("out", "Dv", &p.out.shape, &p.out.stride)?;
 
-    // 4. Per-sequence lengths and positions. The slices carry their length, so Rust checks it
-    // here; C++ takes B entries on trust (its binding checks the arrays' shape, with the same
-    // message).
+    // 4. Per-sequence lengths and positions: B entries each.
     let batch_len = batch as usize;
     for (name, values) in [("q_offset", p.q_offset), ("kv_lens", p.kv_lens)] {
         if values.len() != batch_len {
@@ -484,10 +482,7 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
 
     // 5. Scale.
     if !p.scale.is_finite() {
-        reject!(
-            "scale: expected a finite number, got {}",
-            number_string(p.scale)
-        );
+        reject!("scale: expected a finite number, got {}", p.scale);
     }
 
     // 6. Variants: window sides, softcap, ALiBi slopes (B, Hq) and sinks (Hq,), all finite.
@@ -506,7 +501,7 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
     if !p.softcap.is_finite() || p.softcap < 0.0 {
         reject!(
             "softcap: expected a finite number >= 0 (0: off), got {}",
-            number_string(p.softcap)
+            p.softcap
         );
     }
     if !p.alibi_slopes.data.is_null() {

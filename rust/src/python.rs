@@ -185,37 +185,61 @@ fn strides_of<const N: usize>(array: &Bound<'_, PyUntypedArray>) -> [i64; N] {
     std::array::from_fn(|axis| array.strides()[axis] as i64 / item)
 }
 
-/// The view of a checked scale array, or [`ParamView3::NONE`].
-fn scale_view(array: Option<&Bound<'_, PyUntypedArray>>) -> ParamView3 {
-    match array {
-        None => ParamView3::NONE,
-        Some(array) => ParamView3 {
-            data: data_of(array).cast::<f32>().cast_const(),
-            shape: shape_of(array),
-            stride: strides_of(array),
-        },
-    }
-}
-
-/// A (B,) int64 array copied into a Vec (B numbers; the copy frees the kernel from its strides).
-fn per_sequence(obj: &Bound<'_, PyAny>, name: &str, batch: usize) -> PyResult<Vec<i64>> {
+/// A per-sequence int64 vector (q_offset, kv_lens) copied into a Vec (its length is the core's
+/// to check; the copy frees the kernel from its strides); None: `batch` copies of `fill`.
+fn per_sequence(
+    obj: Option<&Bound<'_, PyAny>>,
+    name: &str,
+    batch: usize,
+    fill: i64,
+) -> PyResult<Vec<i64>> {
+    let Some(obj) = obj else {
+        return Ok(vec![fill; batch]);
+    };
     let array = as_array(obj, name, Dtype::Int64, 1, "(B,)")?;
-    if array.shape()[0] != batch {
-        return Err(PyValueError::new_err(format!(
-            "{name}: expected shape (B={batch},), got {}",
-            tuple_string(array.shape())
-        )));
-    }
     let stride = array.strides()[0] / 8; // checked: a multiple of the item size
     let data = data_of(array).cast::<i64>().cast_const();
-    Ok((0..batch as isize)
-        // SAFETY: an aligned (checked) int64 array of `batch` elements `stride` apart, read
+    Ok((0..array.shape()[0] as isize)
+        // SAFETY: an aligned (checked) int64 array of shape()[0] elements `stride` apart, read
         // under the GIL.
-        .map(|b| unsafe { *data.offset(b * stride) })
+        .map(|i| unsafe { *data.offset(i * stride) })
         .collect())
 }
 
-// Python scalars, converted by hand so that both ports word every failure alike.
+/// A float32 parameter array (alibi_slopes, sinks, k_scale, v_scale) of rank N as its data,
+/// shape and strides; None: not given (a null pointer).
+fn param_parts<const N: usize>(
+    obj: Option<&Bound<'_, PyAny>>,
+    name: &str,
+    axes: &str,
+) -> PyResult<(*const f32, [i64; N], [i64; N])> {
+    let Some(obj) = obj else {
+        return Ok((std::ptr::null(), [0; N], [0; N]));
+    };
+    let array = as_array(obj, name, Dtype::Float32, N, axes)?;
+    Ok((
+        data_of(array).cast::<f32>().cast_const(),
+        shape_of(array),
+        strides_of(array),
+    ))
+}
+
+/// `param_view!(ParamViewN, obj, name, axes)`: [`param_parts`] as that view type (the three
+/// ParamView types differ only in their rank), returning early on a conversion error. C++ does
+/// the same with one template (bindings.cpp, param_view).
+macro_rules! param_view {
+    ($view:ident, $obj:expr, $name:expr, $axes:expr) => {{
+        let (data, shape, stride) = param_parts($obj, $name, $axes)?;
+        $view {
+            data,
+            shape,
+            stride,
+        }
+    }};
+}
+
+// Python scalars, converted by hand so that both ports treat every type alike (a bool is not a
+// number here).
 fn as_bool(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
     match obj.cast::<PyBool>() {
         Ok(value) => Ok(value.is_true()),
@@ -275,8 +299,9 @@ impl DetachedProblem<'_> {
     fn run(self, num_threads: usize, kernel: Kernel) -> Result<(), ProblemError> {
         // SAFETY: every view was built from a live, aligned NumPy array of exactly that shape and
         // those strides; the kernel runs check_problem (outputs overlapping neither each other
-        // nor the inputs, indices in bounds) before it touches memory. As in C++ (and NumPy), another thread that writes these arrays during
-        // the call races with it; that is the caller's to avoid.
+        // nor the inputs, indices in bounds) before it touches memory. As in C++ (and NumPy),
+        // another thread that writes these arrays during the call races with it; that is the
+        // caller's to avoid.
         unsafe {
             match kernel {
                 Kernel::Fast => crate::flash_attention::attention_forward(&self.0, num_threads),
@@ -294,68 +319,67 @@ macro_rules! attention_pyfunction {
     ($(#[$doc:meta])* $name:ident, $kernel:expr) => {
         $(#[$doc])*
         #[pyfunction]
-        #[pyo3(signature = (q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks, k_scale=None, v_scale=None))]
+        #[pyo3(signature = (q, k, v, out, *, scale, lse=None, q_offset=None, kv_lens=None, mask=None, causal=None, num_threads=None, window_left=None, window_right=None, softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None))]
         #[allow(clippy::too_many_arguments)]
         fn $name<'py>(
             q: &Bound<'py, PyAny>,
             k: &Bound<'py, PyAny>,
             v: &Bound<'py, PyAny>,
             out: &Bound<'py, PyAny>,
-            lse: &Bound<'py, PyAny>,
-            q_offset: &Bound<'py, PyAny>,
-            kv_lens: &Bound<'py, PyAny>,
-            mask: &Bound<'py, PyAny>,
-            causal: &Bound<'py, PyAny>,
             scale: &Bound<'py, PyAny>,
-            num_threads: &Bound<'py, PyAny>,
-            window_left: &Bound<'py, PyAny>,
-            window_right: &Bound<'py, PyAny>,
-            softcap: &Bound<'py, PyAny>,
-            alibi_slopes: &Bound<'py, PyAny>,
-            sinks: &Bound<'py, PyAny>,
+            lse: Option<&Bound<'py, PyAny>>,
+            q_offset: Option<&Bound<'py, PyAny>>,
+            kv_lens: Option<&Bound<'py, PyAny>>,
+            mask: Option<&Bound<'py, PyAny>>,
+            causal: Option<&Bound<'py, PyAny>>,
+            num_threads: Option<&Bound<'py, PyAny>>,
+            window_left: Option<&Bound<'py, PyAny>>,
+            window_right: Option<&Bound<'py, PyAny>>,
+            softcap: Option<&Bound<'py, PyAny>>,
+            alibi_slopes: Option<&Bound<'py, PyAny>>,
+            sinks: Option<&Bound<'py, PyAny>>,
             k_scale: Option<&Bound<'py, PyAny>>,
             v_scale: Option<&Bound<'py, PyAny>>,
         ) -> PyResult<()> {
             run_kernel(
                 $kernel,
+                [q, k, v, out, scale],
                 [
-                    q,
-                    k,
-                    v,
-                    out,
                     lse,
                     q_offset,
                     kv_lens,
                     mask,
                     causal,
-                    scale,
                     num_threads,
                     window_left,
                     window_right,
                     softcap,
                     alibi_slopes,
                     sinks,
+                    k_scale,
+                    v_scale,
                 ],
-                [k_scale, v_scale],
             )
         }
     };
 }
 
 attention_pyfunction!(
-    /// attention_forward(q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads,
-    ///     window_left, window_right, softcap, alibi_slopes, sinks, k_scale=None, v_scale=None)
+    /// attention_forward(q, k, v, out, *, scale, lse=None, q_offset=None, kv_lens=None,
+    ///     mask=None, causal=None, num_threads=None, window_left=None, window_right=None,
+    ///     softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None)
     /// --
     ///
     /// Computes out (and lse when given) in place with the fast kernel and the instruction set in
-    /// use (set_isa). See docs/native_api.md.
+    /// use (set_isa). None means a keyword's default. See docs/native_api.md.
     attention_forward,
     Kernel::Fast
 );
 
 attention_pyfunction!(
-    /// attention_reference(q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads,
-    ///     window_left, window_right, softcap, alibi_slopes, sinks, k_scale=None, v_scale=None)
+    /// attention_reference(q, k, v, out, *, scale, lse=None, q_offset=None, kv_lens=None,
+    ///     mask=None, causal=None, num_threads=None, window_left=None, window_right=None,
+    ///     softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None)
     /// --
     ///
     /// As attention_forward, with the plain reference kernel (the scalar twin every fast path is
@@ -364,21 +388,24 @@ attention_pyfunction!(
     Kernel::Reference
 );
 
-/// Converts the arguments and runs `kernel`, which checks them, without the GIL.
+/// Converts the arguments into an AttentionProblem and runs `kernel` without the GIL; the
+/// kernel checks the problem first (check_problem: shapes against each other, lengths, ranges,
+/// scales required or not, overlaps), once per call. `required`: q, k, v, out and scale;
+/// `keywords`: the others in signature order, None (or absent) meaning the keyword's default.
 fn run_kernel(
     kernel: Kernel,
-    args: [&Bound<'_, PyAny>; 16],
-    scale_args: [Option<&Bound<'_, PyAny>>; 2],
+    required: [&Bound<'_, PyAny>; 5],
+    keywords: [Option<&Bound<'_, PyAny>>; 13],
 ) -> PyResult<()> {
-    let [q, k, v, out, lse, q_offset, kv_lens, mask, causal, scale, num_threads, window_left, window_right, softcap, alibi_slopes, sinks] =
-        args;
-    // 1. Arrays: dtypes, ranks, addressable elements; writeable outputs; the mask's shape.
-    // q, k, v and out: all float32, float16 or bfloat16 (q's dtype; each array's dtype, then its
-    // rank, in this order, as C++)
+    let [q, k, v, out, scale] = required;
+    let [lse, q_offset, kv_lens, mask, causal, num_threads, window_left, window_right, softcap, alibi_slopes, sinks, k_scale, v_scale] =
+        keywords;
+    // 1. Arrays, each whole (dtype, rank, strides, alignment) before the next: q, k, v and out
+    // of q's dtype (float32, float16 or bfloat16), or k and v both int8 (docs/kernels.md,
+    // "int8 K/V"); writeable outputs.
     let q = as_array(q, "q", Dtype::Data, 4, "(B, Hq, Lq, D)")?;
     let element = element_type(&q.dtype()).expect("checked by as_array");
     let like = Dtype::Like(element, element.name());
-    // k and v: q's dtype, or both int8 (docs/kernels.md, "int8 K/V").
     let k = as_array(
         k,
         "k",
@@ -391,91 +418,49 @@ fn run_kernel(
     let v = as_array(v, "v", v_dtype, 4, "(B, Hkv, Lk, Dv)")?;
     let out = as_array(out, "out", like, 4, "(B, Hq, Lq, Dv)")?;
     require_writeable(out, "out")?;
-    let lse = match lse.is_none() {
-        true => None,
-        false => {
+    let lse = match lse {
+        None => LseView::NONE,
+        Some(lse) => {
             let lse = as_array(lse, "lse", Dtype::Float32, 3, "(B, Hq, Lq)")?;
             require_writeable(lse, "lse")?;
-            Some(lse)
+            LseView {
+                data: data_of(lse).cast::<f32>(),
+                shape: shape_of(lse),
+                stride: strides_of(lse),
+            }
         }
     };
-    let mask = match mask.is_none() {
-        true => None,
-        false => {
+    let mask = match mask {
+        None => MaskView::NONE,
+        Some(mask) => {
             let mask = as_array(mask, "mask", Dtype::BoolOrFloat32, 4, "(B, Hq, Lq, Lk)")?;
-            let expected = [q.shape()[0], q.shape()[1], q.shape()[2], k.shape()[2]];
-            if mask.shape() != expected {
-                let [b, hq, lq, lk] = expected;
-                return Err(PyValueError::new_err(format!(
-                    "mask: expected shape (B={b}, Hq={hq}, Lq={lq}, Lk={lk}), got {}",
-                    tuple_string(mask.shape())
-                )));
+            MaskView {
+                kind: match mask.dtype().is_equiv_to(&dtype::<bool>(mask.py())) {
+                    true => MaskKind::Bool,
+                    false => MaskKind::Float,
+                },
+                data: data_of(mask).cast_const(),
+                shape: shape_of(mask),
+                stride: strides_of(mask),
             }
-            Some(mask)
         }
     };
-    let q_offset = per_sequence(q_offset, "q_offset", q.shape()[0])?;
-    let kv_lens = per_sequence(kv_lens, "kv_lens", q.shape()[0])?;
+    let batch = q.shape()[0];
+    let q_offset = per_sequence(q_offset, "q_offset", batch, 0)?;
+    let kv_lens = per_sequence(kv_lens, "kv_lens", batch, k.shape()[2] as i64)?;
 
-    // 2. Scalars.
-    let causal = as_bool(causal, "causal")?;
+    // 2. Scalars; then the parameter arrays.
+    let causal = causal.map_or(Ok(false), |x| as_bool(x, "causal"))?;
     let scale = as_float(scale, "scale")?;
-    let num_threads = as_int64(num_threads, "num_threads")?;
-    let window_left = as_int64(window_left, "window_left")?;
-    let window_right = as_int64(window_right, "window_right")?;
-    let softcap = as_float(softcap, "softcap")?;
-    let alibi_slopes = match alibi_slopes.is_none() {
-        true => None,
-        false => Some(as_array(
-            alibi_slopes,
-            "alibi_slopes",
-            Dtype::Float32,
-            2,
-            "(B, Hq)",
-        )?),
-    };
-    let sinks = match sinks.is_none() {
-        true => None,
-        false => Some(as_array(sinks, "sinks", Dtype::Float32, 1, "(Hq,)")?),
-    };
-    // The scales of int8 k and v, each checked whole (required or not, dtype, rank, shape)
-    // before the next; check_problem repeats the shape check for Rust callers.
-    let mut scales = [None, None];
-    for ((name, given), slot) in ["k_scale", "v_scale"]
-        .into_iter()
-        .zip(scale_args)
-        .zip(scales.iter_mut())
-    {
-        let given = given.filter(|given| !given.is_none());
-        match (kv_int8, given) {
-            (true, None) => {
-                return Err(PyValueError::new_err(format!(
-                    "{name}: required with int8 k and v (float32, shape (B, Hkv, Lk)), got None"
-                )))
-            }
-            (false, Some(_)) => {
-                return Err(PyValueError::new_err(format!(
-                "{name}: expected None with {} k and v (scales are only for int8), got an array",
-                k.dtype()
-            )))
-            }
-            (false, None) => {}
-            (true, Some(given)) => {
-                let array = as_array(given, name, Dtype::Float32, 3, "(B, Hkv, Lk)")?;
-                let expected = [q.shape()[0], k.shape()[1], k.shape()[2]];
-                if array.shape() != expected {
-                    let [b, hkv, lk] = expected;
-                    return Err(PyValueError::new_err(format!(
-                        "{name}: expected shape (B={b}, Hkv={hkv}, Lk={lk}), got {}",
-                        tuple_string(array.shape())
-                    )));
-                }
-                *slot = Some(array);
-            }
-        }
-    }
+    let num_threads = num_threads.map_or(Ok(1), |x| as_int64(x, "num_threads"))?;
+    let window_left = window_left.map_or(Ok(-1), |x| as_int64(x, "window_left"))?;
+    let window_right = window_right.map_or(Ok(-1), |x| as_int64(x, "window_right"))?;
+    let softcap = softcap.map_or(Ok(0.0), |x| as_float(x, "softcap"))?;
+    let alibi_slopes = param_view!(ParamView2, alibi_slopes, "alibi_slopes", "(B, Hq)");
+    let sinks = param_view!(ParamView1, sinks, "sinks", "(Hq,)");
+    let k_scale = param_view!(ParamView3, k_scale, "k_scale", "(B, Hkv, Lk)");
+    let v_scale = param_view!(ParamView3, v_scale, "v_scale", "(B, Hkv, Lk)");
 
-    // 3. The problem: views over the arrays' memory.
     let tensor = |array: &Bound<'_, PyUntypedArray>| TensorView4 {
         data: data_of(array).cast_const(),
         shape: shape_of(array),
@@ -491,54 +476,23 @@ fn run_kernel(
             shape: shape_of(out),
             stride: strides_of(out),
         },
-        lse: match lse {
-            None => LseView::NONE,
-            Some(lse) => LseView {
-                data: data_of(lse).cast::<f32>(),
-                shape: shape_of(lse),
-                stride: strides_of(lse),
-            },
-        },
+        lse,
         q_offset: &q_offset,
         kv_lens: &kv_lens,
-        mask: match mask {
-            None => MaskView::NONE,
-            Some(mask) => MaskView {
-                kind: match mask.dtype().is_equiv_to(&dtype::<bool>(mask.py())) {
-                    true => MaskKind::Bool,
-                    false => MaskKind::Float,
-                },
-                data: data_of(mask).cast_const(),
-                stride: strides_of(mask),
-            },
-        },
+        mask,
         causal,
-        scale: scale as f32, // out of float range becomes inf: rejected
+        scale: scale as f32, // beyond float32's range becomes inf: rejected
         window_left,
         window_right,
         softcap: softcap as f32, // likewise
-        alibi_slopes: match alibi_slopes {
-            None => ParamView2::NONE,
-            Some(slopes) => ParamView2 {
-                data: data_of(slopes).cast::<f32>().cast_const(),
-                shape: shape_of(slopes),
-                stride: strides_of(slopes),
-            },
-        },
-        sinks: match sinks {
-            None => ParamView1::NONE,
-            Some(sinks) => ParamView1 {
-                data: data_of(sinks).cast::<f32>().cast_const(),
-                shape: shape_of(sinks),
-                stride: strides_of(sinks),
-            },
-        },
+        alibi_slopes,
+        sinks,
         kv_int8,
-        k_scale: scale_view(scales[0]),
-        v_scale: scale_view(scales[1]),
+        k_scale,
+        v_scale,
     };
 
-    // 4. The kernel without the GIL; it checks the problem first (check_problem, once per call).
+    // 3. The kernel without the GIL; it checks the problem first (check_problem, once per call).
     let threads = check_num_threads(num_threads).map_err(raise)?;
     let job = DetachedProblem(problem);
     q.py()

@@ -224,7 +224,7 @@ fn zero_rows_and_extremes() {
     check(&int8, "zero rows");
 }
 
-/// check_problem's messages for the scales (the binding raises the same ones first).
+/// check_problem's messages for the scales (checked only there; the binding converts).
 #[test]
 fn scale_messages() {
     let mut rng = Rng::new(1506);

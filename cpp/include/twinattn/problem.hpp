@@ -9,9 +9,12 @@
 //   alibi_slopes (B, Hq)     sinks (Hq,)
 // Strides count elements, not bytes, and may be negative or zero; data points at element
 // [0, 0, 0, 0]. The last axis of q, k, v and out has unit stride unless its length is <= 1.
+// Twin of rust/src/problem.rs: the same fields with the same meaning.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace twinattn {
 
@@ -43,13 +46,30 @@ struct LseView {
 
 enum class MaskKind { None, Bool, Float };
 
-// mask: shape (B, Hq, Lq, Lk), implied by q and k. Bool: one byte per element, nonzero means
-// "may attend". Float: float32 additive bias, -inf hides the key. Strides in elements
-// (bytes for Bool), any sign, on every axis.
+// mask: shape (B, Hq, Lq, Lk) (check_problem checks it against q and k; a broadcast mask has
+// zero strides). Bool: one byte per element, nonzero means "may attend". Float: float32
+// additive bias, -inf hides the key. Strides in elements (bytes for Bool), any sign, on every
+// axis. kind None: no mask (data and shape unused).
 struct MaskView {
     MaskKind kind;
     const void* data;
+    int64_t shape[4];
     int64_t stride[4];
+};
+
+// Per-sequence int64 values (q_offset, kv_lens): a pointer and a length, Rust's &[i64] (C++17
+// has no std::span). Converts from a C array or a std::vector, which must outlive the call.
+struct Int64Span {
+    const int64_t* data = nullptr;
+    int64_t size = 0;
+
+    Int64Span() = default;
+    Int64Span(const int64_t* values, int64_t count) : data(values), size(count) {}
+    template <size_t N>
+    Int64Span(const int64_t (&values)[N]) : data(values), size(static_cast<int64_t>(N)) {}
+    Int64Span(const std::vector<int64_t>& values)
+        : data(values.data()), size(static_cast<int64_t>(values.size())) {}
+    const int64_t& operator[](int64_t index) const { return data[index]; }
 };
 
 // A float32 vector or matrix (alibi_slopes (B, Hq), sinks (Hq,)); data == nullptr: not given.
@@ -82,12 +102,13 @@ struct AttentionProblem {
     // float16 / bfloat16: the kernels convert the inputs exactly to float32, compute in float32
     // and round out to the dtype (docs/kernels.md, "Reduced precision").
     ElementType dtype = ElementType::Float32;
-    // Absolute position of query row 0 of each sequence, (B,): query row i sits at
-    // q_offset[b] + i. Read when causal, windowed or with ALiBi (may be nullptr otherwise);
-    // >= 0 when causal, any value otherwise.
-    const int64_t* q_offset;
-    // Number of valid keys of each sequence, (B,). nullptr means Lk for every sequence.
-    const int64_t* kv_lens;
+    // Absolute position of query row 0 of each sequence, B entries: query row i sits at
+    // q_offset[b] + i (read when causal, windowed or with ALiBi); >= 0 when causal, any value
+    // otherwise.
+    Int64Span q_offset;
+    // Number of valid keys of each sequence, B entries, each in [0, Lk]; keys j >= kv_lens[b]
+    // are never read.
+    Int64Span kv_lens;
     MaskView mask;
     bool causal;
     float scale;
@@ -112,7 +133,8 @@ struct AttentionProblem {
 // Throws std::invalid_argument naming the argument, what was expected and what was given,
 // e.g. "k: expected shape (B=2, Hkv, Lk, D=64), got (2, 4, 10, 32)". After it returns, the
 // kernels may index every element of every view without further checks, and no two threads
-// write the same output element. Same checks, order and messages as Rust's check_problem.
+// write the same output element. The same checks in the same order as Rust's check_problem
+// (docs/native_api.md lists them side by side).
 void check_problem(const AttentionProblem& problem);
 
 // The thread count of a call: throws std::invalid_argument unless num_threads >= 1; returns it

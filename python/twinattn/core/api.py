@@ -493,12 +493,10 @@ def attention(
                 f"{offsets.tolist()}, which is negative (Lq={q_len} > kv_len); for a right-padded batch "
                 "of prompts pass q_offset=0"
             )
-        if signed_offsets:
+        if causal or signed_offsets:
             offsets = _filled(batch, k_len - q_len) if kv_lens is None else lens - q_len
-        elif kv_lens is None:
-            offsets = _filled(batch, max(k_len - q_len, 0))
         else:
-            offsets = np.maximum(lens - q_len, 0)  # unused without causal; kept valid for the native checks
+            offsets = _filled(batch, 0)  # positions unused
     else:
         offsets = _per_sequence("q_offset", q_offset, batch)
         if batch and not signed_offsets and offsets.min() < 0:
@@ -538,8 +536,9 @@ def attention(
     else:
         target = out4 if value_dim <= 1 or out4.strides[-1] == out4.itemsize else np.empty(out4.shape, dtype)
         native_module(port).attention_forward(
-            q4, k4, v4, target, lse, offsets, lens, mask, bool(causal), scale_value, threads,
-            window_left, window_right, cap, slopes, sink_logits, **({"k_scale": k_scales, "v_scale": v_scales} if int8 else {}),
+            q4, k4, v4, target, scale=scale_value, lse=lse, q_offset=offsets, kv_lens=lens, mask=mask,
+            causal=bool(causal), num_threads=threads, window_left=window_left, window_right=window_right,
+            softcap=cap, alibi_slopes=slopes, sinks=sink_logits, k_scale=k_scales, v_scale=v_scales,
         )
         if target is not out4:
             out4[...] = target

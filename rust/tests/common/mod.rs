@@ -680,6 +680,7 @@ impl Case {
                 MaskView {
                     kind: MaskKind::Bool,
                     data: buffer.as_ptr(),
+                    shape: mask_shape,
                     stride: *stride,
                 }
             }
@@ -688,6 +689,7 @@ impl Case {
                 MaskView {
                     kind: MaskKind::Float,
                     data: buffer.as_ptr().cast(),
+                    shape: mask_shape,
                     stride: *stride,
                 }
             }

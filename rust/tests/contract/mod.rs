@@ -503,8 +503,8 @@ pub fn check_problem_rejects_bad_problems() {
     assert_eq!(error_of(&case), "q_offset: expected shape (B=2,), got (3,)");
 
     for (scale, given) in [
-        (f32::NAN, "nan"),
-        (-f32::NAN, "nan"),
+        (f32::NAN, "NaN"),
+        (-f32::NAN, "NaN"),
         (f32::INFINITY, "inf"),
         (f32::NEG_INFINITY, "-inf"),
     ] {
@@ -624,6 +624,22 @@ pub fn check_problem_rejects_overlapping_outputs_and_bad_lse() {
     assert_eq!(
         err(problem(view(24, [1, 1, 2, 4]), lse_at(32, 3))),
         "lse: expected shape (B=1, Hq=1, Lq=2), got (1, 1, 3)"
+    );
+    // The mask carries its shape, (B, Hq, Lq, Lk) of q and k; a broadcast mask has zero strides.
+    let allowed = [1u8; 2];
+    let with_mask = |shape: [i64; 4]| AttentionProblem {
+        mask: MaskView {
+            kind: twinattn::problem::MaskKind::Bool,
+            data: allowed.as_ptr(),
+            shape,
+            stride: [0, 0, 0, 1],
+        },
+        ..problem(view(24, [1, 1, 2, 4]), LseView::NONE)
+    };
+    assert!(check_problem(&with_mask([1, 1, 2, 2])).is_ok());
+    assert_eq!(
+        err(with_mask([1, 1, 2, 3])),
+        "mask: expected shape (B=1, Hq=1, Lq=2, Lk=2), got (1, 1, 2, 3)"
     );
 }
 
