@@ -55,23 +55,23 @@ fn table(isa: usize) -> FlashKernels {
     #[cfg(target_arch = "x86_64")]
     {
         if isa == AVX512BF16 {
-            return crate::flash_avx512bf16::KERNELS;
+            return crate::flash_avx512bf16::flash_kernels_avx512bf16();
         }
         if isa == AVX512 {
-            return crate::flash_kernel::avx512::KERNELS;
+            return crate::flash_avx512::flash_kernels_avx512();
         }
         if isa == AVX2 {
-            return crate::flash_kernel::avx2::KERNELS;
+            return crate::flash_avx2::flash_kernels_avx2();
         }
     }
     #[cfg(target_arch = "aarch64")]
     {
         if isa == NEON {
-            return crate::flash_kernel::neon::KERNELS;
+            return crate::flash_neon::flash_kernels_neon();
         }
     }
     let _ = isa;
-    crate::flash_kernel::scalar::KERNELS
+    crate::flash_scalar::flash_kernels_scalar()
 }
 
 struct Dispatch {

@@ -64,10 +64,10 @@ fn fma32_loop(has: &dyn Fn(&str) -> bool) -> Option<PeakLoop> {
     #[cfg(target_arch = "x86_64")]
     {
         if has("avx512") {
-            return Some(peak_fma32_avx512);
+            return Some(crate::flash_avx512::peak_fma32_avx512);
         }
         if has("avx2") {
-            return Some(peak_fma32_avx2);
+            return Some(crate::flash_avx2::peak_fma32_avx2);
         }
     }
     let _ = has;
@@ -78,7 +78,7 @@ fn fma32_loop(has: &dyn Fn(&str) -> bool) -> Option<PeakLoop> {
 fn bf16dot_loop(has: &dyn Fn(&str) -> bool) -> Option<PeakLoop> {
     #[cfg(target_arch = "x86_64")]
     if has("avx512bf16") {
-        return Some(crate::flash_avx512bf16::peak_bf16dot);
+        return Some(crate::flash_avx512bf16::peak_bf16dot_avx512bf16);
     }
     let _ = has;
     None
@@ -109,44 +109,3 @@ macro_rules! run_peak_loop {
     }};
 }
 pub(crate) use run_peak_loop;
-
-/// 16 independent accumulators, each acc = acc * b + c with b just below 1 and c small, so the
-/// values stay normal and bounded however long it runs.
-///
-/// # Safety
-/// AVX-512F available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn peak_fma32_avx512(instructions: u64) -> u64 {
-    use std::arch::x86_64::*;
-    let (b, c) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-6));
-    let fma = |acc| _mm512_fmadd_ps(acc, b, c);
-    32 * run_peak_loop!(
-        instructions,
-        16,
-        _mm512_set1_ps,
-        fma,
-        _mm512_add_ps,
-        _mm512_cvtss_f32
-    )
-}
-
-/// As [`peak_fma32_avx512`] with 12 accumulators of 8 floats (16 flop per instruction).
-///
-/// # Safety
-/// AVX2 and FMA available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn peak_fma32_avx2(instructions: u64) -> u64 {
-    use std::arch::x86_64::*;
-    let (b, c) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-6));
-    let fma = |acc| _mm256_fmadd_ps(acc, b, c);
-    16 * run_peak_loop!(
-        instructions,
-        12,
-        _mm256_set1_ps,
-        fma,
-        _mm256_add_ps,
-        _mm256_cvtss_f32
-    )
-}

@@ -53,7 +53,7 @@ struct State {
     workers: usize,
 }
 
-struct Pool {
+struct ThreadPool {
     job: Mutex<()>,      // held by the caller that owns the pool for one job
     state: Mutex<State>, // guards everything in State; next_item is apart
     wake: Condvar,
@@ -87,11 +87,11 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-impl Pool {
-    fn instance() -> &'static Pool {
+impl ThreadPool {
+    fn instance() -> &'static ThreadPool {
         // Never dropped: workers may still be parked when the process exits.
-        static POOL: OnceLock<Pool> = OnceLock::new();
-        POOL.get_or_init(|| Pool {
+        static POOL: OnceLock<ThreadPool> = OnceLock::new();
+        POOL.get_or_init(|| ThreadPool {
             job: Mutex::new(()),
             state: Mutex::new(State {
                 generation: 0,
@@ -225,7 +225,7 @@ pub fn parallel_for(items: usize, num_threads: usize, f: &ItemFn<'_>) {
         (0..items).for_each(|item| f(item, 0));
         return;
     }
-    Pool::instance().run(items, num_threads, f);
+    ThreadPool::instance().run(items, num_threads, f);
 }
 
 #[cfg(test)]

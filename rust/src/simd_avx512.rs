@@ -5,12 +5,12 @@
 
 use std::arch::x86_64::*;
 
-use super::x86::{one_intrinsic_ops, reduce_max_256, reduce_sum_256};
-use super::Vector;
 use crate::constants::{
     AVX512_DIRECT_STRIP_ROWS, AVX512_SCORE_VECTORS, AVX512_VALUE_VECTORS, EXP2_COEFFICIENTS,
     EXP2_DEGREE, EXP2_MIN,
 };
+use crate::simd::Vector;
+use crate::simd_x86::{one_intrinsic_ops, reduce_max_256, reduce_sum_256};
 
 #[derive(Clone, Copy, Debug)]
 pub struct Avx512(__m512);

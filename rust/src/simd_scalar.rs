@@ -2,11 +2,11 @@
 //! order. Same tiled algorithm as the SIMD paths; the compiler may vectorise the loops with the
 //! baseline instruction set (SSE2 on x86-64), never more. Twin of `cpp/src/simd_scalar.hpp`.
 
-use super::Vector;
 use crate::constants::{
     EXP2_COEFFICIENTS, EXP2_DEGREE, EXP2_MIN, SCALAR_DIRECT_STRIP_ROWS, SCALAR_SCORE_VECTORS,
     SCALAR_VALUE_VECTORS, SCALAR_WIDTH,
 };
+use crate::simd::Vector;
 
 const W: usize = SCALAR_WIDTH;
 

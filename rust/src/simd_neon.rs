@@ -10,11 +10,11 @@
 
 use std::arch::aarch64::*;
 
-use super::Vector;
 use crate::constants::{
     EXP2_COEFFICIENTS, EXP2_DEGREE, EXP2_MIN, NEON_DIRECT_STRIP_ROWS, NEON_SCORE_VECTORS,
     NEON_VALUE_VECTORS,
 };
+use crate::simd::Vector;
 
 #[derive(Clone, Copy, Debug)]
 pub struct Neon(float32x4_t, float32x4_t);
@@ -243,7 +243,7 @@ mod tests {
     //! tests (their tolerances cover rounding), so these compare bits.
 
     use super::*;
-    use crate::simd::scalar::{exp2_lane, Scalar};
+    use crate::simd_scalar::{exp2_lane, Scalar};
 
     fn lanes<V: Vector>(v: V) -> [f32; 8] {
         let mut out = [0.0; 8];
