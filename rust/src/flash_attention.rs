@@ -11,6 +11,7 @@
 //!   6. Split-key: items (b, kv_head, chunk of SPLIT_KEY_CHUNK keys) write partial (m, l, O);
 //!      a second parallel pass merges each group's partials by log-sum-exp (merge_partials). A
 //!      group with one chunk writes out directly.
+//!
 //! Buffers: per-thread scratch (thread-local, grown on demand, reused across calls) and, on the
 //! calling thread, the packed K and the partials (thread-local too, so concurrent callers on
 //! different threads never share them).

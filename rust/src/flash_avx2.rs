@@ -8,7 +8,7 @@ use crate::measure_peak::run_peak_loop;
 
 crate::flash_kernel::make_kernels!(
     flash_kernels_avx2,
-    crate::simd_avx2::Avx2,
+    crate::simd_avx2::VecAvx2,
     "avx2",
     "avx2,fma,f16c"
 );

@@ -8,7 +8,7 @@ use crate::measure_peak::run_peak_loop;
 
 crate::flash_kernel::make_kernels!(
     flash_kernels_avx512,
-    crate::simd_avx512::Avx512,
+    crate::simd_avx512::VecAvx512,
     "avx512",
     "avx512f,avx2,fma,f16c"
 );

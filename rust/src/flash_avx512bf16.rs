@@ -4,7 +4,7 @@
 //!
 //! float32 and float16 problems run the avx512 kernels themselves (dispatch.rs copies their
 //! table entries), and so do the bfloat16 split-key items: the convert path (flash_kernel.rs
-//! with the Avx512 vector type, compiled here with the wider feature set; same results).
+//! with the VecAvx512 vector type, compiled here with the wider feature set; same results).
 //! bfloat16 prefill (plan.packed_values non-null) computes S = Q K^T and O += P V by dot products
 //! of bfloat16 pairs, accumulated in float32:
 //!   K pair panels, per panel of KEY_PANEL keys: [D2][KEY_PANEL] 32-bit pairs, D2 = ceil(D / 2);
@@ -42,7 +42,7 @@ use crate::flash_kernel::{
 };
 use crate::measure_peak::run_peak_loop;
 use crate::problem::AttentionProblem;
-use crate::simd_avx512::Avx512;
+use crate::simd_avx512::VecAvx512;
 
 const PAIRS_PER_BLOCK: usize = KEY_BLOCK / 2;
 
@@ -399,7 +399,7 @@ unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
         // split-key: the convert path
         // SAFETY: forwarded.
         return unsafe {
-            crate::flash_kernel::attend_rows::<Avx512, BFloat16, BFloat16>(plan, item, s)
+            crate::flash_kernel::attend_rows::<VecAvx512, BFloat16, BFloat16>(plan, item, s)
         };
     }
     let p = plan.problem;
@@ -463,7 +463,7 @@ unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
                 plan.q_multiplier,
             );
             // (a') - (c) as the float32 kernel.
-            let masked = block_probabilities::<Avx512>(plan, item, s, rows, key_block, n, n_padded);
+            let masked = block_probabilities::<VecAvx512>(plan, item, s, rows, key_block, n, n_padded);
             // (d) O = alpha O + P V: by pairs, unless P's zeros meet a non-finite V (module
             // documentation).
             let mut values_finite = true;
@@ -473,7 +473,7 @@ unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
                 }
             }
             if !values_finite {
-                block_values::<Avx512, BFloat16, true>(
+                block_values::<VecAvx512, BFloat16, true>(
                     s.scores,
                     rows,
                     n,
@@ -501,7 +501,7 @@ unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
 
         // 4. Finish: out = O / l rounded to bfloat16, and lse (prefill never writes partials).
         for r in 0..rows {
-            finish_row::<Avx512, BFloat16>(plan, item, s, r);
+            finish_row::<VecAvx512, BFloat16>(plan, item, s, r);
         }
     }
 }

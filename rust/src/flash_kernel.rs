@@ -129,14 +129,17 @@ pub type PackPairsFn =
 /// # Safety: the CPU supports the kernels' instruction set (as for every entry of FlashKernels).
 pub type TanhFn = unsafe fn(&mut [f32]);
 
+/// Indexed by Dtype: [Float32], [Float16], [BFloat16].
+pub const ELEMENT_TYPES: usize = 3;
+
 /// The kernels of one instruction set. `attend_rows` and `pack_keys` hold one entry per storage
 /// type, indexed by `Dtype as usize` (float32, float16, bfloat16): the kernels generic over
 /// [`Element`]. (pack_keys writes float32 panels whatever the storage: the convert path.)
 #[derive(Clone, Copy)]
 pub struct FlashKernels {
     pub isa: &'static str,
-    pub attend_rows: [AttendRowsFn; 3],
-    pub pack_keys: [PackKeysFn; 3],
+    pub attend_rows: [AttendRowsFn; ELEMENT_TYPES],
+    pub pack_keys: [PackKeysFn; ELEMENT_TYPES],
     pub tanh_values: TanhFn,
     /// floats per vector
     pub width: usize,
@@ -144,7 +147,7 @@ pub struct FlashKernels {
     /// panels that attend_rows[BFloat16] then reads.
     pub pack_pairs: Option<PackPairsFn>,
     /// int8 K/V, indexed by q's dtype; the K^T panels hold float32(k) * k_scale whatever q is.
-    pub attend_rows_int8: [AttendRowsFn; 3],
+    pub attend_rows_int8: [AttendRowsFn; ELEMENT_TYPES],
     pub pack_keys_int8: PackKeysFn,
 }
 

@@ -310,16 +310,16 @@ fn vector_conversions_match_software() {
             }
         }
     }
-    check::<twinattn::simd_scalar::Scalar>();
+    check::<twinattn::simd_scalar::VecScalar>();
     #[cfg(target_arch = "x86_64")]
     {
         if twinattn::dispatch::kernels_for("avx2").is_some() {
-            check::<twinattn::simd_avx2::Avx2>();
+            check::<twinattn::simd_avx2::VecAvx2>();
         }
         if twinattn::dispatch::kernels_for("avx512").is_some() {
-            check::<twinattn::simd_avx512::Avx512>();
+            check::<twinattn::simd_avx512::VecAvx512>();
         }
     }
     #[cfg(target_arch = "aarch64")]
-    check::<twinattn::simd_neon::Neon>();
+    check::<twinattn::simd_neon::VecNeon>();
 }
