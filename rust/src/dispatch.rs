@@ -18,7 +18,7 @@ const AVX2: usize = 2;
 #[cfg(target_arch = "x86_64")]
 const AVX512: usize = 3;
 #[cfg(target_arch = "x86_64")]
-const AVX512BF16: usize = 4;
+const AVX512_BF16: usize = 4;
 const ISA_COUNT: usize = 5;
 const ISA_NAMES: [&str; ISA_COUNT] = ["scalar", "neon", "avx2", "avx512", "avx512bf16"];
 
@@ -38,7 +38,7 @@ fn detect() -> [bool; ISA_COUNT] {
             && is_x86_feature_detected!("f16c");
         support[AVX512] = support[AVX2] && is_x86_feature_detected!("avx512f");
         // the bfloat16 unit is compiled with BW and VL as well (flash_avx512bf16.rs)
-        support[AVX512BF16] = support[AVX512]
+        support[AVX512_BF16] = support[AVX512]
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512bf16");
@@ -54,7 +54,7 @@ fn cpu() -> &'static [bool; ISA_COUNT] {
 fn table(isa: usize) -> FlashKernels {
     #[cfg(target_arch = "x86_64")]
     {
-        if isa == AVX512BF16 {
+        if isa == AVX512_BF16 {
             return crate::flash_avx512bf16::flash_kernels_avx512bf16();
         }
         if isa == AVX512 {

@@ -463,7 +463,8 @@ unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
                 plan.q_multiplier,
             );
             // (a') - (c) as the float32 kernel.
-            let masked = block_probabilities::<VecAvx512>(plan, item, s, rows, key_block, n, n_padded);
+            let masked =
+                block_probabilities::<VecAvx512>(plan, item, s, rows, key_block, n, n_padded);
             // (d) O = alpha O + P V: by pairs, unless P's zeros meet a non-finite V (module
             // documentation).
             let mut values_finite = true;

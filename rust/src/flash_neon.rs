@@ -3,4 +3,9 @@
 //! of its entry functions: neon (part of the AArch64 baseline); built only for AArch64. Twin of
 //! `cpp/src/flash_neon.cpp`.
 
-crate::flash_kernel::make_kernels!(flash_kernels_neon, crate::simd_neon::VecNeon, "neon", "neon");
+crate::flash_kernel::make_kernels!(
+    flash_kernels_neon,
+    crate::simd_neon::VecNeon,
+    "neon",
+    "neon"
+);

@@ -3,4 +3,8 @@
 //! features of its entry functions: none (the baseline of the target). Twin of
 //! `cpp/src/flash_scalar.cpp`.
 
-crate::flash_kernel::make_kernels!(flash_kernels_scalar, crate::simd_scalar::VecScalar, "scalar",);
+crate::flash_kernel::make_kernels!(
+    flash_kernels_scalar,
+    crate::simd_scalar::VecScalar,
+    "scalar",
+);
