@@ -164,23 +164,33 @@ CPP_KEYWORDS = {
 }
 
 
+# One pass, left to right, so that a // inside a string or a quote inside a comment is no trouble.
+_TOKENS = re.compile(
+    r'(?P<comment>//[^\n]*|/\*.*?\*/)'
+    r'|(?P<raw>\bR"\((?:.*?)\)"|\br#*"(?:.*?)"#*)'
+    r'|(?P<string>b?"(?:\\.|[^"\\])*")'
+    r"|(?P<char>b?'(?:\\.|[^'\\\n])')",
+    re.S,
+)
+
+
+def strip_comments_and_strings(text: str) -> str:
+    """Comments out, string and character literals emptied (both languages)."""
+    def replace(match: re.Match[str]) -> str:
+        kind = match.lastgroup
+        return " " if kind == "comment" else "' '" if kind == "char" else '""'
+    return _TOKENS.sub(replace, text)
+
+
 def strip_cpp(text: str) -> str:
-    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
-    text = re.sub(r"//[^\n]*", "", text)
-    text = re.sub(r'R"\((.*?)\)"', '""', text, flags=re.S)
-    text = re.sub(r'"(?:\\.|[^"\\\n])*"', '""', text)
-    text = re.sub(r"'(?:\\.|[^'\\\n])'", "' '", text)
+    text = strip_comments_and_strings(text)
     text = re.sub(r"^[ \t]*#[^\n]*(?:\\\n[^\n]*)*", "", text, flags=re.M)
     text = re.sub(r"__attribute__\s*\(\(.*?\)\)", " ", text)
     return text.replace("__extension__", " ")
 
 
 def strip_rust(text: str) -> str:
-    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.S)
-    text = re.sub(r"//[^\n]*", "", text)
-    text = re.sub(r'r#*"(.*?)"#*', '""', text, flags=re.S)
-    text = re.sub(r'b?"(?:\\.|[^"\\])*"', '""', text)
-    text = re.sub(r"b?'(?:\\.|[^'\\\n])'", "' '", text)
+    text = strip_comments_and_strings(text)
     # #[cfg(test)] mod tests { ... } (tests belong to rust/tests; none should be left inline)
     return re.sub(r"#\[cfg\(test\)\]\s*mod\s+\w+\s*\{", "mod __tests {", text)
 
