@@ -51,27 +51,28 @@ fn cpu() -> &'static [bool; ISA_COUNT] {
     SUPPORT.get_or_init(detect)
 }
 
+/// The table of instruction set `isa`, each one a constant built at compile time.
 fn table(isa: usize) -> FlashKernels {
     #[cfg(target_arch = "x86_64")]
     {
         if isa == AVX512_BF16 {
-            return crate::flash_avx512bf16::flash_kernels_avx512bf16();
+            return const { crate::flash_avx512bf16::flash_kernels_avx512bf16() };
         }
         if isa == AVX512 {
-            return crate::flash_avx512::flash_kernels_avx512();
+            return const { crate::flash_avx512::flash_kernels_avx512() };
         }
         if isa == AVX2 {
-            return crate::flash_avx2::flash_kernels_avx2();
+            return const { crate::flash_avx2::flash_kernels_avx2() };
         }
     }
     #[cfg(target_arch = "aarch64")]
     {
         if isa == NEON {
-            return crate::flash_neon::flash_kernels_neon();
+            return const { crate::flash_neon::flash_kernels_neon() };
         }
     }
     let _ = isa;
-    crate::flash_scalar::flash_kernels_scalar()
+    const { crate::flash_scalar::flash_kernels_scalar() }
 }
 
 struct Dispatch {
