@@ -20,19 +20,41 @@ type PeakLoop = unsafe fn(u64) -> u64;
 /// the binding says (0, 1e6]).
 pub fn measure_peak(kind: &str, num_threads: i64, seconds: f64) -> Result<f64, ProblemError> {
     let has = |isa: &str| available_isas().contains(&isa);
-    let peak_loop: PeakLoop = match kind {
-        "fma32" => fma32_loop(&has).ok_or_else(|| {
-            ProblemError("kind: \"fma32\" needs AVX2 or AVX-512F, which this CPU lacks".to_owned())
-        })?,
-        "bf16dot" => bf16dot_loop(&has).ok_or_else(|| {
-            ProblemError("kind: \"bf16dot\" needs AVX512_BF16, which this CPU lacks".to_owned())
-        })?,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+    let mut peak_loop: Option<PeakLoop> = None;
+    match kind {
+        "fma32" => {
+            #[cfg(target_arch = "x86_64")]
+            if has("avx512") {
+                peak_loop = Some(crate::flash_avx512::peak_fma32_avx512);
+            } else if has("avx2") {
+                peak_loop = Some(crate::flash_avx2::peak_fma32_avx2);
+            }
+            if peak_loop.is_none() {
+                return Err(ProblemError(
+                    "kind: \"fma32\" needs AVX2 or AVX-512F, which this CPU lacks".to_owned(),
+                ));
+            }
+        }
+        "bf16dot" => {
+            #[cfg(target_arch = "x86_64")]
+            if has("avx512bf16") {
+                peak_loop = Some(crate::flash_avx512bf16::peak_bf16dot_avx512bf16);
+            }
+            if peak_loop.is_none() {
+                return Err(ProblemError(
+                    "kind: \"bf16dot\" needs AVX512_BF16, which this CPU lacks".to_owned(),
+                ));
+            }
+        }
         _ => {
             return Err(ProblemError(format!(
                 "kind: expected \"fma32\" or \"bf16dot\", got \"{kind}\""
             )))
         }
-    };
+    }
+    let _ = has; // (no loop on other architectures)
+    let peak_loop = peak_loop.expect("every kind above set its loop or returned");
     let threads = check_num_threads(num_threads)?;
     if !(seconds > 0.0 && seconds <= 1e6) {
         return Err(ProblemError(format!(
@@ -57,31 +79,6 @@ pub fn measure_peak(kind: &str, num_threads: i64, seconds: f64) -> Result<f64, P
     });
     let elapsed = start.elapsed().as_secs_f64();
     Ok(flop.load(Ordering::Relaxed) as f64 / elapsed / 1e9)
-}
-
-/// The FMA loop of the widest x86 set available; None on other CPUs.
-fn fma32_loop(has: &dyn Fn(&str) -> bool) -> Option<PeakLoop> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if has("avx512") {
-            return Some(crate::flash_avx512::peak_fma32_avx512);
-        }
-        if has("avx2") {
-            return Some(crate::flash_avx2::peak_fma32_avx2);
-        }
-    }
-    let _ = has;
-    None
-}
-
-/// The VDPBF16PS loop where AVX512_BF16 is available.
-fn bf16dot_loop(has: &dyn Fn(&str) -> bool) -> Option<PeakLoop> {
-    #[cfg(target_arch = "x86_64")]
-    if has("avx512bf16") {
-        return Some(crate::flash_avx512bf16::peak_bf16dot_avx512bf16);
-    }
-    let _ = has;
-    None
 }
 
 /// The loop of each kind, expanded inside its `#[target_feature]` function (a macro: the
