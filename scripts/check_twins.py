@@ -352,17 +352,9 @@ def rust_names(text: str) -> set[str]:
     text = strip_rust(text)
     for kind, owner, header, opens in scopes(text):
         h = re.sub(r"#!?\[[^\]]*\]", " ", header).strip()
-        if kind == "struct":
-            for part in split_top(h):
-                m = re.match(r"\s*(?:pub(?:\([^)]*\))?\s+)?(\w+)\s*:", part)
-                if m:
-                    names.add(f"{owner}.{m.group(1)}")
-            continue
-        if kind == "enum":
-            for part in split_top(h):
-                m = re.match(r"\s*(\w+)", part)
-                if m:
-                    names.add(f"{owner}.{m.group(1)}")
+        if kind in ("struct", "enum"):  # fields (name: Type) or variants, as Type.name
+            member = r"\s*(?:pub(?:\([^)]*\))?\s+)?(\w+)\s*:" if kind == "struct" else r"\s*(\w+)"
+            names.update(f"{owner}.{m.group(1)}" for m in map(re.compile(member).match, split_top(h)) if m)
             continue
         if kind not in ("ns", "class"):
             continue
