@@ -58,13 +58,13 @@ static inline float to_f32(Float16 x) {
     return bits_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
 }
 
-static inline uint16_t bfloat16_bits(float x) {
+static inline uint16_t f32_to_bf16(float x) {
     const uint32_t bits = float_bits(x);
     if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
     return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-static inline uint16_t float16_bits(float x) {
+static inline uint16_t f32_to_f16(float x) {
     const uint32_t bits = float_bits(x);
     const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
     const uint32_t magnitude = bits & 0x7fffffffu;
@@ -89,7 +89,7 @@ static inline uint16_t float16_bits(float x) {
 }
 
 static inline void from_f32(float x, float* dst) { *dst = x; }
-static inline void from_f32(float x, Float16* dst) { dst->bits = float16_bits(x); }
-static inline void from_f32(float x, BFloat16* dst) { dst->bits = bfloat16_bits(x); }
+static inline void from_f32(float x, Float16* dst) { dst->bits = f32_to_f16(x); }
+static inline void from_f32(float x, BFloat16* dst) { dst->bits = f32_to_bf16(x); }
 
 }  // namespace twinattn

@@ -10,8 +10,8 @@
 //   2. Prefill: pack K^T panels of every (b, kv_head) once (parallel), then the tiles
 //      (b, kv_head, tile) most expensive first, each against all of its visible keys.
 //   6. Split-key: items (b, kv_head, chunk of kSplitKeyChunk keys) write partial (m, l, O);
-//      a second parallel pass merges each group's partials by log-sum-exp. A group with one
-//      chunk writes out directly.
+//      a second parallel pass merges each group's partials by log-sum-exp (merge_partials). A
+//      group with one chunk writes out directly.
 // Buffers: per-thread scratch (thread_local, grown on demand, reused across calls) and, on the
 // calling thread, the packed K and the partials (thread_local too, so concurrent callers on
 // different threads never share them).
@@ -26,6 +26,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "dispatch.hpp"
@@ -69,14 +70,14 @@ namespace {
 
 // A 64-byte aligned buffer that only grows; its contents are not preserved when it grows.
 template <typename T>
-class GrowBuffer {
+class AlignedBuffer {
 public:
-    GrowBuffer() = default;
-    GrowBuffer(const GrowBuffer&) = delete;
-    GrowBuffer& operator=(const GrowBuffer&) = delete;
-    ~GrowBuffer() { std::free(data_); }
+    AlignedBuffer() = default;
+    AlignedBuffer(const AlignedBuffer&) = delete;
+    AlignedBuffer& operator=(const AlignedBuffer&) = delete;
+    ~AlignedBuffer() { std::free(data_); }
 
-    T* reserve(int64_t count) {
+    T* ensure(int64_t count) {
         if (count > capacity_) {
             const size_t bytes = (static_cast<size_t>(count) * sizeof(T) + 63) / 64 * 64;
             T* grown = static_cast<T*>(std::aligned_alloc(64, bytes));
@@ -95,24 +96,24 @@ private:
 
 // Everything one thread needs for a work item (flash_kernel.hpp, ThreadScratch).
 struct ScratchBuffers {
-    GrowBuffer<float> q_tile, scores, out_acc, row_max, row_sum, rescale, key_panels, key_scales, value_scales;
-    GrowBuffer<int64_t> row_key_begin, row_key_end;
-    GrowBuffer<uint32_t> probs_pairs;
+    AlignedBuffer<float> q_tile, scores, out_acc, row_max, row_sum, rescale, key_panels, key_scales, value_scales;
+    AlignedBuffer<int64_t> row_key_begin, row_key_end;
+    AlignedBuffer<uint32_t> probs_pairs;
 
-    ThreadScratch get(int64_t D, int64_t value_stride, bool split_key, bool bf16_pairs) {
+    ThreadScratch view(int64_t D, int64_t value_stride, bool split_key, bool bf16_pairs) {
         ThreadScratch s;
-        s.q_tile = q_tile.reserve(kQTileRows * std::max<int64_t>(D, 1));
-        s.scores = scores.reserve(kQTileRows * kKeyBlock);
-        s.out_acc = out_acc.reserve(kQTileRows * std::max<int64_t>(value_stride, 1));
-        s.row_max = row_max.reserve(kQTileRows);
-        s.row_sum = row_sum.reserve(kQTileRows);
-        s.rescale = rescale.reserve(kQTileRows);
-        s.row_key_begin = row_key_begin.reserve(kQTileRows);
-        s.row_key_end = row_key_end.reserve(kQTileRows);
-        s.key_panels = split_key ? key_panels.reserve(kKeyBlock * std::max<int64_t>(D, 1)) : nullptr;
-        s.probs_pairs = bf16_pairs ? probs_pairs.reserve(kQTileRows * kKeyBlock / 2) : nullptr;
-        s.key_scales = key_scales.reserve(kKeyBlock);
-        s.value_scales = value_scales.reserve(kKeyBlock);
+        s.q_tile = q_tile.ensure(kQTileRows * std::max<int64_t>(D, 1));
+        s.scores = scores.ensure(kQTileRows * kKeyBlock);
+        s.out_acc = out_acc.ensure(kQTileRows * std::max<int64_t>(value_stride, 1));
+        s.row_max = row_max.ensure(kQTileRows);
+        s.row_sum = row_sum.ensure(kQTileRows);
+        s.rescale = rescale.ensure(kQTileRows);
+        s.row_key_begin = row_key_begin.ensure(kQTileRows);
+        s.row_key_end = row_key_end.ensure(kQTileRows);
+        s.key_panels = split_key ? key_panels.ensure(kKeyBlock * std::max<int64_t>(D, 1)) : nullptr;
+        s.probs_pairs = bf16_pairs ? probs_pairs.ensure(kQTileRows * kKeyBlock / 2) : nullptr;
+        s.key_scales = key_scales.ensure(kKeyBlock);
+        s.value_scales = value_scales.ensure(kKeyBlock);
         return s;
     }
 };
@@ -124,9 +125,9 @@ ScratchBuffers& thread_scratch() {
 
 // Buffers owned by the calling thread for the length of one call.
 struct CallerBuffers {
-    GrowBuffer<float> packed_keys, partial_out, partial_max, partial_sum;
-    GrowBuffer<uint32_t> packed_values;
-    GrowBuffer<unsigned char> value_finite;
+    AlignedBuffer<float> packed_keys, partial_out, partial_max, partial_sum;
+    AlignedBuffer<uint32_t> packed_values;
+    AlignedBuffer<unsigned char> value_finite;
 };
 
 CallerBuffers& caller_buffers() {
@@ -150,7 +151,7 @@ void run_items(const FlashPlan& plan, const FlashKernels& kernels, std::vector<C
                      [](const CostedItem& a, const CostedItem& b) { return a.cost > b.cost; });
     parallel_for(static_cast<int64_t>(items.size()), num_threads, [&](int64_t index, int) {
         const ThreadScratch scratch =
-            thread_scratch().get(plan.head_dim, plan.value_stride, split_key, plan.packed_values != nullptr);
+            thread_scratch().view(plan.head_dim, plan.value_stride, split_key, plan.packed_values != nullptr);
         const int dtype = static_cast<int>(plan.problem->dtype);
         const AttendRowsFn attend = plan.problem->kv_int8 ? kernels.attend_rows_int8[dtype] : kernels.attend_rows[dtype];
         attend(plan, items[static_cast<size_t>(index)].item, scratch);
@@ -168,14 +169,14 @@ void run_prefill(FlashPlan& plan, const FlashKernels& kernels, int num_threads) 
     const int64_t panel_size = (pairs ? ceil_div(D, 2) : D) * kKeyPanel;
     const int64_t keys_per_head = plan.panels_per_head * kKeyPanel;
     CallerBuffers& buffers = caller_buffers();
-    float* packed = buffers.packed_keys.reserve(std::max<int64_t>(B * Hkv * plan.panels_per_head * panel_size, 1));
+    float* packed = buffers.packed_keys.ensure(std::max<int64_t>(B * Hkv * plan.panels_per_head * panel_size, 1));
     plan.packed_keys = packed;
     uint32_t* packed_values = nullptr;
     unsigned char* value_finite = nullptr;
     if (pairs) {
-        packed_values = buffers.packed_values.reserve(
+        packed_values = buffers.packed_values.ensure(
             std::max<int64_t>(B * Hkv * keys_per_head / 2 * plan.value_stride, 1));
-        value_finite = buffers.value_finite.reserve(std::max<int64_t>(B * Hkv * keys_per_head, 1));
+        value_finite = buffers.value_finite.ensure(std::max<int64_t>(B * Hkv * keys_per_head, 1));
         plan.packed_values = packed_values;
         plan.value_finite = value_finite;
     }
@@ -222,6 +223,50 @@ void run_prefill(FlashPlan& plan, const FlashKernels& kernels, int num_threads) 
     run_items(plan, kernels, items, num_threads, false);
 }
 
+// Step 6's merge: for every row of group (b, kv_head), chunks in order, m* = max_c m_c,
+// l* = sum_c l_c 2^(m_c - m*), out = sum_c O_c 2^(m_c - m*) / l* and lse = ln 2 (m* + log2 l*).
+// A chunk whose row saw a NaN or +inf score has m_c = NaN or +inf and l_c = NaN (flash_kernel.hpp,
+// softmax_row), so m* (NaN-propagating) and the weights carry it into out and lse
+// (flash_row_lse); a chunk that saw nothing has l_c = 0. A sink s (base 2) counts here once: m*
+// starts at s and l* at 2^(s - m*). The row is summed in float32 (in out itself for float32, in
+// row_buffer, Dv floats of this thread's, for the halves), then rounded to T once.
+template <typename T>
+void merge_partials(const FlashPlan& plan, int64_t b, int64_t kv_head, int64_t first_slot, int64_t chunks,
+                    float* row_buffer) {
+    const AttentionProblem& p = *plan.problem;
+    const int64_t G = plan.group, Dv = plan.value_dim, rows = plan.rows_per_group;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t h = kv_head * G + r % G, i = r / G;
+        const float sink = plan.has_sinks ? p.sinks.data[h * p.sinks.stride[0]] * kLog2E
+                                          : -std::numeric_limits<float>::infinity();
+        float m_star = sink;
+        for (int64_t c = 0; c < chunks; ++c) m_star = max_nan(m_star, plan.partial_max[(first_slot + c) * rows + r]);
+        T* out_row = static_cast<T*>(p.out.data) + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
+        float* dst = std::is_same<T, float>::value ? reinterpret_cast<float*>(out_row) : row_buffer;
+        for (int64_t d = 0; d < Dv; ++d) dst[d] = 0.0f;
+        float l_star = plan.has_sinks ? exp2f(sink - m_star) : 0.0f;
+        if (m_star != -std::numeric_limits<float>::infinity()) {
+            for (int64_t c = 0; c < chunks; ++c) {
+                const int64_t slot_row = (first_slot + c) * rows + r;
+                const float l_c = plan.partial_sum[slot_row];
+                if (l_c == 0.0f) continue;
+                const float weight = exp2f(plan.partial_max[slot_row] - m_star);
+                l_star += l_c * weight;
+                const float* o_c = plan.partial_out + slot_row * Dv;
+                for (int64_t d = 0; d < Dv; ++d) dst[d] += o_c[d] * weight;
+            }
+        }
+        if (l_star != 0.0f) {
+            const float inverse = 1.0f / l_star;
+            for (int64_t d = 0; d < Dv; ++d) dst[d] *= inverse;
+        }
+        if (!std::is_same<T, float>::value)
+            for (int64_t d = 0; d < Dv; ++d) from_f32(dst[d], &out_row[d]);
+        if (p.lse.data != nullptr)
+            p.lse.data[b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2]] = flash_row_lse(m_star, l_star);
+    }
+}
+
 // 6. Split-key: chunks of every group's visible keys, then the log-sum-exp merge.
 void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads) {
     const AttentionProblem& p = *plan.problem;
@@ -252,19 +297,14 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
     const int64_t slots = slot_base[B];
     if (slots > 0) {
         CallerBuffers& buffers = caller_buffers();
-        plan.partial_out = buffers.partial_out.reserve(std::max<int64_t>(slots * rows * Dv, 1));
-        plan.partial_max = buffers.partial_max.reserve(slots * rows);
-        plan.partial_sum = buffers.partial_sum.reserve(slots * rows);
+        plan.partial_out = buffers.partial_out.ensure(std::max<int64_t>(slots * rows * Dv, 1));
+        plan.partial_max = buffers.partial_max.ensure(slots * rows);
+        plan.partial_sum = buffers.partial_sum.ensure(slots * rows);
     }
     run_items(plan, kernels, items, num_threads, true);
     if (slots == 0) return;
 
-    // Merge: m* = max m_c, l* = sum l_c 2^(m_c - m*), O = sum O_c 2^(m_c - m*) / l*, in chunk order.
-    // A chunk whose row saw a NaN or +inf score has m_c = NaN or +inf and l_c = NaN (flash_kernel.hpp,
-    // 3c), so m* and the weights carry it into O and lse; a chunk that saw nothing has l_c = 0.
-    // A sink s (base 2) counts here once: m* starts at s and l* at 2^(s - m*).
-    // float16 / bfloat16: the merge runs in float32 in a row buffer, rounded once when stored.
-    const int64_t G = plan.group;
+    // Merge, in chunk order.
     std::vector<std::vector<float>> merge_rows(static_cast<size_t>(
         p.dtype == ElementType::Float32 ? 0 : std::min<int64_t>(num_threads, B * Hkv)));
     for (std::vector<float>& row : merge_rows) row.resize(static_cast<size_t>(Dv));
@@ -272,41 +312,12 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
         const int64_t b = head / Hkv, kv_head = head % Hkv;
         const int64_t chunks = (slot_base[b + 1] - slot_base[b]) / Hkv;
         if (chunks == 0) return;  // one chunk: written directly
+        float* row_buffer = merge_rows.empty() ? nullptr : merge_rows[static_cast<size_t>(thread)].data();
         const int64_t first_slot = slot_base[b] + kv_head * chunks;
-        for (int64_t r = 0; r < rows; ++r) {
-            const int64_t h = kv_head * G + r % G, i = r / G;
-            const float sink = plan.has_sinks ? p.sinks.data[h * p.sinks.stride[0]] * kLog2E
-                                              : -std::numeric_limits<float>::infinity();
-            float m_star = sink;
-            for (int64_t c = 0; c < chunks; ++c)
-                m_star = max_nan(m_star, plan.partial_max[(first_slot + c) * rows + r]);
-            const int64_t out_offset = b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
-            float* dst = p.dtype == ElementType::Float32 ? static_cast<float*>(p.out.data) + out_offset
-                                                         : merge_rows[static_cast<size_t>(thread)].data();
-            for (int64_t d = 0; d < Dv; ++d) dst[d] = 0.0f;
-            float l_star = plan.has_sinks ? exp2f(sink - m_star) : 0.0f;
-            if (m_star != -std::numeric_limits<float>::infinity()) {
-                for (int64_t c = 0; c < chunks; ++c) {
-                    const int64_t slot_row = (first_slot + c) * rows + r;
-                    const float l_c = plan.partial_sum[slot_row];
-                    if (l_c == 0.0f) continue;
-                    const float weight = exp2f(plan.partial_max[slot_row] - m_star);
-                    l_star += l_c * weight;
-                    const float* o_c = plan.partial_out + slot_row * Dv;
-                    for (int64_t d = 0; d < Dv; ++d) dst[d] += o_c[d] * weight;
-                }
-            }
-            if (l_star != 0.0f) {
-                const float inverse = 1.0f / l_star;
-                for (int64_t d = 0; d < Dv; ++d) dst[d] *= inverse;
-            }
-            if (p.dtype == ElementType::Float16)
-                for (int64_t d = 0; d < Dv; ++d) from_f32(dst[d], static_cast<Float16*>(p.out.data) + out_offset + d);
-            else if (p.dtype == ElementType::BFloat16)
-                for (int64_t d = 0; d < Dv; ++d) from_f32(dst[d], static_cast<BFloat16*>(p.out.data) + out_offset + d);
-            if (p.lse.data != nullptr)
-                p.lse.data[b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2]] =
-                    flash_row_lse(m_star, l_star);
+        switch (p.dtype) {
+            case ElementType::Float32: merge_partials<float>(plan, b, kv_head, first_slot, chunks, row_buffer); break;
+            case ElementType::Float16: merge_partials<Float16>(plan, b, kv_head, first_slot, chunks, row_buffer); break;
+            case ElementType::BFloat16: merge_partials<BFloat16>(plan, b, kv_head, first_slot, chunks, row_buffer); break;
         }
     });
 }

@@ -4,12 +4,13 @@
 #include "simd_avx2.hpp"
 
 #include "flash_kernel.hpp"
+#include "measure_peak.hpp"
 
 namespace twinattn {
 
 FlashKernels flash_kernels_avx2() { return flash::make_kernels<VecAvx2>(); }
 
-// measure_peak (flash_kernel.hpp): 12 independent accumulators (16 registers: 12 + b + c), each acc = acc * b + c with
+// measure_peak (measure_peak.hpp): 12 independent accumulators (16 registers: 12 + b + c), each acc = acc * b + c with
 // b just below 1 and c small, so the values stay normal and bounded however long it runs.
 int64_t peak_fma32_avx2(int64_t instructions) {
     const __m256 b = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-6f);

@@ -4,12 +4,13 @@
 #include "simd_avx512.hpp"
 
 #include "flash_kernel.hpp"
+#include "measure_peak.hpp"
 
 namespace twinattn {
 
 FlashKernels flash_kernels_avx512() { return flash::make_kernels<VecAvx512>(); }
 
-// measure_peak (flash_kernel.hpp): 16 independent accumulators, each acc = acc * b + c with
+// measure_peak (measure_peak.hpp): 16 independent accumulators, each acc = acc * b + c with
 // b just below 1 and c small, so the values stay normal and bounded however long it runs.
 int64_t peak_fma32_avx512(int64_t instructions) {
     const __m512 b = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-6f);

@@ -35,6 +35,7 @@
 #include "simd_avx512.hpp"
 
 #include "flash_kernel.hpp"
+#include "measure_peak.hpp"
 
 namespace twinattn {
 namespace {
@@ -287,7 +288,7 @@ FlashKernels flash_kernels_avx512bf16() {
     return kernels;
 }
 
-// measure_peak (flash_kernel.hpp): 16 independent accumulators, each acc += a . b over pairs of
+// measure_peak (measure_peak.hpp): 16 independent accumulators, each acc += a . b over pairs of
 // small bfloat16 values (2^-10: the sums grow by 2^-19 per instruction, never near overflow).
 int64_t peak_bf16dot_avx512bf16(int64_t instructions) {
     const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(0x3a803a80));  // (2^-10, 2^-10)

@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "flash_kernel.hpp"
+#include "measure_peak.hpp"
 #include "thread_pool.hpp"
 #include "twinattn/flash_attention.hpp"
 
@@ -19,7 +19,7 @@ namespace twinattn {
 double measure_peak(const std::string& kind, int64_t num_threads_requested, double seconds) {
     const std::vector<std::string> isas = available_isas();
     [[maybe_unused]] const auto has = [&](const char* isa) { return std::find(isas.begin(), isas.end(), isa) != isas.end(); };
-    int64_t (*loop)(int64_t) = nullptr;
+    PeakLoop loop = nullptr;
     if (kind == "fma32") {
 #if defined(TWINATTN_HAVE_X86_KERNELS)
         loop = has("avx512") ? peak_fma32_avx512 : has("avx2") ? peak_fma32_avx2 : nullptr;

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "check.hpp"
+#include "contract.hpp"
 #include "dispatch.hpp"
 #include "thread_pool.hpp"
 #include "twinattn/constants.hpp"
@@ -691,6 +692,12 @@ int main() {
     test_minus_inf_bias_hides_nan_keys();
     test_thread_counts_bit_identical();
     test_concurrent_callers();
+    // The contract suite (contract.hpp) on every instruction set this machine runs, as the
+    // reference kernel passes it (test_reference_kernel.cpp).
+    for (const std::string& isa : available_isas()) {
+        set_isa(isa);
+        contract::run_contract_tests(isa.c_str(), attention_forward);
+    }
     if (twinattn_test::failures != 0) std::fprintf(stderr, "%d check(s) failed\n", twinattn_test::failures);
     return twinattn_test::failures == 0 ? 0 : 1;
 }

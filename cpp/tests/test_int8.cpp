@@ -76,10 +76,10 @@ struct Inputs {
         for (float& x : q_values) {
             x = unit(rng);
             if (c.dtype == ElementType::Float16) {
-                q_half.push_back(float16_bits(x));
+                q_half.push_back(f32_to_f16(x));
                 x = to_f32(Float16{q_half.back()});
             } else if (c.dtype == ElementType::BFloat16) {
-                q_half.push_back(bfloat16_bits(x));
+                q_half.push_back(f32_to_bf16(x));
                 x = to_f32(BFloat16{q_half.back()});
             }
         }

@@ -81,7 +81,7 @@ void check_from_f32(float x) {
         want_half = static_cast<uint16_t>(sign | nearest(magnitude, 0x7bff, 65536.0, float16_value));
         want_brain = static_cast<uint16_t>(sign | nearest(magnitude, 0x7f7f, std::ldexp(1.0, 128), bfloat16_value));
     }
-    const uint16_t half = float16_bits(x), brain = bfloat16_bits(x);
+    const uint16_t half = f32_to_f16(x), brain = f32_to_bf16(x);
     if (half != want_half || brain != want_brain) {
         if (twinattn_test::failures < 10)
             std::fprintf(stderr, "convert %.9g (0x%08x): float16 0x%04x want 0x%04x, bfloat16 0x%04x want 0x%04x\n", x,
@@ -100,7 +100,7 @@ void test_conversions() {
             std::fprintf(stderr, "float16 0x%04x -> %.9g, want %.9g\n", h, got, want);
         CHECK(float_bits(to_f32(BFloat16{static_cast<uint16_t>(h)})) == h << 16);
         // every finite float16 reads back as itself
-        if (!std::isnan(want)) CHECK(float16_bits(got) == h);
+        if (!std::isnan(want)) CHECK(f32_to_f16(got) == h);
     }
     // Edges: float16's smallest subnormal and its halves, the normal / subnormal border, the
     // largest finite value and the inf threshold, ties, float32 subnormals, NaNs.

@@ -18,7 +18,7 @@ const AVX2: usize = 2;
 #[cfg(target_arch = "x86_64")]
 const AVX512: usize = 3;
 #[cfg(target_arch = "x86_64")]
-const AVX512BF16: usize = 4;
+const AVX512_BF16: usize = 4;
 const ISA_COUNT: usize = 5;
 const ISA_NAMES: [&str; ISA_COUNT] = ["scalar", "neon", "avx2", "avx512", "avx512bf16"];
 
@@ -38,7 +38,7 @@ fn detect() -> [bool; ISA_COUNT] {
             && is_x86_feature_detected!("f16c");
         support[AVX512] = support[AVX2] && is_x86_feature_detected!("avx512f");
         // the bfloat16 unit is compiled with BW and VL as well (flash_avx512bf16.rs)
-        support[AVX512BF16] = support[AVX512]
+        support[AVX512_BF16] = support[AVX512]
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512bf16");
@@ -51,27 +51,28 @@ fn cpu() -> &'static [bool; ISA_COUNT] {
     SUPPORT.get_or_init(detect)
 }
 
+/// The table of instruction set `isa`, each one a constant built at compile time.
 fn table(isa: usize) -> FlashKernels {
     #[cfg(target_arch = "x86_64")]
     {
-        if isa == AVX512BF16 {
-            return crate::flash_avx512bf16::KERNELS;
+        if isa == AVX512_BF16 {
+            return const { crate::flash_avx512bf16::flash_kernels_avx512bf16() };
         }
         if isa == AVX512 {
-            return crate::flash_kernel::avx512::KERNELS;
+            return const { crate::flash_avx512::flash_kernels_avx512() };
         }
         if isa == AVX2 {
-            return crate::flash_kernel::avx2::KERNELS;
+            return const { crate::flash_avx2::flash_kernels_avx2() };
         }
     }
     #[cfg(target_arch = "aarch64")]
     {
         if isa == NEON {
-            return crate::flash_kernel::neon::KERNELS;
+            return const { crate::flash_neon::flash_kernels_neon() };
         }
     }
     let _ = isa;
-    crate::flash_kernel::scalar::KERNELS
+    const { crate::flash_scalar::flash_kernels_scalar() }
 }
 
 struct Dispatch {

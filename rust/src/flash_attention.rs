@@ -1,38 +1,91 @@
-//! The fast kernel's planning (docs/kernels.md, steps 1, 2, 6 and 7): prefill tiles vs split-key
+//! The fast kernel's planning (docs/kernels.md, steps 1, 2, 5, 6 and 7): prefill tiles vs split-key
 //! decode, K packing, work items, merging partials. Twin of `cpp/src/flash_attention.cpp`.
 //!
 //! Shapes (see problem.rs): q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv) ->
 //! out (B, Hq, Lq, Dv), lse (B, Hq, Lq). G = Hq / Hkv query heads share each KV head and are
 //! packed into one set of rows_per_group = Lq * G rows per (b, kv_head) (flash_kernel.rs).
 //!
-//! Passes:
-//!   prefill (rows_per_group > Q_TILE_ROWS):
-//!     1. pack K^T panels of every (b, kv_head) up to its last visible key (parallel over groups);
-//!     2. work items (b, kv_head, tile of Q_TILE_ROWS rows), most visible keys first.
-//!   split-key (rows_per_group <= Q_TILE_ROWS):
-//!     1. work items (b, kv_head, chunk of SPLIT_KEY_CHUNK keys), all rows each, most keys
-//!        first; a group with one chunk writes out directly, the others write partials;
-//!     2. merge the partials of each group by log-sum-exp (parallel over groups).
+//!   1. Plan: rows_per_group > Q_TILE_ROWS -> prefill (tiles of packed rows), else split-key.
+//!   2. Prefill: pack K^T panels of every (b, kv_head) once (parallel), then the tiles
+//!      (b, kv_head, tile) most expensive first, each against all of its visible keys.
+//!   6. Split-key: items (b, kv_head, chunk of SPLIT_KEY_CHUNK keys) write partial (m, l, O);
+//!      a second parallel pass merges each group's partials by log-sum-exp (merge_partials). A
+//!      group with one chunk writes out directly.
+//!
+//! Buffers: per-thread scratch (thread-local, grown on demand, reused across calls) and, on the
+//! calling thread, the packed K and the partials (thread-local too, so concurrent callers on
+//! different threads never share them).
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::LocalKey;
 
-use crate::constants::{KEY_BLOCK, KEY_PANEL, LOG2_E, Q_TILE_ROWS, SERIAL_WORK, SPLIT_KEY_CHUNK};
+use crate::constants::{
+    KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, Q_TILE_ROWS, SERIAL_WORK, SPLIT_KEY_CHUNK,
+};
 use crate::dispatch::current_kernels;
 use crate::element::{BFloat16, Dtype, Element, Float16};
-use crate::flash_kernel::{
-    flash_row_key_range, max_nan, row_lse, FlashKernels, FlashPlan, ThreadScratch, WorkItem,
-};
+use crate::flash_kernel::{max_nan, FlashKernels, FlashPlan, ThreadScratch, WorkItem};
 use crate::problem::{
     check_num_threads, check_problem, try_filled, AttentionProblem, MaskKind, ProblemError,
 };
 use crate::thread_pool::parallel_for;
 
+/// The keys packed row r of sequence b may see by length, causality and window:
+/// (begin, end), both in [0, kv_len]; empty when end <= begin.
+pub fn flash_row_key_range(
+    p: &AttentionProblem,
+    b: usize,
+    group: usize,
+    r: usize,
+) -> (usize, usize) {
+    let kv_len = p.kv_lens[b];
+    if !p.causal && p.window_left < 0 && p.window_right < 0 {
+        return (0, kv_len as usize);
+    }
+    let position = i128::from(p.q_offset[b]) + (r / group) as i128;
+    let mut last = i128::from(kv_len) - 1; // the last key the row may see, then the first
+    if p.causal {
+        last = last.min(position);
+    }
+    if p.window_right >= 0 {
+        last = last.min(position + i128::from(p.window_right));
+    }
+    let first = if p.window_left >= 0 {
+        (position - i128::from(p.window_left)).max(0)
+    } else {
+        0
+    };
+    let end = (last + 1).max(0) as usize;
+    let begin = first.min(i128::from(kv_len)) as usize;
+    (begin, end)
+}
+
+/// The absolute position q_offset[b] + r / group of packed row r, clamped to +-2^62 so that
+/// position - j cannot overflow (ALiBi; beyond 2^24 a float distance is inexact anyway).
+pub fn flash_row_position(p: &AttentionProblem, b: usize, group: usize, r: usize) -> i64 {
+    let bound = 1i128 << 62;
+    let position = i128::from(p.q_offset[b]) + (r / group) as i128;
+    position.clamp(-bound, bound) as i64
+}
+
+/// lse = ln 2 (m + log2 l): -inf for a row that saw no key (l = 0), +inf for a row whose largest
+/// score is +inf (l is NaN there, inf - inf), NaN for a row that saw a NaN score.
+#[inline(always)]
+pub fn flash_row_lse(m: f32, l: f32) -> f32 {
+    if l == 0.0 {
+        f32::NEG_INFINITY
+    } else if m == f32::INFINITY {
+        m
+    } else {
+        LN2 * (m + l.log2())
+    }
+}
+
 /// A float buffer whose data starts on a 64-byte boundary, grown on demand and reused: the
 /// pages stay mapped across calls, so no call pays page faults twice. Allocation is fallible
-/// (C++'s GrowBuffer throws std::bad_alloc; this returns the out-of-memory error).
+/// (C++'s AlignedBuffer throws std::bad_alloc; this returns the out-of-memory error).
 struct AlignedBuffer {
     data: *mut f32,
     capacity: usize,
@@ -582,7 +635,7 @@ fn run_split_key(
 /// `l* = sum_c l_c 2^(m_c - m*)`, `out = sum_c O_c 2^(m_c - m*) / l*` and
 /// `lse = ln 2 (m* + log2 l*)`. A chunk whose row saw a NaN or +inf score has m_c = NaN or
 /// +inf and l_c = NaN (flash_kernel.rs, softmax_row), so m* (NaN-propagating) and the weights
-/// carry it into out and lse ([`row_lse`]); a chunk that saw nothing has l_c = 0. A sink s
+/// carry it into out and lse ([`flash_row_lse`]); a chunk that saw nothing has l_c = 0. A sink s
 /// (base 2) counts here once: m* starts at s and l* at 2^(s - m*). The row is summed in float32
 /// (in out itself for float32, in a row buffer for the halves), then rounded to T once.
 ///
@@ -663,7 +716,7 @@ unsafe fn merge_partials<T: Element>(
                         + h as isize * p.lse.stride[1] as isize
                         + i as isize * p.lse.stride[2] as isize,
                 );
-                *lse = row_lse(m_star, l_star);
+                *lse = flash_row_lse(m_star, l_star);
             }
         }
     }

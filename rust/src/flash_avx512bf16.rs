@@ -4,7 +4,7 @@
 //!
 //! float32 and float16 problems run the avx512 kernels themselves (dispatch.rs copies their
 //! table entries), and so do the bfloat16 split-key items: the convert path (flash_kernel.rs
-//! with the Avx512 vector type, compiled here with the wider feature set; same results).
+//! with the VecAvx512 vector type, compiled here with the wider feature set; same results).
 //! bfloat16 prefill (plan.packed_values non-null) computes S = Q K^T and O += P V by dot products
 //! of bfloat16 pairs, accumulated in float32:
 //!   K pair panels, per panel of KEY_PANEL keys: [D2][KEY_PANEL] 32-bit pairs, D2 = ceil(D / 2);
@@ -42,7 +42,7 @@ use crate::flash_kernel::{
 };
 use crate::measure_peak::run_peak_loop;
 use crate::problem::AttentionProblem;
-use crate::simd::avx512::Avx512;
+use crate::simd_avx512::VecAvx512;
 
 const PAIRS_PER_BLOCK: usize = KEY_BLOCK / 2;
 
@@ -394,12 +394,12 @@ unsafe fn pair_block_values(
 /// AVX512_BF16 (and AVX-512F/BW/VL) available; otherwise as flash_kernel.rs's attend_rows, for
 /// a bfloat16 problem.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
-unsafe fn attend_rows_bf16(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
+unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
     if plan.packed_values.is_null() {
         // split-key: the convert path
         // SAFETY: forwarded.
         return unsafe {
-            crate::flash_kernel::attend_rows::<Avx512, BFloat16, BFloat16>(plan, item, s)
+            crate::flash_kernel::attend_rows::<VecAvx512, BFloat16, BFloat16>(plan, item, s)
         };
     }
     let p = plan.problem;
@@ -463,7 +463,8 @@ unsafe fn attend_rows_bf16(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch)
                 plan.q_multiplier,
             );
             // (a') - (c) as the float32 kernel.
-            let masked = block_probabilities::<Avx512>(plan, item, s, rows, key_block, n, n_padded);
+            let masked =
+                block_probabilities::<VecAvx512>(plan, item, s, rows, key_block, n, n_padded);
             // (d) O = alpha O + P V: by pairs, unless P's zeros meet a non-finite V (module
             // documentation).
             let mut values_finite = true;
@@ -473,7 +474,7 @@ unsafe fn attend_rows_bf16(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch)
                 }
             }
             if !values_finite {
-                block_values::<Avx512, BFloat16, true>(
+                block_values::<VecAvx512, BFloat16, true>(
                     s.scores,
                     rows,
                     n,
@@ -501,20 +502,20 @@ unsafe fn attend_rows_bf16(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch)
 
         // 4. Finish: out = O / l rounded to bfloat16, and lse (prefill never writes partials).
         for r in 0..rows {
-            finish_row::<Avx512, BFloat16>(plan, item, s, r);
+            finish_row::<VecAvx512, BFloat16>(plan, item, s, r);
         }
     }
 }
 
 /// The avx512bf16 table: the avx512 kernels, with bfloat16's attend_rows and pack_pairs of this
 /// unit (dot products for prefill, the convert path otherwise).
-pub const KERNELS: FlashKernels = {
-    let mut kernels = crate::flash_kernel::avx512::KERNELS;
+pub const fn flash_kernels_avx512bf16() -> FlashKernels {
+    let mut kernels = crate::flash_avx512::flash_kernels_avx512();
     kernels.isa = "avx512bf16";
-    kernels.attend_rows[crate::element::Dtype::BFloat16 as usize] = attend_rows_bf16;
+    kernels.attend_rows[crate::element::Dtype::BFloat16 as usize] = attend_rows;
     kernels.pack_pairs = Some(pack_pairs);
     kernels
-};
+}
 
 /// measure_peak's VDPBF16PS loop: 16 independent accumulators, each acc += a . b over pairs of
 /// small bfloat16 values (2^-10: the sums grow by 2^-19 per instruction, never near overflow).
@@ -523,7 +524,7 @@ pub const KERNELS: FlashKernels = {
 /// # Safety
 /// AVX512_BF16 available.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
-pub unsafe fn peak_bf16dot(instructions: u64) -> u64 {
+pub unsafe fn peak_bf16dot_avx512bf16(instructions: u64) -> u64 {
     let a = as_pairs(_mm512_set1_epi32(0x3a80_3a80)); // (2^-10, 2^-10)
     let dot = |acc| _mm512_dpbf16_ps(acc, a, a);
     64 * run_peak_loop!(

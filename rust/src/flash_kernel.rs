@@ -1,8 +1,9 @@
 //! The tile kernel of the fast path (docs/kernels.md, steps 2-6), written once over a vector
-//! type V (simd/scalar.rs, simd/avx2.rs, simd/avx512.rs, simd/neon.rs) and compiled once per
-//! instruction set: `#[target_feature]` entry functions at the bottom call the `#[inline(always)]`
-//! generic code (C++: one translation unit per instruction set with its own -m flags). Twin of
-//! `cpp/src/flash_kernel.hpp` + `cpp/src/flash_{scalar,avx2,avx512,neon}.cpp`.
+//! type V (simd_scalar.rs, simd_avx2.rs, simd_avx512.rs, simd_neon.rs) and compiled once per
+//! instruction set by flash_scalar.rs, flash_avx2.rs, flash_avx512.rs and flash_neon.rs, whose
+//! `#[target_feature]` entry functions ([`make_kernels`]) call the `#[inline(always)]` generic
+//! code (C++: one translation unit per instruction set with its own -m flags). Twin of
+//! `cpp/src/flash_kernel.hpp`.
 //!
 //! One work item = a set of packed rows of one (sequence b, KV head) against a key range:
 //!   packed row r is query position i = r / G of query head h = kv_head * G + r % G, at absolute
@@ -21,10 +22,11 @@
 //! checked problem; the functions are `unsafe` with that as their contract.
 
 use crate::constants::{
-    DIRECT_SCORE_ROWS, KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, MICRO_ROWS, TANH_COEFFICIENTS,
-    TANH_DEGREE, TANH_SMALL,
+    DIRECT_SCORE_ROWS, KEY_BLOCK, KEY_PANEL, LOG2_E, MICRO_ROWS, TANH_COEFFICIENTS, TANH_DEGREE,
+    TANH_SMALL,
 };
-use crate::element::{BFloat16, Element, Float16, Load};
+use crate::element::{Element, Load};
+use crate::flash_attention::{flash_row_key_range, flash_row_lse, flash_row_position};
 use crate::problem::{AttentionProblem, MaskKind};
 use crate::simd::Vector;
 
@@ -127,61 +129,26 @@ pub type PackPairsFn =
 /// # Safety: the CPU supports the kernels' instruction set (as for every entry of FlashKernels).
 pub type TanhFn = unsafe fn(&mut [f32]);
 
+/// Indexed by Dtype: [Float32], [Float16], [BFloat16].
+pub const ELEMENT_TYPES: usize = 3;
+
 /// The kernels of one instruction set. `attend_rows` and `pack_keys` hold one entry per storage
 /// type, indexed by `Dtype as usize` (float32, float16, bfloat16): the kernels generic over
 /// [`Element`]. (pack_keys writes float32 panels whatever the storage: the convert path.)
 #[derive(Clone, Copy)]
 pub struct FlashKernels {
     pub isa: &'static str,
-    pub attend_rows: [AttendRowsFn; 3],
-    pub pack_keys: [PackKeysFn; 3],
-    /// int8 K/V, indexed by q's dtype; the K^T panels hold float32(k) * k_scale whatever q is.
-    pub attend_rows_int8: [AttendRowsFn; 3],
-    pub pack_keys_int8: PackKeysFn,
+    pub attend_rows: [AttendRowsFn; ELEMENT_TYPES],
+    pub pack_keys: [PackKeysFn; ELEMENT_TYPES],
     pub tanh_values: TanhFn,
     /// floats per vector
     pub width: usize,
     /// bfloat16 prefill by dot products (avx512bf16 only; None elsewhere): packs the pair
     /// panels that attend_rows[BFloat16] then reads.
     pub pack_pairs: Option<PackPairsFn>,
-}
-
-/// The keys packed row r of sequence b may see by length, causality and window:
-/// (begin, end), both in [0, kv_len]; empty when end <= begin.
-pub fn flash_row_key_range(
-    p: &AttentionProblem,
-    b: usize,
-    group: usize,
-    r: usize,
-) -> (usize, usize) {
-    let kv_len = p.kv_lens[b];
-    if !p.causal && p.window_left < 0 && p.window_right < 0 {
-        return (0, kv_len as usize);
-    }
-    let position = i128::from(p.q_offset[b]) + (r / group) as i128;
-    let mut last = i128::from(kv_len) - 1; // the last key the row may see, then the first
-    if p.causal {
-        last = last.min(position);
-    }
-    if p.window_right >= 0 {
-        last = last.min(position + i128::from(p.window_right));
-    }
-    let first = if p.window_left >= 0 {
-        (position - i128::from(p.window_left)).max(0)
-    } else {
-        0
-    };
-    let end = (last + 1).max(0) as usize;
-    let begin = first.min(i128::from(kv_len)) as usize;
-    (begin, end)
-}
-
-/// The absolute position q_offset[b] + r / group of packed row r, clamped to +-2^62 so that
-/// position - j cannot overflow (ALiBi; beyond 2^24 a float distance is inexact anyway).
-pub fn flash_row_position(p: &AttentionProblem, b: usize, group: usize, r: usize) -> i64 {
-    let bound = 1i128 << 62;
-    let position = i128::from(p.q_offset[b]) + (r / group) as i128;
-    position.clamp(-bound, bound) as i64
+    /// int8 K/V, indexed by q's dtype; the K^T panels hold float32(k) * k_scale whatever q is.
+    pub attend_rows_int8: [AttendRowsFn; ELEMENT_TYPES],
+    pub pack_keys_int8: PackKeysFn,
 }
 
 pub(crate) fn round_up(n: usize, m: usize) -> usize {
@@ -195,19 +162,6 @@ pub(crate) fn max_nan(a: f32, b: f32) -> f32 {
         a
     } else {
         b
-    }
-}
-
-/// lse = ln 2 (m + log2 l): -inf for a row that saw no key (l = 0), +inf for a row whose largest
-/// score is +inf (l is NaN there, inf - inf), NaN for a row that saw a NaN score.
-#[inline(always)]
-pub(crate) fn row_lse(m: f32, l: f32) -> f32 {
-    if l == 0.0 {
-        f32::NEG_INFINITY
-    } else if m == f32::INFINITY {
-        m
-    } else {
-        LN2 * (m + l.log2())
     }
 }
 
@@ -252,7 +206,7 @@ pub unsafe fn tanh<V: Vector>(x: V) -> V {
 /// # Safety
 /// V's instruction set is available; values.len() is a multiple of V::WIDTH.
 #[inline(always)]
-unsafe fn tanh_values<V: Vector>(values: &mut [f32]) {
+pub(crate) unsafe fn tanh_values<V: Vector>(values: &mut [f32]) {
     let p = values.as_mut_ptr();
     // SAFETY: forwarded; every vector lies inside `values`.
     unsafe {
@@ -1066,7 +1020,7 @@ pub(crate) unsafe fn finish_row<V: Vector, T: Element>(
         }
         if p.lse.is_requested() {
             let lse = p.lse.data.offset(at([item.b, h, i], &p.lse.stride));
-            *lse = row_lse(*s.row_max.add(r), l);
+            *lse = flash_row_lse(*s.row_max.add(r), l);
         }
     }
 }
@@ -1233,85 +1187,83 @@ pub(crate) unsafe fn softmax_row<V: Vector>(
     }
 }
 
-// ---- One compiled copy per instruction set -----------------------------------------------------
+// ---- The table of one instruction set (C++: flash::make_kernels) -------------------------------
 
-macro_rules! isa_kernels {
-    ($module:ident, $vector:ty, $name:literal, $($feature:literal)?) => {
-        pub mod $module {
-            use super::*;
+/// Expands, in the per-ISA file that invokes it (flash_scalar.rs, flash_avx2.rs, flash_avx512.rs,
+/// flash_neon.rs), the `#[target_feature]` entry functions over the generic code above and
+/// `$table()`, the table of that instruction set: the kernel for each storage type. (C++
+/// instantiates one template per translation unit, compiled with that unit's -m flags; Rust
+/// needs the feature on each entry function, hence a macro.)
+macro_rules! make_kernels {
+    ($table:ident, $vector:ty, $name:literal, $($feature:literal)?) => {
+        use $crate::element::{BFloat16, Element, Float16, Load};
+        use $crate::flash_kernel::{FlashKernels, FlashPlan, ThreadScratch, WorkItem};
+        use $crate::problem::AttentionProblem;
 
-            /// # Safety
-            /// The CPU supports this instruction set; otherwise as [`super::attend_rows`].
-            $(#[target_feature(enable = $feature)])?
-            pub unsafe fn attend_rows<T: Element, KV: Load>(
-                plan: &FlashPlan,
-                item: &WorkItem,
-                s: &ThreadScratch,
-            ) {
-                // SAFETY: forwarded; the dispatcher only hands this out after detection.
-                unsafe { super::attend_rows::<$vector, T, KV>(plan, item, s) }
+        /// # Safety
+        /// The CPU supports this instruction set; otherwise as flash_kernel.rs's attend_rows.
+        $(#[target_feature(enable = $feature)])?
+        pub unsafe fn attend_rows<T: Element, KV: Load>(
+            plan: &FlashPlan,
+            item: &WorkItem,
+            s: &ThreadScratch,
+        ) {
+            // SAFETY: forwarded; the dispatcher only hands this out after detection.
+            unsafe { $crate::flash_kernel::attend_rows::<$vector, T, KV>(plan, item, s) }
+        }
+
+        /// # Safety
+        /// The CPU supports this instruction set; otherwise as flash_kernel.rs's pack_keys.
+        $(#[target_feature(enable = $feature)])?
+        pub unsafe fn pack_keys<T: Load>(
+            p: &AttentionProblem,
+            b: usize,
+            kv_head: usize,
+            key_begin: usize,
+            key_end: usize,
+            dst: *mut f32,
+        ) {
+            // SAFETY: forwarded, as in attend_rows.
+            unsafe {
+                $crate::flash_kernel::pack_keys::<$vector, T>(p, b, kv_head, key_begin, key_end, dst)
             }
+        }
 
-            /// # Safety
-            /// The CPU supports this instruction set; otherwise as [`super::pack_keys`].
-            $(#[target_feature(enable = $feature)])?
-            pub unsafe fn pack_keys<T: Load>(
-                p: &AttentionProblem,
-                b: usize,
-                kv_head: usize,
-                key_begin: usize,
-                key_end: usize,
-                dst: *mut f32,
-            ) {
-                // SAFETY: forwarded, as in attend_rows.
-                unsafe { super::pack_keys::<$vector, T>(p, b, kv_head, key_begin, key_end, dst) }
-            }
+        /// The vectorised tanh on `values` (whole vectors; a tail past them is left alone).
+        ///
+        /// # Safety
+        /// The CPU supports this instruction set.
+        $(#[target_feature(enable = $feature)])?
+        pub unsafe fn tanh_values(values: &mut [f32]) {
+            // SAFETY: forwarded, as in attend_rows.
+            unsafe { $crate::flash_kernel::tanh_values::<$vector>(values) }
+        }
 
-            /// The vectorised tanh on `values` (whole vectors; a tail past them is left alone).
-            ///
-            /// # Safety
-            /// The CPU supports this instruction set.
-            $(#[target_feature(enable = $feature)])?
-            pub unsafe fn tanh_values(values: &mut [f32]) {
-                // SAFETY: forwarded, as in attend_rows.
-                unsafe { super::tanh_values::<$vector>(values) }
-            }
-
-            pub const KERNELS: FlashKernels = FlashKernels {
+        /// The table of this instruction set.
+        pub const fn $table() -> FlashKernels {
+            FlashKernels {
                 isa: $name,
                 attend_rows: [
                     attend_rows::<f32, f32>,
                     attend_rows::<Float16, Float16>,
                     attend_rows::<BFloat16, BFloat16>,
                 ],
-                attend_rows_int8: [
-                    attend_rows::<f32, i8>,
-                    attend_rows::<Float16, i8>,
-                    attend_rows::<BFloat16, i8>,
-                ],
-                pack_keys_int8: pack_keys::<i8>,
                 pack_keys: [
                     pack_keys::<f32>,
                     pack_keys::<Float16>,
                     pack_keys::<BFloat16>,
                 ],
                 tanh_values,
-                width: <$vector as crate::simd::Vector>::WIDTH,
+                width: <$vector as $crate::simd::Vector>::WIDTH,
                 pack_pairs: None,
-            };
+                attend_rows_int8: [
+                    attend_rows::<f32, i8>,
+                    attend_rows::<Float16, i8>,
+                    attend_rows::<BFloat16, i8>,
+                ],
+                pack_keys_int8: pack_keys::<i8>,
+            }
         }
     };
 }
-
-isa_kernels!(scalar, crate::simd::scalar::Scalar, "scalar",);
-#[cfg(target_arch = "x86_64")]
-isa_kernels!(avx2, crate::simd::avx2::Avx2, "avx2", "avx2,fma,f16c");
-#[cfg(target_arch = "x86_64")]
-isa_kernels!(
-    avx512,
-    crate::simd::avx512::Avx512,
-    "avx512",
-    "avx512f,avx2,fma,f16c"
-);
-#[cfg(target_arch = "aarch64")]
-isa_kernels!(neon, crate::simd::neon::Neon, "neon", "neon");
+pub(crate) use make_kernels;

@@ -20,19 +20,41 @@ type PeakLoop = unsafe fn(u64) -> u64;
 /// the binding says (0, 1e6]).
 pub fn measure_peak(kind: &str, num_threads: i64, seconds: f64) -> Result<f64, ProblemError> {
     let has = |isa: &str| available_isas().contains(&isa);
-    let peak_loop: PeakLoop = match kind {
-        "fma32" => fma32_loop(&has).ok_or_else(|| {
-            ProblemError("kind: \"fma32\" needs AVX2 or AVX-512F, which this CPU lacks".to_owned())
-        })?,
-        "bf16dot" => bf16dot_loop(&has).ok_or_else(|| {
-            ProblemError("kind: \"bf16dot\" needs AVX512_BF16, which this CPU lacks".to_owned())
-        })?,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+    let mut peak_loop: Option<PeakLoop> = None;
+    match kind {
+        "fma32" => {
+            #[cfg(target_arch = "x86_64")]
+            if has("avx512") {
+                peak_loop = Some(crate::flash_avx512::peak_fma32_avx512);
+            } else if has("avx2") {
+                peak_loop = Some(crate::flash_avx2::peak_fma32_avx2);
+            }
+            if peak_loop.is_none() {
+                return Err(ProblemError(
+                    "kind: \"fma32\" needs AVX2 or AVX-512F, which this CPU lacks".to_owned(),
+                ));
+            }
+        }
+        "bf16dot" => {
+            #[cfg(target_arch = "x86_64")]
+            if has("avx512bf16") {
+                peak_loop = Some(crate::flash_avx512bf16::peak_bf16dot_avx512bf16);
+            }
+            if peak_loop.is_none() {
+                return Err(ProblemError(
+                    "kind: \"bf16dot\" needs AVX512_BF16, which this CPU lacks".to_owned(),
+                ));
+            }
+        }
         _ => {
             return Err(ProblemError(format!(
                 "kind: expected \"fma32\" or \"bf16dot\", got \"{kind}\""
             )))
         }
-    };
+    }
+    let _ = has; // (no loop on other architectures)
+    let peak_loop = peak_loop.expect("every kind above set its loop or returned");
     let threads = check_num_threads(num_threads)?;
     if !(seconds > 0.0 && seconds <= 1e6) {
         return Err(ProblemError(format!(
@@ -57,31 +79,6 @@ pub fn measure_peak(kind: &str, num_threads: i64, seconds: f64) -> Result<f64, P
     });
     let elapsed = start.elapsed().as_secs_f64();
     Ok(flop.load(Ordering::Relaxed) as f64 / elapsed / 1e9)
-}
-
-/// The FMA loop of the widest x86 set available; None on other CPUs.
-fn fma32_loop(has: &dyn Fn(&str) -> bool) -> Option<PeakLoop> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if has("avx512") {
-            return Some(peak_fma32_avx512);
-        }
-        if has("avx2") {
-            return Some(peak_fma32_avx2);
-        }
-    }
-    let _ = has;
-    None
-}
-
-/// The VDPBF16PS loop where AVX512_BF16 is available.
-fn bf16dot_loop(has: &dyn Fn(&str) -> bool) -> Option<PeakLoop> {
-    #[cfg(target_arch = "x86_64")]
-    if has("avx512bf16") {
-        return Some(crate::flash_avx512bf16::peak_bf16dot);
-    }
-    let _ = has;
-    None
 }
 
 /// The loop of each kind, expanded inside its `#[target_feature]` function (a macro: the
@@ -109,44 +106,3 @@ macro_rules! run_peak_loop {
     }};
 }
 pub(crate) use run_peak_loop;
-
-/// 16 independent accumulators, each acc = acc * b + c with b just below 1 and c small, so the
-/// values stay normal and bounded however long it runs.
-///
-/// # Safety
-/// AVX-512F available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn peak_fma32_avx512(instructions: u64) -> u64 {
-    use std::arch::x86_64::*;
-    let (b, c) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-6));
-    let fma = |acc| _mm512_fmadd_ps(acc, b, c);
-    32 * run_peak_loop!(
-        instructions,
-        16,
-        _mm512_set1_ps,
-        fma,
-        _mm512_add_ps,
-        _mm512_cvtss_f32
-    )
-}
-
-/// As [`peak_fma32_avx512`] with 12 accumulators of 8 floats (16 flop per instruction).
-///
-/// # Safety
-/// AVX2 and FMA available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn peak_fma32_avx2(instructions: u64) -> u64 {
-    use std::arch::x86_64::*;
-    let (b, c) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-6));
-    let fma = |acc| _mm256_fmadd_ps(acc, b, c);
-    16 * run_peak_loop!(
-        instructions,
-        12,
-        _mm256_set1_ps,
-        fma,
-        _mm256_add_ps,
-        _mm256_cvtss_f32
-    )
-}

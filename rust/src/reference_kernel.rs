@@ -9,24 +9,23 @@
 //!   alibi_slopes (B, Hq), sinks (Hq,) when given.
 //!   Query head h reads KV head h / group, group = Hq / Hkv.
 //!
-//! For each (sequence b, query head h) pair, for each query row i at position
-//! p = q_offset[b] + i, in float64:
-//!   1. Scores of the visible keys. Key j is visible iff j < kv_lens[b], and (not causal or
-//!      j <= p), and (window_left < 0 or j >= p - window_left), and (window_right < 0 or
-//!      j <= p + window_right), and (no bool mask or mask[b,h,i,j]), and its float bias (if any)
-//!      is not -inf. Its score is s = scale * (q[b,h,i,:] . k[b,h/group,j,:]), then
-//!      softcap * tanh(s / softcap) when softcap > 0, then minus slope[b,h] * |p - j| (ALiBi),
-//!      then plus bias[b,h,i,j] (float mask only). A hidden key scores -inf without its k row being
-//!      read; keys j >= kv_lens[b] are not even looked at. row_max = the largest score, NaN when
-//!      any score is NaN.
-//!   2. A row whose row_max is -inf (no visible key, or every score -inf) gets out = 0 and
-//!      lse = sink[h] (-inf without sinks), and stops here. Otherwise the sink (a key without a
-//!      value) joins: row_max = max(row_max, sink[h]) (NaN stays NaN).
-//!   3. Weights: p_j = exp(score_j - row_max), row_sum = exp(sink[h] - row_max) + sum_j p_j.
-//!   4. Output: out[b,h,i,:] = sum_j (p_j / row_sum) * v[b,h/group,j,:], skipping every hidden
-//!      key (score -inf), so its value never enters, not even as 0 * NaN. A visible key whose
-//!      weight underflows to 0 is not skipped (as in C++ and NumPy: 0 * NaN stays NaN).
-//!   5. lse[b,h,i] = row_max + ln(row_sum), when requested; +inf when row_max is +inf.
+//! For each query row i of sequence b, head h, at position p = q_offset[b] + i, in float64:
+//!   1. select the visible keys and score them: key j is visible iff j < kv_lens[b], and
+//!      (not causal or j <= p), and (window_left < 0 or j >= p - window_left), and
+//!      (window_right < 0 or j <= p + window_right), and (bool mask[b,h,i,j] or no bool mask),
+//!      and its float bias is not -inf; score_j = scale * (q_i . k_j), then
+//!      softcap * tanh(score_j / softcap) when softcap > 0, then - slope[b,h] * |p - j| (ALiBi),
+//!      then + bias_ij.
+//!   2. row_max = max(sink[h], max_j score_j) (sink = -inf without sinks; NaN when any score is
+//!      NaN).
+//!   3. e_j = exp(score_j - row_max), row_sum = exp(sink[h] - row_max) + sum_j e_j.
+//!   4. normalise: p_j = e_j / row_sum.
+//!   5. out_i = sum_j p_j v_j, lse_i = row_max + ln(row_sum) (+inf when row_max is +inf).
+//!
+//! Only visible keys are ever touched after pass 1 (and k_j is read in pass 1 only once j has
+//! passed the position, length, window and mask tests), so hidden keys cannot contribute, not
+//! even as 0 * NaN. A key whose score is -inf (bias, or inf in q or k) is left out like a hidden
+//! one. A row with no visible key gets out = 0 and lse = sink[h] (-inf without sinks).
 //!
 //! Non-finite inputs at visible positions propagate as in twinattn/reference.py: a NaN score
 //! makes the row's out and lse NaN (row_max is NaN); a +inf score makes out NaN (inf / inf) and
@@ -75,38 +74,44 @@ pub unsafe fn attention_reference(
     scratch
         .try_reserve_exact(threads)
         .map_err(|_| ProblemError::out_of_memory())?;
+    let longest_kv_len = p.kv_lens.iter().copied().max().unwrap_or(0) as usize;
     for _ in 0..threads {
+        let mut visible = Vec::new();
+        visible
+            .try_reserve_exact(longest_kv_len)
+            .map_err(|_| ProblemError::out_of_memory())?;
         scratch.push(RowScratch {
-            scores: try_filled(p.k.shape[2] as usize, 0.0)?,
-            acc: try_filled(p.v.shape[3] as usize, 0.0)?,
+            visible,
+            out_row: try_filled(p.v.shape[3] as usize, 0.0)?,
         });
     }
 
     // SAFETY: forwarded from this function's contract; check_problem has passed.
     let shared = unsafe { SharedProblem::new(p) };
     let (first, others) = scratch.split_first_mut().expect("threads >= 1");
-    let run_pairs = match (p.dtype, p.kv_int8) {
-        (Dtype::Float32, false) => run_pairs::<f32, f32>,
-        (Dtype::Float16, false) => run_pairs::<Float16, Float16>,
-        (Dtype::BFloat16, false) => run_pairs::<BFloat16, BFloat16>,
-        (Dtype::Float32, true) => run_pairs::<f32, i8>,
-        (Dtype::Float16, true) => run_pairs::<Float16, i8>,
-        (Dtype::BFloat16, true) => run_pairs::<BFloat16, i8>,
-    };
     std::thread::scope(|scope| {
         for (t, scratch) in others.iter_mut().enumerate() {
             let shared = &shared;
-            scope.spawn(move || run_pairs(shared, chunk(t + 1), scratch));
+            scope.spawn(move || attend_pairs(shared, chunk(t + 1), scratch));
         }
-        run_pairs(&shared, chunk(0), first);
+        attend_pairs(&shared, chunk(0), first);
     });
     Ok(())
 }
 
-/// One thread's buffers: the scores of a row (Lk) and its output accumulator (Dv).
+/// A visible key of the row: its index j and its score_j, then e_j, then p_j as the passes go.
+#[derive(Clone, Copy)]
+struct VisibleKey {
+    key: usize,
+    score: f64,
+}
+
+/// One thread's buffers, allocated once per call before any thread starts.
 struct RowScratch {
-    scores: Vec<f64>,
-    acc: Vec<f64>,
+    /// capacity: the longest kv_len
+    visible: Vec<VisibleKey>,
+    /// Dv accumulators
+    out_row: Vec<f64>,
 }
 
 /// A checked problem whose memory the caller vouched for, shareable across the threads of one
@@ -129,232 +134,235 @@ impl<'p, 'a> SharedProblem<'p, 'a> {
 // output element and no write is seen by a read.
 unsafe impl Sync for SharedProblem<'_, '_> {}
 
-/// Element offset of index `index` in a view with element strides `stride`.
-fn offset<const N: usize>(index: [i64; N], stride: &[i64; N]) -> isize {
-    index.iter().zip(stride).map(|(&i, &s)| i * s).sum::<i64>() as isize
-}
-
-/// The `len` contiguous elements of type T at element offset `at` from `data`; empty when `len`
-/// is 0, without touching the pointer (NumPy may hand an empty array a dangling or null pointer).
-///
-/// # Safety
-/// When `len > 0`, `data + at` (in elements of T) must be aligned and valid for reading `len`
-/// elements, and nobody may write them while the slice lives.
-unsafe fn row<'x, T>(data: *const u8, at: isize, len: i64) -> &'x [T] {
-    if len == 0 {
-        return &[];
-    }
-    // SAFETY: forwarded from this function's contract.
-    unsafe { std::slice::from_raw_parts(data.cast::<T>().offset(at), len as usize) }
-}
-
-/// Like [`row`], writeable.
-///
-/// # Safety
-/// When `len > 0`, `data + at` must be aligned and valid for writing `len` floats, and nobody
-/// else may access them while the slice lives.
-unsafe fn row_mut<'x, T>(data: *mut u8, at: isize, len: i64) -> &'x mut [T] {
-    if len == 0 {
-        return &mut [];
-    }
-    // SAFETY: forwarded from this function's contract.
-    unsafe { std::slice::from_raw_parts_mut(data.cast::<T>().offset(at), len as usize) }
-}
-
-/// Runs the (b, h) pairs numbered in `pair_range`, row by row, on q, k, v and out stored as T:
-/// each element read is converted exactly to float32 (then float64); each out element is
-/// rounded to float32 first, then to T (for float16 and bfloat16 that double rounding is the
-/// contract's "round the float32 result", and the same in C++). KV: the storage of k and v (T,
-/// or i8: each element dequantized as float32(x) * its token's scale in float32, then used as a
-/// float32 input is).
-fn run_pairs<T: Element, KV: Load>(
-    shared: &SharedProblem,
-    pair_range: std::ops::Range<usize>,
-    scratch: &mut RowScratch,
-) {
+/// Every row of the (sequence, query head) pairs in `pairs`, pair = b * Hq + h.
+fn attend_pairs(shared: &SharedProblem, pairs: std::ops::Range<usize>, scratch: &mut RowScratch) {
     let p = shared.p;
-    let [_, q_heads, q_len, head_dim] = p.q.shape;
-    let [_, kv_heads, _, _] = p.k.shape;
-    let value_dim = p.v.shape[3];
-    let group = q_heads / kv_heads;
-    let scale = f64::from(p.scale);
-    let RowScratch { scores, acc } = scratch;
-
-    for pair in pair_range {
-        let b = pair as i64 / q_heads;
-        let h = pair as i64 % q_heads;
-        let kv_head = h / group;
-        let kv_len = p.kv_lens[b as usize];
-        let softcap = f64::from(p.softcap);
-        let slope = if p.alibi_slopes.data.is_null() {
-            0.0
-        } else {
-            let at = offset([b, h], &p.alibi_slopes.stride);
-            // SAFETY: b < B, h < Hq: inside the (B, Hq) slopes (checked shape).
-            f64::from(unsafe { *p.alibi_slopes.data.offset(at) })
-        };
-        let sink = if p.sinks.data.is_null() {
-            f64::NEG_INFINITY
-        } else {
-            // SAFETY: h < Hq: inside the (Hq,) sinks (checked shape).
-            f64::from(unsafe { *p.sinks.data.offset(offset([h], &p.sinks.stride)) })
-        };
-        // int8: the float32 scale of key j of this (b, kv_head); 1 (unused) otherwise.
-        let token_scale = |view: &ParamView3, j: i64| {
-            if p.kv_int8 {
-                // SAFETY: b < B, kv_head < Hkv, j < Lk: inside the (B, Hkv, Lk) scales (checked
-                // shape; present when kv_int8).
-                unsafe { *view.data.offset(offset([b, kv_head, j], &view.stride)) }
-            } else {
-                1.0
-            }
-        };
-        let dequantize = |x: KV, multiplier: f32| {
-            if p.kv_int8 {
-                x.to_f32() * multiplier
-            } else {
-                x.to_f32()
-            }
-        };
-        for i in 0..q_len {
-            // The keys to look at: j < kv_len, then each tested against causality and the window.
-            let key_end = kv_len;
-            let position =
-                i128::from(p.q_offset.get(b as usize).copied().unwrap_or(0)) + i128::from(i);
-
-            // SAFETY: b < B, h < Hq, i < Lq: a valid q row of D elements, stride 1 (or D <= 1).
-            let q_row: &[T] = unsafe { row(p.q.data, offset([b, h, i, 0], &p.q.stride), head_dim) };
-
-            // 1. Scores of the visible keys; hidden keys score -inf.
-            let mut row_max = f64::NEG_INFINITY;
-            for j in 0..key_end {
-                let hidden = !in_window(p, position, j)
-                    || match p.mask.kind {
-                        MaskKind::Bool => !mask_allows(shared, [b, h, i, j]),
-                        // hidden before k_j is read, so a NaN there cannot enter
-                        _ => mask_bias(shared, [b, h, i, j]) == f64::NEG_INFINITY,
-                    };
-                let score = if hidden {
-                    f64::NEG_INFINITY
-                } else {
-                    // SAFETY: j < kv_len <= Lk and kv_head < Hkv: a valid key row of D elements.
-                    let k_row: &[KV] =
-                        unsafe { row(p.k.data, offset([b, kv_head, j, 0], &p.k.stride), head_dim) };
-                    let k_multiplier = token_scale(&p.k_scale, j);
-                    let dot: f64 = q_row
-                        .iter()
-                        .zip(k_row)
-                        .map(|(&x, &y)| {
-                            f64::from(x.to_f32()) * f64::from(dequantize(y, k_multiplier))
-                        })
-                        .sum();
-                    let mut score = scale * dot;
-                    if softcap > 0.0 {
-                        score = softcap * (score / softcap).tanh();
-                    }
-                    if !p.alibi_slopes.data.is_null() {
-                        score -= slope * (position - i128::from(j)).abs() as f64;
-                    }
-                    score + mask_bias(shared, [b, h, i, j])
-                };
-                scores[j as usize] = score;
-                // NaN-propagating (f64::max would drop a NaN score)
-                if !row_max.is_nan() && (score.is_nan() || score > row_max) {
-                    row_max = score;
-                }
-            }
-
-            // SAFETY: b < B, h < Hq, i < Lq: a valid out row of Dv elements, written only by the
-            // thread that owns pair (b, h).
-            let out_row: &mut [T] =
-                unsafe { row_mut(p.out.data, offset([b, h, i, 0], &p.out.stride), value_dim) };
-
-            // 2. No visible key: zeros and lse = the sink (-inf without sinks), never NaN.
-            if row_max == f64::NEG_INFINITY {
-                out_row.fill(T::from_f32(0.0));
-                write_lse(shared, [b, h, i], sink as f32);
-                continue;
-            }
-            if sink > row_max {
-                row_max = sink; // (a NaN row max stays NaN)
-            }
-
-            // 3. Weights, shifted by the row max so no exponential overflows. A hidden key's
-            // score stays -inf (its weight is exp(-inf) = 0), which step 4 reads to skip it.
-            let mut row_sum = if sink == f64::NEG_INFINITY {
-                0.0f64
-            } else {
-                (sink - row_max).exp()
-            };
-            for &score in &scores[..key_end as usize] {
-                row_sum += (score - row_max).exp();
-            }
-
-            // 4. Mix the values of the visible keys.
-            acc.fill(0.0);
-            for j in 0..key_end {
-                let score = scores[j as usize];
-                if score == f64::NEG_INFINITY {
-                    continue; // hidden: its value must not enter, even as 0 * NaN
-                }
-                let weight = (score - row_max).exp();
-                // SAFETY: j < kv_len <= Lk and kv_head < Hkv: a valid value row of Dv elements.
-                let v_row: &[KV] =
-                    unsafe { row(p.v.data, offset([b, kv_head, j, 0], &p.v.stride), value_dim) };
-                let v_multiplier = token_scale(&p.v_scale, j);
-                let weight = weight / row_sum;
-                for (a, &x) in acc.iter_mut().zip(v_row) {
-                    *a += weight * f64::from(dequantize(x, v_multiplier));
-                }
-            }
-            for (o, &a) in out_row.iter_mut().zip(acc.iter()) {
-                *o = T::from_f32(a as f32);
-            }
-
-            // 5. The natural-log softmax denominator (a +inf score: the log of an infinite sum,
-            // though the weights are inf / inf).
-            let lse = if row_max == f64::INFINITY {
-                f32::INFINITY
-            } else {
-                (row_max + row_sum.ln()) as f32
-            };
-            write_lse(shared, [b, h, i], lse);
+    let q_heads = p.q.shape[1] as usize;
+    let attend_row = match (p.dtype, p.kv_int8) {
+        (Dtype::Float32, false) => attend_row::<f32, f32>,
+        (Dtype::Float16, false) => attend_row::<Float16, Float16>,
+        (Dtype::BFloat16, false) => attend_row::<BFloat16, BFloat16>,
+        (Dtype::Float32, true) => attend_row::<f32, i8>,
+        (Dtype::Float16, true) => attend_row::<Float16, i8>,
+        (Dtype::BFloat16, true) => attend_row::<BFloat16, i8>,
+    };
+    for pair in pairs {
+        let (b, h) = (pair / q_heads, pair % q_heads);
+        for i in 0..p.q.shape[2] as usize {
+            // SAFETY: the problem is checked and its memory valid (SharedProblem's contract);
+            // this thread owns pair (b, h), so it alone writes its out and lse rows.
+            unsafe { attend_row(p, b, h, i, scratch) };
         }
     }
 }
 
-/// Whether key j (< kv_len) is visible to the row at `position` by causality and the window.
-fn in_window(p: &AttentionProblem, position: i128, j: i64) -> bool {
-    let j = i128::from(j);
+/// The absolute position q_offset[b] + i of row i (exact: no int64 overflow).
+fn position_of(p: &AttentionProblem, b: usize, i: usize) -> i128 {
+    i128::from(p.q_offset.get(b).copied().unwrap_or(0)) + i as i128
+}
+
+/// Row i of (b, h). T: the element type of q and out (f32, Float16 or BFloat16), KV that of k
+/// and v (T, or i8: dequantized as float32(x) * scale in float32, then used as float32 inputs
+/// are). Each element read is converted exactly to float32 (then float64); each out element is
+/// rounded to float32 first, then to T (for float16 and bfloat16 that double rounding is the
+/// contract's "round the float32 result").
+///
+/// # Safety
+/// `p` is checked and its memory valid ([`attention_reference`]'s contract); b < B, h < Hq,
+/// i < Lq; nobody else touches out and lse row (b, h, i) meanwhile.
+unsafe fn attend_row<T: Element, KV: Load>(
+    p: &AttentionProblem,
+    b: usize,
+    h: usize,
+    i: usize,
+    scratch: &mut RowScratch,
+) {
+    let head_dim = p.q.shape[3] as usize;
+    let value_dim = p.v.shape[3] as usize;
+    let kv_head = h / (p.q.shape[1] / p.k.shape[1]) as usize;
+    let at = |index: [usize; 4], stride: &[i64; 4]| -> isize {
+        (0..4)
+            .map(|axis| index[axis] as i64 * stride[axis])
+            .sum::<i64>() as isize
+    };
+    let scale_at = |view: &ParamView3, j: usize| -> f32 {
+        // SAFETY: b < B, kv_head < Hkv, j < Lk: inside the (B, Hkv, Lk) scales (checked shape;
+        // present when kv_int8).
+        unsafe {
+            *view.data.offset(at(
+                [b, kv_head, j, 0],
+                &[view.stride[0], view.stride[1], view.stride[2], 0],
+            ))
+        }
+    };
+    let int8 = KV::SCALED;
+    // SAFETY: forwarded from this function's contract: every index is inside a checked view
+    // (keys j < kv_len <= Lk; the mask, slopes and sinks at in-bounds indices when given).
+    unsafe {
+        let q_row = p.q.data.cast::<T>().offset(at([b, h, i, 0], &p.q.stride));
+        let k_head =
+            p.k.data
+                .cast::<KV>()
+                .offset(at([b, kv_head, 0, 0], &p.k.stride));
+        let v_head =
+            p.v.data
+                .cast::<KV>()
+                .offset(at([b, kv_head, 0, 0], &p.v.stride));
+        let out_row = p
+            .out
+            .data
+            .cast::<T>()
+            .offset(at([b, h, i, 0], &p.out.stride));
+        let mask_row = at([b, h, i, 0], &p.mask.stride);
+
+        // 1. Select the visible keys and score them.
+        let visible = &mut scratch.visible;
+        visible.clear(); // keeps capacity: no allocation here
+        let kv_len = p.kv_lens[b] as usize;
+        let softcap = f64::from(p.softcap);
+        let slope = if p.alibi_slopes.data.is_null() {
+            0.0
+        } else {
+            let stride = &p.alibi_slopes.stride;
+            f64::from(
+                *p.alibi_slopes
+                    .data
+                    .offset(at([b, h, 0, 0], &[stride[0], stride[1], 0, 0])),
+            )
+        };
+        let sink = if p.sinks.data.is_null() {
+            f64::NEG_INFINITY
+        } else {
+            f64::from(*p.sinks.data.offset(h as isize * p.sinks.stride[0] as isize))
+        };
+        for j in 0..kv_len {
+            if !in_window(p, b, i, j) {
+                continue;
+            }
+            let mut bias = 0.0f64;
+            let mask_index = mask_row + j as isize * p.mask.stride[3] as isize;
+            match p.mask.kind {
+                // read as a byte: any nonzero value means "may attend"
+                MaskKind::Bool if *p.mask.data.offset(mask_index) == 0 => continue,
+                MaskKind::Float => {
+                    bias = f64::from(*p.mask.data.cast::<f32>().offset(mask_index));
+                    if bias == f64::NEG_INFINITY {
+                        continue; // hidden before k_j is read
+                    }
+                }
+                _ => {}
+            }
+            let k_row = k_head.offset(j as isize * p.k.stride[2] as isize);
+            let k_multiplier = if int8 { scale_at(&p.k_scale, j) } else { 1.0 };
+            let mut dot = 0.0f64;
+            for d in 0..head_dim {
+                let k_value = if int8 {
+                    (*k_row.add(d)).to_f32() * k_multiplier
+                } else {
+                    (*k_row.add(d)).to_f32()
+                };
+                dot += f64::from((*q_row.add(d)).to_f32()) * f64::from(k_value);
+            }
+            let mut score = f64::from(p.scale) * dot;
+            if softcap > 0.0 {
+                score = softcap * (score / softcap).tanh();
+            }
+            if !p.alibi_slopes.data.is_null() {
+                let distance = position_of(p, b, i) - j as i128;
+                score -= slope * distance.abs() as f64;
+            }
+            score += bias;
+            if score == f64::NEG_INFINITY {
+                continue; // an all-(-inf) row ends up with no visible key
+            }
+            visible.push(VisibleKey { key: j, score });
+        }
+
+        let lse = if p.lse.is_requested() {
+            p.lse.data.offset(
+                b as isize * p.lse.stride[0] as isize
+                    + h as isize * p.lse.stride[1] as isize
+                    + i as isize * p.lse.stride[2] as isize,
+            )
+        } else {
+            std::ptr::null_mut()
+        };
+        if visible.is_empty() {
+            for d in 0..value_dim {
+                *out_row.add(d) = T::from_f32(0.0);
+            }
+            if !lse.is_null() {
+                *lse = sink as f32; // -inf without sinks
+            }
+            return;
+        }
+
+        // 2. Row max (the sink is a key without a value).
+        let mut row_max = sink;
+        for key in visible.iter() {
+            // NaN-propagating: a NaN score stays the row max
+            if !row_max.is_nan() && (key.score.is_nan() || key.score > row_max) {
+                row_max = key.score;
+            }
+        }
+
+        // 3. Exponentiate and sum.
+        let mut row_sum = if sink == f64::NEG_INFINITY {
+            0.0
+        } else {
+            (sink - row_max).exp()
+        };
+        for key in visible.iter_mut() {
+            key.score = (key.score - row_max).exp(); // <= 1: no large positive exponentials
+            row_sum += key.score;
+        }
+
+        // 4. Normalise.
+        for key in visible.iter_mut() {
+            key.score /= row_sum;
+        }
+
+        // 5. Weight the values; write out and lse.
+        let out_acc = &mut scratch.out_row;
+        out_acc.fill(0.0);
+        for key in visible.iter() {
+            let v_row = v_head.offset(key.key as isize * p.v.stride[2] as isize);
+            let v_multiplier = if int8 {
+                scale_at(&p.v_scale, key.key)
+            } else {
+                1.0
+            };
+            for (d, acc) in out_acc.iter_mut().enumerate() {
+                let v_value = if int8 {
+                    (*v_row.add(d)).to_f32() * v_multiplier
+                } else {
+                    (*v_row.add(d)).to_f32()
+                };
+                *acc += key.score * f64::from(v_value);
+            }
+        }
+        for (d, &acc) in out_acc.iter().enumerate() {
+            *out_row.add(d) = T::from_f32(acc as f32);
+        }
+        if !lse.is_null() {
+            // a +inf score: ln(sum) = +inf, though the weights are inf / inf
+            *lse = if row_max == f64::INFINITY {
+                f32::INFINITY
+            } else {
+                (row_max + row_sum.ln()) as f32
+            };
+        }
+    }
+}
+
+/// Whether key j < kv_lens[b] is visible to row i by position (causal and window).
+fn in_window(p: &AttentionProblem, b: usize, i: usize, j: usize) -> bool {
+    if !p.causal && p.window_left < 0 && p.window_right < 0 {
+        return true;
+    }
+    let position = position_of(p, b, i);
+    let j = j as i128;
     !(p.causal && j > position
         || p.window_left >= 0 && j < position - i128::from(p.window_left)
         || p.window_right >= 0 && j > position + i128::from(p.window_right))
-}
-
-/// Whether the bool mask lets row (b, h, i) attend to key j.
-fn mask_allows(shared: &SharedProblem, index: [i64; 4]) -> bool {
-    let mask = &shared.p.mask;
-    // SAFETY: a Bool mask is readable at every index of (B, Hq, Lq, Lk), and index is in bounds.
-    unsafe { *mask.data.offset(offset(index, &mask.stride)) != 0 }
-}
-
-/// The float mask's bias for row (b, h, i) and key j; 0 without a float mask.
-fn mask_bias(shared: &SharedProblem, index: [i64; 4]) -> f64 {
-    let mask = &shared.p.mask;
-    if mask.kind != MaskKind::Float {
-        return 0.0;
-    }
-    // SAFETY: a Float mask holds float32 elements (aligned: the caller's contract), readable at
-    // every index of (B, Hq, Lq, Lk), and index is in bounds.
-    unsafe { f64::from(*mask.data.cast::<f32>().offset(offset(index, &mask.stride))) }
-}
-
-/// Writes lse[b, h, i] when lse was requested.
-fn write_lse(shared: &SharedProblem, index: [i64; 3], value: f32) {
-    let lse = &shared.p.lse;
-    if lse.is_requested() {
-        // SAFETY: lse is (B, Hq, Lq) (checked), index is in bounds, and only the thread owning
-        // pair (b, h) writes this element.
-        unsafe { *lse.data.offset(offset(index, &lse.stride)) = value };
-    }
 }

@@ -1,7 +1,8 @@
 //! The vector types of the fast kernels: one per instruction set, all behind [`Vector`], so the
 //! tile kernel (`flash_kernel.rs`) is written once and compiled once per instruction set.
 //!
-//! Twin of `cpp/src/simd_{scalar,avx2,avx512,neon}.hpp`: the same operations, the same exp2
+//! The types themselves (simd_scalar.rs, simd_avx2.rs, simd_avx512.rs, simd_neon.rs) are the twins
+//! of `cpp/src/simd_{scalar,avx2,avx512,neon}.hpp`: the same operations, the same exp2
 //! polynomial (constants.rs), the same horizontal reduction order (halves folded).
 //!
 //! Soundness: a value of an AVX type exists only once its instruction set has been detected, so
@@ -9,16 +10,6 @@
 //! arithmetic on existing values is safe. (C++ needs no such split: its per-ISA translation
 //! units are simply never called on a CPU without the instructions.) NEON is part of every
 //! AArch64 CPU, so for the NEON type that requirement always holds.
-
-#[cfg(target_arch = "x86_64")]
-pub mod avx2;
-#[cfg(target_arch = "x86_64")]
-pub mod avx512;
-#[cfg(target_arch = "aarch64")]
-pub mod neon;
-pub mod scalar;
-#[cfg(target_arch = "x86_64")]
-mod x86;
 
 /// A vector of `WIDTH` floats with the operations the tile kernel needs.
 pub trait Vector: Copy {

@@ -53,7 +53,7 @@ struct State {
     workers: usize,
 }
 
-struct Pool {
+struct ThreadPool {
     job: Mutex<()>,      // held by the caller that owns the pool for one job
     state: Mutex<State>, // guards everything in State; next_item is apart
     wake: Condvar,
@@ -87,11 +87,11 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-impl Pool {
-    fn instance() -> &'static Pool {
+impl ThreadPool {
+    fn instance() -> &'static ThreadPool {
         // Never dropped: workers may still be parked when the process exits.
-        static POOL: OnceLock<Pool> = OnceLock::new();
-        POOL.get_or_init(|| Pool {
+        static POOL: OnceLock<ThreadPool> = OnceLock::new();
+        POOL.get_or_init(|| ThreadPool {
             job: Mutex::new(()),
             state: Mutex::new(State {
                 generation: 0,
@@ -225,57 +225,5 @@ pub fn parallel_for(items: usize, num_threads: usize, f: &ItemFn<'_>) {
         (0..items).for_each(|item| f(item, 0));
         return;
     }
-    Pool::instance().run(items, num_threads, f);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::AtomicU64;
-
-    #[test]
-    fn every_item_once() {
-        for threads in [1, 2, 3, 8] {
-            for items in [0, 1, 2, 5, 100] {
-                let hits: Vec<AtomicU64> = (0..items).map(|_| AtomicU64::new(0)).collect();
-                parallel_for(items, threads, &|item, thread| {
-                    assert!(thread < threads.max(1));
-                    hits[item].fetch_add(1, Ordering::Relaxed);
-                });
-                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
-            }
-        }
-    }
-
-    #[test]
-    fn concurrent_callers_and_nested_calls_finish() {
-        std::thread::scope(|scope| {
-            for _ in 0..4 {
-                scope.spawn(|| {
-                    for _ in 0..50 {
-                        let sum = AtomicU64::new(0);
-                        parallel_for(64, 3, &|item, _| {
-                            // a nested call finds the pool busy and runs inline
-                            parallel_for(2, 2, &|_, _| {});
-                            sum.fetch_add(item as u64, Ordering::Relaxed);
-                        });
-                        assert_eq!(sum.load(Ordering::Relaxed), 64 * 63 / 2);
-                    }
-                });
-            }
-        });
-    }
-
-    #[test]
-    fn a_panic_reaches_the_caller() {
-        let result = catch_unwind(|| {
-            parallel_for(10, 2, &|item, _| {
-                if item == 3 {
-                    panic!("item 3");
-                }
-            })
-        });
-        assert!(result.is_err());
-        parallel_for(10, 2, &|_, _| {}); // the pool still works
-    }
+    ThreadPool::instance().run(items, num_threads, f);
 }

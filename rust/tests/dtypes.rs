@@ -310,16 +310,115 @@ fn vector_conversions_match_software() {
             }
         }
     }
-    check::<twinattn::simd::scalar::Scalar>();
+    check::<twinattn::simd_scalar::VecScalar>();
     #[cfg(target_arch = "x86_64")]
     {
         if twinattn::dispatch::kernels_for("avx2").is_some() {
-            check::<twinattn::simd::avx2::Avx2>();
+            check::<twinattn::simd_avx2::VecAvx2>();
         }
         if twinattn::dispatch::kernels_for("avx512").is_some() {
-            check::<twinattn::simd::avx512::Avx512>();
+            check::<twinattn::simd_avx512::VecAvx512>();
         }
     }
     #[cfg(target_arch = "aarch64")]
-    check::<twinattn::simd::neon::Neon>();
+    check::<twinattn::simd_neon::VecNeon>();
+}
+
+// ---- The software conversions (element.rs) ----------------------------------------------
+
+mod conversions {
+    use twinattn::element::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+
+    /// Every float16 through float32 and back is itself (NaNs: quieted).
+    #[test]
+    fn f16_round_trip() {
+        for h in 0..=u16::MAX {
+            let x = f16_to_f32(h);
+            let back = f32_to_f16(x);
+            if x.is_nan() {
+                assert_eq!(back, h | 0x0200, "{h:#06x}");
+            } else {
+                assert_eq!(back, h, "{h:#06x}");
+                assert_eq!(f64::from(x), f16_value(h), "{h:#06x}");
+            }
+        }
+    }
+
+    /// The value of a non-NaN float16 from its fields, in float64.
+    fn f16_value(h: u16) -> f64 {
+        let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
+        let exponent = i32::from((h >> 10) & 0x1f);
+        let mantissa = f64::from(h & 0x3ff);
+        sign * match exponent {
+            0 => mantissa * 2f64.powi(-24),
+            0x1f => f64::INFINITY,
+            _ => (1.0 + mantissa / 1024.0) * 2f64.powi(exponent - 15),
+        }
+    }
+
+    /// Rounding to float16 against float64 arithmetic: the nearest float16 (ties to the even
+    /// mantissa), over a sweep of float32 bit patterns that hits every exponent, the halfway
+    /// points and their neighbours.
+    #[test]
+    fn f32_to_f16_rounds_to_nearest_even() {
+        let mut checked = 0;
+        for high in 0u32..0x7f80 {
+            for low in [
+                0u32, 1, 0xfff, 0x1000, 0x1001, 0x2000, 0x3000, 0x7fff, 0xffff,
+            ] {
+                let bits = (high << 16) | low;
+                for sign in [0, 0x8000_0000] {
+                    let x = f32::from_bits(bits | sign);
+                    let h = f32_to_f16(x);
+                    assert_eq!(h, nearest_f16(f64::from(x)), "{:#010x}", bits | sign);
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked > 500_000);
+    }
+
+    fn nearest_f16(x: f64) -> u16 {
+        // candidates: the two float16 neighbours by magnitude (finite ones, then inf)
+        let sign = if x.is_sign_negative() { 0x8000 } else { 0 };
+        let a = x.abs();
+        // the largest finite float16 <= a (values grow with the bits: a binary search)
+        let (mut lo_bits, mut hi_bits) = (0u16, 0x7c00u16);
+        while hi_bits - lo_bits > 1 {
+            let mid = lo_bits + (hi_bits - lo_bits) / 2;
+            if f16_value(mid) <= a {
+                lo_bits = mid;
+            } else {
+                hi_bits = mid;
+            }
+        }
+        let below = lo_bits;
+        let above = below + 1; // 0x7c00 = inf past 65504
+        let (lo, hi) = (f16_value(below), f16_value(above));
+        let hi = if above == 0x7c00 { 65520.0 } else { hi }; // inf's rounding boundary
+        let pick = if a - lo < hi - a || (a - lo == hi - a && below % 2 == 0) {
+            below
+        } else {
+            above
+        };
+        sign | pick
+    }
+
+    #[test]
+    fn bf16_rounding() {
+        assert_eq!(f32_to_bf16(1.0), 0x3f80);
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8000)), 0x3f80); // tie, even below
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f81_8000)), 0x3f82); // tie, even above
+        assert_eq!(f32_to_bf16(f32::from_bits(0x3f80_8001)), 0x3f81);
+        assert_eq!(f32_to_bf16(f32::from_bits(0x0000_8001)), 0x0001); // subnormal kept
+        assert_eq!(f32_to_bf16(f32::MAX), 0x7f80); // rounds past the largest: inf
+        assert_eq!(f32_to_bf16(f32::NEG_INFINITY), 0xff80);
+        assert_eq!(f32_to_bf16(f32::from_bits(0x7f80_0001)), 0x7fc0); // NaN quieted
+        assert_eq!(f32_to_bf16(f32::from_bits(0xffc1_2345)), 0xffc1);
+        for h in 0..=u16::MAX {
+            let x = bf16_to_f32(h);
+            let back = f32_to_bf16(x);
+            assert_eq!(back, if x.is_nan() { h | 0x40 } else { h }, "{h:#06x}");
+        }
+    }
 }

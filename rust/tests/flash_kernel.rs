@@ -579,3 +579,57 @@ fn denormal_softcap_keeps_zero_queries_finite() {
         check_all_isas(&case, 2, &format!("denormal softcap lq {lq}"));
     }
 }
+
+// ---- The thread pool (thread_pool.rs; C++: test_thread_pool in test_flash_kernel.cpp) ----
+
+mod thread_pool {
+    use std::panic::catch_unwind;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use twinattn::thread_pool::parallel_for;
+
+    #[test]
+    fn thread_pool_every_item_once() {
+        for threads in [1, 2, 3, 8] {
+            for items in [0, 1, 2, 5, 100] {
+                let hits: Vec<AtomicU64> = (0..items).map(|_| AtomicU64::new(0)).collect();
+                parallel_for(items, threads, &|item, thread| {
+                    assert!(thread < threads.max(1));
+                    hits[item].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+            }
+        }
+    }
+
+    #[test]
+    fn thread_pool_concurrent_callers_and_nested_calls_finish() {
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| {
+                    for _ in 0..50 {
+                        let sum = AtomicU64::new(0);
+                        parallel_for(64, 3, &|item, _| {
+                            // a nested call finds the pool busy and runs inline
+                            parallel_for(2, 2, &|_, _| {});
+                            sum.fetch_add(item as u64, Ordering::Relaxed);
+                        });
+                        assert_eq!(sum.load(Ordering::Relaxed), 64 * 63 / 2);
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn thread_pool_a_panic_reaches_the_caller() {
+        let result = catch_unwind(|| {
+            parallel_for(10, 2, &|item, _| {
+                if item == 3 {
+                    panic!("item 3");
+                }
+            })
+        });
+        assert!(result.is_err());
+        parallel_for(10, 2, &|_, _| {}); // the pool still works
+    }
+}

@@ -1,4 +1,4 @@
-//! What the two x86 vector types (avx2.rs, avx512.rs) share: the operations that are one
+//! What the two x86 vector types (simd_avx2.rs, simd_avx512.rs) share: the operations that are one
 //! intrinsic each, the same for both widths but for the intrinsics' names (written once, as a
 //! macro that each type's `impl Vector` expands with its own names), and the horizontal
 //! reductions' last 256 bits (AVX-512 folds its halves into one 256-bit vector first). Twin of

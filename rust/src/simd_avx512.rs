@@ -5,22 +5,22 @@
 
 use std::arch::x86_64::*;
 
-use super::x86::{one_intrinsic_ops, reduce_max_256, reduce_sum_256};
-use super::Vector;
 use crate::constants::{
     AVX512_DIRECT_STRIP_ROWS, AVX512_SCORE_VECTORS, AVX512_VALUE_VECTORS, EXP2_COEFFICIENTS,
     EXP2_DEGREE, EXP2_MIN,
 };
+use crate::simd::Vector;
+use crate::simd_x86::{one_intrinsic_ops, reduce_max_256, reduce_sum_256};
 
 #[derive(Clone, Copy, Debug)]
-pub struct Avx512(__m512);
+pub struct VecAvx512(__m512);
 
 #[inline(always)]
 fn tail_mask(n: usize) -> __mmask16 {
     ((1u32 << n) - 1) as __mmask16
 }
 
-impl Vector for Avx512 {
+impl Vector for VecAvx512 {
     const WIDTH: usize = 16;
     const SCORE_VECTORS: usize = AVX512_SCORE_VECTORS;
     const VALUE_VECTORS: usize = AVX512_VALUE_VECTORS;
@@ -28,7 +28,7 @@ impl Vector for Avx512 {
     const NAME: &'static str = "avx512";
 
     one_intrinsic_ops!(
-        Avx512,
+        VecAvx512,
         zero: _mm512_setzero_ps,
         broadcast: _mm512_set1_ps,
         load: _mm512_loadu_ps,
@@ -43,7 +43,7 @@ impl Vector for Avx512 {
     #[inline(always)]
     unsafe fn load_tail(p: *const f32, n: usize) -> Self {
         // SAFETY: AVX-512F and n readable floats at p; masked-off lanes are never accessed.
-        Avx512(unsafe { _mm512_maskz_loadu_ps(tail_mask(n), p) })
+        VecAvx512(unsafe { _mm512_maskz_loadu_ps(tail_mask(n), p) })
     }
     #[inline(always)]
     unsafe fn store_tail(self, p: *mut f32, n: usize) {
@@ -53,21 +53,21 @@ impl Vector for Avx512 {
     #[inline(always)]
     unsafe fn load_f16(p: *const u16) -> Self {
         // SAFETY: the caller guarantees AVX-512F and 16 readable halves.
-        Avx512(unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) })
+        VecAvx512(unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) })
     }
     #[inline(always)]
     unsafe fn load_bf16(p: *const u16) -> Self {
         // SAFETY: the caller guarantees AVX-512F and 16 readable halves.
         unsafe {
             let wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()));
-            Avx512(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide)))
+            VecAvx512(_mm512_castsi512_ps(_mm512_slli_epi32::<16>(wide)))
         }
     }
     #[inline(always)]
     unsafe fn load_i8(p: *const i8) -> Self {
         // SAFETY: the caller guarantees AVX-512F and 16 readable bytes (vpmovsxbd, vcvtdq2ps).
         unsafe {
-            Avx512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+            VecAvx512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                 p.cast(),
             ))))
         }
@@ -101,7 +101,7 @@ impl Vector for Avx512 {
     #[inline(always)]
     fn select_less(a: Self, b: Self, x: Self, y: Self) -> Self {
         // SAFETY: as in fma.
-        Avx512(unsafe {
+        VecAvx512(unsafe {
             _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_LT_OQ>(a.0, b.0), y.0, x.0)
         })
     }
@@ -121,7 +121,7 @@ impl Vector for Avx512 {
                 _mm512_cvtps_epi32(n),
                 _mm512_set1_epi32(127),
             ));
-            Avx512(_mm512_mul_ps(p, _mm512_castsi512_ps(bits)))
+            VecAvx512(_mm512_mul_ps(p, _mm512_castsi512_ps(bits)))
         }
     }
     #[inline(always)]
@@ -154,7 +154,7 @@ impl Vector for Avx512 {
             );
             let lo = _mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23));
             let hi = _mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23));
-            Avx512(_mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi)))
+            VecAvx512(_mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi)))
         }
     }
     #[inline(always)]
@@ -169,7 +169,7 @@ impl Vector for Avx512 {
                 _mm512_shuffle_f32x4::<0x44>(y[2].0, y[3].0),
                 _mm512_shuffle_f32x4::<0xee>(y[2].0, y[3].0),
             );
-            Avx512(_mm512_add_ps(
+            VecAvx512(_mm512_add_ps(
                 _mm512_shuffle_f32x4::<0x88>(z01, z23),
                 _mm512_shuffle_f32x4::<0xdd>(z01, z23),
             ))
@@ -199,10 +199,10 @@ impl Vector for Avx512 {
                 let odd01 = _mm512_shuffle_f32x4::<0xdd>(u[c], u[4 + c]);
                 let even23 = _mm512_shuffle_f32x4::<0x88>(u[8 + c], u[12 + c]);
                 let odd23 = _mm512_shuffle_f32x4::<0xdd>(u[8 + c], u[12 + c]);
-                rows[c] = Avx512(_mm512_shuffle_f32x4::<0x88>(even01, even23));
-                rows[4 + c] = Avx512(_mm512_shuffle_f32x4::<0x88>(odd01, odd23));
-                rows[8 + c] = Avx512(_mm512_shuffle_f32x4::<0xdd>(even01, even23));
-                rows[12 + c] = Avx512(_mm512_shuffle_f32x4::<0xdd>(odd01, odd23));
+                rows[c] = VecAvx512(_mm512_shuffle_f32x4::<0x88>(even01, even23));
+                rows[4 + c] = VecAvx512(_mm512_shuffle_f32x4::<0x88>(odd01, odd23));
+                rows[8 + c] = VecAvx512(_mm512_shuffle_f32x4::<0xdd>(even01, even23));
+                rows[12 + c] = VecAvx512(_mm512_shuffle_f32x4::<0xdd>(odd01, odd23));
             }
         }
     }

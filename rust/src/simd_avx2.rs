@@ -5,15 +5,15 @@
 
 use std::arch::x86_64::*;
 
-use super::x86::{one_intrinsic_ops, reduce_max_256, reduce_sum_256};
-use super::Vector;
 use crate::constants::{
     AVX2_DIRECT_STRIP_ROWS, AVX2_SCORE_VECTORS, AVX2_VALUE_VECTORS, EXP2_COEFFICIENTS, EXP2_DEGREE,
     EXP2_MIN,
 };
+use crate::simd::Vector;
+use crate::simd_x86::{one_intrinsic_ops, reduce_max_256, reduce_sum_256};
 
 #[derive(Clone, Copy, Debug)]
-pub struct Avx2(__m256);
+pub struct VecAvx2(__m256);
 
 /// Lanes [0, n) set.
 ///
@@ -30,7 +30,7 @@ unsafe fn tail_mask(n: usize) -> __m256i {
     }
 }
 
-impl Vector for Avx2 {
+impl Vector for VecAvx2 {
     const WIDTH: usize = 8;
     const SCORE_VECTORS: usize = AVX2_SCORE_VECTORS;
     const VALUE_VECTORS: usize = AVX2_VALUE_VECTORS;
@@ -38,7 +38,7 @@ impl Vector for Avx2 {
     const NAME: &'static str = "avx2";
 
     one_intrinsic_ops!(
-        Avx2,
+        VecAvx2,
         zero: _mm256_setzero_ps,
         broadcast: _mm256_set1_ps,
         load: _mm256_loadu_ps,
@@ -53,7 +53,7 @@ impl Vector for Avx2 {
     #[inline(always)]
     unsafe fn load_tail(p: *const f32, n: usize) -> Self {
         // SAFETY: AVX2 and n readable floats at p; masked-off lanes are never accessed.
-        Avx2(unsafe { _mm256_maskload_ps(p, tail_mask(n)) })
+        VecAvx2(unsafe { _mm256_maskload_ps(p, tail_mask(n)) })
     }
     #[inline(always)]
     unsafe fn store_tail(self, p: *mut f32, n: usize) {
@@ -63,21 +63,21 @@ impl Vector for Avx2 {
     #[inline(always)]
     unsafe fn load_f16(p: *const u16) -> Self {
         // SAFETY: the caller guarantees AVX2 (F16C with it: dispatch.rs) and 8 readable halves.
-        Avx2(unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) })
+        VecAvx2(unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) })
     }
     #[inline(always)]
     unsafe fn load_bf16(p: *const u16) -> Self {
         // SAFETY: the caller guarantees AVX2 and 8 readable halves.
         unsafe {
             let wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
-            Avx2(_mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide)))
+            VecAvx2(_mm256_castsi256_ps(_mm256_slli_epi32::<16>(wide)))
         }
     }
     #[inline(always)]
     unsafe fn load_i8(p: *const i8) -> Self {
         // SAFETY: the caller guarantees AVX2 and 8 readable bytes (vpmovsxbd, vcvtdq2ps).
         unsafe {
-            Avx2(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+            VecAvx2(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
                 p.cast(),
             ))))
         }
@@ -115,7 +115,7 @@ impl Vector for Avx2 {
     #[inline(always)]
     fn select_less(a: Self, b: Self, x: Self, y: Self) -> Self {
         // SAFETY: as in fma.
-        Avx2(unsafe { _mm256_blendv_ps(y.0, x.0, _mm256_cmp_ps::<_CMP_LT_OQ>(a.0, b.0)) })
+        VecAvx2(unsafe { _mm256_blendv_ps(y.0, x.0, _mm256_cmp_ps::<_CMP_LT_OQ>(a.0, b.0)) })
     }
     #[inline(always)]
     fn exp2(x: Self) -> Self {
@@ -133,7 +133,7 @@ impl Vector for Avx2 {
                 _mm256_cvtps_epi32(n),
                 _mm256_set1_epi32(127),
             ));
-            Avx2(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)))
+            VecAvx2(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)))
         }
     }
     #[inline(always)]
@@ -160,14 +160,14 @@ impl Vector for Avx2 {
             );
             let lo = _mm256_unpacklo_pd(_mm256_castps_pd(t01), _mm256_castps_pd(t23));
             let hi = _mm256_unpackhi_pd(_mm256_castps_pd(t01), _mm256_castps_pd(t23));
-            Avx2(_mm256_add_ps(_mm256_castpd_ps(lo), _mm256_castpd_ps(hi)))
+            VecAvx2(_mm256_add_ps(_mm256_castpd_ps(lo), _mm256_castpd_ps(hi)))
         }
     }
     #[inline(always)]
     fn fold_groups(y: &[Self; 4]) -> Self {
         // SAFETY: as in fma.
         unsafe {
-            Avx2(_mm256_add_ps(
+            VecAvx2(_mm256_add_ps(
                 _mm256_permute2f128_ps::<0x20>(y[0].0, y[1].0),
                 _mm256_permute2f128_ps::<0x31>(y[0].0, y[1].0),
             ))
@@ -193,8 +193,8 @@ impl Vector for Avx2 {
             }
             // u[4g + c] lane L = rows 4g..4g+3 of column 4L + c.
             for c in 0..4 {
-                rows[c] = Avx2(_mm256_permute2f128_ps::<0x20>(u[c], u[4 + c]));
-                rows[4 + c] = Avx2(_mm256_permute2f128_ps::<0x31>(u[c], u[4 + c]));
+                rows[c] = VecAvx2(_mm256_permute2f128_ps::<0x20>(u[c], u[4 + c]));
+                rows[4 + c] = VecAvx2(_mm256_permute2f128_ps::<0x31>(u[c], u[4 + c]));
             }
         }
     }

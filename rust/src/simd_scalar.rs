@@ -2,21 +2,21 @@
 //! order. Same tiled algorithm as the SIMD paths; the compiler may vectorise the loops with the
 //! baseline instruction set (SSE2 on x86-64), never more. Twin of `cpp/src/simd_scalar.hpp`.
 
-use super::Vector;
 use crate::constants::{
     EXP2_COEFFICIENTS, EXP2_DEGREE, EXP2_MIN, SCALAR_DIRECT_STRIP_ROWS, SCALAR_SCORE_VECTORS,
     SCALAR_VALUE_VECTORS, SCALAR_WIDTH,
 };
+use crate::simd::Vector;
 
 const W: usize = SCALAR_WIDTH;
 
 #[derive(Clone, Copy, Debug)]
-pub struct Scalar([f32; W]);
+pub struct VecScalar([f32; W]);
 
-impl Scalar {
+impl VecScalar {
     #[inline(always)]
     fn map2(a: Self, b: Self, f: impl Fn(f32, f32) -> f32) -> Self {
-        Scalar(std::array::from_fn(|i| f(a.0[i], b.0[i])))
+        VecScalar(std::array::from_fn(|i| f(a.0[i], b.0[i])))
     }
 }
 
@@ -41,7 +41,7 @@ pub fn exp2_lane(x_in: f32) -> f32 {
     }
 }
 
-impl Vector for Scalar {
+impl Vector for VecScalar {
     const WIDTH: usize = W;
     const SCORE_VECTORS: usize = SCALAR_SCORE_VECTORS;
     const VALUE_VECTORS: usize = SCALAR_VALUE_VECTORS;
@@ -50,20 +50,20 @@ impl Vector for Scalar {
 
     #[inline(always)]
     unsafe fn zero() -> Self {
-        Scalar([0.0; W])
+        VecScalar([0.0; W])
     }
     #[inline(always)]
     unsafe fn broadcast(x: f32) -> Self {
-        Scalar([x; W])
+        VecScalar([x; W])
     }
     #[inline(always)]
     unsafe fn load(p: *const f32) -> Self {
         // SAFETY: the caller guarantees W readable floats at p.
-        Scalar(unsafe { p.cast::<[f32; W]>().read_unaligned() })
+        VecScalar(unsafe { p.cast::<[f32; W]>().read_unaligned() })
     }
     #[inline(always)]
     unsafe fn load_tail(p: *const f32, n: usize) -> Self {
-        Scalar(std::array::from_fn(|i| {
+        VecScalar(std::array::from_fn(|i| {
             if i < n {
                 // SAFETY: the caller guarantees n readable floats at p, and i < n.
                 unsafe { *p.add(i) }
@@ -86,7 +86,7 @@ impl Vector for Scalar {
     }
     #[inline(always)]
     fn fma(a: Self, b: Self, c: Self) -> Self {
-        Scalar(std::array::from_fn(|i| a.0[i] * b.0[i] + c.0[i]))
+        VecScalar(std::array::from_fn(|i| a.0[i] * b.0[i] + c.0[i]))
     }
     #[inline(always)]
     fn mul(a: Self, b: Self) -> Self {
@@ -110,7 +110,7 @@ impl Vector for Scalar {
     }
     #[inline(always)]
     fn select_less(a: Self, b: Self, x: Self, y: Self) -> Self {
-        Scalar(std::array::from_fn(|i| {
+        VecScalar(std::array::from_fn(|i| {
             if a.0[i] < b.0[i] {
                 x.0[i]
             } else {
@@ -120,7 +120,7 @@ impl Vector for Scalar {
     }
     #[inline(always)]
     fn exp2(x: Self) -> Self {
-        Scalar(x.0.map(exp2_lane))
+        VecScalar(x.0.map(exp2_lane))
     }
     #[inline(always)]
     fn reduce_max(mut x: Self) -> f32 {
@@ -158,7 +158,7 @@ impl Vector for Scalar {
                 r[4 * g + k] = (x[0] + x[2]) + (x[1] + x[3]);
             }
         }
-        Scalar(r)
+        VecScalar(r)
     }
     #[inline(always)]
     fn fold_groups(y: &[Self; 4]) -> Self {
@@ -179,7 +179,7 @@ impl Vector for Scalar {
                 r[4 * b + k] = s[0];
             }
         }
-        Scalar(r)
+        VecScalar(r)
     }
     #[inline(always)]
     fn transpose(rows: &mut [Self]) {

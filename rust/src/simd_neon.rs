@@ -1,7 +1,7 @@
 //! The NEON vector type: 8 floats as two 128-bit registers (lanes 0-3 and 4-7). Twin of
 //! `cpp/src/simd_neon.hpp`. Width 8 rather than NEON's native 4 so that everything that depends
 //! on the width (panels, tails, fold_groups' two batches, the order of every sum) is exactly
-//! Avx2's, and the operations below mirror avx2.rs step for step.
+//! VecAvx2's, and the operations below mirror simd_avx2.rs step for step.
 //!
 //! NEON is part of the AArch64 baseline: every AArch64 CPU has it and the target enables it, so
 //! the intrinsics (still `unsafe` to call: they are `#[target_feature(enable = "neon")]`
@@ -10,14 +10,14 @@
 
 use std::arch::aarch64::*;
 
-use super::Vector;
 use crate::constants::{
     EXP2_COEFFICIENTS, EXP2_DEGREE, EXP2_MIN, NEON_DIRECT_STRIP_ROWS, NEON_SCORE_VECTORS,
     NEON_VALUE_VECTORS,
 };
+use crate::simd::Vector;
 
 #[derive(Clone, Copy, Debug)]
-pub struct Neon(float32x4_t, float32x4_t);
+pub struct VecNeon(float32x4_t, float32x4_t);
 
 /// Per lane `a > b ? a : b`, x86's maxps (`b` when either is NaN), which the kernel's masking
 /// assumes; NEON's own vmaxq_f32 would return NaN instead.
@@ -27,7 +27,7 @@ fn max4(a: float32x4_t, b: float32x4_t) -> float32x4_t {
     unsafe { vbslq_f32(vcgtq_f32(a, b), a, b) }
 }
 
-impl Vector for Neon {
+impl Vector for VecNeon {
     const WIDTH: usize = 8;
     const SCORE_VECTORS: usize = NEON_SCORE_VECTORS;
     const VALUE_VECTORS: usize = NEON_VALUE_VECTORS;
@@ -37,17 +37,17 @@ impl Vector for Neon {
     #[inline(always)]
     unsafe fn zero() -> Self {
         // SAFETY: NEON is part of the AArch64 baseline (see the module comment).
-        unsafe { Neon(vdupq_n_f32(0.0), vdupq_n_f32(0.0)) }
+        unsafe { VecNeon(vdupq_n_f32(0.0), vdupq_n_f32(0.0)) }
     }
     #[inline(always)]
     unsafe fn broadcast(x: f32) -> Self {
         // SAFETY: as in zero.
-        unsafe { Neon(vdupq_n_f32(x), vdupq_n_f32(x)) }
+        unsafe { VecNeon(vdupq_n_f32(x), vdupq_n_f32(x)) }
     }
     #[inline(always)]
     unsafe fn load(p: *const f32) -> Self {
         // SAFETY: NEON as in zero; the caller guarantees 8 readable floats at p.
-        unsafe { Neon(vld1q_f32(p), vld1q_f32(p.add(4))) }
+        unsafe { VecNeon(vld1q_f32(p), vld1q_f32(p.add(4))) }
     }
     /// NEON has no masked load: the n floats go through a zeroed buffer, so lanes past n are 0
     /// and their memory is never read.
@@ -74,7 +74,7 @@ impl Vector for Neon {
         // SAFETY: NEON as in zero; the caller guarantees 8 readable bytes at p.
         unsafe {
             let wide = vmovl_s8(vld1_s8(p));
-            Neon(
+            VecNeon(
                 vcvtq_f32_s32(vmovl_s16(vget_low_s16(wide))),
                 vcvtq_f32_s32(vmovl_s16(vget_high_s16(wide))),
             )
@@ -93,37 +93,37 @@ impl Vector for Neon {
     #[inline(always)]
     fn fma(a: Self, b: Self, c: Self) -> Self {
         // SAFETY: as in zero. vfmaq_f32(c, a, b) = c + a * b, fused.
-        unsafe { Neon(vfmaq_f32(c.0, a.0, b.0), vfmaq_f32(c.1, a.1, b.1)) }
+        unsafe { VecNeon(vfmaq_f32(c.0, a.0, b.0), vfmaq_f32(c.1, a.1, b.1)) }
     }
     #[inline(always)]
     fn mul(a: Self, b: Self) -> Self {
         // SAFETY: as in zero.
-        unsafe { Neon(vmulq_f32(a.0, b.0), vmulq_f32(a.1, b.1)) }
+        unsafe { VecNeon(vmulq_f32(a.0, b.0), vmulq_f32(a.1, b.1)) }
     }
     #[inline(always)]
     fn add(a: Self, b: Self) -> Self {
         // SAFETY: as in zero.
-        unsafe { Neon(vaddq_f32(a.0, b.0), vaddq_f32(a.1, b.1)) }
+        unsafe { VecNeon(vaddq_f32(a.0, b.0), vaddq_f32(a.1, b.1)) }
     }
     #[inline(always)]
     fn sub(a: Self, b: Self) -> Self {
         // SAFETY: as in zero.
-        unsafe { Neon(vsubq_f32(a.0, b.0), vsubq_f32(a.1, b.1)) }
+        unsafe { VecNeon(vsubq_f32(a.0, b.0), vsubq_f32(a.1, b.1)) }
     }
     #[inline(always)]
     fn max(a: Self, b: Self) -> Self {
-        Neon(max4(a.0, b.0), max4(a.1, b.1))
+        VecNeon(max4(a.0, b.0), max4(a.1, b.1))
     }
     #[inline(always)]
     fn div(a: Self, b: Self) -> Self {
         // SAFETY: NEON is part of the AArch64 baseline (see the module comment).
-        unsafe { Neon(vdivq_f32(a.0, b.0), vdivq_f32(a.1, b.1)) }
+        unsafe { VecNeon(vdivq_f32(a.0, b.0), vdivq_f32(a.1, b.1)) }
     }
     #[inline(always)]
     fn select_less(a: Self, b: Self, x: Self, y: Self) -> Self {
         // SAFETY: as in div.
         unsafe {
-            Neon(
+            VecNeon(
                 vbslq_f32(vcltq_f32(a.0, b.0), x.0, y.0),
                 vbslq_f32(vcltq_f32(a.1, b.1), x.1, y.1),
             )
@@ -148,7 +148,7 @@ impl Vector for Neon {
                 vmulq_f32(p, vreinterpretq_f32_s32(bits))
             }
         }
-        Neon(exp2_4(x.0), exp2_4(x.1))
+        VecNeon(exp2_4(x.0), exp2_4(x.1))
     }
     #[inline(always)]
     fn reduce_max(x: Self) -> f32 {
@@ -194,12 +194,12 @@ impl Vector for Neon {
                 vaddq_f32(lo, hi)
             }
         }
-        Neon(group(a0.0, a1.0, a2.0, a3.0), group(a0.1, a1.1, a2.1, a3.1))
+        VecNeon(group(a0.0, a1.0, a2.0, a3.0), group(a0.1, a1.1, a2.1, a3.1))
     }
     #[inline(always)]
     fn fold_groups(y: &[Self; 4]) -> Self {
         // SAFETY: as in zero.
-        unsafe { Neon(vaddq_f32(y[0].0, y[0].1), vaddq_f32(y[1].0, y[1].1)) }
+        unsafe { VecNeon(vaddq_f32(y[0].0, y[0].1), vaddq_f32(y[1].0, y[1].1)) }
     }
     /// The four 4 x 4 quadrants transposed, the two off the diagonal swapped.
     #[inline(always)]
@@ -214,8 +214,8 @@ impl Vector for Neon {
         transpose4(hi_top); // rows 0-3 of columns 4-7
         transpose4(lo_bottom); // rows 4-7 of columns 0-3
         for c in 0..4 {
-            rows[c] = Neon(lo[c], lo[4 + c]);
-            rows[4 + c] = Neon(hi[c], hi[4 + c]);
+            rows[c] = VecNeon(lo[c], lo[4 + c]);
+            rows[4 + c] = VecNeon(hi[c], hi[4 + c]);
         }
     }
 }
@@ -243,7 +243,7 @@ mod tests {
     //! tests (their tolerances cover rounding), so these compare bits.
 
     use super::*;
-    use crate::simd::scalar::{exp2_lane, Scalar};
+    use crate::simd_scalar::{exp2_lane, VecScalar};
 
     fn lanes<V: Vector>(v: V) -> [f32; 8] {
         let mut out = [0.0; 8];
@@ -252,9 +252,9 @@ mod tests {
         out
     }
 
-    fn both(x: &[f32; 8]) -> (Neon, Scalar) {
+    fn both(x: &[f32; 8]) -> (VecNeon, VecScalar) {
         // SAFETY: x holds 8 floats; NEON is part of the AArch64 baseline.
-        unsafe { (Neon::load(x.as_ptr()), Scalar::load(x.as_ptr())) }
+        unsafe { (VecNeon::load(x.as_ptr()), VecScalar::load(x.as_ptr())) }
     }
 
     /// Uniform in [0, 1).
@@ -278,23 +278,23 @@ mod tests {
         let mut seed = 7;
         for _ in 0..200 {
             let x: [[f32; 8]; 4] = std::array::from_fn(|_| random_lanes(&mut seed));
-            let (n, s): (Vec<Neon>, Vec<Scalar>) = x.iter().map(both).unzip();
+            let (n, s): (Vec<VecNeon>, Vec<VecScalar>) = x.iter().map(both).unzip();
             assert_eq!(
-                Neon::reduce_sum(n[0]).to_bits(),
-                Scalar::reduce_sum(s[0]).to_bits()
+                VecNeon::reduce_sum(n[0]).to_bits(),
+                VecScalar::reduce_sum(s[0]).to_bits()
             );
-            assert_eq!(Neon::reduce_max(n[1]), Scalar::reduce_max(s[1]));
-            let yn = Neon::reduce4(n[0], n[1], n[2], n[3]);
-            let ys = Scalar::reduce4(s[0], s[1], s[2], s[3]);
+            assert_eq!(VecNeon::reduce_max(n[1]), VecScalar::reduce_max(s[1]));
+            let yn = VecNeon::reduce4(n[0], n[1], n[2], n[3]);
+            let ys = VecScalar::reduce4(s[0], s[1], s[2], s[3]);
             assert_eq!(bits(lanes(yn)), bits(lanes(ys)));
-            let yn2 = Neon::reduce4(n[3], n[2], n[1], n[0]);
-            let ys2 = Scalar::reduce4(s[3], s[2], s[1], s[0]);
+            let yn2 = VecNeon::reduce4(n[3], n[2], n[1], n[0]);
+            let ys2 = VecScalar::reduce4(s[3], s[2], s[1], s[0]);
             assert_eq!(
-                bits(lanes(Neon::fold_groups(&[yn, yn2, n[0], n[1]]))),
-                bits(lanes(Scalar::fold_groups(&[ys, ys2, s[0], s[1]])))
+                bits(lanes(VecNeon::fold_groups(&[yn, yn2, n[0], n[1]]))),
+                bits(lanes(VecScalar::fold_groups(&[ys, ys2, s[0], s[1]])))
             );
             let fused: [f32; 8] = std::array::from_fn(|i| x[0][i].mul_add(x[1][i], x[2][i]));
-            assert_eq!(bits(lanes(Neon::fma(n[0], n[1], n[2]))), bits(fused));
+            assert_eq!(bits(lanes(VecNeon::fma(n[0], n[1], n[2]))), bits(fused));
         }
     }
 
@@ -305,14 +305,14 @@ mod tests {
         let b = [1.0, nan, nan, -3.0, 4.0, -1.0, -0.0, 0.0];
         let ((na, sa), (nb, sb)) = (both(&a), both(&b));
         assert_eq!(
-            bits(lanes(Neon::max(na, nb))),
-            bits(lanes(Scalar::max(sa, sb)))
+            bits(lanes(VecNeon::max(na, nb))),
+            bits(lanes(VecScalar::max(sa, sb)))
         );
         for x in [a, b] {
             let (n, s) = both(&x);
             assert_eq!(
-                Neon::reduce_max(n).to_bits(),
-                Scalar::reduce_max(s).to_bits()
+                VecNeon::reduce_max(n).to_bits(),
+                VecScalar::reduce_max(s).to_bits()
             );
         }
     }
@@ -322,15 +322,15 @@ mod tests {
         // whole x (f = 0, Horner gives c0 = 1 exactly) and x below -126 (2^n = 0) are exact
         let (nan, inf) = (f32::NAN, f32::INFINITY);
         let special = [-inf, -1.5, -127.0, -126.5, -0.0, 0.0, -1.0, -126.0];
-        let got = lanes(Neon::exp2(both(&special).0));
+        let got = lanes(VecNeon::exp2(both(&special).0));
         assert_eq!(bits(got), bits(special.map(exp2_lane)));
         assert_eq!(got[0], 0.0); // exp2(-inf) is exactly 0
-        let got = lanes(Neon::exp2(both(&[nan; 8]).0));
+        let got = lanes(VecNeon::exp2(both(&[nan; 8]).0));
         assert!(got.iter().all(|x| x.is_nan()) && exp2_lane(nan).is_nan());
         let mut seed = 11;
         for _ in 0..1000 {
             let x: [f32; 8] = std::array::from_fn(|_| -126.0 * unit(&mut seed));
-            let got = lanes(Neon::exp2(both(&x).0));
+            let got = lanes(VecNeon::exp2(both(&x).0));
             for (&g, &x) in got.iter().zip(&x) {
                 // the scalar type rounds Horner's products, NEON fuses them: a few ulp apart
                 let want = exp2_lane(x);
@@ -345,7 +345,7 @@ mod tests {
         let x: [f32; 8] = std::array::from_fn(|i| i as f32 + 1.0);
         for n in 0..8 {
             // SAFETY: x holds 8 >= n floats.
-            let v = unsafe { Neon::load_tail(x.as_ptr(), n) };
+            let v = unsafe { VecNeon::load_tail(x.as_ptr(), n) };
             let want: [f32; 8] = std::array::from_fn(|i| if i < n { x[i] } else { 0.0 });
             assert_eq!(lanes(v), want);
             let mut out = [-1.0f32; 9];
