@@ -275,6 +275,26 @@ def test_all_scores_minus_inf_is_an_empty_row(backend: str, isa: str, dtype: np.
 
 
 @ACROSS_ISAS
+@DTYPES
+@pytest.mark.parametrize("path", PATHS)
+def test_all_scores_minus_inf_over_nonfinite_values_is_an_empty_row(backend: str, isa: str, dtype: np.dtype, path: str) -> None:
+    """As above, with NaN and inf in the values those -inf scores would weight (0 * NaN must not
+    enter): the row is zeros and lse = -inf on every path, while the rows that see those values
+    are NaN."""
+    batch, q_heads, kv_heads, q_len, k_len, dim, value_dim, causal = PATHS[path]
+    rng = np.random.default_rng(9)
+    q, k, v = rand(rng, batch, q_heads, q_len, dim), rand(rng, batch, kv_heads, k_len, dim), rand(rng, batch, kv_heads, k_len, value_dim)
+    k[..., 0] = np.abs(k[..., 0]) + 0.5
+    row = q_len - 1  # the last row sees every key, causal or not
+    q[0, 0, row, 0] = -np.inf
+    v[0, 0, 1, 0] = np.nan
+    v[0, 0, k_len // 2, 1] = np.inf
+    want_out, want_lse = _check(backend, isa, dtype, q, k, v, causal=causal)
+    assert (want_out[0, 0, row] == 0).all() and want_lse[0, 0, row] == -np.inf
+    assert np.isnan(want_out[0, 0, 0, 0])  # row 0 weights key 1's NaN by a positive weight
+
+
+@ACROSS_ISAS
 def test_nan_column_in_q_proj_weight_gives_nan(backend: str, isa: str) -> None:
     """A corrupted checkpoint: one NaN column of q_proj makes every query NaN, so every output of
     the layer is NaN (not plausible zeros), on every backend."""

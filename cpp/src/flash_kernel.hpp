@@ -621,9 +621,13 @@ struct Kernel {
         const int64_t G = plan.group, Dv = plan.value_dim, b = item.b;
         const int64_t packed = item.row_begin + r;
         const int64_t h = item.kv_head * G + packed % G, i = packed / G;
-        const float* o = s.out_acc + r * plan.value_stride;
+        float* o = s.out_acc + r * plan.value_stride;
         T* dst = static_cast<T*>(p.out.data) + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
         const float l = s.row_sum[r];
+        // l = 0: no legal key. O is 0 then, unless a visible key that scored -inf (inf in q or k)
+        // brought 0 * NaN from its value in an unmasked block: the row is zeros, as in the reference.
+        if (l == 0.0f)
+            for (int64_t c = 0; c < Dv; ++c) o[c] = 0.0f;
         const Reg inverse = V::broadcast(l == 0.0f ? 0.0f : 1.0f / l);
         int64_t c = 0;
         for (; c + W <= Dv; c += W) V::store_from_f32(dst + c, V::mul(V::load(o + c), inverse));

@@ -1005,6 +1005,11 @@ pub(crate) unsafe fn finish_row<V: Vector, T: Element>(
             &[p.out.stride[0], p.out.stride[1], p.out.stride[2]],
         ));
         let l = *s.row_sum.add(r);
+        // l = 0: no legal key. O is 0 then, unless a visible key that scored -inf (inf in q or k)
+        // brought 0 * NaN from its value in an unmasked block: the row is zeros, as in the reference.
+        if l == 0.0 {
+            std::ptr::write_bytes(o, 0, value_dim);
+        }
         let inverse = V::broadcast(if l == 0.0 { 0.0 } else { 1.0 / l });
         let mut c = 0;
         while c + w <= value_dim {
