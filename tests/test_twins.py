@@ -26,18 +26,7 @@ def _pair_id(pair: tuple[list[str], list[str]]) -> str:
     return Path(pair[1][0]).stem
 
 
-def _pair_params() -> list[object]:
-    params: list[object] = []
-    for pair in twins.PAIRS:
-        marks = []
-        if pair[0][0] in twins.PENDING:
-            # strict: once the pair agrees, the marker must go (and the pair leave PENDING)
-            marks.append(pytest.mark.xfail(strict=True, reason="pair being rewritten (PENDING)"))
-        params.append(pytest.param(pair, id=_pair_id(pair), marks=marks))
-    return params
-
-
-@pytest.mark.parametrize("pair", _pair_params())
+@pytest.mark.parametrize("pair", twins.PAIRS, ids=_pair_id)
 def test_twin_pair_declares_the_same_names(pair: tuple[list[str], list[str]]) -> None:
     assert twins.check(pairs=[pair]) == []
 

@@ -38,10 +38,9 @@ std::string tuple_string(const py::ssize_t* values, py::ssize_t count) {
     return text + (count == 1 ? ",)" : ")");
 }
 
-// Element: q's dtype (float32, float16 or bfloat16) when `like` is null, else like's dtype
-// (k, v and out take q's).
-// KeyElement: q's dtype or int8 (k); Int8: int8 (v when k is int8, "k's dtype").
-enum class Dtype { Float32, Int64, BoolOrFloat32, Element, KeyElement, Int8 };
+// Element: float32, float16 or bfloat16 (q); Like: like's dtype (v and out take q's);
+// LikeOrInt8: like's dtype or int8 (k); Int8: int8 (v when k is int8, "k's dtype").
+enum class Dtype { Float32, Int64, BoolOrFloat32, Element, Like, LikeOrInt8, Int8 };
 
 std::string dtype_string(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
 
@@ -72,7 +71,7 @@ py::array as_array(const py::handle& object, const char* name, Dtype dtype, py::
     if (!py::isinstance<py::array>(object))
         throw py::type_error(std::string(name) + ": expected a numpy.ndarray, got " + type_name(object));
     const auto a = py::reinterpret_borrow<py::array>(object);
-    if (dtype == Dtype::KeyElement) {
+    if (dtype == Dtype::LikeOrInt8) {
         if (!a.dtype().equal(like->dtype()) && !a.dtype().equal(py::dtype::of<int8_t>()))
             throw py::type_error(std::string(name) + ": expected dtype " + dtype_string(*like) +
                                  " (q's dtype) or int8, got " + dtype_string(a));
@@ -81,10 +80,11 @@ py::array as_array(const py::handle& object, const char* name, Dtype dtype, py::
             throw py::type_error(std::string(name) + ": expected dtype int8 (k's dtype), got " + dtype_string(a));
     } else if (dtype == Dtype::Element) {
         ElementType type;
-        if (like == nullptr && !element_type_of(a.dtype(), &type))
+        if (!element_type_of(a.dtype(), &type))
             throw py::type_error(std::string(name) + ": expected dtype float32, float16 or bfloat16, got " +
                                  dtype_string(a));
-        if (like != nullptr && !a.dtype().equal(like->dtype()))
+    } else if (dtype == Dtype::Like) {
+        if (!a.dtype().equal(like->dtype()))
             throw py::type_error(std::string(name) + ": expected dtype " + dtype_string(*like) +
                                  " (q's dtype), got " + dtype_string(a));
     } else {
@@ -206,11 +206,11 @@ void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
     // of q's dtype (float32, float16 or bfloat16), or k and v both int8 (docs/kernels.md,
     // "int8 K/V"); writeable outputs.
     const py::array q = as_array(q_obj, "q", Dtype::Element, 4, "(B, Hq, Lq, D)");
-    const py::array k = as_array(k_obj, "k", Dtype::KeyElement, 4, "(B, Hkv, Lk, D)", &q);
+    const py::array k = as_array(k_obj, "k", Dtype::LikeOrInt8, 4, "(B, Hkv, Lk, D)", &q);
     const bool kv_int8 = k.dtype().equal(py::dtype::of<int8_t>());
     const py::array v = kv_int8 ? as_array(v_obj, "v", Dtype::Int8, 4, "(B, Hkv, Lk, Dv)")
-                                : as_array(v_obj, "v", Dtype::Element, 4, "(B, Hkv, Lk, Dv)", &q);
-    py::array out = as_array(out_obj, "out", Dtype::Element, 4, "(B, Hq, Lq, Dv)", &q);
+                                : as_array(v_obj, "v", Dtype::Like, 4, "(B, Hkv, Lk, Dv)", &q);
+    py::array out = as_array(out_obj, "out", Dtype::Like, 4, "(B, Hq, Lq, Dv)", &q);
     require_writeable(out, "out");
     AttentionProblem problem{};
     element_type_of(q.dtype(), &problem.dtype);

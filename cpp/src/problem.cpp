@@ -16,7 +16,7 @@
 namespace twinattn {
 namespace {
 
-[[noreturn]] void fail(const std::string& message) { throw std::invalid_argument(message); }
+[[noreturn]] void reject(const std::string& message) { throw std::invalid_argument(message); }
 
 std::string shape_string(const int64_t* shape, int rank) {
     std::ostringstream text;
@@ -47,7 +47,7 @@ void check_shape(const char* argument, const int64_t* shape, const Dim* expected
     for (int axis = 0; axis < rank; ++axis)
         wanted += (axis ? ", " : "") + dim_string(expected[axis]);
     wanted += rank == 1 ? ",)" : ")";
-    fail(std::string(argument) + ": expected shape " + wanted + ", got " +
+    reject(std::string(argument) + ": expected shape " + wanted + ", got " +
          shape_string(shape, rank));
 }
 
@@ -59,7 +59,7 @@ int64_t element_count(const int64_t* shape, int rank) {
 
 void check_data(const char* argument, const void* data, const int64_t* shape, int rank) {
     if (data == nullptr && element_count(shape, rank) != 0)
-        fail(std::string(argument) + ": expected data for a non-empty array of shape " +
+        reject(std::string(argument) + ": expected data for a non-empty array of shape " +
              shape_string(shape, rank) + ", got a null pointer");
 }
 
@@ -67,7 +67,7 @@ void check_unit_last_stride(const char* argument, const char* axis_name, const i
                             const int64_t* stride) {
     // An empty array has no element to read, so its strides do not matter (NumPy may give 0).
     if (shape[3] > 1 && stride[3] != 1 && element_count(shape, 4) != 0)
-        fail(std::string(argument) + ": expected unit stride on the last axis (" + axis_name +
+        reject(std::string(argument) + ": expected unit stride on the last axis (" + axis_name +
              "=" + std::to_string(shape[3]) + "), got stride " + std::to_string(stride[3]) +
              " elements");
 }
@@ -81,7 +81,7 @@ struct Extent {
     int128 lowest, end;
 };
 
-Extent extent(const void* data, const int64_t* shape, const int64_t* stride, int rank,
+Extent byte_extent(const void* data, const int64_t* shape, const int64_t* stride, int rank,
               int64_t item) {
     if (element_count(shape, rank) == 0) return Extent{true, 0, 0};
     int128 lowest = static_cast<int128>(reinterpret_cast<std::uintptr_t>(data));
@@ -93,7 +93,7 @@ Extent extent(const void* data, const int64_t* shape, const int64_t* stride, int
     return Extent{false, lowest, highest + item};
 }
 
-bool overlap(const Extent& a, const Extent& b) {
+bool extents_overlap(const Extent& a, const Extent& b) {
     return !a.empty && !b.empty && a.lowest < b.end && b.lowest < a.end;
 }
 
@@ -123,7 +123,7 @@ bool may_overlap_itself(const int64_t* shape, const int64_t* stride, int rank) {
 void check_distinct_elements(const char* argument, const int64_t* shape, const int64_t* stride,
                              int rank) {
     if (may_overlap_itself(shape, stride, rank))
-        fail(std::string(argument) + ": expected elements that do not overlap each other, got strides " +
+        reject(std::string(argument) + ": expected elements that do not overlap each other, got strides " +
              shape_string(stride, rank));
 }
 
@@ -146,7 +146,7 @@ void check_finite_values(const char* argument, const float* data, const int64_t*
             if (std::isfinite(value)) continue;
             const std::string index = rank == 2 ? std::to_string(row) + ", " + std::to_string(column)
                                                 : std::to_string(column);
-            fail(std::string(argument) + ": expected finite values, got " + argument + "[" + index +
+            reject(std::string(argument) + ": expected finite values, got " + argument + "[" + index +
                  "]=" + float_string(value));
         }
 }
@@ -179,7 +179,7 @@ void check_problem(const AttentionProblem& p) {
     const Dim out_dims[4] = {b, hq, lq, dv};
     check_shape("out", p.out.shape, out_dims, 4);
 
-    if (p.lse.data != nullptr) {
+    if (p.lse.is_requested()) {
         const Dim lse_dims[3] = {b, hq, lq};
         check_shape("lse", p.lse.shape, lse_dims, 3);
     }
@@ -190,7 +190,7 @@ void check_problem(const AttentionProblem& p) {
 
     // 2. Grouped-query heads: query head h reads KV head h / (Hq / Hkv).
     if (q_heads > 0 && (kv_heads == 0 || q_heads % kv_heads != 0))
-        fail("k: expected Hkv dividing Hq=" + std::to_string(q_heads) +
+        reject("k: expected Hkv dividing Hq=" + std::to_string(q_heads) +
              " (query head h reads KV head h // (Hq // Hkv)), got Hkv=" + std::to_string(kv_heads));
 
     // 3. Memory: data present when non-empty, unit stride on the feature axes.
@@ -209,33 +209,33 @@ void check_problem(const AttentionProblem& p) {
                                                                      {"kv_lens", &p.kv_lens}};
     for (const auto& values : per_sequence) {
         if (values.second->size != batch)
-            fail(std::string(values.first) + ": expected shape (B=" + std::to_string(batch) +
+            reject(std::string(values.first) + ": expected shape (B=" + std::to_string(batch) +
                  ",), got (" + std::to_string(values.second->size) + ",)");
         // A Rust slice cannot be null; a C++ pointer can.
         check_data(values.first, values.second->data, &values.second->size, 1);
     }
     for (int64_t seq = 0; seq < batch; ++seq)
         if (p.kv_lens[seq] < 0 || p.kv_lens[seq] > key_len)
-            fail("kv_lens: expected values in [0, Lk=" + std::to_string(key_len) + "], got kv_lens[" +
+            reject("kv_lens: expected values in [0, Lk=" + std::to_string(key_len) + "], got kv_lens[" +
                  std::to_string(seq) + "]=" + std::to_string(p.kv_lens[seq]));
     for (int64_t seq = 0; p.causal && seq < batch; ++seq)
         if (p.q_offset[seq] < 0)
-            fail("q_offset: expected values >= 0 when causal, got q_offset[" + std::to_string(seq) +
+            reject("q_offset: expected values >= 0 when causal, got q_offset[" + std::to_string(seq) +
                  "]=" + std::to_string(p.q_offset[seq]));
 
     // 5. Scale.
     if (!std::isfinite(p.scale))
-        fail("scale: expected a finite number, got " + float_string(p.scale));
+        reject("scale: expected a finite number, got " + float_string(p.scale));
 
     // 6. Variants: window sides, softcap, ALiBi slopes (B, Hq) and sinks (Hq,), all finite.
     if (p.window_left < -1)
-        fail("window_left: expected an int >= -1 (-1: unbounded), got " +
+        reject("window_left: expected an int >= -1 (-1: unbounded), got " +
              std::to_string(p.window_left));
     if (p.window_right < -1)
-        fail("window_right: expected an int >= -1 (-1: unbounded), got " +
+        reject("window_right: expected an int >= -1 (-1: unbounded), got " +
              std::to_string(p.window_right));
     if (!std::isfinite(p.softcap) || p.softcap < 0.0f)
-        fail("softcap: expected a finite number >= 0 (0: off), got " + float_string(p.softcap));
+        reject("softcap: expected a finite number >= 0 (0: off), got " + float_string(p.softcap));
     if (p.alibi_slopes.data != nullptr) {
         const Dim slope_dims[2] = {b, hq};
         check_shape("alibi_slopes", p.alibi_slopes.shape, slope_dims, 2);
@@ -253,50 +253,50 @@ void check_problem(const AttentionProblem& p) {
                                                                 {"v_scale", &p.v_scale}};
     for (const auto& scale : scales) {
         if (p.kv_int8 && scale.second->data == nullptr)
-            fail(std::string(scale.first) +
+            reject(std::string(scale.first) +
                  ": required with int8 k and v (float32, shape (B, Hkv, Lk)), got None");
         if (!p.kv_int8 && scale.second->data != nullptr)
-            fail(std::string(scale.first) + ": expected None with " + element_name(p.dtype) +
+            reject(std::string(scale.first) + ": expected None with " + element_name(p.dtype) +
                  " k and v (scales are only for int8), got an array");
         if (scale.second->data != nullptr) check_shape(scale.first, scale.second->shape, scale_dims, 3);
     }
 
     // 7. Outputs: every element written once, by one thread, never read as input.
     check_distinct_elements("out", p.out.shape, p.out.stride, 4);
-    if (p.lse.data != nullptr) check_distinct_elements("lse", p.lse.shape, p.lse.stride, 3);
+    if (p.lse.is_requested()) check_distinct_elements("lse", p.lse.shape, p.lse.stride, 3);
     const int64_t item = element_size(p.dtype);  // q and out
     const int64_t kv_item = p.kv_int8 ? 1 : item;  // k and v
-    const Extent out = extent(p.out.data, p.out.shape, p.out.stride, 4, item);
-    const Extent lse = p.lse.data != nullptr ? extent(p.lse.data, p.lse.shape, p.lse.stride, 3, 4)
+    const Extent out = byte_extent(p.out.data, p.out.shape, p.out.stride, 4, item);
+    const Extent lse = p.lse.is_requested() ? byte_extent(p.lse.data, p.lse.shape, p.lse.stride, 3, 4)
                                              : Extent{true, 0, 0};
     const Extent mask = p.mask.kind == MaskKind::None
                             ? Extent{true, 0, 0}
-                            : extent(p.mask.data, p.mask.shape, p.mask.stride, 4,
+                            : byte_extent(p.mask.data, p.mask.shape, p.mask.stride, 4,
                                      p.mask.kind == MaskKind::Float ? 4 : 1);
     const std::pair<const char*, Extent> inputs[] = {
-        {"q", extent(p.q.data, p.q.shape, p.q.stride, 4, item)},
-        {"k", extent(p.k.data, p.k.shape, p.k.stride, 4, kv_item)},
-        {"v", extent(p.v.data, p.v.shape, p.v.stride, 4, kv_item)},
+        {"q", byte_extent(p.q.data, p.q.shape, p.q.stride, 4, item)},
+        {"k", byte_extent(p.k.data, p.k.shape, p.k.stride, 4, kv_item)},
+        {"v", byte_extent(p.v.data, p.v.shape, p.v.stride, 4, kv_item)},
         {"mask", mask},
         {"alibi_slopes", p.alibi_slopes.data != nullptr
-                             ? extent(p.alibi_slopes.data, p.alibi_slopes.shape,
+                             ? byte_extent(p.alibi_slopes.data, p.alibi_slopes.shape,
                                       p.alibi_slopes.stride, 2, 4)
                              : Extent{true, 0, 0}},
         {"sinks", p.sinks.data != nullptr
-                      ? extent(p.sinks.data, p.sinks.shape, p.sinks.stride, 1, 4)
+                      ? byte_extent(p.sinks.data, p.sinks.shape, p.sinks.stride, 1, 4)
                       : Extent{true, 0, 0}},
         {"k_scale", p.k_scale.data != nullptr
-                        ? extent(p.k_scale.data, p.k_scale.shape, p.k_scale.stride, 3, 4)
+                        ? byte_extent(p.k_scale.data, p.k_scale.shape, p.k_scale.stride, 3, 4)
                         : Extent{true, 0, 0}},
         {"v_scale", p.v_scale.data != nullptr
-                        ? extent(p.v_scale.data, p.v_scale.shape, p.v_scale.stride, 3, 4)
+                        ? byte_extent(p.v_scale.data, p.v_scale.shape, p.v_scale.stride, 3, 4)
                         : Extent{true, 0, 0}},
         {"lse", lse}};
     const std::pair<const char*, Extent> outputs[] = {{"out", out}, {"lse", lse}};
     for (const auto& output : outputs)
         for (const auto& input : inputs)
-            if (std::strcmp(input.first, output.first) != 0 && overlap(output.second, input.second))
-                fail(std::string(output.first) + ": expected memory disjoint from " + input.first +
+            if (std::strcmp(input.first, output.first) != 0 && extents_overlap(output.second, input.second))
+                reject(std::string(output.first) + ": expected memory disjoint from " + input.first +
                      ", got arrays that overlap");
 }
 
@@ -304,7 +304,7 @@ int64_t element_size(ElementType dtype) { return dtype == ElementType::Float32 ?
 
 int check_num_threads(int64_t num_threads) {
     if (num_threads < 1)
-        fail("num_threads: expected an int >= 1, got " + std::to_string(num_threads));
+        reject("num_threads: expected an int >= 1, got " + std::to_string(num_threads));
     return static_cast<int>(std::min<int64_t>(num_threads, std::numeric_limits<int>::max()));
 }
 

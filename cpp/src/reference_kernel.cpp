@@ -58,10 +58,6 @@ struct RowScratch {
     std::vector<double> out_row;      // Dv accumulators
 };
 
-int64_t kv_len_of(const AttentionProblem& p, int64_t b) {
-    return p.kv_lens[b];
-}
-
 // 128-bit arithmetic (GCC and Clang): q_offset may be any int64 when not causal.
 __extension__ typedef __int128 int128;
 
@@ -99,7 +95,7 @@ void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowS
     // 1. Select the visible keys and score them.
     std::vector<VisibleKey>& visible = scratch.visible;
     visible.clear();  // keeps capacity: no allocation here
-    const int64_t kv_len = kv_len_of(p, b);
+    const int64_t kv_len = p.kv_lens[b];
     const double softcap = p.softcap;
     const double slope = p.alibi_slopes.data == nullptr
                              ? 0.0
@@ -210,7 +206,7 @@ void attention_reference(const AttentionProblem& p, int num_threads) {
 
     // Scratch for every thread, allocated here so that std::bad_alloc reaches the caller.
     int64_t longest_kv_len = 0;
-    for (int64_t b = 0; b < p.q.shape[0]; ++b) longest_kv_len = std::max(longest_kv_len, kv_len_of(p, b));
+    for (int64_t b = 0; b < p.q.shape[0]; ++b) longest_kv_len = std::max(longest_kv_len, p.kv_lens[b]);
     const int64_t thread_count = std::min<int64_t>(num_threads, pair_count);
     std::vector<RowScratch> scratch(static_cast<size_t>(thread_count));
     for (RowScratch& s : scratch) {

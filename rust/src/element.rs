@@ -16,34 +16,8 @@
 //! - float32 -> bfloat16: always the software rule below, vectorised per instruction set (never
 //!   vcvtneps2bf16, which flushes subnormals): bits >> 16 rounded to nearest even, NaN quieted.
 
+use crate::problem::ElementType;
 use crate::simd::Vector;
-
-/// The dtype of q, k, v and out (all four alike).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Dtype {
-    Float32 = 0,
-    Float16 = 1,
-    BFloat16 = 2,
-}
-
-impl Dtype {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            Dtype::Float32 => 4,
-            Dtype::Float16 | Dtype::BFloat16 => 2,
-        }
-    }
-
-    /// NumPy's name of the dtype ("float32", "float16", "bfloat16").
-    pub fn name(self) -> &'static str {
-        match self {
-            Dtype::Float32 => "float32",
-            Dtype::Float16 => "float16",
-            Dtype::BFloat16 => "bfloat16",
-        }
-    }
-}
 
 /// An IEEE 754 binary16 value, as its bits.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -150,7 +124,7 @@ pub trait Load: Copy + Send + Sync + 'static {
 
 /// A storage type of q, k, v and out: read as [`Load`], and written from float32 vectors.
 pub trait Element: Load {
-    const DTYPE: Dtype;
+    const DTYPE: ElementType;
     /// The value rounded to this type (module documentation).
     fn from_f32(x: f32) -> Self;
 
@@ -198,7 +172,7 @@ impl Load for f32 {
 }
 
 impl Element for f32 {
-    const DTYPE: Dtype = Dtype::Float32;
+    const DTYPE: ElementType = ElementType::Float32;
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
         x
@@ -229,7 +203,7 @@ impl Load for Float16 {
 }
 
 impl Element for Float16 {
-    const DTYPE: Dtype = Dtype::Float16;
+    const DTYPE: ElementType = ElementType::Float16;
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
         Float16(f32_to_f16(x))
@@ -255,7 +229,7 @@ impl Load for BFloat16 {
 }
 
 impl Element for BFloat16 {
-    const DTYPE: Dtype = Dtype::BFloat16;
+    const DTYPE: ElementType = ElementType::BFloat16;
     #[inline(always)]
     fn from_f32(x: f32) -> Self {
         BFloat16(f32_to_bf16(x))

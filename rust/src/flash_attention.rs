@@ -25,10 +25,11 @@ use crate::constants::{
     KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, Q_TILE_ROWS, SERIAL_WORK, SPLIT_KEY_CHUNK,
 };
 use crate::dispatch::current_kernels;
-use crate::element::{BFloat16, Dtype, Element, Float16};
+use crate::element::{BFloat16, Element, Float16};
 use crate::flash_kernel::{max_nan, FlashKernels, FlashPlan, ThreadScratch, WorkItem};
 use crate::problem::{
-    check_num_threads, check_problem, try_filled, AttentionProblem, MaskKind, ProblemError,
+    check_num_threads, check_problem, try_filled, AttentionProblem, ElementType, MaskKind,
+    ProblemError,
 };
 use crate::thread_pool::parallel_for;
 
@@ -426,7 +427,7 @@ fn run_prefill(
     // (Not with int8 K/V: those take the convert path.)
     let pairs = kernels
         .pack_pairs
-        .filter(|_| p.dtype == Dtype::BFloat16 && !p.kv_int8);
+        .filter(|_| p.dtype == ElementType::BFloat16 && !p.kv_int8);
     let panel_size = if pairs.is_some() {
         d_len.div_ceil(2)
     } else {
@@ -614,9 +615,9 @@ fn run_split_key(
         // out and lse rows are written by this item only.
         unsafe {
             let merge = match plan_ref.problem.dtype {
-                Dtype::Float32 => merge_partials::<f32>,
-                Dtype::Float16 => merge_partials::<Float16>,
-                Dtype::BFloat16 => merge_partials::<BFloat16>,
+                ElementType::Float32 => merge_partials::<f32>,
+                ElementType::Float16 => merge_partials::<Float16>,
+                ElementType::BFloat16 => merge_partials::<BFloat16>,
             };
             merge(
                 plan_ref,
@@ -671,7 +672,7 @@ unsafe fn merge_partials<T: Element>(
                 p.out.data.cast::<T>().offset(
                     b as isize * stride(0) + h as isize * stride(1) + i as isize * stride(2),
                 );
-            let dst = if T::DTYPE == Dtype::Float32 {
+            let dst = if T::DTYPE == ElementType::Float32 {
                 out_row.cast::<f32>()
             } else {
                 row_buffer
@@ -705,7 +706,7 @@ unsafe fn merge_partials<T: Element>(
                     *dst.add(d) *= inverse;
                 }
             }
-            if T::DTYPE != Dtype::Float32 {
+            if T::DTYPE != ElementType::Float32 {
                 for d in 0..value_dim {
                     *out_row.add(d) = T::from_f32(*dst.add(d));
                 }

@@ -512,7 +512,7 @@ unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
 pub const fn flash_kernels_avx512bf16() -> FlashKernels {
     let mut kernels = crate::flash_avx512::flash_kernels_avx512();
     kernels.isa = "avx512bf16";
-    kernels.attend_rows[crate::element::Dtype::BFloat16 as usize] = attend_rows;
+    kernels.attend_rows[crate::problem::ElementType::BFloat16 as usize] = attend_rows;
     kernels.pack_pairs = Some(pack_pairs);
     kernels
 }

@@ -129,11 +129,11 @@ pub type PackPairsFn =
 /// # Safety: the CPU supports the kernels' instruction set (as for every entry of FlashKernels).
 pub type TanhFn = unsafe fn(&mut [f32]);
 
-/// Indexed by Dtype: [Float32], [Float16], [BFloat16].
+/// Indexed by ElementType: [Float32], [Float16], [BFloat16].
 pub const ELEMENT_TYPES: usize = 3;
 
 /// The kernels of one instruction set. `attend_rows` and `pack_keys` hold one entry per storage
-/// type, indexed by `Dtype as usize` (float32, float16, bfloat16): the kernels generic over
+/// type, indexed by `ElementType as usize` (float32, float16, bfloat16): the kernels generic over
 /// [`Element`]. (pack_keys writes float32 panels whatever the storage: the convert path.)
 #[derive(Clone, Copy)]
 pub struct FlashKernels {

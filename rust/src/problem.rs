@@ -18,7 +18,33 @@
 
 use std::fmt;
 
-pub use crate::element::Dtype;
+/// The element type of q, k, v and out (all four alike): the problem's `dtype`. C++'s
+/// ElementType (problem.hpp), whose enum class has no methods: element_size, element_name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ElementType {
+    Float32 = 0,
+    Float16 = 1,
+    BFloat16 = 2,
+}
+
+impl ElementType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            ElementType::Float32 => 4,
+            ElementType::Float16 | ElementType::BFloat16 => 2,
+        }
+    }
+
+    /// NumPy's name of the dtype ("float32", "float16", "bfloat16").
+    pub fn name(self) -> &'static str {
+        match self {
+            ElementType::Float32 => "float32",
+            ElementType::Float16 => "float16",
+            ElementType::BFloat16 => "bfloat16",
+        }
+    }
+}
 
 /// A read-only 4-D view of elements of the problem's dtype (float32, float16 or bfloat16:
 /// [`AttentionProblem::dtype`]): element `[a, b, c, d]` lives at
@@ -150,7 +176,7 @@ impl ParamView3 {
 pub struct AttentionProblem<'a> {
     /// the element type of q, k, v and out (k and v: int8 instead when `kv_int8`; lse, the mask
     /// and the parameters are float32)
-    pub dtype: Dtype,
+    pub dtype: ElementType,
     pub q: TensorView4,
     pub k: TensorView4,
     pub v: TensorView4,
@@ -186,23 +212,49 @@ pub struct AttentionProblem<'a> {
     pub v_scale: ParamView3,
 }
 
+/// Row-major (contiguous) views over shape (d0, d1, d2, d3) of float32 elements; a convenience
+/// for tests and for callers that own contiguous buffers.
+pub fn contiguous_view(data: *const f32, d0: i64, d1: i64, d2: i64, d3: i64) -> TensorView4 {
+    TensorView4 {
+        data: data.cast(),
+        shape: [d0, d1, d2, d3],
+        stride: [d1 * d2 * d3, d2 * d3, d3, 1],
+    }
+}
+
+pub fn contiguous_mut_view(data: *mut f32, d0: i64, d1: i64, d2: i64, d3: i64) -> MutTensorView4 {
+    MutTensorView4 {
+        data: data.cast(),
+        shape: [d0, d1, d2, d3],
+        stride: [d1 * d2 * d3, d2 * d3, d3, 1],
+    }
+}
+
+pub fn contiguous_lse_view(data: *mut f32, d0: i64, d1: i64, d2: i64) -> LseView {
+    LseView {
+        data,
+        shape: [d0, d1, d2],
+        stride: [d1 * d2, d2, 1],
+    }
+}
+
 /// What is wrong with a call: a message naming the argument, what was expected and what was
 /// given (the Python binding raises it as ValueError, as C++'s std::invalid_argument), or
-/// [`OUT_OF_MEMORY`] when a kernel's scratch could not be allocated (raised as MemoryError).
+/// [`OUT_OF_MEMORY_MESSAGE`] when a kernel's scratch could not be allocated (raised as MemoryError).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ProblemError(pub String);
 
 /// The message of a failed scratch allocation; C++'s kOutOfMemoryMessage.
-pub const OUT_OF_MEMORY: &str =
+pub const OUT_OF_MEMORY_MESSAGE: &str =
     "out of memory: the kernel's scratch buffers for this call could not be allocated";
 
 impl ProblemError {
     pub fn out_of_memory() -> Self {
-        ProblemError(OUT_OF_MEMORY.to_owned())
+        ProblemError(OUT_OF_MEMORY_MESSAGE.to_owned())
     }
 
     pub fn is_out_of_memory(&self) -> bool {
-        self.0 == OUT_OF_MEMORY
+        self.0 == OUT_OF_MEMORY_MESSAGE
     }
 }
 

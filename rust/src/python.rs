@@ -11,11 +11,10 @@ use pyo3::exceptions::{PyImportError, PyMemoryError, PyOverflowError, PyTypeErro
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyString};
 
-use crate::constants::ConstantValue;
-use crate::element::Dtype as ElementType;
+use crate::constants::*;
 use crate::problem::{
-    check_num_threads, AttentionProblem, LseView, MaskKind, MaskView, MutTensorView4, ParamView1,
-    ParamView2, ParamView3, ProblemError, TensorView4,
+    check_num_threads, AttentionProblem, ElementType, LseView, MaskKind, MaskView, MutTensorView4,
+    ParamView1, ParamView2, ParamView3, ProblemError, TensorView4,
 };
 
 /// Which kernel a call runs.
@@ -50,7 +49,7 @@ enum Dtype {
     Int64,
     BoolOrFloat32,
     /// q: float32, float16 or bfloat16
-    Data,
+    Element,
     /// k, v, out: q's element type, whose NumPy name is given
     Like(ElementType, &'static str),
     /// k: q's element type (its NumPy name given) or int8
@@ -62,7 +61,7 @@ enum Dtype {
 /// The element type of a float32, float16 (NumPy's) or bfloat16 (ml_dtypes') array of native
 /// byte order; None for any other dtype. bfloat16 is a NumPy user dtype (kind 'V'), recognised
 /// as the specification says: char 'E', name "bfloat16", itemsize 2 (the same test as C++).
-fn element_type(descr: &Bound<'_, PyArrayDescr>) -> Option<ElementType> {
+fn element_type_of(descr: &Bound<'_, PyArrayDescr>) -> Option<ElementType> {
     if descr.is_native_byteorder() == Some(false) || descr.has_fields() {
         return None;
     }
@@ -106,10 +105,10 @@ fn as_array<'a, 'py>(
         Dtype::Float32 => is_float32,
         Dtype::Int64 => given.is_equiv_to(&dtype::<i64>(py)),
         Dtype::BoolOrFloat32 => is_float32 || given.is_equiv_to(&dtype::<bool>(py)),
-        Dtype::Data => element_type(&given).is_some(),
-        Dtype::Like(element, _) => element_type(&given) == Some(element),
+        Dtype::Element => element_type_of(&given).is_some(),
+        Dtype::Like(element, _) => element_type_of(&given) == Some(element),
         Dtype::LikeOrInt8(element, _) => {
-            element_type(&given) == Some(element) || given.is_equiv_to(&dtype::<i8>(py))
+            element_type_of(&given) == Some(element) || given.is_equiv_to(&dtype::<i8>(py))
         }
         Dtype::Int8 => given.is_equiv_to(&dtype::<i8>(py)),
     };
@@ -118,7 +117,7 @@ fn as_array<'a, 'py>(
             Dtype::Float32 => "float32".to_owned(),
             Dtype::Int64 => "int64".to_owned(),
             Dtype::BoolOrFloat32 => "bool or float32".to_owned(),
-            Dtype::Data => "float32, float16 or bfloat16".to_owned(),
+            Dtype::Element => "float32, float16 or bfloat16".to_owned(),
             Dtype::Like(_, name) => format!("{name} (q's dtype)"),
             Dtype::LikeOrInt8(_, name) => format!("{name} (q's dtype) or int8"),
             Dtype::Int8 => "int8 (k's dtype)".to_owned(),
@@ -183,6 +182,14 @@ fn shape_of<const N: usize>(array: &Bound<'_, PyUntypedArray>) -> [i64; N] {
 fn strides_of<const N: usize>(array: &Bound<'_, PyUntypedArray>) -> [i64; N] {
     let item = array.dtype().itemsize() as i64;
     std::array::from_fn(|axis| array.strides()[axis] as i64 / item)
+}
+
+fn tensor_view(array: &Bound<'_, PyUntypedArray>) -> TensorView4 {
+    TensorView4 {
+        data: data_of(array).cast_const(),
+        shape: shape_of(array),
+        stride: strides_of(array),
+    }
 }
 
 /// A per-sequence int64 vector (q_offset, kv_lens) copied into a Vec (its length is the core's
@@ -315,7 +322,7 @@ impl DetachedProblem<'_> {
 
 /// One `#[pyfunction]` per kernel, the same arguments for both, handed to [`run_kernel`] (a macro:
 /// PyO3 needs a function each; C++ instantiates one template twice, bindings.cpp).
-macro_rules! attention_pyfunction {
+macro_rules! attention_py {
     ($(#[$doc:meta])* $name:ident, $kernel:expr) => {
         $(#[$doc])*
         #[pyfunction]
@@ -364,7 +371,7 @@ macro_rules! attention_pyfunction {
     };
 }
 
-attention_pyfunction!(
+attention_py!(
     /// attention_forward(q, k, v, out, *, scale, lse=None, q_offset=None, kv_lens=None,
     ///     mask=None, causal=None, num_threads=None, window_left=None, window_right=None,
     ///     softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None)
@@ -376,7 +383,7 @@ attention_pyfunction!(
     Kernel::Fast
 );
 
-attention_pyfunction!(
+attention_py!(
     /// attention_reference(q, k, v, out, *, scale, lse=None, q_offset=None, kv_lens=None,
     ///     mask=None, causal=None, num_threads=None, window_left=None, window_right=None,
     ///     softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None)
@@ -403,8 +410,8 @@ fn run_kernel(
     // 1. Arrays, each whole (dtype, rank, strides, alignment) before the next: q, k, v and out
     // of q's dtype (float32, float16 or bfloat16), or k and v both int8 (docs/kernels.md,
     // "int8 K/V"); writeable outputs.
-    let q = as_array(q, "q", Dtype::Data, 4, "(B, Hq, Lq, D)")?;
-    let element = element_type(&q.dtype()).expect("checked by as_array");
+    let q = as_array(q, "q", Dtype::Element, 4, "(B, Hq, Lq, D)")?;
+    let element = element_type_of(&q.dtype()).expect("checked by as_array");
     let like = Dtype::Like(element, element.name());
     let k = as_array(
         k,
@@ -461,16 +468,11 @@ fn run_kernel(
     let k_scale = param_view!(ParamView3, k_scale, "k_scale", "(B, Hkv, Lk)");
     let v_scale = param_view!(ParamView3, v_scale, "v_scale", "(B, Hkv, Lk)");
 
-    let tensor = |array: &Bound<'_, PyUntypedArray>| TensorView4 {
-        data: data_of(array).cast_const(),
-        shape: shape_of(array),
-        stride: strides_of(array),
-    };
     let problem = AttentionProblem {
         dtype: element,
-        q: tensor(q),
-        k: tensor(k),
-        v: tensor(v),
+        q: tensor_view(q),
+        k: tensor_view(k),
+        v: tensor_view(v),
         out: MutTensorView4 {
             data: data_of(out),
             shape: shape_of(out),
@@ -506,7 +508,8 @@ fn run_kernel(
 /// tanh of a float32 vector (any stride) with the fast kernel's vectorised tanh (softcap) and
 /// the instruction set in use, into a new array: the kernel's own code, for tests.
 #[pyfunction]
-fn softcap_tanh<'py>(x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<f32>>> {
+#[pyo3(name = "softcap_tanh")]
+fn softcap_tanh_py<'py>(x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<f32>>> {
     let x = as_array(x, "x", Dtype::Float32, 1, "(n,)")?;
     let n = x.shape()[0];
     let stride = strides_of::<1>(x)[0] as isize;
@@ -528,7 +531,8 @@ fn softcap_tanh<'py>(x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<f32>
 /// order as C++: kind (a str), num_threads (an int), seconds (a float, > 0 and <= 1e6, said with
 /// Python's repr), then the core's checks (kind known, kind runnable here, num_threads >= 1).
 #[pyfunction]
-fn measure_peak(
+#[pyo3(name = "measure_peak")]
+fn measure_peak_py(
     kind: &Bound<'_, PyAny>,
     num_threads: &Bound<'_, PyAny>,
     seconds: &Bound<'_, PyAny>,
@@ -545,17 +549,10 @@ fn measure_peak(
         )));
     }
     let kind = kind.to_cow()?.into_owned();
-    run_detached(seconds.py(), move || {
-        crate::measure_peak::measure_peak(&kind, num_threads, seconds_value)
-    })
-}
-
-/// Runs `f` without the GIL; its error as ValueError.
-fn run_detached(
-    py: Python<'_>,
-    f: impl FnOnce() -> Result<f64, ProblemError> + Send,
-) -> PyResult<f64> {
-    py.detach(f).map_err(raise)
+    seconds
+        .py()
+        .detach(move || crate::measure_peak::measure_peak(&kind, num_threads, seconds_value))
+        .map_err(raise)
 }
 
 /// build_info() -> dict: the instruction set chosen at run time, those available (fastest
@@ -567,16 +564,38 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     info.set_item("isa_available", crate::dispatch::available_isas())?;
     info.set_item("compiler", env!("TWINATTN_RUSTC_VERSION"))?;
     info.set_item("version", env!("CARGO_PKG_VERSION"))?;
+    // Every shared constant (constants.rs), keyed by its name lowercased.
     let constants = PyDict::new(py);
-    for (name, value) in crate::constants::shared_constants() {
-        match value {
-            ConstantValue::Int(x) => constants.set_item(name, x)?,
-            ConstantValue::Float(x) => constants.set_item(name, f64::from(x))?,
-            ConstantValue::Floats(xs) => {
-                constants.set_item(name, xs.iter().map(|&x| f64::from(x)).collect::<Vec<_>>())?
-            }
-        }
-    }
+    constants.set_item("q_tile_rows", Q_TILE_ROWS)?;
+    constants.set_item("micro_rows", MICRO_ROWS)?;
+    constants.set_item("key_block", KEY_BLOCK)?;
+    constants.set_item("key_panel", KEY_PANEL)?;
+    constants.set_item("split_key_chunk", SPLIT_KEY_CHUNK)?;
+    constants.set_item("pool_spin_microseconds", POOL_SPIN_MICROSECONDS)?;
+    constants.set_item("serial_work", SERIAL_WORK)?;
+    constants.set_item("direct_score_rows", DIRECT_SCORE_ROWS)?;
+    constants.set_item("avx512_score_vectors", AVX512_SCORE_VECTORS)?;
+    constants.set_item("avx512_value_vectors", AVX512_VALUE_VECTORS)?;
+    constants.set_item("avx2_score_vectors", AVX2_SCORE_VECTORS)?;
+    constants.set_item("avx2_value_vectors", AVX2_VALUE_VECTORS)?;
+    constants.set_item("neon_score_vectors", NEON_SCORE_VECTORS)?;
+    constants.set_item("neon_value_vectors", NEON_VALUE_VECTORS)?;
+    constants.set_item("scalar_width", SCALAR_WIDTH)?;
+    constants.set_item("scalar_score_vectors", SCALAR_SCORE_VECTORS)?;
+    constants.set_item("scalar_value_vectors", SCALAR_VALUE_VECTORS)?;
+    constants.set_item("avx512_direct_strip_rows", AVX512_DIRECT_STRIP_ROWS)?;
+    constants.set_item("avx2_direct_strip_rows", AVX2_DIRECT_STRIP_ROWS)?;
+    constants.set_item("neon_direct_strip_rows", NEON_DIRECT_STRIP_ROWS)?;
+    constants.set_item("scalar_direct_strip_rows", SCALAR_DIRECT_STRIP_ROWS)?;
+    constants.set_item("exp2_degree", EXP2_DEGREE)?;
+    let floats = |values: &[f32]| values.iter().map(|&x| f64::from(x)).collect::<Vec<_>>();
+    constants.set_item("exp2_coefficients", floats(&EXP2_COEFFICIENTS))?;
+    constants.set_item("exp2_min", f64::from(EXP2_MIN))?;
+    constants.set_item("log2_e", f64::from(LOG2_E))?;
+    constants.set_item("ln2", f64::from(LN2))?;
+    constants.set_item("tanh_degree", TANH_DEGREE)?;
+    constants.set_item("tanh_coefficients", floats(&TANH_COEFFICIENTS))?;
+    constants.set_item("tanh_small", f64::from(TANH_SMALL))?;
     info.set_item("constants", constants)?;
     Ok(info)
 }
@@ -584,7 +603,8 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// set_isa(name) -> None: switches the instruction set of attention_forward among
 /// build_info()["isa_available"]; ValueError naming the available ones otherwise.
 #[pyfunction]
-fn set_isa(name: &Bound<'_, PyAny>) -> PyResult<()> {
+#[pyo3(name = "set_isa")]
+fn set_isa_py(name: &Bound<'_, PyAny>) -> PyResult<()> {
     let name = name.cast::<PyString>().map_err(|_| {
         PyTypeError::new_err(format!("name: expected a str, got {}", type_name(name)))
     })?;
@@ -599,8 +619,8 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention_forward, m)?)?;
     m.add_function(wrap_pyfunction!(attention_reference, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
-    m.add_function(wrap_pyfunction!(set_isa, m)?)?;
-    m.add_function(wrap_pyfunction!(softcap_tanh, m)?)?;
-    m.add_function(wrap_pyfunction!(measure_peak, m)?)?;
+    m.add_function(wrap_pyfunction!(set_isa_py, m)?)?;
+    m.add_function(wrap_pyfunction!(softcap_tanh_py, m)?)?;
+    m.add_function(wrap_pyfunction!(measure_peak_py, m)?)?;
     Ok(())
 }

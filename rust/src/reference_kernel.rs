@@ -37,10 +37,10 @@
 //! and one accumulator (Dv), reused for all its rows. Rows never depend on the split, so every
 //! thread count gives bit-identical results.
 
-use crate::element::{BFloat16, Dtype, Element, Float16, Load};
+use crate::element::{BFloat16, Element, Float16, Load};
 use crate::problem::{
-    check_num_threads, check_problem, try_filled, AttentionProblem, MaskKind, ParamView3,
-    ProblemError,
+    check_num_threads, check_problem, try_filled, AttentionProblem, ElementType, MaskKind,
+    ParamView3, ProblemError,
 };
 
 /// Computes attention for `p` with `num_threads` threads, after [`check_problem`] and
@@ -139,12 +139,12 @@ fn attend_pairs(shared: &SharedProblem, pairs: std::ops::Range<usize>, scratch: 
     let p = shared.p;
     let q_heads = p.q.shape[1] as usize;
     let attend_row = match (p.dtype, p.kv_int8) {
-        (Dtype::Float32, false) => attend_row::<f32, f32>,
-        (Dtype::Float16, false) => attend_row::<Float16, Float16>,
-        (Dtype::BFloat16, false) => attend_row::<BFloat16, BFloat16>,
-        (Dtype::Float32, true) => attend_row::<f32, i8>,
-        (Dtype::Float16, true) => attend_row::<Float16, i8>,
-        (Dtype::BFloat16, true) => attend_row::<BFloat16, i8>,
+        (ElementType::Float32, false) => attend_row::<f32, f32>,
+        (ElementType::Float16, false) => attend_row::<Float16, Float16>,
+        (ElementType::BFloat16, false) => attend_row::<BFloat16, BFloat16>,
+        (ElementType::Float32, true) => attend_row::<f32, i8>,
+        (ElementType::Float16, true) => attend_row::<Float16, i8>,
+        (ElementType::BFloat16, true) => attend_row::<BFloat16, i8>,
     };
     for pair in pairs {
         let (b, h) = (pair / q_heads, pair % q_heads);

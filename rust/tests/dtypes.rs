@@ -12,9 +12,9 @@ extern crate _rust as twinattn;
 mod common;
 
 use common::{assert_close_to_naive, fast_kernels, random_case, Case, Kernel, Mask, Output, Rng};
-use twinattn::element::Dtype;
+use twinattn::problem::ElementType;
 
-const HALVES: [Dtype; 2] = [Dtype::Float16, Dtype::BFloat16];
+const HALVES: [ElementType; 2] = [ElementType::Float16, ElementType::BFloat16];
 
 fn kernels() -> Vec<Kernel> {
     let mut kernels = vec![Kernel::Reference];
@@ -24,10 +24,10 @@ fn kernels() -> Vec<Kernel> {
 
 /// The half case on `kernel` against the float32 case with the same rounded inputs, its out
 /// rounded: identical bits (NaN patterns included), lse identical.
-fn assert_convert_path(case: &Case, kernel: Kernel, dtype: Dtype, what: &str) -> Output {
+fn assert_convert_path(case: &Case, kernel: Kernel, dtype: ElementType, what: &str) -> Output {
     let half = case.stored_as(dtype);
     let mut float = half.clone();
-    float.dtype = Dtype::Float32;
+    float.dtype = ElementType::Float32;
     let got = common::run_with(kernel, &half, 2);
     let want = common::run_with(kernel, &float, 2);
     let rounded = common::rounded_bits(dtype, &want.out.values());
@@ -53,7 +53,7 @@ fn check(case: &Case, what: &str) {
     for dtype in HALVES {
         let rounded = case.stored_as(dtype);
         for kernel in kernels() {
-            if kernel == Kernel::Fast("avx512bf16") && dtype == Dtype::BFloat16 {
+            if kernel == Kernel::Fast("avx512bf16") && dtype == ElementType::BFloat16 {
                 assert_dot_path(&rounded, what);
                 continue;
             }
@@ -61,7 +61,7 @@ fn check(case: &Case, what: &str) {
             // (the naive computation knows no variants)
             if case.window_left < 0 && case.softcap == 0.0 && case.sinks.is_none() {
                 let epsilon = match dtype {
-                    Dtype::Float16 => 2f64.powi(-11),
+                    ElementType::Float16 => 2f64.powi(-11),
                     _ => 2f64.powi(-8),
                 };
                 assert_close_to_naive(&rounded, &got, epsilon + 1e-5);
@@ -121,7 +121,7 @@ fn bf16_dot_product_path() {
     let mut rng = Rng::new(431);
     let mut case = random_case(&mut rng, (2, 8, 2, 61, 301, 37, 45)).causal(&[240, 0]);
     case.kv_lens = vec![301, 99];
-    let case = case.stored_as(Dtype::BFloat16);
+    let case = case.stored_as(ElementType::BFloat16);
     let dot = assert_dot_path(&case, "prefill");
     let convert = common::run_with(Kernel::Fast("avx512"), &case, 2);
     assert_ne!(
@@ -220,7 +220,12 @@ fn masks_variants_and_hidden_non_finite_values() {
     let shape = [b, hq, lq, lk];
     let mut bool_case = case.clone();
     bool_case.mask = Mask::bool_from_fn(shape, |[_, _, _, j]| !hidden(j));
-    let got = assert_convert_path(&bool_case, Kernel::Fast("scalar"), Dtype::BFloat16, "nan");
+    let got = assert_convert_path(
+        &bool_case,
+        Kernel::Fast("scalar"),
+        ElementType::BFloat16,
+        "nan",
+    );
     assert!(got.out.values().iter().all(|x| x.is_finite()));
     check(&bool_case, "bool mask, NaN in hidden values");
     let mut float_case = case.clone();

@@ -13,10 +13,14 @@ extern crate _rust as twinattn;
 mod common;
 
 use common::{fast_kernels, random_case, Case, Kernel, Mask, Output, Rng};
-use twinattn::element::Dtype;
+use twinattn::problem::ElementType;
 use twinattn::problem::{check_problem, ParamView3};
 
-const Q_DTYPES: [Dtype; 3] = [Dtype::Float32, Dtype::Float16, Dtype::BFloat16];
+const Q_DTYPES: [ElementType; 3] = [
+    ElementType::Float32,
+    ElementType::Float16,
+    ElementType::BFloat16,
+];
 
 /// Contiguous (B, Hkv, Lk) strides.
 fn contiguous(case: &Case) -> [i64; 3] {
@@ -51,11 +55,11 @@ fn assert_close(got: &Output, want: &Output, tolerance: f32, what: &str) {
 /// (acc * k_scale, |score| <= D * 2^-24 * |score| relative) and one per weight (P * v_scale):
 /// each 2^-24 relative, i.e. well inside 1e-5 of 1 + |out|. Halves of q and out: their own
 /// rounding (half an ulp: 2^-11 float16, 2^-8 bfloat16) on top.
-fn tolerance(dtype: Dtype) -> f32 {
+fn tolerance(dtype: ElementType) -> f32 {
     1e-5 + match dtype {
-        Dtype::Float16 => 2f32.powi(-11),
-        Dtype::BFloat16 => 2f32.powi(-8),
-        Dtype::Float32 => 0.0,
+        ElementType::Float16 => 2f32.powi(-11),
+        ElementType::BFloat16 => 2f32.powi(-8),
+        ElementType::Float32 => 0.0,
     }
 }
 
@@ -66,13 +70,13 @@ fn check(case: &Case, what: &str) -> Vec<Output> {
     let mut outputs = Vec::new();
     for dtype in Q_DTYPES {
         let mut int8 = case.clone();
-        if dtype != Dtype::Float32 {
+        if dtype != ElementType::Float32 {
             int8.q = case.q.rounded(dtype);
             int8.dtype = dtype;
         }
         // (the float32 twin: q's values already rounded to dtype, stored as float32)
         let mut dequantized = int8.dequantized();
-        dequantized.dtype = Dtype::Float32;
+        dequantized.dtype = ElementType::Float32;
         let want = common::run_with(Kernel::Reference, &dequantized, 2);
         let reference = common::run_with(Kernel::Reference, &int8, 2);
         let rounded = common::rounded_bits(dtype, &want.out.values());
@@ -90,7 +94,7 @@ fn check(case: &Case, what: &str) -> Vec<Output> {
                 tolerance(dtype),
                 &format!("{what} {kernel:?} q {dtype:?}"),
             );
-            if dtype == Dtype::Float32 {
+            if dtype == ElementType::Float32 {
                 outputs.push(got);
             }
         }
@@ -252,7 +256,7 @@ fn scale_messages() {
         stride: [10, 5, 1],
     };
     let mut half = case.clone();
-    half.dtype = Dtype::BFloat16;
+    half.dtype = ElementType::BFloat16;
     assert_eq!(
         message(&half, &|p| p.k_scale = given),
         "k_scale: expected None with bfloat16 k and v (scales are only for int8), got an array"

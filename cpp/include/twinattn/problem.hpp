@@ -42,6 +42,8 @@ struct LseView {
     float* data;
     int64_t shape[3];
     int64_t stride[3];  // in elements
+
+    bool is_requested() const { return data != nullptr; }
 };
 
 enum class MaskKind { None, Bool, Float };

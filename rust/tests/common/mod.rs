@@ -3,7 +3,8 @@
 #![allow(dead_code)] // each test file uses its own subset
 
 use std::cell::Cell;
-use twinattn::element::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16, Dtype};
+use twinattn::element::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
+use twinattn::problem::ElementType;
 use twinattn::problem::{
     AttentionProblem, LseView, MaskKind, MaskView, MutTensorView4, ParamView1, ParamView2,
     ParamView3, ProblemError, TensorView4,
@@ -212,7 +213,7 @@ impl Tensor {
     }
 
     /// Every float of the buffer (inside the view or not) rounded to `dtype` and back.
-    pub fn rounded(&self, dtype: Dtype) -> Tensor {
+    pub fn rounded(&self, dtype: ElementType) -> Tensor {
         let mut t = self.clone();
         for x in &mut t.buffer {
             *x = round_to(dtype, *x);
@@ -221,7 +222,7 @@ impl Tensor {
     }
 
     /// The buffer as halves of `dtype` (float16 or bfloat16), the same layout.
-    fn halves(&self, dtype: Dtype) -> HalfBuffer {
+    fn halves(&self, dtype: ElementType) -> HalfBuffer {
         HalfBuffer(self.buffer.iter().map(|&x| half_bits(dtype, x)).collect())
     }
 
@@ -266,27 +267,27 @@ impl HalfBuffer {
 }
 
 /// x rounded to `dtype` (the kernels' rounding, element.rs) and converted back, exactly.
-pub fn round_to(dtype: Dtype, x: f32) -> f32 {
+pub fn round_to(dtype: ElementType, x: f32) -> f32 {
     match dtype {
-        Dtype::Float32 => x,
-        Dtype::Float16 => f16_to_f32(f32_to_f16(x)),
-        Dtype::BFloat16 => bf16_to_f32(f32_to_bf16(x)),
+        ElementType::Float32 => x,
+        ElementType::Float16 => f16_to_f32(f32_to_f16(x)),
+        ElementType::BFloat16 => bf16_to_f32(f32_to_bf16(x)),
     }
 }
 
-fn half_bits(dtype: Dtype, x: f32) -> u16 {
+fn half_bits(dtype: ElementType, x: f32) -> u16 {
     match dtype {
-        Dtype::Float16 => f32_to_f16(x),
-        Dtype::BFloat16 => f32_to_bf16(x),
-        Dtype::Float32 => unreachable!("float32 is not stored as halves"),
+        ElementType::Float16 => f32_to_f16(x),
+        ElementType::BFloat16 => f32_to_bf16(x),
+        ElementType::Float32 => unreachable!("float32 is not stored as halves"),
     }
 }
 
-fn half_value(dtype: Dtype, h: u16) -> f32 {
+fn half_value(dtype: ElementType, h: u16) -> f32 {
     match dtype {
-        Dtype::Float16 => f16_to_f32(h),
-        Dtype::BFloat16 => bf16_to_f32(h),
-        Dtype::Float32 => unreachable!("float32 is not stored as halves"),
+        ElementType::Float16 => f16_to_f32(h),
+        ElementType::BFloat16 => bf16_to_f32(h),
+        ElementType::Float32 => unreachable!("float32 is not stored as halves"),
     }
 }
 
@@ -396,7 +397,7 @@ pub struct Case {
     /// the storage of q, k, v and out: float32, or float16 / bfloat16 (then [`Case::run_into`]
     /// stores q, k, v as halves of that type, the layouts kept, rounding each float, and returns
     /// out's halves converted back to float32)
-    pub dtype: Dtype,
+    pub dtype: ElementType,
     /// int8 K/V (issue 15): None, or the scales (k and v then hold the int8 values)
     pub kv_scales: Option<KvScales>,
 }
@@ -438,7 +439,7 @@ pub fn bits(values: &[f32]) -> Vec<u32> {
 }
 
 /// The bits of `values` each rounded to `dtype` (as float32 values: [`round_to`]).
-pub fn rounded_bits(dtype: Dtype, values: &[f32]) -> Vec<u32> {
+pub fn rounded_bits(dtype: ElementType, values: &[f32]) -> Vec<u32> {
     values
         .iter()
         .map(|&x| round_to(dtype, x).to_bits())
@@ -480,7 +481,7 @@ impl Case {
             softcap: 0.0,
             alibi_slopes: None,
             sinks: None,
-            dtype: Dtype::Float32,
+            dtype: ElementType::Float32,
             kv_scales: None,
             q,
             k,
@@ -573,7 +574,7 @@ impl Case {
 
     /// The same case stored as `dtype`, its q, k and v rounded to it (so the float32 case of
     /// `rounded(dtype)` with dtype float32 holds exactly the values the half case computes on).
-    pub fn stored_as(&self, dtype: Dtype) -> Case {
+    pub fn stored_as(&self, dtype: ElementType) -> Case {
         let mut case = self.clone();
         case.q = self.q.rounded(dtype);
         case.k = self.k.rounded(dtype);
@@ -694,7 +695,7 @@ impl Case {
                 }
             }
         };
-        let half = self.dtype != Dtype::Float32;
+        let half = self.dtype != ElementType::Float32;
         let halves = half
             .then(|| [&self.q, &self.k, &self.v, &*out].map(|tensor| tensor.halves(self.dtype)));
         let mut out_halves = halves.as_ref().map(|[_, _, _, o]| HalfBuffer(o.0.clone()));

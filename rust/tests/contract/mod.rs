@@ -566,7 +566,7 @@ pub fn check_problem_rejects_overlapping_outputs_and_bad_lse() {
     let lens = [2i64];
     let offsets = [0i64];
     let problem = |out: MutTensorView4, lse: LseView| AttentionProblem {
-        dtype: twinattn::element::Dtype::Float32,
+        dtype: twinattn::problem::ElementType::Float32,
         q: twinattn::problem::TensorView4 {
             data: q.data,
             shape: q.shape,
