@@ -103,8 +103,16 @@ impl Data {
             })
             .collect();
         Data {
-            q_offset: if c.q_offset.is_empty() { vec![0; b] } else { c.q_offset.clone() },
-            kv_lens: if c.kv_lens.is_empty() { vec![lk as i64; b] } else { c.kv_lens.clone() },
+            q_offset: if c.q_offset.is_empty() {
+                vec![0; b]
+            } else {
+                c.q_offset.clone()
+            },
+            kv_lens: if c.kv_lens.is_empty() {
+                vec![lk as i64; b]
+            } else {
+                c.kv_lens.clone()
+            },
             out: vec![0.0; b * hq * lq * dv],
             lse: vec![0.0; b * hq * lq],
             dq: vec![f32::NAN; q.len()],
@@ -245,7 +253,8 @@ fn naive_backward(x: &Data) -> Expected {
                         score = f64::from(c.softcap) * t[j];
                     }
                     if c.alibi {
-                        score -= f64::from(x.slopes[b * hq + h]) * (position - j as i64).abs() as f64;
+                        score -=
+                            f64::from(x.slopes[b * hq + h]) * (position - j as i64).abs() as f64;
                     }
                     let j64 = j as i64;
                     let mut visible = j64 < x.kv_lens[b]
@@ -269,14 +278,24 @@ fn naive_backward(x: &Data) -> Expected {
                     }
                 }
                 let mut total = if c.sinks { (sink - top).exp() } else { 0.0 };
-                total += s.iter().filter(|&&v| v != f64::NEG_INFINITY).map(|&v| (v - top).exp()).sum::<f64>();
-                let lse = if total == 0.0 { f64::NEG_INFINITY } else { top + total.ln() };
+                total += s
+                    .iter()
+                    .filter(|&&v| v != f64::NEG_INFINITY)
+                    .map(|&v| (v - top).exp())
+                    .sum::<f64>();
+                let lse = if total == 0.0 {
+                    f64::NEG_INFINITY
+                } else {
+                    top + total.ln()
+                };
                 if total != 0.0 {
                     max_lse = max_lse.max(lse.abs());
                 }
                 // Drow from the out the kernel is given
                 let delta: f64 = (0..dv_len)
-                    .map(|cc| f64::from(x.dout[row * dv_len + cc]) * f64::from(x.out[row * dv_len + cc]))
+                    .map(|cc| {
+                        f64::from(x.dout[row * dv_len + cc]) * f64::from(x.out[row * dv_len + cc])
+                    })
                     .sum();
                 for j in 0..lk {
                     if s[j] == f64::NEG_INFINITY {
@@ -285,13 +304,22 @@ fn naive_backward(x: &Data) -> Expected {
                     let key = (b * hkv + kv) * lk + j;
                     let p = (s[j] - lse).exp();
                     let dp: f64 = (0..dv_len)
-                        .map(|cc| f64::from(x.dout[row * dv_len + cc]) * f64::from(x.v[key * dv_len + cc]))
+                        .map(|cc| {
+                            f64::from(x.dout[row * dv_len + cc]) * f64::from(x.v[key * dv_len + cc])
+                        })
                         .sum();
-                    let capped = if c.softcap > 0.0 { 1.0 - t[j] * t[j] } else { 1.0 };
+                    let capped = if c.softcap > 0.0 {
+                        1.0 - t[j] * t[j]
+                    } else {
+                        1.0
+                    };
                     let ds = p * (dp - delta) * capped;
                     let ds_abs = p * (dp.abs() + delta.abs()) * capped;
                     for d in 0..d_len {
-                        let (q_d, k_d) = (f64::from(x.q[row * d_len + d]), f64::from(x.k[key * d_len + d]));
+                        let (q_d, k_d) = (
+                            f64::from(x.q[row * d_len + d]),
+                            f64::from(x.k[key * d_len + d]),
+                        );
                         grads[0][row * d_len + d] += scale * ds * k_d;
                         bounds[0][row * d_len + d] += scale * ds_abs * k_d.abs();
                         grads[1][key * d_len + d] += scale * ds * q_d;
@@ -340,7 +368,13 @@ fn run_case(c: &Case) {
     let got = [&x.dq, &x.dk, &x.dv, &x.dsinks];
     for (index, gradient) in ["dq", "dk", "dv", "dsinks"].iter().enumerate() {
         if index < 3 || c.sinks {
-            assert_close(c.name, gradient, got[index], &want.grads[index], &want.bounds[index]);
+            assert_close(
+                c.name,
+                gradient,
+                got[index],
+                &want.grads[index],
+                &want.bounds[index],
+            );
         }
     }
     // The thread count changes nothing.
@@ -430,7 +464,11 @@ fn bad_input_is_rejected() {
     };
     let mut bp = x.backward();
     bp.dq.shape[3] = 9;
-    expect(bp, 1, "dq: expected shape (B=2, Hq=4, Lq=5, D=8), got (2, 4, 5, 9)");
+    expect(
+        bp,
+        1,
+        "dq: expected shape (B=2, Hq=4, Lq=5, D=8), got (2, 4, 5, 9)",
+    );
     let mut bp = x.backward();
     bp.forward.lse.data = std::ptr::null_mut();
     expect(bp, 1, "lse: required");
@@ -446,12 +484,24 @@ fn bad_input_is_rejected() {
     expect(bp, 1, "int8 keys and values carry no gradient");
     let mut bp = x.backward();
     bp.dq.data = q_data;
-    expect(bp, 1, "dq: expected memory disjoint from q, got arrays that overlap");
+    expect(
+        bp,
+        1,
+        "dq: expected memory disjoint from q, got arrays that overlap",
+    );
     let mut bp = x.backward();
     bp.dv.data = dk_data; // dv over dk (both have 2 * 2 * 7 rows; Dv < D)
-    expect(bp, 1, "dv: expected memory disjoint from dk, got arrays that overlap");
+    expect(
+        bp,
+        1,
+        "dv: expected memory disjoint from dk, got arrays that overlap",
+    );
     let mut bp = x.backward();
     bp.dk.stride[1] = 0;
-    expect(bp, 1, "dk: expected elements that do not overlap each other");
+    expect(
+        bp,
+        1,
+        "dk: expected elements that do not overlap each other",
+    );
     expect(x.backward(), 0, "num_threads: expected an int >= 1, got 0");
 }
