@@ -128,6 +128,13 @@ T* view_row(const View& view, int64_t b, int64_t h, int64_t i) {
            h * view.stride[1] + i * view.stride[2];
 }
 
+// Rounds n float32 sums from src into row i of head h of sequence b of a gradient.
+template <typename T>
+void store_row(const MutTensorView4& gradient, int64_t b, int64_t h, int64_t i, const float* src, int64_t n) {
+    T* dst = view_row<T>(gradient, b, h, i);
+    for (int64_t d = 0; d < n; ++d) from_f32(src[d], &dst[d]);
+}
+
 // lse[b, h, i] of the problem.
 float lse_at(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i) {
     const LseView& lse = bp.forward.lse;
@@ -291,10 +298,8 @@ void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, i
             }
     }
     for (int64_t j = 0; j < n; ++j) {
-        T* dk = view_row<T>(bp.dk, b, kv_head, key_block + j);
-        for (int64_t d = 0; d < D; ++d) from_f32(s.key_grad[j * D + d], &dk[d]);
-        T* dv = view_row<T>(bp.dv, b, kv_head, key_block + j);
-        for (int64_t c = 0; c < Dv; ++c) from_f32(s.value_grad[j * Dv + c], &dv[c]);
+        store_row<T>(bp.dk, b, kv_head, key_block + j, s.key_grad.data() + j * D, D);
+        store_row<T>(bp.dv, b, kv_head, key_block + j, s.value_grad.data() + j * Dv, Dv);
     }
 }
 
@@ -324,8 +329,7 @@ void query_tile_gradients(const BackwardPlan& plan, const WorkItem& tile, Backwa
     }
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t packed = tile.row_begin + r;
-        T* dq = view_row<T>(bp.dq, tile.b, tile.kv_head * G + packed % G, packed / G);
-        for (int64_t d = 0; d < D; ++d) from_f32(s.query_grad[r * D + d], &dq[d]);
+        store_row<T>(bp.dq, tile.b, tile.kv_head * G + packed % G, packed / G, s.query_grad.data() + r * D, D);
     }
 }
 

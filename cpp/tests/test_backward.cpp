@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "case_options.hpp"
 #include "check.hpp"
 #include "twinattn/flash_attention.hpp"
 #include "twinattn/flash_backward.hpp"
@@ -41,7 +42,8 @@ struct Case {
     int64_t window_left = -1, window_right = -1;
     float softcap = 0.0f;
     bool alibi = false, sinks = false;
-    int mask = 0;  // 0 none, 1 bool (with a row that sees nothing), 2 float (with -inf)
+    bool bool_mask = false;   // with a row that sees nothing
+    bool float_mask = false;  // with -inf entries
     int threads = 1;
 };
 
@@ -51,9 +53,9 @@ struct Data {
     std::vector<float> q, k, v, out, dout, lse, dq, dk, dv, slopes, sinks, dsinks, bias;
     std::vector<unsigned char> allowed;
     std::vector<int64_t> q_offset, kv_lens;
-    float scale = 0.4f;
+    float scale;
 
-    explicit Data(const Case& kase) : c(kase) {
+    explicit Data(const Case& kase) : c(kase), scale(1.0f / std::sqrt(static_cast<float>(kase.D))) {
         std::mt19937 rng(7);
         std::normal_distribution<float> normal;
         const auto fill = [&](std::vector<float>& x, int64_t n) {
@@ -91,21 +93,12 @@ struct Data {
         p.k = contiguous_view(k.data(), c.B, c.Hkv, c.Lk, c.D);
         p.v = contiguous_view(v.data(), c.B, c.Hkv, c.Lk, c.Dv);
         p.out = contiguous_mut_view(out.data(), c.B, c.Hq, c.Lq, c.Dv);
-        p.lse = contiguous_lse_view(lse.data(), c.B, c.Hq, c.Lq);
-        p.q_offset = q_offset;
-        p.kv_lens = kv_lens;
-        p.mask = MaskView{MaskKind::None, nullptr, {}, {}};
-        const int64_t mask_strides[4] = {c.Hq * c.Lq * c.Lk, c.Lq * c.Lk, c.Lk, 1};
-        if (c.mask == 1) p.mask = MaskView{MaskKind::Bool, allowed.data(), {c.B, c.Hq, c.Lq, c.Lk}, {}};
-        if (c.mask == 2) p.mask = MaskView{MaskKind::Float, bias.data(), {c.B, c.Hq, c.Lq, c.Lk}, {}};
-        std::copy(mask_strides, mask_strides + 4, p.mask.stride);
-        p.causal = c.causal;
-        p.scale = scale;
+        twinattn_test::set_case_options(p, c, lse, q_offset, kv_lens, allowed, slopes, sinks);
+        if (c.float_mask)
+            p.mask = MaskView{MaskKind::Float, bias.data(), {c.B, c.Hq, c.Lq, c.Lk},
+                              {c.Hq * c.Lq * c.Lk, c.Lq * c.Lk, c.Lk, 1}};
         p.window_left = c.window_left;
         p.window_right = c.window_right;
-        p.softcap = c.softcap;
-        if (c.alibi) p.alibi_slopes = ParamView2{slopes.data(), {c.B, c.Hq}, {c.Hq, 1}};
-        if (c.sinks) p.sinks = ParamView1{sinks.data(), {c.Hq}, {1}};
         return p;
     }
 
@@ -164,8 +157,8 @@ Expected naive_backward(const Data& x) {
                                    (c.window_left < 0 || j >= position - c.window_left) &&
                                    (c.window_right < 0 || j <= position + c.window_right);
                     const int64_t cell = row * c.Lk + j;
-                    if (c.mask == 1) visible = visible && x.allowed[cell];
-                    if (c.mask == 2) {
+                    if (c.bool_mask) visible = visible && x.allowed[cell];
+                    if (c.float_mask) {
                         visible = visible && !std::isinf(x.bias[cell]);
                         if (visible) score += x.bias[cell];
                     }
@@ -271,11 +264,11 @@ std::vector<Case> cases() {
     add("softcap", [](Case& c) { c.softcap = 2.5f; });
     add("alibi", [](Case& c) { c.alibi = true; c.q_offset = {1, 2}; });
     add("sinks", [](Case& c) { c.sinks = true; c.kv_lens = {5, 0}; });
-    add("bool_mask", [](Case& c) { c.mask = 1; });
-    add("float_mask", [](Case& c) { c.mask = 2; });
+    add("bool_mask", [](Case& c) { c.bool_mask = true; });
+    add("float_mask", [](Case& c) { c.float_mask = true; });
     add("everything", [](Case& c) {
         c.causal = true; c.q_offset = {2, 1}; c.kv_lens = {6, 5}; c.window_left = 3; c.softcap = 4.0f;
-        c.alibi = true; c.sinks = true; c.mask = 2;
+        c.alibi = true; c.sinks = true; c.float_mask = true;
     });
     // 4 heads on one KV head over 30 positions: 120 packed rows (3 query tiles); 150 keys (3 key
     // blocks); 3 threads.

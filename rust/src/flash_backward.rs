@@ -38,7 +38,8 @@ use crate::element::{BFloat16, Element, Float16};
 use crate::flash_attention::{flash_plan, flash_row_key_range, with_thread_buffers, Shared};
 use crate::flash_kernel::{mask_block, tanh, FlashPlan, ThreadScratch, WorkItem};
 use crate::problem::{
-    check_backward, check_num_threads, try_filled, BackwardProblem, ElementType, ProblemError,
+    check_backward, check_num_threads, try_filled, BackwardProblem, ElementType, MutTensorView4,
+    ProblemError,
 };
 use crate::simd::Vector;
 use crate::simd_scalar::{exp2_lane, VecScalar};
@@ -190,6 +191,28 @@ unsafe fn view_row<T>(data: *const u8, stride: &[i64; 4], b: usize, h: usize, i:
     let offset = b as i64 * stride[0] + h as i64 * stride[1] + i as i64 * stride[2];
     // SAFETY: forwarded.
     unsafe { data.cast::<T>().cast_mut().offset(offset as isize) }
+}
+
+/// Rounds n float32 sums from src into row i of head h of sequence b of a gradient.
+///
+/// # Safety
+/// The row is inside the (checked) gradient view, whose rows hold n elements.
+#[inline(always)]
+unsafe fn store_row<T: Element>(
+    gradient: &MutTensorView4,
+    b: usize,
+    h: usize,
+    i: usize,
+    src: &[f32],
+    n: usize,
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        let dst = view_row::<T>(gradient.data.cast_const(), &gradient.stride, b, h, i);
+        for (d, &value) in src[..n].iter().enumerate() {
+            *dst.add(d) = T::from_f32(value);
+        }
+    }
 }
 
 /// lse[b, h, i] of the problem.
@@ -487,26 +510,23 @@ unsafe fn key_block_gradients<T: Element>(
             }
         }
         for j in 0..n {
-            let dk = view_row::<T>(
-                bp.dk.data.cast_const(),
-                &bp.dk.stride,
+            let key = key_block + j;
+            store_row::<T>(
+                &bp.dk,
                 b,
                 kv_head,
-                key_block + j,
+                key,
+                &s.key_grad[j * head_dim..],
+                head_dim,
             );
-            for d in 0..head_dim {
-                *dk.add(d) = T::from_f32(s.key_grad[j * head_dim + d]);
-            }
-            let dv = view_row::<T>(
-                bp.dv.data.cast_const(),
-                &bp.dv.stride,
+            store_row::<T>(
+                &bp.dv,
                 b,
                 kv_head,
-                key_block + j,
+                key,
+                &s.value_grad[j * value_dim..],
+                value_dim,
             );
-            for c in 0..value_dim {
-                *dv.add(c) = T::from_f32(s.value_grad[j * value_dim + c]);
-            }
         }
     }
 }
@@ -554,16 +574,8 @@ unsafe fn query_tile_gradients<T: Element>(
         for r in 0..rows {
             let packed = tile.row_begin + r;
             let h = tile.kv_head * group + packed % group;
-            let dq = view_row::<T>(
-                bp.dq.data.cast_const(),
-                &bp.dq.stride,
-                tile.b,
-                h,
-                packed / group,
-            );
-            for d in 0..head_dim {
-                *dq.add(d) = T::from_f32(s.query_grad[r * head_dim + d]);
-            }
+            let src = &s.query_grad[r * head_dim..];
+            store_row::<T>(&bp.dq, tile.b, h, packed / group, src, head_dim);
         }
     }
 }
