@@ -251,6 +251,54 @@ def test_several_tiles_and_key_blocks(ports: dict[str, ModuleType], num_threads:
             assert np.array_equal(_bits(grad), _bits(serial[name])), name
 
 
+def test_keys_past_kv_lens_never_read(ports: dict[str, ModuleType]) -> None:
+    """NaN in the keys and values past kv_lens changes no bit of any gradient, and those keys'
+    dk and dv are 0."""
+    kw = dict(scale=0.4, causal=True, q_offset=np.array([3, 1], np.int64), kv_lens=np.array([5, 2], np.int64))
+    clean = _problem(6, B, HQ, HKV, LQ, LK, D, DV)
+    poisoned = {name: array.copy() for name, array in clean.items()}
+    for b, kv_len in enumerate(kw["kv_lens"]):
+        poisoned["k"][b, :, kv_len:] = np.nan
+        poisoned["v"][b, :, kv_len:] = np.nan
+    out, lse = _forward(ports, clean, kw)
+    for module in ports.values():
+        want = _run(module, clean, out, lse, kw)
+        got = _run(module, poisoned, out, lse, kw)
+        for name in want:
+            assert np.array_equal(_bits(got[name]), _bits(want[name])), name
+        assert not got["dk"][0, :, 5:].any() and not got["dv"][1, :, 2:].any()
+
+
+def test_strided_gradients_same_bits(ports: dict[str, ModuleType]) -> None:
+    """dq, dk, dv and dsinks written through views with other strides give the same bits."""
+    kw = dict(scale=0.4, causal=True, sinks=_SINKS)
+    inputs = _problem(7, B, HQ, HKV, LQ, LK, D, DV)
+    out, lse = _forward(ports, inputs, kw)
+    for module in ports.values():
+        want = _run(module, inputs, out, lse, kw)
+        grads = {"dq": np.full((B, LQ, HQ, D), np.nan, np.float32).swapaxes(1, 2),
+                 "dk": np.full((HKV, B, LK, D), np.nan, np.float32).swapaxes(0, 1),
+                 "dv": np.full((B, HKV, LK + 3, DV), np.nan, np.float32)[:, :, ::-1][:, :, :LK],
+                 "dsinks": np.full(2 * HQ, np.nan, np.float32)[::2]}
+        module.attention_backward(inputs["q"], inputs["k"], inputs["v"], out, inputs["dout"], lse,
+                                  grads["dq"], grads["dk"], grads["dv"], dsinks=grads["dsinks"], **kw)
+        for name in want:
+            assert np.array_equal(_bits(np.ascontiguousarray(grads[name])), _bits(want[name])), name
+
+
+def test_no_query_rows_zero_key_gradients(ports: dict[str, ModuleType]) -> None:
+    """Lq = 0: no row sees any key, so dk and dv are all written as 0 (and dsinks 0)."""
+    kw = dict(scale=0.4, sinks=_SINKS)
+    inputs = _problem(8, B, HQ, HKV, 0, LK, D, DV)
+    out = np.zeros((B, HQ, 0, DV), np.float32)
+    lse = np.zeros((B, HQ, 0), np.float32)
+    for module in ports.values():
+        grads = _run(module, inputs, out, lse, kw)
+        assert grads["dq"].size == 0
+        for name in ("dk", "dv", "dsinks"):
+            assert np.array_equal(grads[name], np.zeros_like(grads[name])), name
+
+
 # ---- Bad input: the same exception and message from both ports ---------------------------------
 
 _IN = _problem(4, B, HQ, HKV, LQ, LK, D, DV)
