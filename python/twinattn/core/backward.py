@@ -1,0 +1,131 @@
+"""The backward pass of twinattn.attention: the gradients of a loss with respect to q, k, v and
+sinks, given the gradient with respect to out (and to lse).
+
+    dq, dk, dv, dsinks = attention_backward(q, k, v, out, dout, lse, causal=True, ...)
+
+q, k, v and the keywords are those of the forward call (attention checks and normalises them,
+the same way, with the same messages); out and lse are what that call returned (lse from
+return_lse=True). backend="numpy" is the float64 reference's exact gradient
+(reference.attention_backward_reference); "cpp" and "rust" run the native FlashAttention-2
+backward (attention_backward in docs/native_api.md), which recomputes the weights from lse.
+Gradients come back in q's dtype (accumulated in float32 natively, rounded once), dsinks in
+float32 (float64 for a float64 problem). int8 keys and values carry no gradient.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+from . import api, reference
+from ._backends import native_module
+from ._checks import FLOAT32, FLOAT64, INT8, shape_str
+from .api import _NO_WINDOW, _unit_last_stride
+
+__all__ = ["Gradients", "attention_backward"]
+
+
+class Gradients(NamedTuple):
+    """dq, dk, dv in the shapes and dtype of q, k and v; dsinks (Hq,) with sinks, else None."""
+
+    dq: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dsinks: np.ndarray | None
+
+
+def attention_backward(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    out: np.ndarray,
+    dout: np.ndarray,
+    lse: np.ndarray,
+    *,
+    dlse: np.ndarray | None = None,
+    causal: bool = False,
+    q_offset: int | ArrayLike | None = None,
+    kv_lens: ArrayLike | None = None,
+    attn_mask: ArrayLike | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+    num_threads: int | None = None,
+    window_size: tuple[int, int] = _NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: ArrayLike | None = None,
+    sinks: ArrayLike | None = None,
+    k_scale: ArrayLike | None = None,
+    v_scale: ArrayLike | None = None,
+) -> Gradients:
+    """The gradients of attention(q, k, v, **keywords) (module docstring).
+
+    out (..., Hq, Lq, Dv) and dout, its gradient, in q's dtype; lse (..., Hq, Lq) float32
+    (float64 for a float64 problem) as the forward returned it; dlse None or lse's shape and
+    dtype: the gradient with respect to lse, when the loss uses it.
+    """
+    problems: list[api.Problem] = []
+    normalise: Any = api.attention  # its private _problem keyword is outside the public overloads
+    normalise(
+        q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, attn_mask=attn_mask, scale=scale, backend=backend,
+        num_threads=num_threads, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+        k_scale=k_scale, v_scale=v_scale, _problem=problems,
+    )
+    problem = problems[0]
+    q4, k4, v4 = problem.q, problem.k, problem.v
+    if k4.dtype == INT8:
+        raise ValueError(
+            "k, v: int8 keys and values carry no gradient; compute the gradient with the float keys and values "
+            "(twinattn.dequantize_kv) or detach q from the graph"
+        )
+    rank = np.ndim(q)
+    lse_dtype = FLOAT64 if q4.dtype == FLOAT64 else FLOAT32
+    out4 = _as_4d("out", out, q4.shape[:3] + v4.shape[3:], q4.dtype, rank)
+    dout4 = _as_4d("dout", dout, q4.shape[:3] + v4.shape[3:], q4.dtype, rank)
+    lse3 = _as_4d("lse", lse, q4.shape[:3], lse_dtype, rank - 1)
+    dlse3 = None if dlse is None else _as_4d("dlse", dlse, q4.shape[:3], lse_dtype, rank - 1)
+    options = problem.options
+    with_sinks = options["sinks"] is not None
+
+    if problem.port == "numpy":
+        dq, dk, dv, dsinks = reference.attention_backward_reference(q4, k4, v4, dout4, dlse=dlse3, **options)
+    else:
+        dq, dk, dv = np.empty(q4.shape, q4.dtype), np.empty(k4.shape, q4.dtype), np.empty(v4.shape, q4.dtype)
+        dsinks = np.empty(q4.shape[1], FLOAT32) if with_sinks else None
+        value_dim = v4.shape[3]
+        if dlse3 is not None and np.any(dlse3 != 0):
+            # The native backward takes D = rowsum(dout * out) and gives dS = P * (dP - D); lse's
+            # gradient makes that dS = P * (dP - D + dlse). One more value column, 0 in v, 1 in dout
+            # and -dlse in out, leaves dP as it is and turns D into D - dlse (dv's extra column
+            # is dropped).
+            v4 = _with_column(v4, np.zeros(v4.shape[:3], v4.dtype))
+            dout4 = _with_column(dout4, np.ones(dout4.shape[:3], dout4.dtype))
+            out4 = _with_column(out4, (-dlse3).astype(out4.dtype))
+            dv = np.empty(v4.shape, q4.dtype)
+        native_module(problem.port).attention_backward(
+            q4, k4, v4, out4, dout4, lse3, dq, dk, dv, num_threads=problem.num_threads, dsinks=dsinks, **options
+        )
+        dv = dv[..., :value_dim]
+    lead = 4 - rank
+    return Gradients(
+        dq.reshape(dq.shape[lead:]), dk.reshape(dk.shape[lead:]), dv.reshape(dv.shape[lead:]), dsinks
+    )
+
+
+def _as_4d(name: str, a: Any, shape: tuple[int, ...], dtype: np.dtype, rank: int) -> np.ndarray:
+    """out, dout (rank q's) or lse, dlse (one less) checked against the forward's shape and dtype,
+    viewed in the 4-D form (3-D for lse) with a unit last stride."""
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy array, got {type(a).__name__}")
+    if a.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {a.dtype}")
+    wanted = shape[len(shape) - rank:]
+    if a.shape != wanted:
+        raise ValueError(f"{name}: expected shape {shape_str(wanted)}, got {shape_str(a.shape)}")
+    return _unit_last_stride(a.reshape(shape))
+
+
+def _with_column(a: np.ndarray, column: np.ndarray) -> np.ndarray:
+    """a (B, H, L, W) with column (B, H, L) appended as its last: (B, H, L, W + 1)."""
+    return np.concatenate([a, column[..., None]], axis=-1)
