@@ -19,68 +19,13 @@ import numpy as np
 import pytest
 
 import twinattn
+from grad_helpers import B, CASES, DV, HKV, HQ, LK, LQ, problem as _problem
 from twinattn.core.backward import attention_backward
 
-B, HQ, HKV, LQ, LK, D, DV = 2, 4, 2, 3, 5, 3, 2
 UNIT_ROUNDOFF = 2.0**-24  # float32
 FD_STEP = 1e-6
 FD_TOLERANCE = 1e-6
 FLOAT32_TERMS_FACTOR = 8.0
-
-
-def _cases() -> dict[str, Callable[[np.random.Generator], dict[str, Any]]]:
-    """Keyword sets of the forward, each a function of a random generator."""
-    def bool_mask(rng: np.random.Generator) -> np.ndarray:
-        mask = rng.random((B, 1, LQ, LK)) < 0.6
-        mask[0, 0, 1] = False  # a row with no visible key
-        return mask
-
-    def float_mask(rng: np.random.Generator) -> np.ndarray:
-        bias = rng.standard_normal((B, HQ, LQ, LK))
-        bias[rng.random(bias.shape) < 0.3] = -np.inf
-        return bias
-
-    def slopes(rng: np.random.Generator) -> np.ndarray:
-        return rng.uniform(0.1, 1.0, HQ)
-
-    def sinks(rng: np.random.Generator) -> np.ndarray:
-        return rng.standard_normal(HQ)
-
-    return {
-        "plain": lambda rng: {},
-        "causal": lambda rng: {"causal": True},
-        "causal-q_offset": lambda rng: {"causal": True, "q_offset": np.array([0, 1])},
-        "kv_lens": lambda rng: {"kv_lens": np.array([LK, 3])},
-        "bool-mask": lambda rng: {"attn_mask": bool_mask(rng)},
-        "float-mask": lambda rng: {"attn_mask": float_mask(rng)},
-        "window": lambda rng: {"window_size": (1, 1)},
-        "window-causal": lambda rng: {"window_size": (1, 0), "causal": True},
-        "softcap": lambda rng: {"softcap": 1.5, "scale": 1.3},
-        "alibi": lambda rng: {"alibi_slopes": slopes(rng)},
-        "alibi-per-sequence": lambda rng: {"alibi_slopes": rng.uniform(0.1, 1.0, (B, HQ))},
-        "sinks": lambda rng: {"sinks": sinks(rng)},
-        "empty-rows": lambda rng: {"causal": True, "q_offset": 0, "kv_lens": np.array([0, 2])},
-        "empty-rows-sinks": lambda rng: {"causal": True, "q_offset": 0, "kv_lens": np.array([0, 2]), "sinks": sinks(rng)},
-        "everything": lambda rng: {
-            "causal": True, "q_offset": np.array([1, 2]), "kv_lens": np.array([4, LK]), "attn_mask": float_mask(rng),
-            "window_size": (2, 0), "softcap": 2.0, "alibi_slopes": slopes(rng), "sinks": sinks(rng),
-        },
-    }
-
-
-CASES = _cases()
-
-
-def _problem(case: str, seed: int = 0, dtype: Any = np.float64) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
-    rng = np.random.default_rng(seed)
-    q, k, v = (rng.standard_normal(shape).astype(dtype) for shape in ((B, HQ, LQ, D), (B, HKV, LK, D), (B, HKV, LK, DV)))
-    kwargs = CASES[case](rng)
-    for name in ("alibi_slopes", "sinks"):
-        if name in kwargs:
-            kwargs[name] = kwargs[name].astype(np.float64 if dtype == np.float64 else np.float32)
-    if "attn_mask" in kwargs and kwargs["attn_mask"].dtype != np.bool_:
-        kwargs["attn_mask"] = kwargs["attn_mask"].astype(np.float64 if dtype == np.float64 else np.float32)
-    return q, k, v, kwargs
 
 
 def _loss_weights(seed: int, lse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

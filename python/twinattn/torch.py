@@ -65,13 +65,15 @@ def _inputs(q: Any, k: Any, v: Any, backend: str) -> Tuple[np.ndarray, np.ndarra
     try:
         dtype = q.dtype
         if k.dtype is dtype and v.dtype is dtype and dtype in _FAST_DTYPES:
-            if dtype is _BFLOAT16:
+            if dtype is not _BFLOAT16:
+                return _numpy(q), _numpy(k), _numpy(v)
+            # the int16 view would drop requires_grad (Tensor.numpy refuses it for the other dtypes)
+            if not (q.requires_grad or k.requires_grad or v.requires_grad):
                 return (
                     _numpy(_view(q, _INT16)).view(_NP_BFLOAT16),
                     _numpy(_view(k, _INT16)).view(_NP_BFLOAT16),
                     _numpy(_view(v, _INT16)).view(_NP_BFLOAT16),
                 )
-            return _numpy(q), _numpy(k), _numpy(v)
     except (AttributeError, TypeError, RuntimeError):
         pass
     # q's dtype first, then k's and v's, then what Tensor.numpy refused (device, grad, layout)
