@@ -280,8 +280,9 @@ def attention_backward_reference(
     legal = soft.legal
     weights = np.where(legal, soft.weights, 0)
     # a key that is not legal enters nothing, not even as 0 * NaN
-    k_legal = np.where(legal.any(axis=2)[..., None], soft.k, 0)
-    v_legal = np.where(legal.any(axis=2)[..., None], soft.v, 0)
+    used_key = np.any(legal, axis=2, keepdims=True).swapaxes(-1, -2)  # (B, Hq, Lk, 1): legal for some row
+    k_legal = np.where(used_key, soft.k, 0)
+    v_legal = np.where(used_key, soft.v, 0)
     out = weights @ v_legal
     row_dot = np.sum(dout64 * out, axis=-1, keepdims=True)  # D, (B, Hq, Lq, 1)
     if dlse64 is not None:
