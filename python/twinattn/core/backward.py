@@ -14,7 +14,7 @@ float32 (float64 for a float64 problem). int8 keys and values carry no gradient.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -22,7 +22,10 @@ from numpy.typing import ArrayLike
 from . import api, reference
 from ._backends import native_module
 from ._checks import FLOAT32, FLOAT64, INT8, shape_str
-from .api import _NO_WINDOW, _unit_last_stride
+from .api import _unit_last_stride
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["Gradients", "attention_backward"]
 
@@ -43,23 +46,13 @@ def attention_backward(
     out: np.ndarray,
     dout: np.ndarray,
     lse: np.ndarray,
+    /,
     *,
     dlse: np.ndarray | None = None,
-    causal: bool = False,
-    q_offset: int | ArrayLike | None = None,
-    kv_lens: ArrayLike | None = None,
-    attn_mask: ArrayLike | None = None,
-    scale: float | None = None,
-    backend: str = "auto",
-    num_threads: int | None = None,
-    window_size: tuple[int, int] = _NO_WINDOW,
-    softcap: float = 0.0,
-    alibi_slopes: ArrayLike | None = None,
-    sinks: ArrayLike | None = None,
-    k_scale: ArrayLike | None = None,
-    v_scale: ArrayLike | None = None,
+    **keywords: Unpack[api._Keywords],
 ) -> Gradients:
-    """The gradients of attention(q, k, v, **keywords) (module docstring).
+    """The gradients of attention(q, k, v, **keywords) (module docstring): the keywords are the
+    forward call's (out and return_lse aside).
 
     out (..., Hq, Lq, Dv) and dout, its gradient, in q's dtype; lse (..., Hq, Lq) float32
     (float64 for a float64 problem) as the forward returned it; dlse None or lse's shape and
@@ -67,11 +60,7 @@ def attention_backward(
     """
     problems: list[api.Problem] = []
     normalise: Any = api.attention  # its private _problem keyword is outside the public overloads
-    normalise(
-        q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, attn_mask=attn_mask, scale=scale, backend=backend,
-        num_threads=num_threads, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
-        k_scale=k_scale, v_scale=v_scale, _problem=problems,
-    )
+    normalise(q, k, v, **keywords, _problem=problems)
     problem = problems[0]
     q4, k4, v4 = problem.q, problem.k, problem.v
     if k4.dtype == INT8:

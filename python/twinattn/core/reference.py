@@ -44,7 +44,7 @@ overflows float32 and no key holding a non-finite value has a weight that underf
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -152,20 +152,9 @@ class _Softmax(NamedTuple):
 
 @np.errstate(over="ignore", invalid="ignore", divide="ignore")
 def _softmax(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    *,
-    causal: bool,
-    q_offset: np.ndarray,
-    kv_lens: np.ndarray,
-    mask: np.ndarray | None,
-    scale: float,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi_slopes: np.ndarray | None,
-    sinks: np.ndarray | None,
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool, q_offset: np.ndarray, kv_lens: np.ndarray,
+    mask: np.ndarray | None, scale: float, window_left: int, window_right: int, softcap: float,
+    alibi_slopes: np.ndarray | None, sinks: np.ndarray | None,
 ) -> _Softmax:
     """Passes 1-3 of the reference, on float32 or float64 q, k, v of one dtype."""
     dtype = q.dtype
@@ -239,21 +228,13 @@ def attention_backward_reference(
     v: np.ndarray,
     dout: np.ndarray,
     *,
-    causal: bool,
-    q_offset: np.ndarray,
-    kv_lens: np.ndarray,
-    mask: np.ndarray | None,
-    scale: float,
-    window_left: int = -1,
-    window_right: int = -1,
-    softcap: float = 0.0,
-    alibi_slopes: np.ndarray | None = None,
-    sinks: np.ndarray | None = None,
     dlse: np.ndarray | None = None,
+    **options: Any,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """The exact gradient of attention_reference, computed in float64 whatever the inputs' dtype.
 
-    q, k, v and the options as attention_reference takes them (float32, float16, bfloat16 or
+    q, k, v and the options (causal, q_offset, kv_lens, mask, scale, window_left, window_right,
+    softcap, alibi_slopes, sinks) as attention_reference takes them (float32, float16, bfloat16 or
     float64; no int8: quantized keys and values carry no gradient); dout (B, Hq, Lq, Dv) the
     gradient of the loss with respect to out, dlse None or (B, Hq, Lq) that with respect to lse
     -> dq, dk, dv in q's dtype (rounded once), dsinks (Hq,) (float32; float64 for a float64
@@ -269,14 +250,20 @@ def attention_backward_reference(
     (hidden, padding, scoring -inf) get no weight and so no gradient; a row with no legal key
     gives zero gradients.
     """
-    f64 = [None if a is None else a.astype(FLOAT64) for a in (q, k, v, dout, alibi_slopes, sinks, dlse)]
-    q64, k64, v64, dout64, slopes64, sinks64, dlse64 = f64
-    assert q64 is not None and k64 is not None and v64 is not None and dout64 is not None
-    mask64 = mask if mask is None or mask.dtype == np.bool_ else mask.astype(FLOAT64)
-    soft = _softmax(
-        q64, k64, v64, causal=causal, q_offset=q_offset, kv_lens=kv_lens, mask=mask64, scale=scale,
-        window_left=window_left, window_right=window_right, softcap=softcap, alibi_slopes=slopes64, sinks=sinks64,
-    )
+    q64, k64, v64, dout64 = (a.astype(FLOAT64) for a in (q, k, v, dout))
+    dlse64 = None if dlse is None else dlse.astype(FLOAT64)
+    options = {**options}
+    for name in ("alibi_slopes", "sinks", "mask"):
+        value = options.get(name)
+        if value is not None and value.dtype != np.bool_:
+            options[name] = value.astype(FLOAT64)
+    options.setdefault("window_left", -1)
+    options.setdefault("window_right", -1)
+    options.setdefault("softcap", 0.0)
+    sinks64 = options.setdefault("sinks", None)
+    options.setdefault("alibi_slopes", None)
+    softcap, scale = options["softcap"], options["scale"]
+    soft = _softmax(q64, k64, v64, **options)
     legal = soft.legal
     weights = np.where(legal, soft.weights, 0)
     # a key that is not legal enters nothing, not even as 0 * NaN
