@@ -240,7 +240,8 @@ def _attention_backward_impl(
     if isinstance(q_offset, torch.Tensor):
         q_offset = _array("q_offset", q_offset)
         q_offset = int(q_offset) if q_offset.ndim == 0 else q_offset
-    qa, ka, va = _inputs(q, k, v, backend)
+    with torch.no_grad():  # saved leaves that require grad are read as they are (no double backward)
+        qa, ka, va = _inputs(q, k, v, backend)
     grads = _backward.attention_backward(
         qa, ka, va, _array("out", out), _array("dout", dout), _array("lse", lse),
         dlse=None if dlse is None else _array("dlse", dlse), causal=causal, q_offset=q_offset,
