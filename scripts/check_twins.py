@@ -39,6 +39,8 @@ PAIRS: list[tuple[list[str], list[str]]] = [
     (["cpp/src/flash_avx512bf16.cpp"], ["rust/src/flash_avx512bf16.rs"]),
     (["cpp/include/twinattn/flash_attention.hpp", "cpp/src/flash_attention.cpp"],
      ["rust/src/flash_attention.rs"]),
+    (["cpp/include/twinattn/flash_backward.hpp", "cpp/src/flash_backward.cpp"],
+     ["rust/src/flash_backward.rs"]),
     (["cpp/src/measure_peak.hpp", "cpp/src/measure_peak.cpp"], ["rust/src/measure_peak.rs"]),
     (["cpp/src/dispatch.hpp", "cpp/src/dispatch.cpp"], ["rust/src/dispatch.rs"]),
     (["cpp/include/twinattn/reference_kernel.hpp", "cpp/src/reference_kernel.cpp"],
@@ -124,6 +126,11 @@ FORCED: dict[str, dict[str, str]] = {
         "with_thread_buffers": "C++ thread_local function statics; Rust thread_local! with RefCell borrows",
         "Shared": _SYNC, "get": _SYNC,
     },
+    "cpp/include/twinattn/flash_backward.hpp": {
+        "NEG_INF": _STD, "ceil_div": _STD,
+        "ScalarKernel": _CLASS,
+        "backward_scratch": "C++ thread_local function statics; Rust thread_local! with RefCell borrows",
+    },
     "cpp/include/twinattn/reference_kernel.hpp": {
         "NEG_INF": _STD, "int128": _STD, "SharedProblem": _SYNC, "SharedProblem.p": _SYNC, "new": _SYNC,
     },
@@ -154,6 +161,9 @@ FORCED: dict[str, dict[str, str]] = {
         "data_of": "rust-numpy's untyped array has no data pointer accessor (C++: py::array::data())",
         "raise": _ERROR,
         "DetachedProblem": "raw pointers are not Send in Rust: a wrapper carries the problem into the GIL-free closure",
+        "DetachedBackward": "raw pointers are not Send in Rust: a wrapper carries the problem into the GIL-free closure",
+        "problem": "a Rust problem borrows the per-sequence vectors: ConvertedProblem::problem lends it "
+                   "(C++ points the spans at them inside convert_problem)",
         "run": "raw pointers are not Send in Rust: a wrapper carries the problem into the GIL-free closure",
     },
 }

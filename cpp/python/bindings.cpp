@@ -15,6 +15,7 @@
 
 #include "twinattn/constants.hpp"
 #include "twinattn/flash_attention.hpp"
+#include "twinattn/flash_backward.hpp"
 #include "twinattn/problem.hpp"
 #include "twinattn/reference_kernel.hpp"
 
@@ -190,9 +191,93 @@ View param_view(const py::handle& object, const char* name, const char* axes) {
 
 using Kernel = void (*)(const AttentionProblem&, int);
 
+// The forward's arguments converted (run_kernel; attention_backward_py, whose out and lse are
+// inputs): the problem, the per-sequence vectors its spans point into, and num_threads.
+struct ConvertedProblem {
+    AttentionProblem problem{};
+    std::vector<int64_t> q_offset, kv_lens;
+    int64_t num_threads = 1;
+};
+
+// Converts the forward's arguments into `converted` (not moved afterwards: the problem's spans
+// point into it). outputs: out and lse are written (the forward: writeable), else read (the
+// backward). Every keyword but scale may be None: its default.
+void convert_problem(ConvertedProblem& converted, bool outputs, const py::handle& q_obj,
+                     const py::handle& k_obj, const py::handle& v_obj, const py::handle& out_obj,
+                     const py::handle& scale_obj, const py::handle& lse_obj,
+                     const py::handle& q_offset_obj, const py::handle& kv_lens_obj,
+                     const py::handle& mask_obj, const py::handle& causal_obj,
+                     const py::handle& num_threads_obj, const py::handle& window_left_obj,
+                     const py::handle& window_right_obj, const py::handle& softcap_obj,
+                     const py::handle& alibi_slopes_obj, const py::handle& sinks_obj,
+                     const py::handle& k_scale_obj, const py::handle& v_scale_obj) {
+    // 1. Arrays, each whole (dtype, rank, strides, alignment) before the next: q, k, v and out
+    // of q's dtype (float32, float16 or bfloat16), or k and v both int8 (docs/kernels.md,
+    // "int8 K/V"); writeable outputs.
+    const py::array q = as_array(q_obj, "q", Dtype::Element, 4, "(B, Hq, Lq, D)");
+    const py::array k = as_array(k_obj, "k", Dtype::LikeOrInt8, 4, "(B, Hkv, Lk, D)", &q);
+    const bool kv_int8 = k.dtype().equal(py::dtype::of<int8_t>());
+    const py::array v = kv_int8 ? as_array(v_obj, "v", Dtype::Int8, 4, "(B, Hkv, Lk, Dv)")
+                                : as_array(v_obj, "v", Dtype::Like, 4, "(B, Hkv, Lk, Dv)", &q);
+    const py::array out = as_array(out_obj, "out", Dtype::Like, 4, "(B, Hq, Lq, Dv)", &q);
+    if (outputs) require_writeable(out, "out");
+    AttentionProblem& problem = converted.problem;
+    element_type_of(q.dtype(), &problem.dtype);
+    problem.q = tensor_view(q);
+    problem.k = tensor_view(k);
+    problem.v = tensor_view(v);
+    problem.out = MutTensorView4{const_cast<void*>(out.data()), {}, {}};  // read only when !outputs
+    fill_shape_strides<MutTensorView4, 4>(out, problem.out);
+    problem.kv_int8 = kv_int8;
+    if (!lse_obj.is_none()) {
+        const py::array lse = as_array(lse_obj, "lse", Dtype::Float32, 3, "(B, Hq, Lq)");
+        if (outputs) require_writeable(lse, "lse");
+        problem.lse.data = static_cast<float*>(const_cast<void*>(lse.data()));
+        fill_shape_strides<LseView, 3>(lse, problem.lse);
+    }
+    if (!mask_obj.is_none()) {
+        const py::array mask = as_array(mask_obj, "mask", Dtype::BoolOrFloat32, 4, "(B, Hq, Lq, Lk)");
+        problem.mask.kind = mask.dtype().kind() == 'b' ? MaskKind::Bool : MaskKind::Float;
+        problem.mask.data = mask.data();
+        fill_shape_strides<MaskView, 4>(mask, problem.mask);
+    }
+    converted.q_offset = per_sequence(q_offset_obj, "q_offset", q.shape(0), 0);
+    converted.kv_lens = per_sequence(kv_lens_obj, "kv_lens", q.shape(0), k.shape(2));
+    problem.q_offset = converted.q_offset;
+    problem.kv_lens = converted.kv_lens;
+
+    // 2. Scalars; then the parameter arrays.
+    problem.causal = !causal_obj.is_none() && as_bool(causal_obj, "causal");
+    problem.scale = static_cast<float>(as_float(scale_obj, "scale"));  // beyond float32: inf, rejected
+    converted.num_threads = num_threads_obj.is_none() ? 1 : as_int64(num_threads_obj, "num_threads");
+    problem.window_left = window_left_obj.is_none() ? -1 : as_int64(window_left_obj, "window_left");
+    problem.window_right = window_right_obj.is_none() ? -1 : as_int64(window_right_obj, "window_right");
+    problem.softcap = softcap_obj.is_none() ? 0.0f : static_cast<float>(as_float(softcap_obj, "softcap"));  // likewise
+    problem.alibi_slopes = param_view<ParamView2, 2>(alibi_slopes_obj, "alibi_slopes", "(B, Hq)");
+    problem.sinks = param_view<ParamView1, 1>(sinks_obj, "sinks", "(Hq,)");
+    problem.k_scale = param_view<ParamView3, 3>(k_scale_obj, "k_scale", "(B, Hkv, Lk)");
+    problem.v_scale = param_view<ParamView3, 3>(v_scale_obj, "v_scale", "(B, Hkv, Lk)");
+}
+
+// Runs `compute` (which calls a kernel) without the GIL; the kernel checks its problem first,
+// once per call. std::invalid_argument is ValueError, std::bad_alloc MemoryError.
+template <typename Compute>
+void run_without_gil(int64_t num_threads, const Compute& compute) {
+    try {
+        const int threads = check_num_threads(num_threads);
+        py::gil_scoped_release release;
+        compute(threads);
+    } catch (const std::invalid_argument& error) {
+        throw py::value_error(error.what());
+    } catch (const std::bad_alloc&) {
+        PyErr_SetString(PyExc_MemoryError, kOutOfMemoryMessage);
+        throw py::error_already_set();
+    }
+}
+
 // Converts the arguments into an AttentionProblem and runs `kernel` without the GIL; the kernel
 // checks the problem first (check_problem: shapes against each other, lengths, ranges, scales
-// required or not, overlaps), once per call. Every keyword but scale may be None: its default.
+// required or not, overlaps), once per call.
 void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
                 const py::handle& v_obj, const py::handle& out_obj, const py::handle& scale_obj,
                 const py::handle& lse_obj, const py::handle& q_offset_obj,
@@ -202,65 +287,11 @@ void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
                 const py::handle& softcap_obj, const py::handle& alibi_slopes_obj,
                 const py::handle& sinks_obj, const py::handle& k_scale_obj,
                 const py::handle& v_scale_obj) {
-    // 1. Arrays, each whole (dtype, rank, strides, alignment) before the next: q, k, v and out
-    // of q's dtype (float32, float16 or bfloat16), or k and v both int8 (docs/kernels.md,
-    // "int8 K/V"); writeable outputs.
-    const py::array q = as_array(q_obj, "q", Dtype::Element, 4, "(B, Hq, Lq, D)");
-    const py::array k = as_array(k_obj, "k", Dtype::LikeOrInt8, 4, "(B, Hkv, Lk, D)", &q);
-    const bool kv_int8 = k.dtype().equal(py::dtype::of<int8_t>());
-    const py::array v = kv_int8 ? as_array(v_obj, "v", Dtype::Int8, 4, "(B, Hkv, Lk, Dv)")
-                                : as_array(v_obj, "v", Dtype::Like, 4, "(B, Hkv, Lk, Dv)", &q);
-    py::array out = as_array(out_obj, "out", Dtype::Like, 4, "(B, Hq, Lq, Dv)", &q);
-    require_writeable(out, "out");
-    AttentionProblem problem{};
-    element_type_of(q.dtype(), &problem.dtype);
-    problem.q = tensor_view(q);
-    problem.k = tensor_view(k);
-    problem.v = tensor_view(v);
-    problem.out = MutTensorView4{out.mutable_data(), {}, {}};
-    fill_shape_strides<MutTensorView4, 4>(out, problem.out);
-    problem.kv_int8 = kv_int8;
-    if (!lse_obj.is_none()) {
-        py::array lse = as_array(lse_obj, "lse", Dtype::Float32, 3, "(B, Hq, Lq)");
-        require_writeable(lse, "lse");
-        problem.lse.data = static_cast<float*>(lse.mutable_data());
-        fill_shape_strides<LseView, 3>(lse, problem.lse);
-    }
-    if (!mask_obj.is_none()) {
-        const py::array mask = as_array(mask_obj, "mask", Dtype::BoolOrFloat32, 4, "(B, Hq, Lq, Lk)");
-        problem.mask.kind = mask.dtype().kind() == 'b' ? MaskKind::Bool : MaskKind::Float;
-        problem.mask.data = mask.data();
-        fill_shape_strides<MaskView, 4>(mask, problem.mask);
-    }
-    const std::vector<int64_t> q_offset = per_sequence(q_offset_obj, "q_offset", q.shape(0), 0);
-    const std::vector<int64_t> kv_lens = per_sequence(kv_lens_obj, "kv_lens", q.shape(0), k.shape(2));
-    problem.q_offset = q_offset;
-    problem.kv_lens = kv_lens;
-
-    // 2. Scalars; then the parameter arrays.
-    problem.causal = !causal_obj.is_none() && as_bool(causal_obj, "causal");
-    problem.scale = static_cast<float>(as_float(scale_obj, "scale"));  // beyond float32: inf, rejected
-    const int64_t num_threads = num_threads_obj.is_none() ? 1 : as_int64(num_threads_obj, "num_threads");
-    problem.window_left = window_left_obj.is_none() ? -1 : as_int64(window_left_obj, "window_left");
-    problem.window_right = window_right_obj.is_none() ? -1 : as_int64(window_right_obj, "window_right");
-    problem.softcap = softcap_obj.is_none() ? 0.0f : static_cast<float>(as_float(softcap_obj, "softcap"));  // likewise
-    problem.alibi_slopes = param_view<ParamView2, 2>(alibi_slopes_obj, "alibi_slopes", "(B, Hq)");
-    problem.sinks = param_view<ParamView1, 1>(sinks_obj, "sinks", "(Hq,)");
-    problem.k_scale = param_view<ParamView3, 3>(k_scale_obj, "k_scale", "(B, Hkv, Lk)");
-    problem.v_scale = param_view<ParamView3, 3>(v_scale_obj, "v_scale", "(B, Hkv, Lk)");
-
-    // 3. The kernel without the GIL; it checks the problem first (check_problem, once per call).
-    // std::invalid_argument is ValueError, std::bad_alloc MemoryError.
-    try {
-        const int threads = check_num_threads(num_threads);
-        py::gil_scoped_release release;
-        kernel(problem, threads);
-    } catch (const std::invalid_argument& error) {
-        throw py::value_error(error.what());
-    } catch (const std::bad_alloc&) {
-        PyErr_SetString(PyExc_MemoryError, kOutOfMemoryMessage);
-        throw py::error_already_set();
-    }
+    ConvertedProblem converted;
+    convert_problem(converted, true, q_obj, k_obj, v_obj, out_obj, scale_obj, lse_obj, q_offset_obj,
+                    kv_lens_obj, mask_obj, causal_obj, num_threads_obj, window_left_obj,
+                    window_right_obj, softcap_obj, alibi_slopes_obj, sinks_obj, k_scale_obj, v_scale_obj);
+    run_without_gil(converted.num_threads, [&](int threads) { kernel(converted.problem, threads); });
 }
 
 // attention_forward (the fast kernel with the instruction set in use, docs/kernels.md) and
@@ -276,6 +307,44 @@ void attention_py(const py::object& q, const py::object& k, const py::object& v,
                   const py::object& v_scale) {
     run_kernel(kernel, q, k, v, out, scale, lse, q_offset, kv_lens, mask, causal, num_threads, window_left,
                window_right, softcap, alibi_slopes, sinks, k_scale, v_scale);
+}
+
+// attention_backward (docs/native_api.md): the forward's arguments (its out and lse now inputs,
+// lse required), dout, and the gradients dq, dk, dv (q's dtype) and dsinks (float32, (Hq,)),
+// written in place. Conversion order: the forward's arguments as the forward converts them, then
+// dout, dq, dk, dv and dsinks; then the core's checks (check_backward).
+void attention_backward_py(const py::object& q, const py::object& k, const py::object& v,
+                           const py::object& out, const py::object& dout_obj, const py::object& lse,
+                           const py::object& dq_obj, const py::object& dk_obj, const py::object& dv_obj,
+                           const py::object& scale, const py::object& q_offset, const py::object& kv_lens,
+                           const py::object& mask, const py::object& causal, const py::object& num_threads,
+                           const py::object& window_left, const py::object& window_right,
+                           const py::object& softcap, const py::object& alibi_slopes,
+                           const py::object& sinks, const py::object& dsinks_obj) {
+    ConvertedProblem converted;
+    convert_problem(converted, false, q, k, v, out, scale, lse, q_offset, kv_lens, mask, causal, num_threads,
+                    window_left, window_right, softcap, alibi_slopes, sinks, py::none(), py::none());
+    BackwardProblem problem{};
+    problem.forward = converted.problem;
+    const py::array q_array = py::reinterpret_borrow<py::array>(q);  // converted above
+    problem.dout = tensor_view(as_array(dout_obj, "dout", Dtype::Like, 4, "(B, Hq, Lq, Dv)", &q_array));
+    const std::pair<const char*, MutTensorView4*> gradients[] = {
+        {"dq", &problem.dq}, {"dk", &problem.dk}, {"dv", &problem.dv}};
+    const char* const axes[] = {"(B, Hq, Lq, D)", "(B, Hkv, Lk, D)", "(B, Hkv, Lk, Dv)"};
+    const py::handle handles[] = {dq_obj, dk_obj, dv_obj};
+    for (int index = 0; index < 3; ++index) {
+        py::array gradient = as_array(handles[index], gradients[index].first, Dtype::Like, 4, axes[index], &q_array);
+        require_writeable(gradient, gradients[index].first);
+        *gradients[index].second = MutTensorView4{gradient.mutable_data(), {}, {}};
+        fill_shape_strides<MutTensorView4, 4>(gradient, *gradients[index].second);
+    }
+    if (!dsinks_obj.is_none()) {
+        py::array dsinks = as_array(dsinks_obj, "dsinks", Dtype::Float32, 1, "(Hq,)");
+        require_writeable(dsinks, "dsinks");
+        problem.dsinks = MutParamView1{static_cast<float*>(dsinks.mutable_data()), {}, {}};
+        fill_shape_strides<MutParamView1, 1>(dsinks, problem.dsinks);
+    }
+    run_without_gil(converted.num_threads, [&](int threads) { attention_backward(problem, threads); });
 }
 
 // tanh of a float32 vector (any stride) with the fast kernel's vectorised tanh (softcap) and the
@@ -355,6 +424,7 @@ py::dict build_info() {
     constants["pool_spin_microseconds"] = kPoolSpinMicroseconds;
     constants["serial_work"] = kSerialWork;
     constants["direct_score_rows"] = kDirectScoreRows;
+    constants["backward_key_block"] = kBackwardKeyBlock;
     constants["avx512_score_vectors"] = kAvx512ScoreVectors;
     constants["avx512_value_vectors"] = kAvx512ValueVectors;
     constants["avx2_score_vectors"] = kAvx2ScoreVectors;
@@ -409,6 +479,15 @@ PYBIND11_MODULE(_cpp, m) {
                   "instruction set in use; see docs/native_api.md.");
     def_attention("attention_reference", &attention_py<&twinattn::attention_reference>,
                   "attention_forward computed by the plain scalar reference kernel (for tests).");
+    m.def("attention_backward", &attention_backward_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
+          py::arg("dout"), py::arg("lse"), py::arg("dq"), py::arg("dk"), py::arg("dv"), py::kw_only(),
+          py::arg("scale"), py::arg("q_offset") = py::none(), py::arg("kv_lens") = py::none(),
+          py::arg("mask") = py::none(), py::arg("causal") = py::none(), py::arg("num_threads") = py::none(),
+          py::arg("window_left") = py::none(), py::arg("window_right") = py::none(),
+          py::arg("softcap") = py::none(), py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(),
+          py::arg("dsinks") = py::none(),
+          "The gradients of attention_forward with respect to q, k, v (and sinks: dsinks) from dout, "
+          "the forward's out and lse, written into dq, dk, dv (and dsinks); see docs/native_api.md.");
     m.def("set_isa", &set_isa_py, py::arg("name"),
           "Switches the instruction set among build_info()['isa_available']; ValueError otherwise.");
     m.def("softcap_tanh", &softcap_tanh_py, py::arg("x"),

@@ -66,6 +66,28 @@ float flash_row_lse(float m, float l) {
     return kLn2 * (m + log2f(l));
 }
 
+FlashPlan flash_plan(const AttentionProblem& p) {
+    FlashPlan plan{};
+    plan.problem = &p;
+    plan.group = p.q.shape[1] / p.k.shape[1];
+    plan.rows_per_group = p.q.shape[2] * plan.group;
+    plan.head_dim = p.q.shape[3];
+    plan.value_dim = p.v.shape[3];
+    plan.value_stride = (plan.value_dim + 15) / 16 * 16;
+    plan.has_softcap = p.softcap > 0.0f;
+    // Softcap: Q times scale / softcap, then tanh(S) times softcap * log2(e) (flash_kernel.hpp).
+    plan.q_multiplier = plan.has_softcap ? p.scale / p.softcap : p.scale * kLog2E;
+    // A denormal softcap can make scale / softcap overflow: the largest float instead, so that a
+    // zero in q stays 0 (not 0 * inf = NaN); every score that matters saturates tanh either way.
+    if (std::isinf(plan.q_multiplier))
+        plan.q_multiplier = std::copysign(std::numeric_limits<float>::max(), plan.q_multiplier);
+    plan.softcap_multiplier = p.softcap * kLog2E;
+    plan.has_mask = p.mask.kind != MaskKind::None;
+    plan.has_alibi = p.alibi_slopes.data != nullptr;
+    plan.has_sinks = p.sinks.data != nullptr;
+    return plan;
+}
+
 namespace {
 
 // A 64-byte aligned buffer that only grows; its contents are not preserved when it grows.
@@ -341,24 +363,7 @@ void attention_forward(const AttentionProblem& p, int num_threads) {
     if (B == 0 || Hq == 0 || Lq == 0) return;
 
     // 1. Plan.
-    FlashPlan plan{};
-    plan.problem = &p;
-    plan.group = Hq / p.k.shape[1];
-    plan.rows_per_group = Lq * plan.group;
-    plan.head_dim = p.q.shape[3];
-    plan.value_dim = p.v.shape[3];
-    plan.value_stride = (plan.value_dim + 15) / 16 * 16;
-    plan.has_softcap = p.softcap > 0.0f;
-    // Softcap: Q times scale / softcap, then tanh(S) times softcap * log2(e) (flash_kernel.hpp).
-    plan.q_multiplier = plan.has_softcap ? p.scale / p.softcap : p.scale * kLog2E;
-    // A denormal softcap can make scale / softcap overflow: the largest float instead, so that a
-    // zero in q stays 0 (not 0 * inf = NaN); every score that matters saturates tanh either way.
-    if (std::isinf(plan.q_multiplier))
-        plan.q_multiplier = std::copysign(std::numeric_limits<float>::max(), plan.q_multiplier);
-    plan.softcap_multiplier = p.softcap * kLog2E;
-    plan.has_mask = p.mask.kind != MaskKind::None;
-    plan.has_alibi = p.alibi_slopes.data != nullptr;
-    plan.has_sinks = p.sinks.data != nullptr;
+    FlashPlan plan = flash_plan(p);
     // Work in double: the product of five int64 extents may overflow.
     const double work = static_cast<double>(B) * static_cast<double>(Hq) * static_cast<double>(Lq) *
                         static_cast<double>(p.k.shape[2]) * static_cast<double>(plan.head_dim + plan.value_dim);

@@ -143,6 +143,11 @@ int64_t flash_row_position(const AttentionProblem& p, int64_t b, int64_t group, 
 // that saw a NaN score (flash_attention.cpp, not inline either).
 float flash_row_lse(float m, float l);
 
+// Step 1's plan of a checked problem with Hkv > 0: the shapes, the Q multiplier and the
+// variants' flags; no buffers (flash_attention.cpp, not inline either). The backward pass
+// (flash_backward.cpp) scores with the same plan.
+FlashPlan flash_plan(const AttentionProblem& p);
+
 namespace flash {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();

@@ -4,6 +4,7 @@
 #include "twinattn/problem.hpp"
 
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <cmath>
 #include <cstring>
@@ -12,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace twinattn {
 namespace {
@@ -156,6 +158,39 @@ const char* element_name(ElementType dtype) {
     return dtype == ElementType::Float32 ? "float32" : dtype == ElementType::Float16 ? "float16" : "bfloat16";
 }
 
+// The byte extents of the arrays a forward call reads (lse last: an output of the forward, an
+// input of the backward), in the order the overlap messages name them.
+constexpr size_t kProblemInputs = 9;
+
+std::array<std::pair<const char*, Extent>, kProblemInputs> problem_extents(const AttentionProblem& p) {
+    const int64_t item = element_size(p.dtype);  // q and out
+    const int64_t kv_item = p.kv_int8 ? 1 : item;  // k and v
+    const Extent mask = p.mask.kind == MaskKind::None
+                            ? Extent{true, 0, 0}
+                            : byte_extent(p.mask.data, p.mask.shape, p.mask.stride, 4,
+                                     p.mask.kind == MaskKind::Float ? 4 : 1);
+    return {{
+        {"q", byte_extent(p.q.data, p.q.shape, p.q.stride, 4, item)},
+        {"k", byte_extent(p.k.data, p.k.shape, p.k.stride, 4, kv_item)},
+        {"v", byte_extent(p.v.data, p.v.shape, p.v.stride, 4, kv_item)},
+        {"mask", mask},
+        {"alibi_slopes", p.alibi_slopes.data != nullptr
+                             ? byte_extent(p.alibi_slopes.data, p.alibi_slopes.shape,
+                                      p.alibi_slopes.stride, 2, 4)
+                             : Extent{true, 0, 0}},
+        {"sinks", p.sinks.data != nullptr
+                      ? byte_extent(p.sinks.data, p.sinks.shape, p.sinks.stride, 1, 4)
+                      : Extent{true, 0, 0}},
+        {"k_scale", p.k_scale.data != nullptr
+                        ? byte_extent(p.k_scale.data, p.k_scale.shape, p.k_scale.stride, 3, 4)
+                        : Extent{true, 0, 0}},
+        {"v_scale", p.v_scale.data != nullptr
+                        ? byte_extent(p.v_scale.data, p.v_scale.shape, p.v_scale.stride, 3, 4)
+                        : Extent{true, 0, 0}},
+        {"lse", p.lse.is_requested() ? byte_extent(p.lse.data, p.lse.shape, p.lse.stride, 3, 4)
+                                     : Extent{true, 0, 0}}}};
+}
+
 }  // namespace
 
 // The order of the checks is the same in problem.rs.
@@ -264,40 +299,80 @@ void check_problem(const AttentionProblem& p) {
     // 7. Outputs: every element written once, by one thread, never read as input.
     check_distinct_elements("out", p.out.shape, p.out.stride, 4);
     if (p.lse.is_requested()) check_distinct_elements("lse", p.lse.shape, p.lse.stride, 3);
-    const int64_t item = element_size(p.dtype);  // q and out
-    const int64_t kv_item = p.kv_int8 ? 1 : item;  // k and v
-    const Extent out = byte_extent(p.out.data, p.out.shape, p.out.stride, 4, item);
-    const Extent lse = p.lse.is_requested() ? byte_extent(p.lse.data, p.lse.shape, p.lse.stride, 3, 4)
-                                             : Extent{true, 0, 0};
-    const Extent mask = p.mask.kind == MaskKind::None
-                            ? Extent{true, 0, 0}
-                            : byte_extent(p.mask.data, p.mask.shape, p.mask.stride, 4,
-                                     p.mask.kind == MaskKind::Float ? 4 : 1);
-    const std::pair<const char*, Extent> inputs[] = {
-        {"q", byte_extent(p.q.data, p.q.shape, p.q.stride, 4, item)},
-        {"k", byte_extent(p.k.data, p.k.shape, p.k.stride, 4, kv_item)},
-        {"v", byte_extent(p.v.data, p.v.shape, p.v.stride, 4, kv_item)},
-        {"mask", mask},
-        {"alibi_slopes", p.alibi_slopes.data != nullptr
-                             ? byte_extent(p.alibi_slopes.data, p.alibi_slopes.shape,
-                                      p.alibi_slopes.stride, 2, 4)
-                             : Extent{true, 0, 0}},
-        {"sinks", p.sinks.data != nullptr
-                      ? byte_extent(p.sinks.data, p.sinks.shape, p.sinks.stride, 1, 4)
-                      : Extent{true, 0, 0}},
-        {"k_scale", p.k_scale.data != nullptr
-                        ? byte_extent(p.k_scale.data, p.k_scale.shape, p.k_scale.stride, 3, 4)
-                        : Extent{true, 0, 0}},
-        {"v_scale", p.v_scale.data != nullptr
-                        ? byte_extent(p.v_scale.data, p.v_scale.shape, p.v_scale.stride, 3, 4)
-                        : Extent{true, 0, 0}},
-        {"lse", lse}};
-    const std::pair<const char*, Extent> outputs[] = {{"out", out}, {"lse", lse}};
+    const std::array<std::pair<const char*, Extent>, kProblemInputs> inputs = problem_extents(p);
+    const Extent out = byte_extent(p.out.data, p.out.shape, p.out.stride, 4, element_size(p.dtype));
+    const std::pair<const char*, Extent> outputs[] = {{"out", out}, {"lse", inputs[kProblemInputs - 1].second}};
     for (const auto& output : outputs)
         for (const auto& input : inputs)
             if (std::strcmp(input.first, output.first) != 0 && extents_overlap(output.second, input.second))
                 reject(std::string(output.first) + ": expected memory disjoint from " + input.first +
                      ", got arrays that overlap");
+}
+
+// The order of the checks is the same in problem.rs.
+void check_backward(const BackwardProblem& bp) {
+    const AttentionProblem& p = bp.forward;
+    // 1. The forward part: float keys and values, lse given, then check_problem's checks.
+    if (p.kv_int8) reject("k: expected q's dtype, got int8 (int8 keys and values carry no gradient)");
+    if (!p.lse.is_requested())
+        reject("lse: required (the forward's lse, float32, shape (B, Hq, Lq)), got None");
+    check_problem(p);
+
+    // 2. Shapes: dout as out, dq as q, dk as k, dv as v.
+    const Dim b{"B", p.q.shape[0]}, hq{"Hq", p.q.shape[1]}, lq{"Lq", p.q.shape[2]}, d{"D", p.q.shape[3]};
+    const Dim hkv{"Hkv", p.k.shape[1]}, lk{"Lk", p.k.shape[2]}, dv{"Dv", p.v.shape[3]};
+    const Dim dout_dims[4] = {b, hq, lq, dv}, dq_dims[4] = {b, hq, lq, d};
+    const Dim dk_dims[4] = {b, hkv, lk, d}, dv_dims[4] = {b, hkv, lk, dv};
+    check_shape("dout", bp.dout.shape, dout_dims, 4);
+    check_shape("dq", bp.dq.shape, dq_dims, 4);
+    check_shape("dk", bp.dk.shape, dk_dims, 4);
+    check_shape("dv", bp.dv.shape, dv_dims, 4);
+
+    // 3. Memory: data present when non-empty, unit stride on the feature axes.
+    check_data("dout", bp.dout.data, bp.dout.shape, 4);
+    check_data("dq", bp.dq.data, bp.dq.shape, 4);
+    check_data("dk", bp.dk.data, bp.dk.shape, 4);
+    check_data("dv", bp.dv.data, bp.dv.shape, 4);
+    check_unit_last_stride("dout", "Dv", bp.dout.shape, bp.dout.stride);
+    check_unit_last_stride("dq", "D", bp.dq.shape, bp.dq.stride);
+    check_unit_last_stride("dk", "D", bp.dk.shape, bp.dk.stride);
+    check_unit_last_stride("dv", "Dv", bp.dv.shape, bp.dv.stride);
+
+    // 4. dsinks: the sinks' gradient, (Hq,), only with sinks.
+    const bool has_dsinks = bp.dsinks.data != nullptr;
+    if (has_dsinks && p.sinks.data == nullptr)
+        reject("dsinks: expected None without sinks (it is the sinks' gradient), got an array");
+    if (has_dsinks) {
+        const Dim dsink_dims[1] = {hq};
+        check_shape("dsinks", bp.dsinks.shape, dsink_dims, 1);
+    }
+
+    // 5. Gradients: every element written once, by one thread, never read as input.
+    check_distinct_elements("dq", bp.dq.shape, bp.dq.stride, 4);
+    check_distinct_elements("dk", bp.dk.shape, bp.dk.stride, 4);
+    check_distinct_elements("dv", bp.dv.shape, bp.dv.stride, 4);
+    if (has_dsinks) check_distinct_elements("dsinks", bp.dsinks.shape, bp.dsinks.stride, 1);
+    const int64_t item = element_size(p.dtype);
+    const std::array<std::pair<const char*, Extent>, kProblemInputs> forward_inputs = problem_extents(p);
+    std::vector<std::pair<const char*, Extent>> inputs(forward_inputs.begin(), forward_inputs.end());
+    inputs.push_back({"out", byte_extent(p.out.data, p.out.shape, p.out.stride, 4, item)});
+    inputs.push_back({"dout", byte_extent(bp.dout.data, bp.dout.shape, bp.dout.stride, 4, item)});
+    const std::pair<const char*, Extent> outputs[] = {
+        {"dq", byte_extent(bp.dq.data, bp.dq.shape, bp.dq.stride, 4, item)},
+        {"dk", byte_extent(bp.dk.data, bp.dk.shape, bp.dk.stride, 4, item)},
+        {"dv", byte_extent(bp.dv.data, bp.dv.shape, bp.dv.stride, 4, item)},
+        {"dsinks", has_dsinks ? byte_extent(bp.dsinks.data, bp.dsinks.shape, bp.dsinks.stride, 1, 4)
+                              : Extent{true, 0, 0}}};
+    for (const auto& output : outputs) {
+        for (const auto& input : inputs)
+            if (extents_overlap(output.second, input.second))
+                reject(std::string(output.first) + ": expected memory disjoint from " + input.first +
+                     ", got arrays that overlap");
+        for (const auto& other : outputs)
+            if (&other < &output && extents_overlap(output.second, other.second))
+                reject(std::string(output.first) + ": expected memory disjoint from " + other.first +
+                     ", got arrays that overlap");
+    }
 }
 
 int64_t element_size(ElementType dtype) { return dtype == ElementType::Float32 ? 4 : 2; }

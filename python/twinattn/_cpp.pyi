@@ -2,7 +2,7 @@
 
 Hand-written from docs/native_api.md; `python -m mypy.stubtest twinattn._cpp twinattn._rust`
 (run by scripts/test.sh) checks them against the built module. Both native modules expose the
-same six functions with the same signatures, and raise the same exception types (docs/native_api.md
+same seven functions with the same signatures, and raise the same exception types (docs/native_api.md
 lists them; tests/test_port_parity.py compares the two), so
 _cpp.pyi and _rust.pyi differ only in this docstring and __all__; their argument types are
 written once, in _native_types.pyi. The functions stay written in both files: stubtest checks
@@ -40,6 +40,35 @@ def attention_forward(
     None (or leaving a keyword out) means its default: no lse, q_offset 0 and kv_lens Lk for
     every sequence, no mask, causal False, one thread, no window (-1, -1), softcap 0, no ALiBi,
     no sinks, no int8 scales."""
+
+def attention_backward(
+    q: Data,
+    k: Data,
+    v: Data,
+    out: Data,
+    dout: Data,
+    lse: F32 | None,
+    dq: Data,
+    dk: Data,
+    dv: Data,
+    *,
+    scale: float,
+    q_offset: I64 | None = None,
+    kv_lens: I64 | None = None,
+    mask: Mask | None = None,
+    causal: bool | None = None,
+    num_threads: int | None = None,
+    window_left: int | None = None,
+    window_right: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: F32 | None = None,
+    sinks: F32 | None = None,
+    dsinks: F32 | None = None,
+) -> None:
+    """The gradients of attention_forward with respect to q, k, v (and sinks) from dout and the
+    forward's out and lse (required), written into dq, dk, dv (q's dtype) and dsinks (float32).
+
+    The keywords are the forward's, with the same defaults; dsinks only together with sinks."""
 
 # as attention_forward, computed by the plain scalar reference kernel (for tests); an alias, which
 # stubtest checks against the module's attention_reference like a function

@@ -28,6 +28,11 @@ pub const SPLIT_KEY_CHUNK: usize = 1024;
 /// (33.2 vs 33.4), 48 rows 46.4 vs 43.9; 16k keys, 28 rows 14.3 vs 15.0.
 pub const DIRECT_SCORE_ROWS: usize = 24;
 
+/// Keys per key block of the backward pass (flash_backward.rs): one item's dK and dV rows, and
+/// the keys each query tile recomputes P against at a time. Query tiles are Q_TILE_ROWS packed
+/// rows, as the forward's.
+pub const BACKWARD_KEY_BLOCK: usize = 64;
+
 const _: () = assert!(
     Q_TILE_ROWS.is_multiple_of(MICRO_ROWS),
     "tiles are whole micro-kernel strips"
@@ -39,6 +44,10 @@ const _: () = assert!(
 const _: () = assert!(
     SPLIT_KEY_CHUNK.is_multiple_of(KEY_BLOCK),
     "split-key chunks are whole key blocks"
+);
+const _: () = assert!(
+    BACKWARD_KEY_BLOCK <= KEY_BLOCK,
+    "a backward key block fits the forward's score rows"
 );
 
 // ---- Threads ---------------------------------------------------------------------------------

@@ -84,6 +84,43 @@ pub fn flash_row_lse(m: f32, l: f32) -> f32 {
     }
 }
 
+/// Step 1's plan of a checked problem with Hkv > 0: the shapes, the Q multiplier and the
+/// variants' flags; no buffers. The backward pass (flash_backward.rs) scores with the same plan.
+pub fn flash_plan<'p, 'a>(p: &'p AttentionProblem<'a>) -> FlashPlan<'p, 'a> {
+    let [_, q_heads, q_len, head_dim] = p.q.shape.map(|n| n as usize);
+    let group = q_heads / p.k.shape[1] as usize;
+    let value_dim = p.v.shape[3] as usize;
+    FlashPlan {
+        problem: p,
+        group,
+        rows_per_group: q_len * group,
+        head_dim,
+        value_dim,
+        value_stride: value_dim.div_ceil(16) * 16,
+        // Softcap: Q times scale / softcap, then tanh(S) times softcap * log2(e) (flash_kernel.rs).
+        // A denormal softcap can make scale / softcap overflow: the largest float instead, so
+        // that a zero in q stays 0 (not 0 * inf = NaN); every score that matters saturates tanh
+        // either way.
+        q_multiplier: if p.softcap > 0.0 {
+            (p.scale / p.softcap).clamp(-f32::MAX, f32::MAX)
+        } else {
+            p.scale * LOG2_E
+        },
+        has_mask: p.mask.kind != MaskKind::None,
+        has_softcap: p.softcap > 0.0,
+        softcap_multiplier: p.softcap * LOG2_E,
+        has_alibi: !p.alibi_slopes.data.is_null(),
+        has_sinks: !p.sinks.data.is_null(),
+        packed_keys: std::ptr::null(),
+        panels_per_head: 0,
+        packed_values: std::ptr::null(),
+        value_finite: std::ptr::null(),
+        partial_out: std::ptr::null_mut(),
+        partial_max: std::ptr::null_mut(),
+        partial_sum: std::ptr::null_mut(),
+    }
+}
+
 /// A float buffer whose data starts on a 64-byte boundary, grown on demand and reused: the
 /// pages stay mapped across calls, so no call pays page faults twice. Allocation is fallible
 /// (C++'s AlignedBuffer throws std::bad_alloc; this returns the out-of-memory error).
@@ -217,14 +254,14 @@ thread_local! {
 
 /// Raw pointers shared by the items of one call. Rust needs this wrapper to send them to the
 /// pool's threads; C++ does not.
-struct Shared<T>(T);
+pub(crate) struct Shared<T>(pub(crate) T);
 // SAFETY: the items of one call write disjoint parts of the buffers behind these pointers
 // (distinct groups, rows or partial slots) and read only what no item writes during that pass.
 unsafe impl<T> Sync for Shared<T> {}
 
 impl<T: Copy> Shared<T> {
     /// The pointer (a method, so closures capture the Sync wrapper, not the raw field).
-    fn get(&self) -> T {
+    pub(crate) fn get(&self) -> T {
         self.0
     }
 }
@@ -245,7 +282,7 @@ fn with_scratch(
 
 /// Runs `f` with this thread's buffers in `key`, or with fresh ones when they are already
 /// borrowed (not reachable: calls and work items never nest; correct regardless).
-fn with_thread_buffers<B: Default, R>(
+pub(crate) fn with_thread_buffers<B: Default, R>(
     key: &'static LocalKey<RefCell<B>>,
     f: impl FnOnce(&mut B) -> R,
 ) -> R {
@@ -313,37 +350,8 @@ pub unsafe fn attention_forward_with(
     }
 
     // 1. Plan.
-    let group = q_heads / p.k.shape[1] as usize;
-    let value_dim = p.v.shape[3] as usize;
-    let mut plan = FlashPlan {
-        problem: p,
-        group,
-        rows_per_group: q_len * group,
-        head_dim,
-        value_dim,
-        value_stride: value_dim.div_ceil(16) * 16,
-        // Softcap: Q times scale / softcap, then tanh(S) times softcap * log2(e) (flash_kernel.rs).
-        // A denormal softcap can make scale / softcap overflow: the largest float instead, so
-        // that a zero in q stays 0 (not 0 * inf = NaN); every score that matters saturates tanh
-        // either way.
-        q_multiplier: if p.softcap > 0.0 {
-            (p.scale / p.softcap).clamp(-f32::MAX, f32::MAX)
-        } else {
-            p.scale * LOG2_E
-        },
-        has_mask: p.mask.kind != MaskKind::None,
-        has_softcap: p.softcap > 0.0,
-        softcap_multiplier: p.softcap * LOG2_E,
-        has_alibi: !p.alibi_slopes.data.is_null(),
-        has_sinks: !p.sinks.data.is_null(),
-        packed_keys: std::ptr::null(),
-        panels_per_head: 0,
-        packed_values: std::ptr::null(),
-        value_finite: std::ptr::null(),
-        partial_out: std::ptr::null_mut(),
-        partial_max: std::ptr::null_mut(),
-        partial_sum: std::ptr::null_mut(),
-    };
+    let mut plan = flash_plan(p);
+    let value_dim = plan.value_dim;
     // Work in f64: the product of five extents may overflow.
     let extents = [
         batch,

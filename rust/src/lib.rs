@@ -20,6 +20,7 @@ pub mod flash_avx2;
 pub mod flash_avx512;
 #[cfg(target_arch = "x86_64")]
 pub mod flash_avx512bf16;
+pub mod flash_backward;
 pub mod flash_kernel;
 #[cfg(target_arch = "aarch64")]
 pub mod flash_neon;

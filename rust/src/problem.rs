@@ -212,6 +212,45 @@ pub struct AttentionProblem<'a> {
     pub v_scale: ParamView3,
 }
 
+// ---- The backward pass (attention_backward, flash_backward.rs) ----------------------------------
+
+/// A writeable float32 vector (dsinks, (Hq,)); a null `data` means "not requested".
+#[derive(Clone, Copy, Debug)]
+pub struct MutParamView1 {
+    pub data: *mut f32,
+    pub shape: [i64; 1],
+    pub stride: [i64; 1],
+}
+
+impl MutParamView1 {
+    /// Not requested.
+    pub const NONE: MutParamView1 = MutParamView1 {
+        data: std::ptr::null_mut(),
+        shape: [0; 1],
+        stride: [0; 1],
+    };
+}
+
+/// One backward call: the forward's problem (its out and lse now inputs, lse required), the
+/// gradient of the loss with respect to out, and the gradients, written in place:
+///
+/// ```text
+/// dout (B, Hq, Lq, Dv)    dq (B, Hq, Lq, D)    dk (B, Hkv, Lk, D)    dv (B, Hkv, Lk, Dv)
+/// dsinks (Hq,) float32, only together with forward.sinks
+/// ```
+///
+/// dout, dq, dk and dv hold elements of forward.dtype (float32, float16 or bfloat16; int8 k and v
+/// carry no gradient); the last axis has unit stride, as q's. C++'s BackwardProblem.
+#[derive(Clone, Copy, Debug)]
+pub struct BackwardProblem<'a> {
+    pub forward: AttentionProblem<'a>,
+    pub dout: TensorView4,
+    pub dq: MutTensorView4,
+    pub dk: MutTensorView4,
+    pub dv: MutTensorView4,
+    pub dsinks: MutParamView1,
+}
+
 /// Row-major (contiguous) views over shape (d0, d1, d2, d3) of float32 elements; a convenience
 /// for tests and for callers that own contiguous buffers.
 pub fn contiguous_view(data: *const f32, d0: i64, d1: i64, d2: i64, d3: i64) -> TensorView4 {
@@ -438,6 +477,80 @@ pub fn check_num_threads(num_threads: i64) -> Result<usize, ProblemError> {
     Ok(usize::try_from(num_threads).unwrap_or(usize::MAX))
 }
 
+/// The number of arrays [`problem_extents`] lists.
+const PROBLEM_INPUTS: usize = 9;
+
+/// The byte extents of the arrays a forward call reads (lse last: an output of the forward, an
+/// input of the backward), in the order the overlap messages name them.
+fn problem_extents(p: &AttentionProblem) -> [(&'static str, Option<(i128, i128)>); PROBLEM_INPUTS] {
+    let item = p.dtype.size() as i64; // q and out
+    let kv_item = if p.kv_int8 { 1 } else { item }; // k and v
+    let lse_extent = if p.lse.is_requested() {
+        byte_extent(p.lse.data as usize, &p.lse.shape, &p.lse.stride, 4)
+    } else {
+        None
+    };
+    let mask_item = if p.mask.kind == MaskKind::Float { 4 } else { 1 };
+    let mask_shape = [p.q.shape[0], p.q.shape[1], p.q.shape[2], p.k.shape[2]];
+    [
+        (
+            "q",
+            byte_extent(p.q.data as usize, &p.q.shape, &p.q.stride, item),
+        ),
+        (
+            "k",
+            byte_extent(p.k.data as usize, &p.k.shape, &p.k.stride, kv_item),
+        ),
+        (
+            "v",
+            byte_extent(p.v.data as usize, &p.v.shape, &p.v.stride, kv_item),
+        ),
+        (
+            "mask",
+            match p.mask.kind {
+                MaskKind::None => None,
+                _ => byte_extent(p.mask.data as usize, &mask_shape, &p.mask.stride, mask_item),
+            },
+        ),
+        (
+            "alibi_slopes",
+            byte_extent(
+                p.alibi_slopes.data as usize,
+                &p.alibi_slopes.shape,
+                &p.alibi_slopes.stride,
+                4,
+            )
+            .filter(|_| !p.alibi_slopes.data.is_null()),
+        ),
+        (
+            "sinks",
+            byte_extent(p.sinks.data as usize, &p.sinks.shape, &p.sinks.stride, 4)
+                .filter(|_| !p.sinks.data.is_null()),
+        ),
+        (
+            "k_scale",
+            byte_extent(
+                p.k_scale.data as usize,
+                &p.k_scale.shape,
+                &p.k_scale.stride,
+                4,
+            )
+            .filter(|_| !p.k_scale.data.is_null()),
+        ),
+        (
+            "v_scale",
+            byte_extent(
+                p.v_scale.data as usize,
+                &p.v_scale.shape,
+                &p.v_scale.stride,
+                4,
+            )
+            .filter(|_| !p.v_scale.data.is_null()),
+        ),
+        ("lse", lse_extent),
+    ]
+}
+
 /// Checks everything a kernel relies on, except that the pointers are valid (the caller's
 /// promise, see [`crate::reference_kernel::attention_reference`]). Twin of C++'s check_problem:
 /// the same checks in the same order (docs/native_api.md lists them side by side).
@@ -605,76 +718,141 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
     if p.lse.is_requested() {
         check_distinct_elements("lse", &p.lse.shape, &p.lse.stride)?;
     }
-    let item = p.dtype.size() as i64; // q and out
-    let kv_item = if p.kv_int8 { 1 } else { item }; // k and v
-    let out_extent = byte_extent(p.out.data as usize, &p.out.shape, &p.out.stride, item);
-    let lse_extent = if p.lse.is_requested() {
-        byte_extent(p.lse.data as usize, &p.lse.shape, &p.lse.stride, 4)
-    } else {
-        None
-    };
-    let mask_item = if p.mask.kind == MaskKind::Float { 4 } else { 1 };
-    let inputs = [
-        (
-            "q",
-            byte_extent(p.q.data as usize, &p.q.shape, &p.q.stride, item),
-        ),
-        (
-            "k",
-            byte_extent(p.k.data as usize, &p.k.shape, &p.k.stride, kv_item),
-        ),
-        (
-            "v",
-            byte_extent(p.v.data as usize, &p.v.shape, &p.v.stride, kv_item),
-        ),
-        (
-            "mask",
-            match p.mask.kind {
-                MaskKind::None => None,
-                _ => byte_extent(p.mask.data as usize, &mask_shape, &p.mask.stride, mask_item),
-            },
-        ),
-        (
-            "alibi_slopes",
-            byte_extent(
-                p.alibi_slopes.data as usize,
-                &p.alibi_slopes.shape,
-                &p.alibi_slopes.stride,
-                4,
-            )
-            .filter(|_| !p.alibi_slopes.data.is_null()),
-        ),
-        (
-            "sinks",
-            byte_extent(p.sinks.data as usize, &p.sinks.shape, &p.sinks.stride, 4)
-                .filter(|_| !p.sinks.data.is_null()),
-        ),
-        (
-            "k_scale",
-            byte_extent(
-                p.k_scale.data as usize,
-                &p.k_scale.shape,
-                &p.k_scale.stride,
-                4,
-            )
-            .filter(|_| !p.k_scale.data.is_null()),
-        ),
-        (
-            "v_scale",
-            byte_extent(
-                p.v_scale.data as usize,
-                &p.v_scale.shape,
-                &p.v_scale.stride,
-                4,
-            )
-            .filter(|_| !p.v_scale.data.is_null()),
-        ),
-        ("lse", lse_extent),
-    ];
+    let inputs = problem_extents(p);
+    let out_extent = byte_extent(
+        p.out.data as usize,
+        &p.out.shape,
+        &p.out.stride,
+        p.dtype.size() as i64,
+    );
+    let lse_extent = inputs[PROBLEM_INPUTS - 1].1;
     for (output, extent) in [("out", out_extent), ("lse", lse_extent)] {
         for &(input, input_extent) in &inputs {
             if input != output && extents_overlap(extent, input_extent) {
                 reject!("{output}: expected memory disjoint from {input}, got arrays that overlap");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// check_problem's checks on the forward part (lse required, k and v not int8), then dout, dq,
+/// dk, dv and dsinks: shapes, data, unit last strides, dsinks only with sinks, and the gradients
+/// written once each (no element twice, no overlap with each other or any input). Twin of C++'s
+/// check_backward: the same checks in the same order.
+pub fn check_backward(bp: &BackwardProblem) -> Result<(), ProblemError> {
+    let p = &bp.forward;
+    // 1. The forward part: float keys and values, lse given, then check_problem's checks.
+    if p.kv_int8 {
+        reject!("k: expected q's dtype, got int8 (int8 keys and values carry no gradient)");
+    }
+    if !p.lse.is_requested() {
+        reject!("lse: required (the forward's lse, float32, shape (B, Hq, Lq)), got None");
+    }
+    check_problem(p)?;
+
+    // 2. Shapes: dout as out, dq as q, dk as k, dv as v.
+    let [batch, q_heads, q_len, head_dim] = p.q.shape;
+    let [_, kv_heads, k_len, _] = p.k.shape;
+    let value_dim = p.v.shape[3];
+    let gradients = [
+        ("dout", &bp.dout.shape, [batch, q_heads, q_len, value_dim]),
+        ("dq", &bp.dq.shape, [batch, q_heads, q_len, head_dim]),
+        ("dk", &bp.dk.shape, [batch, kv_heads, k_len, head_dim]),
+        ("dv", &bp.dv.shape, [batch, kv_heads, k_len, value_dim]),
+    ];
+    for (name, shape, expected) in gradients {
+        let [b, h, l, d] = expected;
+        let (h_name, l_name, d_name) = match name {
+            "dout" => ("Hq", "Lq", "Dv"),
+            "dq" => ("Hq", "Lq", "D"),
+            "dk" => ("Hkv", "Lk", "D"),
+            _ => ("Hkv", "Lk", "Dv"),
+        };
+        check_shape(
+            name,
+            || format!("(B={b}, {h_name}={h}, {l_name}={l}, {d_name}={d})"),
+            shape,
+            *shape == expected,
+        )?;
+    }
+
+    // 3. Memory: data present when non-empty, unit stride on the feature axes.
+    check_data("dout", bp.dout.data.is_null(), &bp.dout.shape)?;
+    check_data("dq", bp.dq.data.is_null(), &bp.dq.shape)?;
+    check_data("dk", bp.dk.data.is_null(), &bp.dk.shape)?;
+    check_data("dv", bp.dv.data.is_null(), &bp.dv.shape)?;
+    check_unit_last_stride("dout", "Dv", &bp.dout.shape, &bp.dout.stride)?;
+    check_unit_last_stride("dq", "D", &bp.dq.shape, &bp.dq.stride)?;
+    check_unit_last_stride("dk", "D", &bp.dk.shape, &bp.dk.stride)?;
+    check_unit_last_stride("dv", "Dv", &bp.dv.shape, &bp.dv.stride)?;
+
+    // 4. dsinks: the sinks' gradient, (Hq,), only with sinks.
+    let has_dsinks = !bp.dsinks.data.is_null();
+    if has_dsinks && p.sinks.data.is_null() {
+        reject!("dsinks: expected None without sinks (it is the sinks' gradient), got an array");
+    }
+    if has_dsinks {
+        check_shape(
+            "dsinks",
+            || format!("(Hq={q_heads},)"),
+            &bp.dsinks.shape,
+            bp.dsinks.shape == [q_heads],
+        )?;
+    }
+
+    // 5. Gradients: every element written once, by one thread, never read as input.
+    check_distinct_elements("dq", &bp.dq.shape, &bp.dq.stride)?;
+    check_distinct_elements("dk", &bp.dk.shape, &bp.dk.stride)?;
+    check_distinct_elements("dv", &bp.dv.shape, &bp.dv.stride)?;
+    if has_dsinks {
+        check_distinct_elements("dsinks", &bp.dsinks.shape, &bp.dsinks.stride)?;
+    }
+    let item = p.dtype.size() as i64;
+    let extent =
+        |data: usize, shape: &[i64; 4], stride: &[i64; 4]| byte_extent(data, shape, stride, item);
+    let mut inputs = problem_extents(p).to_vec();
+    inputs.push((
+        "out",
+        extent(p.out.data as usize, &p.out.shape, &p.out.stride),
+    ));
+    inputs.push((
+        "dout",
+        extent(bp.dout.data as usize, &bp.dout.shape, &bp.dout.stride),
+    ));
+    let outputs = [
+        (
+            "dq",
+            extent(bp.dq.data as usize, &bp.dq.shape, &bp.dq.stride),
+        ),
+        (
+            "dk",
+            extent(bp.dk.data as usize, &bp.dk.shape, &bp.dk.stride),
+        ),
+        (
+            "dv",
+            extent(bp.dv.data as usize, &bp.dv.shape, &bp.dv.stride),
+        ),
+        (
+            "dsinks",
+            byte_extent(
+                bp.dsinks.data as usize,
+                &bp.dsinks.shape,
+                &bp.dsinks.stride,
+                4,
+            )
+            .filter(|_| has_dsinks),
+        ),
+    ];
+    for (index, &(output, output_extent)) in outputs.iter().enumerate() {
+        for &(input, input_extent) in &inputs {
+            if extents_overlap(output_extent, input_extent) {
+                reject!("{output}: expected memory disjoint from {input}, got arrays that overlap");
+            }
+        }
+        for &(other, other_extent) in &outputs[..index] {
+            if extents_overlap(output_extent, other_extent) {
+                reject!("{output}: expected memory disjoint from {other}, got arrays that overlap");
             }
         }
     }

@@ -13,8 +13,8 @@ use pyo3::types::{PyBool, PyDict, PyString};
 
 use crate::constants::*;
 use crate::problem::{
-    check_num_threads, AttentionProblem, ElementType, LseView, MaskKind, MaskView, MutTensorView4,
-    ParamView1, ParamView2, ParamView3, ProblemError, TensorView4,
+    check_num_threads, AttentionProblem, BackwardProblem, ElementType, LseView, MaskKind, MaskView,
+    MutParamView1, MutTensorView4, ParamView1, ParamView2, ParamView3, ProblemError, TensorView4,
 };
 
 /// Which kernel a call runs.
@@ -320,6 +320,23 @@ impl DetachedProblem<'_> {
     }
 }
 
+/// A checked backward problem handed to the thread that computes while the GIL is released (as
+/// [`DetachedProblem`]).
+struct DetachedBackward<'a>(BackwardProblem<'a>);
+
+// SAFETY: as DetachedProblem's: the views point into NumPy arrays that the calling frame keeps
+// alive until the detached computation has returned.
+unsafe impl Send for DetachedBackward<'_> {}
+
+impl DetachedBackward<'_> {
+    fn run(self, num_threads: usize) -> Result<(), ProblemError> {
+        // SAFETY: as DetachedProblem::run; attention_backward runs check_backward (gradients
+        // overlapping neither each other nor the inputs, indices in bounds) before it touches
+        // memory.
+        unsafe { crate::flash_backward::attention_backward(&self.0, num_threads) }
+    }
+}
+
 /// One `#[pyfunction]` per kernel, the same arguments for both, handed to [`run_kernel`] (a macro:
 /// PyO3 needs a function each; C++ instantiates one template twice, bindings.cpp).
 macro_rules! attention_py {
@@ -395,15 +412,35 @@ attention_py!(
     Kernel::Reference
 );
 
-/// Converts the arguments into an AttentionProblem and runs `kernel` without the GIL; the
-/// kernel checks the problem first (check_problem: shapes against each other, lengths, ranges,
-/// scales required or not, overlaps), once per call. `required`: q, k, v, out and scale;
-/// `keywords`: the others in signature order, None (or absent) meaning the keyword's default.
-fn run_kernel(
-    kernel: Kernel,
+/// The forward's arguments converted ([`run_kernel`]; attention_backward_py, whose out and lse
+/// are inputs): the problem (its per-sequence slices empty: the caller points them at q_offset
+/// and kv_lens, which C++ does inside convert_problem), those vectors, and num_threads.
+struct ConvertedProblem {
+    problem: AttentionProblem<'static>,
+    q_offset: Vec<i64>,
+    kv_lens: Vec<i64>,
+    num_threads: i64,
+}
+
+impl ConvertedProblem {
+    /// The problem with its per-sequence slices.
+    fn problem(&self) -> AttentionProblem<'_> {
+        AttentionProblem {
+            q_offset: &self.q_offset,
+            kv_lens: &self.kv_lens,
+            ..self.problem
+        }
+    }
+}
+
+/// Converts the forward's arguments. `outputs`: out and lse are written (the forward:
+/// writeable), else read (the backward). `required`: q, k, v, out and scale; `keywords`: the
+/// others in signature order, None (or absent) meaning the keyword's default.
+fn convert_problem(
+    outputs: bool,
     required: [&Bound<'_, PyAny>; 5],
     keywords: [Option<&Bound<'_, PyAny>>; 13],
-) -> PyResult<()> {
+) -> PyResult<ConvertedProblem> {
     let [q, k, v, out, scale] = required;
     let [lse, q_offset, kv_lens, mask, causal, num_threads, window_left, window_right, softcap, alibi_slopes, sinks, k_scale, v_scale] =
         keywords;
@@ -424,12 +461,16 @@ fn run_kernel(
     let v_dtype = if kv_int8 { Dtype::Int8 } else { like };
     let v = as_array(v, "v", v_dtype, 4, "(B, Hkv, Lk, Dv)")?;
     let out = as_array(out, "out", like, 4, "(B, Hq, Lq, Dv)")?;
-    require_writeable(out, "out")?;
+    if outputs {
+        require_writeable(out, "out")?;
+    }
     let lse = match lse {
         None => LseView::NONE,
         Some(lse) => {
             let lse = as_array(lse, "lse", Dtype::Float32, 3, "(B, Hq, Lq)")?;
-            require_writeable(lse, "lse")?;
+            if outputs {
+                require_writeable(lse, "lse")?;
+            }
             LseView {
                 data: data_of(lse).cast::<f32>(),
                 shape: shape_of(lse),
@@ -479,8 +520,8 @@ fn run_kernel(
             stride: strides_of(out),
         },
         lse,
-        q_offset: &q_offset,
-        kv_lens: &kv_lens,
+        q_offset: &[],
+        kv_lens: &[],
         mask,
         causal,
         scale: scale as f32, // beyond float32's range becomes inf: rejected
@@ -494,12 +535,143 @@ fn run_kernel(
         v_scale,
     };
 
-    // 3. The kernel without the GIL; it checks the problem first (check_problem, once per call).
+    Ok(ConvertedProblem {
+        problem,
+        q_offset,
+        kv_lens,
+        num_threads,
+    })
+}
+
+/// Runs `compute` (which calls a kernel with the checked thread count) without the GIL; the
+/// kernel checks its problem first, once per call.
+fn run_without_gil(
+    py: Python<'_>,
+    num_threads: i64,
+    compute: impl FnOnce(usize) -> Result<(), ProblemError> + Send,
+) -> PyResult<()> {
     let threads = check_num_threads(num_threads).map_err(raise)?;
-    let job = DetachedProblem(problem);
-    q.py()
-        .detach(move || job.run(threads, kernel))
-        .map_err(raise)
+    py.detach(move || compute(threads)).map_err(raise)
+}
+
+/// Converts the arguments into an AttentionProblem and runs `kernel` without the GIL; the
+/// kernel checks the problem first (check_problem: shapes against each other, lengths, ranges,
+/// scales required or not, overlaps), once per call.
+fn run_kernel(
+    kernel: Kernel,
+    required: [&Bound<'_, PyAny>; 5],
+    keywords: [Option<&Bound<'_, PyAny>>; 13],
+) -> PyResult<()> {
+    let converted = convert_problem(true, required, keywords)?;
+    let job = DetachedProblem(converted.problem());
+    run_without_gil(required[0].py(), converted.num_threads, move |threads| {
+        job.run(threads, kernel)
+    })
+}
+
+/// attention_backward(q, k, v, out, dout, lse, dq, dk, dv, *, scale, q_offset=None,
+///     kv_lens=None, mask=None, causal=None, num_threads=None, window_left=None,
+///     window_right=None, softcap=None, alibi_slopes=None, sinks=None, dsinks=None)
+/// --
+///
+/// The gradients of attention_forward with respect to q, k, v (and sinks: dsinks) from dout,
+/// the forward's out and lse, written into dq, dk, dv (and dsinks). Conversion order: the
+/// forward's arguments as the forward converts them, then dout, dq, dk, dv and dsinks; then the
+/// core's checks (check_backward). See docs/native_api.md.
+#[pyfunction]
+#[pyo3(name = "attention_backward")]
+#[pyo3(signature = (q, k, v, out, dout, lse, dq, dk, dv, *, scale, q_offset=None, kv_lens=None, mask=None, causal=None, num_threads=None, window_left=None, window_right=None, softcap=None, alibi_slopes=None, sinks=None, dsinks=None))]
+#[allow(clippy::too_many_arguments)]
+fn attention_backward_py<'py>(
+    q: &Bound<'py, PyAny>,
+    k: &Bound<'py, PyAny>,
+    v: &Bound<'py, PyAny>,
+    out: &Bound<'py, PyAny>,
+    dout: &Bound<'py, PyAny>,
+    lse: &Bound<'py, PyAny>,
+    dq: &Bound<'py, PyAny>,
+    dk: &Bound<'py, PyAny>,
+    dv: &Bound<'py, PyAny>,
+    scale: &Bound<'py, PyAny>,
+    q_offset: Option<&Bound<'py, PyAny>>,
+    kv_lens: Option<&Bound<'py, PyAny>>,
+    mask: Option<&Bound<'py, PyAny>>,
+    causal: Option<&Bound<'py, PyAny>>,
+    num_threads: Option<&Bound<'py, PyAny>>,
+    window_left: Option<&Bound<'py, PyAny>>,
+    window_right: Option<&Bound<'py, PyAny>>,
+    softcap: Option<&Bound<'py, PyAny>>,
+    alibi_slopes: Option<&Bound<'py, PyAny>>,
+    sinks: Option<&Bound<'py, PyAny>>,
+    dsinks: Option<&Bound<'py, PyAny>>,
+) -> PyResult<()> {
+    // lse is positional but may be None, as in C++: then the core says it is required.
+    let converted = convert_problem(
+        false,
+        [q, k, v, out, scale],
+        [
+            (!lse.is_none()).then_some(lse),
+            q_offset,
+            kv_lens,
+            mask,
+            causal,
+            num_threads,
+            window_left,
+            window_right,
+            softcap,
+            alibi_slopes,
+            sinks,
+            None,
+            None,
+        ],
+    )?;
+    let forward = converted.problem();
+    let element = forward.dtype;
+    let like = Dtype::Like(element, element.name());
+    let dout = tensor_view(as_array(dout, "dout", like, 4, "(B, Hq, Lq, Dv)")?);
+    let mut gradients = [MutTensorView4 {
+        data: std::ptr::null_mut(),
+        shape: [0; 4],
+        stride: [0; 4],
+    }; 3];
+    let named = [
+        ("dq", dq, "(B, Hq, Lq, D)"),
+        ("dk", dk, "(B, Hkv, Lk, D)"),
+        ("dv", dv, "(B, Hkv, Lk, Dv)"),
+    ];
+    for (gradient, (name, obj, axes)) in gradients.iter_mut().zip(named) {
+        let array = as_array(obj, name, like, 4, axes)?;
+        require_writeable(array, name)?;
+        *gradient = MutTensorView4 {
+            data: data_of(array),
+            shape: shape_of(array),
+            stride: strides_of(array),
+        };
+    }
+    let dsinks = match dsinks {
+        None => MutParamView1::NONE,
+        Some(dsinks) => {
+            let array = as_array(dsinks, "dsinks", Dtype::Float32, 1, "(Hq,)")?;
+            require_writeable(array, "dsinks")?;
+            MutParamView1 {
+                data: data_of(array).cast::<f32>(),
+                shape: shape_of(array),
+                stride: strides_of(array),
+            }
+        }
+    };
+    let [dq, dk, dv] = gradients;
+    let job = DetachedBackward(BackwardProblem {
+        forward,
+        dout,
+        dq,
+        dk,
+        dv,
+        dsinks,
+    });
+    run_without_gil(q.py(), converted.num_threads, move |threads| {
+        job.run(threads)
+    })
 }
 
 /// softcap_tanh(x) -> ndarray
@@ -574,6 +746,7 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     constants.set_item("pool_spin_microseconds", POOL_SPIN_MICROSECONDS)?;
     constants.set_item("serial_work", SERIAL_WORK)?;
     constants.set_item("direct_score_rows", DIRECT_SCORE_ROWS)?;
+    constants.set_item("backward_key_block", BACKWARD_KEY_BLOCK)?;
     constants.set_item("avx512_score_vectors", AVX512_SCORE_VECTORS)?;
     constants.set_item("avx512_value_vectors", AVX512_VALUE_VECTORS)?;
     constants.set_item("avx2_score_vectors", AVX2_SCORE_VECTORS)?;
@@ -618,6 +791,7 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     crate::dispatch::init_isa_from_environment().map_err(PyImportError::new_err)?;
     m.add_function(wrap_pyfunction!(attention_forward, m)?)?;
     m.add_function(wrap_pyfunction!(attention_reference, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_backward_py, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(set_isa_py, m)?)?;
     m.add_function(wrap_pyfunction!(softcap_tanh_py, m)?)?;

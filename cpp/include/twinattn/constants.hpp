@@ -32,9 +32,15 @@ constexpr int64_t kSplitKeyChunk = 1024;
 // (33.2 vs 33.4), 48 rows 46.4 vs 43.9; 16k keys, 28 rows 14.3 vs 15.0.
 constexpr int64_t kDirectScoreRows = 24;
 
+// Keys per key block of the backward pass (flash_backward.cpp): one item's dK and dV rows, and
+// the keys each query tile recomputes P against at a time. Query tiles are kQTileRows packed
+// rows, as the forward's.
+constexpr int64_t kBackwardKeyBlock = 64;
+
 static_assert(kQTileRows % kMicroRows == 0, "tiles are whole micro-kernel strips");
 static_assert(kKeyBlock % kKeyPanel == 0, "key blocks are whole panels");
 static_assert(kSplitKeyChunk % kKeyBlock == 0, "split-key chunks are whole key blocks");
+static_assert(kBackwardKeyBlock <= kKeyBlock, "a backward key block fits the forward's score rows");
 
 // ---- Threads ----------------------------------------------------------------------------------
 // How long a pool thread spins (checking for its next job, or the caller for the workers'

@@ -139,6 +139,35 @@ struct AttentionProblem {
 // (docs/native_api.md lists them side by side).
 void check_problem(const AttentionProblem& problem);
 
+// ---- The backward pass (attention_backward, flash_backward.hpp) --------------------------------
+
+// A writeable float32 vector (dsinks, (Hq,)); data == nullptr: not requested.
+struct MutParamView1 {
+    float* data;
+    int64_t shape[1];
+    int64_t stride[1];
+};
+
+// One backward call: the forward's problem (its out and lse now inputs, lse required), the
+// gradient of the loss with respect to out, and the gradients, written in place:
+//   dout (B, Hq, Lq, Dv)    dq (B, Hq, Lq, D)    dk (B, Hkv, Lk, D)    dv (B, Hkv, Lk, Dv)
+//   dsinks (Hq,) float32, only together with forward.sinks
+// dout, dq, dk and dv hold elements of forward.dtype (float32, float16 or bfloat16; int8 k and v
+// carry no gradient); the last axis has unit stride, as q's.
+struct BackwardProblem {
+    AttentionProblem forward;
+    TensorView4 dout;
+    MutTensorView4 dq, dk, dv;
+    MutParamView1 dsinks = {nullptr, {0}, {0}};
+};
+
+// check_problem's checks on the forward part (lse required, k and v not int8), then dout, dq,
+// dk, dv and dsinks: shapes, data, unit last strides, dsinks only with sinks, and the gradients
+// written once each (no element twice, no overlap with each other or any input). Throws
+// std::invalid_argument as check_problem does; the same checks in the same order as Rust's
+// check_backward.
+void check_backward(const BackwardProblem& problem);
+
 // The thread count of a call: throws std::invalid_argument unless num_threads >= 1; returns it
 // capped to what an int holds (the kernels start at most one thread per work item).
 int check_num_threads(int64_t num_threads);

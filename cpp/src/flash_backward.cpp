@@ -1,0 +1,386 @@
+// attention_backward: FlashAttention-2's backward pass (docs/kernels.md, "Backward").
+//
+// Shapes (strides in elements, problem.hpp):
+//   q, dq (B, Hq, Lq, D)    k, dk (B, Hkv, Lk, D)    v, dv (B, Hkv, Lk, Dv)
+//   out, dout (B, Hq, Lq, Dv)    lse (B, Hq, Lq)    dsinks (Hq,)
+// Query rows are packed as in the forward (flash_kernel.hpp): packed row r of (b, kv_head) is
+// position i = r / G of query head h = kv_head * G + r % G, so one pass over a group's packed
+// rows sums dK and dV over its G query heads without copying K or V.
+//
+//   1. Drow = rowsum(dO * O) of every query row (float32, into a (B, Hq, Lq) buffer); dsinks.
+//   2. dK, dV: items (b, kv_head, key block of kBackwardKeyBlock keys), each owning its dk and
+//      dv rows. For every query tile (kQTileRows packed rows) that sees the block: S recomputed
+//      as the forward scores it (scale, softcap, ALiBi, mask, visibility: the forward's plan and
+//      mask_block), P = 2^(S - lse log2 e), dP = dO V^T, dS = P (dP - Drow) (softcap: times
+//      1 - tanh^2), dV += P^T dO, dK += scale dS^T Q. Rounded once into dk and dv.
+//   3. dQ: items (b, kv_head, query tile), each owning its dq rows: for every key block the tile
+//      sees, P and dS recomputed as in 2, dQ += scale dS K. Rounded once into dq.
+// Determinism: every gradient element is summed by the one item that owns it, in a fixed order
+// (query rows ascending for dK and dV, keys ascending for dQ), so the results depend neither on
+// num_threads nor on the schedule. Chosen over per-thread dQ accumulators reduced afterwards:
+// P is computed twice (passes 2 and 3), but nothing is allocated per thread beyond the tiles,
+// and both passes compute each (row, key) by the same function (tile_gradients).
+// Portable code: the inner loops over D are plain float loops, or the scalar vector type's
+// operations (simd_scalar.hpp: dot products in kScalarWidth lanes folded in a fixed order, the
+// exp2 polynomial), the same on every instruction set and, operation for operation, in Rust.
+#include "twinattn/flash_backward.hpp"
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "flash_kernel.hpp"
+#include "simd_scalar.hpp"
+#include "thread_pool.hpp"
+#include "twinattn/constants.hpp"
+
+namespace twinattn {
+namespace {
+
+using V = VecScalar;
+// The forward's tanh and mask_block, on the portable vector type.
+using ScalarKernel = flash::Kernel<VecScalar>;
+constexpr int64_t W = V::kWidth;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// What the items of one call share.
+struct BackwardPlan {
+    const BackwardProblem* problem;
+    FlashPlan flash;          // the forward's plan: group, shapes, Q multiplier, variants' flags
+    const float* row_delta;   // Drow of every query row, (B, Hq, Lq) contiguous
+};
+
+// One thread's tiles (grown on demand, kept for the thread's life):
+//   q_tile, q_rows (kQTileRows, D)    Q times the Q multiplier (scores), and Q (dK)
+//   dout_rows (kQTileRows, Dv)        dO
+//   row_delta, row_lse (kQTileRows)   Drow and lse * log2(e) of the tile's rows
+//   row_key_begin, row_key_end        each row's visible key range
+//   keys (kBackwardKeyBlock, D), values (kBackwardKeyBlock, Dv): the block's K and V in float32
+//   scores, capped, grads (kQTileRows, kKeyBlock): S then P; tanh of the softcap; scale * dS
+//   key_grad, value_grad (kBackwardKeyBlock, D / Dv), query_grad (kQTileRows, D): float32 sums
+struct BackwardScratch {
+    std::vector<float> q_tile, q_rows, dout_rows, row_delta, row_lse, keys, values, scores, capped,
+        grads, key_grad, value_grad, query_grad;
+    std::vector<int64_t> row_key_begin, row_key_end;
+
+    void ensure(int64_t D, int64_t Dv) {
+        const auto grow = [](std::vector<float>& buffer, int64_t count) {
+            if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(static_cast<size_t>(count));
+        };
+        grow(q_tile, kQTileRows * D);
+        grow(q_rows, kQTileRows * D);
+        grow(dout_rows, kQTileRows * Dv);
+        grow(row_delta, kQTileRows);
+        grow(row_lse, kQTileRows);
+        grow(keys, kBackwardKeyBlock * D);
+        grow(values, kBackwardKeyBlock * Dv);
+        grow(scores, kQTileRows * kKeyBlock);
+        grow(capped, kQTileRows * kKeyBlock);
+        grow(grads, kQTileRows * kKeyBlock);
+        grow(key_grad, kBackwardKeyBlock * D);
+        grow(value_grad, kBackwardKeyBlock * Dv);
+        grow(query_grad, kQTileRows * D);
+        if (static_cast<int64_t>(row_key_end.size()) < kQTileRows) {
+            row_key_begin.resize(kQTileRows);
+            row_key_end.resize(kQTileRows);
+        }
+    }
+};
+
+BackwardScratch& backward_scratch() {
+    thread_local BackwardScratch scratch;
+    return scratch;
+}
+
+// parallel_for over `items` (thread_pool.hpp), each run as fn(index, scratch) with the calling
+// thread's scratch, sized for D and Dv.
+template <typename Fn>
+void for_each_item(int64_t items, int num_threads, int64_t D, int64_t Dv, const Fn& fn) {
+    parallel_for(items, num_threads, [&](int64_t index, int) {
+        BackwardScratch& s = backward_scratch();
+        s.ensure(D, Dv);
+        fn(index, s);
+    });
+}
+
+// sum_d a[d] b[d] over n floats: kScalarWidth partial sums (lane d % width, V::fma), folded as
+// V::reduce_sum folds them.
+float dot(const float* a, const float* b, int64_t n) {
+    V::Reg acc = V::zero();
+    int64_t d = 0;
+    for (; d + W <= n; d += W) acc = V::fma(V::load(a + d), V::load(b + d), acc);
+    if (d < n) acc = V::fma(V::load_tail(a + d, n - d), V::load_tail(b + d, n - d), acc);
+    return V::reduce_sum(acc);
+}
+
+// y += alpha x over n floats (a product, then a sum: -ffp-contract=off keeps them apart, as Rust).
+void axpy(float* y, float alpha, const float* x, int64_t n) {
+    for (int64_t d = 0; d < n; ++d) y[d] = alpha * x[d] + y[d];
+}
+
+// Row i of head h of sequence b of a (B, H, L, n) view, as T.
+template <typename T, typename View>
+T* view_row(const View& view, int64_t b, int64_t h, int64_t i) {
+    return static_cast<T*>(const_cast<void*>(static_cast<const void*>(view.data))) + b * view.stride[0] +
+           h * view.stride[1] + i * view.stride[2];
+}
+
+// lse[b, h, i] of the problem.
+float lse_at(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i) {
+    const LseView& lse = bp.forward.lse;
+    return lse.data[b * lse.stride[0] + h * lse.stride[1] + i * lse.stride[2]];
+}
+
+// Pass 1: Drow of the Lq rows of (b, h) into delta; row_buffer holds 2 Dv floats.
+template <typename T>
+void row_deltas(const BackwardProblem& bp, int64_t b, int64_t h, float* delta, float* row_buffer) {
+    const AttentionProblem& p = bp.forward;
+    const int64_t Lq = p.q.shape[2], Dv = p.v.shape[3];
+    float* out_row = row_buffer;
+    float* dout_row = row_buffer + Dv;
+    for (int64_t i = 0; i < Lq; ++i) {
+        const T* out = view_row<T>(p.out, b, h, i);
+        const T* dout = view_row<T>(bp.dout, b, h, i);
+        for (int64_t c = 0; c < Dv; ++c) {
+            out_row[c] = to_f32(out[c]);
+            dout_row[c] = to_f32(dout[c]);
+        }
+        delta[i] = dot(dout_row, out_row, Dv);
+    }
+}
+
+// Pass 1: dsinks[h] = -sum over b, i (in that order) of 2^(sink log2 e - lse log2 e) Drow.
+void sink_gradients(const BackwardProblem& bp, const float* delta) {
+    const AttentionProblem& p = bp.forward;
+    const int64_t B = p.q.shape[0], Hq = p.q.shape[1], Lq = p.q.shape[2];
+    for (int64_t h = 0; h < Hq; ++h) {
+        const float sink = p.sinks.data[h * p.sinks.stride[0]] * kLog2E;
+        float sum = 0.0f;
+        for (int64_t b = 0; b < B; ++b)
+            for (int64_t i = 0; i < Lq; ++i) {
+                sum = sum + V::exp2_lane(sink - lse_at(bp, b, h, i) * kLog2E) * delta[(b * Hq + h) * Lq + i];
+            }
+        bp.dsinks.data[h * bp.dsinks.stride[0]] = 0.0f - sum;
+    }
+}
+
+// The tile's rows (packed rows tile.row_begin + r, r < rows): Q times the Q multiplier, Q, dO,
+// Drow, lse * log2(e) and the visible key range.
+template <typename T>
+void load_tile(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, BackwardScratch& s) {
+    const BackwardProblem& bp = *plan.problem;
+    const AttentionProblem& p = bp.forward;
+    const int64_t G = plan.flash.group, D = plan.flash.head_dim, Dv = plan.flash.value_dim;
+    const int64_t Hq = p.q.shape[1], Lq = p.q.shape[2], b = tile.b;
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t packed = tile.row_begin + r;
+        const int64_t h = tile.kv_head * G + packed % G, i = packed / G;
+        const T* q = view_row<T>(p.q, b, h, i);
+        for (int64_t d = 0; d < D; ++d) {
+            const float x = to_f32(q[d]);
+            s.q_rows[r * D + d] = x;
+            s.q_tile[r * D + d] = x * plan.flash.q_multiplier;
+        }
+        const T* dout = view_row<T>(bp.dout, b, h, i);
+        for (int64_t c = 0; c < Dv; ++c) s.dout_rows[r * Dv + c] = to_f32(dout[c]);
+        s.row_delta[r] = plan.row_delta[(b * Hq + h) * Lq + i];
+        s.row_lse[r] = lse_at(bp, b, h, i) * kLog2E;
+        flash_row_key_range(p, b, G, packed, &s.row_key_begin[r], &s.row_key_end[r]);
+    }
+}
+
+// Keys [key_block, key_block + n) of (b, kv_head): K and V rows in float32.
+template <typename T>
+void load_keys(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_block, int64_t n,
+               BackwardScratch& s) {
+    const int64_t D = p.k.shape[3], Dv = p.v.shape[3];
+    for (int64_t j = 0; j < n; ++j) {
+        const T* k = view_row<T>(p.k, b, kv_head, key_block + j);
+        for (int64_t d = 0; d < D; ++d) s.keys[j * D + d] = to_f32(k[d]);
+        const T* v = view_row<T>(p.v, b, kv_head, key_block + j);
+        for (int64_t c = 0; c < Dv; ++c) s.values[j * Dv + c] = to_f32(v[c]);
+    }
+}
+
+// P and scale * dS of the tile's rows against the n loaded keys from key_block: s.scores (P) and
+// s.grads, rows of stride kKeyBlock (as the forward's mask_block reads them). A hidden key has
+// P = 0 and dS = 0, and its value is never read (no 0 * NaN from it); a row with no legal key
+// (lse = -inf) is all zeros.
+void tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, int64_t key_block,
+                    int64_t n, BackwardScratch& s) {
+    const FlashPlan& fp = plan.flash;
+    const int64_t D = fp.head_dim, Dv = fp.value_dim;
+    const int64_t n_padded = ceil_div(n, W) * W;
+    // (a) S = (Q times the multiplier) K^T, in base 2; softcap: t = tanh(S) kept, S = t softcap log2 e.
+    for (int64_t r = 0; r < rows; ++r) {
+        float* row = s.scores.data() + r * kKeyBlock;
+        for (int64_t j = 0; j < n; ++j) row[j] = dot(s.q_tile.data() + r * D, s.keys.data() + j * D, D);
+        for (int64_t j = n; j < n_padded; ++j) row[j] = 0.0f;
+        if (!fp.has_softcap) continue;
+        float* capped = s.capped.data() + r * kKeyBlock;
+        for (int64_t j = 0; j < n_padded; j += W) {
+            const V::Reg t = ScalarKernel::tanh(V::load(row + j));
+            V::store(capped + j, t);
+            V::store(row + j, V::mul(t, V::broadcast(fp.softcap_multiplier)));
+        }
+    }
+    // (b) Visibility, ALiBi and the mask: the forward's own code.
+    ThreadScratch view{};
+    view.scores = s.scores.data();
+    view.row_key_begin = s.row_key_begin.data();
+    view.row_key_end = s.row_key_end.data();
+    ScalarKernel::mask_block(fp, tile, view, rows, key_block, n);
+    // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale.
+    const float scale = plan.problem->forward.scale;
+    for (int64_t r = 0; r < rows; ++r) {
+        float* probs = s.scores.data() + r * kKeyBlock;
+        float* grads = s.grads.data() + r * kKeyBlock;
+        const float lse = s.row_lse[r];
+        for (int64_t j = 0; j < n; ++j) {
+            const float prob = lse == kNegInf ? 0.0f : V::exp2_lane(probs[j] - lse);
+            probs[j] = prob;
+            if (prob == 0.0f) {
+                grads[j] = 0.0f;
+                continue;
+            }
+            const float dp = dot(s.dout_rows.data() + r * Dv, s.values.data() + j * Dv, Dv);
+            float ds = prob * (dp - s.row_delta[r]);
+            if (fp.has_softcap) {
+                const float t = s.capped[r * kKeyBlock + j];
+                ds = ds * (1.0f - t * t);
+            }
+            grads[j] = ds * scale;
+        }
+    }
+}
+
+// Pass 2: dK and dV of keys [key_block, key_block + kBackwardKeyBlock) of (b, kv_head), every query
+// tile that sees them summed in row order; keys past kv_lens[b] get 0.
+template <typename T>
+void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, int64_t key_block,
+                         BackwardScratch& s) {
+    const BackwardProblem& bp = *plan.problem;
+    const AttentionProblem& p = bp.forward;
+    const int64_t G = plan.flash.group, D = plan.flash.head_dim, Dv = plan.flash.value_dim;
+    const int64_t n = std::min(kBackwardKeyBlock, p.k.shape[2] - key_block);
+    const int64_t visible = std::max<int64_t>(0, std::min(n, p.kv_lens[b] - key_block));
+    std::fill(s.key_grad.begin(), s.key_grad.begin() + n * D, 0.0f);
+    std::fill(s.value_grad.begin(), s.value_grad.begin() + n * Dv, 0.0f);
+    if (visible > 0) load_keys<T>(p, b, kv_head, key_block, visible, s);
+    for (int64_t row_begin = 0; visible > 0 && row_begin < plan.flash.rows_per_group; row_begin += kQTileRows) {
+        const int64_t row_end = std::min(row_begin + kQTileRows, plan.flash.rows_per_group);
+        // Rows are ordered by position, and so are their visible ranges: a tile whose first row
+        // starts past the block or whose last row ends before it sees none of its keys.
+        int64_t first_key, last_key, unused;
+        flash_row_key_range(p, b, G, row_begin, &first_key, &unused);
+        flash_row_key_range(p, b, G, row_end - 1, &unused, &last_key);
+        if (first_key >= key_block + visible || last_key <= key_block) continue;
+        const WorkItem tile{b, kv_head, row_begin, row_end, key_block, key_block + visible, -1};
+        const int64_t rows = row_end - row_begin;
+        load_tile<T>(plan, tile, rows, s);
+        tile_gradients(plan, tile, rows, key_block, visible, s);
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < visible; ++j) {
+                const float prob = s.scores[r * kKeyBlock + j];
+                if (prob == 0.0f) continue;
+                axpy(s.value_grad.data() + j * Dv, prob, s.dout_rows.data() + r * Dv, Dv);
+                axpy(s.key_grad.data() + j * D, s.grads[r * kKeyBlock + j], s.q_rows.data() + r * D, D);
+            }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+        T* dk = view_row<T>(bp.dk, b, kv_head, key_block + j);
+        for (int64_t d = 0; d < D; ++d) from_f32(s.key_grad[j * D + d], &dk[d]);
+        T* dv = view_row<T>(bp.dv, b, kv_head, key_block + j);
+        for (int64_t c = 0; c < Dv; ++c) from_f32(s.value_grad[j * Dv + c], &dv[c]);
+    }
+}
+
+// Pass 3: dQ of the tile's rows, key blocks in order from the first row's window start to the last
+// row's visible end; rows that see no key get 0.
+template <typename T>
+void query_tile_gradients(const BackwardPlan& plan, const WorkItem& tile, BackwardScratch& s) {
+    const BackwardProblem& bp = *plan.problem;
+    const AttentionProblem& p = bp.forward;
+    const int64_t G = plan.flash.group, D = plan.flash.head_dim;
+    const int64_t rows = tile.row_end - tile.row_begin;
+    load_tile<T>(plan, tile, rows, s);
+    std::fill(s.query_grad.begin(), s.query_grad.begin() + rows * D, 0.0f);
+    int64_t first_key, last_key, unused;
+    flash_row_key_range(p, tile.b, G, tile.row_begin, &first_key, &unused);
+    flash_row_key_range(p, tile.b, G, tile.row_end - 1, &unused, &last_key);
+    for (int64_t key_block = first_key / kBackwardKeyBlock * kBackwardKeyBlock; key_block < last_key;
+         key_block += kBackwardKeyBlock) {
+        const int64_t n = std::min(kBackwardKeyBlock, last_key - key_block);
+        load_keys<T>(p, tile.b, tile.kv_head, key_block, n, s);
+        tile_gradients(plan, tile, rows, key_block, n, s);
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t j = 0; j < n; ++j) {
+                if (s.scores[r * kKeyBlock + j] == 0.0f) continue;
+                axpy(s.query_grad.data() + r * D, s.grads[r * kKeyBlock + j], s.keys.data() + j * D, D);
+            }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t packed = tile.row_begin + r;
+        T* dq = view_row<T>(bp.dq, tile.b, tile.kv_head * G + packed % G, packed / G);
+        for (int64_t d = 0; d < D; ++d) from_f32(s.query_grad[r * D + d], &dq[d]);
+    }
+}
+
+// Passes 1-3 with q, k, v, out, dout and the gradients of storage type T.
+template <typename T>
+void backward_passes(const BackwardProblem& bp, int num_threads) {
+    const AttentionProblem& p = bp.forward;
+    const int64_t B = p.q.shape[0], Hq = p.q.shape[1], Lq = p.q.shape[2];
+    const int64_t Hkv = p.k.shape[1], Lk = p.k.shape[2];
+
+    const int64_t D = p.q.shape[3], Dv = p.v.shape[3];
+
+    // 1. Drow, then dsinks.
+    std::vector<float> delta(static_cast<size_t>(B * Hq * Lq));
+    for_each_item(B * Hq, num_threads, D, Dv, [&](int64_t head, BackwardScratch& s) {
+        row_deltas<T>(bp, head / Hq, head % Hq, delta.data() + head * Lq, s.dout_rows.data());
+    });
+    if (bp.dsinks.data != nullptr) sink_gradients(bp, delta.data());
+    if (Hkv == 0) return;  // then Hq = 0 too (check_problem): no gradient left to write
+
+    const BackwardPlan plan{&bp, flash_plan(p), delta.data()};
+    // 2. dK, dV.
+    const int64_t key_blocks = ceil_div(Lk, kBackwardKeyBlock);
+    for_each_item(B * Hkv * key_blocks, num_threads, D, Dv, [&](int64_t index, BackwardScratch& s) {
+        const int64_t head = index / key_blocks;
+        key_block_gradients<T>(plan, head / Hkv, head % Hkv, index % key_blocks * kBackwardKeyBlock, s);
+    });
+    // 3. dQ.
+    const int64_t rows_per_group = plan.flash.rows_per_group;
+    const int64_t tiles = ceil_div(rows_per_group, kQTileRows);
+    for_each_item(B * Hkv * tiles, num_threads, D, Dv, [&](int64_t index, BackwardScratch& s) {
+        const int64_t head = index / tiles, row_begin = index % tiles * kQTileRows;
+        const WorkItem tile{head / Hkv, head % Hkv, row_begin, std::min(row_begin + kQTileRows, rows_per_group),
+                            0, 0, -1};
+        query_tile_gradients<T>(plan, tile, s);
+    });
+}
+
+}  // namespace
+
+void attention_backward(const BackwardProblem& bp, int num_threads) {
+    check_backward(bp);
+    check_num_threads(num_threads);
+    const AttentionProblem& p = bp.forward;
+    // A call below kSerialWork multiply-adds runs on the calling thread, as the forward's (the
+    // results do not depend on it). Work in double: the product of five int64 extents may overflow.
+    const double work = static_cast<double>(p.q.shape[0]) * static_cast<double>(p.q.shape[1]) *
+                        static_cast<double>(p.q.shape[2]) * static_cast<double>(p.k.shape[2]) *
+                        static_cast<double>(p.q.shape[3] + p.v.shape[3]);
+    if (work < static_cast<double>(kSerialWork)) num_threads = 1;
+    switch (p.dtype) {
+        case ElementType::Float32: backward_passes<float>(bp, num_threads); break;
+        case ElementType::Float16: backward_passes<Float16>(bp, num_threads); break;
+        case ElementType::BFloat16: backward_passes<BFloat16>(bp, num_threads); break;
+    }
+}
+
+}  // namespace twinattn

@@ -1,0 +1,696 @@
+//! attention_backward: FlashAttention-2's backward pass (docs/kernels.md, "Backward"). Twin of
+//! `cpp/include/twinattn/flash_backward.hpp` and `cpp/src/flash_backward.cpp`.
+//!
+//! Shapes (strides in elements, problem.rs):
+//!
+//! ```text
+//! q, dq (B, Hq, Lq, D)    k, dk (B, Hkv, Lk, D)    v, dv (B, Hkv, Lk, Dv)
+//! out, dout (B, Hq, Lq, Dv)    lse (B, Hq, Lq)    dsinks (Hq,)
+//! ```
+//!
+//! Query rows are packed as in the forward (flash_kernel.rs): packed row r of (b, kv_head) is
+//! position i = r / G of query head h = kv_head * G + r % G, so one pass over a group's packed
+//! rows sums dK and dV over its G query heads without copying K or V.
+//!
+//!   1. Drow = rowsum(dO * O) of every query row (float32, into a (B, Hq, Lq) buffer); dsinks.
+//!   2. dK, dV: items (b, kv_head, key block of BACKWARD_KEY_BLOCK keys), each owning its dk and
+//!      dv rows. For every query tile (Q_TILE_ROWS packed rows) that sees the block: S
+//!      recomputed as the forward scores it (scale, softcap, ALiBi, mask, visibility: the
+//!      forward's plan and mask_block), P = 2^(S - lse log2 e), dP = dO V^T, dS = P (dP - Drow)
+//!      (softcap: times 1 - tanh^2), dV += P^T dO, dK += scale dS^T Q. Rounded once into dk, dv.
+//!   3. dQ: items (b, kv_head, query tile), each owning its dq rows: for every key block the tile
+//!      sees, P and dS recomputed as in 2, dQ += scale dS K. Rounded once into dq.
+//!
+//! Determinism: every gradient element is summed by the one item that owns it, in a fixed order
+//! (query rows ascending for dK and dV, keys ascending for dQ), so the results depend neither on
+//! num_threads nor on the schedule. Chosen over per-thread dQ accumulators reduced afterwards: P
+//! is computed twice (passes 2 and 3), but nothing is allocated per thread beyond the tiles, and
+//! both passes compute each (row, key) by the same function (tile_gradients).
+//! Portable code: the inner loops over D are plain float loops, or the scalar vector type's
+//! operations (simd_scalar.rs: dot products in SCALAR_WIDTH lanes folded in a fixed order, the
+//! exp2 polynomial), the same on every instruction set and, operation for operation, in C++.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::constants::{BACKWARD_KEY_BLOCK, KEY_BLOCK, LOG2_E, Q_TILE_ROWS, SERIAL_WORK};
+use crate::element::{BFloat16, Element, Float16};
+use crate::flash_attention::{flash_plan, flash_row_key_range, with_thread_buffers, Shared};
+use crate::flash_kernel::{mask_block, tanh, FlashPlan, ThreadScratch, WorkItem};
+use crate::problem::{
+    check_backward, check_num_threads, try_filled, BackwardProblem, ElementType, ProblemError,
+};
+use crate::simd::Vector;
+use crate::simd_scalar::{exp2_lane, VecScalar};
+use crate::thread_pool::parallel_for;
+
+type V = VecScalar;
+const W: usize = V::WIDTH;
+
+/// What the items of one call share.
+struct BackwardPlan<'p, 'a> {
+    problem: &'p BackwardProblem<'a>,
+    /// the forward's plan: group, shapes, Q multiplier, variants' flags
+    flash: FlashPlan<'p, 'a>,
+    /// Drow of every query row, (B, Hq, Lq) contiguous
+    row_delta: *const f32,
+}
+
+// SAFETY: the plan is read-only while the items run; they write disjoint gradient rows. (Raw
+// pointers are neither Send nor Sync in Rust; C++ has no such rule.)
+unsafe impl Sync for BackwardPlan<'_, '_> {}
+
+/// One thread's tiles (grown on demand, kept for the thread's life):
+///
+/// ```text
+/// q_tile, q_rows (Q_TILE_ROWS, D)    Q times the Q multiplier (scores), and Q (dK)
+/// dout_rows (Q_TILE_ROWS, Dv)        dO
+/// row_delta, row_lse (Q_TILE_ROWS)   Drow and lse * log2(e) of the tile's rows
+/// row_key_begin, row_key_end         each row's visible key range
+/// keys (BACKWARD_KEY_BLOCK, D), values (BACKWARD_KEY_BLOCK, Dv): the block's K and V in float32
+/// scores, capped, grads (Q_TILE_ROWS, KEY_BLOCK): S then P; tanh of the softcap; scale * dS
+/// key_grad, value_grad (BACKWARD_KEY_BLOCK, D / Dv), query_grad (Q_TILE_ROWS, D): float32 sums
+/// ```
+#[derive(Default)]
+struct BackwardScratch {
+    q_tile: Vec<f32>,
+    q_rows: Vec<f32>,
+    dout_rows: Vec<f32>,
+    row_delta: Vec<f32>,
+    row_lse: Vec<f32>,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    scores: Vec<f32>,
+    capped: Vec<f32>,
+    grads: Vec<f32>,
+    key_grad: Vec<f32>,
+    value_grad: Vec<f32>,
+    query_grad: Vec<f32>,
+    row_key_begin: Vec<usize>,
+    row_key_end: Vec<usize>,
+}
+
+impl BackwardScratch {
+    fn ensure(&mut self, head_dim: usize, value_dim: usize) -> Result<(), ProblemError> {
+        fn grow<T: Copy + Default>(buffer: &mut Vec<T>, count: usize) -> Result<(), ProblemError> {
+            if buffer.len() < count {
+                *buffer = try_filled(count, T::default())?;
+            }
+            Ok(())
+        }
+        grow(&mut self.q_tile, Q_TILE_ROWS * head_dim)?;
+        grow(&mut self.q_rows, Q_TILE_ROWS * head_dim)?;
+        grow(&mut self.dout_rows, Q_TILE_ROWS * value_dim)?;
+        grow(&mut self.row_delta, Q_TILE_ROWS)?;
+        grow(&mut self.row_lse, Q_TILE_ROWS)?;
+        grow(&mut self.keys, BACKWARD_KEY_BLOCK * head_dim)?;
+        grow(&mut self.values, BACKWARD_KEY_BLOCK * value_dim)?;
+        grow(&mut self.scores, Q_TILE_ROWS * KEY_BLOCK)?;
+        grow(&mut self.capped, Q_TILE_ROWS * KEY_BLOCK)?;
+        grow(&mut self.grads, Q_TILE_ROWS * KEY_BLOCK)?;
+        grow(&mut self.key_grad, BACKWARD_KEY_BLOCK * head_dim)?;
+        grow(&mut self.value_grad, BACKWARD_KEY_BLOCK * value_dim)?;
+        grow(&mut self.query_grad, Q_TILE_ROWS * head_dim)?;
+        grow(&mut self.row_key_begin, Q_TILE_ROWS)?;
+        grow(&mut self.row_key_end, Q_TILE_ROWS)
+    }
+}
+
+thread_local! {
+    static BACKWARD_SCRATCH: RefCell<BackwardScratch> = RefCell::new(BackwardScratch::default());
+}
+
+/// parallel_for over `items` (thread_pool.rs), each run as f(index, scratch) with the calling
+/// thread's scratch, sized for D and Dv; the out-of-memory error when a scratch cannot grow.
+fn for_each_item(
+    items: usize,
+    threads: usize,
+    head_dim: usize,
+    value_dim: usize,
+    f: impl Fn(usize, &mut BackwardScratch) + Sync,
+) -> Result<(), ProblemError> {
+    // C++ rethrows a worker's std::bad_alloc on the caller; here the failed item sets this flag.
+    let out_of_memory = AtomicBool::new(false);
+    parallel_for(items, threads, &|index, _| {
+        let done = with_thread_buffers(&BACKWARD_SCRATCH, |s: &mut BackwardScratch| {
+            s.ensure(head_dim, value_dim)?;
+            f(index, s);
+            Ok::<(), ProblemError>(())
+        });
+        if done.is_err() {
+            out_of_memory.store(true, Ordering::Relaxed);
+        }
+    });
+    match out_of_memory.load(Ordering::Relaxed) {
+        true => Err(ProblemError::out_of_memory()),
+        false => Ok(()),
+    }
+}
+
+/// sum_d a[d] b[d] over n floats: SCALAR_WIDTH partial sums (lane d % width, V::fma), folded as
+/// V::reduce_sum folds them.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32], n: usize) -> f32 {
+    let (a, b) = (&a[..n], &b[..n]);
+    // SAFETY: the scalar type needs no instruction set; every load lies inside a and b.
+    unsafe {
+        let mut acc = V::zero();
+        let mut d = 0;
+        while d + W <= n {
+            acc = V::fma(V::load(a.as_ptr().add(d)), V::load(b.as_ptr().add(d)), acc);
+            d += W;
+        }
+        if d < n {
+            acc = V::fma(
+                V::load_tail(a.as_ptr().add(d), n - d),
+                V::load_tail(b.as_ptr().add(d), n - d),
+                acc,
+            );
+        }
+        V::reduce_sum(acc)
+    }
+}
+
+/// y += alpha x over n floats (a product, then a sum: Rust never fuses them, as C++ with
+/// -ffp-contract=off).
+#[inline(always)]
+fn axpy(y: &mut [f32], alpha: f32, x: &[f32], n: usize) {
+    for (y_d, &x_d) in y[..n].iter_mut().zip(&x[..n]) {
+        *y_d += alpha * x_d;
+    }
+}
+
+/// Row i of head h of sequence b of a (B, H, L, n) view with data `data` and strides `stride`,
+/// as T.
+///
+/// # Safety
+/// The index is inside the view.
+#[inline(always)]
+unsafe fn view_row<T>(data: *const u8, stride: &[i64; 4], b: usize, h: usize, i: usize) -> *mut T {
+    let offset = b as i64 * stride[0] + h as i64 * stride[1] + i as i64 * stride[2];
+    // SAFETY: forwarded.
+    unsafe { data.cast::<T>().cast_mut().offset(offset as isize) }
+}
+
+/// lse[b, h, i] of the problem.
+///
+/// # Safety
+/// The index is inside the (checked) lse view.
+#[inline(always)]
+unsafe fn lse_at(bp: &BackwardProblem, b: usize, h: usize, i: usize) -> f32 {
+    let lse = &bp.forward.lse;
+    let offset = b as i64 * lse.stride[0] + h as i64 * lse.stride[1] + i as i64 * lse.stride[2];
+    // SAFETY: forwarded.
+    unsafe { *lse.data.offset(offset as isize) }
+}
+
+/// Pass 1: Drow of the Lq rows of (b, h) into delta; row_buffer holds 2 Dv floats.
+///
+/// # Safety
+/// The problem is checked and its memory valid (attention_backward's contract).
+unsafe fn row_deltas<T: Element>(
+    bp: &BackwardProblem,
+    b: usize,
+    h: usize,
+    delta: &mut [f32],
+    row_buffer: &mut [f32],
+) {
+    let p = &bp.forward;
+    let value_dim = p.v.shape[3] as usize;
+    let (out_row, dout_row) = row_buffer[..2 * value_dim].split_at_mut(value_dim);
+    for (i, delta_i) in delta.iter_mut().enumerate() {
+        // SAFETY: (b, h, i) is inside out and dout, whose rows hold Dv elements.
+        unsafe {
+            let out = view_row::<T>(p.out.data.cast_const(), &p.out.stride, b, h, i);
+            let dout = view_row::<T>(bp.dout.data, &bp.dout.stride, b, h, i);
+            for c in 0..value_dim {
+                out_row[c] = (*out.add(c)).to_f32();
+                dout_row[c] = (*dout.add(c)).to_f32();
+            }
+        }
+        *delta_i = dot(dout_row, out_row, value_dim);
+    }
+}
+
+/// Pass 1: dsinks[h] = -sum over b, i (in that order) of 2^(sink log2 e - lse log2 e) Drow.
+///
+/// # Safety
+/// As [`row_deltas`]; dsinks and sinks are given.
+unsafe fn sink_gradients(bp: &BackwardProblem, delta: &[f32]) {
+    let p = &bp.forward;
+    let [batch, q_heads, q_len, _] = p.q.shape.map(|n| n as usize);
+    // SAFETY: h < Hq indexes sinks and dsinks, (b, h, i) lse (checked shapes).
+    unsafe {
+        for h in 0..q_heads {
+            let sink = *p.sinks.data.offset(h as isize * p.sinks.stride[0] as isize) * LOG2_E;
+            let mut sum = 0.0f32;
+            for b in 0..batch {
+                for i in 0..q_len {
+                    let lse = lse_at(bp, b, h, i);
+                    sum += exp2_lane(sink - lse * LOG2_E) * delta[(b * q_heads + h) * q_len + i];
+                }
+            }
+            *bp.dsinks
+                .data
+                .offset(h as isize * bp.dsinks.stride[0] as isize) = 0.0 - sum;
+        }
+    }
+}
+
+/// The tile's rows (packed rows tile.row_begin + r, r < rows): Q times the Q multiplier, Q, dO,
+/// Drow, lse * log2(e) and the visible key range.
+///
+/// # Safety
+/// As [`row_deltas`]; the tile's rows are packed rows of the plan.
+unsafe fn load_tile<T: Element>(
+    plan: &BackwardPlan,
+    tile: &WorkItem,
+    rows: usize,
+    s: &mut BackwardScratch,
+) {
+    let bp = plan.problem;
+    let p = &bp.forward;
+    let (group, head_dim, value_dim) =
+        (plan.flash.group, plan.flash.head_dim, plan.flash.value_dim);
+    let (q_heads, q_len, b) = (p.q.shape[1] as usize, p.q.shape[2] as usize, tile.b);
+    for r in 0..rows {
+        let packed = tile.row_begin + r;
+        let (h, i) = (tile.kv_head * group + packed % group, packed / group);
+        // SAFETY: (b, h, i) is a query row (h < Hq, i < Lq), whose q and dout rows hold D and Dv
+        // elements; row_delta holds B * Hq * Lq floats.
+        unsafe {
+            let q = view_row::<T>(p.q.data, &p.q.stride, b, h, i);
+            for d in 0..head_dim {
+                let x = (*q.add(d)).to_f32();
+                s.q_rows[r * head_dim + d] = x;
+                s.q_tile[r * head_dim + d] = x * plan.flash.q_multiplier;
+            }
+            let dout = view_row::<T>(bp.dout.data, &bp.dout.stride, b, h, i);
+            for c in 0..value_dim {
+                s.dout_rows[r * value_dim + c] = (*dout.add(c)).to_f32();
+            }
+            s.row_delta[r] = *plan.row_delta.add((b * q_heads + h) * q_len + i);
+            s.row_lse[r] = lse_at(bp, b, h, i) * LOG2_E;
+        }
+        let (key_begin, key_end) = flash_row_key_range(p, b, group, packed);
+        s.row_key_begin[r] = key_begin;
+        s.row_key_end[r] = key_end;
+    }
+}
+
+/// Keys [key_block, key_block + n) of (b, kv_head): K and V rows in float32.
+///
+/// # Safety
+/// As [`row_deltas`]; the keys are inside k and v.
+unsafe fn load_keys<T: Element>(
+    bp: &BackwardProblem,
+    b: usize,
+    kv_head: usize,
+    key_block: usize,
+    n: usize,
+    s: &mut BackwardScratch,
+) {
+    let p = &bp.forward;
+    let (head_dim, value_dim) = (p.k.shape[3] as usize, p.v.shape[3] as usize);
+    for j in 0..n {
+        // SAFETY: forwarded; k and v rows hold D and Dv elements.
+        unsafe {
+            let k = view_row::<T>(p.k.data, &p.k.stride, b, kv_head, key_block + j);
+            for d in 0..head_dim {
+                s.keys[j * head_dim + d] = (*k.add(d)).to_f32();
+            }
+            let v = view_row::<T>(p.v.data, &p.v.stride, b, kv_head, key_block + j);
+            for c in 0..value_dim {
+                s.values[j * value_dim + c] = (*v.add(c)).to_f32();
+            }
+        }
+    }
+}
+
+/// P and scale * dS of the tile's rows against the n loaded keys from key_block: s.scores (P)
+/// and s.grads, rows of stride KEY_BLOCK (as the forward's mask_block reads them). A hidden key
+/// has P = 0 and dS = 0, and its value is never read (no 0 * NaN from it); a row with no legal
+/// key (lse = -inf) is all zeros.
+///
+/// # Safety
+/// As [`load_tile`], after load_tile and load_keys of these rows and keys.
+unsafe fn tile_gradients(
+    plan: &BackwardPlan,
+    tile: &WorkItem,
+    rows: usize,
+    key_block: usize,
+    n: usize,
+    s: &mut BackwardScratch,
+) {
+    let fp = &plan.flash;
+    let (head_dim, value_dim) = (fp.head_dim, fp.value_dim);
+    let n_padded = n.div_ceil(W) * W;
+    // (a) S = (Q times the multiplier) K^T, in base 2; softcap: t = tanh(S) kept, S = t softcap log2 e.
+    for r in 0..rows {
+        let q = &s.q_tile[r * head_dim..];
+        let row = &mut s.scores[r * KEY_BLOCK..(r + 1) * KEY_BLOCK];
+        for (j, score) in row[..n].iter_mut().enumerate() {
+            *score = dot(q, &s.keys[j * head_dim..], head_dim);
+        }
+        row[n..n_padded].fill(0.0);
+        if !fp.has_softcap {
+            continue;
+        }
+        let capped = &mut s.capped[r * KEY_BLOCK..];
+        for j in (0..n_padded).step_by(W) {
+            // SAFETY: j + W <= n_padded <= KEY_BLOCK floats of both rows; no instruction set needed.
+            unsafe {
+                let t = tanh::<V>(V::load(row.as_ptr().add(j)));
+                t.store(capped.as_mut_ptr().add(j));
+                V::mul(t, V::broadcast(fp.softcap_multiplier)).store(row.as_mut_ptr().add(j));
+            }
+        }
+    }
+    // (b) Visibility, ALiBi and the mask: the forward's own code.
+    let view = ThreadScratch {
+        q_tile: std::ptr::null_mut(),
+        scores: s.scores.as_mut_ptr(),
+        out_acc: std::ptr::null_mut(),
+        row_max: std::ptr::null_mut(),
+        row_sum: std::ptr::null_mut(),
+        rescale: std::ptr::null_mut(),
+        row_key_begin: s.row_key_begin.as_mut_ptr(),
+        row_key_end: s.row_key_end.as_mut_ptr(),
+        key_panels: std::ptr::null_mut(),
+        probs_pairs: std::ptr::null_mut(),
+        key_scales: std::ptr::null_mut(),
+        value_scales: std::ptr::null_mut(),
+    };
+    // SAFETY: forwarded; mask_block reads only scores (rows x n of stride KEY_BLOCK) and the
+    // rows' key ranges of the view.
+    unsafe { mask_block(fp, tile, &view, rows, key_block, n) };
+    // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale.
+    let scale = plan.problem.forward.scale;
+    for r in 0..rows {
+        let lse = s.row_lse[r];
+        for j in 0..n {
+            let at = r * KEY_BLOCK + j;
+            let prob = if lse == f32::NEG_INFINITY {
+                0.0
+            } else {
+                exp2_lane(s.scores[at] - lse)
+            };
+            s.scores[at] = prob;
+            if prob == 0.0 {
+                s.grads[at] = 0.0;
+                continue;
+            }
+            let dp = dot(
+                &s.dout_rows[r * value_dim..],
+                &s.values[j * value_dim..],
+                value_dim,
+            );
+            let mut ds = prob * (dp - s.row_delta[r]);
+            if fp.has_softcap {
+                let t = s.capped[at];
+                ds *= 1.0 - t * t;
+            }
+            s.grads[at] = ds * scale;
+        }
+    }
+}
+
+/// Pass 2: dK and dV of keys [key_block, key_block + BACKWARD_KEY_BLOCK) of (b, kv_head), every query
+/// tile that sees them summed in row order; keys past kv_lens[b] get 0.
+///
+/// # Safety
+/// As [`row_deltas`]; this item owns these keys' dk and dv rows.
+unsafe fn key_block_gradients<T: Element>(
+    plan: &BackwardPlan,
+    b: usize,
+    kv_head: usize,
+    key_block: usize,
+    s: &mut BackwardScratch,
+) {
+    let bp = plan.problem;
+    let p = &bp.forward;
+    let (group, head_dim, value_dim) =
+        (plan.flash.group, plan.flash.head_dim, plan.flash.value_dim);
+    let n = BACKWARD_KEY_BLOCK.min(p.k.shape[2] as usize - key_block);
+    let visible = (p.kv_lens[b] as usize).saturating_sub(key_block).min(n);
+    s.key_grad[..n * head_dim].fill(0.0);
+    s.value_grad[..n * value_dim].fill(0.0);
+    // SAFETY: forwarded; the keys below key_block + visible <= kv_lens[b] <= Lk are inside k, v.
+    unsafe {
+        if visible > 0 {
+            load_keys::<T>(bp, b, kv_head, key_block, visible, s);
+        }
+        let rows_per_group = plan.flash.rows_per_group;
+        let mut row_begin = 0;
+        while visible > 0 && row_begin < rows_per_group {
+            let row_end = (row_begin + Q_TILE_ROWS).min(rows_per_group);
+            let tile_begin = row_begin;
+            row_begin = row_end;
+            // Rows are ordered by position, and so are their visible ranges: a tile whose first
+            // row starts past the block or whose last row ends before it sees none of its keys.
+            let (first_key, _) = flash_row_key_range(p, b, group, tile_begin);
+            let (_, last_key) = flash_row_key_range(p, b, group, row_end - 1);
+            if first_key >= key_block + visible || last_key <= key_block {
+                continue;
+            }
+            let tile = WorkItem {
+                b,
+                kv_head,
+                row_begin: tile_begin,
+                row_end,
+                key_begin: key_block,
+                key_end: key_block + visible,
+                partial_slot: None,
+            };
+            let rows = row_end - tile_begin;
+            load_tile::<T>(plan, &tile, rows, s);
+            tile_gradients(plan, &tile, rows, key_block, visible, s);
+            for r in 0..rows {
+                for j in 0..visible {
+                    let prob = s.scores[r * KEY_BLOCK + j];
+                    if prob == 0.0 {
+                        continue;
+                    }
+                    axpy(
+                        &mut s.value_grad[j * value_dim..],
+                        prob,
+                        &s.dout_rows[r * value_dim..],
+                        value_dim,
+                    );
+                    axpy(
+                        &mut s.key_grad[j * head_dim..],
+                        s.grads[r * KEY_BLOCK + j],
+                        &s.q_rows[r * head_dim..],
+                        head_dim,
+                    );
+                }
+            }
+        }
+        for j in 0..n {
+            let dk = view_row::<T>(
+                bp.dk.data.cast_const(),
+                &bp.dk.stride,
+                b,
+                kv_head,
+                key_block + j,
+            );
+            for d in 0..head_dim {
+                *dk.add(d) = T::from_f32(s.key_grad[j * head_dim + d]);
+            }
+            let dv = view_row::<T>(
+                bp.dv.data.cast_const(),
+                &bp.dv.stride,
+                b,
+                kv_head,
+                key_block + j,
+            );
+            for c in 0..value_dim {
+                *dv.add(c) = T::from_f32(s.value_grad[j * value_dim + c]);
+            }
+        }
+    }
+}
+
+/// Pass 3: dQ of the tile's rows, key blocks in order from the first row's window start to the last
+/// row's visible end; rows that see no key get 0.
+///
+/// # Safety
+/// As [`row_deltas`]; this item owns the tile's dq rows.
+unsafe fn query_tile_gradients<T: Element>(
+    plan: &BackwardPlan,
+    tile: &WorkItem,
+    s: &mut BackwardScratch,
+) {
+    let bp = plan.problem;
+    let p = &bp.forward;
+    let (group, head_dim) = (plan.flash.group, plan.flash.head_dim);
+    let rows = tile.row_end - tile.row_begin;
+    // SAFETY: forwarded; the keys below the last row's visible end are inside k and v.
+    unsafe {
+        load_tile::<T>(plan, tile, rows, s);
+        s.query_grad[..rows * head_dim].fill(0.0);
+        let (first_key, _) = flash_row_key_range(p, tile.b, group, tile.row_begin);
+        let (_, last_key) = flash_row_key_range(p, tile.b, group, tile.row_end - 1);
+        let mut key_block = first_key / BACKWARD_KEY_BLOCK * BACKWARD_KEY_BLOCK;
+        while key_block < last_key {
+            let n = BACKWARD_KEY_BLOCK.min(last_key - key_block);
+            load_keys::<T>(bp, tile.b, tile.kv_head, key_block, n, s);
+            tile_gradients(plan, tile, rows, key_block, n, s);
+            for r in 0..rows {
+                for j in 0..n {
+                    if s.scores[r * KEY_BLOCK + j] == 0.0 {
+                        continue;
+                    }
+                    axpy(
+                        &mut s.query_grad[r * head_dim..],
+                        s.grads[r * KEY_BLOCK + j],
+                        &s.keys[j * head_dim..],
+                        head_dim,
+                    );
+                }
+            }
+            key_block += BACKWARD_KEY_BLOCK;
+        }
+        for r in 0..rows {
+            let packed = tile.row_begin + r;
+            let h = tile.kv_head * group + packed % group;
+            let dq = view_row::<T>(
+                bp.dq.data.cast_const(),
+                &bp.dq.stride,
+                tile.b,
+                h,
+                packed / group,
+            );
+            for d in 0..head_dim {
+                *dq.add(d) = T::from_f32(s.query_grad[r * head_dim + d]);
+            }
+        }
+    }
+}
+
+/// Passes 1-3 with q, k, v, out, dout and the gradients of storage type T.
+///
+/// # Safety
+/// As [`attention_backward`], after check_backward.
+unsafe fn backward_passes<T: Element>(
+    bp: &BackwardProblem,
+    threads: usize,
+) -> Result<(), ProblemError> {
+    let p = &bp.forward;
+    let [batch, q_heads, q_len, head_dim] = p.q.shape.map(|n| n as usize);
+    let (kv_heads, k_len, value_dim) = (
+        p.k.shape[1] as usize,
+        p.k.shape[2] as usize,
+        p.v.shape[3] as usize,
+    );
+
+    // 1. Drow, then dsinks.
+    let mut delta = try_filled(batch * q_heads * q_len, 0.0f32)?;
+    let (problem, delta_rows) = (Shared(bp), Shared(delta.as_mut_ptr()));
+    for_each_item(batch * q_heads, threads, head_dim, value_dim, |head, s| {
+        // SAFETY: item `head` writes only its own Lq floats of delta; the problem is checked.
+        unsafe {
+            let delta = std::slice::from_raw_parts_mut(delta_rows.get().add(head * q_len), q_len);
+            row_deltas::<T>(
+                problem.get(),
+                head / q_heads,
+                head % q_heads,
+                delta,
+                &mut s.dout_rows,
+            );
+        }
+    })?;
+    if !bp.dsinks.data.is_null() {
+        // SAFETY: the problem is checked; dsinks comes with sinks.
+        unsafe { sink_gradients(bp, &delta) };
+    }
+    if kv_heads == 0 {
+        return Ok(()); // then Hq = 0 too (check_problem): no gradient left to write
+    }
+
+    let plan = BackwardPlan {
+        problem: bp,
+        flash: flash_plan(p),
+        row_delta: delta.as_ptr(),
+    };
+    // 2. dK, dV.
+    let key_blocks = k_len.div_ceil(BACKWARD_KEY_BLOCK);
+    for_each_item(
+        batch * kv_heads * key_blocks,
+        threads,
+        head_dim,
+        value_dim,
+        |index, s| {
+            let head = index / key_blocks;
+            let key_block = index % key_blocks * BACKWARD_KEY_BLOCK;
+            // SAFETY: item (b, kv_head, key block) owns its keys' dk and dv rows.
+            unsafe {
+                key_block_gradients::<T>(&plan, head / kv_heads, head % kv_heads, key_block, s)
+            };
+        },
+    )?;
+    // 3. dQ.
+    let rows_per_group = plan.flash.rows_per_group;
+    let tiles = rows_per_group.div_ceil(Q_TILE_ROWS);
+    for_each_item(
+        batch * kv_heads * tiles,
+        threads,
+        head_dim,
+        value_dim,
+        |index, s| {
+            let (head, row_begin) = (index / tiles, index % tiles * Q_TILE_ROWS);
+            let tile = WorkItem {
+                b: head / kv_heads,
+                kv_head: head % kv_heads,
+                row_begin,
+                row_end: (row_begin + Q_TILE_ROWS).min(rows_per_group),
+                key_begin: 0,
+                key_end: 0,
+                partial_slot: None,
+            };
+            // SAFETY: item (b, kv_head, tile) owns the tile's dq rows.
+            unsafe { query_tile_gradients::<T>(&plan, &tile, s) };
+        },
+    )
+}
+
+/// Writes dq, dk and dv (every element: 0 for keys past kv_lens, keys no row sees and rows that
+/// see no key) and dsinks when requested, after [`check_backward`] and [`check_num_threads`]. A
+/// buffer that cannot be allocated gives [`ProblemError::out_of_memory`] (the gradients are then
+/// unspecified). Portable float32 code, the same on every instruction set; the results do not
+/// depend on num_threads (each gradient element is summed by one thread in a fixed order).
+///
+/// # Safety
+/// As [`crate::flash_attention::attention_forward`]: every view describes memory valid for its
+/// whole shape; nobody else writes the inputs or touches the gradients meanwhile.
+pub unsafe fn attention_backward(
+    bp: &BackwardProblem,
+    num_threads: usize,
+) -> Result<(), ProblemError> {
+    check_backward(bp)?;
+    let threads = check_num_threads(i64::try_from(num_threads).unwrap_or(i64::MAX))?;
+    let p = &bp.forward;
+    // A call below SERIAL_WORK multiply-adds runs on the calling thread, as the forward's (the
+    // results do not depend on it). Work in f64: the product of five extents may overflow.
+    let extents = [
+        p.q.shape[0],
+        p.q.shape[1],
+        p.q.shape[2],
+        p.k.shape[2],
+        p.q.shape[3] + p.v.shape[3],
+    ];
+    let work: f64 = extents.iter().map(|&n| n as f64).product();
+    let threads = if work < SERIAL_WORK as f64 {
+        1
+    } else {
+        threads
+    };
+    // SAFETY: forwarded; the problem is checked.
+    unsafe {
+        match p.dtype {
+            ElementType::Float32 => backward_passes::<f32>(bp, threads),
+            ElementType::Float16 => backward_passes::<Float16>(bp, threads),
+            ElementType::BFloat16 => backward_passes::<BFloat16>(bp, threads),
+        }
+    }
+}

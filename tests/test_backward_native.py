@@ -1,0 +1,319 @@
+"""The native backward pass, attention_backward of both ports, called directly.
+
+Each case runs the C++ forward for out and lse, then both ports' attention_backward on the same
+inputs, and asserts (a) the two ports' dq, dk, dv and dsinks bit for bit, (b) agreement with a
+float64 NumPy backward written here (_backward64), within a bound that follows from float32
+arithmetic, (c) every gradient element written (the arrays start as NaN), and the same exception
+type and message from both ports for bad input. docs/native_api.md, "attention_backward", is the
+contract.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import _require
+
+UNIT_ROUNDOFF = 2.0**-24  # float32
+BF16 = np.dtype(ml_dtypes.bfloat16)
+# Relative half-ulp of each gradient dtype: the one rounding of the float32 sums.
+HALF_ULP = {np.dtype(np.float32): 0.0, np.dtype(np.float16): 2.0**-11, BF16: 2.0**-8}
+
+
+@pytest.fixture(scope="module")
+def ports() -> dict[str, ModuleType]:
+    for port in ("cpp", "rust"):
+        _require(port)
+    return {port: importlib.import_module(f"twinattn._{port}") for port in ("cpp", "rust")}
+
+
+def _problem(seed: int, b: int, hq: int, hkv: int, lq: int, lk: int, d: int, dv: int,
+             dtype: Any = np.float32, strided: bool = False) -> dict[str, np.ndarray]:
+    """q, k, v and dout from standard normals (rounded to dtype); strided: each a view of a
+    (B, L, H, D) array, as transformers' layout gives them."""
+    rng = np.random.default_rng(seed)
+
+    def tensor(heads: int, length: int, width: int) -> np.ndarray:
+        if strided:
+            return rng.standard_normal((b, length, heads, width)).astype(dtype).swapaxes(1, 2)
+        return rng.standard_normal((b, heads, length, width)).astype(dtype)
+
+    return {"q": tensor(hq, lq, d), "k": tensor(hkv, lk, d), "v": tensor(hkv, lk, dv), "dout": tensor(hq, lq, dv)}
+
+
+def _visible_scores(q: np.ndarray, k: np.ndarray, kw: dict[str, Any]) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """S (natural log units) of every (row, key) in float64, tanh of the softcap (or None), and
+    which keys each row may see; S is -inf where it may not."""
+    bsz, hq, lq, _ = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    keys = np.repeat(k, hq // hkv, axis=1)
+    scores = kw["scale"] * np.einsum("bhid,bhjd->bhij", q, keys)
+    capped = None
+    if kw.get("softcap"):
+        capped = np.tanh(scores / kw["softcap"])
+        scores = kw["softcap"] * capped
+    offset = kw.get("q_offset", np.zeros(bsz, np.int64))
+    position = (offset[:, None] + np.arange(lq)[None, :])[:, None, :, None]  # (B, 1, Lq, 1)
+    key = np.arange(lk)[None, None, None, :]
+    kv_lens = kw.get("kv_lens", np.full(bsz, lk, np.int64))
+    visible = np.broadcast_to(key < kv_lens[:, None, None, None], scores.shape).copy()
+    if kw.get("causal"):
+        visible &= key <= position
+    if kw.get("window_left", -1) >= 0:
+        visible &= key >= position - kw["window_left"]
+    if kw.get("window_right", -1) >= 0:
+        visible &= key <= position + kw["window_right"]
+    if kw.get("alibi_slopes") is not None:
+        scores = scores - kw["alibi_slopes"].astype(np.float64)[:, :, None, None] * np.abs(position - key)
+    mask = kw.get("mask")
+    if mask is not None and mask.dtype == np.bool_:
+        visible &= mask
+    elif mask is not None:
+        visible &= mask != -np.inf
+        scores = scores + np.where(mask == -np.inf, 0.0, mask)
+    return np.where(visible, scores, -np.inf), capped, visible
+
+
+def _backward64(inputs: dict[str, np.ndarray], out: np.ndarray, kw: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The gradients in float64 (FlashAttention-2's formulas on exact P), and a bound on each
+    element's float32 error: unit roundoff times sqrt(terms summed) plus the size of the scores
+    and lse (P's relative error), times the element's sum of absolute terms."""
+    q, k, v, dout = (inputs[name].astype(np.float64) for name in ("q", "k", "v", "dout"))
+    hq, hkv = q.shape[1], k.shape[1]
+    group = hq // hkv
+    scores, capped, visible = _visible_scores(q, k, kw)
+    sinks = kw.get("sinks")
+    top = scores.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        top = np.maximum(top, sinks.astype(np.float64)[None, :, None, None])
+    top = np.where(np.isfinite(top), top, 0.0)
+    total = np.exp(scores - top).sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + np.exp(sinks.astype(np.float64)[None, :, None, None] - top)
+    with np.errstate(divide="ignore"):
+        lse = np.log(total) + top  # -inf for a row with no legal key
+    probs = np.where(visible, np.exp(scores - np.where(np.isfinite(lse), lse, 0.0)), 0.0)
+    values = np.repeat(v, group, axis=1)
+    keys = np.repeat(k, group, axis=1)
+    # Drow from the out the kernel is given (its rounding is the forward's, not the backward's)
+    delta = (dout * out.astype(np.float64)).sum(axis=-1)
+    dprobs = np.einsum("bhic,bhjc->bhij", dout, values)
+    dscores = probs * (dprobs - delta[..., None])
+    dscores_abs = probs * (np.abs(dprobs) + np.abs(delta[..., None]))
+    if capped is not None:
+        dscores = dscores * (1.0 - capped**2)
+        dscores_abs = dscores_abs * (1.0 - capped**2)
+    scale = kw["scale"]
+
+    def grouped(x: np.ndarray) -> np.ndarray:  # (B, Hq, ...) summed over each KV head's group
+        return x.reshape(x.shape[0], hkv, group, *x.shape[2:]).sum(axis=2)
+
+    grads = {
+        "dq": scale * np.einsum("bhij,bhjd->bhid", dscores, keys),
+        "dk": grouped(scale * np.einsum("bhij,bhid->bhjd", dscores, q)),
+        "dv": grouped(np.einsum("bhij,bhic->bhjc", probs, dout)),
+    }
+    magnitudes = {
+        "dq": abs(scale) * np.einsum("bhij,bhjd->bhid", dscores_abs, np.abs(keys)),
+        "dk": grouped(abs(scale) * np.einsum("bhij,bhid->bhjd", dscores_abs, np.abs(q))),
+        "dv": grouped(np.einsum("bhij,bhic->bhjc", probs, np.abs(dout))),
+    }
+    terms = {"dq": k.shape[2], "dk": q.shape[2] * group, "dv": q.shape[2] * group}
+    finite_scores = np.abs(np.where(visible, scores, 0.0)).max(initial=0.0)
+    size = 2.0 + finite_scores + np.abs(np.where(np.isfinite(lse), lse, 0.0)).max(initial=0.0)
+    size += np.sqrt(max(q.shape[3], v.shape[3]))
+    bounds = {name: 4.0 * UNIT_ROUNDOFF * (np.sqrt(terms[name]) + size) * magnitudes[name] for name in grads}
+    if sinks is not None:
+        sink_probs = np.exp(sinks.astype(np.float64)[None, :, None] - lse[..., 0])
+        grads["dsinks"] = -(sink_probs * delta).sum(axis=(0, 2))
+        bounds["dsinks"] = 4.0 * UNIT_ROUNDOFF * (np.sqrt(delta.shape[0] * delta.shape[2]) + size) * (
+            sink_probs * np.abs(delta)).sum(axis=(0, 2))
+    return {"grads": grads, "bounds": bounds}
+
+
+def _run(module: ModuleType, inputs: dict[str, np.ndarray], out: np.ndarray, lse: np.ndarray,
+         kw: dict[str, Any], num_threads: int = 1) -> dict[str, np.ndarray]:
+    """attention_backward of one port into NaN-filled gradients (so an element left unwritten
+    shows)."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    grads = {"dq": np.full(q.shape, np.nan, q.dtype), "dk": np.full(k.shape, np.nan, q.dtype),
+             "dv": np.full(v.shape, np.nan, q.dtype)}
+    extra = {}
+    if kw.get("sinks") is not None:
+        grads["dsinks"] = extra["dsinks"] = np.full(q.shape[1], np.nan, np.float32)
+    module.attention_backward(q, k, v, out, inputs["dout"], lse, grads["dq"], grads["dk"], grads["dv"],
+                              num_threads=num_threads, **kw, **extra)
+    return grads
+
+
+def _forward(ports: dict[str, ModuleType], inputs: dict[str, np.ndarray], kw: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+    q, v = inputs["q"], inputs["v"]
+    out = np.zeros((*q.shape[:3], v.shape[3]), q.dtype)
+    lse = np.zeros(q.shape[:3], np.float32)
+    ports["cpp"].attention_forward(q, inputs["k"], v, out, lse=lse, **kw)
+    return out, lse
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return x.view({4: np.uint32, 2: np.uint16}[x.dtype.itemsize])
+
+
+B, HQ, HKV, LQ, LK, D, DV = 2, 4, 2, 5, 7, 8, 6
+RNG = np.random.default_rng(5)
+_BOOL_MASK = RNG.random((B, HQ, LQ, LK)) < 0.7
+_BOOL_MASK[1, 2, 3, :] = False  # a row with no visible key
+_FLOAT_MASK = np.where(RNG.random((B, HQ, LQ, LK)) < 0.25, -np.inf, RNG.standard_normal((B, HQ, LQ, LK))).astype(np.float32)
+_FLOAT_MASK[0, 1, 4, :] = -np.inf
+_SLOPES = np.array([[0.5, 0.25, 0.125, 0.0625], [0.3, 0.2, 0.1, 0.7]], np.float32)
+_SINKS = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+
+# (id, keyword arguments of both passes) on the small problem (B, Hq, Hkv, Lq, Lk, D, Dv above)
+SMALL_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("plain", {}),
+    ("causal_offset", dict(causal=True, q_offset=np.array([2, 0], np.int64))),
+    ("kv_lens", dict(kv_lens=np.array([7, 3], np.int64))),
+    ("kv_len_zero", dict(kv_lens=np.array([0, 5], np.int64))),
+    ("causal_row_sees_nothing", dict(causal=True, q_offset=np.array([0, 0], np.int64), kv_lens=np.array([7, 0], np.int64))),
+    ("window", dict(window_left=2, window_right=1, q_offset=np.array([1, 3], np.int64))),
+    ("softcap", dict(softcap=2.5)),
+    ("alibi", dict(alibi_slopes=_SLOPES, q_offset=np.array([1, 2], np.int64))),
+    ("sinks", dict(sinks=_SINKS)),
+    ("sinks_causal_kv_lens", dict(sinks=_SINKS, causal=True, kv_lens=np.array([4, 0], np.int64))),
+    ("bool_mask", dict(mask=_BOOL_MASK)),
+    ("float_mask", dict(mask=_FLOAT_MASK)),
+    ("everything", dict(causal=True, q_offset=np.array([2, 1], np.int64), kv_lens=np.array([6, 5], np.int64),
+                        window_left=3, softcap=4.0, alibi_slopes=_SLOPES, sinks=_SINKS, mask=_FLOAT_MASK)),
+]
+
+
+def _check(ports: dict[str, ModuleType], inputs: dict[str, np.ndarray], kw: dict[str, Any],
+           num_threads: int = 1) -> dict[str, np.ndarray]:
+    out, lse = _forward(ports, inputs, kw)
+    got = {port: _run(module, inputs, out, lse, kw, num_threads) for port, module in ports.items()}
+    # (a) the ports agree bit for bit
+    for name in got["cpp"]:
+        assert np.array_equal(_bits(got["cpp"][name]), _bits(got["rust"][name])), name
+    # (b) the float64 backward, within float32's error and the dtype's one rounding
+    want = _backward64(inputs, out, kw)
+    half_ulp = HALF_ULP[inputs["q"].dtype]
+    for name, grad in got["cpp"].items():
+        reference = want["grads"][name]
+        bound = want["bounds"][name] + half_ulp * np.abs(reference)
+        if half_ulp:
+            bound = bound + np.finfo(inputs["q"].dtype).smallest_subnormal
+        error = np.abs(grad.astype(np.float64) - reference)
+        # (c) every element written: NaN-filled arrays come back finite
+        assert np.isfinite(grad).all(), name
+        assert (error <= bound).all(), (name, float((error / np.maximum(bound, 1e-300)).max()))
+    return got["cpp"]
+
+
+@pytest.mark.parametrize(("case", "kw"), SMALL_CASES, ids=[case for case, _ in SMALL_CASES])
+def test_small_problems_match_float64_and_agree_bitwise(ports: dict[str, ModuleType], case: str, kw: dict[str, Any]) -> None:
+    kw = {"scale": 0.4, **kw}
+    grads = _check(ports, _problem(1, B, HQ, HKV, LQ, LK, D, DV), kw)
+    if case == "kv_lens":  # keys past kv_lens get zero gradients
+        assert not grads["dk"][1, :, 3:].any() and not grads["dv"][1, :, 3:].any()
+    if case == "bool_mask":  # a row with no visible key gets a zero dq
+        assert not grads["dq"][1, 2, 3].any()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize(("case", "kw"), [SMALL_CASES[1], SMALL_CASES[-1]], ids=["causal_offset", "everything"])
+def test_half_precision(ports: dict[str, ModuleType], dtype: Any, case: str, kw: dict[str, Any]) -> None:
+    _check(ports, _problem(2, B, HQ, HKV, LQ, LK, D, DV, dtype=dtype), {"scale": 0.4, **kw})
+
+
+@pytest.mark.parametrize("num_threads", [1, 3])
+@pytest.mark.parametrize(
+    ("case", "kw"),
+    [("causal", dict(causal=True, q_offset=np.array([80, 0], np.int64))),
+     ("window_kv_lens", dict(window_left=40, window_right=9, kv_lens=np.array([150, 97], np.int64))),
+     ("softcap_alibi_sinks", dict(softcap=5.0, causal=True, alibi_slopes=np.full((2, 8), 0.05, np.float32),
+                                  sinks=np.linspace(-1, 1, 8).astype(np.float32)))],
+    ids=["causal", "window_kv_lens", "softcap_alibi_sinks"])
+def test_several_tiles_and_key_blocks(ports: dict[str, ModuleType], num_threads: int, case: str, kw: dict[str, Any]) -> None:
+    """GQA 8/2 over 70 positions (280 packed rows: 6 query tiles) and 150 keys (3 key blocks),
+    strided inputs; the result does not depend on the thread count."""
+    inputs = _problem(3, 2, 8, 2, 70, 150, 20, 12, strided=True)
+    kw = {"scale": 0.2, **kw}
+    grads = _check(ports, inputs, kw, num_threads)
+    if num_threads > 1:
+        out, lse = _forward(ports, inputs, kw)
+        serial = _run(ports["rust"], inputs, out, lse, kw, 1)
+        for name, grad in grads.items():
+            assert np.array_equal(_bits(grad), _bits(serial[name])), name
+
+
+# ---- Bad input: the same exception and message from both ports ---------------------------------
+
+_IN = _problem(4, B, HQ, HKV, LQ, LK, D, DV)
+_OUT = np.zeros((B, HQ, LQ, DV), np.float32)
+_LSE = np.zeros((B, HQ, LQ), np.float32)
+
+
+def _bad_args(**overrides: Any) -> dict[str, Any]:
+    args: dict[str, Any] = dict(q=_IN["q"], k=_IN["k"], v=_IN["v"], out=_OUT, dout=_IN["dout"], lse=_LSE,
+                                dq=np.zeros((B, HQ, LQ, D), np.float32), dk=np.zeros((B, HKV, LK, D), np.float32),
+                                dv=np.zeros((B, HKV, LK, DV), np.float32), scale=0.5)
+    args.update(overrides)
+    return args
+
+
+_read_only = np.zeros((B, HQ, LQ, D), np.float32)
+_read_only.flags.writeable = False
+_q_writeable = _IN["q"].copy()
+_int8_k = np.zeros((B, HKV, LK, D), np.int8)
+_int8_v = np.zeros((B, HKV, LK, DV), np.int8)
+
+BAD_CALLS: list[tuple[str, dict[str, Any], type[Exception], str]] = [
+    ("dq_shape", dict(dq=np.zeros((B, HQ, LQ, D + 1), np.float32)), ValueError,
+     "dq: expected shape (B=2, Hq=4, Lq=5, D=8), got (2, 4, 5, 9)"),
+    ("dk_shape", dict(dk=np.zeros((B, HQ, LK, D), np.float32)), ValueError,
+     "dk: expected shape (B=2, Hkv=2, Lk=7, D=8), got (2, 4, 7, 8)"),
+    ("dout_shape", dict(dout=np.zeros((B, HQ, LQ, D), np.float32)), ValueError,
+     "dout: expected shape (B=2, Hq=4, Lq=5, Dv=6), got (2, 4, 5, 8)"),
+    ("dv_dtype", dict(dv=np.zeros((B, HKV, LK, DV), np.float64)), TypeError,
+     "dv: expected dtype float32 (q's dtype), got float64"),
+    ("dq_rank", dict(dq=np.zeros((B, HQ, LQ), np.float32)), ValueError,
+     "dq: expected 4 dimensions (B, Hq, Lq, D), got shape (2, 4, 5)"),
+    ("dq_read_only", dict(dq=_read_only), ValueError, "dq: expected a writeable array, got a read-only one"),
+    ("dq_not_array", dict(dq=[0.0]), TypeError, "dq: expected a numpy.ndarray, got list"),
+    ("int8", dict(k=_int8_k, v=_int8_v), ValueError,
+     "k: expected q's dtype, got int8 (int8 keys and values carry no gradient)"),
+    ("lse_none", dict(lse=None), ValueError, "lse: required (the forward's lse, float32, shape (B, Hq, Lq)), got None"),
+    ("lse_shape", dict(lse=np.zeros((B, HQ, LQ + 1), np.float32)), ValueError,
+     "lse: expected shape (B=2, Hq=4, Lq=5), got (2, 4, 6)"),
+    ("dsinks_without_sinks", dict(dsinks=np.zeros(HQ, np.float32)), ValueError,
+     "dsinks: expected None without sinks (it is the sinks' gradient), got an array"),
+    ("dsinks_shape", dict(sinks=_SINKS, dsinks=np.zeros(HQ + 1, np.float32)), ValueError,
+     "dsinks: expected shape (Hq=4,), got (5,)"),
+    ("dq_is_q", dict(q=_q_writeable, dq=_q_writeable), ValueError,
+     "dq: expected memory disjoint from q, got arrays that overlap"),
+    ("dk_is_dq", dict(k=_IN["q"][:, :2, :, :].copy(), v=np.zeros((B, 2, LQ, DV), np.float32),
+                      dq=_q_writeable.copy(), dk=None, dv=np.zeros((B, 2, LQ, DV), np.float32)), ValueError,
+     "dk: expected memory disjoint from dq, got arrays that overlap"),
+    ("dv_shape", dict(dv=np.zeros((B, HQ, LQ, DV), np.float32)), ValueError,
+     "dv: expected shape (B=2, Hkv=2, Lk=7, Dv=6), got (2, 4, 5, 6)"),
+    ("num_threads", dict(num_threads=0), ValueError, "num_threads: expected an int >= 1, got 0"),
+    ("scale_type", dict(scale="x"), TypeError, "scale: expected a float, got str"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "error", "message"), [case[1:] for case in BAD_CALLS],
+                         ids=[case[0] for case in BAD_CALLS])
+def test_bad_backward_call_same_error_in_both_ports(ports: dict[str, ModuleType], overrides: dict[str, Any],
+                                                    error: type[Exception], message: str) -> None:
+    for module in ports.values():
+        args = _bad_args(**overrides)
+        if "dk" in overrides and overrides["dk"] is None:  # dk over dq's memory
+            args["dk"] = args["dq"][:, :2]
+        with pytest.raises(error) as raised:
+            module.attention_backward(**args)
+        assert str(raised.value) == message
