@@ -9,7 +9,9 @@ return_lse=True). backend="numpy" is the float64 reference's exact gradient
 (reference.attention_backward_reference); "cpp" and "rust" run the native FlashAttention-2
 backward (attention_backward in docs/native_api.md), which recomputes the weights from lse.
 Gradients come back in q's dtype (accumulated in float32 natively, rounded once), dsinks in
-float32 (float64 for a float64 problem). int8 keys and values carry no gradient.
+float32 (float64 for a float64 problem). In float16 and bfloat16 the row term D = rowsum(dout * out)
+is taken from out recomputed in float32 (one more forward), not from the rounded out. int8 keys
+and values carry no gradient.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from numpy.typing import ArrayLike
 
 from . import api, reference
 from ._backends import native_module
-from ._checks import FLOAT32, FLOAT64, INT8, shape_str
+from ._checks import FLOAT32, FLOAT64, HALF_DTYPES, INT8, shape_str
 from .api import _unit_last_stride
 
 if TYPE_CHECKING:
@@ -83,19 +85,33 @@ def attention_backward(
         dq, dk, dv = np.empty(q4.shape, q4.dtype), np.empty(k4.shape, q4.dtype), np.empty(v4.shape, q4.dtype)
         dsinks = np.empty(q4.shape[1], FLOAT32) if with_sinks else None
         value_dim = v4.shape[3]
-        if dlse3 is not None and np.any(dlse3 != 0):
-            # The native backward takes D = rowsum(dout * out) and gives dS = P * (dP - D); lse's
-            # gradient makes that dS = P * (dP - D + dlse). One more value column, 0 in v, 1 in dout
-            # and -dlse in out, leaves dP as it is and turns D into D - dlse (dv's extra column
-            # is dropped).
+        native = native_module(problem.port)
+        # The native backward takes D = rowsum(dout * out) and gives dS = P * (dP - D). Two terms
+        # correct that D: lse's gradient (dS = P * (dP - D + dlse)), and in float16 / bfloat16
+        # the rounding of out (up to half an ulp of out per element, which the few-key rows of a
+        # window or a causal start carry whole into dq and dk): D is then taken from out
+        # recomputed in float32 (one more forward). Both enter as one more value column, 0 in v,
+        # 1 in dout and the correction in out, which leaves dP as it is and moves D (dv's extra
+        # column is dropped).
+        correction = None if dlse3 is None or not np.any(dlse3 != 0) else -dlse3.astype(np.float64)
+        if q4.dtype in HALF_DTYPES:
+            out32 = np.empty(out4.shape, FLOAT32)
+            native.attention_forward(
+                q4.astype(FLOAT32), k4.astype(FLOAT32), v4.astype(FLOAT32), out32, num_threads=problem.num_threads,
+                **options,
+            )
+            dout64 = dout4.astype(np.float64)
+            drift = np.sum(dout64 * out32, axis=-1) - np.sum(dout64 * out4.astype(np.float64), axis=-1)
+            correction = drift if correction is None else correction + drift
+        if correction is not None:
             v4 = _with_column(v4, np.zeros(v4.shape[:3], v4.dtype))
             dout4 = _with_column(dout4, np.ones(dout4.shape[:3], dout4.dtype))
-            out4 = _with_column(out4, (-dlse3).astype(out4.dtype))
+            out4 = _with_column(out4, correction.astype(out4.dtype))
             dv = np.empty(v4.shape, q4.dtype)
-        native_module(problem.port).attention_backward(
+        native.attention_backward(
             q4, k4, v4, out4, dout4, lse3, dq, dk, dv, num_threads=problem.num_threads, dsinks=dsinks, **options
         )
-        dv = dv[..., :value_dim]
+        dv = np.ascontiguousarray(dv[..., :value_dim])  # contiguous, as the torch op's fake says
     lead = 4 - rank
     return Gradients(
         dq.reshape(dq.shape[lead:]), dk.reshape(dk.shape[lead:]), dv.reshape(dv.shape[lead:]), dsinks
