@@ -124,6 +124,7 @@ def test_standard_suite_is_the_documented_one() -> None:
         "layer-decode",
         "decode-window",
         "prefill-softcap",
+        "train-causal",
     ]
     assert [c.q_len for c in cases if c.group == "prefill-causal"] == [512, 1024, 2048, 4096]
     assert [c.k_len for c in cases if c.group == "decode"] == [1024, 4096, 16384, 32768]
@@ -551,8 +552,8 @@ def test_peer_paths_agree_with_the_reference(peer: str, module: str) -> None:
             continue
         if case.kind == suite.LAYER:
             continue  # twinattn backends only (test_peers_skip_the_layer_case)
-        if case.variant_kwargs and runner.supports(case) is not None:
-            continue  # a variant this peer does not have (softcap; ORT here: the window too)
+        if (case.variant_kwargs or case.kind == suite.TRAIN) and runner.supports(case) is not None:
+            continue  # a variant this peer does not have (softcap; ORT here: the window, the backward)
         outcome = _run_one(runner, case, repeat=1)
         assert outcome.status == "ok", (case.name, outcome.note)
 
@@ -1369,3 +1370,55 @@ def test_int8_in_the_json_and_the_table(small_ceilings: None, tmp_path: Any, cap
             assert r["speedup_vs_bfloat16"] == pytest.approx(bf16["median_s"] / r["median_s"])
     assert "int8 K/V targets (ratios" in out and "decode-batch int8" in out
     assert status == 0
+
+
+# ---- train cases: forward and backward ---------------------------------------------------------------
+
+
+def tiny_train(dtype: str = "float32") -> Case:
+    return dataclasses.replace(tiny_case(q_len=7, k_len=7, dtype=dtype), kind=suite.TRAIN)
+
+
+def test_train_cases_are_prefill_causal_forward_and_backward() -> None:
+    cases = {c.name: c for c in suite.standard_suite(2)}
+    for n in (512, 2048):
+        train, prefill = cases[f"train-causal/N={n}"], cases[f"prefill-causal/N={n}"]
+        assert train.kind == suite.TRAIN
+        assert dataclasses.replace(train, name=prefill.name, group=prefill.group, kind=suite.PREFILL, note=prefill.note) == prefill
+        # the backward counted as 2.5 forwards, beside the forward itself
+        assert work(train).flops == int(work(prefill).flops * 3.5)
+    # int8 keys and values carry no gradient: no int8 run of a train case
+    assert [c.dtype for c in suite.with_dtypes([cases["train-causal/N=512"]], ["float32", "bfloat16", "int8"])] == [
+        "float32", "bfloat16"]
+
+
+def test_train_check_passes_the_reference_dq_and_catches_wrong_ones() -> None:
+    problem = make_problem(tiny_train())
+    assert isinstance(problem, suite.TrainProblem)
+    q64, k64, v64 = (a.astype(np.float64) for a in (problem.q, problem.k, problem.v))
+    out, lse = twinattn.attention(q64, k64, v64, causal=True, return_lse=True, backend="numpy")
+    from twinattn.core.backward import attention_backward
+
+    dq = attention_backward(q64, k64, v64, out, problem.dout.astype(np.float64), lse, causal=True, backend="numpy").dq
+    assert problem.check(dq.astype(np.float32)).ok
+    wrong = dq.copy()
+    b, h, i = check_rows(problem.case)[-1]
+    wrong[b, h, i] *= 1.01
+    assert not problem.check(wrong.astype(np.float32)).ok
+    assert not problem.check(dq.astype(np.float32)[..., :-1]).ok
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", ["cpp", "rust", "torch"])
+def test_train_case_is_checked_and_timed(backend: str, dtype: str) -> None:
+    runner = _runner(backend)
+    outcome = _run_one(runner, tiny_train(dtype), repeat=3)
+    assert outcome.status == "ok", outcome.note
+    assert outcome.times is not None and len(outcome.times) == 3
+    assert outcome.check is not None and outcome.check.ok
+
+
+def test_train_case_is_not_timed_where_there_is_no_backward() -> None:
+    assert "not timed" in str(peers.NumpyRunner().supports(tiny_train()))
+    assert peers.Runner().supports(tiny_train()) == peers.TRAIN_ONLY
+

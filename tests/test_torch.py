@@ -1,5 +1,5 @@
 """twinattn.torch: the NumPy API's results on torch CPU tensors, read in place; the custom op as
-torch.compile and torch.export see it; the errors for what it does not do (GPU, autograd, dtypes)."""
+torch.compile and torch.export see it; the errors for what it does not do (GPU, out= under autograd, dtypes)."""
 
 from __future__ import annotations
 
@@ -181,8 +181,8 @@ def test_works_under_inference_mode_and_no_grad(dtype: str) -> None:
 
 def test_errors_name_the_argument_and_the_fix() -> None:
     q, k, v = (torch.from_numpy(a) for a in _tensors(5, 1, 2, 1, 4, 6, 8, 8))
-    with pytest.raises(RuntimeError, match=r"q: requires grad.*forward pass only"):
-        tt.attention(q.clone().requires_grad_(), k, v)
+    with pytest.raises(RuntimeError, match=r"out: .*does not record gradients.*call it without out="):
+        tt.attention(q.clone().requires_grad_(), k, v, out=torch.empty(1, 2, 4, 8))
     with pytest.raises(ValueError, match=r"k: twinattn runs on the CPU.*meta"):
         tt.attention(q, k.to("meta"), v)
     with pytest.raises(TypeError, match=r"q: expected a torch.Tensor, got ndarray"):

@@ -30,6 +30,9 @@ softcap * tanh(s / softcap) before the mask; `s_aux` (gpt-oss's sinks, one logit
 is a virtual key that takes softmax mass and carries no value. A learned `position_bias` raises
 NotImplementedError.
 
+Training: a forward with gradients enabled (dropout 0) records twinattn's backward, so
+loss.backward() gives the model's gradients (twinattn.torch's gradients: q, k, v and s_aux).
+
 dtypes: float32, bfloat16 and float16 models. Query, key and value reach twinattn in the model's
 dtype (computed in float32, out rounded once to that dtype), and TwinattnCache stores keys and
 values in it (a bfloat16 cache is half a float32 one). TwinattnCache(..., kv_dtype="int8") stores
@@ -237,6 +240,13 @@ def attention_forward(
         variants["sinks"] = sinks.float()  # float32 (a bfloat16 model's s_aux converts exactly)
     if key.dtype == torch.int8 or value.dtype == torch.int8:
         variants["k_scale"], variants["v_scale"] = _int8_scales(key, value)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
+        # training: the differentiable call (twinattn.torch's op and its backward), out allocated by it
+        result = attention(
+            query, key, value, causal=causal, q_offset=q_offset, kv_lens=kv_lens, attn_mask=attn_mask, scale=scaling,
+            num_threads=num_threads, **variants,
+        )
+        return result.transpose(1, 2), None
     out = torch.empty((batch, q_len, q_heads, value.shape[-1]), dtype=query.dtype)
     # twinattn.torch.attention: its custom op under torch.compile
     attention(

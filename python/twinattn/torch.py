@@ -20,7 +20,11 @@ implementation, so torch.compile(fullgraph=True) and torch.export see one opaque
 `attention` calls the implementation directly: the dispatcher's per-call cost would be several
 times that of the tiny problems it exists for.
 
-Forward only: inputs that require grad raise (there is no backward).
+Gradients: when grad mode is on and q, k, v or sinks requires grad, `attention` goes through the
+op `twinattn::attention`, whose backward (`twinattn::attention_backward`, registered with
+torch.library.register_autograd) gives dq, dk, dv and dsinks in the inputs' dtypes: autograd,
+torch.compile training graphs and torch.autograd.gradcheck (float64 on backend="numpy") work. The
+mask and alibi_slopes get no gradient; int8 keys and values carry none (asking raises).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from ._torch_views import BFLOAT16 as _BFLOAT16, INT16 as _INT16, NP_BFLOAT16 as
 from ._torch_views import array as _array, checked_array as _checked_array, from_numpy as _from_numpy
 from ._torch_views import tensor as _tensor, to_numpy as _numpy, view as _view
 from .core import _checks, api
+from .core import backward as _backward
 from .core._backends import resolve_backend
 from .core.api import _NO_WINDOW
 from .nn import sdpa as _sdpa
@@ -60,19 +65,23 @@ def _inputs(q: Any, k: Any, v: Any, backend: str) -> Tuple[np.ndarray, np.ndarra
     try:
         dtype = q.dtype
         if k.dtype is dtype and v.dtype is dtype and dtype in _FAST_DTYPES:
-            if dtype is _BFLOAT16:
+            if dtype is not _BFLOAT16:
+                return _numpy(q), _numpy(k), _numpy(v)
+            # the int16 view would drop requires_grad (Tensor.numpy refuses it for the other dtypes)
+            if not (q.requires_grad or k.requires_grad or v.requires_grad):
                 return (
                     _numpy(_view(q, _INT16)).view(_NP_BFLOAT16),
                     _numpy(_view(k, _INT16)).view(_NP_BFLOAT16),
                     _numpy(_view(v, _INT16)).view(_NP_BFLOAT16),
                 )
-            return _numpy(q), _numpy(k), _numpy(v)
     except (AttributeError, TypeError, RuntimeError):
         pass
     # q's dtype first, then k's and v's, then what Tensor.numpy refused (device, grad, layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled():
+        raise _RecordsGrad
     if q.dtype not in _DTYPES:
         raise TypeError(f"q: expected dtype {_DTYPES_TEXT}, got {q.dtype}; convert with q.float()")
     for name, t in (("k", k), ("v", v)):
@@ -91,6 +100,18 @@ def _inputs(q: Any, k: Any, v: Any, backend: str) -> Tuple[np.ndarray, np.ndarra
 
 def _optional_array(name: str, t: Any) -> Any:
     return _array(name, t) if isinstance(t, torch.Tensor) else t
+
+
+class _RecordsGrad(Exception):
+    """Raised on the eager path when an input requires grad and grad mode is on: the call then goes
+    through the op, whose autograd formula records the backward."""
+
+
+def _grad_or_array(name: str, t: Any) -> Any:
+    """_optional_array for the options autograd may see (attn_mask, alibi_slopes, sinks)."""
+    if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+        raise _RecordsGrad
+    return _optional_array(name, t)
 
 
 # ---- the custom ops: what torch.compile and torch.export see -------------------------------------
@@ -183,6 +204,108 @@ def _as_index_tensor(name: str, value: Any) -> Any:
     return torch.as_tensor(np.asarray(value, dtype=np.int64))
 
 
+def _through_op(
+    q: Any, k: Any, v: Any, causal: bool, q_offset: Any, kv_lens: Any, attn_mask: Any, scale: Optional[float], return_lse: bool,
+    out: Any, backend: str, num_threads: Optional[int], window_size: Tuple[int, int], softcap: float, alibi_slopes: Any,
+    sinks: Any, k_scale: Any, v_scale: Any,
+) -> Any:
+    """attention through the custom ops: what torch.compile and torch.export trace, and what
+    autograd records (eager calls whose inputs require grad)."""
+    offsets = _as_index_tensor("q_offset", q_offset)
+    lens = _as_index_tensor("kv_lens", kv_lens)
+    variants = (*_checks.window_size(window_size), _checks.softcap(softcap), alibi_slopes, sinks, k_scale, v_scale)
+    if out is None:
+        out, lse = torch.ops.twinattn.attention(q, k, v, causal, offsets, lens, attn_mask, scale, backend, num_threads, *variants)
+    else:
+        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, sinks)):
+            raise RuntimeError(
+                "out: twinattn.torch.attention(..., out=...) does not record gradients (as torch's out= functions); "
+                "call it without out= when q, k, v or sinks require grad"
+            )
+        lse = torch.ops.twinattn.attention_out(q, k, v, out, causal, offsets, lens, attn_mask, scale, backend, num_threads, *variants)
+    return (out, lse) if return_lse else out
+
+
+# ---- the backward: an op of its own, so that torch.compile traces training graphs -----------------
+
+
+def _attention_backward_impl(
+    dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, *options: Any,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (q's dtype) and dsinks (float32; float64 for a float64 problem; empty without
+    sinks) by twinattn.core.backward, on the tensors' NumPy views."""
+    options += _OPTION_DEFAULTS[len(options):]
+    causal, q_offset, kv_lens, attn_mask, scale, backend, num_threads, left, right, softcap, slopes, sinks, k_scale, v_scale = options
+    if isinstance(q_offset, torch.Tensor):
+        q_offset = _array("q_offset", q_offset)
+        q_offset = int(q_offset) if q_offset.ndim == 0 else q_offset
+    with torch.no_grad():  # saved leaves that require grad are read as they are (no double backward)
+        qa, ka, va = _inputs(q, k, v, backend)
+    grads = _backward.attention_backward(
+        qa, ka, va, _array("out", out), _array("dout", dout), _array("lse", lse),
+        dlse=None if dlse is None else _array("dlse", dlse), causal=causal, q_offset=q_offset,
+        kv_lens=_optional_array("kv_lens", kv_lens), attn_mask=_optional_array("attn_mask", attn_mask), scale=scale,
+        backend=backend, num_threads=num_threads, window_size=_window(left, right), softcap=softcap,
+        alibi_slopes=_optional_array("alibi_slopes", slopes), sinks=_optional_array("sinks", sinks),
+        k_scale=_optional_array("k_scale", k_scale), v_scale=_optional_array("v_scale", v_scale),
+    )
+    dsinks = _dsinks_fake(q, sinks) if grads.dsinks is None else _from_numpy(grads.dsinks)
+    return _tensor(grads.dq), _tensor(grads.dk), _tensor(grads.dv), dsinks
+
+
+def _attention_backward_fake(
+    dout: torch.Tensor, dlse: Optional[torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, *options: Any,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    sinks = options[_SINKS] if len(options) > _SINKS else None
+    return q.new_empty(q.shape), q.new_empty(k.shape), q.new_empty(v.shape), _dsinks_fake(q, sinks)
+
+
+def _dsinks_fake(q: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    # (Hq,) with sinks, else empty: an op returns a tensor in every slot of its schema
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty((0,) if sinks is None else sinks.shape, dtype=dtype)
+
+
+_SINKS = [name for _, name, _ in _OPTIONS].index("sinks")
+_attention_backward_op = torch.library.custom_op(
+    "twinattn::attention_backward", _attention_backward_impl, mutates_args=(),
+    schema=f"(Tensor dout, Tensor? dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, {_OPTIONS_SCHEMA}) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+)
+_attention_backward_op.register_fake(_attention_backward_fake)
+
+
+def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Saves what the backward needs: q, k, v, out, lse and the options (tensors among them
+    through save_for_backward)."""
+    q, k, v, *options = inputs
+    if k.dtype == torch.int8 or v.dtype == torch.int8:
+        raise ValueError(
+            "k, v: int8 keys and values carry no gradient; detach q (and sinks) from the graph, or compute with "
+            "the float keys and values (twinattn.dequantize_kv)"
+        )
+    ctx.save_for_backward(q, k, v, *output, *(o if isinstance(o, torch.Tensor) else None for o in options))
+    ctx.options = tuple(None if isinstance(o, torch.Tensor) else o for o in options)
+
+
+def _attention_backward(ctx: Any, dout: Optional[torch.Tensor], dlse: Optional[torch.Tensor]) -> Tuple[Any, ...]:
+    q, k, v, out, lse, *saved = ctx.saved_tensors
+    options = tuple(t if t is not None else o for t, o in zip(saved, ctx.options))
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv, dsinks = torch.ops.twinattn.attention_backward(dout, dlse, q, k, v, out, lse, *options)
+    # one gradient per input of the op: q, k, v, then the options (only sinks has one)
+    option_grads: list[Any] = [None] * len(options)
+    if options[_SINKS] is not None:
+        option_grads[_SINKS] = dsinks
+    return (dq, dk, dv, *option_grads)
+
+
+_attention_op.register_autograd(_attention_backward, setup_context=_setup_context)
+
+
 # ---- the public functions -------------------------------------------------------------------------
 
 
@@ -216,27 +339,35 @@ def attention(
     broadcastable to (B, Hq, Lq, Lk); out: a preallocated tensor in q's dtype (any strides),
     written in place and returned. window_size, softcap, alibi_slopes and sinks (float32 tensors)
     as twinattn.attention; int8 k and v with their float32 k_scale and v_scale (B, Hkv, Lk)
-    tensors. Forward only.
+    tensors.
+
+    Differentiable with respect to q, k, v and sinks (module docstring): gradients in the inputs'
+    dtypes, accumulated in float32. Not with out= (as torch's out= functions), nor with int8 k
+    and v.
     """
     if not ((type(q) is _Tensor and not _is_dynamo_compiling()) or not torch.compiler.is_compiling()):
         # Traced (torch.compile, torch.export): one custom op in the graph. (A plain Tensor outside
         # Dynamo is eager, which is_dynamo_compiling says in 15 ns; anything else, a subclass or
         # torch.export's fake tensors, asks is_compiling, 110 ns.)
-        offsets = _as_index_tensor("q_offset", q_offset)
-        lens = _as_index_tensor("kv_lens", kv_lens)
-        variants = (*_checks.window_size(window_size), _checks.softcap(softcap), alibi_slopes, sinks, k_scale, v_scale)
-        if out is None:
-            out, lse = torch.ops.twinattn.attention(q, k, v, causal, offsets, lens, attn_mask, scale, backend, num_threads, *variants)
-        else:
-            lse = torch.ops.twinattn.attention_out(
-                q, k, v, out, causal, offsets, lens, attn_mask, scale, backend, num_threads, *variants
-            )
-        return (out, lse) if return_lse else out
+        return _through_op(
+            q, k, v, causal, q_offset, kv_lens, attn_mask, scale, return_lse, out, backend, num_threads, window_size, softcap,
+            alibi_slopes, sinks, k_scale, v_scale,
+        )
 
     # Eager (and the custom ops' implementation): twinattn.attention on the tensors' NumPy views,
     # called directly (the dispatcher would cost several times the tiny problems this exists for).
     # Every step here is per call: q, k and v share one dtype read and one conversion (_inputs).
-    qa, ka, va = _inputs(q, k, v, backend)
+    # An input that requires grad (grad mode on) raises _RecordsGrad there: autograd's path, the op.
+    try:
+        qa, ka, va = _inputs(q, k, v, backend)
+        attn_mask_array = None if attn_mask is None else _grad_or_array("attn_mask", attn_mask)
+        slopes_array = None if alibi_slopes is None else _grad_or_array("alibi_slopes", alibi_slopes)
+        sinks_array = None if sinks is None else _grad_or_array("sinks", sinks)
+    except _RecordsGrad:
+        return _through_op(
+            q, k, v, causal, q_offset, kv_lens, attn_mask, scale, return_lse, out, backend, num_threads, window_size, softcap,
+            alibi_slopes, sinks, k_scale, v_scale,
+        )
     out_array = None
     if out is not None:
         if not isinstance(out, torch.Tensor):
@@ -255,7 +386,7 @@ def attention(
         causal=causal,
         q_offset=q_offset,
         kv_lens=None if kv_lens is None else _optional_array("kv_lens", kv_lens),
-        attn_mask=None if attn_mask is None else _optional_array("attn_mask", attn_mask),
+        attn_mask=attn_mask_array,
         scale=scale,
         return_lse=return_lse,
         # without out, twinattn allocates with NumPy and torch.from_numpy shares that memory:
@@ -265,8 +396,8 @@ def attention(
         num_threads=num_threads,
         window_size=window_size,
         softcap=softcap,
-        alibi_slopes=None if alibi_slopes is None else _optional_array("alibi_slopes", alibi_slopes),
-        sinks=None if sinks is None else _optional_array("sinks", sinks),
+        alibi_slopes=slopes_array,
+        sinks=sinks_array,
         k_scale=None if k_scale is None else _optional_array("k_scale", k_scale),
         v_scale=None if v_scale is None else _optional_array("v_scale", v_scale),
     )

@@ -36,13 +36,14 @@ import twinattn
 
 from ..core._threads import configured_num_threads
 from .machine import blas_limits
-from .suite import INT8, LAYER, AnyProblem, Case, LayerProblem, Problem, numpy_dtype, out_dtype
+from .suite import INT8, LAYER, TRAIN, AnyProblem, Case, LayerProblem, Problem, TrainProblem, numpy_dtype, out_dtype
 
 PORTS = ("cpp", "rust")  # twinattn's two native ports, also timed alternately
 PEERS = ("torch", "onnxruntime")
 ALIASES = {"ort": "onnxruntime", "c++": "cpp"}
 LAYER_ONLY = "layer case: twinattn backends only"
 VARIANT_ONLY = "sliding window / softcap case: twinattn backends only"
+TRAIN_ONLY = "forward and backward: twinattn's ports and torch only"
 
 
 def _nothing() -> None:
@@ -95,6 +96,8 @@ class Runner:
         """None when this backend can run the case, else why not."""
         if case.kind == LAYER:
             return LAYER_ONLY
+        if case.kind == TRAIN:
+            return TRAIN_ONLY
         return VARIANT_ONLY if case.variant_kwargs else None
 
     def peak_bytes(self, case: Case) -> int:
@@ -143,6 +146,8 @@ class TwinattnRunner(Runner):
         return Prepared(parts, close, ["BLAS threads not limited (threadpoolctl missing)"] if missing else [])
 
     def _call(self, problem: Problem, threads: int) -> list[Part]:
+        if isinstance(problem, TrainProblem):
+            return self._train_parts(problem, threads)
         case, name = problem.case, self.name
         shape = (case.batch, case.q_heads, case.q_len, case.value_dim)
         out = np.full(shape, np.nan, dtype=out_dtype(case.dtype))
@@ -155,6 +160,28 @@ class TwinattnRunner(Runner):
             )
 
         return [Part(call, lambda: out)]
+
+    def _train_parts(self, problem: TrainProblem, threads: int) -> list[Part]:
+        """The forward (with lse) and the backward (twinattn.core.backward), as a training step
+        calls them; the output checked is dq."""
+        from ..core.backward import attention_backward
+
+        case, name, dout = problem.case, self.name, problem.dout
+        assert dout is not None
+        q, k, v, lens = problem.q, problem.k, problem.v, problem.kv_lens
+        variants = case.variant_kwargs
+        result: dict[str, Any] = {}
+
+        def call() -> object:
+            out, lse = twinattn.attention(
+                q, k, v, causal=case.causal, kv_lens=lens, return_lse=True, backend=name, num_threads=threads, **variants
+            )
+            result["grads"] = attention_backward(
+                q, k, v, out, dout, lse, causal=case.causal, kv_lens=lens, backend=name, num_threads=threads, **variants
+            )
+            return result["grads"]
+
+        return [Part(call, lambda: result["grads"].dq)]
 
     def _layer_parts(self, problem: LayerProblem) -> list[Part]:
         case, name, cached, hidden = problem.case, self.name, problem.cached, problem.hidden
@@ -212,6 +239,11 @@ class NumpyRunner(TwinattnRunner):
             "float32 only: NumPy has no bfloat16 arithmetic (float16 it widens per operation), so the "
             "NumPy backend computes these dtypes in float64 from the rounded inputs, as the reference"
         )
+
+    def supports(self, case: Case) -> Optional[str]:
+        if case.kind == TRAIN:
+            return "forward and backward: the NumPy reference's backward is a dense float64 check, not timed"
+        return None
 
     def peak_bytes(self, case: Case) -> int:
         scores = case.batch * case.q_heads * case.q_len * case.k_len
@@ -293,9 +325,31 @@ class TorchRunner(Runner):
                 result["out"] = F.scaled_dot_product_attention(q, k, v, **kwargs)
             return result["out"]
 
+        if isinstance(problem, TrainProblem):
+            call = self._train_call(problem, q, k, v, kwargs, result)
         return Prepared(
             [Part(call, lambda: from_torch(result["out"]))], lambda: torch.set_num_threads(previous_threads), notes
         )
+
+    @staticmethod
+    def _train_call(problem: TrainProblem, q: Any, k: Any, v: Any, kwargs: dict[str, Any], result: dict[str, Any]) -> Any:
+        """SDPA forward and backward (autograd) of sum(out * dout); result["out"] becomes dq."""
+        import torch
+        import torch.nn.functional as F
+
+        assert problem.dout is not None
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        dout = to_torch(problem.dout)
+
+        def call() -> object:
+            for leaf in leaves:
+                leaf.grad = None
+            with torch.enable_grad():
+                F.scaled_dot_product_attention(*leaves, **kwargs).backward(dout)
+            result["out"] = leaves[0].grad
+            return result["out"]
+
+        return call
 
 
 def to_torch(array: np.ndarray) -> Any:

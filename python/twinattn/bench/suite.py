@@ -36,6 +36,14 @@ and beside it twinattn.attention alone on the same cache views. Its work counts 
 bytes) are the attention kernel's; its check is the whole step against the same step computed in
 float64 by the package's own pieces (RotaryEmbedding, KVCache, the NumPy reference).
 
+A train case is a prefill case run forward and backward: the forward with its lse, then the
+gradients of sum(out * dout) for a fixed random dout (twinattn.core.backward on the ports, torch's
+autograd through scaled_dot_product_attention for the peer). Its FLOPs count the forward's and the
+backward's, the backward as 2.5 times the forward (FlashAttention-2's count: the five matrix
+products dV, dP, dQ, dK and the recomputed S, where the forward has two):
+    FLOPs = 2 x pairs x (D + Dv) x (1 + 2.5)
+Its check is dq on the checked rows against float64 (dq of row i needs only row i's weights).
+
 Every result is compared with a float64 reference computed by twinattn's NumPy backend.
 """
 
@@ -109,6 +117,8 @@ def out_dtype(name: str) -> np.dtype:
 PREFILL = "prefill"
 DECODE = "decode"
 LAYER = "layer"  # one step of twinattn.nn.Attention with a KVCache (see LayerProblem)
+TRAIN = "train"  # a prefill case forward and backward (see TrainProblem)
+BACKWARD_FLOPS_FACTOR = 2.5  # the backward's FLOPs over the forward's (module docstring)
 
 
 @dataclass(frozen=True)
@@ -117,7 +127,7 @@ class Case:
 
     name: str
     group: str
-    kind: str  # PREFILL (compute-bound), DECODE (one query row per sequence, read-bound) or LAYER
+    kind: str  # PREFILL (compute-bound), DECODE (one query row per sequence, read-bound), LAYER or TRAIN
     q_len: int
     k_len: int
     batch: int = 1
@@ -225,6 +235,8 @@ def visible_keys_per_row(case: Case) -> np.ndarray:
 def work(case: Case) -> Work:
     pairs = int(visible_keys_per_row(case).sum()) * case.q_heads
     flops = 2 * pairs * (case.head_dim + case.value_dim)
+    if case.kind == TRAIN:  # the forward and the backward
+        flops = int(flops * (1 + BACKWARD_FLOPS_FACTOR))
     # A key is read if any row sees it: the rows' windows slide together, so per sequence the keys
     # from the earliest first to the latest end.
     first, end = visible_key_range(case)
@@ -246,9 +258,10 @@ def layer_decode_case(
 
 def with_dtypes(cases: Sequence[Case], dtypes: Sequence[str]) -> list[Case]:
     """Each case in each dtype, case by case: a case's dtypes side by side, in `dtypes` order. The
-    layer case has no int8 run (int8 K/V is a kernel-case dtype: twinattn.attention with scales)."""
+    layer case has no int8 run (int8 K/V is a kernel-case dtype: twinattn.attention with scales),
+    nor do the train cases (int8 keys and values carry no gradient)."""
     return [dataclasses.replace(case, dtype=dtype) for case in cases for dtype in dtypes
-            if not (dtype == INT8 and case.kind == LAYER)]
+            if not (dtype == INT8 and case.kind in (LAYER, TRAIN))]
 
 
 def standard_suite(all_threads: int) -> list[Case]:
@@ -275,6 +288,9 @@ def standard_suite(all_threads: int) -> list[Case]:
                       note="sliding window 4096 (window_size=(4095, 0)) on a 32768-token cache"))
     cases.append(Case("prefill-softcap/N=2048", "prefill-softcap", PREFILL, 2048, 2048, x=2048, softcap=50.0,
                       note="prefill-causal N=2048 with softcap=50"))
+    # training: causal prefill forward and backward (train cases, module docstring)
+    cases.extend(Case(f"train-causal/N={n}", "train-causal", TRAIN, n, n, x=n,
+                      note=f"prefill-causal N={n} forward and backward") for n in (512, 2048))
     return cases
 
 
@@ -610,6 +626,59 @@ class LayerProblem:
         return check_close(out, self.expected[part], self.parts[part], rounding=self.rounding[part])
 
 
+@dataclass
+class TrainProblem(Problem):
+    """A train case's arrays: a kernel problem and dout (B, Hq, Lq, Dv), the gradient of the loss
+    with respect to out, in the case's dtype. What is checked is dq (B, Hq, Lq, D)."""
+
+    dout: Optional[np.ndarray] = None
+    parts = ("dq",)
+
+    @functools.cached_property
+    def expected(self) -> tuple[list[tuple[int, int, int]], np.ndarray]:
+        """The checked rows and their dq in float64 (len(rows), D): for row i,
+        dq_i = scale sum_j P_ij (dout_i . v_j - dout_i . out_i) k_j over the keys it sees."""
+        case, rows = self.case, check_rows(self.case)
+        assert self.dout is not None
+        first, end = visible_key_range(case)
+        group = case.q_heads // case.kv_heads
+        keys, values = self.values64("k"), self.values64("v")
+        result = np.zeros((len(rows), case.head_dim))
+        for n, (b, h, i) in enumerate(rows):
+            seen = slice(int(first[b, i]), int(end[b, i]))
+            k, v = keys[b, h // group, seen], values[b, h // group, seen]
+            scores = self.scale * (k @ self.q[b, h, i].astype(np.float64))
+            if case.softcap:
+                scores = case.softcap * np.tanh(scores / case.softcap)
+            weights = np.exp(scores - scores.max(initial=-np.inf)) if scores.size else scores
+            weights = weights / weights.sum() if weights.size else weights
+            dout = self.dout[b, h, i].astype(np.float64)
+            dweights = v @ dout
+            dscores = weights * (dweights - weights @ dweights)
+            if case.softcap:
+                dscores = dscores * (1 - (scores / case.softcap) ** 2)
+            result[n] = self.scale * (dscores @ k)
+        return rows, result
+
+    @functools.cached_property
+    def rounding(self) -> float:
+        """dq rounded to a narrower dtype: u x |dq| at its largest (0 for float32)."""
+        if self.case.dtype == "float32":
+            return 0.0
+        return UNIT_ROUNDOFF[self.case.dtype] * float(np.max(np.abs(self.expected[1]), initial=0.0))
+
+    def check(self, out: object, part: int = 0) -> Check:
+        """dq against the reference on the checked rows, its dtype the case's, every element finite."""
+        case, (rows, expected) = self.case, self.expected
+        dq = np.asarray(out)
+        shape = (case.batch, case.q_heads, case.q_len, case.head_dim)
+        if dq.shape != shape or dq.dtype != out_dtype(case.dtype):
+            return Check(False, math.inf, 0.0, 0.0, f"dq shape {dq.shape} dtype {dq.dtype}, expected {shape} {out_dtype(case.dtype)}")
+        if not np.isfinite(dq.astype(np.float32)).all():
+            return Check(False, math.inf, 0.0, 0.0, "non-finite (or unwritten) dq elements")
+        return check_close(np.stack([dq[b, h, i] for b, h, i in rows]), expected, "dq", rounding=self.rounding)
+
+
 AnyProblem = Union[Problem, LayerProblem]
 
 
@@ -625,6 +694,9 @@ def make_problem(case: Case, seed: int = 0) -> AnyProblem:
         k = _random(rng, b, case.kv_heads, case.k_len, d, dtype=drawn)
         v = _random(rng, b, case.kv_heads, case.k_len, case.value_dim, dtype=drawn)
         kv_lens = None if case.kv_lens is None else np.asarray(case.kv_lens, dtype=np.int64)
+        if case.kind == TRAIN:
+            dout = _random(rng, b, case.q_heads, case.q_len, case.value_dim, dtype=drawn)
+            return TrainProblem(case, q, k, v, kv_lens, 1.0 / math.sqrt(d), dout=dout)
         if dtype != INT8:
             return Problem(case, q, k, v, kv_lens, 1.0 / math.sqrt(d))
         quantize = twinattn.quantize_kv

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import TYPE_CHECKING, Any, Literal, Union, overload
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Union, overload
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -215,6 +215,18 @@ def _prepare_out(
     return out
 
 
+class Problem(NamedTuple):
+    """A call of attention checked and normalised, as every backend receives it (4-D q, k, v; the
+    keywords of attention_reference, which the native calls take too, with num_threads)."""
+
+    port: str
+    num_threads: int
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    options: dict[str, Any]
+
+
 if TYPE_CHECKING:
     from typing_extensions import TypedDict, Unpack
 
@@ -274,6 +286,7 @@ def attention(
     sinks: ArrayLike | None = None,
     k_scale: ArrayLike | None = None,
     v_scale: ArrayLike | None = None,
+    _problem: list[Problem] | None = None,
 ) -> Result:
     """Exact scaled-dot-product attention on the CPU: softmax(scale * q k^T + bias) v, with the
     variants current models use (sliding window, logit softcapping, ALiBi, attention sinks).
@@ -514,6 +527,14 @@ def attention(
             raise ValueError(f"scale: expected a finite float, got {scale_value}")
         if dtype != FLOAT64 and abs(scale_value) >= _FLOAT32_OVERFLOW:
             raise ValueError(f"scale: expected a finite float, got {scale_value}, which is inf in float32")
+    if _problem is not None:
+        # twinattn.core.backward's entry: the checked, normalised problem, and nothing computed
+        options = dict(
+            scale=scale_value, q_offset=offsets, kv_lens=lens, mask=mask, causal=bool(causal), window_left=window_left,
+            window_right=window_right, softcap=cap, alibi_slopes=slopes, sinks=sink_logits,
+        )
+        _problem.append(Problem(port, threads, q4, k4, v4, options))
+        return q
     out_shape = q.shape[:-1] + (value_dim,)
     if out is None:
         result = np.empty(out_shape, dtype=dtype)

@@ -44,6 +44,8 @@ overflows float32 and no key holding a non-finite value has a weight that underf
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from ._checks import BFLOAT16, FLOAT32, FLOAT64, HALF_DTYPES, INT8
@@ -114,6 +116,48 @@ def attention_reference(
         return round_to_dtype(out, q.dtype), lse.astype(FLOAT32)
 
     dtype = q.dtype
+    soft = _softmax(
+        q, k, v, causal=causal, q_offset=q_offset, kv_lens=kv_lens, mask=mask, scale=scale, window_left=window_left,
+        window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+    )
+    weights, legal, v, empty_row, safe_max, row_sum = soft.weights, soft.legal, soft.v, soft.empty_row, soft.safe_max, soft.row_sum
+
+    # 4. Mix the values. A hidden key's value never enters, not even as 0 * NaN: when v holds
+    #    non-finite numbers, each row sums over its legal keys alone.
+    if np.isfinite(v).all():
+        out = weights @ v
+    else:
+        out = np.zeros(weights.shape[:-1] + v.shape[-1:], dtype=dtype)
+        for b, h, i in np.ndindex(*weights.shape[:-1]):
+            keys = legal[b, h, i]
+            out[b, h, i] = weights[b, h, i, keys] @ v[b, h, keys]
+    lse = np.where(empty_row, -np.inf, safe_max + np.log(np.where(empty_row, 1, row_sum)))
+    lse = np.where(soft.row_max == np.inf, np.inf, lse)  # log of an infinite sum, not inf + log(NaN)
+    return out.astype(dtype, copy=False), lse[..., 0].astype(dtype, copy=False)
+
+
+class _Softmax(NamedTuple):
+    """What passes 1-3 give the forward (and the backward, which recomputes them)."""
+
+    weights: np.ndarray  # (B, Hq, Lq, Lk): the softmax weights, 0 for keys that are not legal
+    legal: np.ndarray  # (B, Hq, Lq, Lk) bool: visible and scoring above -inf
+    k: np.ndarray  # (B, Hq, Lk, D): keys repeated per query head, padding zeroed
+    v: np.ndarray  # (B, Hq, Lk, Dv): values likewise
+    empty_row: np.ndarray  # (B, Hq, Lq, 1) bool: no legal key and no sink
+    safe_max: np.ndarray  # (B, Hq, Lq, 1): the row max, 0 for an empty row
+    row_max: np.ndarray  # (B, Hq, Lq, 1): the row max (sink included), -inf for an empty row
+    row_sum: np.ndarray  # (B, Hq, Lq, 1): the softmax denominator (sink included) after the max
+    capped: np.ndarray | None  # (B, Hq, Lq, Lk): softcap * tanh(s / softcap) with softcap > 0, else None
+
+
+@np.errstate(over="ignore", invalid="ignore", divide="ignore")
+def _softmax(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, *, causal: bool, q_offset: np.ndarray, kv_lens: np.ndarray,
+    mask: np.ndarray | None, scale: float, window_left: int, window_right: int, softcap: float,
+    alibi_slopes: np.ndarray | None, sinks: np.ndarray | None,
+) -> _Softmax:
+    """Passes 1-3 of the reference, on float32 or float64 q, k, v of one dtype."""
+    dtype = q.dtype
     batch, q_heads, q_len, _ = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     group = q_heads // kv_heads if kv_heads else 1
@@ -147,9 +191,11 @@ def attention_reference(
     #    whatever q k^T or the bias gave there (NaN from a hidden NaN key, say). A visible key
     #    scoring -inf is left out too: "legal" = visible and scoring above -inf.
     scores = (q @ np.swapaxes(k, -1, -2)) * dtype.type(scale)
+    capped = None
     if softcap > 0:
         cap = dtype.type(softcap)
         scores = cap * np.tanh(scores / cap)
+        capped = scores
     if alibi_slopes is not None:
         distance = np.abs(position - key_index).astype(dtype)  # (B, 1, Lq, Lk)
         scores = scores - alibi_slopes.astype(dtype, copy=False).reshape(batch, q_heads, 1, 1) * distance
@@ -172,16 +218,80 @@ def attention_reference(
     if sinks is not None:
         row_sum = row_sum + np.where(empty_row, 0, np.exp(sink - safe_max))
     weights = weights / np.where(empty_row, 1, row_sum)
+    return _Softmax(weights, legal, k, v, empty_row, safe_max, row_max, row_sum, capped)
 
-    # 4. Mix the values. A hidden key's value never enters, not even as 0 * NaN: when v holds
-    #    non-finite numbers, each row sums over its legal keys alone.
-    if np.isfinite(v).all():
-        out = weights @ v
-    else:
-        out = np.zeros(weights.shape[:-1] + v.shape[-1:], dtype=dtype)
-        for b, h, i in np.ndindex(*weights.shape[:-1]):
-            keys = legal[b, h, i]
-            out[b, h, i] = weights[b, h, i, keys] @ v[b, h, keys]
-    lse = np.where(empty_row, -np.inf, safe_max + np.log(np.where(empty_row, 1, row_sum)))
-    lse = np.where(row_max == np.inf, np.inf, lse)  # log of an infinite sum, not inf + log(NaN)
-    return out.astype(dtype, copy=False), lse[..., 0].astype(dtype, copy=False)
+
+@np.errstate(over="ignore", invalid="ignore", divide="ignore")
+def attention_backward_reference(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    dout: np.ndarray,
+    *,
+    dlse: np.ndarray | None = None,
+    **options: Any,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """The exact gradient of attention_reference, computed in float64 whatever the inputs' dtype.
+
+    q, k, v and the options (causal, q_offset, kv_lens, mask, scale, window_left, window_right,
+    softcap, alibi_slopes, sinks) as attention_reference takes them (float32, float16, bfloat16 or
+    float64; no int8: quantized keys and values carry no gradient); dout (B, Hq, Lq, Dv) the
+    gradient of the loss with respect to out, dlse None or (B, Hq, Lq) that with respect to lse
+    -> dq, dk, dv in q's dtype (rounded once), dsinks (Hq,) (float32; float64 for a float64
+    problem) with sinks, else None. The float mask (bias) and alibi_slopes get no gradient.
+
+    With P the softmax weights (the sink's weight P_sink = exp(sinks[h] - lse)) and
+    D = rowsum(dout * out) - dlse:
+        dv = P^T dout;  dP = dout v^T;  dS = P * (dP - D);
+        softcap: dS *= 1 - (capped / softcap)^2 (tanh's derivative, capped the score after
+        softcap, before ALiBi and the bias);  dq = scale * dS k;  dk = scale * dS^T q;
+        dsinks[h] = -sum over b, i of P_sink * D.
+    GQA: dk and dv are summed over the query heads of each group. Keys that are not legal
+    (hidden, padding, scoring -inf) get no weight and so no gradient; a row with no legal key
+    gives zero gradients.
+    """
+    q64, k64, v64, dout64 = (a.astype(FLOAT64) for a in (q, k, v, dout))
+    dlse64 = None if dlse is None else dlse.astype(FLOAT64)
+    options = {**options}
+    for name in ("alibi_slopes", "sinks", "mask"):
+        value = options.get(name)
+        if value is not None and value.dtype != np.bool_:
+            options[name] = value.astype(FLOAT64)
+    options.setdefault("window_left", -1)
+    options.setdefault("window_right", -1)
+    options.setdefault("softcap", 0.0)
+    sinks64 = options.setdefault("sinks", None)
+    options.setdefault("alibi_slopes", None)
+    softcap, scale = options["softcap"], options["scale"]
+    soft = _softmax(q64, k64, v64, **options)
+    legal = soft.legal
+    weights = np.where(legal, soft.weights, 0)
+    # a key that is not legal enters nothing, not even as 0 * NaN
+    used_key = np.any(legal, axis=2, keepdims=True).swapaxes(-1, -2)  # (B, Hq, Lk, 1): legal for some row
+    k_legal = np.where(used_key, soft.k, 0)
+    v_legal = np.where(used_key, soft.v, 0)
+    out = weights @ v_legal
+    row_dot = np.sum(dout64 * out, axis=-1, keepdims=True)  # D, (B, Hq, Lq, 1)
+    if dlse64 is not None:
+        row_dot = row_dot - dlse64[..., None]
+    dv_heads = np.swapaxes(weights, -1, -2) @ dout64
+    dweights = np.where(legal, dout64 @ np.swapaxes(v_legal, -1, -2), 0)
+    dscores = weights * (dweights - row_dot)
+    if soft.capped is not None:
+        dscores = dscores * np.where(legal, 1 - (soft.capped / softcap) ** 2, 0)
+    dq = scale * (dscores @ k_legal)
+    dk_heads = scale * (np.swapaxes(dscores, -1, -2) @ q64)
+
+    batch, q_heads = q.shape[:2]
+    kv_heads = k.shape[1]
+    group = q_heads // kv_heads if kv_heads else 1
+    dk = dk_heads.reshape(batch, kv_heads, group, *dk_heads.shape[2:]).sum(axis=2)
+    dv = dv_heads.reshape(batch, kv_heads, group, *dv_heads.shape[2:]).sum(axis=2)
+
+    dsinks = None
+    if sinks64 is not None:
+        lse = np.where(soft.empty_row, -np.inf, soft.safe_max + np.log(np.where(soft.empty_row, 1, soft.row_sum)))
+        sink_weight = np.where(soft.empty_row, 0, np.exp(sinks64.reshape(1, q_heads, 1, 1) - lse))
+        dsinks = -np.sum(sink_weight * row_dot, axis=(0, 2, 3)).astype(FLOAT64 if q.dtype == FLOAT64 else FLOAT32)
+    grads = tuple(round_to_dtype(g, q.dtype) if q.dtype != FLOAT64 else g for g in (dq, dk, dv))
+    return grads[0], grads[1], grads[2], dsinks
