@@ -36,10 +36,12 @@ columns:
   GFLOP/s   2 x visible query-key pairs x (D + Dv) / median: work above the causal diagonal
             or past kv_lens is not counted
   %gemm     GFLOP/s over NumPy's float32 matrix-multiply throughput with the same threads
-  %peak     GFLOP/s over the dtype's arithmetic peak, measured by the native port's measure_peak:
-            float32 FMA for float32 and float16, the BF16 dot product (VDPBF16PS) for bfloat16
-            where the CPU has it; the best of 5 measurements, measured again when a case runs
-            faster (the header says so), so it never passes 100%
+  %peak     GFLOP/s over the arithmetic peak of the path that ran, measured by the native
+            port's measure_peak: float32 FMA for float32 and float16; for bfloat16 on a port, the
+            BF16 dot product (VDPBF16PS) where it took the dot path, FMA where it converted (the
+            header says which; decode always converts), on a peer the higher of the two; the
+            best of 5 measurements, measured again when a case runs faster (the header says
+            so), so it never passes 100%
   GB/s      decode only: bytes of K and V that must be read / median (2 bytes per element in
             float16 and bfloat16; int8: 1 byte per element plus the 2 x 4 bytes of scales per
             key and KV head)
