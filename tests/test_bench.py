@@ -557,6 +557,51 @@ def test_peer_paths_agree_with_the_reference(peer: str, module: str) -> None:
         assert outcome.status == "ok", (case.name, outcome.note)
 
 
+@pytest.fixture(autouse=True)
+def _flex_only_where_named(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flex compiles every case it runs (tens of seconds each here): a test leaves it out unless its
+    name says flex (test_flex_peer_agrees_with_the_reference, one tiny shape)."""
+    if "flex" not in request.node.name:
+        monkeypatch.setattr(peers.FlexAttentionRunner, "available", lambda self: "left out: compiles per case")
+
+
+# cases that exercise each peer's masks: full, bottom-right causal, lengths, a window, decode, GQA
+PEER_CASES = {
+    "square-causal": tiny_case(q_len=7, k_len=7, kv_heads=4),
+    "bottom-right": tiny_case(q_len=3, k_len=10),
+    "kv-lens": tiny_case(q_len=3, k_len=10, kv_lens=(4, 10)),
+    "non-causal": tiny_case(q_len=4, k_len=10, causal=False),
+    "window": tiny_case(q_len=6, k_len=14, kv_lens=(14, 9), window_left=3),
+    "decode": tiny_case(batch=3, q_len=1, k_len=11, kv_lens=(1, 5, 11)),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_openvino_peer_agrees_with_the_reference(dtype: str) -> None:
+    """OpenVINO's ScaledDotProductAttention (pip install twinattn[peers]): causal=True only where Lq ==
+    Lk (top-left), an explicit mask elsewhere; bfloat16 in and out as bf16 bits."""
+    require_package("openvino", "pip install twinattn[peers] (the benchmark's OpenVINO peer)")
+    runner = _runner("openvino")
+    for name, case in PEER_CASES.items():
+        outcome = _run_one(runner, dataclasses.replace(case, dtype=dtype), repeat=1)
+        assert outcome.status == "ok", (name, outcome.note)
+        assert outcome.check is not None and outcome.check.ok, name
+    assert runner.dtype_support("float16") is not None and runner.dtype_support(suite.INT8) is not None
+    assert runner.supports(dataclasses.replace(PEER_CASES["bottom-right"], softcap=30.0)) is not None
+
+
+def test_flex_peer_agrees_with_the_reference() -> None:
+    """torch.compile(flex_attention) on one tiny shape (each shape compiles for tens of seconds):
+    GQA, causal bottom-right with Lq < Lk and a shorter sequence, so the block mask carries all of
+    it; a wrong alignment or a dropped length fails the check."""
+    require_package("torch", "pip install twinattn[torch]")
+    runner = _runner("flex")
+    case = tiny_case(q_len=5, k_len=9, kv_lens=(9, 7))
+    outcome = _run_one(runner, case, repeat=1)
+    assert outcome.status == "ok", outcome.note
+    assert runner.dtype_support("bfloat16") is None and runner.dtype_support("float16") is not None
+
+
 def test_plot_is_written(small_ceilings: None, tmp_path: Any) -> None:
     require_package("matplotlib", "pip install matplotlib")
     path = tmp_path / "bench.png"

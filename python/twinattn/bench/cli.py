@@ -1,7 +1,9 @@
 """twinattn-bench: time the standard attention suite on every available backend.
 
 Backends: cpp and rust (twinattn's ports), numpy (the reference), and, when importable, torch
-(scaled_dot_product_attention) and onnxruntime (com.microsoft::GroupQueryAttention on the CPU).
+(scaled_dot_product_attention), onnxruntime (com.microsoft::GroupQueryAttention on the CPU),
+openvino (opset13 ScaledDotProductAttention on the CPU plugin; float32 and bfloat16) and flex
+(torch.compile(flex_attention), compiled before timing; float32 and bfloat16).
 Each case runs in every dtype of --dtype (float32 by default; float16 and bfloat16 on the ports and
 torch; numpy and onnxruntime are timed in float32 only), and, named on its own, in int8: q float32,
 K/V int8 with float32 scales (twinattn.quantize_kv), on the ports only (torch has no int8 attention).
@@ -50,7 +52,7 @@ columns:
             token) each; checked against float64 attention over the dequantized K/V
   vs f32    float16 / bfloat16 / int8: the same backend's float32 median / this one's
   vs ...    speedup: the other backend's median / this one's (>1: this one is faster), in the
-            same dtype; "peer" is the fastest of torch and onnxruntime present
+            same dtype; "peer" is the fastest of torch, onnxruntime, openvino and flex present
   max err   max |out - float64 reference| over the checked rows
 
 layer-decode (twinattn backends only; torch and onnxruntime are skipped):
@@ -135,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--backends",
         metavar="LIST",
-        help="comma-separated: cpp, rust, numpy, torch, onnxruntime (ort); default: every one available",
+        help="comma-separated: cpp, rust, numpy, torch, onnxruntime (ort), openvino (ov), flex (flex_attention); "
+        "default: every one available",
     )
     parser.add_argument(
         "--threads",

@@ -512,6 +512,8 @@ STYLE = {
     "numpy": ("tab:gray", "v"),
     "torch": ("tab:red", "^"),
     "onnxruntime": ("tab:green", "D"),
+    "openvino": ("tab:purple", "P"),
+    "flex": ("tab:brown", "X"),
 }
 
 
