@@ -61,7 +61,11 @@ fn default_isa_follows_the_bf16_measurement() {
     let default = twinattn::dispatch::default_isa();
     assert!(isas().contains(&default), "{default}");
     let current = twinattn::dispatch::current_isa();
-    let path = if current == "avx512bf16" { "dot" } else { "convert" };
+    let path = if current == "avx512bf16" {
+        "dot"
+    } else {
+        "convert"
+    };
     assert_eq!(twinattn::dispatch::bfloat16_path(), path);
     for isa in isas() {
         let pairs = twinattn::dispatch::kernels_for(isa).map(|k| k.pack_pairs.is_some());
