@@ -558,6 +558,51 @@ def test_peer_paths_agree_with_the_reference(peer: str, module: str) -> None:
         assert outcome.status == "ok", (case.name, outcome.note)
 
 
+@pytest.fixture(autouse=True)
+def _flex_only_where_named(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flex compiles every case it runs (tens of seconds each here): a test leaves it out unless its
+    name says flex (test_flex_peer_agrees_with_the_reference, one tiny shape)."""
+    if "flex" not in request.node.name:
+        monkeypatch.setattr(peers.FlexAttentionRunner, "available", lambda self: "left out: compiles per case")
+
+
+# cases that exercise each peer's masks: full, bottom-right causal, lengths, a window, decode, GQA
+PEER_CASES = {
+    "square-causal": tiny_case(q_len=7, k_len=7, kv_heads=4),
+    "bottom-right": tiny_case(q_len=3, k_len=10),
+    "kv-lens": tiny_case(q_len=3, k_len=10, kv_lens=(4, 10)),
+    "non-causal": tiny_case(q_len=4, k_len=10, causal=False),
+    "window": tiny_case(q_len=6, k_len=14, kv_lens=(14, 9), window_left=3),
+    "decode": tiny_case(batch=3, q_len=1, k_len=11, kv_lens=(1, 5, 11)),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_openvino_peer_agrees_with_the_reference(dtype: str) -> None:
+    """OpenVINO's ScaledDotProductAttention (pip install twinattn[peers]): causal=True only where Lq ==
+    Lk (top-left), an explicit mask elsewhere; bfloat16 in and out as bf16 bits."""
+    require_package("openvino", "pip install twinattn[peers] (the benchmark's OpenVINO peer)")
+    runner = _runner("openvino")
+    for name, case in PEER_CASES.items():
+        outcome = _run_one(runner, dataclasses.replace(case, dtype=dtype), repeat=1)
+        assert outcome.status == "ok", (name, outcome.note)
+        assert outcome.check is not None and outcome.check.ok, name
+    assert runner.dtype_support("float16") is not None and runner.dtype_support(suite.INT8) is not None
+    assert runner.supports(dataclasses.replace(PEER_CASES["bottom-right"], softcap=30.0)) is not None
+
+
+def test_flex_peer_agrees_with_the_reference() -> None:
+    """torch.compile(flex_attention) on one tiny shape (each shape compiles for tens of seconds):
+    GQA, causal bottom-right with Lq < Lk and a shorter sequence, so the block mask carries all of
+    it; a wrong alignment or a dropped length fails the check."""
+    require_package("torch", "pip install twinattn[torch]")
+    runner = _runner("flex")
+    case = tiny_case(q_len=5, k_len=9, kv_lens=(9, 7))
+    outcome = _run_one(runner, case, repeat=1)
+    assert outcome.status == "ok", outcome.note
+    assert runner.dtype_support("bfloat16") is None and runner.dtype_support("float16") is not None
+
+
 def test_plot_is_written(small_ceilings: None, tmp_path: Any) -> None:
     require_package("matplotlib", "pip install matplotlib")
     path = tmp_path / "bench.png"
@@ -912,6 +957,29 @@ def test_peak_for_picks_the_dtypes_peak() -> None:
     lacking = {"peaks": {"fma32": {"gflops": 200.0}, "bf16dot": {"gflops": None, "why": "no AVX512_BF16"}}}
     assert machine.peak_for("bfloat16", lacking) == ("fma32", 200.0)  # the convert path's ceiling
     assert machine.peak_for("float32", {}) == (None, None)
+    # bfloat16 against the peak of the path that ran: a port's (bfloat16_path), a peer's the higher
+    assert machine.peak_for("bfloat16", entry, "convert") == ("fma32", 200.0)
+    assert machine.peak_for("bfloat16", entry, "dot") == ("bf16dot", 400.0)
+    slow_dot = {"peaks": {"fma32": {"gflops": 400.0}, "bf16dot": {"gflops": 200.0}}}
+    assert machine.peak_for("bfloat16", slow_dot) == ("fma32", 400.0)
+    assert machine.peak_for("bfloat16", slow_dot, "dot") == ("bf16dot", 200.0)
+    assert machine.peak_for("float32", slow_dot, None) == ("fma32", 400.0)
+    assert machine.peak_for("bfloat16", lacking, "dot") == (None, None)
+
+
+def test_bfloat16_path_is_the_ports_and_split_key_converts() -> None:
+    """A port's bfloat16 prefill row takes the port's path (build_info), its split-key rows (at most
+    q_tile_rows packed rows: decode) the convert path; peers and other dtypes have none."""
+    ports = _available(NATIVE_BACKENDS)
+    prefill = tiny_case(q_len=30, k_len=40, dtype="bfloat16")  # 30 rows x group 2 > q_tile_rows
+    decode = tiny_case(q_len=1, k_len=40, dtype="bfloat16")
+    for port in ports:
+        info = twinattn.build_info()[port]
+        assert prefill.q_len * prefill.q_heads // prefill.kv_heads > info["constants"]["q_tile_rows"]
+        assert machine.bfloat16_path(port, prefill) == info["bfloat16_path"] in ("dot", "convert")
+        assert machine.bfloat16_path(port, decode) == "convert"
+        assert machine.bfloat16_path(port, dataclasses.replace(prefill, dtype="float32")) is None
+    assert machine.bfloat16_path("torch", prefill) is None
 
 
 def test_native_peaks_are_measured_or_say_why() -> None:
@@ -1030,6 +1098,18 @@ def test_narrow_dtypes_in_the_json_and_the_table(
         )
         assert ("WRONG" in line) == (r["status"] == "wrong")
     assert [r for r in rows if r["status"] != "ok"] == []  # every backend runs every dtype it is timed in
+    # bfloat16 %peak: a port's against its path's peak (both cases are split-key: convert, FMA), a
+    # peer's against the higher of the two; the header names each port's path
+    peaks = doc["ceilings"]["by_threads"][str(rows[0]["threads"])]["peaks"]
+    for r in rows:
+        if r["dtype"] == "bfloat16" and r["backend"] in NATIVE_BACKENDS:
+            assert (r["bfloat16_path"], r["peak_kind"]) == ("convert", "fma32"), r
+        elif r["dtype"] == "bfloat16":
+            measured = {kind: p["gflops"] for kind, p in peaks.items() if p.get("gflops")}
+            assert r["bfloat16_path"] is None and r["peak_kind"] == max(measured, key=measured.__getitem__), r
+    bf16_line = next(line for line in out.splitlines() if line.startswith("bfloat16: "))
+    for port in set(backends) & set(NATIVE_BACKENDS):
+        assert f"{port} {twinattn.build_info()[port]['bfloat16_path']} path" in bf16_line, bf16_line
     assert status == 0
 
 

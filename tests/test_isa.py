@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import os
 import platform
 import subprocess
@@ -25,8 +26,8 @@ import pytest
 import twinattn
 from conftest import _require
 from helpers import (
-    FLOAT32_ERROR_FACTOR, FLOOR_ULPS, UNIT_ROUNDOFF, assert_close_to_reference, assert_lse_close, forced_isa, rand,
-    reference32, reference64,
+    BFLOAT16, FLOAT32_ERROR_FACTOR, FLOOR_ULPS, UNIT_ROUNDOFF, assert_close_to_reference, assert_half_close_to_reference,
+    assert_lse_close, forced_isa, rand, reference32, reference64,
 )
 
 # the instruction sets a build for this machine's architecture may offer
@@ -232,3 +233,108 @@ def test_twinattn_isa_environment_variable(native_backend: str, value: str, ok: 
     else:
         assert result.returncode != 0
         assert "TWINATTN_ISA" in result.stderr and value in result.stderr
+
+
+# ---- bfloat16: the dot path (VDPBF16PS) or the convert path, chosen by what the CPU does faster ----
+
+def _clean_environment() -> dict[str, str]:
+    return {name: value for name, value in os.environ.items() if name != "TWINATTN_ISA"}
+
+
+def test_bfloat16_path_is_reported_and_follows_the_measurement(native_backend: str) -> None:
+    """build_info says which path bfloat16 prefill takes (the dot path exactly on avx512bf16), the
+    default instruction set, and, where the default had the choice, the measured ratio that chose
+    it against the shared threshold."""
+    info = _module(native_backend).build_info()
+    assert info["bfloat16_path"] == ("dot" if info["isa"] == "avx512bf16" else "convert")
+    assert info["isa_default"] in info["isa_available"]
+    ratio = info["bf16dot_over_fma32"]
+    if ratio is None:  # no choice measured: TWINATTN_ISA decided, or there is no VDPBF16PS
+        assert os.environ.get("TWINATTN_ISA") or "avx512bf16" not in info["isa_available"]
+    else:
+        assert ratio > 0
+        threshold = info["constants"]["bf16_dot_min_ratio"]
+        assert info["isa_default"] == ("avx512bf16" if ratio >= threshold else "avx512")
+
+
+@pytest.mark.parametrize("isa, path", [("avx512", "convert"), ("avx512bf16", "dot")])
+def test_either_bfloat16_path_can_be_forced(native_backend: str, isa: str, path: str) -> None:
+    """set_isa (and so TWINATTN_ISA, below) forces either path whatever the measurement said; each
+    stays within the documented bfloat16 tolerance (helpers: float32's error, out's rounding, and
+    on the dot path P's rounding to bfloat16)."""
+    rng = np.random.default_rng(11)
+    q = rand(rng, 1, 8, 40, 64).astype(BFLOAT16)  # 40 rows x group 4 > q_tile_rows: the prefill path
+    k, v = rand(rng, 1, 2, 300, 64).astype(BFLOAT16), rand(rng, 1, 2, 300, 48).astype(BFLOAT16)
+    with forced_isa(native_backend, isa):
+        assert _module(native_backend).build_info()["bfloat16_path"] == path
+        out = twinattn.attention(q, k, v, causal=True, backend=native_backend)
+    assert_half_close_to_reference(out, q, k, v, isa=isa, causal=True)
+
+
+@pytest.mark.parametrize("isa, path", [("avx512", "convert"), ("avx512bf16", "dot")])
+def test_twinattn_isa_forces_the_bfloat16_path_without_measuring(native_backend: str, isa: str, path: str) -> None:
+    info = _module(native_backend).build_info()
+    if isa not in info["isa_available"]:
+        pytest.skip(f"{native_backend}: {isa} not available on this CPU/build ({info['isa_available']})")
+    code = (f"import twinattn._{native_backend} as m; i = m.build_info(); "
+            "print(i['isa'], i['bfloat16_path'], i['bf16dot_over_fma32'])")
+    result = subprocess.run([sys.executable, "-c", code], env={**_clean_environment(), "TWINATTN_ISA": isa},
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [isa, path, "None"]
+
+
+def test_both_ports_choose_the_same_bfloat16_path() -> None:
+    """In a fresh process without TWINATTN_ISA: each port alone follows its own measurement, and
+    through the package both run the same default (the one loaded second follows the first)."""
+    _require("cpp")
+    _require("rust")
+    alone = ("import json, twinattn._cpp as c, twinattn._rust as r; "
+             "print(json.dumps([m.build_info() for m in (c, r)]))")
+    package = "import json, twinattn; i = twinattn.build_info(); print(json.dumps([i['cpp'], i['rust']]))"
+    for code in (alone, package):
+        result = subprocess.run([sys.executable, "-c", code], env=_clean_environment(), capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        cpp, rust = json.loads(result.stdout)
+        for info in (cpp, rust):
+            ratio = info["bf16dot_over_fma32"]
+            if ratio is not None:
+                threshold = info["constants"]["bf16_dot_min_ratio"]
+                assert info["isa_default"] == ("avx512bf16" if ratio >= threshold else "avx512")
+        if code == package:
+            assert (cpp["isa"], cpp["bfloat16_path"]) == (rust["isa"], rust["bfloat16_path"])
+
+
+class _FakePort:
+    """A native module as _backends sees it: build_info and set_isa."""
+
+    def __init__(self, isa: str, isa_default: str) -> None:
+        self.isa, self.isa_default = isa, isa_default
+
+    def build_info(self) -> dict[str, Any]:
+        return {"isa": self.isa, "isa_default": self.isa_default, "isa_available": ["avx512bf16", "avx512", "scalar"]}
+
+    def set_isa(self, name: str) -> None:
+        self.isa = name
+
+
+@pytest.mark.parametrize(
+    "first, second, expected",
+    [
+        (("avx512", "avx512"), ("avx512bf16", "avx512bf16"), "avx512"),  # the measurements disagreed: follow
+        (("avx512bf16", "avx512"), ("avx512bf16", "avx512bf16"), "avx512"),  # the first's default, not its set_isa
+        (("avx512", "avx512"), ("scalar", "avx512bf16"), "scalar"),  # switched by set_isa already: left alone
+        (("avx512bf16", "avx512bf16"), ("avx512bf16", "avx512bf16"), "avx512bf16"),  # agreeing: untouched
+    ],
+    ids=["follows", "default-not-current", "switched-left-alone", "agreeing"],
+)
+def test_the_port_loaded_second_follows_the_first(
+    monkeypatch: pytest.MonkeyPatch, first: tuple[str, str], second: tuple[str, str], expected: str
+) -> None:
+    from twinattn.core import _backends
+
+    monkeypatch.setattr(_backends, "_modules", {"cpp": _FakePort(*first)})
+    module = _FakePort(*second)
+    assert _backends._follow_first_port(module) is module  # type: ignore[arg-type]
+    assert module.isa == expected

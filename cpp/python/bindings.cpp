@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 #include <new>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -414,6 +415,12 @@ py::dict build_info() {
     info["isa_available"] = available;
     info["compiler"] = compiler_name();
     info["version"] = TWINATTN_VERSION;
+    // bfloat16's path with the instruction set in use ("dot" or "convert"), the instruction set
+    // chosen at first use, and the measurement that chose it (None where none was needed).
+    info["isa_default"] = default_isa();
+    info["bfloat16_path"] = bfloat16_path();
+    const std::optional<double> ratio = bf16dot_over_fma32();
+    info["bf16dot_over_fma32"] = ratio ? py::object(py::float_(*ratio)) : py::object(py::none());
     // Every shared constant (constants.hpp), keyed as the Rust constants lowercased.
     py::dict constants;
     constants["q_tile_rows"] = kQTileRows;
@@ -450,6 +457,9 @@ py::dict build_info() {
     for (float c : kTanhCoefficients) tanh_coefficients.append(static_cast<double>(c));
     constants["tanh_coefficients"] = tanh_coefficients;
     constants["tanh_small"] = static_cast<double>(kTanhSmall);
+    constants["bf16_dot_min_ratio"] = kBf16DotMinRatio;
+    constants["bf16_choice_rounds"] = kBf16ChoiceRounds;
+    constants["bf16_choice_instructions"] = kBf16ChoiceInstructions;
     info["constants"] = constants;
     return info;
 }

@@ -2,11 +2,14 @@
 // the chosen kernels are cached behind an atomic index (set_isa may switch them at run time).
 #include <atomic>
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "dispatch.hpp"
+#include "measure_peak.hpp"
+#include "twinattn/constants.hpp"
 #include "twinattn/flash_attention.hpp"
 
 namespace twinattn {
@@ -76,6 +79,8 @@ FlashKernels kernels_for(int isa) {
 struct Dispatch {
     FlashKernels table[kIsaCount];
     std::atomic<int> current{kScalar};
+    int default_isa = kScalar;  // the choice at first use (TWINATTN_ISA, or preferred())
+    std::optional<double> bf16dot_over_fma32;  // measured by preferred() when it had the choice
     // Non-empty while TWINATTN_ISA names an instruction set that cannot run here and set_isa
     // has not been called since: attention_forward and init_isa_from_environment then throw.
     std::string environment_error;
@@ -86,6 +91,16 @@ int fastest() {
     for (int isa = kIsaCount - 1; isa > kScalar; --isa)
         if (cpu().isa[isa]) return isa;
     return kScalar;
+}
+
+// The default without TWINATTN_ISA: the fastest available set, except that avx512bf16 differs
+// from avx512 only in bfloat16's path (dot or convert), so there the faster unit decides, from
+// one short measurement (constants.hpp, "bfloat16 path choice"), kept in *ratio.
+int preferred(std::optional<double>* ratio) {
+    const int isa = fastest();
+    if (isa != kAvx512Bf16) return isa;
+    *ratio = measure_bf16dot_over_fma32();
+    return ratio->has_value() && **ratio >= kBf16DotMinRatio ? kAvx512Bf16 : kAvx512;
 }
 
 std::string available_list() {
@@ -102,22 +117,25 @@ int isa_index(const std::string& name, const char* what) {
 }
 
 Dispatch& dispatch() {
-    // Built once, thread-safely: the kernel table, then the initial choice (TWINATTN_ISA or the
-    // fastest available one).
+    // Built once, thread-safely: the kernel table, then the initial choice (TWINATTN_ISA, or the
+    // preferred one: nothing is measured when TWINATTN_ISA decides).
     static Dispatch* state = [] {
         Dispatch* d = new Dispatch();
         for (int isa = 0; isa < kIsaCount; ++isa)
             d->table[isa] = cpu().isa[isa] ? kernels_for(isa) : kernels_for(kScalar);
-        d->current.store(fastest());
+        d->default_isa = fastest();
         const char* value = std::getenv("TWINATTN_ISA");
         if (value != nullptr && *value != '\0') {
             try {
-                d->current.store(isa_index(value, "TWINATTN_ISA"));
+                d->default_isa = isa_index(value, "TWINATTN_ISA");
             } catch (const std::invalid_argument& error) {
                 d->environment_error = error.what();
                 d->environment_failed.store(true);
             }
+        } else {
+            d->default_isa = preferred(&d->bf16dot_over_fma32);
         }
+        d->current.store(d->default_isa);
         return d;
     }();
     return *state;
@@ -133,6 +151,15 @@ std::vector<std::string> available_isas() {
 }
 
 std::string current_isa() { return kIsaNames[dispatch().current.load()]; }
+
+std::string default_isa() { return kIsaNames[dispatch().default_isa]; }
+
+std::string bfloat16_path() {
+    Dispatch& d = dispatch();
+    return d.table[d.current.load()].pack_pairs != nullptr ? "dot" : "convert";
+}
+
+std::optional<double> bf16dot_over_fma32() { return dispatch().bf16dot_over_fma32; }
 
 void set_isa(const std::string& name) {
     Dispatch& d = dispatch();

@@ -12,6 +12,7 @@
 
 #include "measure_peak.hpp"
 #include "thread_pool.hpp"
+#include "twinattn/constants.hpp"
 #include "twinattn/flash_attention.hpp"
 
 namespace twinattn {
@@ -53,6 +54,27 @@ double measure_peak(const std::string& kind, int64_t num_threads_requested, doub
     });
     const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
     return static_cast<double>(flop.load()) / elapsed / 1e9;
+}
+
+std::optional<double> measure_bf16dot_over_fma32() {
+#if defined(TWINATTN_HAVE_X86_KERNELS)
+    const std::vector<std::string> isas = available_isas();
+    if (std::find(isas.begin(), isas.end(), "avx512bf16") == isas.end()) return std::nullopt;
+    using Clock = std::chrono::steady_clock;
+    const PeakLoop loops[2] = {peak_fma32_avx512, peak_bf16dot_avx512bf16};
+    double best[2] = {0.0, 0.0};  // flop per second
+    for (int round = 0; round <= kBf16ChoiceRounds; ++round) {  // round 0 warms up
+        for (int kind = 0; kind < 2; ++kind) {
+            const Clock::time_point start = Clock::now();
+            const int64_t flop = loops[kind](kBf16ChoiceInstructions);
+            const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+            if (round > 0 && elapsed > 0.0) best[kind] = std::max(best[kind], static_cast<double>(flop) / elapsed);
+        }
+    }
+    return best[0] > 0.0 ? best[1] / best[0] : 0.0;
+#else
+    return std::nullopt;
+#endif
 }
 
 }  // namespace twinattn

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 namespace twinattn {
 
@@ -16,6 +17,13 @@ using PeakLoop = int64_t (*)(int64_t instructions);
 int64_t peak_fma32_avx512(int64_t instructions);
 int64_t peak_fma32_avx2(int64_t instructions);
 int64_t peak_bf16dot_avx512bf16(int64_t instructions);
+
+// One core's VDPBF16PS flop rate over its float32 AVX-512 FMA rate, for dispatch.cpp's choice of
+// the bfloat16 path (constants.hpp, "bfloat16 path choice"): on the calling thread, a warm-up
+// call of each loop, then kBf16ChoiceRounds rounds that time kBf16ChoiceInstructions
+// instructions of each in turn; the best rate of each (another process only ever slows a
+// timing). Empty on a CPU (or build) without AVX512_BF16.
+std::optional<double> measure_bf16dot_over_fma32();
 
 // The loop of each: kAccumulators independent accumulators, acc[i] = init(i), each advanced by
 // acc = step(acc) once per round until `instructions` are issued (whole rounds), then summed

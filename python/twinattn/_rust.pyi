@@ -97,4 +97,5 @@ def measure_peak(kind: str, num_threads: int, seconds: float) -> float:
 
 def build_info() -> dict[str, Any]:
     """{"isa": str, "isa_available": list[str], "compiler": str, "version": str,
+    "isa_default": str, "bfloat16_path": "dot" | "convert", "bf16dot_over_fma32": float | None,
     "constants": dict[str, int | float | list[float]]}."""

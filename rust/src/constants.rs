@@ -136,3 +136,18 @@ pub const TANH_SMALL: f32 = 0.625;
 /// log2(e) (folded into Q with the scale) and ln(2) (lse = ln 2 * (m + log2 l)).
 pub const LOG2_E: f32 = std::f32::consts::LOG2_E;
 pub const LN2: f32 = std::f32::consts::LN_2;
+
+// ---- bfloat16 path choice (dispatch.rs) ---------------------------------------------------------
+// On a CPU with AVX512_BF16, bfloat16 prefill can multiply by VDPBF16PS (the "dot" path, the
+// avx512bf16 kernels) or widen bfloat16 to float32 and use FMA (the "convert" path, the avx512
+// kernels; float32, float16 and int8 run the avx512 kernels either way). With no TWINATTN_ISA,
+// the default is chosen once per process: BF16_CHOICE_ROUNDS alternating timings of
+// BF16_CHOICE_INSTRUCTIONS instructions of each peak loop (measure_peak.rs) on the calling thread,
+// the best rate of each, and the dot path only where one core's VDPBF16PS flop rate is at least
+// BF16_DOT_MIN_RATIO times its float32 FMA rate. Measured ratios: about 2.0 on AMD Zen 5 (dot path
+// the faster), about 0.5 on an Intel Xeon with AMX (convert path 1.2-1.3x faster in causal
+// prefill N=2048); the threshold sits a factor of 1.6 or more from both, and leans to the
+// convert path (exact P) where the two units are about equally fast. A few milliseconds.
+pub const BF16_DOT_MIN_RATIO: f64 = 1.25;
+pub const BF16_CHOICE_ROUNDS: usize = 7;
+pub const BF16_CHOICE_INSTRUCTIONS: u64 = 1 << 16;

@@ -5,6 +5,8 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
+#[cfg(target_arch = "x86_64")]
+use crate::constants::BF16_DOT_MIN_RATIO;
 use crate::flash_kernel::FlashKernels;
 
 // Slowest first. NEON and the x86 sets are never in the same build, so "fastest available" is
@@ -77,6 +79,10 @@ fn table(isa: usize) -> FlashKernels {
 
 struct Dispatch {
     current: AtomicUsize,
+    /// The choice at first use (TWINATTN_ISA, or preferred()).
+    default_isa: usize,
+    /// Measured by preferred() when it had the choice.
+    bf16dot_over_fma32: Option<f64>,
     /// Some while TWINATTN_ISA names an instruction set that cannot run here and set_isa has
     /// not been called since: attention_forward and init_isa_from_environment then fail.
     environment_error: Option<String>,
@@ -88,6 +94,20 @@ fn fastest() -> usize {
         .rev()
         .find(|&isa| cpu()[isa])
         .unwrap_or(SCALAR)
+}
+
+/// The default without TWINATTN_ISA: the fastest available set, except that avx512bf16 differs
+/// from avx512 only in bfloat16's path (dot or convert), so there the faster unit decides, from
+/// one short measurement (constants.rs, "bfloat16 path choice"), returned beside it.
+fn preferred() -> (usize, Option<f64>) {
+    let isa = fastest();
+    #[cfg(target_arch = "x86_64")]
+    if isa == AVX512_BF16 {
+        let ratio = crate::measure_peak::measure_bf16dot_over_fma32();
+        let dot = ratio.is_some_and(|r| r >= BF16_DOT_MIN_RATIO);
+        return (if dot { AVX512_BF16 } else { AVX512 }, ratio);
+    }
+    (isa, None)
 }
 
 fn isa_index(name: &str, what: &str) -> Result<usize, String> {
@@ -102,21 +122,24 @@ fn isa_index(name: &str, what: &str) -> Result<usize, String> {
 }
 
 fn dispatch() -> &'static Dispatch {
-    // Built once, thread-safely: the initial choice (TWINATTN_ISA or the fastest available one).
+    // Built once, thread-safely: the initial choice (TWINATTN_ISA, or the preferred one: nothing
+    // is measured when TWINATTN_ISA decides).
     static STATE: OnceLock<Dispatch> = OnceLock::new();
     STATE.get_or_init(|| {
-        let mut current = fastest();
+        let mut default_isa = fastest();
+        let mut bf16dot_over_fma32 = None;
         let mut environment_error = None;
-        if let Ok(value) = std::env::var("TWINATTN_ISA") {
-            if !value.is_empty() {
-                match isa_index(&value, "TWINATTN_ISA") {
-                    Ok(isa) => current = isa,
-                    Err(error) => environment_error = Some(error),
-                }
-            }
+        match std::env::var("TWINATTN_ISA") {
+            Ok(value) if !value.is_empty() => match isa_index(&value, "TWINATTN_ISA") {
+                Ok(isa) => default_isa = isa,
+                Err(error) => environment_error = Some(error),
+            },
+            _ => (default_isa, bf16dot_over_fma32) = preferred(),
         }
         Dispatch {
-            current: AtomicUsize::new(current),
+            current: AtomicUsize::new(default_isa),
+            default_isa,
+            bf16dot_over_fma32,
             environment_failed: AtomicBool::new(environment_error.is_some()),
             environment_error,
         }
@@ -134,9 +157,37 @@ pub fn available_isas() -> Vec<&'static str> {
         .collect()
 }
 
-/// The instruction set attention_forward uses now.
+/// The instruction set attention_forward uses now: default_isa() until set_isa switches it.
 pub fn current_isa() -> &'static str {
     ISA_NAMES[dispatch().current.load(Ordering::Relaxed)]
+}
+
+/// The instruction set chosen at first use, whatever set_isa did since: TWINATTN_ISA when it is
+/// set, else the fastest available one, except that a CPU with AVX512_BF16 whose VDPBF16PS is
+/// not clearly faster than its FMA (bf16dot_over_fma32() below BF16_DOT_MIN_RATIO, constants.rs)
+/// gets avx512, the same kernels but for bfloat16's convert path.
+pub fn default_isa() -> &'static str {
+    ISA_NAMES[dispatch().default_isa]
+}
+
+/// The path bfloat16 prefill takes with the instruction set in use: "dot" (VDPBF16PS, the
+/// avx512bf16 kernels) or "convert" (widened to float32, FMA: every other set; and bfloat16
+/// decode, the split-key path, on every set).
+pub fn bfloat16_path() -> &'static str {
+    if table(dispatch().current.load(Ordering::Relaxed))
+        .pack_pairs
+        .is_some()
+    {
+        "dot"
+    } else {
+        "convert"
+    }
+}
+
+/// One core's VDPBF16PS flop rate over its float32 FMA rate, measured once at first use when the
+/// default had the choice (AVX512_BF16 and no TWINATTN_ISA); None otherwise.
+pub fn bf16dot_over_fma32() -> Option<f64> {
+    dispatch().bf16dot_over_fma32
 }
 
 /// Switches the instruction set; the error names the available ones.

@@ -8,6 +8,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+#[cfg(target_arch = "x86_64")]
+use crate::constants::{BF16_CHOICE_INSTRUCTIONS, BF16_CHOICE_ROUNDS};
 use crate::dispatch::available_isas;
 use crate::problem::{check_num_threads, ProblemError};
 use crate::thread_pool::parallel_for;
@@ -79,6 +81,44 @@ pub fn measure_peak(kind: &str, num_threads: i64, seconds: f64) -> Result<f64, P
     });
     let elapsed = start.elapsed().as_secs_f64();
     Ok(flop.load(Ordering::Relaxed) as f64 / elapsed / 1e9)
+}
+
+/// One core's VDPBF16PS flop rate over its float32 AVX-512 FMA rate, for dispatch.rs's choice of
+/// the bfloat16 path (constants.rs, "bfloat16 path choice"): on the calling thread, a warm-up
+/// call of each loop, then BF16_CHOICE_ROUNDS rounds that time BF16_CHOICE_INSTRUCTIONS
+/// instructions of each in turn; the best rate of each (another process only ever slows a
+/// timing). None on a CPU (or build) without AVX512_BF16.
+pub fn measure_bf16dot_over_fma32() -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !available_isas().contains(&"avx512bf16") {
+            return None;
+        }
+        let loops: [PeakLoop; 2] = [
+            crate::flash_avx512::peak_fma32_avx512,
+            crate::flash_avx512bf16::peak_bf16dot_avx512bf16,
+        ];
+        let mut best = [0.0f64; 2]; // flop per second
+        for round in 0..=BF16_CHOICE_ROUNDS {
+            // round 0 warms up
+            for (kind, peak_loop) in loops.iter().enumerate() {
+                let start = Instant::now();
+                // SAFETY: avx512bf16 (and so avx512) was found available above.
+                let flop = unsafe { peak_loop(BF16_CHOICE_INSTRUCTIONS) };
+                let elapsed = start.elapsed().as_secs_f64();
+                if round > 0 && elapsed > 0.0 {
+                    best[kind] = best[kind].max(flop as f64 / elapsed);
+                }
+            }
+        }
+        Some(if best[0] > 0.0 {
+            best[1] / best[0]
+        } else {
+            0.0
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    None
 }
 
 /// The loop of each kind, expanded inside its `#[target_feature]` function (a macro: the

@@ -736,6 +736,11 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     info.set_item("isa_available", crate::dispatch::available_isas())?;
     info.set_item("compiler", env!("TWINATTN_RUSTC_VERSION"))?;
     info.set_item("version", env!("CARGO_PKG_VERSION"))?;
+    // bfloat16's path with the instruction set in use ("dot" or "convert"), the instruction set
+    // chosen at first use, and the measurement that chose it (None where none was needed).
+    info.set_item("isa_default", crate::dispatch::default_isa())?;
+    info.set_item("bfloat16_path", crate::dispatch::bfloat16_path())?;
+    info.set_item("bf16dot_over_fma32", crate::dispatch::bf16dot_over_fma32())?;
     // Every shared constant (constants.rs), keyed by its name lowercased.
     let constants = PyDict::new(py);
     constants.set_item("q_tile_rows", Q_TILE_ROWS)?;
@@ -769,6 +774,9 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     constants.set_item("tanh_degree", TANH_DEGREE)?;
     constants.set_item("tanh_coefficients", floats(&TANH_COEFFICIENTS))?;
     constants.set_item("tanh_small", f64::from(TANH_SMALL))?;
+    constants.set_item("bf16_dot_min_ratio", BF16_DOT_MIN_RATIO)?;
+    constants.set_item("bf16_choice_rounds", BF16_CHOICE_ROUNDS)?;
+    constants.set_item("bf16_choice_instructions", BF16_CHOICE_INSTRUCTIONS)?;
     info.set_item("constants", constants)?;
     Ok(info)
 }

@@ -53,6 +53,36 @@ fn isas() -> Vec<&'static str> {
     twinattn::dispatch::available_isas()
 }
 
+/// bfloat16's path: the default follows the measurement where there was a choice (no
+/// TWINATTN_ISA, AVX512_BF16), and the dot path is avx512bf16's table alone. (Nothing here
+/// switches the process-wide set: cargo runs the tests in parallel; C++'s test_dispatch does.)
+#[test]
+fn default_isa_follows_the_bf16_measurement() {
+    let default = twinattn::dispatch::default_isa();
+    assert!(isas().contains(&default), "{default}");
+    let current = twinattn::dispatch::current_isa();
+    let path = if current == "avx512bf16" {
+        "dot"
+    } else {
+        "convert"
+    };
+    assert_eq!(twinattn::dispatch::bfloat16_path(), path);
+    for isa in isas() {
+        let pairs = twinattn::dispatch::kernels_for(isa).map(|k| k.pack_pairs.is_some());
+        assert_eq!(pairs, Some(isa == "avx512bf16"), "{isa}");
+    }
+    match twinattn::dispatch::bf16dot_over_fma32() {
+        Some(ratio) => {
+            let dot = ratio >= twinattn::constants::BF16_DOT_MIN_RATIO;
+            assert_eq!(default, if dot { "avx512bf16" } else { "avx512" });
+        }
+        None => assert!(
+            std::env::var("TWINATTN_ISA").is_ok_and(|v| !v.is_empty())
+                || !isas().contains(&"avx512bf16")
+        ),
+    }
+}
+
 fn run_on(kernel: Kernel, case: &Case, threads: usize) -> Output {
     common::run_with(kernel, case, threads)
 }

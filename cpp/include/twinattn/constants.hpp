@@ -116,4 +116,20 @@ constexpr float kTanhSmall = 0.625f;
 constexpr float kLog2E = 1.44269504088896340736f;
 constexpr float kLn2 = 0.693147180559945309417f;
 
+
+// ---- bfloat16 path choice (dispatch.cpp) --------------------------------------------------------
+// On a CPU with AVX512_BF16, bfloat16 prefill can multiply by VDPBF16PS (the "dot" path, the
+// avx512bf16 kernels) or widen bfloat16 to float32 and use FMA (the "convert" path, the avx512
+// kernels; float32, float16 and int8 run the avx512 kernels either way). With no TWINATTN_ISA,
+// the default is chosen once per process: kBf16ChoiceRounds alternating timings of
+// kBf16ChoiceInstructions instructions of each peak loop (measure_peak.hpp) on the calling thread,
+// the best rate of each, and the dot path only where one core's VDPBF16PS flop rate is at least
+// kBf16DotMinRatio times its float32 FMA rate. Measured ratios: about 2.0 on AMD Zen 5 (dot path
+// the faster), about 0.5 on an Intel Xeon with AMX (convert path 1.2-1.3x faster in causal
+// prefill N=2048); the threshold sits a factor of 1.6 or more from both, and leans to the
+// convert path (exact P) where the two units are about equally fast. A few milliseconds.
+constexpr double kBf16DotMinRatio = 1.25;
+constexpr int kBf16ChoiceRounds = 7;
+constexpr int64_t kBf16ChoiceInstructions = int64_t{1} << 16;
+
 }  // namespace twinattn

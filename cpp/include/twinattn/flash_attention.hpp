@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,9 +38,20 @@ double measure_peak(const std::string& kind, int64_t num_threads, double seconds
 // "avx2" (AVX2 + FMA + F16C), "scalar" (portable): the names this build and this
 // CPU can run, fastest first.
 std::vector<std::string> available_isas();
-// The instruction set attention_forward uses now: TWINATTN_ISA when it is set (read once, at
-// first use), else the fastest available one.
+// The instruction set attention_forward uses now: default_isa() until set_isa switches it.
 std::string current_isa();
+// The instruction set chosen at first use, whatever set_isa did since: TWINATTN_ISA when it is
+// set, else the fastest available one, except that a CPU with AVX512_BF16 whose VDPBF16PS is
+// not clearly faster than its FMA (bf16dot_over_fma32() below kBf16DotMinRatio, constants.hpp)
+// gets avx512, the same kernels but for bfloat16's convert path.
+std::string default_isa();
+// The path bfloat16 prefill takes with the instruction set in use: "dot" (VDPBF16PS, the
+// avx512bf16 kernels) or "convert" (widened to float32, FMA: every other set; and bfloat16
+// decode, the split-key path, on every set).
+std::string bfloat16_path();
+// One core's VDPBF16PS flop rate over its float32 FMA rate, measured once at first use when the
+// default had the choice (AVX512_BF16 and no TWINATTN_ISA); empty otherwise.
+std::optional<double> bf16dot_over_fma32();
 // Switches the instruction set; throws std::invalid_argument naming the available ones.
 void set_isa(const std::string& name);
 // Throws std::invalid_argument with a clear message when TWINATTN_ISA names an instruction set

@@ -1,7 +1,9 @@
 """twinattn-bench: time the standard attention suite on every available backend.
 
 Backends: cpp and rust (twinattn's ports), numpy (the reference), and, when importable, torch
-(scaled_dot_product_attention) and onnxruntime (com.microsoft::GroupQueryAttention on the CPU).
+(scaled_dot_product_attention), onnxruntime (com.microsoft::GroupQueryAttention on the CPU),
+openvino (opset13 ScaledDotProductAttention on the CPU plugin; float32 and bfloat16) and flex
+(torch.compile(flex_attention), compiled before timing; float32 and bfloat16).
 Each case runs in every dtype of --dtype (float32 by default; float16 and bfloat16 on the ports and
 torch; numpy and onnxruntime are timed in float32 only), and, named on its own, in int8: q float32,
 K/V int8 with float32 scales (twinattn.quantize_kv), on the ports only (torch has no int8 attention).
@@ -36,10 +38,12 @@ columns:
   GFLOP/s   2 x visible query-key pairs x (D + Dv) / median: work above the causal diagonal
             or past kv_lens is not counted
   %gemm     GFLOP/s over NumPy's float32 matrix-multiply throughput with the same threads
-  %peak     GFLOP/s over the dtype's arithmetic peak, measured by the native port's measure_peak:
-            float32 FMA for float32 and float16, the BF16 dot product (VDPBF16PS) for bfloat16
-            where the CPU has it; the best of 5 measurements, measured again when a case runs
-            faster (the header says so), so it never passes 100%
+  %peak     GFLOP/s over the arithmetic peak of the path that ran, measured by the native
+            port's measure_peak: float32 FMA for float32 and float16; for bfloat16 on a port, the
+            BF16 dot product (VDPBF16PS) where it took the dot path, FMA where it converted (the
+            header says which; decode always converts), on a peer the higher of the two; the
+            best of 5 measurements, measured again when a case runs faster (the header says
+            so), so it never passes 100%
   GB/s      decode only: bytes of K and V that must be read / median (2 bytes per element in
             float16 and bfloat16; int8: 1 byte per element plus the 2 x 4 bytes of scales per
             key and KV head)
@@ -48,7 +52,7 @@ columns:
             token) each; checked against float64 attention over the dequantized K/V
   vs f32    float16 / bfloat16 / int8: the same backend's float32 median / this one's
   vs ...    speedup: the other backend's median / this one's (>1: this one is faster), in the
-            same dtype; "peer" is the fastest of torch and onnxruntime present
+            same dtype; "peer" is the fastest of torch, onnxruntime, openvino and flex present
   max err   max |out - float64 reference| over the checked rows
 
 layer-decode (twinattn backends only; torch and onnxruntime are skipped):
@@ -133,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--backends",
         metavar="LIST",
-        help="comma-separated: cpp, rust, numpy, torch, onnxruntime (ort); default: every one available",
+        help="comma-separated: cpp, rust, numpy, torch, onnxruntime (ort), openvino (ov), flex (flex_attention); "
+        "default: every one available",
     )
     parser.add_argument(
         "--threads",

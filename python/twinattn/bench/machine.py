@@ -16,8 +16,11 @@ of independent instructions on the port's own thread pool: "fma32" (float32 FMA:
 where there is none) and, when the run has bfloat16 cases, "bf16dot" (VDPBF16PS, bf16 pairs into
 float32: 64 FLOPs per instruction). A CPU without AVX512_BF16, or a build without measure_peak,
 gives no figure and the reason instead. float32 and float16 cases (float16 is converted to float32
-and multiplied in float32) are reported against the FMA peak, bfloat16 against the dot-product
-peak where it exists (else the FMA peak: the kernels then convert to float32 too). A peak is the
+and multiplied in float32) are reported against the FMA peak; bfloat16 against the peak of the path
+that ran (bfloat16_path): on a twinattn port, the dot-product peak where it took the dot path
+(VDPBF16PS), the FMA peak where it converted to float32 (the port's choice for this CPU, see
+build_info()'s "bfloat16_path", and always in the split-key path of decode); on a peer, whose
+kernels are its own, the higher of the two. A peak is the
 best of PEAK_REPEATS measurements (another process on the machine only ever lowers one), and a case
 that runs faster than that has the peak measured again (raise_peak): %peak never passes 100% by a
 low measurement.
@@ -249,14 +252,40 @@ def raise_peak(entry: dict[str, Any], kind: str, threads: int, seconds: float, g
     peak["gflops"], peak["note"] = best, note
 
 
-def peak_for(dtype: str, entry: dict[str, Any]) -> tuple[Optional[str], Optional[float]]:
+BFLOAT16_PEAKS = {"dot": "bf16dot", "convert": "fma32"}  # the peak of each bfloat16 path
+
+
+def bfloat16_path(backend: str, case: Any) -> Optional[str]:
+    """The path a bfloat16 `case` (suite.Case) takes on `backend`: "dot" (VDPBF16PS) or "convert"
+    (widened to float32, FMA) on a twinattn port, from its build_info()["bfloat16_path"], except
+    that groups of at most q_tile_rows packed query rows (Lq x Hq / Hkv: decode, short chunks) take
+    the split-key path, which converts on every instruction set (docs/kernels.md); None for a
+    peer (its kernels are its own) and for every other dtype."""
+    if case.dtype != "bfloat16" or backend not in ("cpp", "rust"):
+        return None
+    info = twinattn.build_info()[backend]
+    if not info.get("available"):
+        return None
+    if case.q_len * (case.q_heads // case.kv_heads) <= info["constants"]["q_tile_rows"]:
+        return "convert"
+    return str(info["bfloat16_path"])
+
+
+def peak_for(
+    dtype: str, entry: dict[str, Any], path: Optional[str] = None
+) -> tuple[Optional[str], Optional[float]]:
     """The arithmetic peak a case in `dtype` is measured against (module docstring), from one
-    thread count's ceilings: (kind, GFLOP/s), or (None, None) where none was measured."""
+    thread count's ceilings: (kind, GFLOP/s), or (None, None) where none was measured. `path`:
+    bfloat16's path where known (bfloat16_path), else the higher of the two peaks."""
     peaks = entry.get("peaks", {})
-    for kind in (("bf16dot", "fma32") if dtype == "bfloat16" else ("fma32",)):
-        if peaks.get(kind, {}).get("gflops"):
-            return kind, peaks[kind]["gflops"]
-    return None, None
+    kinds = ["fma32"]
+    if dtype == "bfloat16":
+        kinds = [BFLOAT16_PEAKS[path]] if path is not None else ["bf16dot", "fma32"]
+    measured = [(peaks[kind]["gflops"], kind) for kind in kinds if peaks.get(kind, {}).get("gflops")]
+    if not measured:
+        return None, None
+    gflops, kind = max(measured)
+    return kind, gflops
 
 
 def peak_seconds(quick: bool) -> float:

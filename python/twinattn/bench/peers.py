@@ -12,6 +12,13 @@ the problem's check (part i is checked by problem.check(output, i)):
     onnxruntime  a one-node model of com.microsoft::GroupQueryAttention on the CPU provider;
                  with a KV cache (Lq < Lk) the cache is bound in place through IOBinding
                  (past_key and present_key share one buffer), so no cache copy is timed
+    openvino     a one-node model of opset13 ScaledDotProductAttention compiled for the CPU, in
+                 q's precision (INFERENCE_PRECISION_HINT f32 or bf16); causal=True (top-left)
+                 only when Lq == Lk, else an explicit bool mask; no GQA in that op, so K/V
+                 are repeated over each group before timing
+    flex         torch.compile(flex_attention) (torch.nn.attention.flex_attention) with
+                 enable_gqa, a block mask (create_block_mask) of the visible keys, bottom-right
+                 aligned, and softcap as a score_mod; compiled in `prepare`, before timing
 
 The layer case runs on twinattn's backends only: part 0 is one decode step of a
 twinattn.nn.Attention(backend=port) holding the problem's weights, on a KVCache holding its cached
@@ -27,7 +34,9 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
@@ -36,11 +45,13 @@ import twinattn
 
 from ..core._threads import configured_num_threads
 from .machine import blas_limits
-from .suite import INT8, LAYER, TRAIN, AnyProblem, Case, LayerProblem, Problem, TrainProblem, numpy_dtype, out_dtype
+from .suite import (
+    INT8, LAYER, TRAIN, AnyProblem, Case, LayerProblem, Problem, TrainProblem, numpy_dtype, out_dtype, visible_key_range,
+)
 
 PORTS = ("cpp", "rust")  # twinattn's two native ports, also timed alternately
-PEERS = ("torch", "onnxruntime")
-ALIASES = {"ort": "onnxruntime", "c++": "cpp"}
+PEERS = ("torch", "onnxruntime", "openvino", "flex")
+ALIASES = {"ort": "onnxruntime", "c++": "cpp", "ov": "openvino", "flex_attention": "flex"}
 LAYER_ONLY = "layer case: twinattn backends only"
 VARIANT_ONLY = "sliding window / softcap case: twinattn backends only"
 TRAIN_ONLY = "forward and backward: twinattn's ports and torch only"
@@ -94,11 +105,7 @@ class Runner:
 
     def supports(self, case: Case) -> Optional[str]:
         """None when this backend can run the case, else why not."""
-        if case.kind == LAYER:
-            return LAYER_ONLY
-        if case.kind == TRAIN:
-            return TRAIN_ONLY
-        return VARIANT_ONLY if case.variant_kwargs else None
+        return _forward_kernel_only(case) or (VARIANT_ONLY if case.variant_kwargs else None)
 
     def peak_bytes(self, case: Case) -> int:
         """Memory one call needs beyond its inputs and output (for skipping huge cases)."""
@@ -278,11 +285,7 @@ class TorchRunner(Runner):
         return None  # scaled_dot_product_attention in the same dtype: the peer
 
     def supports(self, case: Case) -> Optional[str]:
-        if case.kind == LAYER:
-            return LAYER_ONLY
-        if case.softcap:
-            return "softcap: not in torch's scaled_dot_product_attention"
-        return None  # a sliding window becomes an explicit bool mask
+        return _masked_op_supports(case, "torch's scaled_dot_product_attention")
 
     def peak_bytes(self, case: Case) -> int:
         # torch's CPU flash kernel works in blocks; its math fallback (explicit masks on old
@@ -298,15 +301,9 @@ class TorchRunner(Runner):
         notes: list[str] = []
         q, k, v = (to_torch(a) for a in (problem.q, problem.k, problem.v))
         kwargs: dict[str, Any] = {"scale": problem.scale}
-        if problem.kv_lens is not None or (case.causal and case.q_len != case.k_len) or case.window_left >= 0:
-            key = np.arange(case.k_len)[None, None, :]
-            allowed = key < case.lens[:, None, None]
-            position = case.q_offsets[:, None, None] + np.arange(case.q_len)[None, :, None]
-            if case.causal:
-                allowed = allowed & (key <= position)  # bottom-right
-            if case.window_left >= 0:
-                allowed = allowed & (key >= position - case.window_left)
-            kwargs["attn_mask"] = torch.from_numpy(np.ascontiguousarray(allowed[:, None]))  # (B, 1, Lq, Lk) bool
+        allowed = visible_mask(problem)
+        if allowed is not None:
+            kwargs["attn_mask"] = torch.from_numpy(allowed)
         elif case.causal:
             kwargs["is_causal"] = True  # Lq == Lk: top-left and bottom-right agree
         if case.q_heads != case.kv_heads:
@@ -352,6 +349,37 @@ class TorchRunner(Runner):
         return call
 
 
+def _forward_kernel_only(case: Case) -> Optional[str]:
+    """Why a peer that times only attention's forward kernel skips the case (None: it is one)."""
+    if case.kind == LAYER:
+        return LAYER_ONLY
+    if case.kind == TRAIN:
+        return TRAIN_ONLY
+    return None
+
+
+def _masked_op_supports(case: Case, op: str) -> Optional[str]:
+    """Runner.supports of a peer whose attention op takes a bool mask (a sliding window becomes
+    one) but has no softcap."""
+    if _forward_kernel_only(case):
+        return _forward_kernel_only(case)
+    if case.softcap:
+        return f"softcap: not in {op}"
+    return None
+
+
+def visible_mask(problem: Problem) -> Optional[np.ndarray]:
+    """(B, 1, Lq, Lk) bool, True where a query row may see a key (kv_lens, causality bottom-right,
+    the window), for a peer whose own causal flag cannot say it: None when that flag can (every
+    sequence full and, if causal, Lq == Lk, where top-left and bottom-right agree)."""
+    case = problem.case
+    if problem.kv_lens is None and not (case.causal and case.q_len != case.k_len) and case.window_left < 0:
+        return None
+    first, end = visible_key_range(case)  # (B, Lq)
+    key = np.arange(case.k_len)[None, None, :]
+    return np.ascontiguousarray(((key >= first[:, :, None]) & (key < end[:, :, None]))[:, None])
+
+
 def to_torch(array: np.ndarray) -> Any:
     """A writeable torch copy of `array`, in its dtype: float32, float16, or ml_dtypes.bfloat16
     (which torch.from_numpy does not know: its bits travel as int16 and are viewed as bfloat16)."""
@@ -391,8 +419,8 @@ class OnnxRuntimeRunner(Runner):
         return _version("onnxruntime")
 
     def supports(self, case: Case) -> Optional[str]:
-        if case.kind == LAYER:
-            return LAYER_ONLY
+        if _forward_kernel_only(case):
+            return _forward_kernel_only(case)
         if case.variant_kwargs:
             return VARIANT_ONLY
         if not case.causal:
@@ -514,6 +542,153 @@ def _gqa_model(case: Case, scale: float, with_cache: bool) -> Any:
     return model
 
 
+FLOAT32_AND_BFLOAT16 = ("float32", "bfloat16")
+
+
+class OpenVinoRunner(Runner):
+    name = "openvino"
+
+    def available(self) -> Optional[str]:
+        return _missing("openvino")
+
+    def version(self) -> str:
+        return _version("openvino")
+
+    def dtype_support(self, dtype: str) -> Optional[str]:
+        return None if dtype in FLOAT32_AND_BFLOAT16 else "timed in float32 and bfloat16 only"
+
+    def supports(self, case: Case) -> Optional[str]:
+        return _masked_op_supports(case, "OpenVINO's ScaledDotProductAttention")
+
+    def peak_bytes(self, case: Case) -> int:
+        # K/V repeated over the group, and the scores where the plugin materialises them
+        repeated = case.batch * case.q_heads * case.k_len * (case.head_dim + case.value_dim) * 4
+        return repeated + case.batch * case.q_heads * case.q_len * case.k_len * 4 * 2
+
+    def prepare(self, problem: AnyProblem, threads: int) -> Prepared:
+        import openvino as ov
+        import openvino.opset13 as ops
+
+        assert isinstance(problem, Problem), LAYER_ONLY
+        case = problem.case
+        bf16 = case.dtype == "bfloat16"
+        element = ov.Type.bf16 if bf16 else ov.Type.f32
+        notes: list[str] = []
+        group = case.q_heads // case.kv_heads
+        k, v = problem.k, problem.v
+        if group > 1:
+            # the op broadcasts K/V heads only as leading dimensions; a (B, Hkv, G, L, D) broadcast
+            # runs as MatMul + Softmax (the scores materialised), so the heads are repeated instead
+            k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+            notes.append("OpenVINO's ScaledDotProductAttention has no GQA: K/V repeated over the group before timing")
+        inputs = {"q": problem.q, "k": k, "v": v}
+        params = [ops.parameter(list(a.shape), element, name=name) for name, a in inputs.items()]
+        scale = ops.constant(np.array(problem.scale, dtype=np.float32))
+        if bf16:
+            scale = ops.convert(scale, element)
+        allowed = visible_mask(problem)
+        if allowed is not None:  # causal=True is top-left: bottom-right needs the mask
+            inputs["mask"] = allowed
+            params.append(ops.parameter(list(allowed.shape), ov.Type.boolean, name="mask"))
+            node = ops.scaled_dot_product_attention(*params, scale=scale, causal=False)
+        else:
+            no_mask = ops.constant(np.array(0.0, dtype=np.float32))
+            if bf16:
+                no_mask = ops.convert(no_mask, element)
+            node = ops.scaled_dot_product_attention(*params, no_mask, scale=scale, causal=case.causal)
+        config = {
+            "INFERENCE_NUM_THREADS": threads,
+            "NUM_STREAMS": 1,
+            "PERFORMANCE_HINT": "LATENCY",
+            "INFERENCE_PRECISION_HINT": "bf16" if bf16 else "f32",  # f32 models otherwise run in bf16 on AMX CPUs
+        }
+        compiled = ov.Core().compile_model(ov.Model([node], params, "twinattn_bench_sdpa"), "CPU", config)
+        request = compiled.create_infer_request()
+        for name, array in inputs.items():
+            if bf16 and array.dtype != np.bool_:  # numpy has no bfloat16: the bits, through a float16 view
+                tensor = ov.Tensor(element, list(array.shape))
+                tensor.data[...] = np.ascontiguousarray(array).view(np.float16)
+            else:
+                tensor = ov.Tensor(np.ascontiguousarray(array))  # a copy (the problem's arrays are read-only)
+            request.set_tensor(name, tensor)
+
+        def call() -> object:
+            return request.infer(share_outputs=True)
+
+        def result() -> np.ndarray:
+            data = request.get_output_tensor(0).data  # bf16 comes back as float16-typed bits
+            return np.array(data.view(numpy_dtype("bfloat16")) if bf16 else data)
+
+        return Prepared([Part(call, result)], notes=notes)
+
+
+class FlexAttentionRunner(Runner):
+    name = "flex"
+
+    def available(self) -> Optional[str]:
+        spec = importlib.util.find_spec("torch")  # found, not imported
+        if spec is None or spec.origin is None:
+            return "torch is not installed"
+        if not (Path(spec.origin).parent / "nn" / "attention" / "flex_attention.py").exists():
+            return "this torch has no torch.nn.attention.flex_attention (torch >= 2.5)"
+        return None
+
+    def version(self) -> str:
+        return f"{_version('torch')} torch.compile(flex_attention)"
+
+    def dtype_support(self, dtype: str) -> Optional[str]:
+        return None if dtype in FLOAT32_AND_BFLOAT16 else "timed in float32 and bfloat16 only"
+
+    def supports(self, case: Case) -> Optional[str]:
+        return _forward_kernel_only(case)  # windows in the block mask, softcap a score_mod
+
+    def peak_bytes(self, case: Case) -> int:
+        # create_block_mask evaluates the mask at every (row, key) of each sequence, int64 indices
+        return case.batch * case.q_len * case.k_len * 8 * 4
+
+    def prepare(self, problem: AnyProblem, threads: int) -> Prepared:
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        assert isinstance(problem, Problem), LAYER_ONLY
+        case = problem.case
+        q, k, v = (to_torch(a) for a in (problem.q, problem.k, problem.v))
+        kwargs: dict[str, Any] = {"scale": problem.scale, "enable_gqa": case.q_heads != case.kv_heads}
+        if case.causal or problem.kv_lens is not None or case.window_left >= 0:
+            first, end = (torch.from_numpy(a) for a in visible_key_range(case))  # (B, Lq), bottom-right
+
+            def visible(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+                return (kv_idx >= first[b, q_idx]) & (kv_idx < end[b, q_idx])
+
+            kwargs["block_mask"] = create_block_mask(visible, case.batch, None, case.q_len, case.k_len, device="cpu")
+        if case.softcap:
+            cap = float(case.softcap)
+
+            def softcap(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+                return cap * torch.tanh(score / cap)
+
+            kwargs["score_mod"] = softcap
+        # a fresh compile per case: cases differ in shape and mask, and dynamo recompiles one
+        # function only so many times before it falls back to the (slow) eager flex_attention
+        torch._dynamo.reset()
+        attend = torch.compile(flex_attention)
+        previous_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        result: dict[str, Any] = {}
+
+        def call() -> object:
+            with torch.inference_mode():
+                result["out"] = attend(q, k, v, **kwargs)
+            return result["out"]
+
+        started = time.perf_counter()
+        call()  # compiles: not timed
+        notes = [f"compiled in {time.perf_counter() - started:.0f} s before timing"]
+        return Prepared(
+            [Part(call, lambda: from_torch(result["out"]))], lambda: torch.set_num_threads(previous_threads), notes
+        )
+
+
 def make_runners() -> dict[str, Runner]:
     return {
         "cpp": TwinattnRunner("cpp"),
@@ -521,6 +696,8 @@ def make_runners() -> dict[str, Runner]:
         "numpy": NumpyRunner(),
         "torch": TorchRunner(),
         "onnxruntime": OnnxRuntimeRunner(),
+        "openvino": OpenVinoRunner(),
+        "flex": FlexAttentionRunner(),
     }
 
 

@@ -11,7 +11,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from . import e2e
-from .machine import PEAK_KINDS, peak_for
+from .machine import BFLOAT16_PEAKS, PEAK_KINDS, bfloat16_path, peak_for
 from .peers import PEERS, PORTS
 from .suite import DECODE, LAYER, Case, Outcome, work
 
@@ -53,7 +53,8 @@ def result_row(
     only)."""
     w = work(case)
     gemm_gflops = ceiling.get("gemm_gflops")
-    peak_kind, peak_gflops = peak_for(case.dtype, ceiling)
+    path = bfloat16_path(backend, case)
+    peak_kind, peak_gflops = peak_for(case.dtype, ceiling, path)
     median = outcome.median_s if outcome.status == "ok" else None
     check, kernel_check = outcome.check, outcome.kernel_check
     layer = case.kind == LAYER
@@ -103,6 +104,7 @@ def result_row(
         },
         "gemm_fraction": gflops / gemm_gflops if gflops and gemm_gflops else None,
         "peak_kind": peak_kind,  # the arithmetic peak of the dtype: "fma32" or "bf16dot" (None: not measured)
+        "bfloat16_path": path,  # a port's bfloat16 case: "dot" or "convert", the path whose peak applies
         "peak_fraction": gflops / peak_gflops if gflops and peak_gflops else None,
     }
     if beside:
@@ -258,7 +260,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
 def set_peak_fractions(rows: Sequence[dict[str, Any]], ceilings: dict[str, Any]) -> None:
     """Each row's %peak against its thread count's peak as the run ended (see machine.raise_peak)."""
     for row in rows:
-        kind, peak = peak_for(row["dtype"], ceilings["by_threads"].get(str(row["threads"]), {}))
+        kind, peak = peak_for(row["dtype"], ceilings["by_threads"].get(str(row["threads"]), {}), row.get("bfloat16_path"))
         row["peak_kind"] = kind
         row["peak_fraction"] = row["gflops"] / peak if row.get("gflops") and peak else None
 
@@ -397,6 +399,8 @@ def header(document: dict[str, Any]) -> str:
                 peaks.append(f"{name}: not measured ({peak.get('why', 'unknown')})")
         if peaks:
             lines.append(f"peaks ({t} thr): " + "; ".join(peaks))
+    if "bfloat16" in document.get("dtypes", ()):
+        lines.append(bfloat16_line(m["ports"]))
     env = {k: v for k, v in m["env"].items() if v is not None and k.startswith("OPENBLAS_")}
     if env.get("OPENBLAS_CORETYPE") or env.get("OPENBLAS_L2_SIZE"):
         lines.append(
@@ -408,6 +412,22 @@ def header(document: dict[str, Any]) -> str:
     if document["shrink"] != 1:
         lines.append(f"note:    --shrink {document['shrink']}: every sequence length divided by {document['shrink']}")
     return "\n".join(lines)
+
+
+def bfloat16_line(ports: dict[str, Any]) -> str:
+    """Which bfloat16 path each port took and why, and so which peak its rows' %peak is against."""
+    said, threshold = [], None
+    for port, info in ports.items():
+        path = info.get("bfloat16_path")
+        if not info.get("available") or path is None:
+            continue
+        ratio = info.get("bf16dot_over_fma32")
+        said.append(f"{port} {path} path ({f'VDPBF16PS {ratio:.2f}x FMA' if ratio is not None else 'isa ' + info['isa']})")
+        threshold = threshold if ratio is None else info["constants"]["bf16_dot_min_ratio"]
+    rule = f"; the dot path needs {threshold:g}x" if threshold is not None else ""
+    return (f"bfloat16: {', '.join(said) or 'no native port built'}{rule}. %peak: convert against "
+            f"{PEAK_KINDS[BFLOAT16_PEAKS['convert']]}, dot against {PEAK_KINDS[BFLOAT16_PEAKS['dot']]}; "
+            "split-key calls (decode) convert; peers against the higher peak")
 
 
 def text(document: dict[str, Any]) -> str:
@@ -492,6 +512,8 @@ STYLE = {
     "numpy": ("tab:gray", "v"),
     "torch": ("tab:red", "^"),
     "onnxruntime": ("tab:green", "D"),
+    "openvino": ("tab:purple", "P"),
+    "flex": ("tab:brown", "X"),
 }
 
 

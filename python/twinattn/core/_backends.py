@@ -44,7 +44,7 @@ def _load(port: str) -> ModuleType | None:
     """
     if port not in _modules and port not in _refusals:
         try:
-            _modules[port] = importlib.import_module(f"twinattn._{port}")
+            _modules[port] = _follow_first_port(importlib.import_module(f"twinattn._{port}"))
         except ModuleNotFoundError as exc:
             _modules[port] = None
             _errors[port] = str(exc)
@@ -53,6 +53,23 @@ def _load(port: str) -> ModuleType | None:
     if port in _refusals:
         raise ImportError(_refusals[port])
     return _modules[port]
+
+
+def _follow_first_port(module: ModuleType) -> ModuleType:
+    """The module, running the default instruction set of the port loaded before it, if any.
+
+    Each port chooses its default alone, and where bfloat16 has two paths (VDPBF16PS or
+    conversion to float32, docs/kernels.md) it chooses by timing its two units once. The two
+    timings can only disagree on a CPU whose units are about equally fast, but then the ports'
+    bfloat16 results would differ; so in a process that holds both, the second follows the first.
+    A module whose instruction set was already switched (set_isa) is left as it is.
+    """
+    first = next((m for m in _modules.values() if m is not None), None)
+    if first is not None:
+        mine, theirs = module.build_info(), first.build_info()["isa_default"]
+        if mine["isa"] == mine["isa_default"] != theirs and theirs in mine["isa_available"]:
+            module.set_isa(theirs)
+    return module
 
 
 def native_module(port: str) -> ModuleType:
