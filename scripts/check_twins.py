@@ -154,6 +154,8 @@ FORCED: dict[str, dict[str, str]] = {
         "data_of": "rust-numpy's untyped array has no data pointer accessor (C++: py::array::data())",
         "raise": _ERROR,
         "DetachedProblem": "raw pointers are not Send in Rust: a wrapper carries the problem into the GIL-free closure",
+        "DetachedCall": "raw pointers are not Send in Rust: a wrapper carries the problem into the GIL-free closure",
+        "run_without_gil": "C++ turns the core's exceptions into Python's in one try block; Rust maps each Result with raise",
         "run": "raw pointers are not Send in Rust: a wrapper carries the problem into the GIL-free closure",
     },
 }

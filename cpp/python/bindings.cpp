@@ -333,21 +333,36 @@ PackedArrays packed_arrays(const py::handle& q_obj, const py::handle& k_obj, con
     return arrays;
 }
 
-// The views of q and out, dtype and lse (Hq, total_q), writeable, float32.
+// lse (Hq, total_q), writeable, float32; None: not requested.
+LseView2 packed_lse(const py::handle& lse_obj) {
+    LseView2 view{nullptr, {0, 0}, {0, 0}};
+    if (lse_obj.is_none()) return view;
+    py::array lse = as_array(lse_obj, "lse", Dtype::Float32, 2, "(Hq, total_q)");
+    require_writeable(lse, "lse");
+    view.data = static_cast<float*>(lse.mutable_data());
+    fill_shape_strides<LseView2, 2>(lse, view);
+    return view;
+}
+
+// The options (convert_options, after the arrays) with the arrays' dtype; returns num_threads.
+int64_t packed_options(const PackedArrays& arrays, const py::handle& scale_obj, const py::handle& causal_obj,
+                       const py::handle& num_threads_obj, const py::handle& window_left_obj,
+                       const py::handle& window_right_obj, const py::handle& softcap_obj,
+                       const py::handle& alibi_slopes_obj, const py::handle& sinks_obj, PackedOptions& options) {
+    const int64_t num_threads = convert_options(causal_obj, scale_obj, num_threads_obj, window_left_obj,
+                                                window_right_obj, softcap_obj, alibi_slopes_obj, sinks_obj, options);
+    element_type_of(arrays.q.dtype(), &options.dtype);
+    options.kv_int8 = arrays.kv_int8;
+    return num_threads;
+}
+
+// q and out of a packed problem.
 template <typename Problem>
-void packed_rows(const PackedArrays& arrays, const py::handle& lse_obj, Problem& problem) {
-    element_type_of(arrays.q.dtype(), &problem.options.dtype);
-    problem.options.kv_int8 = arrays.kv_int8;
+void packed_rows(PackedArrays& arrays, Problem& problem) {
     problem.q = view3<TensorView3>(arrays.q);
     problem.q.data = arrays.q.data();
     problem.out = view3<MutTensorView3>(arrays.out);
-    problem.out.data = const_cast<py::array&>(arrays.out).mutable_data();
-    if (!lse_obj.is_none()) {
-        py::array lse = as_array(lse_obj, "lse", Dtype::Float32, 2, "(Hq, total_q)");
-        require_writeable(lse, "lse");
-        problem.lse.data = static_cast<float*>(lse.mutable_data());
-        fill_shape_strides<LseView2, 2>(lse, problem.lse);
-    }
+    problem.out.data = arrays.out.mutable_data();
 }
 
 // cu_seqlens_q, cu_seqlens_k, seq_lens: int64 (any stride), copied out (per_sequence).
@@ -365,10 +380,11 @@ void attention_varlen_py(const py::object& q_obj, const py::object& k_obj, const
                          const py::object& softcap_obj, const py::object& alibi_slopes_obj,
                          const py::object& sinks_obj, const py::object& k_scale_obj, const py::object& v_scale_obj) {
     // 1. Arrays; 2. scalars and parameter arrays; 3. the kernel (its core checks the problem).
-    const PackedArrays arrays = packed_arrays(q_obj, k_obj, v_obj, out_obj, "k", "v", 3, "(total_k, Hkv, D)",
-                                              "(total_k, Hkv, Dv)");
+    PackedArrays arrays = packed_arrays(q_obj, k_obj, v_obj, out_obj, "k", "v", 3, "(total_k, Hkv, D)",
+                                        "(total_k, Hkv, Dv)");
     VarlenProblem problem{};
-    packed_rows(arrays, lse_obj, problem);
+    packed_rows(arrays, problem);
+    problem.lse = packed_lse(lse_obj);
     problem.k = view3<TensorView3>(arrays.k);
     problem.k.data = arrays.k.data();
     problem.v = view3<TensorView3>(arrays.v);
@@ -377,9 +393,9 @@ void attention_varlen_py(const py::object& q_obj, const py::object& k_obj, const
     const std::vector<int64_t> cu_seqlens_k = int64_vector(cu_seqlens_k_obj, "cu_seqlens_k", "(B + 1,)");
     problem.cu_seqlens_q = cu_seqlens_q;
     problem.cu_seqlens_k = cu_seqlens_k;
-    const int64_t num_threads = convert_options(causal_obj, scale_obj, num_threads_obj, window_left_obj,
-                                                window_right_obj, softcap_obj, alibi_slopes_obj, sinks_obj,
-                                                problem.options);
+    const int64_t num_threads = packed_options(arrays, scale_obj, causal_obj, num_threads_obj, window_left_obj,
+                                               window_right_obj, softcap_obj, alibi_slopes_obj, sinks_obj,
+                                               problem.options);
     problem.k_scale = param_view<ParamView2, 2>(k_scale_obj, "k_scale", "(total_k, Hkv)");
     problem.v_scale = param_view<ParamView2, 2>(v_scale_obj, "v_scale", "(total_k, Hkv)");
     run_without_gil(num_threads, [&](int threads) { attention_varlen(problem, threads); });
@@ -393,11 +409,12 @@ void attention_paged_py(const py::object& q_obj, const py::object& k_cache_obj, 
                         const py::object& window_right_obj, const py::object& softcap_obj,
                         const py::object& alibi_slopes_obj, const py::object& sinks_obj,
                         const py::object& k_scale_obj, const py::object& v_scale_obj) {
-    const PackedArrays arrays =
+    PackedArrays arrays =
         packed_arrays(q_obj, k_cache_obj, v_cache_obj, out_obj, "k_cache", "v_cache", 4,
                       "(num_blocks, block_size, Hkv, D)", "(num_blocks, block_size, Hkv, Dv)");
     PagedProblem problem{};
-    packed_rows(arrays, lse_obj, problem);
+    packed_rows(arrays, problem);
+    problem.lse = packed_lse(lse_obj);
     problem.k_cache = tensor_view(arrays.k);
     problem.v_cache = tensor_view(arrays.v);
     if (!py::isinstance<py::array>(block_table_obj))
@@ -418,9 +435,9 @@ void attention_paged_py(const py::object& q_obj, const py::object& k_cache_obj, 
     const std::vector<int64_t> cu_seqlens_q = int64_vector(cu_seqlens_q_obj, "cu_seqlens_q", "(B + 1,)");
     problem.seq_lens = seq_lens;
     problem.cu_seqlens_q = cu_seqlens_q;
-    const int64_t num_threads = convert_options(causal_obj, scale_obj, num_threads_obj, window_left_obj,
-                                                window_right_obj, softcap_obj, alibi_slopes_obj, sinks_obj,
-                                                problem.options);
+    const int64_t num_threads = packed_options(arrays, scale_obj, causal_obj, num_threads_obj, window_left_obj,
+                                               window_right_obj, softcap_obj, alibi_slopes_obj, sinks_obj,
+                                               problem.options);
     problem.k_scale = param_view<ParamView3, 3>(k_scale_obj, "k_scale", "(num_blocks, block_size, Hkv)");
     problem.v_scale = param_view<ParamView3, 3>(v_scale_obj, "v_scale", "(num_blocks, block_size, Hkv)");
     run_without_gil(num_threads, [&](int threads) { attention_paged(problem, threads); });

@@ -503,22 +503,26 @@ void attention_forward(const AttentionProblem& p, int num_threads) {
     run_problems(std::vector<AttentionProblem>{p}, kernels, num_threads);
 }
 
-void attention_varlen(const VarlenProblem& problem, int num_threads) {
-    std::vector<int64_t> positions;
-    const std::vector<AttentionProblem> sequences = varlen_sequences(problem, positions);
+namespace {
+
+// The checked sequences of a packed call (none empty), after num_threads and the kernels.
+void run_sequences(const std::vector<AttentionProblem>& sequences, int64_t q_heads, int num_threads) {
     check_num_threads(num_threads);
     const FlashKernels kernels = current_kernels();
-    if (sequences.empty() || problem.q.shape[1] == 0) return;
+    if (sequences.empty() || q_heads == 0) return;
     run_problems(sequences, kernels, num_threads);
+}
+
+}  // namespace
+
+void attention_varlen(const VarlenProblem& problem, int num_threads) {
+    std::vector<int64_t> positions;
+    run_sequences(varlen_sequences(problem, positions), problem.q.shape[1], num_threads);
 }
 
 void attention_paged(const PagedProblem& problem, int num_threads) {
     std::vector<int64_t> positions;
-    const std::vector<AttentionProblem> sequences = paged_sequences(problem, positions);
-    check_num_threads(num_threads);
-    const FlashKernels kernels = current_kernels();
-    if (sequences.empty() || problem.q.shape[1] == 0) return;
-    run_problems(sequences, kernels, num_threads);
+    run_sequences(paged_sequences(problem, positions), problem.q.shape[1], num_threads);
 }
 
 }  // namespace twinattn

@@ -216,8 +216,9 @@ struct ScratchBuffers {
     probs_pairs: AlignedBuffer,
     key_scales: AlignedBuffer,
     value_scales: AlignedBuffer,
-    /// the key rows of a block: KEY_BLOCK K rows, then KEY_BLOCK V rows
+    /// the key rows of a block: KEY_BLOCK K rows, KEY_BLOCK V rows
     key_rows: Vec<*const u8>,
+    value_rows: Vec<*const u8>,
 }
 
 impl ScratchBuffers {
@@ -233,10 +234,10 @@ impl ScratchBuffers {
             self.row_key_begin = try_filled(Q_TILE_ROWS, 0)?;
             self.row_key_end = try_filled(Q_TILE_ROWS, 0)?;
         }
-        if self.key_rows.len() < 2 * KEY_BLOCK {
-            self.key_rows = try_filled(2 * KEY_BLOCK, std::ptr::null())?;
+        if self.key_rows.len() < KEY_BLOCK {
+            self.key_rows = try_filled(KEY_BLOCK, std::ptr::null())?;
+            self.value_rows = try_filled(KEY_BLOCK, std::ptr::null())?;
         }
-        let key_rows = self.key_rows.as_mut_ptr();
         Ok(ThreadScratch {
             q_tile: self.q_tile.ensure(Q_TILE_ROWS * head_dim)?,
             scores: self.scores.ensure(Q_TILE_ROWS * KEY_BLOCK)?,
@@ -263,9 +264,8 @@ impl ScratchBuffers {
             },
             key_scales: self.key_scales.ensure(KEY_BLOCK)?,
             value_scales: self.value_scales.ensure(KEY_BLOCK)?,
-            key_rows,
-            // SAFETY: key_rows holds 2 * KEY_BLOCK pointers.
-            value_rows: unsafe { key_rows.add(KEY_BLOCK) },
+            key_rows: self.key_rows.as_mut_ptr(),
+            value_rows: self.value_rows.as_mut_ptr(),
         })
     }
 }
@@ -508,6 +508,14 @@ struct PlanLayout {
     slot_base: Vec<usize>,
     /// its first partial row among the call's
     partial_at: usize,
+}
+
+/// One (plan, b, kv_head) of a call: a group to pack (prefill) or to merge (split-key).
+#[derive(Clone, Copy)]
+struct Group {
+    plan: usize,
+    b: usize,
+    kv_head: usize,
 }
 
 // SAFETY: while the packing pass runs, each group writes only its own part of the buffers behind
@@ -828,7 +836,11 @@ unsafe fn run_problems(
                     .map_err(|_| ProblemError::out_of_memory())?;
                 for b in 0..batch {
                     for kv_head in 0..kv_heads {
-                        pack_groups.push((index, b, kv_head));
+                        pack_groups.push(Group {
+                            plan: index,
+                            b,
+                            kv_head,
+                        });
                     }
                 }
             } else if layout.slot_base[batch] > 0 {
@@ -841,7 +853,11 @@ unsafe fn run_problems(
                 for b in 0..batch {
                     for kv_head in 0..kv_heads {
                         if layout.slot_base[b + 1] > layout.slot_base[b] {
-                            merge_groups.push((index, b, kv_head));
+                            merge_groups.push(Group {
+                                plan: index,
+                                b,
+                                kv_head,
+                            });
                         }
                     }
                 }
@@ -863,7 +879,7 @@ unsafe fn run_problems(
         if !pack_groups.is_empty() {
             let pack_groups = &pack_groups;
             parallel_for(pack_groups.len(), threads, &|index, _| {
-                let (plan, b, kv_head) = pack_groups[index];
+                let Group { plan, b, kv_head } = pack_groups[index];
                 // SAFETY: the problems are checked and valid; group (plan, b, kv_head) writes
                 // only its own panels, pair rows and flags, inside the buffers sized above.
                 unsafe { pack_head(&plans[plan], kernels, &layouts[plan], b, kv_head) };
@@ -880,7 +896,11 @@ unsafe fn run_problems(
         let merge_rows = Shared(merge_rows);
         let merge_groups = &merge_groups;
         parallel_for(merge_groups.len(), threads, &|index, thread| {
-            let (plan_index, b, kv_head) = merge_groups[index];
+            let Group {
+                plan: plan_index,
+                b,
+                kv_head,
+            } = merge_groups[index];
             let plan = &plans[plan_index];
             let slot_base = &layouts[plan_index].slot_base;
             let kv_heads = plan.problem.k.shape[1] as usize;

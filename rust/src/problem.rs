@@ -732,13 +732,11 @@ fn check_scale_given(
     Ok(())
 }
 
-type Extent = Option<(i128, i128)>;
-
 /// Step 7's last part: out and lse disjoint from every input (and from each other).
 fn check_outputs_disjoint(
-    out: Extent,
-    lse: Extent,
-    inputs: &[(&str, Extent)],
+    out: Option<(i128, i128)>,
+    lse: Option<(i128, i128)>,
+    inputs: &[(&str, Option<(i128, i128)>)],
 ) -> Result<(), ProblemError> {
     for (output, extent) in [("out", out), ("lse", lse)] {
         for &(input, input_extent) in inputs {
@@ -955,7 +953,7 @@ fn check_packed_options(
     out: &MutTensorView3,
     lse: &LseView2,
     batch: i64,
-    mut inputs: Vec<(&str, Extent)>,
+    mut inputs: Vec<(&str, Option<(i128, i128)>)>,
 ) -> Result<(), ProblemError> {
     if !o.scale.is_finite() {
         reject!("scale: expected a finite number, got {}", o.scale);

@@ -549,15 +549,23 @@ struct DetachedCall<P>(P);
 // alive until the detached computation has returned.
 unsafe impl<P> Send for DetachedCall<P> {}
 
+/// The arrays of a packed call, each converted whole before the next.
+struct PackedArrays<'a, 'py> {
+    q: &'a Bound<'py, PyUntypedArray>,
+    k: &'a Bound<'py, PyUntypedArray>,
+    v: &'a Bound<'py, PyUntypedArray>,
+    out: &'a Bound<'py, PyUntypedArray>,
+    kv_int8: bool,
+}
+
 /// q (total_q, Hq, D) of float32, float16 or bfloat16; k and v of rank `kv_rank`, q's dtype or
-/// both int8; out (total_q, Hq, Dv) writeable; each whole before the next. Returns them with
-/// the options' dtype and kv_int8 set.
+/// both int8; out (total_q, Hq, Dv) writeable; each whole before the next.
 fn packed_arrays<'a, 'py>(
     arrays: [&'a Bound<'py, PyAny>; 4],
     names: [&str; 2],
     kv_rank: usize,
     axes: [&str; 2],
-) -> PyResult<([&'a Bound<'py, PyUntypedArray>; 4], PackedOptions)> {
+) -> PyResult<PackedArrays<'a, 'py>> {
     let [q, k, v, out] = arrays;
     let q = as_array(q, "q", Dtype::Element, 3, "(total_q, Hq, D)")?;
     let element = element_type_of(&q.dtype()).expect("checked by as_array");
@@ -573,12 +581,23 @@ fn packed_arrays<'a, 'py>(
     let v = as_array(v, names[1], if kv_int8 { Dtype::Int8 } else { like }, kv_rank, axes[1])?;
     let out = as_array(out, "out", like, 3, "(total_q, Hq, Dv)")?;
     require_writeable(out, "out")?;
-    let options = PackedOptions {
-        dtype: element,
+    Ok(PackedArrays {
+        q,
+        k,
+        v,
+        out,
         kv_int8,
-        ..PackedOptions::default()
+    })
+}
+
+/// q and out of a packed problem.
+fn packed_rows(arrays: &PackedArrays) -> (TensorView3, MutTensorView3) {
+    let out = MutTensorView3 {
+        data: data_of(arrays.out),
+        shape: shape_of(arrays.out),
+        stride: strides_of(arrays.out),
     };
-    Ok(([q, k, v, out], options))
+    (view3(arrays.q), out)
 }
 
 fn view3(array: &Bound<'_, PyUntypedArray>) -> TensorView3 {
@@ -603,16 +622,16 @@ fn packed_lse(lse: Option<&Bound<'_, PyAny>>) -> PyResult<LseView2> {
     })
 }
 
-/// The options converted after the arrays (convert_options), the dtype kept.
+/// The options (convert_options, after the arrays) with the arrays' dtype; and num_threads.
 fn packed_options(
-    element: PackedOptions,
+    arrays: &PackedArrays,
     scale: &Bound<'_, PyAny>,
     keywords: [Option<&Bound<'_, PyAny>>; 7],
 ) -> PyResult<(PackedOptions, i64)> {
     let (options, num_threads) = convert_options(scale, keywords)?;
     let options = PackedOptions {
-        dtype: element.dtype,
-        kv_int8: element.kv_int8,
+        dtype: element_type_of(&arrays.q.dtype()).expect("checked by as_array"),
+        kv_int8: arrays.kv_int8,
         ..options
     };
     Ok((options, num_threads))
@@ -628,7 +647,8 @@ fn packed_options(
 #[pyfunction]
 #[pyo3(signature = (q, k, v, out, cu_seqlens_q, cu_seqlens_k, *, scale, lse=None, causal=None, num_threads=None, window_left=None, window_right=None, softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None))]
 #[allow(clippy::too_many_arguments)]
-fn attention_varlen<'py>(
+#[pyo3(name = "attention_varlen")]
+fn attention_varlen_py<'py>(
     q: &Bound<'py, PyAny>,
     k: &Bound<'py, PyAny>,
     v: &Bound<'py, PyAny>,
@@ -648,17 +668,18 @@ fn attention_varlen<'py>(
     v_scale: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<()> {
     // 1. Arrays; 2. scalars and parameter arrays; 3. the kernel (its core checks the problem).
-    let ([q, k, v, out], element) = packed_arrays(
+    let arrays = packed_arrays(
         [q, k, v, out],
         ["k", "v"],
         3,
         ["(total_k, Hkv, D)", "(total_k, Hkv, Dv)"],
     )?;
+    let (q_view, out_view) = packed_rows(&arrays);
     let lse = packed_lse(lse)?;
     let cu_seqlens_q = int64_vector(cu_seqlens_q, "cu_seqlens_q", "(B + 1,)")?;
     let cu_seqlens_k = int64_vector(cu_seqlens_k, "cu_seqlens_k", "(B + 1,)")?;
     let (options, num_threads) = packed_options(
-        element,
+        &arrays,
         scale,
         [
             causal,
@@ -671,14 +692,10 @@ fn attention_varlen<'py>(
         ],
     )?;
     let problem = VarlenProblem {
-        q: view3(q),
-        k: view3(k),
-        v: view3(v),
-        out: MutTensorView3 {
-            data: data_of(out),
-            shape: shape_of(out),
-            stride: strides_of(out),
-        },
+        q: q_view,
+        k: view3(arrays.k),
+        v: view3(arrays.v),
+        out: out_view,
         lse,
         cu_seqlens_q: &cu_seqlens_q,
         cu_seqlens_k: &cu_seqlens_k,
@@ -688,7 +705,7 @@ fn attention_varlen<'py>(
     };
     let threads = check_num_threads(num_threads).map_err(raise)?;
     let job = DetachedCall(problem);
-    q.py()
+    arrays.q.py()
         .detach(move || {
             let job = job;
             // SAFETY: as DetachedProblem::run: views of live, aligned NumPy arrays, checked by
@@ -708,7 +725,8 @@ fn attention_varlen<'py>(
 #[pyfunction]
 #[pyo3(signature = (q, k_cache, v_cache, out, block_table, seq_lens, cu_seqlens_q, *, scale, lse=None, causal=None, num_threads=None, window_left=None, window_right=None, softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None))]
 #[allow(clippy::too_many_arguments)]
-fn attention_paged<'py>(
+#[pyo3(name = "attention_paged")]
+fn attention_paged_py<'py>(
     q: &Bound<'py, PyAny>,
     k_cache: &Bound<'py, PyAny>,
     v_cache: &Bound<'py, PyAny>,
@@ -728,7 +746,7 @@ fn attention_paged<'py>(
     k_scale: Option<&Bound<'py, PyAny>>,
     v_scale: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<()> {
-    let ([q, k_cache, v_cache, out], element) = packed_arrays(
+    let arrays = packed_arrays(
         [q, k_cache, v_cache, out],
         ["k_cache", "v_cache"],
         4,
@@ -737,6 +755,7 @@ fn attention_paged<'py>(
             "(num_blocks, block_size, Hkv, Dv)",
         ],
     )?;
+    let (q_view, out_view) = packed_rows(&arrays);
     let lse = packed_lse(lse)?;
     let table = block_table.cast::<PyUntypedArray>().map_err(|_| {
         PyTypeError::new_err(format!(
@@ -768,7 +787,7 @@ fn attention_paged<'py>(
     let seq_lens = int64_vector(seq_lens, "seq_lens", "(B,)")?;
     let cu_seqlens_q = int64_vector(cu_seqlens_q, "cu_seqlens_q", "(B + 1,)")?;
     let (options, num_threads) = packed_options(
-        element,
+        &arrays,
         scale,
         [
             causal,
@@ -782,14 +801,10 @@ fn attention_paged<'py>(
     )?;
     let scale_axes = "(num_blocks, block_size, Hkv)";
     let problem = PagedProblem {
-        q: view3(q),
-        k_cache: tensor_view(k_cache),
-        v_cache: tensor_view(v_cache),
-        out: MutTensorView3 {
-            data: data_of(out),
-            shape: shape_of(out),
-            stride: strides_of(out),
-        },
+        q: q_view,
+        k_cache: tensor_view(arrays.k),
+        v_cache: tensor_view(arrays.v),
+        out: out_view,
         lse,
         block_table: BlockTableView {
             data: data_of(table).cast::<i32>().cast_const(),
@@ -804,7 +819,7 @@ fn attention_paged<'py>(
     };
     let threads = check_num_threads(num_threads).map_err(raise)?;
     let job = DetachedCall(problem);
-    q.py()
+    arrays.q.py()
         .detach(move || {
             let job = job;
             // SAFETY: as in attention_varlen.
@@ -929,8 +944,8 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     crate::dispatch::init_isa_from_environment().map_err(PyImportError::new_err)?;
     m.add_function(wrap_pyfunction!(attention_forward, m)?)?;
     m.add_function(wrap_pyfunction!(attention_reference, m)?)?;
-    m.add_function(wrap_pyfunction!(attention_varlen, m)?)?;
-    m.add_function(wrap_pyfunction!(attention_paged, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_varlen_py, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_paged_py, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(set_isa_py, m)?)?;
     m.add_function(wrap_pyfunction!(softcap_tanh_py, m)?)?;
