@@ -26,9 +26,7 @@ use crate::constants::{
 };
 use crate::dispatch::current_kernels;
 use crate::element::{BFloat16, Element, Float16};
-use crate::flash_kernel::{
-    max_nan, FlashKernels, FlashPlan, PackPairsFn, ThreadScratch, WorkItem,
-};
+use crate::flash_kernel::{max_nan, FlashKernels, FlashPlan, PackPairsFn, ThreadScratch, WorkItem};
 use crate::problem::{
     check_num_threads, check_problem, paged_sequences, try_filled, varlen_sequences,
     AttentionProblem, ElementType, MaskKind, PagedProblem, ProblemError, VarlenProblem,
@@ -125,7 +123,11 @@ pub unsafe fn flash_key_rows(
     let mut j = 0;
     while j < n {
         // SAFETY: entries of keys < kv_lens[0] are inside the block table (paged_sequences).
-        let page = i64::from(unsafe { *p.pages.data.offset(entry as isize * p.pages.stride as isize) });
+        let page = i64::from(unsafe {
+            *p.pages
+                .data
+                .offset(entry as isize * p.pages.stride as isize)
+        });
         while slot < block_size && j < n {
             fill(j, page, slot as i64);
             slot += 1;
@@ -432,8 +434,8 @@ unsafe fn run_sequences(
     unsafe { run_problems(sequences, kernels, threads) }
 }
 
-/// 1. Plan of one problem (its rows, scale multipliers and variants); buffers are set by
-/// run_problems.
+/// Step 1, the plan of one problem (its rows, scale multipliers and variants); run_problems
+/// sets its buffers.
 fn make_plan<'p, 'a>(p: &'p AttentionProblem<'a>) -> FlashPlan<'p, 'a> {
     let group = (p.q.shape[1] / p.k.shape[1]) as usize;
     let value_dim = p.v.shape[3] as usize;
@@ -622,8 +624,12 @@ unsafe fn pack_head(
                     .add(head * layout.keys_per_head + first_key),
                 plan.value_stride,
             ),
-            None if p.kv_int8 => (kernels.pack_keys_int8)(p, b, kv_head, first_key, key_end, key_dst),
-            None => (kernels.pack_keys[p.dtype as usize])(p, b, kv_head, first_key, key_end, key_dst),
+            None if p.kv_int8 => {
+                (kernels.pack_keys_int8)(p, b, kv_head, first_key, key_end, key_dst)
+            }
+            None => {
+                (kernels.pack_keys[p.dtype as usize])(p, b, kv_head, first_key, key_end, key_dst)
+            }
         }
     }
 }
@@ -670,8 +676,8 @@ fn prefill_items(
     Ok(())
 }
 
-/// 6. Split-key: chunks of every group's visible keys (slots numbered from 0 in each plan; the
-/// merge then combines each group's partials by log-sum-exp). items None: counting slots only.
+/// Step 6, split-key: chunks of every group's visible keys (slots numbered from 0 in each plan;
+/// the merge then combines each group's partials by log-sum-exp). No items: counting slots only.
 fn split_key_items(
     plans: &[FlashPlan],
     index: usize,
@@ -690,7 +696,8 @@ fn split_key_items(
         let (_, key_end) = flash_row_key_range(p, b, plan.group, rows - 1);
         let key_end = key_end.max(key_begin0);
         let chunks = (key_end - key_begin0).div_ceil(SPLIT_KEY_CHUNK).max(1);
-        layout.slot_base[b + 1] = layout.slot_base[b] + if chunks > 1 { chunks * kv_heads } else { 0 };
+        layout.slot_base[b + 1] =
+            layout.slot_base[b] + if chunks > 1 { chunks * kv_heads } else { 0 };
         let Some(items) = items.as_deref_mut() else {
             continue;
         };
@@ -797,7 +804,10 @@ unsafe fn run_problems(
         // (at least one element each: a prefill plan's packed_keys is never null, even with
         // Lk = 0)
         let packed = buffers.packed_keys.ensure(packed_floats.max(1))?;
-        let packed_values = buffers.packed_values.ensure(value_pairs.max(1))?.cast::<u32>();
+        let packed_values = buffers
+            .packed_values
+            .ensure(value_pairs.max(1))?
+            .cast::<u32>();
         if buffers.value_finite.len() < finite_flags.max(1) {
             buffers.value_finite = try_filled(finite_flags.max(1), 0u8)?;
         }
@@ -811,7 +821,7 @@ unsafe fn run_problems(
                 .partials
                 .ensure(partial_floats + 2 * partial_rows + threads * max_value_dim)?;
             // SAFETY: the buffer holds that many floats.
-            merge_rows = unsafe { partials.add(partial_floats + 2 * partial_rows) };
+            merge_rows = partials.wrapping_add(partial_floats + 2 * partial_rows);
         }
         let mut pack_groups = Vec::new();
         let mut merge_groups = Vec::new();
@@ -821,13 +831,13 @@ unsafe fn run_problems(
                 plan.problem.q.shape[0] as usize,
                 plan.problem.k.shape[1] as usize,
             );
-            // SAFETY (every add below): the offsets lie inside the buffers sized above.
+            // (every offset below lies inside the buffers sized above)
             if layout.prefill {
-                layout.packed = unsafe { packed.add(layout.packed_at) };
+                layout.packed = packed.wrapping_add(layout.packed_at);
                 plan.packed_keys = layout.packed;
                 if layout.pairs.is_some() {
-                    layout.packed_values = unsafe { packed_values.add(layout.values_at) };
-                    layout.value_finite = unsafe { value_finite.add(layout.finite_at) };
+                    layout.packed_values = packed_values.wrapping_add(layout.values_at);
+                    layout.value_finite = value_finite.wrapping_add(layout.finite_at);
                     plan.packed_values = layout.packed_values;
                     plan.value_finite = layout.value_finite;
                 }
@@ -845,10 +855,10 @@ unsafe fn run_problems(
                 }
             } else if layout.slot_base[batch] > 0 {
                 let slot_rows = layout.slot_base[batch] * plan.rows_per_group;
-                plan.partial_out = unsafe { partials.add(partial_floats_at) };
-                plan.partial_max = unsafe { partials.add(partial_floats + layout.partial_at) };
+                plan.partial_out = partials.wrapping_add(partial_floats_at);
+                plan.partial_max = partials.wrapping_add(partial_floats + layout.partial_at);
                 plan.partial_sum =
-                    unsafe { partials.add(partial_floats + partial_rows + layout.partial_at) };
+                    partials.wrapping_add(partial_floats + partial_rows + layout.partial_at);
                 partial_floats_at += slot_rows * plan.value_dim;
                 for b in 0..batch {
                     for kv_head in 0..kv_heads {
@@ -866,11 +876,11 @@ unsafe fn run_problems(
         // 2 and 6. Every plan's work items (listed before the passes start: listing rewrites
         // each split plan's slot_base, the same values as above).
         let mut items = Vec::new();
-        for index in 0..plans.len() {
-            if layouts[index].prefill {
+        for (index, layout) in layouts.iter_mut().enumerate() {
+            if layout.prefill {
                 prefill_items(&plans, index, &mut items)?;
             } else {
-                split_key_items(&plans, index, &mut layouts[index], Some(&mut items))?;
+                split_key_items(&plans, index, layout, Some(&mut items))?;
             }
         }
         let (plans, layouts) = (&plans, &layouts);

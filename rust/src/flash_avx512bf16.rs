@@ -85,9 +85,19 @@ unsafe fn pack_pairs(
         let mut panel_begin = key_begin;
         while panel_begin < key_end {
             let keys = (key_end - panel_begin).min(KEY_PANEL);
-            flash_key_rows(p, b, kv_head, panel_begin, keys, rows.as_mut_ptr(), none, none.cast(), none.cast());
-            for j in 0..KEY_PANEL {
-                let k_row = rows[j].cast::<u16>();
+            flash_key_rows(
+                p,
+                b,
+                kv_head,
+                panel_begin,
+                keys,
+                rows.as_mut_ptr(),
+                none,
+                none.cast(),
+                none.cast(),
+            );
+            for (j, row) in rows.iter().enumerate() {
+                let k_row = row.cast::<u16>();
                 for d2 in 0..d2_len {
                     let mut pair = 0u32;
                     if j < keys {
@@ -110,7 +120,17 @@ unsafe fn pack_pairs(
         let mut key = key_begin;
         while key < padded_end {
             let pair_keys = if key + 1 < key_end { 2 } else { 1 };
-            flash_key_rows(p, b, kv_head, key, pair_keys, none, rows.as_mut_ptr(), none.cast(), none.cast());
+            flash_key_rows(
+                p,
+                b,
+                kv_head,
+                key,
+                pair_keys,
+                none,
+                rows.as_mut_ptr(),
+                none.cast(),
+                none.cast(),
+            );
             let even = rows[0].cast::<u16>();
             let odd = (key + 1 < key_end).then(|| rows[1].cast::<u16>());
             let dst = value_dst.add((key - key_begin) / 2 * value_stride);
@@ -469,7 +489,17 @@ unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
             }
             if !values_finite {
                 let none = std::ptr::null_mut();
-                flash_key_rows(p, b, item.kv_head, key_block, n, none, s.value_rows, none.cast(), none.cast());
+                flash_key_rows(
+                    p,
+                    b,
+                    item.kv_head,
+                    key_block,
+                    n,
+                    none,
+                    s.value_rows,
+                    none.cast(),
+                    none.cast(),
+                );
                 block_values::<VecAvx512, BFloat16, true>(
                     s.scores,
                     rows,

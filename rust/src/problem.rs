@@ -570,7 +570,13 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
     )?;
     // int8 K/V: both scales (B, Hkv, Lk), any values (a NaN scale acts like a NaN in K or V).
     for (name, view) in [("k_scale", &p.k_scale), ("v_scale", &p.v_scale)] {
-        check_scale_given(name, !view.data.is_null(), p.kv_int8, p.dtype, "(B, Hkv, Lk)")?;
+        check_scale_given(
+            name,
+            !view.data.is_null(),
+            p.kv_int8,
+            p.dtype,
+            "(B, Hkv, Lk)",
+        )?;
         if !view.data.is_null() {
             check_shape(
                 name,
@@ -972,8 +978,8 @@ fn check_packed_options(
         check_distinct_elements("lse", &lse.shape, &lse.stride)?;
     }
     let item = o.dtype.size() as i64;
-    let lse_extent = byte_extent(lse.data as usize, &lse.shape, &lse.stride, 4)
-        .filter(|_| !lse.data.is_null());
+    let lse_extent =
+        byte_extent(lse.data as usize, &lse.shape, &lse.stride, 4).filter(|_| !lse.data.is_null());
     inputs.insert(
         0,
         ("q", byte_extent(q.data as usize, &q.shape, &q.stride, item)),
@@ -1024,7 +1030,9 @@ fn sequence_problem<'a>(
         stride: [0; 3],
     };
     if !lse.data.is_null() {
-        sequence_lse.data = lse.data.wrapping_offset((row_begin * lse.stride[1]) as isize);
+        sequence_lse.data = lse
+            .data
+            .wrapping_offset((row_begin * lse.stride[1]) as isize);
         sequence_lse.stride = [0, lse.stride[0], lse.stride[1]];
     }
     let slopes = &o.alibi_slopes;
@@ -1126,9 +1134,21 @@ pub fn varlen_sequences<'a>(
     check_unit_last_stride("k", "D", &p.k.shape, &p.k.stride)?;
     check_unit_last_stride("v", "Dv", &p.v.shape, &p.v.stride)?;
     // 4. The sequences.
-    check_cu_seqlens("cu_seqlens_q", p.cu_seqlens_q, None, "total_q", p.q.shape[0])?;
+    check_cu_seqlens(
+        "cu_seqlens_q",
+        p.cu_seqlens_q,
+        None,
+        "total_q",
+        p.q.shape[0],
+    )?;
     let batch = p.cu_seqlens_q.len() as i64 - 1;
-    check_cu_seqlens("cu_seqlens_k", p.cu_seqlens_k, Some(batch), "total_k", total_k)?;
+    check_cu_seqlens(
+        "cu_seqlens_k",
+        p.cu_seqlens_k,
+        Some(batch),
+        "total_k",
+        total_k,
+    )?;
     // 5 - 7. Scale, variants, int8 scales (total_k, Hkv), outputs.
     let kv_item = if o.kv_int8 { 1 } else { o.dtype.size() as i64 };
     let mut inputs = vec![
@@ -1253,11 +1273,18 @@ pub fn paged_sequences<'a>(
             p.seq_lens.len()
         );
     }
-    check_cu_seqlens("cu_seqlens_q", p.cu_seqlens_q, Some(batch), "total_q", p.q.shape[0])?;
+    check_cu_seqlens(
+        "cu_seqlens_q",
+        p.cu_seqlens_q,
+        Some(batch),
+        "total_q",
+        p.q.shape[0],
+    )?;
     for b in 0..batch as usize {
         let (keys, rows) = (p.seq_lens[b], p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b]);
         if keys < 0 || keys / block_size + i64::from(keys % block_size != 0) > max_blocks {
-            let capacity = (i128::from(max_blocks) * i128::from(block_size)).min(i128::from(i64::MAX));
+            let capacity =
+                (i128::from(max_blocks) * i128::from(block_size)).min(i128::from(i64::MAX));
             reject!("seq_lens: expected values in [0, max_blocks * block_size={capacity}], got seq_lens[{b}]={keys}");
         }
         if rows > keys {
@@ -1350,7 +1377,12 @@ pub fn paged_sequences<'a>(
         let paged = |cache: &TensorView4| TensorView4 {
             data: cache.data,
             shape: [1, kv_heads, keys, cache.shape[3]],
-            stride: [cache.stride[0], cache.stride[2], cache.stride[1], cache.stride[3]],
+            stride: [
+                cache.stride[0],
+                cache.stride[2],
+                cache.stride[1],
+                cache.stride[3],
+            ],
         };
         s.k = paged(&p.k_cache);
         s.v = paged(&p.v_cache);

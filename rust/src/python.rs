@@ -578,7 +578,13 @@ fn packed_arrays<'a, 'py>(
         axes[0],
     )?;
     let kv_int8 = k.dtype().is_equiv_to(&dtype::<i8>(k.py()));
-    let v = as_array(v, names[1], if kv_int8 { Dtype::Int8 } else { like }, kv_rank, axes[1])?;
+    let v = as_array(
+        v,
+        names[1],
+        if kv_int8 { Dtype::Int8 } else { like },
+        kv_rank,
+        axes[1],
+    )?;
     let out = as_array(out, "out", like, 3, "(total_q, Hq, Dv)")?;
     require_writeable(out, "out")?;
     Ok(PackedArrays {
@@ -705,7 +711,9 @@ fn attention_varlen_py<'py>(
     };
     let threads = check_num_threads(num_threads).map_err(raise)?;
     let job = DetachedCall(problem);
-    arrays.q.py()
+    arrays
+        .q
+        .py()
         .detach(move || {
             let job = job;
             // SAFETY: as DetachedProblem::run: views of live, aligned NumPy arrays, checked by
@@ -819,7 +827,9 @@ fn attention_paged_py<'py>(
     };
     let threads = check_num_threads(num_threads).map_err(raise)?;
     let job = DetachedCall(problem);
-    arrays.q.py()
+    arrays
+        .q
+        .py()
         .detach(move || {
             let job = job;
             // SAFETY: as in attention_varlen.
