@@ -8,8 +8,6 @@ helpers.py. docs/native_api.md is the contract (attention_varlen, attention_page
 
 from __future__ import annotations
 
-import importlib
-import os
 from types import ModuleType
 from typing import Any
 
@@ -17,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from test_port_parity import modules  # noqa: F401  (the fixture: both native modules, or skip)
 from helpers import (
     as32,
     assert_close_to_reference,
@@ -31,20 +30,6 @@ from helpers import (
 
 PORTS = ("cpp", "rust")
 BF16 = ml_dtypes.bfloat16
-
-
-@pytest.fixture(scope="module")
-def modules() -> dict[str, ModuleType]:
-    required = {p.strip() for p in os.environ.get("TWINATTN_REQUIRE_BACKENDS", "").split(",") if p.strip()}
-    found: dict[str, ModuleType] = {}
-    for port in PORTS:
-        try:
-            found[port] = importlib.import_module(f"twinattn._{port}")
-        except ImportError as exc:
-            if port in required:
-                pytest.fail(f"backend {port!r} is required (TWINATTN_REQUIRE_BACKENDS) but not available: {exc}")
-            pytest.skip(f"comparing the ports needs both; {port!r} is not built: {exc}")
-    return found
 
 
 def _cu(lengths: list[int]) -> np.ndarray:
@@ -392,3 +377,87 @@ def test_bad_input_raises_the_same_in_both_ports(modules: dict[str, ModuleType],
             getattr(modules[port], entry)(*(args[name] for name in order), scale=0.5, **keywords)
         errors.append(str(raised.value))
     assert errors[0] == errors[1] == message
+
+
+def _shared_pages(rng: np.random.Generator, groups: list[list[int]], shared_blocks: list[int], block_size: int,
+                  hkv: int, d: int, dv: int, dtype: Any = np.float32) -> tuple[np.ndarray, ...]:
+    """Pages where the sequences of each group have the same first shared_blocks[g] block ids (a
+    common prefix, read from the same memory); every other block is the sequence's own, its
+    unused slots NaN. Returns k_cache, v_cache, block_table, seq_lens."""
+    seq_lens = [n for group in groups for n in group]
+    own = [-(-n // block_size) - shared for group, shared in zip(groups, shared_blocks) for n in group]
+    num_blocks = sum(shared_blocks) + sum(own) + 2
+    k_cache = np.full((num_blocks, block_size, hkv, d), np.nan, dtype=dtype)
+    v_cache = np.full((num_blocks, block_size, hkv, dv), np.nan, dtype=dtype)
+    order = list(rng.permutation(num_blocks))
+    table = np.full((len(seq_lens), max(-(-n // block_size) for n in seq_lens) + 1), -1, np.int32)
+    b = 0
+    for group, shared in zip(groups, shared_blocks):
+        prefix = [order.pop() for _ in range(shared)]
+        for block in prefix:  # whole blocks: the longer sequences use their tail slots too
+            k_cache[block] = rng.standard_normal((block_size, hkv, d)).astype(dtype)
+            v_cache[block] = rng.standard_normal((block_size, hkv, dv)).astype(dtype)
+        for n in group:
+            blocks = prefix + [order.pop() for _ in range(-(-n // block_size) - shared)]
+            table[b, : len(blocks)] = blocks
+            for j in range(shared * block_size, n):
+                k_cache[blocks[j // block_size], j % block_size] = rng.standard_normal((hkv, d)).astype(dtype)
+                v_cache[blocks[j // block_size], j % block_size] = rng.standard_normal((hkv, dv)).astype(dtype)
+            b += 1
+    return k_cache, v_cache, table, np.array(seq_lens, np.int64)
+
+
+def _gathered(cache: np.ndarray, table: np.ndarray, seq_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every sequence's keys (or values) read through the block table, packed: (total_k, H, D), cu."""
+    block_size = cache.shape[1]
+    rows = [cache[table[b, j // block_size], j % block_size] for b in range(len(seq_lens)) for j in range(seq_lens[b])]
+    return np.stack(rows), _cu(list(seq_lens))
+
+
+# name -> (groups of seq_lens, shared blocks per group, block_size, query rows per sequence, keywords)
+CASCADES: dict[str, tuple[list[list[int]], list[int], int, list[int], dict[str, Any]]] = {
+    "decode_whole_blocks": ([[261, 256, 296]], [16], 16, [1, 1, 1], {}),
+    "partial_block": ([[300, 303, 310, 340]], [19], 16, [1, 1, 1, 1], {}),
+    "several_groups": ([[400, 420], [700, 702, 800], [50]], [133, 233, 0], 3, [1, 1, 1, 1, 1, 1], {}),
+    "prefix_in_chunks": ([[2500, 2600]], [150], 16, [1, 1], {}),
+    "chunked_rows": ([[520, 530, 600]], [32], 16, [3, 12, 1], {}),
+    "too_many_rows_falls_back": ([[520, 600]], [32], 16, [1, 20], {}),
+    "sinks_softcap": ([[300, 310, 330]], [18], 16, [1, 2, 1], {"sinks": True, "softcap": 2.0}),
+    "window_falls_back": ([[300, 310]], [18], 16, [1, 1], {"window_left": 100}),
+    "not_causal": ([[300, 310]], [18], 16, [2, 1], {"causal": False}),
+}
+
+
+@pytest.mark.parametrize("case", CASCADES)
+def test_cascade_shared_prefixes(modules: dict[str, ModuleType], case: str) -> None:
+    """Sequences whose block tables start with the same block ids (read once for all their rows
+    and merged with each sequence's own keys, or the plain path where a row would not see the
+    whole prefix): both ports bit-identical, every sequence against the reference on its own
+    gathered keys."""
+    groups, shared_blocks, block_size, rows, extra = CASCADES[case]
+    rng = np.random.default_rng(len(case))
+    hq, hkv, d, dv = 8, 2, 16, 8
+    k_cache, v_cache, table, seq_lens = _shared_pages(rng, groups, shared_blocks, block_size, hkv, d, dv)
+    cu_q = _cu(rows)
+    q = rng.standard_normal((int(cu_q[-1]), hq, d)).astype(np.float32)
+    keywords: dict[str, Any] = {"scale": 0.25, "causal": extra.get("causal", True), "num_threads": 2}
+    keywords.update({name: value for name, value in extra.items() if name not in ("sinks", "causal")})
+    if extra.get("sinks"):
+        keywords["sinks"] = np.linspace(-0.5, 1.0, hq, dtype=np.float32)
+    out, lse = _both(modules, "attention_paged", q, (k_cache, v_cache, table, seq_lens, cu_q), dv, **keywords)
+    k, cu_k = _gathered(k_cache, table, seq_lens)
+    v, _ = _gathered(v_cache, table, seq_lens)
+    _check_sequences(out, lse, q, k, v, cu_q, cu_k, keywords)
+
+
+def test_cascade_bfloat16(modules: dict[str, ModuleType]) -> None:
+    rng = np.random.default_rng(21)
+    hq, hkv, d, dv = 4, 1, 32, 16
+    k_cache, v_cache, table, seq_lens = _shared_pages(rng, [[700, 720, 760]], [43], 16, hkv, d, dv, BF16)
+    cu_q = _cu([1, 4, 1])
+    q = rng.standard_normal((int(cu_q[-1]), hq, d)).astype(BF16)
+    keywords = {"scale": 0.2, "causal": True, "num_threads": 2}
+    out, lse = _both(modules, "attention_paged", q, (k_cache, v_cache, table, seq_lens, cu_q), dv, **keywords)
+    k, cu_k = _gathered(k_cache, table, seq_lens)
+    v, _ = _gathered(v_cache, table, seq_lens)
+    _check_sequences(out, lse, q, k, v, cu_q, cu_k, keywords, isa=modules["cpp"].build_info()["isa"])

@@ -179,6 +179,18 @@ struct CostedItem {
     int64_t cost;  // visible keys times rows: items are taken most expensive first
 };
 
+// 8. A problem's part in a cascade (attention_paged's shared prefixes): a shared prefix
+// (`shared`: every row of the sequences that share it against the shared keys, in row tiles and
+// key chunks, all written as partials), or a sequence that shares one (its own keys from
+// key_begin on, as partials; the merge adds the shared plan's partials, its rows from shared_row
+// on). Default: no cascade.
+struct CascadePart {
+    bool shared = false;
+    int64_t key_begin = 0;
+    int64_t shared_plan = -1;
+    int64_t shared_row = 0;
+};
+
 // A call's problems (attention_forward: one; attention_varlen and attention_paged: one per
 // sequence) and what each plan takes of the caller's buffers.
 struct PlanLayout {
@@ -192,6 +204,7 @@ struct PlanLayout {
     unsigned char* value_finite;
     std::vector<int64_t> slot_base;  // split-key: first slot of (b, kv_head 0), B + 1 entries
     int64_t partial_at;              // its first slot among the call's
+    CascadePart cascade;             // its part in a cascade (step 8), if any
 };
 
 void run_items(const FlashKernels& kernels, std::vector<CostedItem>& items, int num_threads) {
@@ -262,15 +275,28 @@ void prefill_items(const FlashPlan& plan, std::vector<CostedItem>& items) {
             }
 }
 
+// Chunks first_slot .. first_slot + chunks of a plan's partials, for the rows of a group that start
+// at packed row first_row there.
+struct PartialChunks {
+    const FlashPlan* plan;
+    int64_t first_slot, chunks, first_row;
+
+    int64_t slot_row(int64_t chunk, int64_t r) const {
+        return (first_slot + chunk) * plan->rows_per_group + first_row + r;
+    }
+};
+
 // Step 6's merge: for every row of group (b, kv_head), chunks in order, m* = max_c m_c,
 // l* = sum_c l_c 2^(m_c - m*), out = sum_c O_c 2^(m_c - m*) / l* and lse = ln 2 (m* + log2 l*).
 // A chunk whose row saw a NaN or +inf score has m_c = NaN or +inf and l_c = NaN (flash_kernel.hpp,
 // softmax_row), so m* (NaN-propagating) and the weights carry it into out and lse
 // (flash_row_lse); a chunk that saw nothing has l_c = 0. A sink s (base 2) counts here once: m*
 // starts at s and l* at 2^(s - m*). The row is summed in float32 (in out itself for float32, in
-// row_buffer, Dv floats of this thread's, for the halves), then rounded to T once.
+// row_buffer, Dv floats of this thread's, for the halves), then rounded to T once. The chunks
+// come from `sources` in order: a cascade's shared prefix first (its plan's rows from first_row
+// on), then the group's own.
 template <typename T>
-void merge_partials(const FlashPlan& plan, int64_t b, int64_t kv_head, int64_t first_slot, int64_t chunks,
+void merge_partials(const FlashPlan& plan, int64_t b, int64_t kv_head, const PartialChunks* sources, int count,
                     float* row_buffer) {
     const AttentionProblem& p = *plan.problem;
     const int64_t G = plan.group, Dv = plan.value_dim, rows = plan.rows_per_group;
@@ -279,19 +305,24 @@ void merge_partials(const FlashPlan& plan, int64_t b, int64_t kv_head, int64_t f
         const float sink = plan.has_sinks ? p.sinks.data[h * p.sinks.stride[0]] * kLog2E
                                           : -std::numeric_limits<float>::infinity();
         float m_star = sink;
-        for (int64_t c = 0; c < chunks; ++c) m_star = max_nan(m_star, plan.partial_max[(first_slot + c) * rows + r]);
+        for (int source = 0; source < count; ++source) {
+            const PartialChunks& chunks = sources[source];
+            for (int64_t c = 0; c < chunks.chunks; ++c)
+                m_star = max_nan(m_star, chunks.plan->partial_max[chunks.slot_row(c, r)]);
+        }
         T* out_row = static_cast<T*>(p.out.data) + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
         float* dst = std::is_same<T, float>::value ? reinterpret_cast<float*>(out_row) : row_buffer;
         for (int64_t d = 0; d < Dv; ++d) dst[d] = 0.0f;
         float l_star = plan.has_sinks ? exp2f(sink - m_star) : 0.0f;
-        if (m_star != -std::numeric_limits<float>::infinity()) {
-            for (int64_t c = 0; c < chunks; ++c) {
-                const int64_t slot_row = (first_slot + c) * rows + r;
-                const float l_c = plan.partial_sum[slot_row];
+        for (int source = 0; source < count && m_star != -std::numeric_limits<float>::infinity(); ++source) {
+            const PartialChunks& chunks = sources[source];
+            for (int64_t c = 0; c < chunks.chunks; ++c) {
+                const int64_t slot_row = chunks.slot_row(c, r);
+                const float l_c = chunks.plan->partial_sum[slot_row];
                 if (l_c == 0.0f) continue;
-                const float weight = exp2f(plan.partial_max[slot_row] - m_star);
+                const float weight = exp2f(chunks.plan->partial_max[slot_row] - m_star);
                 l_star += l_c * weight;
-                const float* o_c = plan.partial_out + slot_row * Dv;
+                const float* o_c = chunks.plan->partial_out + slot_row * Dv;
                 for (int64_t d = 0; d < Dv; ++d) dst[d] += o_c[d] * weight;
             }
         }
@@ -307,11 +338,14 @@ void merge_partials(const FlashPlan& plan, int64_t b, int64_t kv_head, int64_t f
 }
 
 // 6. Split-key: chunks of every group's visible keys (slots numbered from 0 in each plan; the
-// merge then combines each group's partials by log-sum-exp).
+// merge then combines each group's partials by log-sum-exp). A cascade's parts (step 8) always
+// write partials, a shared plan in row tiles of at most kQTileRows rows, a sequence that shares
+// a prefix from its key_begin on (no chunk when the prefix holds all its keys).
 void split_key_items(const FlashPlan& plan, PlanLayout& layout, std::vector<CostedItem>* items) {
     const AttentionProblem& p = *plan.problem;
     const int64_t B = p.q.shape[0], Hkv = p.k.shape[1];
     const int64_t rows = plan.rows_per_group;
+    const bool cascade = layout.cascade.shared || layout.cascade.shared_plan >= 0;
     layout.slot_base.assign(static_cast<size_t>(B) + 1, 0);
     for (int64_t b = 0; b < B; ++b) {
         // Only the group's visible range is split: the first row's window start to the last
@@ -319,19 +353,24 @@ void split_key_items(const FlashPlan& plan, PlanLayout& layout, std::vector<Cost
         int64_t key_begin0, key_end, unused;
         flash_row_key_range(p, b, plan.group, 0, &key_begin0, &unused);
         flash_row_key_range(p, b, plan.group, rows - 1, &unused, &key_end);
+        key_begin0 = std::max(key_begin0, layout.cascade.key_begin);
         key_end = std::max(key_end, key_begin0);
-        const int64_t chunks = std::max<int64_t>(1, ceil_div(key_end - key_begin0, kSplitKeyChunk));
-        layout.slot_base[b + 1] = layout.slot_base[b] + (chunks > 1 ? chunks * Hkv : 0);
+        const int64_t chunks = cascade ? ceil_div(key_end - key_begin0, kSplitKeyChunk)
+                                       : std::max<int64_t>(1, ceil_div(key_end - key_begin0, kSplitKeyChunk));
+        const bool partial = cascade || chunks > 1;
+        layout.slot_base[b + 1] = layout.slot_base[b] + (partial ? chunks * Hkv : 0);
         if (items == nullptr) continue;  // counting slots only
         for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head)
-            for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-                const int64_t key_begin = key_begin0 + chunk * kSplitKeyChunk;
-                const int64_t chunk_end = std::min(key_begin + kSplitKeyChunk, key_end);
-                const int64_t slot = chunks > 1 ? layout.slot_base[b] + kv_head * chunks + chunk : -1;
-                items->push_back(CostedItem{
-                    &plan, WorkItem{b, kv_head, 0, rows, key_begin, chunks > 1 ? chunk_end : key_end, slot},
-                    (chunk_end - key_begin + kKeyBlock) * rows});
-            }
+            for (int64_t chunk = 0; chunk < chunks; ++chunk)
+                for (int64_t row_begin = 0; row_begin < rows; row_begin += kQTileRows) {
+                    const int64_t row_end = std::min(row_begin + kQTileRows, rows);
+                    const int64_t key_begin = key_begin0 + chunk * kSplitKeyChunk;
+                    const int64_t chunk_end = std::min(key_begin + kSplitKeyChunk, key_end);
+                    const int64_t slot = partial ? layout.slot_base[b] + kv_head * chunks + chunk : -1;
+                    items->push_back(CostedItem{
+                        &plan, WorkItem{b, kv_head, row_begin, row_end, key_begin, partial ? chunk_end : key_end, slot},
+                        (chunk_end - key_begin + kKeyBlock) * (row_end - row_begin)});
+                }
     }
 }
 
@@ -373,7 +412,8 @@ double problem_work(const AttentionProblem& p) {
 // Runs every problem of a call (none empty): the K^T panels of every prefill plan (one parallel
 // pass), then the work items of all plans together (one parallel pass), then the merge of every
 // split group (one parallel pass).
-void run_problems(const std::vector<AttentionProblem>& problems, const FlashKernels& kernels, int num_threads) {
+void run_problems(const std::vector<AttentionProblem>& problems, const std::vector<CascadePart>& cascade,
+                  const FlashKernels& kernels, int num_threads) {
     double work = 0.0;
     for (const AttentionProblem& p : problems) work += problem_work(p);
     if (work < static_cast<double>(kSerialWork)) num_threads = 1;
@@ -388,7 +428,8 @@ void run_problems(const std::vector<AttentionProblem>& problems, const FlashKern
         FlashPlan& plan = plans[i];
         PlanLayout& layout = layouts[i];
         const int64_t heads = plan.problem->q.shape[0] * plan.problem->k.shape[1];
-        layout.prefill = plan.rows_per_group > kQTileRows;
+        if (!cascade.empty()) layout.cascade = cascade[i];
+        layout.prefill = plan.rows_per_group > kQTileRows && !layout.cascade.shared;
         if (layout.prefill) {
             layout_prefill(plan, kernels, layout);
             layout.packed_at = packed_floats;
@@ -436,10 +477,12 @@ void run_problems(const std::vector<AttentionProblem>& problems, const FlashKern
             plan.partial_max = partial_max + layout.partial_at;
             plan.partial_sum = partial_sum + layout.partial_at;
             partial_floats_at += layout.slot_base.back() * plan.rows_per_group * plan.value_dim;
-            for (int64_t b = 0; b < B; ++b)
-                for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head)
-                    if (layout.slot_base[b + 1] > layout.slot_base[b]) merge_groups.push_back(Group{i, b, kv_head});
         }
+        if (layout.prefill || layout.cascade.shared) continue;
+        for (int64_t b = 0; b < B; ++b)  // a sequence that shares a prefix merges even with no chunk of its own
+            for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head)
+                if (layout.slot_base[b + 1] > layout.slot_base[b] || layout.cascade.shared_plan >= 0)
+                    merge_groups.push_back(Group{i, b, kv_head});
     }
 
     // 2. The K^T panels of every prefill group.
@@ -475,11 +518,21 @@ void run_problems(const std::vector<AttentionProblem>& problems, const FlashKern
         const int64_t Hkv = plan.problem->k.shape[1];
         const int64_t chunks = (slot_base[group.b + 1] - slot_base[group.b]) / Hkv;
         float* row_buffer = merge_rows.empty() ? nullptr : merge_rows[static_cast<size_t>(thread)].data();
-        const int64_t first_slot = slot_base[group.b] + group.kv_head * chunks;
+        // The shared prefix's chunks (a cascade: its plan's b is 0), then the group's own.
+        PartialChunks sources[2];
+        int count = 0;
+        const CascadePart& part = layouts[group.plan].cascade;
+        if (part.shared_plan >= 0) {
+            const std::vector<int64_t>& shared_base = layouts[static_cast<size_t>(part.shared_plan)].slot_base;
+            const int64_t shared_chunks = shared_base[1] / Hkv;
+            sources[count++] = PartialChunks{&plans[static_cast<size_t>(part.shared_plan)],
+                                             group.kv_head * shared_chunks, shared_chunks, part.shared_row};
+        }
+        sources[count++] = PartialChunks{&plan, slot_base[group.b] + group.kv_head * chunks, chunks, 0};
         switch (plan.problem->dtype) {
-            case ElementType::Float32: merge_partials<float>(plan, group.b, group.kv_head, first_slot, chunks, row_buffer); break;
-            case ElementType::Float16: merge_partials<Float16>(plan, group.b, group.kv_head, first_slot, chunks, row_buffer); break;
-            case ElementType::BFloat16: merge_partials<BFloat16>(plan, group.b, group.kv_head, first_slot, chunks, row_buffer); break;
+            case ElementType::Float32: merge_partials<float>(plan, group.b, group.kv_head, sources, count, row_buffer); break;
+            case ElementType::Float16: merge_partials<Float16>(plan, group.b, group.kv_head, sources, count, row_buffer); break;
+            case ElementType::BFloat16: merge_partials<BFloat16>(plan, group.b, group.kv_head, sources, count, row_buffer); break;
         }
     });
 }
@@ -500,29 +553,108 @@ void attention_forward(const AttentionProblem& p, int num_threads) {
     check_num_threads(num_threads);
     const FlashKernels kernels = current_kernels();
     if (p.q.shape[0] == 0 || p.q.shape[1] == 0 || p.q.shape[2] == 0) return;
-    run_problems(std::vector<AttentionProblem>{p}, kernels, num_threads);
+    run_problems(std::vector<AttentionProblem>{p}, {}, kernels, num_threads);
 }
 
 namespace {
 
 // The checked sequences of a packed call (none empty), after num_threads and the kernels.
-void run_sequences(const std::vector<AttentionProblem>& sequences, int64_t q_heads, int num_threads) {
+void run_sequences(const std::vector<AttentionProblem>& sequences, const std::vector<CascadePart>& cascade,
+                   int64_t q_heads, int num_threads) {
     check_num_threads(num_threads);
     const FlashKernels kernels = current_kernels();
     if (sequences.empty() || q_heads == 0) return;
-    run_problems(sequences, kernels, num_threads);
+    run_problems(sequences, cascade, kernels, num_threads);
+}
+
+// 8. Cascade: runs of consecutive sequences (each with query rows) whose block tables start with
+// the same block ids share their first `shared` keys, shared = min(common blocks * block_size,
+// the shortest sequence's keys); a shared part of at least kKeyBlock keys that every query row of
+// the run sees whole (each sequence's first row sees up to it, its last row from key 0: causal
+// with the prefix before the rows, no left window) and no ALiBi (its bias differs per sequence),
+// each sequence split-key (at most kQTileRows packed rows), becomes one more problem: all the
+// run's rows (contiguous in q) against the shared keys, not causal. Appends those problems to
+// `sequences` (their q_offset and kv_len in `positions`) and returns every problem's part.
+std::vector<CascadePart> plan_cascade(const PagedProblem& p, std::vector<AttentionProblem>& sequences,
+                                      std::vector<int64_t>& positions) {
+    std::vector<CascadePart> parts(sequences.size());
+    if (p.options.alibi_slopes.data == nullptr && p.q.shape[1] > 0) {
+        const int64_t batch = p.block_table.shape[0], block_size = p.k_cache.shape[1];
+        const auto entry = [&](int64_t b, int64_t e) {
+            return p.block_table.data[b * p.block_table.stride[0] + e * p.block_table.stride[1]];
+        };
+        std::vector<int64_t> index(static_cast<size_t>(batch), -1);  // each sequence's problem
+        for (int64_t b = 0, n = 0; b < batch; ++b)
+            if (p.cu_seqlens_q[b + 1] > p.cu_seqlens_q[b]) index[static_cast<size_t>(b)] = n++;
+        const auto member = [&](int64_t b) { return index[static_cast<size_t>(b)] >= 0 && p.seq_lens[b] > 0; };
+        struct Run {
+            int64_t first, last, shared;
+        };
+        std::vector<Run> runs;
+        for (int64_t first = 0, last = 0; first < batch; first = last + 1) {
+            last = first;
+            if (!member(first)) continue;
+            while (last + 1 < batch && member(last + 1) && entry(last + 1, 0) == entry(first, 0)) ++last;
+            if (last == first) continue;
+            int64_t shortest = p.seq_lens[first];
+            for (int64_t b = first; b <= last; ++b) shortest = std::min(shortest, p.seq_lens[b]);
+            int64_t common = 0;
+            for (bool same = true; same && common < ceil_div(shortest, block_size); common += same) {
+                for (int64_t b = first + 1; b <= last; ++b) same = same && entry(b, common) == entry(first, common);
+            }
+            const int64_t shared = std::min(common * block_size, shortest);
+            bool whole = shared >= kKeyBlock;
+            for (int64_t b = first; b <= last && whole; ++b) {
+                const AttentionProblem& s = sequences[static_cast<size_t>(index[static_cast<size_t>(b)])];
+                const int64_t group = s.q.shape[1] / s.k.shape[1], rows = s.q.shape[2] * group;
+                int64_t begin, end, unused;
+                flash_row_key_range(s, 0, group, 0, &unused, &end);
+                flash_row_key_range(s, 0, group, rows - 1, &begin, &unused);
+                whole = rows <= kQTileRows && end >= shared && begin == 0;
+            }
+            if (whole) runs.push_back(Run{first, last, shared});
+        }
+        positions.assign(2 * runs.size(), 0);
+        for (size_t r = 0; r < runs.size(); ++r) {
+            const Run& run = runs[r];
+            const int64_t first_index = index[static_cast<size_t>(run.first)];
+            AttentionProblem shared = sequences[static_cast<size_t>(first_index)];
+            const int64_t group = shared.q.shape[1] / shared.k.shape[1];
+            shared.q.shape[2] = shared.out.shape[2] = p.cu_seqlens_q[run.last + 1] - p.cu_seqlens_q[run.first];
+            shared.lse.data = nullptr;
+            shared.k.shape[2] = shared.v.shape[2] = run.shared;
+            if (shared.kv_int8) shared.k_scale.shape[2] = shared.v_scale.shape[2] = run.shared;
+            shared.causal = false;
+            shared.window_left = shared.window_right = -1;
+            shared.sinks = ParamView1{nullptr, {0}, {0}};
+            positions[2 * r + 1] = run.shared;
+            shared.q_offset = Int64Span(&positions[2 * r], 1);
+            shared.kv_lens = Int64Span(&positions[2 * r + 1], 1);
+            for (int64_t b = run.first; b <= run.last; ++b) {
+                CascadePart& part = parts[static_cast<size_t>(index[static_cast<size_t>(b)])];
+                part.key_begin = run.shared;
+                part.shared_plan = static_cast<int64_t>(sequences.size());
+                part.shared_row = (p.cu_seqlens_q[b] - p.cu_seqlens_q[run.first]) * group;
+            }
+            sequences.push_back(shared);
+            parts.push_back(CascadePart{true, 0, -1, 0});
+        }
+    }
+    return parts;
 }
 
 }  // namespace
 
 void attention_varlen(const VarlenProblem& problem, int num_threads) {
     std::vector<int64_t> positions;
-    run_sequences(varlen_sequences(problem, positions), problem.q.shape[1], num_threads);
+    run_sequences(varlen_sequences(problem, positions), {}, problem.q.shape[1], num_threads);
 }
 
 void attention_paged(const PagedProblem& problem, int num_threads) {
-    std::vector<int64_t> positions;
-    run_sequences(paged_sequences(problem, positions), problem.q.shape[1], num_threads);
+    std::vector<int64_t> positions, shared_positions;
+    std::vector<AttentionProblem> sequences = paged_sequences(problem, positions);
+    const std::vector<CascadePart> cascade = plan_cascade(problem, sequences, shared_positions);
+    run_sequences(sequences, cascade, problem.q.shape[1], num_threads);
 }
 
 }  // namespace twinattn

@@ -412,6 +412,20 @@ void check_packed_options(const PackedOptions& o, const TensorView3& q, const Mu
                            inputs.size());
 }
 
+// The int8 scales of a packed problem (ParamView2 (total_k, Hkv) or ParamView3 (num_blocks,
+// block_size, Hkv)): given exactly with int8 k and v, of shape `dims`; added to `inputs`.
+template <typename View, int Rank>
+void check_packed_scales(const View& k_scale, const View& v_scale, const PackedOptions& o, const char* shape,
+                         const Dim (&dims)[Rank], std::vector<std::pair<const char*, Extent>>& inputs) {
+    const std::pair<const char*, const View*> scales[] = {{"k_scale", &k_scale}, {"v_scale", &v_scale}};
+    for (const auto& scale : scales) {
+        check_scale_given(scale.first, scale.second->data != nullptr, o.kv_int8, o.dtype, shape);
+        if (scale.second->data == nullptr) continue;
+        check_shape(scale.first, scale.second->shape, dims, Rank);
+        inputs.push_back({scale.first, byte_extent(scale.second->data, scale.second->shape, scale.second->stride, Rank, 4)});
+    }
+}
+
 const void* element_at(const void* data, int64_t offset, int64_t item) {
     return offset == 0 ? data : static_cast<const char*>(data) + offset * item;
 }
@@ -488,17 +502,11 @@ std::vector<AttentionProblem> varlen_sequences(const VarlenProblem& p, std::vect
     check_cu_seqlens("cu_seqlens_k", p.cu_seqlens_k, batch, "total_k", total_k);
     // 5 - 7. Scale, variants, int8 scales (total_k, Hkv), outputs.
     const Dim scale_dims[2] = {{"total_k", total_k}, {"Hkv", kv_heads}};
-    const std::pair<const char*, const ParamView2*> scales[] = {{"k_scale", &p.k_scale}, {"v_scale", &p.v_scale}};
     const int64_t kv_item = o.kv_int8 ? 1 : element_size(o.dtype);
     std::vector<std::pair<const char*, Extent>> inputs = {
         {"k", byte_extent(p.k.data, p.k.shape, p.k.stride, 3, kv_item)},
         {"v", byte_extent(p.v.data, p.v.shape, p.v.stride, 3, kv_item)}};
-    for (const auto& scale : scales) {
-        check_scale_given(scale.first, scale.second->data != nullptr, o.kv_int8, o.dtype, "(total_k, Hkv)");
-        if (scale.second->data == nullptr) continue;
-        check_shape(scale.first, scale.second->shape, scale_dims, 2);
-        inputs.push_back({scale.first, byte_extent(scale.second->data, scale.second->shape, scale.second->stride, 2, 4)});
-    }
+    check_packed_scales(p.k_scale, p.v_scale, o, "(total_k, Hkv)", scale_dims, inputs);
     check_packed_options(o, p.q, p.out, p.lse, batch, inputs);
 
     positions.assign(static_cast<size_t>(2 * batch), 0);
@@ -576,19 +584,12 @@ std::vector<AttentionProblem> paged_sequences(const PagedProblem& p, std::vector
     }
     // 5 - 7. Scale, variants, int8 scales (num_blocks, block_size, Hkv), outputs.
     const Dim scale_dims[3] = {{"num_blocks", num_blocks}, {"block_size", block_size}, {"Hkv", kv_heads}};
-    const std::pair<const char*, const ParamView3*> scales[] = {{"k_scale", &p.k_scale}, {"v_scale", &p.v_scale}};
     const int64_t kv_item = o.kv_int8 ? 1 : element_size(o.dtype);
     std::vector<std::pair<const char*, Extent>> inputs = {
         {"k_cache", byte_extent(p.k_cache.data, p.k_cache.shape, p.k_cache.stride, 4, kv_item)},
         {"v_cache", byte_extent(p.v_cache.data, p.v_cache.shape, p.v_cache.stride, 4, kv_item)},
         {"block_table", byte_extent(p.block_table.data, p.block_table.shape, p.block_table.stride, 2, 4)}};
-    for (const auto& scale : scales) {
-        check_scale_given(scale.first, scale.second->data != nullptr, o.kv_int8, o.dtype,
-                          "(num_blocks, block_size, Hkv)");
-        if (scale.second->data == nullptr) continue;
-        check_shape(scale.first, scale.second->shape, scale_dims, 3);
-        inputs.push_back({scale.first, byte_extent(scale.second->data, scale.second->shape, scale.second->stride, 3, 4)});
-    }
+    check_packed_scales(p.k_scale, p.v_scale, o, "(num_blocks, block_size, Hkv)", scale_dims, inputs);
     check_packed_options(o, p.q, p.out, p.lse, batch, inputs);
 
     positions.assign(static_cast<size_t>(2 * batch), 0);

@@ -388,7 +388,7 @@ pub unsafe fn attention_forward_with(
         return Ok(());
     }
     // SAFETY: forwarded.
-    unsafe { run_problems(std::slice::from_ref(p), kernels, threads) }
+    unsafe { run_problems(std::slice::from_ref(p), &[], kernels, threads) }
 }
 
 /// Packed (varlen) and paged batches (problem.rs): the checks of [`varlen_sequences`] /
@@ -402,7 +402,7 @@ pub unsafe fn attention_varlen(p: &VarlenProblem, num_threads: usize) -> Result<
     let mut positions = Vec::new();
     let sequences = varlen_sequences(p, &mut positions)?;
     // SAFETY: forwarded.
-    unsafe { run_sequences(&sequences, p.q.shape[1], num_threads) }
+    unsafe { run_sequences(&sequences, &[], p.q.shape[1], num_threads) }
 }
 
 /// As [`attention_varlen`], for keys in pages.
@@ -410,10 +410,11 @@ pub unsafe fn attention_varlen(p: &VarlenProblem, num_threads: usize) -> Result<
 /// # Safety
 /// As [`attention_forward`], for every view of `p`.
 pub unsafe fn attention_paged(p: &PagedProblem, num_threads: usize) -> Result<(), ProblemError> {
-    let mut positions = Vec::new();
-    let sequences = paged_sequences(p, &mut positions)?;
+    let (mut positions, mut shared_positions) = (Vec::new(), Vec::new());
+    let mut sequences = paged_sequences(p, &mut positions)?;
+    let cascade = plan_cascade(p, &mut sequences, &mut shared_positions)?;
     // SAFETY: forwarded.
-    unsafe { run_sequences(&sequences, p.q.shape[1], num_threads) }
+    unsafe { run_sequences(&sequences, &cascade, p.q.shape[1], num_threads) }
 }
 
 /// The checked sequences of a packed call (none empty), after num_threads and the kernels.
@@ -422,6 +423,7 @@ pub unsafe fn attention_paged(p: &PagedProblem, num_threads: usize) -> Result<()
 /// As [`attention_forward`].
 unsafe fn run_sequences(
     sequences: &[AttentionProblem],
+    cascade: &[CascadePart],
     q_heads: i64,
     num_threads: usize,
 ) -> Result<(), ProblemError> {
@@ -431,7 +433,119 @@ unsafe fn run_sequences(
         return Ok(());
     }
     // SAFETY: forwarded.
-    unsafe { run_problems(sequences, kernels, threads) }
+    unsafe { run_problems(sequences, cascade, kernels, threads) }
+}
+
+/// 8. Cascade: runs of consecutive sequences (each with query rows) whose block tables start with
+/// the same block ids share their first `shared` keys, shared = min(common blocks * block_size,
+/// the shortest sequence's keys); a shared part of at least KEY_BLOCK keys that every query row
+/// of the run sees whole (each sequence's first row sees up to it, its last row from key 0:
+/// causal with the prefix before the rows, no left window) and no ALiBi (its bias differs per
+/// sequence), each sequence split-key (at most Q_TILE_ROWS packed rows), becomes one more
+/// problem: all the run's rows (contiguous in q) against the shared keys, not causal. Appends
+/// those problems to `sequences` (their q_offset and kv_len in `positions`) and returns every
+/// problem's part.
+fn plan_cascade<'a>(
+    p: &PagedProblem,
+    sequences: &mut Vec<AttentionProblem<'a>>,
+    positions: &'a mut Vec<i64>,
+) -> Result<Vec<CascadePart>, ProblemError> {
+    let mut parts = try_filled(sequences.len(), CascadePart::default())?;
+    if !p.options.alibi_slopes.data.is_null() || p.q.shape[1] == 0 {
+        return Ok(parts);
+    }
+    let batch = p.block_table.shape[0] as usize;
+    let block_size = p.k_cache.shape[1] as usize;
+    let table = &p.block_table;
+    // SAFETY: checked by paged_sequences: every entry of a used block is inside the table.
+    let entry = |b: usize, e: usize| unsafe {
+        *table
+            .data
+            .offset(b as isize * table.stride[0] as isize + e as isize * table.stride[1] as isize)
+    };
+    let cu_q = p.cu_seqlens_q;
+    let mut index = try_filled(batch, None)?; // each sequence's problem
+    let mut n = 0;
+    for (b, slot) in index.iter_mut().enumerate() {
+        if cu_q[b + 1] > cu_q[b] {
+            *slot = Some(n);
+            n += 1;
+        }
+    }
+    let member = |b: usize| index[b].is_some() && p.seq_lens[b] > 0;
+    let mut runs = Vec::new(); // (first, last, shared)
+    let mut first = 0;
+    while first < batch {
+        let mut last = first;
+        if member(first) {
+            while last + 1 < batch && member(last + 1) && entry(last + 1, 0) == entry(first, 0) {
+                last += 1;
+            }
+        }
+        if last > first {
+            let shortest = (first..=last)
+                .map(|b| p.seq_lens[b] as usize)
+                .min()
+                .unwrap_or(0);
+            let mut common = 0;
+            while common < shortest.div_ceil(block_size)
+                && (first + 1..=last).all(|b| entry(b, common) == entry(first, common))
+            {
+                common += 1;
+            }
+            let shared = (common * block_size).min(shortest);
+            let whole = shared >= KEY_BLOCK
+                && (first..=last).all(|b| {
+                    let s = &sequences[index[b].unwrap_or(0)];
+                    let group = (s.q.shape[1] / s.k.shape[1]) as usize;
+                    let rows = s.q.shape[2] as usize * group;
+                    let (_, end) = flash_row_key_range(s, 0, group, 0);
+                    let (begin, _) = flash_row_key_range(s, 0, group, rows - 1);
+                    rows <= Q_TILE_ROWS && end >= shared && begin == 0
+                });
+            if whole {
+                runs.push((first, last, shared));
+            }
+        }
+        first = last + 1;
+    }
+    positions.clear();
+    for &(_, _, shared) in &runs {
+        positions.extend([0, shared as i64]);
+    }
+    let positions: &'a [i64] = positions;
+    for (r, &(first, last, shared)) in runs.iter().enumerate() {
+        let mut problem = sequences[index[first].unwrap_or(0)];
+        let group = (problem.q.shape[1] / problem.k.shape[1]) as usize;
+        let rows = cu_q[last + 1] - cu_q[first];
+        problem.q.shape[2] = rows;
+        problem.out.shape[2] = rows;
+        problem.lse.data = std::ptr::null_mut();
+        problem.k.shape[2] = shared as i64;
+        problem.v.shape[2] = shared as i64;
+        if problem.kv_int8 {
+            problem.k_scale.shape[2] = shared as i64;
+            problem.v_scale.shape[2] = shared as i64;
+        }
+        problem.causal = false;
+        problem.window_left = -1;
+        problem.window_right = -1;
+        problem.sinks = crate::problem::ParamView1::NONE;
+        problem.q_offset = &positions[2 * r..2 * r + 1];
+        problem.kv_lens = &positions[2 * r + 1..2 * r + 2];
+        for b in first..=last {
+            let part = &mut parts[index[b].unwrap_or(0)];
+            part.key_begin = shared;
+            part.shared_plan = Some(sequences.len());
+            part.shared_row = (cu_q[b] - cu_q[first]) as usize * group;
+        }
+        sequences.push(problem);
+        parts.push(CascadePart {
+            shared: true,
+            ..CascadePart::default()
+        });
+    }
+    Ok(parts)
 }
 
 /// Step 1, the plan of one problem (its rows, scale multipliers and variants); run_problems
@@ -490,6 +604,19 @@ struct CostedItem {
     cost: usize,
 }
 
+/// 8. A problem's part in a cascade (attention_paged's shared prefixes): a shared prefix
+/// (`shared`: every row of the sequences that share it against the shared keys, in row tiles and
+/// key chunks, all written as partials), or a sequence that shares one (its own keys from
+/// key_begin on, as partials; the merge adds the shared plan's partials, its rows from
+/// shared_row on). Default: no cascade.
+#[derive(Clone, Copy, Default)]
+struct CascadePart {
+    shared: bool,
+    key_begin: usize,
+    shared_plan: Option<usize>,
+    shared_row: usize,
+}
+
 /// What one plan takes of the caller's buffers (C++: PlanLayout).
 struct PlanLayout {
     prefill: bool,
@@ -510,6 +637,8 @@ struct PlanLayout {
     slot_base: Vec<usize>,
     /// its first partial row among the call's
     partial_at: usize,
+    /// its part in a cascade (step 8), if any
+    cascade: CascadePart,
 }
 
 /// One (plan, b, kv_head) of a call: a group to pack (prefill) or to merge (split-key).
@@ -677,7 +806,10 @@ fn prefill_items(
 }
 
 /// Step 6, split-key: chunks of every group's visible keys (slots numbered from 0 in each plan;
-/// the merge then combines each group's partials by log-sum-exp). No items: counting slots only.
+/// the merge then combines each group's partials by log-sum-exp). A cascade's parts (step 8)
+/// always write partials, a shared plan in row tiles of at most Q_TILE_ROWS rows, a sequence that
+/// shares a prefix from its key_begin on (no chunk when the prefix holds all its keys). No items:
+/// counting slots only.
 fn split_key_items(
     plans: &[FlashPlan],
     index: usize,
@@ -688,40 +820,47 @@ fn split_key_items(
     let p = plan.problem;
     let (batch, kv_heads) = (p.q.shape[0] as usize, p.k.shape[1] as usize);
     let rows = plan.rows_per_group;
+    let cascade = layout.cascade.shared || layout.cascade.shared_plan.is_some();
     layout.slot_base = try_filled(batch + 1, 0usize)?;
     for b in 0..batch {
         // Only the group's visible range is split: the first row's window start to the last
         // row's visible end.
         let (key_begin0, _) = flash_row_key_range(p, b, plan.group, 0);
         let (_, key_end) = flash_row_key_range(p, b, plan.group, rows - 1);
+        let key_begin0 = key_begin0.max(layout.cascade.key_begin);
         let key_end = key_end.max(key_begin0);
-        let chunks = (key_end - key_begin0).div_ceil(SPLIT_KEY_CHUNK).max(1);
-        layout.slot_base[b + 1] =
-            layout.slot_base[b] + if chunks > 1 { chunks * kv_heads } else { 0 };
+        let chunks = (key_end - key_begin0).div_ceil(SPLIT_KEY_CHUNK);
+        let chunks = if cascade { chunks } else { chunks.max(1) };
+        let partial = cascade || chunks > 1;
+        layout.slot_base[b + 1] = layout.slot_base[b] + if partial { chunks * kv_heads } else { 0 };
         let Some(items) = items.as_deref_mut() else {
             continue;
         };
         items
-            .try_reserve(chunks * kv_heads)
+            .try_reserve(chunks * kv_heads * rows.div_ceil(Q_TILE_ROWS))
             .map_err(|_| ProblemError::out_of_memory())?;
         for kv_head in 0..kv_heads {
             for chunk in 0..chunks {
-                let key_begin = key_begin0 + chunk * SPLIT_KEY_CHUNK;
-                let chunk_end = (key_begin + SPLIT_KEY_CHUNK).min(key_end);
-                items.push(CostedItem {
-                    plan: index,
-                    item: WorkItem {
-                        b,
-                        kv_head,
-                        row_begin: 0,
-                        row_end: rows,
-                        key_begin,
-                        key_end: if chunks > 1 { chunk_end } else { key_end },
-                        partial_slot: (chunks > 1)
-                            .then(|| layout.slot_base[b] + kv_head * chunks + chunk),
-                    },
-                    cost: (chunk_end.saturating_sub(key_begin) + KEY_BLOCK) * rows,
-                });
+                for row_begin in (0..rows).step_by(Q_TILE_ROWS) {
+                    let row_end = (row_begin + Q_TILE_ROWS).min(rows);
+                    let key_begin = key_begin0 + chunk * SPLIT_KEY_CHUNK;
+                    let chunk_end = (key_begin + SPLIT_KEY_CHUNK).min(key_end);
+                    items.push(CostedItem {
+                        plan: index,
+                        item: WorkItem {
+                            b,
+                            kv_head,
+                            row_begin,
+                            row_end,
+                            key_begin,
+                            key_end: if partial { chunk_end } else { key_end },
+                            partial_slot: partial
+                                .then(|| layout.slot_base[b] + kv_head * chunks + chunk),
+                        },
+                        cost: (chunk_end.saturating_sub(key_begin) + KEY_BLOCK)
+                            * (row_end - row_begin),
+                    });
+                }
             }
         }
     }
@@ -736,6 +875,7 @@ fn split_key_items(
 /// As [`attention_forward_with`], for every problem (each checked).
 unsafe fn run_problems(
     problems: &[AttentionProblem],
+    cascade: &[CascadePart],
     kernels: FlashKernels,
     threads: usize,
 ) -> Result<(), ProblemError> {
@@ -760,8 +900,9 @@ unsafe fn run_problems(
     let (mut partial_rows, mut partial_floats) = (0usize, 0usize);
     for index in 0..plans.len() {
         let heads = (plans[index].problem.q.shape[0] * plans[index].problem.k.shape[1]) as usize;
+        let part = cascade.get(index).copied().unwrap_or_default();
         let mut layout = PlanLayout {
-            prefill: plans[index].rows_per_group > Q_TILE_ROWS,
+            prefill: plans[index].rows_per_group > Q_TILE_ROWS && !part.shared,
             pairs: None,
             panel_size: 0,
             keys_per_head: 0,
@@ -773,6 +914,7 @@ unsafe fn run_problems(
             value_finite: std::ptr::null_mut(),
             slot_base: Vec::new(),
             partial_at: 0,
+            cascade: part,
         };
         if layout.prefill {
             layout_prefill(&mut plans[index], kernels, &mut layout);
@@ -860,15 +1002,21 @@ unsafe fn run_problems(
                 plan.partial_sum =
                     partials.wrapping_add(partial_floats + partial_rows + layout.partial_at);
                 partial_floats_at += slot_rows * plan.value_dim;
-                for b in 0..batch {
-                    for kv_head in 0..kv_heads {
-                        if layout.slot_base[b + 1] > layout.slot_base[b] {
-                            merge_groups.push(Group {
-                                plan: index,
-                                b,
-                                kv_head,
-                            });
-                        }
+            }
+            if layout.prefill || layout.cascade.shared {
+                continue;
+            }
+            // a sequence that shares a prefix merges even with no chunk of its own
+            for b in 0..batch {
+                for kv_head in 0..kv_heads {
+                    if layout.slot_base[b + 1] > layout.slot_base[b]
+                        || layout.cascade.shared_plan.is_some()
+                    {
+                        merge_groups.push(Group {
+                            plan: index,
+                            b,
+                            kv_head,
+                        });
                     }
                 }
             }
@@ -915,6 +1063,26 @@ unsafe fn run_problems(
             let slot_base = &layouts[plan_index].slot_base;
             let kv_heads = plan.problem.k.shape[1] as usize;
             let chunks = (slot_base[b + 1] - slot_base[b]) / kv_heads;
+            // The shared prefix's chunks (a cascade: its plan's b is 0), then the group's own.
+            let own = PartialChunks {
+                plan,
+                first_slot: slot_base[b] + kv_head * chunks,
+                chunks,
+                first_row: 0,
+            };
+            let shared = layouts[plan_index].cascade.shared_plan.map(|shared| {
+                let shared_chunks = layouts[shared].slot_base[1] / kv_heads;
+                PartialChunks {
+                    plan: &plans[shared],
+                    first_slot: kv_head * shared_chunks,
+                    chunks: shared_chunks,
+                    first_row: layouts[plan_index].cascade.shared_row,
+                }
+            });
+            let sources: &[PartialChunks] = match &shared {
+                Some(shared) => &[*shared, own],
+                None => &[own],
+            };
             // SAFETY: the partials of these slots were written by the items above; this group's
             // out and lse rows are written by this item only.
             unsafe {
@@ -927,8 +1095,7 @@ unsafe fn run_problems(
                     plan,
                     b,
                     kv_head,
-                    slot_base[b] + kv_head * chunks,
-                    chunks,
+                    sources,
                     merge_rows.get().add(thread * max_value_dim),
                 )
             };
@@ -937,24 +1104,40 @@ unsafe fn run_problems(
     })
 }
 
+/// Chunks first_slot .. first_slot + chunks of a plan's partials, for the rows of a group that
+/// start at packed row first_row there.
+#[derive(Clone, Copy)]
+struct PartialChunks<'x, 'p, 'a> {
+    plan: &'x FlashPlan<'p, 'a>,
+    first_slot: usize,
+    chunks: usize,
+    first_row: usize,
+}
+
+impl PartialChunks<'_, '_, '_> {
+    fn slot_row(&self, chunk: usize, r: usize) -> usize {
+        (self.first_slot + chunk) * self.plan.rows_per_group + self.first_row + r
+    }
+}
+
 /// Step 6's merge: for every row of group (b, kv_head), chunks in order, `m* = max_c m_c`,
 /// `l* = sum_c l_c 2^(m_c - m*)`, `out = sum_c O_c 2^(m_c - m*) / l*` and
 /// `lse = ln 2 (m* + log2 l*)`. A chunk whose row saw a NaN or +inf score has m_c = NaN or
 /// +inf and l_c = NaN (flash_kernel.rs, softmax_row), so m* (NaN-propagating) and the weights
 /// carry it into out and lse ([`flash_row_lse`]); a chunk that saw nothing has l_c = 0. A sink s
 /// (base 2) counts here once: m* starts at s and l* at 2^(s - m*). The row is summed in float32
-/// (in out itself for float32, in a row buffer for the halves), then rounded to T once.
+/// (in out itself for float32, in a row buffer for the halves), then rounded to T once. The
+/// chunks come from `sources` in order: a cascade's shared prefix first (its plan's rows from
+/// first_row on), then the group's own.
 ///
 /// # Safety
-/// Partial slots first_slot..first_slot + chunks of the plan hold this group's rows; the views
-/// of the plan's problem are valid; row_buffer holds Dv floats of this thread's (unused for
-/// float32).
+/// Each source's partial slots hold this group's rows; the views of the plan's problem are
+/// valid; row_buffer holds Dv floats of this thread's (unused for float32).
 unsafe fn merge_partials<T: Element>(
     plan: &FlashPlan,
     b: usize,
     kv_head: usize,
-    first_slot: usize,
-    chunks: usize,
+    sources: &[PartialChunks],
     row_buffer: *mut f32,
 ) {
     let p = plan.problem;
@@ -970,8 +1153,10 @@ unsafe fn merge_partials<T: Element>(
                 f32::NEG_INFINITY
             };
             let mut m_star = sink;
-            for c in 0..chunks {
-                m_star = max_nan(m_star, *plan.partial_max.add((first_slot + c) * rows + r));
+            for chunks in sources {
+                for c in 0..chunks.chunks {
+                    m_star = max_nan(m_star, *chunks.plan.partial_max.add(chunks.slot_row(c, r)));
+                }
             }
             let out_row =
                 p.out.data.cast::<T>().offset(
@@ -990,16 +1175,16 @@ unsafe fn merge_partials<T: Element>(
             } else {
                 0.0f32
             };
-            if m_star != f32::NEG_INFINITY {
-                for c in 0..chunks {
-                    let slot_row = (first_slot + c) * rows + r;
-                    let l_c = *plan.partial_sum.add(slot_row);
+            for chunks in sources.iter().take_while(|_| m_star != f32::NEG_INFINITY) {
+                for c in 0..chunks.chunks {
+                    let slot_row = chunks.slot_row(c, r);
+                    let l_c = *chunks.plan.partial_sum.add(slot_row);
                     if l_c == 0.0 {
                         continue;
                     }
-                    let weight = (*plan.partial_max.add(slot_row) - m_star).exp2();
+                    let weight = (*chunks.plan.partial_max.add(slot_row) - m_star).exp2();
                     l_star += l_c * weight;
-                    let o_c = plan.partial_out.add(slot_row * value_dim);
+                    let o_c = chunks.plan.partial_out.add(slot_row * value_dim);
                     for d in 0..value_dim {
                         *dst.add(d) += *o_c.add(d) * weight;
                     }

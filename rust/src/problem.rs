@@ -1000,6 +1000,29 @@ fn check_packed_options(
     check_outputs_disjoint(out_extent, lse_extent, &inputs)
 }
 
+/// The int8 scales of a packed problem (name, data, shape, strides: (total_k, Hkv) or
+/// (num_blocks, block_size, Hkv)): given exactly with int8 k and v, of shape `dims`; added to
+/// `inputs`.
+#[allow(clippy::type_complexity)]
+fn check_packed_scales<'n>(
+    scales: [(&'n str, *const f32, &[i64], &[i64]); 2],
+    o: &PackedOptions,
+    shape: &str,
+    dims: &[i64],
+    expected: impl Fn() -> String,
+    inputs: &mut Vec<(&'n str, Option<(i128, i128)>)>,
+) -> Result<(), ProblemError> {
+    for (name, data, view_shape, view_stride) in scales {
+        check_scale_given(name, !data.is_null(), o.kv_int8, o.dtype, shape)?;
+        if data.is_null() {
+            continue;
+        }
+        check_shape(name, &expected, view_shape, view_shape == dims)?;
+        inputs.push((name, byte_extent(data as usize, view_shape, view_stride, 4)));
+    }
+    Ok(())
+}
+
 /// `data` offset by `offset` elements of `item` bytes (no arithmetic for 0: data may be null).
 fn element_at(data: *const u8, offset: i64, item: i64) -> *const u8 {
     if offset == 0 {
@@ -1161,28 +1184,23 @@ pub fn varlen_sequences<'a>(
             byte_extent(p.v.data as usize, &p.v.shape, &p.v.stride, kv_item),
         ),
     ];
-    for (name, view) in [("k_scale", &p.k_scale), ("v_scale", &p.v_scale)] {
-        check_scale_given(
-            name,
-            !view.data.is_null(),
-            o.kv_int8,
-            o.dtype,
-            "(total_k, Hkv)",
-        )?;
-        if view.data.is_null() {
-            continue;
-        }
-        check_shape(
-            name,
-            || format!("(total_k={total_k}, Hkv={kv_heads})"),
-            &view.shape,
-            view.shape == [total_k, kv_heads],
-        )?;
-        inputs.push((
-            name,
-            byte_extent(view.data as usize, &view.shape, &view.stride, 4),
-        ));
-    }
+    let scales = [
+        (
+            "k_scale",
+            p.k_scale.data,
+            &p.k_scale.shape[..],
+            &p.k_scale.stride[..],
+        ),
+        (
+            "v_scale",
+            p.v_scale.data,
+            &p.v_scale.shape[..],
+            &p.v_scale.stride[..],
+        ),
+    ];
+    let dims = [total_k, kv_heads];
+    let expected = || format!("(total_k={total_k}, Hkv={kv_heads})");
+    check_packed_scales(scales, o, "(total_k, Hkv)", &dims, expected, &mut inputs)?;
     check_packed_options(o, &p.q, &p.out, &p.lse, batch, inputs)?;
 
     let cu_q = p.cu_seqlens_q;
@@ -1334,28 +1352,30 @@ pub fn paged_sequences<'a>(
             byte_extent(table.data as usize, &table.shape, &table.stride, 4),
         ),
     ];
-    for (name, view) in [("k_scale", &p.k_scale), ("v_scale", &p.v_scale)] {
-        check_scale_given(
-            name,
-            !view.data.is_null(),
-            o.kv_int8,
-            o.dtype,
-            "(num_blocks, block_size, Hkv)",
-        )?;
-        if view.data.is_null() {
-            continue;
-        }
-        check_shape(
-            name,
-            || format!("(num_blocks={num_blocks}, block_size={block_size}, Hkv={kv_heads})"),
-            &view.shape,
-            view.shape == [num_blocks, block_size, kv_heads],
-        )?;
-        inputs.push((
-            name,
-            byte_extent(view.data as usize, &view.shape, &view.stride, 4),
-        ));
-    }
+    let scales = [
+        (
+            "k_scale",
+            p.k_scale.data,
+            &p.k_scale.shape[..],
+            &p.k_scale.stride[..],
+        ),
+        (
+            "v_scale",
+            p.v_scale.data,
+            &p.v_scale.shape[..],
+            &p.v_scale.stride[..],
+        ),
+    ];
+    let dims = [num_blocks, block_size, kv_heads];
+    let expected = || format!("(num_blocks={num_blocks}, block_size={block_size}, Hkv={kv_heads})");
+    check_packed_scales(
+        scales,
+        o,
+        "(num_blocks, block_size, Hkv)",
+        &dims,
+        expected,
+        &mut inputs,
+    )?;
     check_packed_options(o, &p.q, &p.out, &p.lse, batch, inputs)?;
 
     let cu_q = p.cu_seqlens_q;
