@@ -436,7 +436,7 @@ unsafe fn run_sequences(
     unsafe { run_problems(sequences, cascade, kernels, threads) }
 }
 
-/// 8. Cascade: runs of consecutive sequences (each with query rows) whose block tables start with
+/// Step 8, cascade: runs of consecutive sequences (each with query rows) whose block tables start with
 /// the same block ids share their first `shared` keys, shared = min(common blocks * block_size,
 /// the shortest sequence's keys); a shared part of at least KEY_BLOCK keys that every query row
 /// of the run sees whole (each sequence's first row sees up to it, its last row from key 0:
@@ -604,7 +604,7 @@ struct CostedItem {
     cost: usize,
 }
 
-/// 8. A problem's part in a cascade (attention_paged's shared prefixes): a shared prefix
+/// Step 8, a problem's part in a cascade (attention_paged's shared prefixes): a shared prefix
 /// (`shared`: every row of the sequences that share it against the shared keys, in row tiles and
 /// key chunks, all written as partials), or a sequence that shares one (its own keys from
 /// key_begin on, as partials; the merge adds the shared plan's partials, its rows from
