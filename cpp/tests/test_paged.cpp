@@ -6,7 +6,9 @@
 //      prefill tiles, split-key chunks; causal (bottom-right), a window, GQA;
 //   2. attention_paged over the same keys in shuffled pages of 1, 3 and 16 slots, NaN in every
 //      unused slot and page, -1 past each sequence's blocks: bit-identical to attention_varlen;
-//   3. the checks' messages for a bad block id, a bad cu_seqlens and too many query rows.
+//   3. a cascade: sequences whose block tables start with the same 18 blocks (288 keys, their
+//      shared prefix read once), against the reference on each sequence's keys;
+//   4. the checks' messages for a bad block id, a bad cu_seqlens and too many query rows.
 // Twin of rust/tests/paged.rs.
 #include <algorithm>
 #include <cmath>
@@ -48,11 +50,12 @@ struct Packed {
     std::vector<int64_t> cu_q, cu_k;
 };
 
-Packed make_packed(std::mt19937& rng) {
+Packed make_packed(std::mt19937& rng, const std::vector<int64_t>& rows = kRows,
+                   const std::vector<int64_t>& keys = kKeys) {
     std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
     Packed p;
-    p.cu_q = cumulative(kRows);
-    p.cu_k = cumulative(kKeys);
+    p.cu_q = cumulative(rows);
+    p.cu_k = cumulative(keys);
     p.q.resize(static_cast<size_t>(p.cu_q.back() * kHq * kD));
     p.k.resize(static_cast<size_t>(p.cu_k.back() * kHkv * kD));
     p.v.resize(static_cast<size_t>(p.cu_k.back() * kHkv * kDv));
@@ -126,6 +129,8 @@ void check_against_reference(const Packed& p, const std::vector<float>& out, con
 }
 
 // The packed keys of p in shuffled pages of block_size slots; NaN elsewhere, -1 past the blocks.
+// The first shared_blocks blocks of every sequence are the first sequence's (a cascade: the
+// caller made those keys equal).
 struct Pages {
     std::vector<float> k_cache, v_cache;
     std::vector<int32_t> block_table;
@@ -133,12 +138,14 @@ struct Pages {
     int64_t num_blocks, max_blocks;
 };
 
-Pages make_pages(const Packed& p, int64_t block_size, std::mt19937& rng) {
+Pages make_pages(const Packed& p, int64_t block_size, std::mt19937& rng, int64_t shared_blocks = 0) {
     Pages pages;
-    const size_t batch = kKeys.size();
+    const size_t batch = p.cu_k.size() - 1;
+    std::vector<int64_t> lengths(batch);
+    for (size_t b = 0; b < batch; ++b) lengths[b] = p.cu_k[b + 1] - p.cu_k[b];
     int64_t used_total = 0;
     pages.max_blocks = 0;
-    for (int64_t keys : kKeys) {
+    for (int64_t keys : lengths) {
         used_total += (keys + block_size - 1) / block_size;
         pages.max_blocks = std::max(pages.max_blocks, (keys + block_size - 1) / block_size + 1);
     }
@@ -149,12 +156,14 @@ Pages make_pages(const Packed& p, int64_t block_size, std::mt19937& rng) {
     pages.k_cache.assign(static_cast<size_t>(pages.num_blocks * block_size * kHkv * kD), kNaN);
     pages.v_cache.assign(static_cast<size_t>(pages.num_blocks * block_size * kHkv * kDv), kNaN);
     pages.block_table.assign(batch * static_cast<size_t>(pages.max_blocks), -1);
-    pages.seq_lens = kKeys;
+    pages.seq_lens = lengths;
     size_t taken = 0;
     for (size_t b = 0; b < batch; ++b)
-        for (int64_t j = 0; j < kKeys[b]; ++j) {
+        for (int64_t j = 0; j < lengths[b]; ++j) {
             int32_t& entry = pages.block_table[b * static_cast<size_t>(pages.max_blocks) + static_cast<size_t>(j / block_size)];
-            if (j % block_size == 0) entry = order[taken++];
+            if (j % block_size == 0)
+                entry = b > 0 && j / block_size < shared_blocks ? pages.block_table[static_cast<size_t>(j / block_size)]
+                                                               : order[taken++];
             const int64_t slot = entry * block_size + j % block_size, key = p.cu_k[b] + j;
             std::memcpy(&pages.k_cache[static_cast<size_t>(slot * kHkv * kD)], &p.k[static_cast<size_t>(key * kHkv * kD)],
                         sizeof(float) * kHkv * kD);
@@ -173,7 +182,7 @@ PagedProblem paged_problem(const Packed& p, const Pages& pages, int64_t block_si
     problem.v_cache = TensorView4{pages.v_cache.data(), {pages.num_blocks, block_size, kHkv, kDv},
                                   {block_size * kHkv * kDv, kHkv * kDv, kDv, 1}};
     problem.out = MutTensorView3{out.data(), {p.cu_q.back(), kHq, kDv}, {kHq * kDv, kDv, 1}};
-    problem.block_table = BlockTableView{pages.block_table.data(), {static_cast<int64_t>(kKeys.size()), pages.max_blocks},
+    problem.block_table = BlockTableView{pages.block_table.data(), {static_cast<int64_t>(pages.seq_lens.size()), pages.max_blocks},
                                          {pages.max_blocks, 1}};
     problem.seq_lens = pages.seq_lens;
     problem.cu_seqlens_q = p.cu_q;
@@ -216,6 +225,32 @@ void test_every_isa() {
     set_isa(available_isas().front());
 }
 
+// 3. Three sequences share their first 18 blocks of 16 keys: the shared prefix pass and each
+// sequence's own keys, merged, against the reference on the sequence's keys.
+void test_cascade() {
+    std::mt19937 rng(7);
+    Packed p = make_packed(rng, {1, 2, 1}, {300, 310, 340});
+    const int64_t prefix = 18 * 16, total_q = p.cu_q.back();
+    for (int64_t b = 1; b < 3; ++b)  // the same first 288 keys and values in every sequence
+        for (int64_t j = 0; j < prefix; ++j) {
+            std::memcpy(&p.k[static_cast<size_t>((p.cu_k[b] + j) * kHkv * kD)], &p.k[static_cast<size_t>(j * kHkv * kD)],
+                        sizeof(float) * kHkv * kD);
+            std::memcpy(&p.v[static_cast<size_t>((p.cu_k[b] + j) * kHkv * kDv)], &p.v[static_cast<size_t>(j * kHkv * kDv)],
+                        sizeof(float) * kHkv * kDv);
+        }
+    const PackedOptions o = options(true, -1);
+    for (const std::string& isa : available_isas()) {
+        set_isa(isa);
+        const Pages pages = make_pages(p, 16, rng, 18);
+        std::vector<float> out(static_cast<size_t>(total_q * kHq * kDv), kNaN), lse(static_cast<size_t>(kHq * total_q), kNaN);
+        PagedProblem problem = paged_problem(p, pages, 16, out, o);
+        problem.lse = LseView2{lse.data(), {kHq, total_q}, {total_q, 1}};
+        attention_paged(problem, 2);
+        check_against_reference(p, out, lse, o);
+    }
+    set_isa(available_isas().front());
+}
+
 void test_checks() {
     std::mt19937 rng(5);
     const Packed p = make_packed(rng);
@@ -243,6 +278,7 @@ void test_checks() {
 int main() {
     try {
         test_every_isa();
+        test_cascade();
         test_checks();
     } catch (const std::exception& error) {
         std::fprintf(stderr, "unexpected exception: %s\n", error.what());

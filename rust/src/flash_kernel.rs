@@ -872,27 +872,14 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
                 }
             }
             // (d) O = alpha O + P V.
+            let v_rows = s.value_rows;
             if masked {
                 block_values::<V, KV, true>(
-                    s.scores,
-                    rows,
-                    n,
-                    s.value_rows,
-                    s.out_acc,
-                    out_stride,
-                    value_dim,
-                    s.rescale,
+                    s.scores, rows, n, v_rows, s.out_acc, out_stride, value_dim, s.rescale,
                 );
             } else {
                 block_values::<V, KV, false>(
-                    s.scores,
-                    rows,
-                    n,
-                    s.value_rows,
-                    s.out_acc,
-                    out_stride,
-                    value_dim,
-                    s.rescale,
+                    s.scores, rows, n, v_rows, s.out_acc, out_stride, value_dim, s.rescale,
                 );
             }
             key_block += KEY_BLOCK;

@@ -6,6 +6,8 @@
 //!   a window, GQA;
 //! - attention_paged over the same keys in shuffled pages of 1, 3 and 16 slots, NaN in every
 //!   unused slot and page, -1 past each sequence's blocks: bit-identical to attention_varlen;
+//! - a cascade: sequences whose block tables start with the same 18 blocks (288 keys, their
+//!   shared prefix read once), against the reference on each sequence's keys;
 //! - the checks' messages for a bad block id, a bad cu_seqlens and too many query rows.
 
 extern crate _rust as twinattn;
@@ -23,6 +25,9 @@ use twinattn::problem::{
 use twinattn::reference_kernel::attention_reference;
 
 const TOLERANCE: f64 = 1e-4;
+
+/// The tests that switch the instruction set (set_isa is process-wide) run one at a time.
+static ISA_SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
 const HQ: i64 = 4;
 const HKV: i64 = 2;
 const D: i64 = 12;
@@ -48,9 +53,9 @@ struct Packed {
     cu_k: Vec<i64>,
 }
 
-fn make_packed(rng: &mut Rng) -> Packed {
-    let (cu_q, cu_k) = (cumulative(&ROWS), cumulative(&KEYS));
-    let (total_q, total_k) = (cu_q[ROWS.len()], cu_k[KEYS.len()]);
+fn make_packed(rng: &mut Rng, rows: &[i64], keys: &[i64]) -> Packed {
+    let (cu_q, cu_k) = (cumulative(rows), cumulative(keys));
+    let (total_q, total_k) = (cu_q[rows.len()], cu_k[keys.len()]);
     let mut values = |n: i64| (0..n).map(|_| rng.next()).collect::<Vec<f32>>();
     Packed {
         q: values(total_q * HQ * D),
@@ -88,8 +93,9 @@ fn near(got: f32, want: f32) -> bool {
 
 /// varlen against the reference kernel on each sequence's own contiguous arrays.
 fn check_against_reference(p: &Packed, out: &[f32], lse: &[f32], o: &PackedOptions) {
-    let total_q = p.cu_q[ROWS.len()];
-    for b in 0..ROWS.len() {
+    let batch = p.cu_q.len() - 1;
+    let total_q = p.cu_q[batch];
+    for b in 0..batch {
         let (rows, keys) = (p.cu_q[b + 1] - p.cu_q[b], p.cu_k[b + 1] - p.cu_k[b]);
         if rows == 0 {
             continue;
@@ -161,6 +167,8 @@ fn check_against_reference(p: &Packed, out: &[f32], lse: &[f32], o: &PackedOptio
 }
 
 /// The packed keys of p in shuffled pages of block_size slots; NaN elsewhere, -1 past the blocks.
+/// The first shared_blocks blocks of every sequence are the first sequence's (a cascade: the
+/// caller made those keys equal).
 struct Pages {
     k_cache: Vec<f32>,
     v_cache: Vec<f32>,
@@ -170,8 +178,9 @@ struct Pages {
     max_blocks: i64,
 }
 
-fn make_pages(p: &Packed, block_size: i64, rng: &mut Rng) -> Pages {
-    let used: Vec<i64> = KEYS
+fn make_pages(p: &Packed, block_size: i64, rng: &mut Rng, shared_blocks: i64) -> Pages {
+    let lengths: Vec<i64> = p.cu_k.windows(2).map(|w| w[1] - w[0]).collect();
+    let used: Vec<i64> = lengths
         .iter()
         .map(|&n| (n + block_size - 1) / block_size)
         .collect();
@@ -185,16 +194,18 @@ fn make_pages(p: &Packed, block_size: i64, rng: &mut Rng) -> Pages {
     let mut pages = Pages {
         k_cache: vec![f32::NAN; (num_blocks * block_size * HKV * D) as usize],
         v_cache: vec![f32::NAN; (num_blocks * block_size * HKV * DV) as usize],
-        block_table: vec![-1; KEYS.len() * max_blocks as usize],
-        seq_lens: KEYS.to_vec(),
+        block_table: vec![-1; lengths.len() * max_blocks as usize],
+        seq_lens: lengths.clone(),
         num_blocks,
         max_blocks,
     };
     let mut taken = 0;
-    for (b, &keys) in KEYS.iter().enumerate() {
+    for (b, &keys) in lengths.iter().enumerate() {
         for j in 0..keys {
             let entry = b * max_blocks as usize + (j / block_size) as usize;
-            if j % block_size == 0 {
+            if j % block_size == 0 && b > 0 && j / block_size < shared_blocks {
+                pages.block_table[entry] = pages.block_table[(j / block_size) as usize];
+            } else if j % block_size == 0 {
                 pages.block_table[entry] = order[taken];
                 taken += 1;
             }
@@ -217,7 +228,7 @@ fn paged_problem<'a>(
     out: &mut [f32],
     o: PackedOptions,
 ) -> PagedProblem<'a> {
-    let total_q = p.cu_q[ROWS.len()];
+    let total_q = p.cu_q[p.cu_q.len() - 1];
     PagedProblem {
         q: view3(&p.q, total_q, HQ, D),
         k_cache: TensorView4 {
@@ -238,7 +249,7 @@ fn paged_problem<'a>(
         lse: LseView2::NONE,
         block_table: BlockTableView {
             data: pages.block_table.as_ptr(),
-            shape: [KEYS.len() as i64, pages.max_blocks],
+            shape: [pages.seq_lens.len() as i64, pages.max_blocks],
             stride: [pages.max_blocks, 1],
         },
         seq_lens: &pages.seq_lens,
@@ -280,8 +291,11 @@ fn varlen_problem<'a>(
 
 #[test]
 fn every_isa() {
+    let _isa = ISA_SWITCH
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let mut rng = Rng::new(3);
-    let p = make_packed(&mut rng);
+    let p = make_packed(&mut rng, &ROWS, &KEYS);
     let total_q = p.cu_q[ROWS.len()];
     for isa in available_isas() {
         set_isa(isa).unwrap();
@@ -292,7 +306,7 @@ fn every_isa() {
             unsafe { attention_varlen(&varlen_problem(&p, &mut out, &mut lse, o), 2) }.unwrap();
             check_against_reference(&p, &out, &lse, &o);
             for block_size in [1, 3, 16] {
-                let pages = make_pages(&p, block_size, &mut rng);
+                let pages = make_pages(&p, block_size, &mut rng, 0);
                 let mut paged = vec![f32::NAN; out.len()];
                 let problem = paged_problem(&p, &pages, block_size, &mut paged, o);
                 // SAFETY: as above.
@@ -305,15 +319,52 @@ fn every_isa() {
     set_isa(available_isas()[0]).unwrap();
 }
 
+/// Three sequences share their first 18 blocks of 16 keys: the shared prefix pass and each
+/// sequence's own keys, merged, against the reference on the sequence's keys.
+#[test]
+fn cascade() {
+    let _isa = ISA_SWITCH
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut rng = Rng::new(7);
+    let mut p = make_packed(&mut rng, &[1, 2, 1], &[300, 310, 340]);
+    let prefix = 18 * 16;
+    let total_q = p.cu_q[3];
+    for b in 1..3 {
+        // the same first 288 keys and values in every sequence
+        let (k_row, v_row) = ((HKV * D) as usize, (HKV * DV) as usize);
+        let start = p.cu_k[b] as usize;
+        p.k.copy_within(0..prefix * k_row, start * k_row);
+        p.v.copy_within(0..prefix * v_row, start * v_row);
+    }
+    let o = options(true, -1);
+    for isa in available_isas() {
+        set_isa(isa).unwrap();
+        let pages = make_pages(&p, 16, &mut rng, 18);
+        let mut out = vec![f32::NAN; (total_q * HQ * DV) as usize];
+        let mut lse = vec![f32::NAN; (HQ * total_q) as usize];
+        let mut problem = paged_problem(&p, &pages, 16, &mut out, o);
+        problem.lse = LseView2 {
+            data: lse.as_mut_ptr(),
+            shape: [HQ, total_q],
+            stride: [total_q, 1],
+        };
+        // SAFETY: every view covers its vector.
+        unsafe { attention_paged(&problem, 2) }.unwrap();
+        check_against_reference(&p, &out, &lse, &o);
+    }
+    set_isa(available_isas()[0]).unwrap();
+}
+
 #[test]
 fn checks() {
     let mut rng = Rng::new(5);
-    let p = make_packed(&mut rng);
+    let p = make_packed(&mut rng, &ROWS, &KEYS);
     let o = options(true, -1);
     let total_q = p.cu_q[ROWS.len()];
     let mut out = vec![0.0f32; (total_q * HQ * DV) as usize];
     let mut lse = vec![0.0f32; (HQ * total_q) as usize];
-    let mut pages = make_pages(&p, 4, &mut rng);
+    let mut pages = make_pages(&p, 4, &mut rng, 0);
     pages.block_table[(3 * pages.max_blocks + 2) as usize] = pages.num_blocks as i32;
     let error = |result: Result<(), twinattn::problem::ProblemError>| result.unwrap_err().0;
     // SAFETY (every call below): every view covers its vector; the checks fail before any read.
@@ -323,11 +374,11 @@ fn checks() {
         message,
         format!("block_table: expected block ids in [0, num_blocks={n}) for the blocks sequence b uses, got block_table[3, 2]={n}")
     );
-    let mut pages = make_pages(&p, 4, &mut rng);
+    let mut pages = make_pages(&p, 4, &mut rng, 0);
     pages.seq_lens[0] = 2; // 3 query rows
     let message = error(unsafe { attention_paged(&paged_problem(&p, &pages, 4, &mut out, o), 1) });
     assert_eq!(message, "cu_seqlens_q: expected at most seq_lens[b] query rows in sequence b, got 3 rows in sequence 0 (seq_lens[0]=2)");
-    let mut bad = make_packed(&mut rng);
+    let mut bad = make_packed(&mut rng, &ROWS, &KEYS);
     bad.cu_k.swap(1, 2);
     let message =
         error(unsafe { attention_varlen(&varlen_problem(&bad, &mut out, &mut lse, o), 1) });
