@@ -164,6 +164,7 @@ FORCED: dict[str, dict[str, str]] = {
         "DetachedBackward": "raw pointers are not Send in Rust: a wrapper carries the problem into the GIL-free closure",
         "problem": "a Rust problem borrows the per-sequence vectors: ConvertedProblem::problem lends it "
                    "(C++ points the spans at them inside convert_problem)",
+        "DetachedCall": "raw pointers are not Send in Rust: a wrapper carries the problem into the GIL-free closure",
         "run": "raw pointers are not Send in Rust: a wrapper carries the problem into the GIL-free closure",
     },
 }

@@ -60,6 +60,36 @@ int64_t flash_row_position(const AttentionProblem& p, int64_t b, int64_t group, 
     return static_cast<int64_t>(std::max<int128>(-bound, std::min<int128>(bound, position)));
 }
 
+void flash_key_rows(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_begin, int64_t n,
+                    const void** key_rows, const void** value_rows, float* key_scales, float* value_scales) {
+    const int64_t item = p.kv_int8 ? 1 : element_size(p.dtype);
+    const char* const k_data = static_cast<const char*>(p.k.data);
+    const char* const v_data = static_cast<const char*>(p.v.data);
+    // Element offsets of key j: page * stride[0] + kv_head * stride[1] + slot * stride[2], the
+    // page b and the slot j when dense; the block table's entry and j's place in it when paged.
+    const auto fill = [&](int64_t j, int64_t page, int64_t slot) {
+        if (key_rows != nullptr)
+            key_rows[j] = k_data + (page * p.k.stride[0] + kv_head * p.k.stride[1] + slot * p.k.stride[2]) * item;
+        if (value_rows != nullptr)
+            value_rows[j] = v_data + (page * p.v.stride[0] + kv_head * p.v.stride[1] + slot * p.v.stride[2]) * item;
+        if (key_scales != nullptr)
+            key_scales[j] = p.k_scale.data[page * p.k_scale.stride[0] + kv_head * p.k_scale.stride[1] +
+                                           slot * p.k_scale.stride[2]];
+        if (value_scales != nullptr)
+            value_scales[j] = p.v_scale.data[page * p.v_scale.stride[0] + kv_head * p.v_scale.stride[1] +
+                                             slot * p.v_scale.stride[2]];
+    };
+    if (p.pages.data == nullptr) {
+        for (int64_t j = 0; j < n; ++j) fill(j, b, key_begin + j);
+        return;
+    }
+    int64_t entry = key_begin / p.pages.block_size, slot = key_begin % p.pages.block_size;
+    for (int64_t j = 0; j < n; ++entry, slot = 0) {
+        const int64_t page = p.pages.data[entry * p.pages.stride];
+        for (; slot < p.pages.block_size && j < n; ++slot, ++j) fill(j, page, slot);
+    }
+}
+
 float flash_row_lse(float m, float l) {
     if (l == 0.0f) return -std::numeric_limits<float>::infinity();
     if (m == std::numeric_limits<float>::infinity()) return m;
@@ -121,6 +151,7 @@ struct ScratchBuffers {
     AlignedBuffer<float> q_tile, scores, out_acc, row_max, row_sum, rescale, key_panels, key_scales, value_scales;
     AlignedBuffer<int64_t> row_key_begin, row_key_end;
     AlignedBuffer<uint32_t> probs_pairs;
+    AlignedBuffer<const void*> key_rows, value_rows;
 
     ThreadScratch view(int64_t D, int64_t value_stride, bool split_key, bool bf16_pairs) {
         ThreadScratch s;
@@ -136,6 +167,8 @@ struct ScratchBuffers {
         s.probs_pairs = bf16_pairs ? probs_pairs.ensure(kQTileRows * kKeyBlock / 2) : nullptr;
         s.key_scales = key_scales.ensure(kKeyBlock);
         s.value_scales = value_scales.ensure(kKeyBlock);
+        s.key_rows = key_rows.ensure(kKeyBlock);
+        s.value_rows = value_rows.ensure(kKeyBlock);
         return s;
     }
 };
@@ -163,69 +196,90 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 float max_nan(float a, float b) { return a != a || a > b ? a : b; }
 
 struct CostedItem {
+    const FlashPlan* plan;
     WorkItem item;
     int64_t cost;  // visible keys times rows: items are taken most expensive first
 };
 
-void run_items(const FlashPlan& plan, const FlashKernels& kernels, std::vector<CostedItem>& items,
-               int num_threads, bool split_key) {
+// 8. A problem's part in a cascade (attention_paged's shared prefixes): a shared prefix
+// (`shared`: every row of the sequences that share it against the shared keys, in row tiles and
+// key chunks, all written as partials), or a sequence that shares one (its own keys from
+// key_begin on, as partials; the merge adds the shared plan's partials, its rows from shared_row
+// on). Default: no cascade.
+struct CascadePart {
+    bool shared = false;
+    int64_t key_begin = 0;
+    int64_t shared_plan = -1;
+    int64_t shared_row = 0;
+};
+
+// A call's problems (attention_forward: one; attention_varlen and attention_paged: one per
+// sequence) and what each plan takes of the caller's buffers.
+struct PlanLayout {
+    bool prefill;
+    bool pairs;                      // prefill by bfloat16 dot products (avx512bf16)
+    int64_t panel_size;              // floats (or pairs) per K panel
+    int64_t keys_per_head;           // panels_per_head * kKeyPanel
+    int64_t packed_at, values_at, finite_at;  // offsets of its parts of the prefill buffers
+    float* packed;                   // its part of them (plan.packed_keys, writeable)
+    uint32_t* packed_values;
+    unsigned char* value_finite;
+    std::vector<int64_t> slot_base;  // split-key: first slot of (b, kv_head 0), B + 1 entries
+    int64_t partial_at;              // its first slot among the call's
+    CascadePart cascade;             // its part in a cascade (step 8), if any
+};
+
+void run_items(const FlashKernels& kernels, std::vector<CostedItem>& items, int num_threads) {
     std::stable_sort(items.begin(), items.end(),
                      [](const CostedItem& a, const CostedItem& b) { return a.cost > b.cost; });
     parallel_for(static_cast<int64_t>(items.size()), num_threads, [&](int64_t index, int) {
-        const ThreadScratch scratch =
-            thread_scratch().view(plan.head_dim, plan.value_stride, split_key, plan.packed_values != nullptr);
+        const CostedItem& costed = items[static_cast<size_t>(index)];
+        const FlashPlan& plan = *costed.plan;
+        const ThreadScratch scratch = thread_scratch().view(plan.head_dim, plan.value_stride, plan.packed_keys == nullptr,
+                                                            plan.packed_values != nullptr);
         const int dtype = static_cast<int>(plan.problem->dtype);
         const AttendRowsFn attend = plan.problem->kv_int8 ? kernels.attend_rows_int8[dtype] : kernels.attend_rows[dtype];
-        attend(plan, items[static_cast<size_t>(index)].item, scratch);
+        attend(plan, costed.item, scratch);
     });
 }
 
-// 2. Prefill: K^T panels of every (b, kv_head), then the tiles.
-void run_prefill(FlashPlan& plan, const FlashKernels& kernels, int num_threads) {
+// 2. Prefill: what plan's K^T panels take (layout), then its tiles (after the panels are packed).
+void layout_prefill(FlashPlan& plan, const FlashKernels& kernels, PlanLayout& layout) {
     const AttentionProblem& p = *plan.problem;
-    const int64_t B = p.q.shape[0], Hkv = p.k.shape[1], D = plan.head_dim;
     plan.panels_per_head = ceil_div(p.k.shape[2], kKeyPanel);
     // bfloat16 with dot products (avx512bf16): K and V pair panels (a pair fills a float's slot).
     // (Not with int8 K/V: those take the convert path.)
-    const bool pairs = kernels.pack_pairs != nullptr && p.dtype == ElementType::BFloat16 && !p.kv_int8;
-    const int64_t panel_size = (pairs ? ceil_div(D, 2) : D) * kKeyPanel;
-    const int64_t keys_per_head = plan.panels_per_head * kKeyPanel;
-    CallerBuffers& buffers = caller_buffers();
-    float* packed = buffers.packed_keys.ensure(std::max<int64_t>(B * Hkv * plan.panels_per_head * panel_size, 1));
-    plan.packed_keys = packed;
-    uint32_t* packed_values = nullptr;
-    unsigned char* value_finite = nullptr;
-    if (pairs) {
-        packed_values = buffers.packed_values.ensure(
-            std::max<int64_t>(B * Hkv * keys_per_head / 2 * plan.value_stride, 1));
-        value_finite = buffers.value_finite.ensure(std::max<int64_t>(B * Hkv * keys_per_head, 1));
-        plan.packed_values = packed_values;
-        plan.value_finite = value_finite;
-    }
+    layout.pairs = kernels.pack_pairs != nullptr && p.dtype == ElementType::BFloat16 && !p.kv_int8;
+    layout.panel_size = (layout.pairs ? ceil_div(plan.head_dim, 2) : plan.head_dim) * kKeyPanel;
+    layout.keys_per_head = plan.panels_per_head * kKeyPanel;
+}
 
-    // Pack only the panels some row may see: from the first row's window start (rounded down to
-    // a panel) to the last row's visible end.
-    parallel_for(B * Hkv, num_threads, [&](int64_t head, int) {
-        const int64_t b = head / Hkv, kv_head = head % Hkv;
-        int64_t key_begin, key_end, unused;
-        flash_row_key_range(p, b, plan.group, 0, &key_begin, &unused);
-        flash_row_key_range(p, b, plan.group, plan.rows_per_group - 1, &unused, &key_end);
-        const int64_t first_panel = key_begin / kKeyPanel;
-        if (key_end <= first_panel * kKeyPanel) return;
-        const int64_t first_key = first_panel * kKeyPanel;
-        if (pairs)
-            kernels.pack_pairs(p, b, kv_head, first_key, key_end,
-                               reinterpret_cast<uint32_t*>(packed) + (head * plan.panels_per_head + first_panel) * panel_size,
-                               packed_values + (head * keys_per_head + first_key) / 2 * plan.value_stride,
-                               value_finite + head * keys_per_head + first_key, plan.value_stride);
-        else
-            (p.kv_int8 ? kernels.pack_keys_int8 : kernels.pack_keys[static_cast<int>(p.dtype)])(
-                p, b, kv_head, first_key, key_end, packed + (head * plan.panels_per_head + first_panel) * panel_size);
-    });
+// Packs the panels of (b, kv_head) that some row may see: from the first row's window start
+// (rounded down to a panel) to the last row's visible end.
+void pack_head(const FlashPlan& plan, const FlashKernels& kernels, const PlanLayout& layout, int64_t b,
+               int64_t kv_head) {
+    const AttentionProblem& p = *plan.problem;
+    const int64_t head = b * p.k.shape[1] + kv_head;
+    int64_t key_begin, key_end, unused;
+    flash_row_key_range(p, b, plan.group, 0, &key_begin, &unused);
+    flash_row_key_range(p, b, plan.group, plan.rows_per_group - 1, &unused, &key_end);
+    const int64_t first_panel = key_begin / kKeyPanel;
+    if (key_end <= first_panel * kKeyPanel) return;
+    const int64_t first_key = first_panel * kKeyPanel;
+    float* packed = layout.packed + (head * plan.panels_per_head + first_panel) * layout.panel_size;
+    if (layout.pairs)
+        kernels.pack_pairs(p, b, kv_head, first_key, key_end, reinterpret_cast<uint32_t*>(packed),
+                           layout.packed_values + (head * layout.keys_per_head + first_key) / 2 * plan.value_stride,
+                           layout.value_finite + head * layout.keys_per_head + first_key, plan.value_stride);
+    else
+        (p.kv_int8 ? kernels.pack_keys_int8 : kernels.pack_keys[static_cast<int>(p.dtype)])(p, b, kv_head, first_key,
+                                                                                            key_end, packed);
+}
 
+void prefill_items(const FlashPlan& plan, std::vector<CostedItem>& items) {
+    const AttentionProblem& p = *plan.problem;
+    const int64_t B = p.q.shape[0], Hkv = p.k.shape[1];
     const int64_t tiles = ceil_div(plan.rows_per_group, kQTileRows);
-    std::vector<CostedItem> items;
-    items.reserve(static_cast<size_t>(B * Hkv * tiles));
     for (int64_t b = 0; b < B; ++b)
         for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head)
             for (int64_t tile = 0; tile < tiles; ++tile) {
@@ -238,12 +292,21 @@ void run_prefill(FlashPlan& plan, const FlashKernels& kernels, int num_threads) 
                 flash_row_key_range(p, b, plan.group, row_end - 1, &unused, &last_key);
                 first_key = first_key / kKeyPanel * kKeyPanel;
                 last_key = std::max(last_key, first_key);
-                items.push_back(CostedItem{
-                    WorkItem{b, kv_head, row_begin, row_end, first_key, last_key, -1},
-                    (last_key - first_key + kKeyBlock) * (row_end - row_begin)});
+                items.push_back(CostedItem{&plan, WorkItem{b, kv_head, row_begin, row_end, first_key, last_key, -1},
+                                           (last_key - first_key + kKeyBlock) * (row_end - row_begin)});
             }
-    run_items(plan, kernels, items, num_threads, false);
 }
+
+// Chunks first_slot .. first_slot + chunks of a plan's partials, for the rows of a group that start
+// at packed row first_row there.
+struct PartialChunks {
+    const FlashPlan* plan;
+    int64_t first_slot, chunks, first_row;
+
+    int64_t slot_row(int64_t chunk, int64_t r) const {
+        return (first_slot + chunk) * plan->rows_per_group + first_row + r;
+    }
+};
 
 // Step 6's merge: for every row of group (b, kv_head), chunks in order, m* = max_c m_c,
 // l* = sum_c l_c 2^(m_c - m*), out = sum_c O_c 2^(m_c - m*) / l* and lse = ln 2 (m* + log2 l*).
@@ -251,9 +314,11 @@ void run_prefill(FlashPlan& plan, const FlashKernels& kernels, int num_threads) 
 // softmax_row), so m* (NaN-propagating) and the weights carry it into out and lse
 // (flash_row_lse); a chunk that saw nothing has l_c = 0. A sink s (base 2) counts here once: m*
 // starts at s and l* at 2^(s - m*). The row is summed in float32 (in out itself for float32, in
-// row_buffer, Dv floats of this thread's, for the halves), then rounded to T once.
+// row_buffer, Dv floats of this thread's, for the halves), then rounded to T once. The chunks
+// come from `sources` in order: a cascade's shared prefix first (its plan's rows from first_row
+// on), then the group's own.
 template <typename T>
-void merge_partials(const FlashPlan& plan, int64_t b, int64_t kv_head, int64_t first_slot, int64_t chunks,
+void merge_partials(const FlashPlan& plan, int64_t b, int64_t kv_head, const PartialChunks* sources, int count,
                     float* row_buffer) {
     const AttentionProblem& p = *plan.problem;
     const int64_t G = plan.group, Dv = plan.value_dim, rows = plan.rows_per_group;
@@ -262,19 +327,24 @@ void merge_partials(const FlashPlan& plan, int64_t b, int64_t kv_head, int64_t f
         const float sink = plan.has_sinks ? p.sinks.data[h * p.sinks.stride[0]] * kLog2E
                                           : -std::numeric_limits<float>::infinity();
         float m_star = sink;
-        for (int64_t c = 0; c < chunks; ++c) m_star = max_nan(m_star, plan.partial_max[(first_slot + c) * rows + r]);
+        for (int source = 0; source < count; ++source) {
+            const PartialChunks& chunks = sources[source];
+            for (int64_t c = 0; c < chunks.chunks; ++c)
+                m_star = max_nan(m_star, chunks.plan->partial_max[chunks.slot_row(c, r)]);
+        }
         T* out_row = static_cast<T*>(p.out.data) + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
         float* dst = std::is_same<T, float>::value ? reinterpret_cast<float*>(out_row) : row_buffer;
         for (int64_t d = 0; d < Dv; ++d) dst[d] = 0.0f;
         float l_star = plan.has_sinks ? exp2f(sink - m_star) : 0.0f;
-        if (m_star != -std::numeric_limits<float>::infinity()) {
-            for (int64_t c = 0; c < chunks; ++c) {
-                const int64_t slot_row = (first_slot + c) * rows + r;
-                const float l_c = plan.partial_sum[slot_row];
+        for (int source = 0; source < count && m_star != -std::numeric_limits<float>::infinity(); ++source) {
+            const PartialChunks& chunks = sources[source];
+            for (int64_t c = 0; c < chunks.chunks; ++c) {
+                const int64_t slot_row = chunks.slot_row(c, r);
+                const float l_c = chunks.plan->partial_sum[slot_row];
                 if (l_c == 0.0f) continue;
-                const float weight = exp2f(plan.partial_max[slot_row] - m_star);
+                const float weight = exp2f(chunks.plan->partial_max[slot_row] - m_star);
                 l_star += l_c * weight;
-                const float* o_c = plan.partial_out + slot_row * Dv;
+                const float* o_c = chunks.plan->partial_out + slot_row * Dv;
                 for (int64_t d = 0; d < Dv; ++d) dst[d] += o_c[d] * weight;
             }
         }
@@ -289,57 +359,179 @@ void merge_partials(const FlashPlan& plan, int64_t b, int64_t kv_head, int64_t f
     }
 }
 
-// 6. Split-key: chunks of every group's visible keys, then the log-sum-exp merge.
-void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads) {
+// 6. Split-key: chunks of every group's visible keys (slots numbered from 0 in each plan; the
+// merge then combines each group's partials by log-sum-exp). A cascade's parts (step 8) always
+// write partials, a shared plan in row tiles of at most kQTileRows rows, a sequence that shares
+// a prefix from its key_begin on (no chunk when the prefix holds all its keys).
+void split_key_items(const FlashPlan& plan, PlanLayout& layout, std::vector<CostedItem>* items) {
     const AttentionProblem& p = *plan.problem;
-    const int64_t B = p.q.shape[0], Hkv = p.k.shape[1], Dv = plan.value_dim;
+    const int64_t B = p.q.shape[0], Hkv = p.k.shape[1];
     const int64_t rows = plan.rows_per_group;
-
-    std::vector<int64_t> slot_base(static_cast<size_t>(B) + 1, 0);  // first slot of (b, kv_head 0)
-    std::vector<CostedItem> items;
+    const bool cascade = layout.cascade.shared || layout.cascade.shared_plan >= 0;
+    layout.slot_base.assign(static_cast<size_t>(B) + 1, 0);
     for (int64_t b = 0; b < B; ++b) {
         // Only the group's visible range is split: the first row's window start to the last
         // row's visible end.
         int64_t key_begin0, key_end, unused;
         flash_row_key_range(p, b, plan.group, 0, &key_begin0, &unused);
         flash_row_key_range(p, b, plan.group, rows - 1, &unused, &key_end);
+        key_begin0 = std::max(key_begin0, layout.cascade.key_begin);
         key_end = std::max(key_end, key_begin0);
-        const int64_t chunks = std::max<int64_t>(1, ceil_div(key_end - key_begin0, kSplitKeyChunk));
-        slot_base[b + 1] = slot_base[b] + (chunks > 1 ? chunks * Hkv : 0);
+        const int64_t chunks = cascade ? ceil_div(key_end - key_begin0, kSplitKeyChunk)
+                                       : std::max<int64_t>(1, ceil_div(key_end - key_begin0, kSplitKeyChunk));
+        const bool partial = cascade || chunks > 1;
+        layout.slot_base[b + 1] = layout.slot_base[b] + (partial ? chunks * Hkv : 0);
+        if (items == nullptr) continue;  // counting slots only
         for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head)
-            for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-                const int64_t key_begin = key_begin0 + chunk * kSplitKeyChunk;
-                const int64_t chunk_end = std::min(key_begin + kSplitKeyChunk, key_end);
-                const int64_t slot = chunks > 1 ? slot_base[b] + kv_head * chunks + chunk : -1;
-                items.push_back(CostedItem{
-                    WorkItem{b, kv_head, 0, rows, key_begin, chunks > 1 ? chunk_end : key_end, slot},
-                    (chunk_end - key_begin + kKeyBlock) * rows});
-            }
+            for (int64_t chunk = 0; chunk < chunks; ++chunk)
+                for (int64_t row_begin = 0; row_begin < rows; row_begin += kQTileRows) {
+                    const int64_t row_end = std::min(row_begin + kQTileRows, rows);
+                    const int64_t key_begin = key_begin0 + chunk * kSplitKeyChunk;
+                    const int64_t chunk_end = std::min(key_begin + kSplitKeyChunk, key_end);
+                    const int64_t slot = partial ? layout.slot_base[b] + kv_head * chunks + chunk : -1;
+                    items->push_back(CostedItem{
+                        &plan, WorkItem{b, kv_head, row_begin, row_end, key_begin, partial ? chunk_end : key_end, slot},
+                        (chunk_end - key_begin + kKeyBlock) * (row_end - row_begin)});
+                }
     }
-    const int64_t slots = slot_base[B];
-    if (slots > 0) {
-        CallerBuffers& buffers = caller_buffers();
-        plan.partial_out = buffers.partial_out.ensure(std::max<int64_t>(slots * rows * Dv, 1));
-        plan.partial_max = buffers.partial_max.ensure(slots * rows);
-        plan.partial_sum = buffers.partial_sum.ensure(slots * rows);
-    }
-    run_items(plan, kernels, items, num_threads, true);
-    if (slots == 0) return;
+}
 
-    // Merge, in chunk order.
+// One (plan, b, kv_head) of a call: a group to pack (prefill) or to merge (split-key).
+struct Group {
+    size_t plan;
+    int64_t b, kv_head;
+};
+
+// The multiply-adds of a problem, in double (the product of five int64 extents may overflow).
+double problem_work(const AttentionProblem& p) {
+    return static_cast<double>(p.q.shape[0]) * static_cast<double>(p.q.shape[1]) * static_cast<double>(p.q.shape[2]) *
+           static_cast<double>(p.k.shape[2]) * static_cast<double>(p.q.shape[3] + p.v.shape[3]);
+}
+
+// Runs every problem of a call (none empty): the K^T panels of every prefill plan (one parallel
+// pass), then the work items of all plans together (one parallel pass), then the merge of every
+// split group (one parallel pass).
+void run_problems(const std::vector<AttentionProblem>& problems, const std::vector<CascadePart>& cascade,
+                  const FlashKernels& kernels, int num_threads) {
+    double work = 0.0;
+    for (const AttentionProblem& p : problems) work += problem_work(p);
+    if (work < static_cast<double>(kSerialWork)) num_threads = 1;
+    std::vector<FlashPlan> plans;
+    std::vector<PlanLayout> layouts(problems.size());
+    plans.reserve(problems.size());
+    for (const AttentionProblem& p : problems) plans.push_back(flash_plan(p));
+
+    // Buffers: every plan's part of the packed K (and V pairs), of the partials.
+    int64_t packed_floats = 0, value_pairs = 0, finite_flags = 0, partial_rows = 0, partial_floats = 0;
+    for (size_t i = 0; i < plans.size(); ++i) {
+        FlashPlan& plan = plans[i];
+        PlanLayout& layout = layouts[i];
+        const int64_t heads = plan.problem->q.shape[0] * plan.problem->k.shape[1];
+        if (!cascade.empty()) layout.cascade = cascade[i];
+        layout.prefill = plan.rows_per_group > kQTileRows && !layout.cascade.shared;
+        if (layout.prefill) {
+            layout_prefill(plan, kernels, layout);
+            layout.packed_at = packed_floats;
+            packed_floats += heads * plan.panels_per_head * layout.panel_size;
+            layout.values_at = value_pairs;
+            layout.finite_at = finite_flags;
+            if (layout.pairs) {
+                value_pairs += heads * layout.keys_per_head / 2 * plan.value_stride;
+                finite_flags += heads * layout.keys_per_head;
+            }
+        } else {
+            split_key_items(plan, layout, nullptr);
+            layout.partial_at = partial_rows;
+            partial_rows += layout.slot_base.back() * plan.rows_per_group;
+            partial_floats += layout.slot_base.back() * plan.rows_per_group * plan.value_dim;
+        }
+    }
+    CallerBuffers& buffers = caller_buffers();
+    // (at least one element each: a prefill plan's packed_keys is never null, even with Lk = 0)
+    float* packed = buffers.packed_keys.ensure(std::max<int64_t>(packed_floats, 1));
+    uint32_t* packed_values = buffers.packed_values.ensure(std::max<int64_t>(value_pairs, 1));
+    unsigned char* value_finite = buffers.value_finite.ensure(std::max<int64_t>(finite_flags, 1));
+    float* partial_out = partial_rows > 0 ? buffers.partial_out.ensure(std::max<int64_t>(partial_floats, 1)) : nullptr;
+    float* partial_max = partial_rows > 0 ? buffers.partial_max.ensure(partial_rows) : nullptr;
+    float* partial_sum = partial_rows > 0 ? buffers.partial_sum.ensure(partial_rows) : nullptr;
+    std::vector<Group> pack_groups, merge_groups;
+    int64_t partial_floats_at = 0;
+    for (size_t i = 0; i < plans.size(); ++i) {
+        FlashPlan& plan = plans[i];
+        PlanLayout& layout = layouts[i];
+        const int64_t B = plan.problem->q.shape[0], Hkv = plan.problem->k.shape[1];
+        if (layout.prefill) {
+            layout.packed = packed + layout.packed_at;
+            plan.packed_keys = layout.packed;
+            if (layout.pairs) {
+                layout.packed_values = packed_values + layout.values_at;
+                layout.value_finite = value_finite + layout.finite_at;
+                plan.packed_values = layout.packed_values;
+                plan.value_finite = layout.value_finite;
+            }
+            for (int64_t b = 0; b < B; ++b)
+                for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head) pack_groups.push_back(Group{i, b, kv_head});
+        } else if (layout.slot_base.back() > 0) {
+            plan.partial_out = partial_out + partial_floats_at;
+            plan.partial_max = partial_max + layout.partial_at;
+            plan.partial_sum = partial_sum + layout.partial_at;
+            partial_floats_at += layout.slot_base.back() * plan.rows_per_group * plan.value_dim;
+        }
+        if (layout.prefill || layout.cascade.shared) continue;
+        for (int64_t b = 0; b < B; ++b)  // a sequence that shares a prefix merges even with no chunk of its own
+            for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head)
+                if (layout.slot_base[b + 1] > layout.slot_base[b] || layout.cascade.shared_plan >= 0)
+                    merge_groups.push_back(Group{i, b, kv_head});
+    }
+
+    // 2. The K^T panels of every prefill group.
+    if (!pack_groups.empty())
+        parallel_for(static_cast<int64_t>(pack_groups.size()), num_threads, [&](int64_t index, int) {
+            const Group& group = pack_groups[static_cast<size_t>(index)];
+            pack_head(plans[group.plan], kernels, layouts[group.plan], group.b, group.kv_head);
+        });
+
+    // 2 and 6. Every plan's work items, in one pass.
+    std::vector<CostedItem> items;
+    for (size_t i = 0; i < plans.size(); ++i) {
+        if (layouts[i].prefill)
+            prefill_items(plans[i], items);
+        else
+            split_key_items(plans[i], layouts[i], &items);
+    }
+    run_items(kernels, items, num_threads);
+    if (merge_groups.empty()) return;
+
+    // 6. Merge, in chunk order.
+    const int64_t max_value_dim = std::max_element(plans.begin(), plans.end(), [](const FlashPlan& a, const FlashPlan& b) {
+                                      return a.value_dim < b.value_dim;
+                                  })->value_dim;
     std::vector<std::vector<float>> merge_rows(static_cast<size_t>(
-        p.dtype == ElementType::Float32 ? 0 : std::min<int64_t>(num_threads, B * Hkv)));
-    for (std::vector<float>& row : merge_rows) row.resize(static_cast<size_t>(Dv));
-    parallel_for(B * Hkv, num_threads, [&](int64_t head, int thread) {
-        const int64_t b = head / Hkv, kv_head = head % Hkv;
-        const int64_t chunks = (slot_base[b + 1] - slot_base[b]) / Hkv;
-        if (chunks == 0) return;  // one chunk: written directly
+        problems[0].dtype == ElementType::Float32 ? 0
+                                                  : std::min<int64_t>(num_threads, static_cast<int64_t>(merge_groups.size()))));
+    for (std::vector<float>& row : merge_rows) row.resize(static_cast<size_t>(max_value_dim));
+    parallel_for(static_cast<int64_t>(merge_groups.size()), num_threads, [&](int64_t index, int thread) {
+        const Group& group = merge_groups[static_cast<size_t>(index)];
+        const FlashPlan& plan = plans[group.plan];
+        const std::vector<int64_t>& slot_base = layouts[group.plan].slot_base;
+        const int64_t Hkv = plan.problem->k.shape[1];
+        const int64_t chunks = (slot_base[group.b + 1] - slot_base[group.b]) / Hkv;
         float* row_buffer = merge_rows.empty() ? nullptr : merge_rows[static_cast<size_t>(thread)].data();
-        const int64_t first_slot = slot_base[b] + kv_head * chunks;
-        switch (p.dtype) {
-            case ElementType::Float32: merge_partials<float>(plan, b, kv_head, first_slot, chunks, row_buffer); break;
-            case ElementType::Float16: merge_partials<Float16>(plan, b, kv_head, first_slot, chunks, row_buffer); break;
-            case ElementType::BFloat16: merge_partials<BFloat16>(plan, b, kv_head, first_slot, chunks, row_buffer); break;
+        // The shared prefix's chunks (a cascade: its plan's b is 0), then the group's own.
+        PartialChunks sources[2];
+        int count = 0;
+        const CascadePart& part = layouts[group.plan].cascade;
+        if (part.shared_plan >= 0) {
+            const std::vector<int64_t>& shared_base = layouts[static_cast<size_t>(part.shared_plan)].slot_base;
+            const int64_t shared_chunks = shared_base[1] / Hkv;
+            sources[count++] = PartialChunks{&plans[static_cast<size_t>(part.shared_plan)],
+                                             group.kv_head * shared_chunks, shared_chunks, part.shared_row};
+        }
+        sources[count++] = PartialChunks{&plan, slot_base[group.b] + group.kv_head * chunks, chunks, 0};
+        switch (plan.problem->dtype) {
+            case ElementType::Float32: merge_partials<float>(plan, group.b, group.kv_head, sources, count, row_buffer); break;
+            case ElementType::Float16: merge_partials<Float16>(plan, group.b, group.kv_head, sources, count, row_buffer); break;
+            case ElementType::BFloat16: merge_partials<BFloat16>(plan, group.b, group.kv_head, sources, count, row_buffer); break;
         }
     });
 }
@@ -359,19 +551,109 @@ void attention_forward(const AttentionProblem& p, int num_threads) {
     check_problem(p);
     check_num_threads(num_threads);
     const FlashKernels kernels = current_kernels();
-    const int64_t B = p.q.shape[0], Hq = p.q.shape[1], Lq = p.q.shape[2];
-    if (B == 0 || Hq == 0 || Lq == 0) return;
+    if (p.q.shape[0] == 0 || p.q.shape[1] == 0 || p.q.shape[2] == 0) return;
+    run_problems(std::vector<AttentionProblem>{p}, {}, kernels, num_threads);
+}
 
-    // 1. Plan.
-    FlashPlan plan = flash_plan(p);
-    // Work in double: the product of five int64 extents may overflow.
-    const double work = static_cast<double>(B) * static_cast<double>(Hq) * static_cast<double>(Lq) *
-                        static_cast<double>(p.k.shape[2]) * static_cast<double>(plan.head_dim + plan.value_dim);
-    if (work < static_cast<double>(kSerialWork)) num_threads = 1;
-    if (plan.rows_per_group > kQTileRows)
-        run_prefill(plan, kernels, num_threads);
-    else
-        run_split_key(plan, kernels, num_threads);
+namespace {
+
+// The checked sequences of a packed call (none empty), after num_threads and the kernels.
+void run_sequences(const std::vector<AttentionProblem>& sequences, const std::vector<CascadePart>& cascade,
+                   int64_t q_heads, int num_threads) {
+    check_num_threads(num_threads);
+    const FlashKernels kernels = current_kernels();
+    if (sequences.empty() || q_heads == 0) return;
+    run_problems(sequences, cascade, kernels, num_threads);
+}
+
+// 8. Cascade: runs of consecutive sequences (each with query rows) whose block tables start with
+// the same block ids share their first `shared` keys, shared = min(common blocks * block_size,
+// the shortest sequence's keys); a shared part of at least kKeyBlock keys that every query row of
+// the run sees whole (each sequence's first row sees up to it, its last row from key 0: causal
+// with the prefix before the rows, no left window) and no ALiBi (its bias differs per sequence),
+// each sequence split-key (at most kQTileRows packed rows), becomes one more problem: all the
+// run's rows (contiguous in q) against the shared keys, not causal. Appends those problems to
+// `sequences` (their q_offset and kv_len in `positions`) and returns every problem's part.
+std::vector<CascadePart> plan_cascade(const PagedProblem& p, std::vector<AttentionProblem>& sequences,
+                                      std::vector<int64_t>& positions) {
+    std::vector<CascadePart> parts(sequences.size());
+    if (p.options.alibi_slopes.data == nullptr && p.q.shape[1] > 0) {
+        const int64_t batch = p.block_table.shape[0], block_size = p.k_cache.shape[1];
+        const auto entry = [&](int64_t b, int64_t e) {
+            return p.block_table.data[b * p.block_table.stride[0] + e * p.block_table.stride[1]];
+        };
+        std::vector<int64_t> index(static_cast<size_t>(batch), -1);  // each sequence's problem
+        for (int64_t b = 0, n = 0; b < batch; ++b)
+            if (p.cu_seqlens_q[b + 1] > p.cu_seqlens_q[b]) index[static_cast<size_t>(b)] = n++;
+        const auto member = [&](int64_t b) { return index[static_cast<size_t>(b)] >= 0 && p.seq_lens[b] > 0; };
+        struct Run {
+            int64_t first, last, shared;
+        };
+        std::vector<Run> runs;
+        for (int64_t first = 0, last = 0; first < batch; first = last + 1) {
+            last = first;
+            if (!member(first)) continue;
+            while (last + 1 < batch && member(last + 1) && entry(last + 1, 0) == entry(first, 0)) ++last;
+            if (last == first) continue;
+            int64_t shortest = p.seq_lens[first];
+            for (int64_t b = first; b <= last; ++b) shortest = std::min(shortest, p.seq_lens[b]);
+            int64_t common = 0;
+            for (bool same = true; same && common < ceil_div(shortest, block_size); common += same) {
+                for (int64_t b = first + 1; b <= last; ++b) same = same && entry(b, common) == entry(first, common);
+            }
+            const int64_t shared = std::min(common * block_size, shortest);
+            bool whole = shared >= kKeyBlock;
+            for (int64_t b = first; b <= last && whole; ++b) {
+                const AttentionProblem& s = sequences[static_cast<size_t>(index[static_cast<size_t>(b)])];
+                const int64_t group = s.q.shape[1] / s.k.shape[1], rows = s.q.shape[2] * group;
+                int64_t begin, end, unused;
+                flash_row_key_range(s, 0, group, 0, &unused, &end);
+                flash_row_key_range(s, 0, group, rows - 1, &begin, &unused);
+                whole = rows <= kQTileRows && end >= shared && begin == 0;
+            }
+            if (whole) runs.push_back(Run{first, last, shared});
+        }
+        positions.assign(2 * runs.size(), 0);
+        for (size_t r = 0; r < runs.size(); ++r) {
+            const Run& run = runs[r];
+            const int64_t first_index = index[static_cast<size_t>(run.first)];
+            AttentionProblem shared = sequences[static_cast<size_t>(first_index)];
+            const int64_t group = shared.q.shape[1] / shared.k.shape[1];
+            shared.q.shape[2] = shared.out.shape[2] = p.cu_seqlens_q[run.last + 1] - p.cu_seqlens_q[run.first];
+            shared.lse.data = nullptr;
+            shared.k.shape[2] = shared.v.shape[2] = run.shared;
+            if (shared.kv_int8) shared.k_scale.shape[2] = shared.v_scale.shape[2] = run.shared;
+            shared.causal = false;
+            shared.window_left = shared.window_right = -1;
+            shared.sinks = ParamView1{nullptr, {0}, {0}};
+            positions[2 * r + 1] = run.shared;
+            shared.q_offset = Int64Span(&positions[2 * r], 1);
+            shared.kv_lens = Int64Span(&positions[2 * r + 1], 1);
+            for (int64_t b = run.first; b <= run.last; ++b) {
+                CascadePart& part = parts[static_cast<size_t>(index[static_cast<size_t>(b)])];
+                part.key_begin = run.shared;
+                part.shared_plan = static_cast<int64_t>(sequences.size());
+                part.shared_row = (p.cu_seqlens_q[b] - p.cu_seqlens_q[run.first]) * group;
+            }
+            sequences.push_back(shared);
+            parts.push_back(CascadePart{true, 0, -1, 0});
+        }
+    }
+    return parts;
+}
+
+}  // namespace
+
+void attention_varlen(const VarlenProblem& problem, int num_threads) {
+    std::vector<int64_t> positions;
+    run_sequences(varlen_sequences(problem, positions), {}, problem.q.shape[1], num_threads);
+}
+
+void attention_paged(const PagedProblem& problem, int num_threads) {
+    std::vector<int64_t> positions, shared_positions;
+    std::vector<AttentionProblem> sequences = paged_sequences(problem, positions);
+    const std::vector<CascadePart> cascade = plan_cascade(problem, sequences, shared_positions);
+    run_sequences(sequences, cascade, problem.q.shape[1], num_threads);
 }
 
 }  // namespace twinattn

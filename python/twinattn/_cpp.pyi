@@ -2,7 +2,7 @@
 
 Hand-written from docs/native_api.md; `python -m mypy.stubtest twinattn._cpp twinattn._rust`
 (run by scripts/test.sh) checks them against the built module. Both native modules expose the
-same seven functions with the same signatures, and raise the same exception types (docs/native_api.md
+same nine functions with the same signatures, and raise the same exception types (docs/native_api.md
 lists them; tests/test_port_parity.py compares the two), so
 _cpp.pyi and _rust.pyi differ only in this docstring and __all__; their argument types are
 written once, in _native_types.pyi. The functions stay written in both files: stubtest checks
@@ -12,7 +12,7 @@ only what a stub defines itself, so signatures imported from the other stub woul
 
 from typing import Any
 
-from twinattn._native_types import F32, KV, Data, I64, Mask
+from twinattn._native_types import F32, I32, KV, Data, I64, Mask
 
 def attention_forward(
     q: Data,
@@ -73,6 +73,58 @@ def attention_backward(
 # as attention_forward, computed by the plain scalar reference kernel (for tests); an alias, which
 # stubtest checks against the module's attention_reference like a function
 attention_reference = attention_forward
+
+def attention_varlen(
+    q: Data,
+    k: KV,
+    v: KV,
+    out: Data,
+    cu_seqlens_q: I64,
+    cu_seqlens_k: I64,
+    *,
+    scale: float,
+    lse: F32 | None = None,
+    causal: bool | None = None,
+    num_threads: int | None = None,
+    window_left: int | None = None,
+    window_right: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: F32 | None = None,
+    sinks: F32 | None = None,
+    k_scale: F32 | None = None,
+    v_scale: F32 | None = None,
+) -> None:
+    """Attention over sequences packed one after another (flash-attn's varlen layout): q
+    (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), out (total_q, Hq, Dv), lse
+    (Hq, total_q); cu_seqlens_q / cu_seqlens_k int64 (B + 1,); causal bottom-right per sequence;
+    alibi_slopes (B, Hq); k_scale / v_scale (total_k, Hkv) with int8 k and v."""
+
+def attention_paged(
+    q: Data,
+    k_cache: KV,
+    v_cache: KV,
+    out: Data,
+    block_table: I32,
+    seq_lens: I64,
+    cu_seqlens_q: I64,
+    *,
+    scale: float,
+    lse: F32 | None = None,
+    causal: bool | None = None,
+    num_threads: int | None = None,
+    window_left: int | None = None,
+    window_right: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: F32 | None = None,
+    sinks: F32 | None = None,
+    k_scale: F32 | None = None,
+    v_scale: F32 | None = None,
+) -> None:
+    """Attention of packed query rows over keys in pages: k_cache (num_blocks, block_size, Hkv,
+    D), v_cache (.., Hkv, Dv), key j of sequence b at cache[block_table[b, j // block_size],
+    j % block_size]; block_table int32 (B, max_blocks), seq_lens int64 (B,), cu_seqlens_q int64
+    (B + 1,), each sequence's rows its last positions; k_scale / v_scale (num_blocks,
+    block_size, Hkv) with int8 caches."""
 
 def softcap_tanh(x: F32) -> F32:
     """tanh of a float32 vector with the fast kernel's vectorised tanh (softcap), for tests."""

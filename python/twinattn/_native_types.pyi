@@ -17,8 +17,10 @@ F32: TypeAlias = NDArray[np.float32]
 # q, k, v, out (B, H, L, D): all float32, all float16, or all ml_dtypes.bfloat16 (a NumPy user
 # dtype that numpy's stubs cannot name: NDArray[Any] stands for it)
 Data: TypeAlias = NDArray[np.float32] | NDArray[np.float16] | NDArray[Any]
-# q_offset and kv_lens: int64 (B,)
+# q_offset and kv_lens: int64 (B,); cu_seqlens_q, cu_seqlens_k (B + 1,), seq_lens (B,)
 I64: TypeAlias = NDArray[np.int64]
+# block_table: int32 (B, max_blocks)
+I32: TypeAlias = NDArray[np.int32]
 # k and v: q's dtype, or both int8 with their float32 (B, Hkv, Lk) scales k_scale / v_scale
 KV: TypeAlias = Data | NDArray[np.int8]
 # bool (True = may attend) or float32 additive bias, shape (B, Hq, Lq, Lk) (a broadcast view)

@@ -26,10 +26,10 @@ use crate::constants::{
 };
 use crate::dispatch::current_kernels;
 use crate::element::{BFloat16, Element, Float16};
-use crate::flash_kernel::{max_nan, FlashKernels, FlashPlan, ThreadScratch, WorkItem};
+use crate::flash_kernel::{max_nan, FlashKernels, FlashPlan, PackPairsFn, ThreadScratch, WorkItem};
 use crate::problem::{
-    check_num_threads, check_problem, try_filled, AttentionProblem, ElementType, MaskKind,
-    ProblemError,
+    check_num_threads, check_problem, paged_sequences, try_filled, varlen_sequences,
+    AttentionProblem, ElementType, MaskKind, PagedProblem, ProblemError, VarlenProblem,
 };
 use crate::thread_pool::parallel_for;
 
@@ -69,6 +69,73 @@ pub fn flash_row_position(p: &AttentionProblem, b: usize, group: usize, r: usize
     let bound = 1i128 << 62;
     let position = i128::from(p.q_offset[b]) + (r / group) as i128;
     position.clamp(-bound, bound) as i64
+}
+
+/// Key rows (docs/kernels.md, "Key rows"): for keys [key_begin, key_begin + n) of (b, kv_head),
+/// the address of each key's K row in key_rows[j] and V row in value_rows[j], and its int8 scales
+/// in key_scales[j], value_scales[j]; each output may be null (not wanted). Dense problems give
+/// base + j * stride; paged ones ([`crate::problem::KeyPages`]) walk the block table page by
+/// page, with no division per key. The kernel reads K and V only through these rows.
+///
+/// # Safety
+/// `p` is a checked problem (or a sequence of one) whose views are valid; b < B, kv_head < Hkv,
+/// key_begin + n <= kv_lens[b]; each non-null output holds n entries.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn flash_key_rows(
+    p: &AttentionProblem,
+    b: usize,
+    kv_head: usize,
+    key_begin: usize,
+    n: usize,
+    key_rows: *mut *const u8,
+    value_rows: *mut *const u8,
+    key_scales: *mut f32,
+    value_scales: *mut f32,
+) {
+    let item = if p.kv_int8 { 1 } else { p.dtype.size() as i64 };
+    let kv_head = kv_head as i64;
+    // Element offsets of key j: page * stride[0] + kv_head * stride[1] + slot * stride[2], the
+    // page b and the slot j when dense; the block table's entry and j's place in it when paged.
+    // SAFETY: forwarded from this function's contract.
+    let fill = |j: usize, page: i64, slot: i64| unsafe {
+        let at = |stride: &[i64]| page * stride[0] + kv_head * stride[1] + slot * stride[2];
+        if !key_rows.is_null() {
+            *key_rows.add(j) = p.k.data.offset((at(&p.k.stride) * item) as isize);
+        }
+        if !value_rows.is_null() {
+            *value_rows.add(j) = p.v.data.offset((at(&p.v.stride) * item) as isize);
+        }
+        if !key_scales.is_null() {
+            *key_scales.add(j) = *p.k_scale.data.offset(at(&p.k_scale.stride) as isize);
+        }
+        if !value_scales.is_null() {
+            *value_scales.add(j) = *p.v_scale.data.offset(at(&p.v_scale.stride) as isize);
+        }
+    };
+    if p.pages.data.is_null() {
+        for j in 0..n {
+            fill(j, b as i64, (key_begin + j) as i64);
+        }
+        return;
+    }
+    let block_size = p.pages.block_size as usize;
+    let (mut entry, mut slot) = (key_begin / block_size, key_begin % block_size);
+    let mut j = 0;
+    while j < n {
+        // SAFETY: entries of keys < kv_lens[0] are inside the block table (paged_sequences).
+        let page = i64::from(unsafe {
+            *p.pages
+                .data
+                .offset(entry as isize * p.pages.stride as isize)
+        });
+        while slot < block_size && j < n {
+            fill(j, page, slot as i64);
+            slot += 1;
+            j += 1;
+        }
+        entry += 1;
+        slot = 0;
+    }
 }
 
 /// lse = ln 2 (m + log2 l): -inf for a row that saw no key (l = 0), +inf for a row whose largest
@@ -188,6 +255,9 @@ struct ScratchBuffers {
     probs_pairs: AlignedBuffer,
     key_scales: AlignedBuffer,
     value_scales: AlignedBuffer,
+    /// the key rows of a block: KEY_BLOCK K rows, KEY_BLOCK V rows
+    key_rows: Vec<*const u8>,
+    value_rows: Vec<*const u8>,
 }
 
 impl ScratchBuffers {
@@ -202,6 +272,10 @@ impl ScratchBuffers {
         if self.row_key_end.len() < Q_TILE_ROWS {
             self.row_key_begin = try_filled(Q_TILE_ROWS, 0)?;
             self.row_key_end = try_filled(Q_TILE_ROWS, 0)?;
+        }
+        if self.key_rows.len() < KEY_BLOCK {
+            self.key_rows = try_filled(KEY_BLOCK, std::ptr::null())?;
+            self.value_rows = try_filled(KEY_BLOCK, std::ptr::null())?;
         }
         Ok(ThreadScratch {
             q_tile: self.q_tile.ensure(Q_TILE_ROWS * head_dim)?,
@@ -229,6 +303,8 @@ impl ScratchBuffers {
             },
             key_scales: self.key_scales.ensure(KEY_BLOCK)?,
             value_scales: self.value_scales.ensure(KEY_BLOCK)?,
+            key_rows: self.key_rows.as_mut_ptr(),
+            value_rows: self.value_rows.as_mut_ptr(),
         })
     }
 }
@@ -344,71 +420,268 @@ pub unsafe fn attention_forward_with(
 ) -> Result<(), ProblemError> {
     check_problem(p)?;
     let threads = check_num_threads(i64::try_from(num_threads).unwrap_or(i64::MAX))?;
-    let [batch, q_heads, q_len, head_dim] = p.q.shape.map(|n| n as usize);
+    let [batch, q_heads, q_len, _] = p.q.shape.map(|n| n as usize);
     if batch == 0 || q_heads == 0 || q_len == 0 {
         return Ok(());
     }
-
-    // 1. Plan.
-    let mut plan = flash_plan(p);
-    let value_dim = plan.value_dim;
-    // Work in f64: the product of five extents may overflow.
-    let extents = [
-        batch,
-        q_heads,
-        q_len,
-        p.k.shape[2] as usize,
-        head_dim + value_dim,
-    ];
-    let work: f64 = extents.iter().map(|&n| n as f64).product();
-    let threads = if work < SERIAL_WORK as f64 {
-        1
-    } else {
-        threads
-    };
-    with_thread_buffers(&CALLER_BUFFERS, |buffers| {
-        if plan.rows_per_group > Q_TILE_ROWS {
-            run_prefill(&mut plan, kernels, threads, buffers)
-        } else {
-            run_split_key(&mut plan, kernels, threads, buffers)
-        }
-    })
+    // SAFETY: forwarded.
+    unsafe { run_problems(std::slice::from_ref(p), &[], kernels, threads) }
 }
 
-/// A work item and its cost (visible keys times rows): items are taken most expensive first.
+/// Packed (varlen) and paged batches (problem.rs): the checks of [`varlen_sequences`] /
+/// [`paged_sequences`], then every sequence as a dense problem through the same kernel, all their
+/// work items in one parallel pass (docs/kernels.md, "Packed and paged batches"). Errors as
+/// [`attention_forward`].
+///
+/// # Safety
+/// As [`attention_forward`], for every view of `p`.
+pub unsafe fn attention_varlen(p: &VarlenProblem, num_threads: usize) -> Result<(), ProblemError> {
+    let mut positions = Vec::new();
+    let sequences = varlen_sequences(p, &mut positions)?;
+    // SAFETY: forwarded.
+    unsafe { run_sequences(&sequences, &[], p.q.shape[1], num_threads) }
+}
+
+/// As [`attention_varlen`], for keys in pages.
+///
+/// # Safety
+/// As [`attention_forward`], for every view of `p`.
+pub unsafe fn attention_paged(p: &PagedProblem, num_threads: usize) -> Result<(), ProblemError> {
+    let (mut positions, mut shared_positions) = (Vec::new(), Vec::new());
+    let mut sequences = paged_sequences(p, &mut positions)?;
+    let cascade = plan_cascade(p, &mut sequences, &mut shared_positions)?;
+    // SAFETY: forwarded.
+    unsafe { run_sequences(&sequences, &cascade, p.q.shape[1], num_threads) }
+}
+
+/// The checked sequences of a packed call (none empty), after num_threads and the kernels.
+///
+/// # Safety
+/// As [`attention_forward`].
+unsafe fn run_sequences(
+    sequences: &[AttentionProblem],
+    cascade: &[CascadePart],
+    q_heads: i64,
+    num_threads: usize,
+) -> Result<(), ProblemError> {
+    let threads = check_num_threads(i64::try_from(num_threads).unwrap_or(i64::MAX))?;
+    let kernels = current_kernels().map_err(ProblemError)?;
+    if sequences.is_empty() || q_heads == 0 {
+        return Ok(());
+    }
+    // SAFETY: forwarded.
+    unsafe { run_problems(sequences, cascade, kernels, threads) }
+}
+
+/// Step 8, cascade: runs of consecutive sequences (each with query rows) whose block tables start with
+/// the same block ids share their first `shared` keys, shared = min(common blocks * block_size,
+/// the shortest sequence's keys); a shared part of at least KEY_BLOCK keys that every query row
+/// of the run sees whole (each sequence's first row sees up to it, its last row from key 0:
+/// causal with the prefix before the rows, no left window) and no ALiBi (its bias differs per
+/// sequence), each sequence split-key (at most Q_TILE_ROWS packed rows), becomes one more
+/// problem: all the run's rows (contiguous in q) against the shared keys, not causal. Appends
+/// those problems to `sequences` (their q_offset and kv_len in `positions`) and returns every
+/// problem's part.
+fn plan_cascade<'a>(
+    p: &PagedProblem,
+    sequences: &mut Vec<AttentionProblem<'a>>,
+    positions: &'a mut Vec<i64>,
+) -> Result<Vec<CascadePart>, ProblemError> {
+    let mut parts = try_filled(sequences.len(), CascadePart::default())?;
+    if !p.options.alibi_slopes.data.is_null() || p.q.shape[1] == 0 {
+        return Ok(parts);
+    }
+    let batch = p.block_table.shape[0] as usize;
+    let block_size = p.k_cache.shape[1] as usize;
+    let table = &p.block_table;
+    // SAFETY: checked by paged_sequences: every entry of a used block is inside the table.
+    let entry = |b: usize, e: usize| unsafe {
+        *table
+            .data
+            .offset(b as isize * table.stride[0] as isize + e as isize * table.stride[1] as isize)
+    };
+    let cu_q = p.cu_seqlens_q;
+    let mut index = try_filled(batch, None)?; // each sequence's problem
+    let mut n = 0;
+    for (b, slot) in index.iter_mut().enumerate() {
+        if cu_q[b + 1] > cu_q[b] {
+            *slot = Some(n);
+            n += 1;
+        }
+    }
+    let member = |b: usize| index[b].is_some() && p.seq_lens[b] > 0;
+    let mut runs = Vec::new(); // (first, last, shared)
+    let mut first = 0;
+    while first < batch {
+        let mut last = first;
+        if member(first) {
+            while last + 1 < batch && member(last + 1) && entry(last + 1, 0) == entry(first, 0) {
+                last += 1;
+            }
+        }
+        if last > first {
+            let shortest = (first..=last)
+                .map(|b| p.seq_lens[b] as usize)
+                .min()
+                .unwrap_or(0);
+            let mut common = 0;
+            while common < shortest.div_ceil(block_size)
+                && (first + 1..=last).all(|b| entry(b, common) == entry(first, common))
+            {
+                common += 1;
+            }
+            let shared = (common * block_size).min(shortest);
+            let whole = shared >= KEY_BLOCK
+                && (first..=last).all(|b| {
+                    let s = &sequences[index[b].unwrap_or(0)];
+                    let group = (s.q.shape[1] / s.k.shape[1]) as usize;
+                    let rows = s.q.shape[2] as usize * group;
+                    let (_, end) = flash_row_key_range(s, 0, group, 0);
+                    let (begin, _) = flash_row_key_range(s, 0, group, rows - 1);
+                    rows <= Q_TILE_ROWS && end >= shared && begin == 0
+                });
+            if whole {
+                runs.push((first, last, shared));
+            }
+        }
+        first = last + 1;
+    }
+    positions.clear();
+    for &(_, _, shared) in &runs {
+        positions.extend([0, shared as i64]);
+    }
+    let positions: &'a [i64] = positions;
+    for (r, &(first, last, shared)) in runs.iter().enumerate() {
+        let mut problem = sequences[index[first].unwrap_or(0)];
+        let group = (problem.q.shape[1] / problem.k.shape[1]) as usize;
+        let rows = cu_q[last + 1] - cu_q[first];
+        problem.q.shape[2] = rows;
+        problem.out.shape[2] = rows;
+        problem.lse.data = std::ptr::null_mut();
+        problem.k.shape[2] = shared as i64;
+        problem.v.shape[2] = shared as i64;
+        if problem.kv_int8 {
+            problem.k_scale.shape[2] = shared as i64;
+            problem.v_scale.shape[2] = shared as i64;
+        }
+        problem.causal = false;
+        problem.window_left = -1;
+        problem.window_right = -1;
+        problem.sinks = crate::problem::ParamView1::NONE;
+        problem.q_offset = &positions[2 * r..2 * r + 1];
+        problem.kv_lens = &positions[2 * r + 1..2 * r + 2];
+        for b in first..=last {
+            let part = &mut parts[index[b].unwrap_or(0)];
+            part.key_begin = shared;
+            part.shared_plan = Some(sequences.len());
+            part.shared_row = (cu_q[b] - cu_q[first]) as usize * group;
+        }
+        sequences.push(problem);
+        parts.push(CascadePart {
+            shared: true,
+            ..CascadePart::default()
+        });
+    }
+    Ok(parts)
+}
+
+/// The multiply-adds of a problem, in f64 (the product of five extents may overflow).
+fn problem_work(p: &AttentionProblem) -> f64 {
+    let extents = [
+        p.q.shape[0],
+        p.q.shape[1],
+        p.q.shape[2],
+        p.k.shape[2],
+        p.q.shape[3] + p.v.shape[3],
+    ];
+    extents.iter().map(|&n| n as f64).product()
+}
+
+/// A work item of one of the call's plans and its cost (visible keys times rows): items are
+/// taken most expensive first.
 struct CostedItem {
+    plan: usize,
     item: WorkItem,
     cost: usize,
 }
 
+/// Step 8, a problem's part in a cascade (attention_paged's shared prefixes): a shared prefix
+/// (`shared`: every row of the sequences that share it against the shared keys, in row tiles and
+/// key chunks, all written as partials), or a sequence that shares one (its own keys from
+/// key_begin on, as partials; the merge adds the shared plan's partials, its rows from
+/// shared_row on). Default: no cascade.
+#[derive(Clone, Copy, Default)]
+struct CascadePart {
+    shared: bool,
+    key_begin: usize,
+    shared_plan: Option<usize>,
+    shared_row: usize,
+}
+
+/// What one plan takes of the caller's buffers (C++: PlanLayout).
+struct PlanLayout {
+    prefill: bool,
+    /// prefill by bfloat16 dot products (avx512bf16)
+    pairs: Option<PackPairsFn>,
+    /// floats (or pairs) per K panel
+    panel_size: usize,
+    /// panels_per_head * KEY_PANEL
+    keys_per_head: usize,
+    /// offsets of its parts of the prefill buffers, then those parts (writeable)
+    packed_at: usize,
+    values_at: usize,
+    finite_at: usize,
+    packed: *mut f32,
+    packed_values: *mut u32,
+    value_finite: *mut u8,
+    /// split-key: first slot of (b, kv_head 0), B + 1 entries
+    slot_base: Vec<usize>,
+    /// its first partial row among the call's
+    partial_at: usize,
+    /// its part in a cascade (step 8), if any
+    cascade: CascadePart,
+}
+
+/// One (plan, b, kv_head) of a call: a group to pack (prefill) or to merge (split-key).
+#[derive(Clone, Copy)]
+struct Group {
+    plan: usize,
+    b: usize,
+    kv_head: usize,
+}
+
+// SAFETY: while the packing pass runs, each group writes only its own part of the buffers behind
+// these pointers (as FlashPlan's); the layouts are read-only then.
+unsafe impl Sync for PlanLayout {}
+
 fn run_items(
-    plan: &FlashPlan,
+    plans: &[FlashPlan],
     kernels: FlashKernels,
     items: &mut [CostedItem],
     threads: usize,
-    split_key: bool,
 ) -> Result<(), ProblemError> {
     items.sort_by_key(|costed| std::cmp::Reverse(costed.cost)); // stable, as in C++
-    let attend = if plan.problem.kv_int8 {
-        kernels.attend_rows_int8[plan.problem.dtype as usize]
-    } else {
-        kernels.attend_rows[plan.problem.dtype as usize]
-    };
     let items = &*items;
     // C++ rethrows a worker's std::bad_alloc on the caller; here the failed item sets this flag.
     let out_of_memory = AtomicBool::new(false);
     parallel_for(items.len(), threads, &|index, _| {
-        let pairs = !plan.packed_values.is_null();
+        let costed = &items[index];
+        let plan = &plans[costed.plan];
+        let attend = if plan.problem.kv_int8 {
+            kernels.attend_rows_int8[plan.problem.dtype as usize]
+        } else {
+            kernels.attend_rows[plan.problem.dtype as usize]
+        };
         let attended = with_scratch(
             plan.head_dim,
             plan.value_stride,
-            split_key,
-            pairs,
+            plan.packed_keys.is_null(),
+            !plan.packed_values.is_null(),
             |scratch| {
                 // SAFETY: the plan was built from a checked problem whose memory is valid
                 // (attention_forward's contract), the item is one of its own, the scratch is this
                 // thread's and sized for the plan, and the kernels' ISA is available.
-                unsafe { attend(plan, &items[index].item, scratch) };
+                unsafe { attend(plan, &costed.item, scratch) };
             },
         );
         if attended.is_err() {
@@ -421,99 +694,87 @@ fn run_items(
     }
 }
 
-/// 2. Prefill: K^T panels of every (b, kv_head), then the tiles.
-fn run_prefill(
-    plan: &mut FlashPlan,
-    kernels: FlashKernels,
-    threads: usize,
-    buffers: &mut CallerBuffers,
-) -> Result<(), ProblemError> {
+/// 2. Prefill: what the plan's K^T panels take (the layout).
+fn layout_prefill(plan: &mut FlashPlan, kernels: FlashKernels, layout: &mut PlanLayout) {
     let p = plan.problem;
-    let (batch, kv_heads, d_len) = (p.q.shape[0] as usize, p.k.shape[1] as usize, plan.head_dim);
     plan.panels_per_head = (p.k.shape[2] as usize).div_ceil(KEY_PANEL);
     // bfloat16 with dot products (avx512bf16): K and V pair panels (a pair fills a float's slot)
     // (Not with int8 K/V: those take the convert path.)
-    let pairs = kernels
+    layout.pairs = kernels
         .pack_pairs
         .filter(|_| p.dtype == ElementType::BFloat16 && !p.kv_int8);
-    let panel_size = if pairs.is_some() {
-        d_len.div_ceil(2)
+    layout.panel_size = if layout.pairs.is_some() {
+        plan.head_dim.div_ceil(2)
     } else {
-        d_len
+        plan.head_dim
     } * KEY_PANEL;
-    let head_floats = plan.panels_per_head * panel_size;
-    let keys_per_head = plan.panels_per_head * KEY_PANEL;
-    let packed_floats = [batch, kv_heads, head_floats]
-        .into_iter()
-        .try_fold(1usize, usize::checked_mul)
-        .ok_or_else(ProblemError::out_of_memory)?;
-    let packed = Shared(buffers.packed_keys.ensure(packed_floats)?);
-    plan.packed_keys = packed.get();
-    let mut value_pairs = Shared((std::ptr::null_mut::<u32>(), std::ptr::null_mut::<u8>()));
-    if pairs.is_some() {
-        let heads = batch * kv_heads;
-        let pair_floats = [heads, keys_per_head / 2, plan.value_stride]
-            .into_iter()
-            .try_fold(1usize, usize::checked_mul)
-            .ok_or_else(ProblemError::out_of_memory)?;
-        let values = buffers.packed_values.ensure(pair_floats)?.cast::<u32>();
-        if buffers.value_finite.len() < heads * keys_per_head {
-            buffers.value_finite = try_filled(heads * keys_per_head, 0u8)?;
-        }
-        value_pairs = Shared((values, buffers.value_finite.as_mut_ptr()));
-        plan.packed_values = values;
-        plan.value_finite = buffers.value_finite.as_ptr();
+    layout.keys_per_head = plan.panels_per_head * KEY_PANEL;
+}
+
+/// Packs the panels of (b, kv_head) that some row may see: from the first row's window start
+/// (rounded down to a panel) to the last row's visible end.
+///
+/// # Safety
+/// The plan's problem is checked and valid; the layout's buffers are sized for the plan; no
+/// other thread writes this group's part of them.
+unsafe fn pack_head(
+    plan: &FlashPlan,
+    kernels: FlashKernels,
+    layout: &PlanLayout,
+    b: usize,
+    kv_head: usize,
+) {
+    let p = plan.problem;
+    let head = b * p.k.shape[1] as usize + kv_head;
+    let (key_begin, _) = flash_row_key_range(p, b, plan.group, 0);
+    let (_, key_end) = flash_row_key_range(p, b, plan.group, plan.rows_per_group - 1);
+    let first_panel = key_begin / KEY_PANEL;
+    if key_end <= first_panel * KEY_PANEL {
+        return;
     }
-
-    // Pack only the panels some row may see: from the first row's window start (rounded down to
-    // a panel) to the last row's visible end.
-    let plan_ref = &*plan;
-    parallel_for(batch * kv_heads, threads, &|head, _| {
-        let (b, kv_head) = (head / kv_heads, head % kv_heads);
-        let p = plan_ref.problem;
-        let (key_begin, _) = flash_row_key_range(p, b, plan_ref.group, 0);
-        let (_, key_end) = flash_row_key_range(p, b, plan_ref.group, plan_ref.rows_per_group - 1);
-        let first_panel = key_begin / KEY_PANEL;
-        if key_end <= first_panel * KEY_PANEL {
-            return;
-        }
-        let first_key = first_panel * KEY_PANEL;
-        // SAFETY: the problem is checked and its memory valid (attention_forward's contract);
-        // head `head` writes only its own panels, pair rows and flags, inside the buffers sized
-        // above.
-        unsafe {
-            let key_dst = packed
-                .get()
-                .add(head * head_floats + first_panel * panel_size);
-            match pairs {
-                Some(pack_pairs) => {
-                    let (values, finite) = value_pairs.get();
-                    pack_pairs(
-                        p,
-                        b,
-                        kv_head,
-                        first_key,
-                        key_end,
-                        key_dst.cast::<u32>(),
-                        values.add((head * keys_per_head + first_key) / 2 * plan_ref.value_stride),
-                        finite.add(head * keys_per_head + first_key),
-                        plan_ref.value_stride,
-                    )
-                }
-                None if p.kv_int8 => {
-                    (kernels.pack_keys_int8)(p, b, kv_head, first_key, key_end, key_dst)
-                }
-                None => (kernels.pack_keys[p.dtype as usize])(
-                    p, b, kv_head, first_key, key_end, key_dst,
-                ),
+    let first_key = first_panel * KEY_PANEL;
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let key_dst = layout
+            .packed
+            .add((head * plan.panels_per_head + first_panel) * layout.panel_size);
+        match layout.pairs {
+            Some(pack_pairs) => pack_pairs(
+                p,
+                b,
+                kv_head,
+                first_key,
+                key_end,
+                key_dst.cast::<u32>(),
+                layout
+                    .packed_values
+                    .add((head * layout.keys_per_head + first_key) / 2 * plan.value_stride),
+                layout
+                    .value_finite
+                    .add(head * layout.keys_per_head + first_key),
+                plan.value_stride,
+            ),
+            None if p.kv_int8 => {
+                (kernels.pack_keys_int8)(p, b, kv_head, first_key, key_end, key_dst)
             }
-        };
-    });
+            None => {
+                (kernels.pack_keys[p.dtype as usize])(p, b, kv_head, first_key, key_end, key_dst)
+            }
+        }
+    }
+}
 
+fn prefill_items(
+    plans: &[FlashPlan],
+    index: usize,
+    items: &mut Vec<CostedItem>,
+) -> Result<(), ProblemError> {
+    let plan = &plans[index];
+    let p = plan.problem;
+    let (batch, kv_heads) = (p.q.shape[0] as usize, p.k.shape[1] as usize);
     let tiles = plan.rows_per_group.div_ceil(Q_TILE_ROWS);
-    let mut items = Vec::new();
     items
-        .try_reserve_exact(batch * kv_heads * tiles)
+        .try_reserve(batch * kv_heads * tiles)
         .map_err(|_| ProblemError::out_of_memory())?;
     for b in 0..batch {
         for kv_head in 0..kv_heads {
@@ -527,6 +788,7 @@ fn run_prefill(
                 let first_key = first_key / KEY_PANEL * KEY_PANEL;
                 let last_key = last_key.max(first_key);
                 items.push(CostedItem {
+                    plan: index,
                     item: WorkItem {
                         b,
                         kv_head,
@@ -541,103 +803,322 @@ fn run_prefill(
             }
         }
     }
-    run_items(plan, kernels, &mut items, threads, false)
+    Ok(())
 }
 
-/// 6. Split-key: chunks of every group's visible keys, then the log-sum-exp merge.
-fn run_split_key(
-    plan: &mut FlashPlan,
-    kernels: FlashKernels,
-    threads: usize,
-    buffers: &mut CallerBuffers,
+/// Step 6, split-key: chunks of every group's visible keys (slots numbered from 0 in each plan;
+/// the merge then combines each group's partials by log-sum-exp). A cascade's parts (step 8)
+/// always write partials, a shared plan in row tiles of at most Q_TILE_ROWS rows, a sequence that
+/// shares a prefix from its key_begin on (no chunk when the prefix holds all its keys). No items:
+/// counting slots only.
+fn split_key_items(
+    plans: &[FlashPlan],
+    index: usize,
+    layout: &mut PlanLayout,
+    mut items: Option<&mut Vec<CostedItem>>,
 ) -> Result<(), ProblemError> {
+    let plan = &plans[index];
     let p = plan.problem;
-    let (batch, kv_heads, value_dim) =
-        (p.q.shape[0] as usize, p.k.shape[1] as usize, plan.value_dim);
+    let (batch, kv_heads) = (p.q.shape[0] as usize, p.k.shape[1] as usize);
     let rows = plan.rows_per_group;
-
-    let mut slot_base = try_filled(batch + 1, 0usize)?; // first slot of (b, kv_head 0)
-    let mut items = Vec::new();
+    let cascade = layout.cascade.shared || layout.cascade.shared_plan.is_some();
+    layout.slot_base = try_filled(batch + 1, 0usize)?;
     for b in 0..batch {
         // Only the group's visible range is split: the first row's window start to the last
         // row's visible end.
         let (key_begin0, _) = flash_row_key_range(p, b, plan.group, 0);
         let (_, key_end) = flash_row_key_range(p, b, plan.group, rows - 1);
+        let key_begin0 = key_begin0.max(layout.cascade.key_begin);
         let key_end = key_end.max(key_begin0);
-        let chunks = (key_end - key_begin0).div_ceil(SPLIT_KEY_CHUNK).max(1);
+        let chunks = (key_end - key_begin0).div_ceil(SPLIT_KEY_CHUNK);
+        let chunks = if cascade { chunks } else { chunks.max(1) };
+        let partial = cascade || chunks > 1;
+        layout.slot_base[b + 1] = layout.slot_base[b] + if partial { chunks * kv_heads } else { 0 };
+        let Some(items) = items.as_deref_mut() else {
+            continue;
+        };
         items
-            .try_reserve(chunks * kv_heads)
+            .try_reserve(chunks * kv_heads * rows.div_ceil(Q_TILE_ROWS))
             .map_err(|_| ProblemError::out_of_memory())?;
-        slot_base[b + 1] = slot_base[b] + if chunks > 1 { chunks * kv_heads } else { 0 };
         for kv_head in 0..kv_heads {
             for chunk in 0..chunks {
-                let key_begin = key_begin0 + chunk * SPLIT_KEY_CHUNK;
-                let chunk_end = (key_begin + SPLIT_KEY_CHUNK).min(key_end);
-                items.push(CostedItem {
-                    item: WorkItem {
-                        b,
-                        kv_head,
-                        row_begin: 0,
-                        row_end: rows,
-                        key_begin,
-                        key_end: if chunks > 1 { chunk_end } else { key_end },
-                        partial_slot: (chunks > 1).then(|| slot_base[b] + kv_head * chunks + chunk),
-                    },
-                    cost: (chunk_end.saturating_sub(key_begin) + KEY_BLOCK) * rows,
-                });
+                for row_begin in (0..rows).step_by(Q_TILE_ROWS) {
+                    let row_end = (row_begin + Q_TILE_ROWS).min(rows);
+                    let key_begin = key_begin0 + chunk * SPLIT_KEY_CHUNK;
+                    let chunk_end = (key_begin + SPLIT_KEY_CHUNK).min(key_end);
+                    items.push(CostedItem {
+                        plan: index,
+                        item: WorkItem {
+                            b,
+                            kv_head,
+                            row_begin,
+                            row_end,
+                            key_begin,
+                            key_end: if partial { chunk_end } else { key_end },
+                            partial_slot: partial
+                                .then(|| layout.slot_base[b] + kv_head * chunks + chunk),
+                        },
+                        cost: (chunk_end.saturating_sub(key_begin) + KEY_BLOCK)
+                            * (row_end - row_begin),
+                    });
+                }
             }
         }
     }
-    let slots = slot_base[batch];
-    let mut merge_rows = std::ptr::null_mut();
-    if slots > 0 {
-        let slot_rows = slots * rows;
-        // then one float32 row per thread for the merge of a half out (merge_partials)
-        let partials = buffers
-            .partials
-            .ensure(slot_rows * (value_dim + 2) + threads * value_dim)?;
-        // SAFETY: the buffer holds slot_rows * (Dv + 2) + threads * Dv floats.
-        merge_rows = unsafe { partials.add(slot_rows * (value_dim + 2)) };
-        plan.partial_out = partials;
-        // SAFETY: the buffer holds slot_rows * (Dv + 2) floats.
-        plan.partial_max = unsafe { partials.add(slot_rows * value_dim) };
-        // SAFETY: as above.
-        plan.partial_sum = unsafe { partials.add(slot_rows * (value_dim + 1)) };
-    }
-    run_items(plan, kernels, &mut items, threads, true)?;
-    if slots == 0 {
-        return Ok(());
-    }
+    Ok(())
+}
 
-    // Merge, in chunk order.
-    let plan_ref = &*plan;
-    let slot_base = &slot_base;
-    let merge_rows = Shared(merge_rows);
-    parallel_for(batch * kv_heads, threads, &|head, thread| {
-        let (b, kv_head) = (head / kv_heads, head % kv_heads);
-        let chunks = (slot_base[b + 1] - slot_base[b]) / kv_heads;
-        if chunks == 0 {
-            return; // one chunk: written directly
+/// Runs every problem of a call (none empty): the K^T panels of every prefill plan (one parallel
+/// pass), then the work items of all plans together (one parallel pass), then the merge of every
+/// split group (one parallel pass).
+///
+/// # Safety
+/// As [`attention_forward_with`], for every problem (each checked).
+unsafe fn run_problems(
+    problems: &[AttentionProblem],
+    cascade: &[CascadePart],
+    kernels: FlashKernels,
+    threads: usize,
+) -> Result<(), ProblemError> {
+    let work: f64 = problems.iter().map(problem_work).sum();
+    let threads = if work < SERIAL_WORK as f64 {
+        1
+    } else {
+        threads
+    };
+    let mut plans: Vec<FlashPlan> = Vec::new();
+    plans
+        .try_reserve_exact(problems.len())
+        .map_err(|_| ProblemError::out_of_memory())?;
+    plans.extend(problems.iter().map(flash_plan));
+    let mut layouts = Vec::new();
+    layouts
+        .try_reserve_exact(problems.len())
+        .map_err(|_| ProblemError::out_of_memory())?;
+
+    // Buffers: every plan's part of the packed K (and V pairs), of the partials.
+    let (mut packed_floats, mut value_pairs, mut finite_flags) = (0usize, 0usize, 0usize);
+    let (mut partial_rows, mut partial_floats) = (0usize, 0usize);
+    for index in 0..plans.len() {
+        let heads = (plans[index].problem.q.shape[0] * plans[index].problem.k.shape[1]) as usize;
+        let part = cascade.get(index).copied().unwrap_or_default();
+        let mut layout = PlanLayout {
+            prefill: plans[index].rows_per_group > Q_TILE_ROWS && !part.shared,
+            pairs: None,
+            panel_size: 0,
+            keys_per_head: 0,
+            packed_at: 0,
+            values_at: 0,
+            finite_at: 0,
+            packed: std::ptr::null_mut(),
+            packed_values: std::ptr::null_mut(),
+            value_finite: std::ptr::null_mut(),
+            slot_base: Vec::new(),
+            partial_at: 0,
+            cascade: part,
+        };
+        if layout.prefill {
+            layout_prefill(&mut plans[index], kernels, &mut layout);
+            let plan = &plans[index];
+            layout.packed_at = packed_floats;
+            packed_floats = [heads, plan.panels_per_head, layout.panel_size]
+                .into_iter()
+                .try_fold(1usize, usize::checked_mul)
+                .and_then(|floats| floats.checked_add(packed_floats))
+                .ok_or_else(ProblemError::out_of_memory)?;
+            layout.values_at = value_pairs;
+            layout.finite_at = finite_flags;
+            if layout.pairs.is_some() {
+                value_pairs += heads * layout.keys_per_head / 2 * plan.value_stride;
+                finite_flags += heads * layout.keys_per_head;
+            }
+        } else {
+            split_key_items(&plans, index, &mut layout, None)?;
+            let plan = &plans[index];
+            let slot_rows = layout.slot_base[layout.slot_base.len() - 1] * plan.rows_per_group;
+            layout.partial_at = partial_rows;
+            partial_rows += slot_rows;
+            partial_floats += slot_rows * plan.value_dim;
         }
-        // SAFETY: the partials of these slots were written by the items above; this group's
-        // out and lse rows are written by this item only.
-        unsafe {
-            let merge = match plan_ref.problem.dtype {
-                ElementType::Float32 => merge_partials::<f32>,
-                ElementType::Float16 => merge_partials::<Float16>,
-                ElementType::BFloat16 => merge_partials::<BFloat16>,
-            };
-            merge(
-                plan_ref,
+        layouts.push(layout);
+    }
+    let max_value_dim = plans.iter().map(|plan| plan.value_dim).max().unwrap_or(0);
+    with_thread_buffers(&CALLER_BUFFERS, |buffers| {
+        // (at least one element each: a prefill plan's packed_keys is never null, even with
+        // Lk = 0)
+        let packed = buffers.packed_keys.ensure(packed_floats.max(1))?;
+        let packed_values = buffers
+            .packed_values
+            .ensure(value_pairs.max(1))?
+            .cast::<u32>();
+        if buffers.value_finite.len() < finite_flags.max(1) {
+            buffers.value_finite = try_filled(finite_flags.max(1), 0u8)?;
+        }
+        let value_finite = buffers.value_finite.as_mut_ptr();
+        // partial out, m, l, then one float32 row per thread for the merge of a half out
+        // (merge_partials)
+        let mut merge_rows = std::ptr::null_mut();
+        let mut partials = std::ptr::null_mut();
+        if partial_rows > 0 {
+            partials = buffers
+                .partials
+                .ensure(partial_floats + 2 * partial_rows + threads * max_value_dim)?;
+            // SAFETY: the buffer holds that many floats.
+            merge_rows = partials.wrapping_add(partial_floats + 2 * partial_rows);
+        }
+        let mut pack_groups = Vec::new();
+        let mut merge_groups = Vec::new();
+        let mut partial_floats_at = 0;
+        for (index, (plan, layout)) in plans.iter_mut().zip(layouts.iter_mut()).enumerate() {
+            let (batch, kv_heads) = (
+                plan.problem.q.shape[0] as usize,
+                plan.problem.k.shape[1] as usize,
+            );
+            // (every offset below lies inside the buffers sized above)
+            if layout.prefill {
+                layout.packed = packed.wrapping_add(layout.packed_at);
+                plan.packed_keys = layout.packed;
+                if layout.pairs.is_some() {
+                    layout.packed_values = packed_values.wrapping_add(layout.values_at);
+                    layout.value_finite = value_finite.wrapping_add(layout.finite_at);
+                    plan.packed_values = layout.packed_values;
+                    plan.value_finite = layout.value_finite;
+                }
+                pack_groups
+                    .try_reserve(batch * kv_heads)
+                    .map_err(|_| ProblemError::out_of_memory())?;
+                for b in 0..batch {
+                    for kv_head in 0..kv_heads {
+                        pack_groups.push(Group {
+                            plan: index,
+                            b,
+                            kv_head,
+                        });
+                    }
+                }
+            } else if layout.slot_base[batch] > 0 {
+                let slot_rows = layout.slot_base[batch] * plan.rows_per_group;
+                plan.partial_out = partials.wrapping_add(partial_floats_at);
+                plan.partial_max = partials.wrapping_add(partial_floats + layout.partial_at);
+                plan.partial_sum =
+                    partials.wrapping_add(partial_floats + partial_rows + layout.partial_at);
+                partial_floats_at += slot_rows * plan.value_dim;
+            }
+            if layout.prefill || layout.cascade.shared {
+                continue;
+            }
+            // a sequence that shares a prefix merges even with no chunk of its own
+            for b in 0..batch {
+                for kv_head in 0..kv_heads {
+                    if layout.slot_base[b + 1] > layout.slot_base[b]
+                        || layout.cascade.shared_plan.is_some()
+                    {
+                        merge_groups.push(Group {
+                            plan: index,
+                            b,
+                            kv_head,
+                        });
+                    }
+                }
+            }
+        }
+        // 2 and 6. Every plan's work items (listed before the passes start: listing rewrites
+        // each split plan's slot_base, the same values as above).
+        let mut items = Vec::new();
+        for (index, layout) in layouts.iter_mut().enumerate() {
+            if layout.prefill {
+                prefill_items(&plans, index, &mut items)?;
+            } else {
+                split_key_items(&plans, index, layout, Some(&mut items))?;
+            }
+        }
+        let (plans, layouts) = (&plans, &layouts);
+
+        // 2. The K^T panels of every prefill group.
+        if !pack_groups.is_empty() {
+            let pack_groups = &pack_groups;
+            parallel_for(pack_groups.len(), threads, &|index, _| {
+                let Group { plan, b, kv_head } = pack_groups[index];
+                // SAFETY: the problems are checked and valid; group (plan, b, kv_head) writes
+                // only its own panels, pair rows and flags, inside the buffers sized above.
+                unsafe { pack_head(&plans[plan], kernels, &layouts[plan], b, kv_head) };
+            });
+        }
+
+        // 2 and 6. The work items of all plans, in one pass.
+        run_items(plans, kernels, &mut items, threads)?;
+        if merge_groups.is_empty() {
+            return Ok(());
+        }
+
+        // 6. Merge, in chunk order.
+        let merge_rows = Shared(merge_rows);
+        let merge_groups = &merge_groups;
+        parallel_for(merge_groups.len(), threads, &|index, thread| {
+            let Group {
+                plan: plan_index,
                 b,
                 kv_head,
-                slot_base[b] + kv_head * chunks,
+            } = merge_groups[index];
+            let plan = &plans[plan_index];
+            let slot_base = &layouts[plan_index].slot_base;
+            let kv_heads = plan.problem.k.shape[1] as usize;
+            let chunks = (slot_base[b + 1] - slot_base[b]) / kv_heads;
+            // The shared prefix's chunks (a cascade: its plan's b is 0), then the group's own.
+            let own = PartialChunks {
+                plan,
+                first_slot: slot_base[b] + kv_head * chunks,
                 chunks,
-                merge_rows.get().add(thread * value_dim),
-            )
-        };
-    });
-    Ok(())
+                first_row: 0,
+            };
+            let shared = layouts[plan_index].cascade.shared_plan.map(|shared| {
+                let shared_chunks = layouts[shared].slot_base[1] / kv_heads;
+                PartialChunks {
+                    plan: &plans[shared],
+                    first_slot: kv_head * shared_chunks,
+                    chunks: shared_chunks,
+                    first_row: layouts[plan_index].cascade.shared_row,
+                }
+            });
+            let sources: &[PartialChunks] = match &shared {
+                Some(shared) => &[*shared, own],
+                None => &[own],
+            };
+            // SAFETY: the partials of these slots were written by the items above; this group's
+            // out and lse rows are written by this item only.
+            unsafe {
+                let merge = match plan.problem.dtype {
+                    ElementType::Float32 => merge_partials::<f32>,
+                    ElementType::Float16 => merge_partials::<Float16>,
+                    ElementType::BFloat16 => merge_partials::<BFloat16>,
+                };
+                merge(
+                    plan,
+                    b,
+                    kv_head,
+                    sources,
+                    merge_rows.get().add(thread * max_value_dim),
+                )
+            };
+        });
+        Ok(())
+    })
+}
+
+/// Chunks first_slot .. first_slot + chunks of a plan's partials, for the rows of a group that
+/// start at packed row first_row there.
+#[derive(Clone, Copy)]
+struct PartialChunks<'x, 'p, 'a> {
+    plan: &'x FlashPlan<'p, 'a>,
+    first_slot: usize,
+    chunks: usize,
+    first_row: usize,
+}
+
+impl PartialChunks<'_, '_, '_> {
+    fn slot_row(&self, chunk: usize, r: usize) -> usize {
+        (self.first_slot + chunk) * self.plan.rows_per_group + self.first_row + r
+    }
 }
 
 /// Step 6's merge: for every row of group (b, kv_head), chunks in order, `m* = max_c m_c`,
@@ -646,18 +1127,18 @@ fn run_split_key(
 /// +inf and l_c = NaN (flash_kernel.rs, softmax_row), so m* (NaN-propagating) and the weights
 /// carry it into out and lse ([`flash_row_lse`]); a chunk that saw nothing has l_c = 0. A sink s
 /// (base 2) counts here once: m* starts at s and l* at 2^(s - m*). The row is summed in float32
-/// (in out itself for float32, in a row buffer for the halves), then rounded to T once.
+/// (in out itself for float32, in a row buffer for the halves), then rounded to T once. The
+/// chunks come from `sources` in order: a cascade's shared prefix first (its plan's rows from
+/// first_row on), then the group's own.
 ///
 /// # Safety
-/// Partial slots first_slot..first_slot + chunks of the plan hold this group's rows; the views
-/// of the plan's problem are valid; row_buffer holds Dv floats of this thread's (unused for
-/// float32).
+/// Each source's partial slots hold this group's rows; the views of the plan's problem are
+/// valid; row_buffer holds Dv floats of this thread's (unused for float32).
 unsafe fn merge_partials<T: Element>(
     plan: &FlashPlan,
     b: usize,
     kv_head: usize,
-    first_slot: usize,
-    chunks: usize,
+    sources: &[PartialChunks],
     row_buffer: *mut f32,
 ) {
     let p = plan.problem;
@@ -673,8 +1154,10 @@ unsafe fn merge_partials<T: Element>(
                 f32::NEG_INFINITY
             };
             let mut m_star = sink;
-            for c in 0..chunks {
-                m_star = max_nan(m_star, *plan.partial_max.add((first_slot + c) * rows + r));
+            for chunks in sources {
+                for c in 0..chunks.chunks {
+                    m_star = max_nan(m_star, *chunks.plan.partial_max.add(chunks.slot_row(c, r)));
+                }
             }
             let out_row =
                 p.out.data.cast::<T>().offset(
@@ -693,16 +1176,16 @@ unsafe fn merge_partials<T: Element>(
             } else {
                 0.0f32
             };
-            if m_star != f32::NEG_INFINITY {
-                for c in 0..chunks {
-                    let slot_row = (first_slot + c) * rows + r;
-                    let l_c = *plan.partial_sum.add(slot_row);
+            for chunks in sources.iter().take_while(|_| m_star != f32::NEG_INFINITY) {
+                for c in 0..chunks.chunks {
+                    let slot_row = chunks.slot_row(c, r);
+                    let l_c = *chunks.plan.partial_sum.add(slot_row);
                     if l_c == 0.0 {
                         continue;
                     }
-                    let weight = (*plan.partial_max.add(slot_row) - m_star).exp2();
+                    let weight = (*chunks.plan.partial_max.add(slot_row) - m_star).exp2();
                     l_star += l_c * weight;
-                    let o_c = plan.partial_out.add(slot_row * value_dim);
+                    let o_c = chunks.plan.partial_out.add(slot_row * value_dim);
                     for d in 0..value_dim {
                         *dst.add(d) += *o_c.add(d) * weight;
                     }

@@ -403,6 +403,8 @@ unsafe fn tile_gradients(
         probs_pairs: std::ptr::null_mut(),
         key_scales: std::ptr::null_mut(),
         value_scales: std::ptr::null_mut(),
+        key_rows: std::ptr::null_mut(),
+        value_rows: std::ptr::null_mut(),
     };
     // SAFETY: forwarded; mask_block reads only scores (rows x n of stride KEY_BLOCK) and the
     // rows' key ranges of the view.
