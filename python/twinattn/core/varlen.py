@@ -24,7 +24,7 @@ float64 reference on it; the native ports read the packed or paged memory in pla
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Union, overload
+from typing import TYPE_CHECKING, Any, Literal, Union, overload
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -203,16 +203,46 @@ def _cu_seqlens(name: str, value: object, total: int, total_name: str, batch: in
     return cu
 
 
+if TYPE_CHECKING:
+    from typing_extensions import TypedDict, Unpack
+
+    class _VarlenKeywords(TypedDict, total=False):
+        """attention_varlen's keywords other than return_lse, for its overloads."""
+
+        causal: bool
+        scale: float | None
+        window_size: tuple[int, int]
+        softcap: float
+        alibi_slopes: ArrayLike | None
+        sinks: ArrayLike | None
+        out: np.ndarray | None
+        backend: str
+        num_threads: int | None
+        k_scale: ArrayLike | None
+        v_scale: ArrayLike | None
+
+    class _PagedKeywords(_VarlenKeywords, total=False):
+        """attention_paged's keywords other than return_lse, for its overloads."""
+
+        cu_seqlens_q: ArrayLike | None
+
+
+# return_lse=False (the default) gives out; return_lse=True gives (out, lse)
 @overload
 def attention_varlen(
     q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, *,
-    return_lse: Literal[False] = False, **keywords: Any,
+    return_lse: Literal[False] = False, **keywords: Unpack[_VarlenKeywords],
 ) -> np.ndarray: ...
 @overload
 def attention_varlen(
     q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, *,
-    return_lse: Literal[True], **keywords: Any,
+    return_lse: Literal[True], **keywords: Unpack[_VarlenKeywords],
 ) -> tuple[np.ndarray, np.ndarray]: ...
+@overload
+def attention_varlen(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, cu_seqlens_q: ArrayLike, cu_seqlens_k: ArrayLike, *,
+    return_lse: bool = False, **keywords: Unpack[_VarlenKeywords],
+) -> Result: ...
 
 
 def attention_varlen(
@@ -300,13 +330,18 @@ def attention_varlen(
 @overload
 def attention_paged(
     q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike, block_table: ArrayLike, seq_lens: ArrayLike, *,
-    return_lse: Literal[False] = False, **keywords: Any,
+    return_lse: Literal[False] = False, **keywords: Unpack[_PagedKeywords],
 ) -> np.ndarray: ...
 @overload
 def attention_paged(
     q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike, block_table: ArrayLike, seq_lens: ArrayLike, *,
-    return_lse: Literal[True], **keywords: Any,
+    return_lse: Literal[True], **keywords: Unpack[_PagedKeywords],
 ) -> tuple[np.ndarray, np.ndarray]: ...
+@overload
+def attention_paged(
+    q: ArrayLike, k_cache: ArrayLike, v_cache: ArrayLike, block_table: ArrayLike, seq_lens: ArrayLike, *,
+    return_lse: bool = False, **keywords: Unpack[_PagedKeywords],
+) -> Result: ...
 
 
 def attention_paged(
@@ -433,7 +468,8 @@ def attention_paged(
             blocks = table[b, : -(-length // block_size)]
 
             def gather(pool: np.ndarray) -> np.ndarray:
-                return pool[blocks].reshape((-1,) + pool.shape[2:])[:length]
+                gathered: np.ndarray = pool[blocks].reshape((-1,) + pool.shape[2:])
+                return gathered[:length]
 
             problem.reference_sequence(
                 b, slice(int(cu_q[b]), int(cu_q[b + 1])), result, lse, gather(keys), gather(values),

@@ -379,7 +379,8 @@ class Attention:
             v_scale=v_scale,
             **self._variant_keywords(),
         )
-        return out.transpose(0, 2, 1, 3)
+        result: np.ndarray = out.transpose(0, 2, 1, 3)
+        return result
 
     def __repr__(self) -> str:
         return (
