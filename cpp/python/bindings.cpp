@@ -190,6 +190,39 @@ View param_view(const py::handle& object, const char* name, const char* axes) {
 
 using Kernel = void (*)(const AttentionProblem&, int);
 
+// The scalars and the variants' parameter arrays every entry takes, converted in this order:
+// causal, scale, num_threads (returned), window_left, window_right, softcap, alibi_slopes, sinks.
+int64_t convert_options(const py::handle& causal_obj, const py::handle& scale_obj, const py::handle& num_threads_obj,
+                        const py::handle& window_left_obj, const py::handle& window_right_obj,
+                        const py::handle& softcap_obj, const py::handle& alibi_slopes_obj, const py::handle& sinks_obj,
+                        PackedOptions& options) {
+    options.causal = !causal_obj.is_none() && as_bool(causal_obj, "causal");
+    options.scale = static_cast<float>(as_float(scale_obj, "scale"));  // beyond float32: inf, rejected
+    const int64_t num_threads = num_threads_obj.is_none() ? 1 : as_int64(num_threads_obj, "num_threads");
+    options.window_left = window_left_obj.is_none() ? -1 : as_int64(window_left_obj, "window_left");
+    options.window_right = window_right_obj.is_none() ? -1 : as_int64(window_right_obj, "window_right");
+    options.softcap = softcap_obj.is_none() ? 0.0f : static_cast<float>(as_float(softcap_obj, "softcap"));  // likewise
+    options.alibi_slopes = param_view<ParamView2, 2>(alibi_slopes_obj, "alibi_slopes", "(B, Hq)");
+    options.sinks = param_view<ParamView1, 1>(sinks_obj, "sinks", "(Hq,)");
+    return num_threads;
+}
+
+// Runs kernel(threads) without the GIL after check_num_threads; std::invalid_argument is
+// ValueError, std::bad_alloc MemoryError.
+template <typename Run>
+void run_without_gil(int64_t num_threads, const Run& kernel) {
+    try {
+        const int threads = check_num_threads(num_threads);
+        py::gil_scoped_release release;
+        kernel(threads);
+    } catch (const std::invalid_argument& error) {
+        throw py::value_error(error.what());
+    } catch (const std::bad_alloc&) {
+        PyErr_SetString(PyExc_MemoryError, kOutOfMemoryMessage);
+        throw py::error_already_set();
+    }
+}
+
 // Converts the arguments into an AttentionProblem and runs `kernel` without the GIL; the kernel
 // checks the problem first (check_problem: shapes against each other, lengths, ranges, scales
 // required or not, overlaps), once per call. Every keyword but scale may be None: its default.
@@ -238,29 +271,21 @@ void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
     problem.kv_lens = kv_lens;
 
     // 2. Scalars; then the parameter arrays.
-    problem.causal = !causal_obj.is_none() && as_bool(causal_obj, "causal");
-    problem.scale = static_cast<float>(as_float(scale_obj, "scale"));  // beyond float32: inf, rejected
-    const int64_t num_threads = num_threads_obj.is_none() ? 1 : as_int64(num_threads_obj, "num_threads");
-    problem.window_left = window_left_obj.is_none() ? -1 : as_int64(window_left_obj, "window_left");
-    problem.window_right = window_right_obj.is_none() ? -1 : as_int64(window_right_obj, "window_right");
-    problem.softcap = softcap_obj.is_none() ? 0.0f : static_cast<float>(as_float(softcap_obj, "softcap"));  // likewise
-    problem.alibi_slopes = param_view<ParamView2, 2>(alibi_slopes_obj, "alibi_slopes", "(B, Hq)");
-    problem.sinks = param_view<ParamView1, 1>(sinks_obj, "sinks", "(Hq,)");
+    PackedOptions options;
+    const int64_t num_threads = convert_options(causal_obj, scale_obj, num_threads_obj, window_left_obj,
+                                                window_right_obj, softcap_obj, alibi_slopes_obj, sinks_obj, options);
+    problem.causal = options.causal;
+    problem.scale = options.scale;
+    problem.window_left = options.window_left;
+    problem.window_right = options.window_right;
+    problem.softcap = options.softcap;
+    problem.alibi_slopes = options.alibi_slopes;
+    problem.sinks = options.sinks;
     problem.k_scale = param_view<ParamView3, 3>(k_scale_obj, "k_scale", "(B, Hkv, Lk)");
     problem.v_scale = param_view<ParamView3, 3>(v_scale_obj, "v_scale", "(B, Hkv, Lk)");
 
     // 3. The kernel without the GIL; it checks the problem first (check_problem, once per call).
-    // std::invalid_argument is ValueError, std::bad_alloc MemoryError.
-    try {
-        const int threads = check_num_threads(num_threads);
-        py::gil_scoped_release release;
-        kernel(problem, threads);
-    } catch (const std::invalid_argument& error) {
-        throw py::value_error(error.what());
-    } catch (const std::bad_alloc&) {
-        PyErr_SetString(PyExc_MemoryError, kOutOfMemoryMessage);
-        throw py::error_already_set();
-    }
+    run_without_gil(num_threads, [&](int threads) { kernel(problem, threads); });
 }
 
 // attention_forward (the fast kernel with the instruction set in use, docs/kernels.md) and
@@ -276,6 +301,129 @@ void attention_py(const py::object& q, const py::object& k, const py::object& v,
                   const py::object& v_scale) {
     run_kernel(kernel, q, k, v, out, scale, lse, q_offset, kv_lens, mask, causal, num_threads, window_left,
                window_right, softcap, alibi_slopes, sinks, k_scale, v_scale);
+}
+
+// ---- attention_varlen and attention_paged (docs/native_api.md) --------------------------------
+
+template <typename View>
+View view3(const py::array& a) {
+    View view{nullptr, {}, {}};
+    fill_shape_strides<View, 3>(a, view);
+    return view;
+}
+
+// q (total_q, Hq, D) of float32, float16 or bfloat16; k and v `k_axes` / `v_axes` of rank
+// `kv_rank`, q's dtype or both int8; out (total_q, Hq, Dv) writeable; each whole before the next.
+struct PackedArrays {
+    py::array q, k, v, out;
+    bool kv_int8;
+};
+
+PackedArrays packed_arrays(const py::handle& q_obj, const py::handle& k_obj, const py::handle& v_obj,
+                           const py::handle& out_obj, const char* k_name, const char* v_name, py::ssize_t kv_rank,
+                           const char* k_axes, const char* v_axes) {
+    PackedArrays arrays;
+    arrays.q = as_array(q_obj, "q", Dtype::Element, 3, "(total_q, Hq, D)");
+    arrays.k = as_array(k_obj, k_name, Dtype::LikeOrInt8, kv_rank, k_axes, &arrays.q);
+    arrays.kv_int8 = arrays.k.dtype().equal(py::dtype::of<int8_t>());
+    arrays.v = arrays.kv_int8 ? as_array(v_obj, v_name, Dtype::Int8, kv_rank, v_axes)
+                              : as_array(v_obj, v_name, Dtype::Like, kv_rank, v_axes, &arrays.q);
+    arrays.out = as_array(out_obj, "out", Dtype::Like, 3, "(total_q, Hq, Dv)", &arrays.q);
+    require_writeable(arrays.out, "out");
+    return arrays;
+}
+
+// The views of q and out, dtype and lse (Hq, total_q), writeable, float32.
+template <typename Problem>
+void packed_rows(const PackedArrays& arrays, const py::handle& lse_obj, Problem& problem) {
+    element_type_of(arrays.q.dtype(), &problem.options.dtype);
+    problem.options.kv_int8 = arrays.kv_int8;
+    problem.q = view3<TensorView3>(arrays.q);
+    problem.q.data = arrays.q.data();
+    problem.out = view3<MutTensorView3>(arrays.out);
+    problem.out.data = const_cast<py::array&>(arrays.out).mutable_data();
+    if (!lse_obj.is_none()) {
+        py::array lse = as_array(lse_obj, "lse", Dtype::Float32, 2, "(Hq, total_q)");
+        require_writeable(lse, "lse");
+        problem.lse.data = static_cast<float*>(lse.mutable_data());
+        fill_shape_strides<LseView2, 2>(lse, problem.lse);
+    }
+}
+
+// cu_seqlens_q, cu_seqlens_k, seq_lens: int64 (any stride), copied out (per_sequence).
+std::vector<int64_t> int64_vector(const py::handle& object, const char* name, const char* axes) {
+    if (object.is_none()) throw py::type_error(std::string(name) + ": expected a numpy.ndarray, got NoneType");
+    const py::array a = as_array(object, name, Dtype::Int64, 1, axes);
+    return per_sequence(a, name, 0, 0);
+}
+
+void attention_varlen_py(const py::object& q_obj, const py::object& k_obj, const py::object& v_obj,
+                         const py::object& out_obj, const py::object& cu_seqlens_q_obj,
+                         const py::object& cu_seqlens_k_obj, const py::object& scale_obj, const py::object& lse_obj,
+                         const py::object& causal_obj, const py::object& num_threads_obj,
+                         const py::object& window_left_obj, const py::object& window_right_obj,
+                         const py::object& softcap_obj, const py::object& alibi_slopes_obj,
+                         const py::object& sinks_obj, const py::object& k_scale_obj, const py::object& v_scale_obj) {
+    // 1. Arrays; 2. scalars and parameter arrays; 3. the kernel (its core checks the problem).
+    const PackedArrays arrays = packed_arrays(q_obj, k_obj, v_obj, out_obj, "k", "v", 3, "(total_k, Hkv, D)",
+                                              "(total_k, Hkv, Dv)");
+    VarlenProblem problem{};
+    packed_rows(arrays, lse_obj, problem);
+    problem.k = view3<TensorView3>(arrays.k);
+    problem.k.data = arrays.k.data();
+    problem.v = view3<TensorView3>(arrays.v);
+    problem.v.data = arrays.v.data();
+    const std::vector<int64_t> cu_seqlens_q = int64_vector(cu_seqlens_q_obj, "cu_seqlens_q", "(B + 1,)");
+    const std::vector<int64_t> cu_seqlens_k = int64_vector(cu_seqlens_k_obj, "cu_seqlens_k", "(B + 1,)");
+    problem.cu_seqlens_q = cu_seqlens_q;
+    problem.cu_seqlens_k = cu_seqlens_k;
+    const int64_t num_threads = convert_options(causal_obj, scale_obj, num_threads_obj, window_left_obj,
+                                                window_right_obj, softcap_obj, alibi_slopes_obj, sinks_obj,
+                                                problem.options);
+    problem.k_scale = param_view<ParamView2, 2>(k_scale_obj, "k_scale", "(total_k, Hkv)");
+    problem.v_scale = param_view<ParamView2, 2>(v_scale_obj, "v_scale", "(total_k, Hkv)");
+    run_without_gil(num_threads, [&](int threads) { attention_varlen(problem, threads); });
+}
+
+void attention_paged_py(const py::object& q_obj, const py::object& k_cache_obj, const py::object& v_cache_obj,
+                        const py::object& out_obj, const py::object& block_table_obj,
+                        const py::object& seq_lens_obj, const py::object& cu_seqlens_q_obj,
+                        const py::object& scale_obj, const py::object& lse_obj, const py::object& causal_obj,
+                        const py::object& num_threads_obj, const py::object& window_left_obj,
+                        const py::object& window_right_obj, const py::object& softcap_obj,
+                        const py::object& alibi_slopes_obj, const py::object& sinks_obj,
+                        const py::object& k_scale_obj, const py::object& v_scale_obj) {
+    const PackedArrays arrays =
+        packed_arrays(q_obj, k_cache_obj, v_cache_obj, out_obj, "k_cache", "v_cache", 4,
+                      "(num_blocks, block_size, Hkv, D)", "(num_blocks, block_size, Hkv, Dv)");
+    PagedProblem problem{};
+    packed_rows(arrays, lse_obj, problem);
+    problem.k_cache = tensor_view(arrays.k);
+    problem.v_cache = tensor_view(arrays.v);
+    if (!py::isinstance<py::array>(block_table_obj))
+        throw py::type_error("block_table: expected a numpy.ndarray, got " + type_name(block_table_obj));
+    const auto table = py::reinterpret_borrow<py::array>(block_table_obj);
+    if (!table.dtype().equal(py::dtype::of<int32_t>()))
+        throw py::type_error("block_table: expected dtype int32, got " + dtype_string(table));
+    if (table.ndim() != 2)
+        throw py::value_error("block_table: expected 2 dimensions (B, max_blocks), got shape " +
+                              tuple_string(table.shape(), table.ndim()));
+    for (py::ssize_t axis = 0; axis < 2 && table.size() > 0; ++axis)
+        if (table.strides(axis) % 4 != 0 || reinterpret_cast<std::uintptr_t>(table.data()) % 4 != 0)
+            throw py::value_error("block_table: expected byte strides that are multiples of the item size 4 and "
+                                  "aligned data, got strides " + tuple_string(table.strides(), 2));
+    problem.block_table = BlockTableView{static_cast<const int32_t*>(table.data()), {}, {}};
+    fill_shape_strides<BlockTableView, 2>(table, problem.block_table);
+    const std::vector<int64_t> seq_lens = int64_vector(seq_lens_obj, "seq_lens", "(B,)");
+    const std::vector<int64_t> cu_seqlens_q = int64_vector(cu_seqlens_q_obj, "cu_seqlens_q", "(B + 1,)");
+    problem.seq_lens = seq_lens;
+    problem.cu_seqlens_q = cu_seqlens_q;
+    const int64_t num_threads = convert_options(causal_obj, scale_obj, num_threads_obj, window_left_obj,
+                                                window_right_obj, softcap_obj, alibi_slopes_obj, sinks_obj,
+                                                problem.options);
+    problem.k_scale = param_view<ParamView3, 3>(k_scale_obj, "k_scale", "(num_blocks, block_size, Hkv)");
+    problem.v_scale = param_view<ParamView3, 3>(v_scale_obj, "v_scale", "(num_blocks, block_size, Hkv)");
+    run_without_gil(num_threads, [&](int threads) { attention_paged(problem, threads); });
 }
 
 // tanh of a float32 vector (any stride) with the fast kernel's vectorised tanh (softcap) and the
@@ -409,6 +557,24 @@ PYBIND11_MODULE(_cpp, m) {
                   "instruction set in use; see docs/native_api.md.");
     def_attention("attention_reference", &attention_py<&twinattn::attention_reference>,
                   "attention_forward computed by the plain scalar reference kernel (for tests).");
+    // attention_varlen and attention_paged: packed query rows, keys packed alike or in pages.
+    m.def("attention_varlen", &attention_varlen_py, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"),
+          py::arg("cu_seqlens_q"), py::arg("cu_seqlens_k"), py::kw_only(), py::arg("scale"),
+          py::arg("lse") = py::none(), py::arg("causal") = py::none(), py::arg("num_threads") = py::none(),
+          py::arg("window_left") = py::none(), py::arg("window_right") = py::none(),
+          py::arg("softcap") = py::none(), py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(),
+          py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(),
+          "Attention over sequences packed one after another (flash-attn's varlen layout) into out "
+          "(and lse); see docs/native_api.md.");
+    m.def("attention_paged", &attention_paged_py, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"),
+          py::arg("out"), py::arg("block_table"), py::arg("seq_lens"), py::arg("cu_seqlens_q"), py::kw_only(),
+          py::arg("scale"), py::arg("lse") = py::none(), py::arg("causal") = py::none(),
+          py::arg("num_threads") = py::none(), py::arg("window_left") = py::none(),
+          py::arg("window_right") = py::none(), py::arg("softcap") = py::none(),
+          py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(), py::arg("k_scale") = py::none(),
+          py::arg("v_scale") = py::none(),
+          "Attention of packed query rows over keys and values in a paged cache (block table) into "
+          "out (and lse); see docs/native_api.md.");
     m.def("set_isa", &set_isa_py, py::arg("name"),
           "Switches the instruction set among build_info()['isa_available']; ValueError otherwise.");
     m.def("softcap_tanh", &softcap_tanh_py, py::arg("x"),

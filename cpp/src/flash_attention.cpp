@@ -60,6 +60,36 @@ int64_t flash_row_position(const AttentionProblem& p, int64_t b, int64_t group, 
     return static_cast<int64_t>(std::max<int128>(-bound, std::min<int128>(bound, position)));
 }
 
+void flash_key_rows(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_begin, int64_t n,
+                    const void** key_rows, const void** value_rows, float* key_scales, float* value_scales) {
+    const int64_t item = p.kv_int8 ? 1 : element_size(p.dtype);
+    const char* const k_data = static_cast<const char*>(p.k.data);
+    const char* const v_data = static_cast<const char*>(p.v.data);
+    // Element offsets of key j: page * stride[0] + kv_head * stride[1] + slot * stride[2], the
+    // page b and the slot j when dense; the block table's entry and j's place in it when paged.
+    const auto fill = [&](int64_t j, int64_t page, int64_t slot) {
+        if (key_rows != nullptr)
+            key_rows[j] = k_data + (page * p.k.stride[0] + kv_head * p.k.stride[1] + slot * p.k.stride[2]) * item;
+        if (value_rows != nullptr)
+            value_rows[j] = v_data + (page * p.v.stride[0] + kv_head * p.v.stride[1] + slot * p.v.stride[2]) * item;
+        if (key_scales != nullptr)
+            key_scales[j] = p.k_scale.data[page * p.k_scale.stride[0] + kv_head * p.k_scale.stride[1] +
+                                           slot * p.k_scale.stride[2]];
+        if (value_scales != nullptr)
+            value_scales[j] = p.v_scale.data[page * p.v_scale.stride[0] + kv_head * p.v_scale.stride[1] +
+                                             slot * p.v_scale.stride[2]];
+    };
+    if (p.pages.data == nullptr) {
+        for (int64_t j = 0; j < n; ++j) fill(j, b, key_begin + j);
+        return;
+    }
+    int64_t entry = key_begin / p.pages.block_size, slot = key_begin % p.pages.block_size;
+    for (int64_t j = 0; j < n; ++entry, slot = 0) {
+        const int64_t page = p.pages.data[entry * p.pages.stride];
+        for (; slot < p.pages.block_size && j < n; ++slot, ++j) fill(j, page, slot);
+    }
+}
+
 float flash_row_lse(float m, float l) {
     if (l == 0.0f) return -std::numeric_limits<float>::infinity();
     if (m == std::numeric_limits<float>::infinity()) return m;
@@ -99,6 +129,7 @@ struct ScratchBuffers {
     AlignedBuffer<float> q_tile, scores, out_acc, row_max, row_sum, rescale, key_panels, key_scales, value_scales;
     AlignedBuffer<int64_t> row_key_begin, row_key_end;
     AlignedBuffer<uint32_t> probs_pairs;
+    AlignedBuffer<const void*> key_rows, value_rows;
 
     ThreadScratch view(int64_t D, int64_t value_stride, bool split_key, bool bf16_pairs) {
         ThreadScratch s;
@@ -114,6 +145,8 @@ struct ScratchBuffers {
         s.probs_pairs = bf16_pairs ? probs_pairs.ensure(kQTileRows * kKeyBlock / 2) : nullptr;
         s.key_scales = key_scales.ensure(kKeyBlock);
         s.value_scales = value_scales.ensure(kKeyBlock);
+        s.key_rows = key_rows.ensure(kKeyBlock);
+        s.value_rows = value_rows.ensure(kKeyBlock);
         return s;
     }
 };
@@ -141,69 +174,77 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 float max_nan(float a, float b) { return a != a || a > b ? a : b; }
 
 struct CostedItem {
+    const FlashPlan* plan;
     WorkItem item;
     int64_t cost;  // visible keys times rows: items are taken most expensive first
 };
 
-void run_items(const FlashPlan& plan, const FlashKernels& kernels, std::vector<CostedItem>& items,
-               int num_threads, bool split_key) {
+// A call's problems (attention_forward: one; attention_varlen and attention_paged: one per
+// sequence) and what each plan takes of the caller's buffers.
+struct PlanLayout {
+    bool prefill;
+    bool pairs;                      // prefill by bfloat16 dot products (avx512bf16)
+    int64_t panel_size;              // floats (or pairs) per K panel
+    int64_t keys_per_head;           // panels_per_head * kKeyPanel
+    int64_t packed_at, values_at, finite_at;  // offsets of its parts of the prefill buffers
+    float* packed;                   // its part of them (plan.packed_keys, writeable)
+    uint32_t* packed_values;
+    unsigned char* value_finite;
+    std::vector<int64_t> slot_base;  // split-key: first slot of (b, kv_head 0), B + 1 entries
+    int64_t partial_at;              // its first slot among the call's
+};
+
+void run_items(const FlashKernels& kernels, std::vector<CostedItem>& items, int num_threads) {
     std::stable_sort(items.begin(), items.end(),
                      [](const CostedItem& a, const CostedItem& b) { return a.cost > b.cost; });
     parallel_for(static_cast<int64_t>(items.size()), num_threads, [&](int64_t index, int) {
-        const ThreadScratch scratch =
-            thread_scratch().view(plan.head_dim, plan.value_stride, split_key, plan.packed_values != nullptr);
+        const CostedItem& costed = items[static_cast<size_t>(index)];
+        const FlashPlan& plan = *costed.plan;
+        const ThreadScratch scratch = thread_scratch().view(plan.head_dim, plan.value_stride, plan.packed_keys == nullptr,
+                                                            plan.packed_values != nullptr);
         const int dtype = static_cast<int>(plan.problem->dtype);
         const AttendRowsFn attend = plan.problem->kv_int8 ? kernels.attend_rows_int8[dtype] : kernels.attend_rows[dtype];
-        attend(plan, items[static_cast<size_t>(index)].item, scratch);
+        attend(plan, costed.item, scratch);
     });
 }
 
-// 2. Prefill: K^T panels of every (b, kv_head), then the tiles.
-void run_prefill(FlashPlan& plan, const FlashKernels& kernels, int num_threads) {
+// 2. Prefill: what plan's K^T panels take (layout), then its tiles (after the panels are packed).
+void layout_prefill(FlashPlan& plan, const FlashKernels& kernels, PlanLayout& layout) {
     const AttentionProblem& p = *plan.problem;
-    const int64_t B = p.q.shape[0], Hkv = p.k.shape[1], D = plan.head_dim;
     plan.panels_per_head = ceil_div(p.k.shape[2], kKeyPanel);
     // bfloat16 with dot products (avx512bf16): K and V pair panels (a pair fills a float's slot).
     // (Not with int8 K/V: those take the convert path.)
-    const bool pairs = kernels.pack_pairs != nullptr && p.dtype == ElementType::BFloat16 && !p.kv_int8;
-    const int64_t panel_size = (pairs ? ceil_div(D, 2) : D) * kKeyPanel;
-    const int64_t keys_per_head = plan.panels_per_head * kKeyPanel;
-    CallerBuffers& buffers = caller_buffers();
-    float* packed = buffers.packed_keys.ensure(std::max<int64_t>(B * Hkv * plan.panels_per_head * panel_size, 1));
-    plan.packed_keys = packed;
-    uint32_t* packed_values = nullptr;
-    unsigned char* value_finite = nullptr;
-    if (pairs) {
-        packed_values = buffers.packed_values.ensure(
-            std::max<int64_t>(B * Hkv * keys_per_head / 2 * plan.value_stride, 1));
-        value_finite = buffers.value_finite.ensure(std::max<int64_t>(B * Hkv * keys_per_head, 1));
-        plan.packed_values = packed_values;
-        plan.value_finite = value_finite;
-    }
+    layout.pairs = kernels.pack_pairs != nullptr && p.dtype == ElementType::BFloat16 && !p.kv_int8;
+    layout.panel_size = (layout.pairs ? ceil_div(plan.head_dim, 2) : plan.head_dim) * kKeyPanel;
+    layout.keys_per_head = plan.panels_per_head * kKeyPanel;
+}
 
-    // Pack only the panels some row may see: from the first row's window start (rounded down to
-    // a panel) to the last row's visible end.
-    parallel_for(B * Hkv, num_threads, [&](int64_t head, int) {
-        const int64_t b = head / Hkv, kv_head = head % Hkv;
-        int64_t key_begin, key_end, unused;
-        flash_row_key_range(p, b, plan.group, 0, &key_begin, &unused);
-        flash_row_key_range(p, b, plan.group, plan.rows_per_group - 1, &unused, &key_end);
-        const int64_t first_panel = key_begin / kKeyPanel;
-        if (key_end <= first_panel * kKeyPanel) return;
-        const int64_t first_key = first_panel * kKeyPanel;
-        if (pairs)
-            kernels.pack_pairs(p, b, kv_head, first_key, key_end,
-                               reinterpret_cast<uint32_t*>(packed) + (head * plan.panels_per_head + first_panel) * panel_size,
-                               packed_values + (head * keys_per_head + first_key) / 2 * plan.value_stride,
-                               value_finite + head * keys_per_head + first_key, plan.value_stride);
-        else
-            (p.kv_int8 ? kernels.pack_keys_int8 : kernels.pack_keys[static_cast<int>(p.dtype)])(
-                p, b, kv_head, first_key, key_end, packed + (head * plan.panels_per_head + first_panel) * panel_size);
-    });
+// Packs the panels of (b, kv_head) that some row may see: from the first row's window start
+// (rounded down to a panel) to the last row's visible end.
+void pack_head(const FlashPlan& plan, const FlashKernels& kernels, const PlanLayout& layout, int64_t b,
+               int64_t kv_head) {
+    const AttentionProblem& p = *plan.problem;
+    const int64_t head = b * p.k.shape[1] + kv_head;
+    int64_t key_begin, key_end, unused;
+    flash_row_key_range(p, b, plan.group, 0, &key_begin, &unused);
+    flash_row_key_range(p, b, plan.group, plan.rows_per_group - 1, &unused, &key_end);
+    const int64_t first_panel = key_begin / kKeyPanel;
+    if (key_end <= first_panel * kKeyPanel) return;
+    const int64_t first_key = first_panel * kKeyPanel;
+    float* packed = layout.packed + (head * plan.panels_per_head + first_panel) * layout.panel_size;
+    if (layout.pairs)
+        kernels.pack_pairs(p, b, kv_head, first_key, key_end, reinterpret_cast<uint32_t*>(packed),
+                           layout.packed_values + (head * layout.keys_per_head + first_key) / 2 * plan.value_stride,
+                           layout.value_finite + head * layout.keys_per_head + first_key, plan.value_stride);
+    else
+        (p.kv_int8 ? kernels.pack_keys_int8 : kernels.pack_keys[static_cast<int>(p.dtype)])(p, b, kv_head, first_key,
+                                                                                            key_end, packed);
+}
 
+void prefill_items(const FlashPlan& plan, std::vector<CostedItem>& items) {
+    const AttentionProblem& p = *plan.problem;
+    const int64_t B = p.q.shape[0], Hkv = p.k.shape[1];
     const int64_t tiles = ceil_div(plan.rows_per_group, kQTileRows);
-    std::vector<CostedItem> items;
-    items.reserve(static_cast<size_t>(B * Hkv * tiles));
     for (int64_t b = 0; b < B; ++b)
         for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head)
             for (int64_t tile = 0; tile < tiles; ++tile) {
@@ -216,11 +257,9 @@ void run_prefill(FlashPlan& plan, const FlashKernels& kernels, int num_threads) 
                 flash_row_key_range(p, b, plan.group, row_end - 1, &unused, &last_key);
                 first_key = first_key / kKeyPanel * kKeyPanel;
                 last_key = std::max(last_key, first_key);
-                items.push_back(CostedItem{
-                    WorkItem{b, kv_head, row_begin, row_end, first_key, last_key, -1},
-                    (last_key - first_key + kKeyBlock) * (row_end - row_begin)});
+                items.push_back(CostedItem{&plan, WorkItem{b, kv_head, row_begin, row_end, first_key, last_key, -1},
+                                           (last_key - first_key + kKeyBlock) * (row_end - row_begin)});
             }
-    run_items(plan, kernels, items, num_threads, false);
 }
 
 // Step 6's merge: for every row of group (b, kv_head), chunks in order, m* = max_c m_c,
@@ -267,14 +306,13 @@ void merge_partials(const FlashPlan& plan, int64_t b, int64_t kv_head, int64_t f
     }
 }
 
-// 6. Split-key: chunks of every group's visible keys, then the log-sum-exp merge.
-void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads) {
+// 6. Split-key: chunks of every group's visible keys (slots numbered from 0 in each plan; the
+// merge then combines each group's partials by log-sum-exp).
+void split_key_items(const FlashPlan& plan, PlanLayout& layout, std::vector<CostedItem>* items) {
     const AttentionProblem& p = *plan.problem;
-    const int64_t B = p.q.shape[0], Hkv = p.k.shape[1], Dv = plan.value_dim;
+    const int64_t B = p.q.shape[0], Hkv = p.k.shape[1];
     const int64_t rows = plan.rows_per_group;
-
-    std::vector<int64_t> slot_base(static_cast<size_t>(B) + 1, 0);  // first slot of (b, kv_head 0)
-    std::vector<CostedItem> items;
+    layout.slot_base.assign(static_cast<size_t>(B) + 1, 0);
     for (int64_t b = 0; b < B; ++b) {
         // Only the group's visible range is split: the first row's window start to the last
         // row's visible end.
@@ -283,41 +321,165 @@ void run_split_key(FlashPlan& plan, const FlashKernels& kernels, int num_threads
         flash_row_key_range(p, b, plan.group, rows - 1, &unused, &key_end);
         key_end = std::max(key_end, key_begin0);
         const int64_t chunks = std::max<int64_t>(1, ceil_div(key_end - key_begin0, kSplitKeyChunk));
-        slot_base[b + 1] = slot_base[b] + (chunks > 1 ? chunks * Hkv : 0);
+        layout.slot_base[b + 1] = layout.slot_base[b] + (chunks > 1 ? chunks * Hkv : 0);
+        if (items == nullptr) continue;  // counting slots only
         for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head)
             for (int64_t chunk = 0; chunk < chunks; ++chunk) {
                 const int64_t key_begin = key_begin0 + chunk * kSplitKeyChunk;
                 const int64_t chunk_end = std::min(key_begin + kSplitKeyChunk, key_end);
-                const int64_t slot = chunks > 1 ? slot_base[b] + kv_head * chunks + chunk : -1;
-                items.push_back(CostedItem{
-                    WorkItem{b, kv_head, 0, rows, key_begin, chunks > 1 ? chunk_end : key_end, slot},
+                const int64_t slot = chunks > 1 ? layout.slot_base[b] + kv_head * chunks + chunk : -1;
+                items->push_back(CostedItem{
+                    &plan, WorkItem{b, kv_head, 0, rows, key_begin, chunks > 1 ? chunk_end : key_end, slot},
                     (chunk_end - key_begin + kKeyBlock) * rows});
             }
     }
-    const int64_t slots = slot_base[B];
-    if (slots > 0) {
-        CallerBuffers& buffers = caller_buffers();
-        plan.partial_out = buffers.partial_out.ensure(std::max<int64_t>(slots * rows * Dv, 1));
-        plan.partial_max = buffers.partial_max.ensure(slots * rows);
-        plan.partial_sum = buffers.partial_sum.ensure(slots * rows);
-    }
-    run_items(plan, kernels, items, num_threads, true);
-    if (slots == 0) return;
+}
 
-    // Merge, in chunk order.
+// One (plan, b, kv_head) of a call: a group to pack (prefill) or to merge (split-key).
+struct Group {
+    size_t plan;
+    int64_t b, kv_head;
+};
+
+// 1. Plan of one problem (its rows, scale multipliers and variants); buffers are set by run_plans.
+FlashPlan make_plan(const AttentionProblem& p) {
+    FlashPlan plan{};
+    plan.problem = &p;
+    plan.group = p.q.shape[1] / p.k.shape[1];
+    plan.rows_per_group = p.q.shape[2] * plan.group;
+    plan.head_dim = p.q.shape[3];
+    plan.value_dim = p.v.shape[3];
+    plan.value_stride = (plan.value_dim + 15) / 16 * 16;
+    plan.has_softcap = p.softcap > 0.0f;
+    // Softcap: Q times scale / softcap, then tanh(S) times softcap * log2(e) (flash_kernel.hpp).
+    plan.q_multiplier = plan.has_softcap ? p.scale / p.softcap : p.scale * kLog2E;
+    // A denormal softcap can make scale / softcap overflow: the largest float instead, so that a
+    // zero in q stays 0 (not 0 * inf = NaN); every score that matters saturates tanh either way.
+    if (std::isinf(plan.q_multiplier))
+        plan.q_multiplier = std::copysign(std::numeric_limits<float>::max(), plan.q_multiplier);
+    plan.softcap_multiplier = p.softcap * kLog2E;
+    plan.has_mask = p.mask.kind != MaskKind::None;
+    plan.has_alibi = p.alibi_slopes.data != nullptr;
+    plan.has_sinks = p.sinks.data != nullptr;
+    return plan;
+}
+
+// The multiply-adds of a problem, in double (the product of five int64 extents may overflow).
+double problem_work(const AttentionProblem& p) {
+    return static_cast<double>(p.q.shape[0]) * static_cast<double>(p.q.shape[1]) * static_cast<double>(p.q.shape[2]) *
+           static_cast<double>(p.k.shape[2]) * static_cast<double>(p.q.shape[3] + p.v.shape[3]);
+}
+
+// Runs every problem of a call (none empty): the K^T panels of every prefill plan (one parallel
+// pass), then the work items of all plans together (one parallel pass), then the merge of every
+// split group (one parallel pass).
+void run_problems(const std::vector<AttentionProblem>& problems, const FlashKernels& kernels, int num_threads) {
+    double work = 0.0;
+    for (const AttentionProblem& p : problems) work += problem_work(p);
+    if (work < static_cast<double>(kSerialWork)) num_threads = 1;
+    std::vector<FlashPlan> plans;
+    std::vector<PlanLayout> layouts(problems.size());
+    plans.reserve(problems.size());
+    for (const AttentionProblem& p : problems) plans.push_back(make_plan(p));
+
+    // Buffers: every plan's part of the packed K (and V pairs), of the partials.
+    int64_t packed_floats = 0, value_pairs = 0, finite_flags = 0, partial_rows = 0, partial_floats = 0;
+    for (size_t i = 0; i < plans.size(); ++i) {
+        FlashPlan& plan = plans[i];
+        PlanLayout& layout = layouts[i];
+        const int64_t heads = plan.problem->q.shape[0] * plan.problem->k.shape[1];
+        layout.prefill = plan.rows_per_group > kQTileRows;
+        if (layout.prefill) {
+            layout_prefill(plan, kernels, layout);
+            layout.packed_at = packed_floats;
+            packed_floats += heads * plan.panels_per_head * layout.panel_size;
+            layout.values_at = value_pairs;
+            layout.finite_at = finite_flags;
+            if (layout.pairs) {
+                value_pairs += heads * layout.keys_per_head / 2 * plan.value_stride;
+                finite_flags += heads * layout.keys_per_head;
+            }
+        } else {
+            split_key_items(plan, layout, nullptr);
+            layout.partial_at = partial_rows;
+            partial_rows += layout.slot_base.back() * plan.rows_per_group;
+            partial_floats += layout.slot_base.back() * plan.rows_per_group * plan.value_dim;
+        }
+    }
+    CallerBuffers& buffers = caller_buffers();
+    // (at least one element each: a prefill plan's packed_keys is never null, even with Lk = 0)
+    float* packed = buffers.packed_keys.ensure(std::max<int64_t>(packed_floats, 1));
+    uint32_t* packed_values = buffers.packed_values.ensure(std::max<int64_t>(value_pairs, 1));
+    unsigned char* value_finite = buffers.value_finite.ensure(std::max<int64_t>(finite_flags, 1));
+    float* partial_out = partial_rows > 0 ? buffers.partial_out.ensure(std::max<int64_t>(partial_floats, 1)) : nullptr;
+    float* partial_max = partial_rows > 0 ? buffers.partial_max.ensure(partial_rows) : nullptr;
+    float* partial_sum = partial_rows > 0 ? buffers.partial_sum.ensure(partial_rows) : nullptr;
+    std::vector<Group> pack_groups, merge_groups;
+    int64_t partial_floats_at = 0;
+    for (size_t i = 0; i < plans.size(); ++i) {
+        FlashPlan& plan = plans[i];
+        PlanLayout& layout = layouts[i];
+        const int64_t B = plan.problem->q.shape[0], Hkv = plan.problem->k.shape[1];
+        if (layout.prefill) {
+            layout.packed = packed + layout.packed_at;
+            plan.packed_keys = layout.packed;
+            if (layout.pairs) {
+                layout.packed_values = packed_values + layout.values_at;
+                layout.value_finite = value_finite + layout.finite_at;
+                plan.packed_values = layout.packed_values;
+                plan.value_finite = layout.value_finite;
+            }
+            for (int64_t b = 0; b < B; ++b)
+                for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head) pack_groups.push_back(Group{i, b, kv_head});
+        } else if (layout.slot_base.back() > 0) {
+            plan.partial_out = partial_out + partial_floats_at;
+            plan.partial_max = partial_max + layout.partial_at;
+            plan.partial_sum = partial_sum + layout.partial_at;
+            partial_floats_at += layout.slot_base.back() * plan.rows_per_group * plan.value_dim;
+            for (int64_t b = 0; b < B; ++b)
+                for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head)
+                    if (layout.slot_base[b + 1] > layout.slot_base[b]) merge_groups.push_back(Group{i, b, kv_head});
+        }
+    }
+
+    // 2. The K^T panels of every prefill group.
+    if (!pack_groups.empty())
+        parallel_for(static_cast<int64_t>(pack_groups.size()), num_threads, [&](int64_t index, int) {
+            const Group& group = pack_groups[static_cast<size_t>(index)];
+            pack_head(plans[group.plan], kernels, layouts[group.plan], group.b, group.kv_head);
+        });
+
+    // 2 and 6. Every plan's work items, in one pass.
+    std::vector<CostedItem> items;
+    for (size_t i = 0; i < plans.size(); ++i) {
+        if (layouts[i].prefill)
+            prefill_items(plans[i], items);
+        else
+            split_key_items(plans[i], layouts[i], &items);
+    }
+    run_items(kernels, items, num_threads);
+    if (merge_groups.empty()) return;
+
+    // 6. Merge, in chunk order.
+    const int64_t max_value_dim = std::max_element(plans.begin(), plans.end(), [](const FlashPlan& a, const FlashPlan& b) {
+                                      return a.value_dim < b.value_dim;
+                                  })->value_dim;
     std::vector<std::vector<float>> merge_rows(static_cast<size_t>(
-        p.dtype == ElementType::Float32 ? 0 : std::min<int64_t>(num_threads, B * Hkv)));
-    for (std::vector<float>& row : merge_rows) row.resize(static_cast<size_t>(Dv));
-    parallel_for(B * Hkv, num_threads, [&](int64_t head, int thread) {
-        const int64_t b = head / Hkv, kv_head = head % Hkv;
-        const int64_t chunks = (slot_base[b + 1] - slot_base[b]) / Hkv;
-        if (chunks == 0) return;  // one chunk: written directly
+        problems[0].dtype == ElementType::Float32 ? 0
+                                                  : std::min<int64_t>(num_threads, static_cast<int64_t>(merge_groups.size()))));
+    for (std::vector<float>& row : merge_rows) row.resize(static_cast<size_t>(max_value_dim));
+    parallel_for(static_cast<int64_t>(merge_groups.size()), num_threads, [&](int64_t index, int thread) {
+        const Group& group = merge_groups[static_cast<size_t>(index)];
+        const FlashPlan& plan = plans[group.plan];
+        const std::vector<int64_t>& slot_base = layouts[group.plan].slot_base;
+        const int64_t Hkv = plan.problem->k.shape[1];
+        const int64_t chunks = (slot_base[group.b + 1] - slot_base[group.b]) / Hkv;
         float* row_buffer = merge_rows.empty() ? nullptr : merge_rows[static_cast<size_t>(thread)].data();
-        const int64_t first_slot = slot_base[b] + kv_head * chunks;
-        switch (p.dtype) {
-            case ElementType::Float32: merge_partials<float>(plan, b, kv_head, first_slot, chunks, row_buffer); break;
-            case ElementType::Float16: merge_partials<Float16>(plan, b, kv_head, first_slot, chunks, row_buffer); break;
-            case ElementType::BFloat16: merge_partials<BFloat16>(plan, b, kv_head, first_slot, chunks, row_buffer); break;
+        const int64_t first_slot = slot_base[group.b] + group.kv_head * chunks;
+        switch (plan.problem->dtype) {
+            case ElementType::Float32: merge_partials<float>(plan, group.b, group.kv_head, first_slot, chunks, row_buffer); break;
+            case ElementType::Float16: merge_partials<Float16>(plan, group.b, group.kv_head, first_slot, chunks, row_buffer); break;
+            case ElementType::BFloat16: merge_partials<BFloat16>(plan, group.b, group.kv_head, first_slot, chunks, row_buffer); break;
         }
     });
 }
@@ -337,36 +499,26 @@ void attention_forward(const AttentionProblem& p, int num_threads) {
     check_problem(p);
     check_num_threads(num_threads);
     const FlashKernels kernels = current_kernels();
-    const int64_t B = p.q.shape[0], Hq = p.q.shape[1], Lq = p.q.shape[2];
-    if (B == 0 || Hq == 0 || Lq == 0) return;
+    if (p.q.shape[0] == 0 || p.q.shape[1] == 0 || p.q.shape[2] == 0) return;
+    run_problems(std::vector<AttentionProblem>{p}, kernels, num_threads);
+}
 
-    // 1. Plan.
-    FlashPlan plan{};
-    plan.problem = &p;
-    plan.group = Hq / p.k.shape[1];
-    plan.rows_per_group = Lq * plan.group;
-    plan.head_dim = p.q.shape[3];
-    plan.value_dim = p.v.shape[3];
-    plan.value_stride = (plan.value_dim + 15) / 16 * 16;
-    plan.has_softcap = p.softcap > 0.0f;
-    // Softcap: Q times scale / softcap, then tanh(S) times softcap * log2(e) (flash_kernel.hpp).
-    plan.q_multiplier = plan.has_softcap ? p.scale / p.softcap : p.scale * kLog2E;
-    // A denormal softcap can make scale / softcap overflow: the largest float instead, so that a
-    // zero in q stays 0 (not 0 * inf = NaN); every score that matters saturates tanh either way.
-    if (std::isinf(plan.q_multiplier))
-        plan.q_multiplier = std::copysign(std::numeric_limits<float>::max(), plan.q_multiplier);
-    plan.softcap_multiplier = p.softcap * kLog2E;
-    plan.has_mask = p.mask.kind != MaskKind::None;
-    plan.has_alibi = p.alibi_slopes.data != nullptr;
-    plan.has_sinks = p.sinks.data != nullptr;
-    // Work in double: the product of five int64 extents may overflow.
-    const double work = static_cast<double>(B) * static_cast<double>(Hq) * static_cast<double>(Lq) *
-                        static_cast<double>(p.k.shape[2]) * static_cast<double>(plan.head_dim + plan.value_dim);
-    if (work < static_cast<double>(kSerialWork)) num_threads = 1;
-    if (plan.rows_per_group > kQTileRows)
-        run_prefill(plan, kernels, num_threads);
-    else
-        run_split_key(plan, kernels, num_threads);
+void attention_varlen(const VarlenProblem& problem, int num_threads) {
+    std::vector<int64_t> positions;
+    const std::vector<AttentionProblem> sequences = varlen_sequences(problem, positions);
+    check_num_threads(num_threads);
+    const FlashKernels kernels = current_kernels();
+    if (sequences.empty() || problem.q.shape[1] == 0) return;
+    run_problems(sequences, kernels, num_threads);
+}
+
+void attention_paged(const PagedProblem& problem, int num_threads) {
+    std::vector<int64_t> positions;
+    const std::vector<AttentionProblem> sequences = paged_sequences(problem, positions);
+    check_num_threads(num_threads);
+    const FlashKernels kernels = current_kernels();
+    if (sequences.empty() || problem.q.shape[1] == 0) return;
+    run_problems(sequences, kernels, num_threads);
 }
 
 }  // namespace twinattn

@@ -53,13 +53,14 @@ struct DotKernel : Convert {
                            int64_t key_end, uint32_t* key_dst, uint32_t* value_dst,
                            unsigned char* finite_dst, int64_t value_stride) {
         const int64_t D = p.k.shape[3], D2 = (D + 1) / 2, Dv = p.v.shape[3];
-        const uint16_t* k_head = reinterpret_cast<const uint16_t*>(p.k.data) + b * p.k.stride[0] + kv_head * p.k.stride[1];
-        const uint16_t* v_head = reinterpret_cast<const uint16_t*>(p.v.data) + b * p.v.stride[0] + kv_head * p.v.stride[1];
-        // K pair panels: pair (d2, key) from K rows read in place.
+        // K pair panels: pair (d2, key) from K rows read in place (flash_key_rows, a panel at a
+        // time; V rows two keys at a time).
+        const void* rows[kKeyPanel];
         for (int64_t panel_begin = key_begin; panel_begin < key_end; panel_begin += kKeyPanel) {
             const int64_t keys = key_end - panel_begin < kKeyPanel ? key_end - panel_begin : kKeyPanel;
+            flash_key_rows(p, b, kv_head, panel_begin, keys, rows, nullptr, nullptr, nullptr);
             for (int64_t j = 0; j < kKeyPanel; ++j) {
-                const uint16_t* k_row = k_head + (panel_begin + j) * p.k.stride[2];
+                const uint16_t* k_row = j < keys ? static_cast<const uint16_t*>(rows[j]) : nullptr;
                 for (int64_t d2 = 0; d2 < D2; ++d2) {
                     uint32_t pair = 0;
                     if (j < keys) {
@@ -75,8 +76,9 @@ struct DotKernel : Convert {
         // V pair rows and the finite flags (a bfloat16 is finite unless its exponent is all ones).
         const int64_t padded_end = key_end + (key_end - key_begin) % 2;
         for (int64_t key = key_begin; key < padded_end; key += 2) {
-            const uint16_t* even = v_head + key * p.v.stride[2];
-            const uint16_t* odd = key + 1 < key_end ? v_head + (key + 1) * p.v.stride[2] : nullptr;
+            flash_key_rows(p, b, kv_head, key, key + 1 < key_end ? 2 : 1, nullptr, rows, nullptr, nullptr);
+            const uint16_t* even = static_cast<const uint16_t*>(rows[0]);
+            const uint16_t* odd = key + 1 < key_end ? static_cast<const uint16_t*>(rows[1]) : nullptr;
             uint32_t* dst = value_dst + (key - key_begin) / 2 * value_stride;
             bool even_finite = true, odd_finite = true;
             for (int64_t c = 0; c < Dv; ++c) {
@@ -249,7 +251,6 @@ struct DotKernel : Convert {
             reinterpret_cast<const uint32_t*>(plan.packed_keys) + head * plan.panels_per_head * D2 * kKeyPanel;
         const uint32_t* v_head_pairs = plan.packed_values + head * keys_per_head / 2 * value_stride;
         const unsigned char* v_head_finite = plan.value_finite + head * keys_per_head;
-        const BFloat16* v_head = static_cast<const BFloat16*>(p.v.data) + b * p.v.stride[0] + item.kv_head * p.v.stride[1];
         for (int64_t key_block = item.key_begin; key_block < key_stop; key_block += kKeyBlock) {
             const int64_t n = key_stop - key_block < kKeyBlock ? key_stop - key_block : kKeyBlock;
             const int64_t n_padded = round_up(n, 16);
@@ -263,8 +264,8 @@ struct DotKernel : Convert {
             if (masked || n % 2 != 0)
                 for (int64_t j = 0; j < n + n % 2; ++j) values_finite &= v_head_finite[key_block + j] != 0;
             if (!values_finite) {
-                Convert::block_values<true>(s.scores, rows, n, v_head + key_block * p.v.stride[2], p.v.stride[2],
-                                            s.out_acc, value_stride, Dv, s.rescale);
+                flash_key_rows(p, b, item.kv_head, key_block, n, nullptr, s.value_rows, nullptr, nullptr);
+                Convert::block_values<true>(s.scores, rows, n, s.value_rows, s.out_acc, value_stride, Dv, s.rescale);
                 continue;
             }
             round_probs(s.scores, rows, n_padded, s.probs_pairs);

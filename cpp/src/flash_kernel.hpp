@@ -88,6 +88,9 @@ struct ThreadScratch {
     // int8 K/V: the current block's k_scale and v_scale (kKeyBlock each; 0 past the block's keys).
     float* key_scales;
     float* value_scales;
+    // The current block's K and V rows (kKeyBlock each, flash_key_rows): dense or paged alike.
+    const void** key_rows;
+    const void** value_rows;
 };
 
 using AttendRowsFn = void (*)(const FlashPlan& plan, const WorkItem& item, const ThreadScratch& scratch);
@@ -135,6 +138,13 @@ FlashKernels flash_kernels_neon();  // flash_neon.cpp, only when built for AArch
 // not inline, see the ODR note above).
 void flash_row_key_range(const AttentionProblem& p, int64_t b, int64_t group, int64_t r,
                          int64_t* begin, int64_t* end);
+// Key rows (docs/kernels.md, "Key rows"): for keys [key_begin, key_begin + n) of (b, kv_head),
+// the address of each key's K row in key_rows[j] and V row in value_rows[j], and its int8 scales
+// in key_scales[j], value_scales[j]; each output may be nullptr (not wanted). Dense problems give
+// base + j * stride; paged ones (problem.hpp, KeyPages) walk the block table page by page, with
+// no division per key. The kernel reads K and V only through these rows.
+void flash_key_rows(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_begin, int64_t n,
+                    const void** key_rows, const void** value_rows, float* key_scales, float* value_scales);
 // The absolute position q_offset[b] + r / group of packed row r, clamped to +-2^62 so that
 // position - j cannot overflow (ALiBi; beyond 2^24 a float distance is inexact anyway).
 int64_t flash_row_position(const AttentionProblem& p, int64_t b, int64_t group, int64_t r);
@@ -203,32 +213,31 @@ struct Kernel {
     // ---- 2. Packing ---------------------------------------------------------------------------
     static void pack_keys(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_begin,
                           int64_t key_end, float* dst) {
-        const int64_t D = p.k.shape[3], key_stride = p.k.stride[2];
-        const KV* k_head = static_cast<const KV*>(p.k.data) + b * p.k.stride[0] + kv_head * p.k.stride[1];
-        // int8: column j holds float32(k_j) * k_scale[j] (one rounding), so the micro-kernels
-        // below are the float32 ones.
-        const float* k_scale = kInt8 ? p.k_scale.data + b * p.k_scale.stride[0] + kv_head * p.k_scale.stride[1]
-                                     : nullptr;
+        const int64_t D = p.k.shape[3];
+        // The panel's K rows and (int8) k_scale: column j holds float32(k_j) * k_scale[j] (one
+        // rounding), so the micro-kernels below are the float32 ones.
+        const void* k_rows[kKeyPanel];
+        float k_scale[kKeyPanel];
         for (int64_t panel_begin = key_begin; panel_begin < key_end; panel_begin += kKeyPanel) {
             const int64_t keys = key_end - panel_begin < kKeyPanel ? key_end - panel_begin : kKeyPanel;
-            const KV* k_rows = k_head + panel_begin * key_stride;
+            flash_key_rows(p, b, kv_head, panel_begin, keys, k_rows, nullptr, kInt8 ? k_scale : nullptr, nullptr);
             int64_t d_done = 0;
             if (keys == kKeyPanel) {  // whole panel: W x W blocks transposed in registers
                 for (; d_done + W <= D; d_done += W)
                     for (int64_t j = 0; j < kKeyPanel; j += W) {
                         Reg block[W];
-                        for (int64_t t = 0; t < W; ++t) block[t] = V::load_as_f32(k_rows + (j + t) * key_stride + d_done);
+                        for (int64_t t = 0; t < W; ++t)
+                            block[t] = V::load_as_f32(static_cast<const KV*>(k_rows[j + t]) + d_done);
                         if (kInt8)
-                            for (int64_t t = 0; t < W; ++t)
-                                block[t] = V::mul(block[t], V::broadcast(k_scale[(panel_begin + j + t) * p.k_scale.stride[2]]));
+                            for (int64_t t = 0; t < W; ++t) block[t] = V::mul(block[t], V::broadcast(k_scale[j + t]));
                         V::transpose(block);
                         for (int64_t t = 0; t < W; ++t) V::store(dst + (d_done + t) * kKeyPanel + j, block[t]);
                     }
             }
             for (int64_t j = 0; j < keys; ++j) {  // the rest, element by element
-                const KV* k_row = k_rows + j * key_stride;
+                const KV* k_row = static_cast<const KV*>(k_rows[j]);
                 if (kInt8) {
-                    const float scale = k_scale[(panel_begin + j) * p.k_scale.stride[2]];
+                    const float scale = k_scale[j];
                     for (int64_t d = d_done; d < D; ++d) dst[d * kKeyPanel + j] = to_f32(k_row[d]) * scale;
                 } else {
                     for (int64_t d = d_done; d < D; ++d) dst[d * kKeyPanel + j] = to_f32(k_row[d]);
@@ -343,8 +352,8 @@ struct Kernel {
     // overwritten with -inf before the softmax. int8: each score is then acc * k_scale (one
     // multiply per (row, key); key_scales is the block's, 0 past n).
     template <int R>
-    static void direct_strip(const float* q, int64_t D, const KV* k_rows, int64_t k_stride,
-                             int64_t j0, int64_t n, const float* key_scales, float* scores) {
+    static void direct_strip(const float* q, int64_t D, const void* const* k_rows, int64_t j0, int64_t n,
+                             const float* key_scales, float* scores) {
         constexpr int64_t kBatches = W / 4;
         Reg y[R][kBatches];
         for (int64_t b = 0; b < kBatches; ++b) {
@@ -356,7 +365,7 @@ struct Kernel {
             }
             const KV* k[4];
 #pragma GCC unroll 4
-            for (int t = 0; t < 4; ++t) k[t] = k_rows + (first + t < n ? first + t : n - 1) * k_stride;
+            for (int t = 0; t < 4; ++t) k[t] = static_cast<const KV*>(k_rows[first + t < n ? first + t : n - 1]);
             direct_batch<R>(q, D, k, &y[0][b], kBatches);
         }
 #pragma GCC unroll 8
@@ -370,8 +379,8 @@ struct Kernel {
 
     // S for all rows (<= kDirectScoreRows) against the block's n keys read in place: groups of
     // W keys, each in strips of V::kDirectStripRows rows (the last strip as many as remain).
-    static void direct_block_scores(const float* q_tile, int64_t D, int64_t rows, const KV* k_rows,
-                                    int64_t k_stride, int64_t n, const float* key_scales, float* scores) {
+    static void direct_block_scores(const float* q_tile, int64_t D, int64_t rows, const void* const* k_rows,
+                                    int64_t n, const float* key_scales, float* scores) {
         constexpr int64_t SR = V::kDirectStripRows;
         static_assert(SR >= 1 && SR <= 6, "the switch below lists the strip heights 1..6");
         for (int64_t j0 = 0; j0 < n; j0 += W) {
@@ -379,12 +388,12 @@ struct Kernel {
                 const float* q = q_tile + r * D;
                 float* s = scores + r * kKeyBlock;
                 switch (rows - r < SR ? rows - r : SR) {
-                    case 1: direct_strip<1>(q, D, k_rows, k_stride, j0, n, key_scales, s); break;
-                    case 2: direct_strip<2>(q, D, k_rows, k_stride, j0, n, key_scales, s); break;
-                    case 3: direct_strip<(SR >= 3 ? 3 : 1)>(q, D, k_rows, k_stride, j0, n, key_scales, s); break;
-                    case 4: direct_strip<(SR >= 4 ? 4 : 1)>(q, D, k_rows, k_stride, j0, n, key_scales, s); break;
-                    case 5: direct_strip<(SR >= 5 ? 5 : 1)>(q, D, k_rows, k_stride, j0, n, key_scales, s); break;
-                    default: direct_strip<(SR >= 6 ? 6 : 1)>(q, D, k_rows, k_stride, j0, n, key_scales, s); break;
+                    case 1: direct_strip<1>(q, D, k_rows, j0, n, key_scales, s); break;
+                    case 2: direct_strip<2>(q, D, k_rows, j0, n, key_scales, s); break;
+                    case 3: direct_strip<(SR >= 3 ? 3 : 1)>(q, D, k_rows, j0, n, key_scales, s); break;
+                    case 4: direct_strip<(SR >= 4 ? 4 : 1)>(q, D, k_rows, j0, n, key_scales, s); break;
+                    case 5: direct_strip<(SR >= 5 ? 5 : 1)>(q, D, k_rows, j0, n, key_scales, s); break;
+                    default: direct_strip<(SR >= 6 ? 6 : 1)>(q, D, k_rows, j0, n, key_scales, s); break;
                 }
             }
         }
@@ -394,7 +403,7 @@ struct Kernel {
     // kTail: the last vector holds only `tail` columns. kSafe: a row whose p is 0 (a hidden key)
     // skips the key, so a NaN in a hidden value never enters (0 * NaN = NaN).
     template <int R, int NV, bool kTail, bool kSafe>
-    static void value_micro(const float* probs, int64_t n, const KV* v_rows, int64_t v_stride,
+    static void value_micro(const float* probs, int64_t n, const void* const* v_rows, int64_t column,
                             float* out, int64_t out_stride, const float* rescale, bool do_rescale,
                             int64_t tail) {
         Reg acc[R][NV] = {};  // (= {}: silences a false -Wuninitialized)
@@ -408,7 +417,7 @@ struct Kernel {
             }
         }
         for (int64_t key = 0; key < n; ++key) {
-            const KV* v_row = v_rows + key * v_stride;
+            const KV* v_row = static_cast<const KV*>(v_rows[key]) + column;
             Reg values[NV];
 #pragma GCC unroll 4
             for (int v = 0; v < NV; ++v)
@@ -445,38 +454,37 @@ struct Kernel {
     // O for one strip of R rows: column blocks of kValueVectors vectors, then single vectors,
     // then the masked tail.
     template <int R, bool kSafe>
-    static void strip_values(const float* probs, int64_t n, const KV* v_rows, int64_t v_stride,
-                             float* out, int64_t out_stride, int64_t Dv, const float* rescale) {
+    static void strip_values(const float* probs, int64_t n, const void* const* v_rows, float* out,
+                             int64_t out_stride, int64_t Dv, const float* rescale) {
         constexpr int NV = V::kValueVectors;
         bool do_rescale = false;
         for (int s = 0; s < R; ++s) do_rescale |= rescale[s] != 1.0f;
         int64_t c = 0;
         for (; c + NV * W <= Dv; c += NV * W)
-            value_micro<R, NV, false, kSafe>(probs, n, v_rows + c, v_stride, out + c, out_stride,
+            value_micro<R, NV, false, kSafe>(probs, n, v_rows, c, out + c, out_stride,
                                              rescale, do_rescale, 0);
         for (; c + W <= Dv; c += W)
-            value_micro<R, 1, false, kSafe>(probs, n, v_rows + c, v_stride, out + c, out_stride,
+            value_micro<R, 1, false, kSafe>(probs, n, v_rows, c, out + c, out_stride,
                                             rescale, do_rescale, 0);
         if (c < Dv)
-            value_micro<R, 1, true, kSafe>(probs, n, v_rows + c, v_stride, out + c, out_stride,
+            value_micro<R, 1, true, kSafe>(probs, n, v_rows, c, out + c, out_stride,
                                            rescale, do_rescale, Dv - c);
     }
 
     template <bool kSafe>
-    static void block_values(const float* scores, int64_t rows, int64_t n, const KV* v_rows,
-                             int64_t v_stride, float* out_acc, int64_t out_stride, int64_t Dv,
-                             const float* rescale) {
+    static void block_values(const float* scores, int64_t rows, int64_t n, const void* const* v_rows,
+                             float* out_acc, int64_t out_stride, int64_t Dv, const float* rescale) {
         for (int64_t r = 0; r < rows; r += kMicroRows) {
             const float* probs = scores + r * kKeyBlock;
             float* out = out_acc + r * out_stride;
             const float* alpha = rescale + r;
             switch (rows - r < kMicroRows ? rows - r : kMicroRows) {
-                case 1: strip_values<1, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha); break;
-                case 2: strip_values<2, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha); break;
-                case 3: strip_values<3, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha); break;
-                case 4: strip_values<4, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha); break;
-                case 5: strip_values<5, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha); break;
-                default: strip_values<6, kSafe>(probs, n, v_rows, v_stride, out, out_stride, Dv, alpha); break;
+                case 1: strip_values<1, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha); break;
+                case 2: strip_values<2, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha); break;
+                case 3: strip_values<3, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha); break;
+                case 4: strip_values<4, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha); break;
+                case 5: strip_values<5, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha); break;
+                default: strip_values<6, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha); break;
             }
         }
     }
@@ -512,13 +520,6 @@ struct Kernel {
             plan.packed_keys == nullptr
                 ? nullptr
                 : plan.packed_keys + (b * p.k.shape[1] + item.kv_head) * plan.panels_per_head * D * kKeyPanel;
-        const KV* v_head = static_cast<const KV*>(p.v.data) + b * p.v.stride[0] + item.kv_head * p.v.stride[1];
-        const KV* k_head = static_cast<const KV*>(p.k.data) + b * p.k.stride[0] + item.kv_head * p.k.stride[1];
-        // int8: this head's scales (read through their strides, gathered per block).
-        const float* k_scale_head =
-            kInt8 ? p.k_scale.data + b * p.k_scale.stride[0] + item.kv_head * p.k_scale.stride[1] : nullptr;
-        const float* v_scale_head =
-            kInt8 ? p.v_scale.data + b * p.v_scale.stride[0] + item.kv_head * p.v_scale.stride[1] : nullptr;
         // Split-key groups of few rows read K in place (3a'); the others pack K^T panels.
         const bool direct = plan.packed_keys == nullptr && rows <= kDirectScoreRows;
         for (int64_t key_block = item.key_begin; key_block < key_stop; key_block += kKeyBlock) {
@@ -533,18 +534,15 @@ struct Kernel {
             }
             // No software prefetch on any path: K and V are read as forward streams that the
             // hardware prefetcher follows (docs/kernels.md, step 6).
-            const KV* v_rows = v_head + key_block * p.v.stride[2];
-            if (kInt8) {  // the block's scales, 0 past n (those scores become -inf below)
-                for (int64_t j = 0; j < n_padded; ++j) {
-                    const int64_t key = key_block + j;
-                    s.key_scales[j] = j < n ? k_scale_head[key * p.k_scale.stride[2]] : 0.0f;
-                    s.value_scales[j] = j < n ? v_scale_head[key * p.v_scale.stride[2]] : 0.0f;
-                }
-            }
+            // The block's K rows (read in place by the direct path only), V rows and int8 scales,
+            // 0 past n (those scores become -inf below).
+            flash_key_rows(p, b, item.kv_head, key_block, n, direct ? s.key_rows : nullptr, s.value_rows,
+                           kInt8 ? s.key_scales : nullptr, kInt8 ? s.value_scales : nullptr);
+            if (kInt8)
+                for (int64_t j = n; j < n_padded; ++j) s.key_scales[j] = s.value_scales[j] = 0.0f;
             // (a) S = Q K^T (int8: direct scores times k_scale here, panels already scaled).
             if (direct)
-                direct_block_scores(s.q_tile, D, rows, k_head + key_block * p.k.stride[2], p.k.stride[2],
-                                    n, s.key_scales, s.scores);
+                direct_block_scores(s.q_tile, D, rows, s.key_rows, n, s.key_scales, s.scores);
             else
                 block_scores(s.q_tile, D, rows, panels, n, s.scores);
             // (a') - (c) Softcap, mask, online softmax.
@@ -559,11 +557,9 @@ struct Kernel {
                 }
             // (d) O = alpha O + P V.
             if (masked)
-                block_values<true>(s.scores, rows, n, v_rows, p.v.stride[2], s.out_acc,
-                                   out_stride, Dv, s.rescale);
+                block_values<true>(s.scores, rows, n, s.value_rows, s.out_acc, out_stride, Dv, s.rescale);
             else
-                block_values<false>(s.scores, rows, n, v_rows, p.v.stride[2], s.out_acc,
-                                    out_stride, Dv, s.rescale);
+                block_values<false>(s.scores, rows, n, s.value_rows, s.out_acc, out_stride, Dv, s.rescale);
         }
 
         // 4. Finish: out = O / l and lse, or the partial (m, l, O) of this key range.

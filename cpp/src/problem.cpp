@@ -64,11 +64,11 @@ void check_data(const char* argument, const void* data, const int64_t* shape, in
 }
 
 void check_unit_last_stride(const char* argument, const char* axis_name, const int64_t* shape,
-                            const int64_t* stride) {
+                            const int64_t* stride, int rank = 4) {
     // An empty array has no element to read, so its strides do not matter (NumPy may give 0).
-    if (shape[3] > 1 && stride[3] != 1 && element_count(shape, 4) != 0)
+    if (shape[rank - 1] > 1 && stride[rank - 1] != 1 && element_count(shape, rank) != 0)
         reject(std::string(argument) + ": expected unit stride on the last axis (" + axis_name +
-             "=" + std::to_string(shape[3]) + "), got stride " + std::to_string(stride[3]) +
+             "=" + std::to_string(shape[rank - 1]) + "), got stride " + std::to_string(stride[rank - 1]) +
              " elements");
 }
 
@@ -156,6 +156,55 @@ const char* element_name(ElementType dtype) {
     return dtype == ElementType::Float32 ? "float32" : dtype == ElementType::Float16 ? "float16" : "bfloat16";
 }
 
+// Step 2 of every problem: query head h reads KV head h / (Hq / Hkv).
+void check_group(const char* argument, int64_t q_heads, int64_t kv_heads) {
+    if (q_heads > 0 && (kv_heads == 0 || q_heads % kv_heads != 0))
+        reject(std::string(argument) + ": expected Hkv dividing Hq=" + std::to_string(q_heads) +
+             " (query head h reads KV head h // (Hq // Hkv)), got Hkv=" + std::to_string(kv_heads));
+}
+
+// Step 6 of every problem: window sides, softcap, ALiBi slopes (B, Hq) and sinks (Hq,), all finite.
+void check_variants(int64_t window_left, int64_t window_right, float softcap, const ParamView2& alibi_slopes,
+                    const ParamView1& sinks, const Dim& b, const Dim& hq) {
+    if (window_left < -1)
+        reject("window_left: expected an int >= -1 (-1: unbounded), got " + std::to_string(window_left));
+    if (window_right < -1)
+        reject("window_right: expected an int >= -1 (-1: unbounded), got " + std::to_string(window_right));
+    if (!std::isfinite(softcap) || softcap < 0.0f)
+        reject("softcap: expected a finite number >= 0 (0: off), got " + float_string(softcap));
+    if (alibi_slopes.data != nullptr) {
+        const Dim slope_dims[2] = {b, hq};
+        check_shape("alibi_slopes", alibi_slopes.shape, slope_dims, 2);
+        check_finite_values("alibi_slopes", alibi_slopes.data, alibi_slopes.shape, alibi_slopes.stride, 2);
+    }
+    if (sinks.data != nullptr) {
+        const Dim sink_dims[1] = {hq};
+        check_shape("sinks", sinks.shape, sink_dims, 1);
+        check_finite_values("sinks", sinks.data, sinks.shape, sinks.stride, 1);
+    }
+}
+
+// An int8 scale (k_scale, v_scale) is given exactly when k and v are int8; `shape` names its axes.
+void check_scale_given(const char* argument, bool given, bool kv_int8, ElementType dtype, const char* shape) {
+    if (kv_int8 && !given)
+        reject(std::string(argument) + ": required with int8 k and v (float32, shape " + shape + "), got None");
+    if (!kv_int8 && given)
+        reject(std::string(argument) + ": expected None with " + element_name(dtype) +
+             " k and v (scales are only for int8), got an array");
+}
+
+// Step 7's last part: out and lse disjoint from every input (and from each other).
+void check_outputs_disjoint(const Extent& out, const Extent& lse,
+                            const std::pair<const char*, Extent>* inputs, size_t count) {
+    const std::pair<const char*, Extent> outputs[] = {{"out", out}, {"lse", lse}};
+    for (const auto& output : outputs)
+        for (size_t input = 0; input < count; ++input)
+            if (std::strcmp(inputs[input].first, output.first) != 0 &&
+                extents_overlap(output.second, inputs[input].second))
+                reject(std::string(output.first) + ": expected memory disjoint from " + inputs[input].first +
+                     ", got arrays that overlap");
+}
+
 }  // namespace
 
 // The order of the checks is the same in problem.rs.
@@ -189,9 +238,7 @@ void check_problem(const AttentionProblem& p) {
     }
 
     // 2. Grouped-query heads: query head h reads KV head h / (Hq / Hkv).
-    if (q_heads > 0 && (kv_heads == 0 || q_heads % kv_heads != 0))
-        reject("k: expected Hkv dividing Hq=" + std::to_string(q_heads) +
-             " (query head h reads KV head h // (Hq // Hkv)), got Hkv=" + std::to_string(kv_heads));
+    check_group("k", q_heads, kv_heads);
 
     // 3. Memory: data present when non-empty, unit stride on the feature axes.
     check_data("q", p.q.data, p.q.shape, 4);
@@ -228,36 +275,13 @@ void check_problem(const AttentionProblem& p) {
         reject("scale: expected a finite number, got " + float_string(p.scale));
 
     // 6. Variants: window sides, softcap, ALiBi slopes (B, Hq) and sinks (Hq,), all finite.
-    if (p.window_left < -1)
-        reject("window_left: expected an int >= -1 (-1: unbounded), got " +
-             std::to_string(p.window_left));
-    if (p.window_right < -1)
-        reject("window_right: expected an int >= -1 (-1: unbounded), got " +
-             std::to_string(p.window_right));
-    if (!std::isfinite(p.softcap) || p.softcap < 0.0f)
-        reject("softcap: expected a finite number >= 0 (0: off), got " + float_string(p.softcap));
-    if (p.alibi_slopes.data != nullptr) {
-        const Dim slope_dims[2] = {b, hq};
-        check_shape("alibi_slopes", p.alibi_slopes.shape, slope_dims, 2);
-        check_finite_values("alibi_slopes", p.alibi_slopes.data, p.alibi_slopes.shape,
-                            p.alibi_slopes.stride, 2);
-    }
-    if (p.sinks.data != nullptr) {
-        const Dim sink_dims[1] = {hq};
-        check_shape("sinks", p.sinks.shape, sink_dims, 1);
-        check_finite_values("sinks", p.sinks.data, p.sinks.shape, p.sinks.stride, 1);
-    }
+    check_variants(p.window_left, p.window_right, p.softcap, p.alibi_slopes, p.sinks, b, hq);
     // int8 K/V: both scales (B, Hkv, Lk), any values (a NaN scale acts like a NaN in K or V).
     const Dim scale_dims[3] = {b, {"Hkv", kv_heads}, {"Lk", key_len}};
     const std::pair<const char*, const ParamView3*> scales[] = {{"k_scale", &p.k_scale},
                                                                 {"v_scale", &p.v_scale}};
     for (const auto& scale : scales) {
-        if (p.kv_int8 && scale.second->data == nullptr)
-            reject(std::string(scale.first) +
-                 ": required with int8 k and v (float32, shape (B, Hkv, Lk)), got None");
-        if (!p.kv_int8 && scale.second->data != nullptr)
-            reject(std::string(scale.first) + ": expected None with " + element_name(p.dtype) +
-                 " k and v (scales are only for int8), got an array");
+        check_scale_given(scale.first, scale.second->data != nullptr, p.kv_int8, p.dtype, "(B, Hkv, Lk)");
         if (scale.second->data != nullptr) check_shape(scale.first, scale.second->shape, scale_dims, 3);
     }
 
@@ -292,12 +316,7 @@ void check_problem(const AttentionProblem& p) {
                         ? byte_extent(p.v_scale.data, p.v_scale.shape, p.v_scale.stride, 3, 4)
                         : Extent{true, 0, 0}},
         {"lse", lse}};
-    const std::pair<const char*, Extent> outputs[] = {{"out", out}, {"lse", lse}};
-    for (const auto& output : outputs)
-        for (const auto& input : inputs)
-            if (std::strcmp(input.first, output.first) != 0 && extents_overlap(output.second, input.second))
-                reject(std::string(output.first) + ": expected memory disjoint from " + input.first +
-                     ", got arrays that overlap");
+    check_outputs_disjoint(out, lse, inputs, sizeof inputs / sizeof inputs[0]);
 }
 
 int64_t element_size(ElementType dtype) { return dtype == ElementType::Float32 ? 4 : 2; }
@@ -321,6 +340,280 @@ MutTensorView4 contiguous_mut_view(float* data, int64_t d0, int64_t d1, int64_t 
 
 LseView contiguous_lse_view(float* data, int64_t d0, int64_t d1, int64_t d2) {
     return LseView{data, {d0, d1, d2}, {d1 * d2, d2, 1}};
+}
+
+// ---- Packed (varlen) and paged batches ----------------------------------------------------------
+namespace {
+
+// cu_seqlens (B + 1,): cu[0] == 0, non-decreasing, cu[B] == total (the rows of `total_name`).
+// batch < 0: this argument defines B (at least one entry).
+void check_cu_seqlens(const char* argument, const Int64Span& cu, int64_t batch, const char* total_name,
+                      int64_t total) {
+    const std::string name(argument);
+    if (batch < 0 && cu.size < 1) reject(name + ": expected shape (B + 1,) with B >= 0, got (0,)");
+    if (batch >= 0 && cu.size != batch + 1)
+        reject(name + ": expected shape (B + 1=" + std::to_string(batch + 1) + ",), got (" +
+             std::to_string(cu.size) + ",)");
+    check_data(argument, cu.data, &cu.size, 1);
+    if (cu[0] != 0) reject(name + ": expected " + name + "[0]=0, got " + std::to_string(cu[0]));
+    for (int64_t b = 1; b < cu.size; ++b)
+        if (cu[b] < cu[b - 1])
+            reject(name + ": expected non-decreasing values, got " + name + "[" + std::to_string(b) +
+                 "]=" + std::to_string(cu[b]) + " after " + name + "[" + std::to_string(b - 1) + "]=" +
+                 std::to_string(cu[b - 1]));
+    const int64_t last = cu.size - 1;
+    if (cu[last] != total)
+        reject(name + ": expected " + name + "[" + std::to_string(last) + "]=" + total_name + "=" +
+             std::to_string(total) + ", got " + std::to_string(cu[last]));
+}
+
+// Steps 1 (q, out, lse), 3 (their memory) of a packed problem: q (total_q, Hq, D) defines
+// total_q, Hq and D; out (total_q, Hq, Dv) with Dv given; lse (Hq, total_q).
+void check_packed_rows(const TensorView3& q, const MutTensorView3& out, const LseView2& lse, int64_t value_dim) {
+    const Dim q_dims[3] = {{"total_q", -1}, {"Hq", -1}, {"D", -1}};
+    check_shape("q", q.shape, q_dims, 3);
+    const Dim out_dims[3] = {{"total_q", q.shape[0]}, {"Hq", q.shape[1]}, {"Dv", value_dim}};
+    check_shape("out", out.shape, out_dims, 3);
+    if (lse.data != nullptr) {
+        const Dim lse_dims[2] = {{"Hq", q.shape[1]}, {"total_q", q.shape[0]}};
+        check_shape("lse", lse.shape, lse_dims, 2);
+    }
+}
+
+void check_packed_memory(const TensorView3& q, const MutTensorView3& out) {
+    check_data("q", q.data, q.shape, 3);
+    check_data("out", out.data, out.shape, 3);
+    check_unit_last_stride("q", "D", q.shape, q.stride, 3);
+    check_unit_last_stride("out", "Dv", out.shape, out.stride, 3);
+}
+
+// Steps 5 to 7 for a packed problem (scale, variants with B sequences, outputs): `inputs` are
+// the problem's own (k, v, block_table, scales); q, alibi_slopes and sinks are added here.
+void check_packed_options(const PackedOptions& o, const TensorView3& q, const MutTensorView3& out,
+                          const LseView2& lse, int64_t batch, std::vector<std::pair<const char*, Extent>> inputs) {
+    if (!std::isfinite(o.scale)) reject("scale: expected a finite number, got " + float_string(o.scale));
+    check_variants(o.window_left, o.window_right, o.softcap, o.alibi_slopes, o.sinks, Dim{"B", batch},
+                   Dim{"Hq", q.shape[1]});
+    check_distinct_elements("out", out.shape, out.stride, 3);
+    if (lse.data != nullptr) check_distinct_elements("lse", lse.shape, lse.stride, 2);
+    const int64_t item = element_size(o.dtype);
+    const Extent lse_extent = lse.data != nullptr ? byte_extent(lse.data, lse.shape, lse.stride, 2, 4)
+                                                  : Extent{true, 0, 0};
+    inputs.insert(inputs.begin(), {"q", byte_extent(q.data, q.shape, q.stride, 3, item)});
+    inputs.push_back({"alibi_slopes", o.alibi_slopes.data != nullptr
+                                          ? byte_extent(o.alibi_slopes.data, o.alibi_slopes.shape,
+                                                        o.alibi_slopes.stride, 2, 4)
+                                          : Extent{true, 0, 0}});
+    inputs.push_back({"sinks", o.sinks.data != nullptr
+                                   ? byte_extent(o.sinks.data, o.sinks.shape, o.sinks.stride, 1, 4)
+                                   : Extent{true, 0, 0}});
+    inputs.push_back({"lse", lse_extent});
+    check_outputs_disjoint(byte_extent(out.data, out.shape, out.stride, 3, item), lse_extent, inputs.data(),
+                           inputs.size());
+}
+
+const void* element_at(const void* data, int64_t offset, int64_t item) {
+    return offset == 0 ? data : static_cast<const char*>(data) + offset * item;
+}
+
+// The dense problem of sequence b (B = 1): its query rows [row_begin, row_begin + rows) of q and
+// out, its lse columns, its ALiBi row; q_offset and kv_len at position[0] and position[1]. The
+// caller sets k, v, the scales (and pages).
+AttentionProblem sequence_problem(const TensorView3& q, const MutTensorView3& out, const LseView2& lse,
+                                  const PackedOptions& o, int64_t b, int64_t row_begin, int64_t rows,
+                                  const int64_t* position) {
+    const int64_t item = element_size(o.dtype);
+    AttentionProblem p{};
+    p.q = TensorView4{element_at(q.data, row_begin * q.stride[0], item),
+                      {1, q.shape[1], rows, q.shape[2]},
+                      {0, q.stride[1], q.stride[0], q.stride[2]}};
+    p.out = MutTensorView4{const_cast<void*>(element_at(out.data, row_begin * out.stride[0], item)),
+                           {1, out.shape[1], rows, out.shape[2]},
+                           {0, out.stride[1], out.stride[0], out.stride[2]}};
+    p.lse = LseView{nullptr, {1, q.shape[1], rows}, {0, 0, 0}};
+    if (lse.data != nullptr) {
+        p.lse.data = lse.data + row_begin * lse.stride[1];
+        p.lse.stride[1] = lse.stride[0];
+        p.lse.stride[2] = lse.stride[1];
+    }
+    p.dtype = o.dtype;
+    p.kv_int8 = o.kv_int8;
+    p.q_offset = Int64Span(position, 1);
+    p.kv_lens = Int64Span(position + 1, 1);
+    p.mask.kind = MaskKind::None;
+    p.causal = o.causal;
+    p.scale = o.scale;
+    p.window_left = o.window_left;
+    p.window_right = o.window_right;
+    p.softcap = o.softcap;
+    if (o.alibi_slopes.data != nullptr)
+        p.alibi_slopes = ParamView2{o.alibi_slopes.data + b * o.alibi_slopes.stride[0],
+                                    {1, o.alibi_slopes.shape[1]},
+                                    {0, o.alibi_slopes.stride[1]}};
+    p.sinks = o.sinks;
+    return p;
+}
+
+// A per-token scale of packed keys (total_k, Hkv) as the (1, Hkv, Lk_b) view of sequence rows
+// [key_begin, key_begin + keys); the whole array's row axis as slots when paged.
+ParamView3 scale_rows(const ParamView2& scale, int64_t key_begin, int64_t keys) {
+    if (scale.data == nullptr) return ParamView3{nullptr, {0, 0, 0}, {0, 0, 0}};
+    return ParamView3{scale.data + key_begin * scale.stride[0], {1, scale.shape[1], keys}, {0, scale.stride[1], scale.stride[0]}};
+}
+
+}  // namespace
+
+std::vector<AttentionProblem> varlen_sequences(const VarlenProblem& p, std::vector<int64_t>& positions) {
+    const PackedOptions& o = p.options;
+    // 1. Shapes: q defines total_q, Hq, D; k total_k and Hkv; v Dv.
+    const Dim k_dims[3] = {{"total_k", -1}, {"Hkv", -1}, {"D", p.q.shape[2]}};
+    const Dim q_dims[3] = {{"total_q", -1}, {"Hq", -1}, {"D", -1}};
+    check_shape("q", p.q.shape, q_dims, 3);
+    check_shape("k", p.k.shape, k_dims, 3);
+    const int64_t total_k = p.k.shape[0], kv_heads = p.k.shape[1];
+    const Dim v_dims[3] = {{"total_k", total_k}, {"Hkv", kv_heads}, {"Dv", -1}};
+    check_shape("v", p.v.shape, v_dims, 3);
+    check_packed_rows(p.q, p.out, p.lse, p.v.shape[2]);
+    // 2. Grouped-query heads.
+    check_group("k", p.q.shape[1], kv_heads);
+    // 3. Memory.
+    check_packed_memory(p.q, p.out);
+    check_data("k", p.k.data, p.k.shape, 3);
+    check_data("v", p.v.data, p.v.shape, 3);
+    check_unit_last_stride("k", "D", p.k.shape, p.k.stride, 3);
+    check_unit_last_stride("v", "Dv", p.v.shape, p.v.stride, 3);
+    // 4. The sequences.
+    check_cu_seqlens("cu_seqlens_q", p.cu_seqlens_q, -1, "total_q", p.q.shape[0]);
+    const int64_t batch = p.cu_seqlens_q.size - 1;
+    check_cu_seqlens("cu_seqlens_k", p.cu_seqlens_k, batch, "total_k", total_k);
+    // 5 - 7. Scale, variants, int8 scales (total_k, Hkv), outputs.
+    const Dim scale_dims[2] = {{"total_k", total_k}, {"Hkv", kv_heads}};
+    const std::pair<const char*, const ParamView2*> scales[] = {{"k_scale", &p.k_scale}, {"v_scale", &p.v_scale}};
+    const int64_t kv_item = o.kv_int8 ? 1 : element_size(o.dtype);
+    std::vector<std::pair<const char*, Extent>> inputs = {
+        {"k", byte_extent(p.k.data, p.k.shape, p.k.stride, 3, kv_item)},
+        {"v", byte_extent(p.v.data, p.v.shape, p.v.stride, 3, kv_item)}};
+    for (const auto& scale : scales) {
+        check_scale_given(scale.first, scale.second->data != nullptr, o.kv_int8, o.dtype, "(total_k, Hkv)");
+        if (scale.second->data == nullptr) continue;
+        check_shape(scale.first, scale.second->shape, scale_dims, 2);
+        inputs.push_back({scale.first, byte_extent(scale.second->data, scale.second->shape, scale.second->stride, 2, 4)});
+    }
+    check_packed_options(o, p.q, p.out, p.lse, batch, inputs);
+
+    positions.assign(static_cast<size_t>(2 * batch), 0);
+    std::vector<AttentionProblem> sequences;
+    for (int64_t b = 0; b < batch; ++b) {
+        const int64_t rows = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+        const int64_t key_begin = p.cu_seqlens_k[b], keys = p.cu_seqlens_k[b + 1] - key_begin;
+        int64_t* position = positions.data() + 2 * b;
+        position[0] = keys - rows;  // bottom-right
+        position[1] = keys;
+        if (rows == 0) continue;
+        AttentionProblem s = sequence_problem(p.q, p.out, p.lse, o, b, p.cu_seqlens_q[b], rows, position);
+        s.k = TensorView4{element_at(p.k.data, key_begin * p.k.stride[0], kv_item),
+                          {1, kv_heads, keys, p.k.shape[2]},
+                          {0, p.k.stride[1], p.k.stride[0], p.k.stride[2]}};
+        s.v = TensorView4{element_at(p.v.data, key_begin * p.v.stride[0], kv_item),
+                          {1, kv_heads, keys, p.v.shape[2]},
+                          {0, p.v.stride[1], p.v.stride[0], p.v.stride[2]}};
+        s.k_scale = scale_rows(p.k_scale, key_begin, keys);
+        s.v_scale = scale_rows(p.v_scale, key_begin, keys);
+        sequences.push_back(s);
+    }
+    return sequences;
+}
+
+std::vector<AttentionProblem> paged_sequences(const PagedProblem& p, std::vector<int64_t>& positions) {
+    const PackedOptions& o = p.options;
+    // 1. Shapes: q defines total_q, Hq, D; k_cache num_blocks, block_size and Hkv; v_cache Dv;
+    // block_table B and max_blocks.
+    const Dim q_dims[3] = {{"total_q", -1}, {"Hq", -1}, {"D", -1}};
+    check_shape("q", p.q.shape, q_dims, 3);
+    const Dim k_dims[4] = {{"num_blocks", -1}, {"block_size", -1}, {"Hkv", -1}, {"D", p.q.shape[2]}};
+    check_shape("k_cache", p.k_cache.shape, k_dims, 4);
+    const int64_t num_blocks = p.k_cache.shape[0], block_size = p.k_cache.shape[1], kv_heads = p.k_cache.shape[2];
+    if (block_size < 1)
+        reject("k_cache: expected block_size >= 1, got shape " + shape_string(p.k_cache.shape, 4));
+    const Dim v_dims[4] = {{"num_blocks", num_blocks}, {"block_size", block_size}, {"Hkv", kv_heads}, {"Dv", -1}};
+    check_shape("v_cache", p.v_cache.shape, v_dims, 4);
+    check_packed_rows(p.q, p.out, p.lse, p.v_cache.shape[3]);
+    const Dim table_dims[2] = {{"B", -1}, {"max_blocks", -1}};
+    check_shape("block_table", p.block_table.shape, table_dims, 2);
+    const int64_t batch = p.block_table.shape[0], max_blocks = p.block_table.shape[1];
+    // 2. Grouped-query heads.
+    check_group("k_cache", p.q.shape[1], kv_heads);
+    // 3. Memory.
+    check_packed_memory(p.q, p.out);
+    check_data("k_cache", p.k_cache.data, p.k_cache.shape, 4);
+    check_data("v_cache", p.v_cache.data, p.v_cache.shape, 4);
+    check_data("block_table", p.block_table.data, p.block_table.shape, 2);
+    check_unit_last_stride("k_cache", "D", p.k_cache.shape, p.k_cache.stride);
+    check_unit_last_stride("v_cache", "Dv", p.v_cache.shape, p.v_cache.stride);
+    // 4. The sequences: lengths, query rows, the blocks they use.
+    if (p.seq_lens.size != batch)
+        reject("seq_lens: expected shape (B=" + std::to_string(batch) + ",), got (" + std::to_string(p.seq_lens.size) + ",)");
+    check_data("seq_lens", p.seq_lens.data, &p.seq_lens.size, 1);
+    check_cu_seqlens("cu_seqlens_q", p.cu_seqlens_q, batch, "total_q", p.q.shape[0]);
+    for (int64_t b = 0; b < batch; ++b) {
+        const int64_t keys = p.seq_lens[b], rows = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+        if (keys < 0 || keys / block_size + (keys % block_size != 0) > max_blocks)
+            reject("seq_lens: expected values in [0, max_blocks * block_size=" +
+                 std::to_string(static_cast<int128>(max_blocks) * block_size > INT64_MAX
+                                    ? INT64_MAX : max_blocks * block_size) +
+                 "], got seq_lens[" + std::to_string(b) + "]=" + std::to_string(keys));
+        if (rows > keys)
+            reject("cu_seqlens_q: expected at most seq_lens[b] query rows in sequence b, got " +
+                 std::to_string(rows) + " rows in sequence " + std::to_string(b) + " (seq_lens[" +
+                 std::to_string(b) + "]=" + std::to_string(keys) + ")");
+        for (int64_t entry = 0; entry * block_size < keys; ++entry) {
+            const int32_t block = p.block_table.data[b * p.block_table.stride[0] + entry * p.block_table.stride[1]];
+            if (block < 0 || block >= num_blocks)
+                reject("block_table: expected block ids in [0, num_blocks=" + std::to_string(num_blocks) +
+                     ") for the blocks sequence b uses, got block_table[" + std::to_string(b) + ", " +
+                     std::to_string(entry) + "]=" + std::to_string(block));
+        }
+    }
+    // 5 - 7. Scale, variants, int8 scales (num_blocks, block_size, Hkv), outputs.
+    const Dim scale_dims[3] = {{"num_blocks", num_blocks}, {"block_size", block_size}, {"Hkv", kv_heads}};
+    const std::pair<const char*, const ParamView3*> scales[] = {{"k_scale", &p.k_scale}, {"v_scale", &p.v_scale}};
+    const int64_t kv_item = o.kv_int8 ? 1 : element_size(o.dtype);
+    std::vector<std::pair<const char*, Extent>> inputs = {
+        {"k_cache", byte_extent(p.k_cache.data, p.k_cache.shape, p.k_cache.stride, 4, kv_item)},
+        {"v_cache", byte_extent(p.v_cache.data, p.v_cache.shape, p.v_cache.stride, 4, kv_item)},
+        {"block_table", byte_extent(p.block_table.data, p.block_table.shape, p.block_table.stride, 2, 4)}};
+    for (const auto& scale : scales) {
+        check_scale_given(scale.first, scale.second->data != nullptr, o.kv_int8, o.dtype,
+                          "(num_blocks, block_size, Hkv)");
+        if (scale.second->data == nullptr) continue;
+        check_shape(scale.first, scale.second->shape, scale_dims, 3);
+        inputs.push_back({scale.first, byte_extent(scale.second->data, scale.second->shape, scale.second->stride, 3, 4)});
+    }
+    check_packed_options(o, p.q, p.out, p.lse, batch, inputs);
+
+    positions.assign(static_cast<size_t>(2 * batch), 0);
+    std::vector<AttentionProblem> sequences;
+    for (int64_t b = 0; b < batch; ++b) {
+        const int64_t rows = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b], keys = p.seq_lens[b];
+        int64_t* position = positions.data() + 2 * b;
+        position[0] = keys - rows;  // the sequence's last positions
+        position[1] = keys;
+        if (rows == 0) continue;
+        AttentionProblem s = sequence_problem(p.q, p.out, p.lse, o, b, p.cu_seqlens_q[b], rows, position);
+        // Axis 0 steps pages, axis 2 slots (KeyPages).
+        const TensorView4& kc = p.k_cache;
+        const TensorView4& vc = p.v_cache;
+        s.k = TensorView4{kc.data, {1, kv_heads, keys, kc.shape[3]}, {kc.stride[0], kc.stride[2], kc.stride[1], kc.stride[3]}};
+        s.v = TensorView4{vc.data, {1, kv_heads, keys, vc.shape[3]}, {vc.stride[0], vc.stride[2], vc.stride[1], vc.stride[3]}};
+        const std::pair<ParamView3*, const ParamView3*> scale_views[] = {{&s.k_scale, &p.k_scale}, {&s.v_scale, &p.v_scale}};
+        for (const auto& view : scale_views)
+            if (view.second->data != nullptr)
+                *view.first = ParamView3{view.second->data, {1, kv_heads, keys},
+                                         {view.second->stride[0], view.second->stride[2], view.second->stride[1]}};
+        s.pages = KeyPages{p.block_table.data + b * p.block_table.stride[0], p.block_table.stride[1], block_size};
+        sequences.push_back(s);
+    }
+    return sequences;
 }
 
 }  // namespace twinattn

@@ -18,6 +18,13 @@ namespace twinattn {
 // num_threads. Safe to call concurrently from several threads.
 void attention_forward(const AttentionProblem& problem, int num_threads);
 
+// Packed (varlen) and paged batches (problem.hpp): the checks of varlen_sequences /
+// paged_sequences, then every sequence as a dense problem through the same kernel, all their
+// work items in one parallel pass (docs/kernels.md, "Packed and paged batches"). Throw like
+// attention_forward.
+void attention_varlen(const VarlenProblem& problem, int num_threads);
+void attention_paged(const PagedProblem& problem, int num_threads);
+
 // The vectorised tanh of softcap (docs/kernels.md, "Variants") with the current instruction set,
 // y[i] = tanh(x[i]) for n floats (x read with a stride in elements, y contiguous): the kernel's
 // own code, exposed so that tests can check it alone. Throws like attention_forward when

@@ -95,6 +95,17 @@ struct ParamView3 {
     int64_t stride[3];
 };
 
+// Paged keys and values (attention_paged; docs/kernels.md, "Key rows"): data == nullptr means k,
+// v, k_scale and v_scale are the dense (B, Hkv, Lk, ...) views above. Otherwise the problem holds
+// one sequence (B = 1) whose key j lives in page data[(j / block_size) * stride], slot
+// j % block_size: axis 0 of k, v, k_scale and v_scale then steps pages (its stride is the page
+// stride), axis 2 steps slots within a page, and only the pages of keys j < kv_lens[0] are read.
+struct KeyPages {
+    const int32_t* data = nullptr;
+    int64_t stride = 0;  // in elements, between consecutive entries of the sequence's block table
+    int64_t block_size = 1;
+};
+
 struct AttentionProblem {
     TensorView4 q, k, v;
     MutTensorView4 out;
@@ -130,7 +141,89 @@ struct AttentionProblem {
     bool kv_int8 = false;
     ParamView3 k_scale = {nullptr, {0, 0, 0}, {0, 0, 0}};
     ParamView3 v_scale = {nullptr, {0, 0, 0}, {0, 0, 0}};
+    // Paged K/V (KeyPages): set by attention_paged for its per-sequence problems only.
+    KeyPages pages;
 };
+
+// ---- Packed (varlen) and paged batches (docs/native_api.md, attention_varlen / attention_paged)
+// Rank-3 views of packed rows, (total, H, D): strides in elements, the last axis unit stride.
+struct TensorView3 {
+    const void* data;  // elements of the problem's dtype (int8 for int8 k and v)
+    int64_t shape[3];
+    int64_t stride[3];
+};
+
+struct MutTensorView3 {
+    void* data;
+    int64_t shape[3];
+    int64_t stride[3];
+};
+
+// lse of packed rows, (Hq, total_q) (flash-attn's layout); data == nullptr: not requested.
+struct LseView2 {
+    float* data;
+    int64_t shape[2];
+    int64_t stride[2];
+};
+
+// The block table, int32 (B, max_blocks), strides in elements.
+struct BlockTableView {
+    const int32_t* data;
+    int64_t shape[2];
+    int64_t stride[2];
+};
+
+// What attention_varlen and attention_paged share with each other: the options of
+// AttentionProblem (same meaning), alibi_slopes (B, Hq) with B the number of sequences.
+struct PackedOptions {
+    ElementType dtype = ElementType::Float32;
+    bool kv_int8 = false;
+    bool causal = false;
+    float scale = 1.0f;
+    int64_t window_left = -1, window_right = -1;
+    float softcap = 0.0f;
+    ParamView2 alibi_slopes = {nullptr, {0, 0}, {0, 0}};
+    ParamView1 sinks = {nullptr, {0}, {0}};
+};
+
+// Sequences packed one after another: sequence b has query rows cu_seqlens_q[b] ..
+// cu_seqlens_q[b + 1] and keys cu_seqlens_k[b] .. cu_seqlens_k[b + 1]; its query row i sits at
+// position (Lk_b - Lq_b) + i (bottom-right).
+//   q (total_q, Hq, D)   k (total_k, Hkv, D)   v (total_k, Hkv, Dv)   out (total_q, Hq, Dv)
+//   lse (Hq, total_q)    cu_seqlens_q, cu_seqlens_k (B + 1,)   k_scale, v_scale (total_k, Hkv)
+struct VarlenProblem {
+    TensorView3 q, k, v;
+    MutTensorView3 out;
+    LseView2 lse = {nullptr, {0, 0}, {0, 0}};
+    Int64Span cu_seqlens_q, cu_seqlens_k;
+    PackedOptions options;
+    ParamView2 k_scale = {nullptr, {0, 0}, {0, 0}};
+    ParamView2 v_scale = {nullptr, {0, 0}, {0, 0}};
+};
+
+// Keys in pages: key j of sequence b at k_cache[block_table[b, j / block_size], j % block_size];
+// sequence b has seq_lens[b] keys and query rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1], its last
+// positions (row i at seq_lens[b] - Lq_b + i).
+//   q (total_q, Hq, D)   k_cache (num_blocks, block_size, Hkv, D)   v_cache (.., Hkv, Dv)
+//   out (total_q, Hq, Dv)   lse (Hq, total_q)   block_table (B, max_blocks)   seq_lens (B,)
+//   cu_seqlens_q (B + 1,)   k_scale, v_scale (num_blocks, block_size, Hkv)
+struct PagedProblem {
+    TensorView3 q;
+    TensorView4 k_cache, v_cache;
+    MutTensorView3 out;
+    LseView2 lse = {nullptr, {0, 0}, {0, 0}};
+    BlockTableView block_table;
+    Int64Span seq_lens, cu_seqlens_q;
+    PackedOptions options;
+    ParamView3 k_scale = {nullptr, {0, 0, 0}, {0, 0, 0}};
+    ParamView3 v_scale = {nullptr, {0, 0, 0}, {0, 0, 0}};
+};
+
+// The checks of check_problem for packed and paged batches (same order, same style of message),
+// then one dense problem (B = 1) per sequence, views into the caller's arrays (no copy):
+// `positions` receives per sequence its q_offset and kv_len, which the problems point into.
+std::vector<AttentionProblem> varlen_sequences(const VarlenProblem& problem, std::vector<int64_t>& positions);
+std::vector<AttentionProblem> paged_sequences(const PagedProblem& problem, std::vector<int64_t>& positions);
 
 // Throws std::invalid_argument naming the argument, what was expected and what was given,
 // e.g. "k: expected shape (B=2, Hkv, Lk, D=64), got (2, 4, 10, 32)". After it returns, the
