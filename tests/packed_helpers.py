@@ -9,9 +9,10 @@ dequantized values (float32 q).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
+import pytest
 
 import twinattn
 from helpers import HALF_DTYPES, assert_close_to_reference, assert_half_close_to_reference, assert_lse_close, assert_lse_close_half
@@ -147,3 +148,12 @@ def assert_matches_dense(
         if lse is not None:
             assert lse.dtype == np.float32 and lse.shape == (packed.q.shape[1], packed.q.shape[0])
             (assert_lse_close_half if q.dtype in HALF_DTYPES else assert_lse_close)(lse[:, rows], q, k, v, **extra)
+
+
+def assert_bad_call(function: Callable[..., Any], positional: tuple[str, ...], backend: str, arguments: dict[str, Any],
+                    error: type, message: str) -> None:
+    """function(*the positional arguments, backend=backend, **the rest) raises error matching message."""
+    arguments = dict(arguments)
+    values = [arguments.pop(name) for name in positional]
+    with pytest.raises(error, match=message):
+        function(*values, backend=backend, **arguments)

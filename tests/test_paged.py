@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import twinattn
-from packed_helpers import Packed, assert_matches_dense, random_packed, to_paged
+from packed_helpers import assert_bad_call, Packed, assert_matches_dense, random_packed, to_paged
 
 DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "int8": np.int8}
 BLOCK_SIZES = (1, 3, 16)
@@ -153,10 +153,7 @@ def _bad_calls() -> list[tuple[str, dict[str, Any], type, str]]:
 
 @pytest.mark.parametrize("name, arguments, error, message", _bad_calls(), ids=[c[0] for c in _bad_calls()])
 def test_bad_inputs(backend: str, name: str, arguments: dict[str, Any], error: type, message: str) -> None:
-    arguments = dict(arguments)
-    positional = [arguments.pop(n) for n in ("q", "k_cache", "v_cache", "block_table", "seq_lens")]
-    with pytest.raises(error, match=message):
-        twinattn.attention_paged(*positional, backend=backend, **arguments)
+    assert_bad_call(twinattn.attention_paged, ("q", "k_cache", "v_cache", "block_table", "seq_lens"), backend, arguments, error, message)
 
 
 # ---- PagedKVCache ----------------------------------------------------------------------------------

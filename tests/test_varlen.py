@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import twinattn
-from packed_helpers import assert_matches_dense, random_packed
+from packed_helpers import assert_bad_call, assert_matches_dense, random_packed
 
 # (q_lens, k_lens): asymmetric, empty sequences, decode rows, a prefill chunk over a longer context
 LENGTHS = {
@@ -150,10 +150,7 @@ def _bad_calls() -> list[tuple[str, dict[str, Any], type, str]]:
 
 @pytest.mark.parametrize("name, arguments, error, message", _bad_calls(), ids=[c[0] for c in _bad_calls()])
 def test_bad_inputs(backend: str, name: str, arguments: dict[str, Any], error: type, message: str) -> None:
-    arguments = dict(arguments)
-    positional = [arguments.pop(n) for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")]
-    with pytest.raises(error, match=message):
-        twinattn.attention_varlen(*positional, backend=backend, **arguments)
+    assert_bad_call(twinattn.attention_varlen, ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"), backend, arguments, error, message)
 
 
 def test_torch_tensor_names_the_torch_function() -> None:
