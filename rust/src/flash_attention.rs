@@ -26,10 +26,12 @@ use crate::constants::{
 };
 use crate::dispatch::current_kernels;
 use crate::element::{BFloat16, Element, Float16};
-use crate::flash_kernel::{max_nan, FlashKernels, FlashPlan, ThreadScratch, WorkItem};
+use crate::flash_kernel::{
+    max_nan, FlashKernels, FlashPlan, PackPairsFn, ThreadScratch, WorkItem,
+};
 use crate::problem::{
-    check_num_threads, check_problem, try_filled, AttentionProblem, ElementType, MaskKind,
-    ProblemError,
+    check_num_threads, check_problem, paged_sequences, try_filled, varlen_sequences,
+    AttentionProblem, ElementType, MaskKind, PagedProblem, ProblemError, VarlenProblem,
 };
 use crate::thread_pool::parallel_for;
 
@@ -69,6 +71,69 @@ pub fn flash_row_position(p: &AttentionProblem, b: usize, group: usize, r: usize
     let bound = 1i128 << 62;
     let position = i128::from(p.q_offset[b]) + (r / group) as i128;
     position.clamp(-bound, bound) as i64
+}
+
+/// Key rows (docs/kernels.md, "Key rows"): for keys [key_begin, key_begin + n) of (b, kv_head),
+/// the address of each key's K row in key_rows[j] and V row in value_rows[j], and its int8 scales
+/// in key_scales[j], value_scales[j]; each output may be null (not wanted). Dense problems give
+/// base + j * stride; paged ones ([`crate::problem::KeyPages`]) walk the block table page by
+/// page, with no division per key. The kernel reads K and V only through these rows.
+///
+/// # Safety
+/// `p` is a checked problem (or a sequence of one) whose views are valid; b < B, kv_head < Hkv,
+/// key_begin + n <= kv_lens[b]; each non-null output holds n entries.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn flash_key_rows(
+    p: &AttentionProblem,
+    b: usize,
+    kv_head: usize,
+    key_begin: usize,
+    n: usize,
+    key_rows: *mut *const u8,
+    value_rows: *mut *const u8,
+    key_scales: *mut f32,
+    value_scales: *mut f32,
+) {
+    let item = if p.kv_int8 { 1 } else { p.dtype.size() as i64 };
+    let kv_head = kv_head as i64;
+    // Element offsets of key j: page * stride[0] + kv_head * stride[1] + slot * stride[2], the
+    // page b and the slot j when dense; the block table's entry and j's place in it when paged.
+    // SAFETY: forwarded from this function's contract.
+    let fill = |j: usize, page: i64, slot: i64| unsafe {
+        let at = |stride: &[i64]| page * stride[0] + kv_head * stride[1] + slot * stride[2];
+        if !key_rows.is_null() {
+            *key_rows.add(j) = p.k.data.offset((at(&p.k.stride) * item) as isize);
+        }
+        if !value_rows.is_null() {
+            *value_rows.add(j) = p.v.data.offset((at(&p.v.stride) * item) as isize);
+        }
+        if !key_scales.is_null() {
+            *key_scales.add(j) = *p.k_scale.data.offset(at(&p.k_scale.stride) as isize);
+        }
+        if !value_scales.is_null() {
+            *value_scales.add(j) = *p.v_scale.data.offset(at(&p.v_scale.stride) as isize);
+        }
+    };
+    if p.pages.data.is_null() {
+        for j in 0..n {
+            fill(j, b as i64, (key_begin + j) as i64);
+        }
+        return;
+    }
+    let block_size = p.pages.block_size as usize;
+    let (mut entry, mut slot) = (key_begin / block_size, key_begin % block_size);
+    let mut j = 0;
+    while j < n {
+        // SAFETY: entries of keys < kv_lens[0] are inside the block table (paged_sequences).
+        let page = i64::from(unsafe { *p.pages.data.offset(entry as isize * p.pages.stride as isize) });
+        while slot < block_size && j < n {
+            fill(j, page, slot as i64);
+            slot += 1;
+            j += 1;
+        }
+        entry += 1;
+        slot = 0;
+    }
 }
 
 /// lse = ln 2 (m + log2 l): -inf for a row that saw no key (l = 0), +inf for a row whose largest
@@ -151,6 +216,8 @@ struct ScratchBuffers {
     probs_pairs: AlignedBuffer,
     key_scales: AlignedBuffer,
     value_scales: AlignedBuffer,
+    /// the key rows of a block: KEY_BLOCK K rows, then KEY_BLOCK V rows
+    key_rows: Vec<*const u8>,
 }
 
 impl ScratchBuffers {
@@ -166,6 +233,10 @@ impl ScratchBuffers {
             self.row_key_begin = try_filled(Q_TILE_ROWS, 0)?;
             self.row_key_end = try_filled(Q_TILE_ROWS, 0)?;
         }
+        if self.key_rows.len() < 2 * KEY_BLOCK {
+            self.key_rows = try_filled(2 * KEY_BLOCK, std::ptr::null())?;
+        }
+        let key_rows = self.key_rows.as_mut_ptr();
         Ok(ThreadScratch {
             q_tile: self.q_tile.ensure(Q_TILE_ROWS * head_dim)?,
             scores: self.scores.ensure(Q_TILE_ROWS * KEY_BLOCK)?,
@@ -192,6 +263,9 @@ impl ScratchBuffers {
             },
             key_scales: self.key_scales.ensure(KEY_BLOCK)?,
             value_scales: self.value_scales.ensure(KEY_BLOCK)?,
+            key_rows,
+            // SAFETY: key_rows holds 2 * KEY_BLOCK pointers.
+            value_rows: unsafe { key_rows.add(KEY_BLOCK) },
         })
     }
 }
@@ -307,19 +381,67 @@ pub unsafe fn attention_forward_with(
 ) -> Result<(), ProblemError> {
     check_problem(p)?;
     let threads = check_num_threads(i64::try_from(num_threads).unwrap_or(i64::MAX))?;
-    let [batch, q_heads, q_len, head_dim] = p.q.shape.map(|n| n as usize);
+    let [batch, q_heads, q_len, _] = p.q.shape.map(|n| n as usize);
     if batch == 0 || q_heads == 0 || q_len == 0 {
         return Ok(());
     }
+    // SAFETY: forwarded.
+    unsafe { run_problems(std::slice::from_ref(p), kernels, threads) }
+}
 
-    // 1. Plan.
-    let group = q_heads / p.k.shape[1] as usize;
+/// Packed (varlen) and paged batches (problem.rs): the checks of [`varlen_sequences`] /
+/// [`paged_sequences`], then every sequence as a dense problem through the same kernel, all their
+/// work items in one parallel pass (docs/kernels.md, "Packed and paged batches"). Errors as
+/// [`attention_forward`].
+///
+/// # Safety
+/// As [`attention_forward`], for every view of `p`.
+pub unsafe fn attention_varlen(p: &VarlenProblem, num_threads: usize) -> Result<(), ProblemError> {
+    let mut positions = Vec::new();
+    let sequences = varlen_sequences(p, &mut positions)?;
+    // SAFETY: forwarded.
+    unsafe { run_sequences(&sequences, p.q.shape[1], num_threads) }
+}
+
+/// As [`attention_varlen`], for keys in pages.
+///
+/// # Safety
+/// As [`attention_forward`], for every view of `p`.
+pub unsafe fn attention_paged(p: &PagedProblem, num_threads: usize) -> Result<(), ProblemError> {
+    let mut positions = Vec::new();
+    let sequences = paged_sequences(p, &mut positions)?;
+    // SAFETY: forwarded.
+    unsafe { run_sequences(&sequences, p.q.shape[1], num_threads) }
+}
+
+/// The checked sequences of a packed call (none empty), after num_threads and the kernels.
+///
+/// # Safety
+/// As [`attention_forward`].
+unsafe fn run_sequences(
+    sequences: &[AttentionProblem],
+    q_heads: i64,
+    num_threads: usize,
+) -> Result<(), ProblemError> {
+    let threads = check_num_threads(i64::try_from(num_threads).unwrap_or(i64::MAX))?;
+    let kernels = current_kernels().map_err(ProblemError)?;
+    if sequences.is_empty() || q_heads == 0 {
+        return Ok(());
+    }
+    // SAFETY: forwarded.
+    unsafe { run_problems(sequences, kernels, threads) }
+}
+
+/// 1. Plan of one problem (its rows, scale multipliers and variants); buffers are set by
+/// run_problems.
+fn make_plan<'p, 'a>(p: &'p AttentionProblem<'a>) -> FlashPlan<'p, 'a> {
+    let group = (p.q.shape[1] / p.k.shape[1]) as usize;
     let value_dim = p.v.shape[3] as usize;
-    let mut plan = FlashPlan {
+    FlashPlan {
         problem: p,
         group,
-        rows_per_group: q_len * group,
-        head_dim,
+        rows_per_group: p.q.shape[2] as usize * group,
+        head_dim: p.q.shape[3] as usize,
         value_dim,
         value_stride: value_dim.div_ceil(16) * 16,
         // Softcap: Q times scale / softcap, then tanh(S) times softcap * log2(e) (flash_kernel.rs).
@@ -343,64 +465,83 @@ pub unsafe fn attention_forward_with(
         partial_out: std::ptr::null_mut(),
         partial_max: std::ptr::null_mut(),
         partial_sum: std::ptr::null_mut(),
-    };
-    // Work in f64: the product of five extents may overflow.
-    let extents = [
-        batch,
-        q_heads,
-        q_len,
-        p.k.shape[2] as usize,
-        head_dim + value_dim,
-    ];
-    let work: f64 = extents.iter().map(|&n| n as f64).product();
-    let threads = if work < SERIAL_WORK as f64 {
-        1
-    } else {
-        threads
-    };
-    with_thread_buffers(&CALLER_BUFFERS, |buffers| {
-        if plan.rows_per_group > Q_TILE_ROWS {
-            run_prefill(&mut plan, kernels, threads, buffers)
-        } else {
-            run_split_key(&mut plan, kernels, threads, buffers)
-        }
-    })
+    }
 }
 
-/// A work item and its cost (visible keys times rows): items are taken most expensive first.
+/// The multiply-adds of a problem, in f64 (the product of five extents may overflow).
+fn problem_work(p: &AttentionProblem) -> f64 {
+    let extents = [
+        p.q.shape[0],
+        p.q.shape[1],
+        p.q.shape[2],
+        p.k.shape[2],
+        p.q.shape[3] + p.v.shape[3],
+    ];
+    extents.iter().map(|&n| n as f64).product()
+}
+
+/// A work item of one of the call's plans and its cost (visible keys times rows): items are
+/// taken most expensive first.
 struct CostedItem {
+    plan: usize,
     item: WorkItem,
     cost: usize,
 }
 
+/// What one plan takes of the caller's buffers (C++: PlanLayout).
+struct PlanLayout {
+    prefill: bool,
+    /// prefill by bfloat16 dot products (avx512bf16)
+    pairs: Option<PackPairsFn>,
+    /// floats (or pairs) per K panel
+    panel_size: usize,
+    /// panels_per_head * KEY_PANEL
+    keys_per_head: usize,
+    /// offsets of its parts of the prefill buffers, then those parts (writeable)
+    packed_at: usize,
+    values_at: usize,
+    finite_at: usize,
+    packed: *mut f32,
+    packed_values: *mut u32,
+    value_finite: *mut u8,
+    /// split-key: first slot of (b, kv_head 0), B + 1 entries
+    slot_base: Vec<usize>,
+    /// its first partial row among the call's
+    partial_at: usize,
+}
+
+// SAFETY: while the packing pass runs, each group writes only its own part of the buffers behind
+// these pointers (as FlashPlan's); the layouts are read-only then.
+unsafe impl Sync for PlanLayout {}
+
 fn run_items(
-    plan: &FlashPlan,
+    plans: &[FlashPlan],
     kernels: FlashKernels,
     items: &mut [CostedItem],
     threads: usize,
-    split_key: bool,
 ) -> Result<(), ProblemError> {
     items.sort_by_key(|costed| std::cmp::Reverse(costed.cost)); // stable, as in C++
-    let attend = if plan.problem.kv_int8 {
-        kernels.attend_rows_int8[plan.problem.dtype as usize]
-    } else {
-        kernels.attend_rows[plan.problem.dtype as usize]
-    };
     let items = &*items;
     // C++ rethrows a worker's std::bad_alloc on the caller; here the failed item sets this flag.
     let out_of_memory = AtomicBool::new(false);
     parallel_for(items.len(), threads, &|index, _| {
-        let pairs = !plan.packed_values.is_null();
+        let costed = &items[index];
+        let plan = &plans[costed.plan];
+        let attend = if plan.problem.kv_int8 {
+            kernels.attend_rows_int8[plan.problem.dtype as usize]
+        } else {
+            kernels.attend_rows[plan.problem.dtype as usize]
+        };
         let attended = with_scratch(
             plan.head_dim,
             plan.value_stride,
-            split_key,
-            pairs,
+            plan.packed_keys.is_null(),
+            !plan.packed_values.is_null(),
             |scratch| {
                 // SAFETY: the plan was built from a checked problem whose memory is valid
                 // (attention_forward's contract), the item is one of its own, the scratch is this
                 // thread's and sized for the plan, and the kernels' ISA is available.
-                unsafe { attend(plan, &items[index].item, scratch) };
+                unsafe { attend(plan, &costed.item, scratch) };
             },
         );
         if attended.is_err() {
@@ -413,99 +554,83 @@ fn run_items(
     }
 }
 
-/// 2. Prefill: K^T panels of every (b, kv_head), then the tiles.
-fn run_prefill(
-    plan: &mut FlashPlan,
-    kernels: FlashKernels,
-    threads: usize,
-    buffers: &mut CallerBuffers,
-) -> Result<(), ProblemError> {
+/// 2. Prefill: what the plan's K^T panels take (the layout).
+fn layout_prefill(plan: &mut FlashPlan, kernels: FlashKernels, layout: &mut PlanLayout) {
     let p = plan.problem;
-    let (batch, kv_heads, d_len) = (p.q.shape[0] as usize, p.k.shape[1] as usize, plan.head_dim);
     plan.panels_per_head = (p.k.shape[2] as usize).div_ceil(KEY_PANEL);
     // bfloat16 with dot products (avx512bf16): K and V pair panels (a pair fills a float's slot)
     // (Not with int8 K/V: those take the convert path.)
-    let pairs = kernels
+    layout.pairs = kernels
         .pack_pairs
         .filter(|_| p.dtype == ElementType::BFloat16 && !p.kv_int8);
-    let panel_size = if pairs.is_some() {
-        d_len.div_ceil(2)
+    layout.panel_size = if layout.pairs.is_some() {
+        plan.head_dim.div_ceil(2)
     } else {
-        d_len
+        plan.head_dim
     } * KEY_PANEL;
-    let head_floats = plan.panels_per_head * panel_size;
-    let keys_per_head = plan.panels_per_head * KEY_PANEL;
-    let packed_floats = [batch, kv_heads, head_floats]
-        .into_iter()
-        .try_fold(1usize, usize::checked_mul)
-        .ok_or_else(ProblemError::out_of_memory)?;
-    let packed = Shared(buffers.packed_keys.ensure(packed_floats)?);
-    plan.packed_keys = packed.get();
-    let mut value_pairs = Shared((std::ptr::null_mut::<u32>(), std::ptr::null_mut::<u8>()));
-    if pairs.is_some() {
-        let heads = batch * kv_heads;
-        let pair_floats = [heads, keys_per_head / 2, plan.value_stride]
-            .into_iter()
-            .try_fold(1usize, usize::checked_mul)
-            .ok_or_else(ProblemError::out_of_memory)?;
-        let values = buffers.packed_values.ensure(pair_floats)?.cast::<u32>();
-        if buffers.value_finite.len() < heads * keys_per_head {
-            buffers.value_finite = try_filled(heads * keys_per_head, 0u8)?;
-        }
-        value_pairs = Shared((values, buffers.value_finite.as_mut_ptr()));
-        plan.packed_values = values;
-        plan.value_finite = buffers.value_finite.as_ptr();
+    layout.keys_per_head = plan.panels_per_head * KEY_PANEL;
+}
+
+/// Packs the panels of (b, kv_head) that some row may see: from the first row's window start
+/// (rounded down to a panel) to the last row's visible end.
+///
+/// # Safety
+/// The plan's problem is checked and valid; the layout's buffers are sized for the plan; no
+/// other thread writes this group's part of them.
+unsafe fn pack_head(
+    plan: &FlashPlan,
+    kernels: FlashKernels,
+    layout: &PlanLayout,
+    b: usize,
+    kv_head: usize,
+) {
+    let p = plan.problem;
+    let head = b * p.k.shape[1] as usize + kv_head;
+    let (key_begin, _) = flash_row_key_range(p, b, plan.group, 0);
+    let (_, key_end) = flash_row_key_range(p, b, plan.group, plan.rows_per_group - 1);
+    let first_panel = key_begin / KEY_PANEL;
+    if key_end <= first_panel * KEY_PANEL {
+        return;
     }
-
-    // Pack only the panels some row may see: from the first row's window start (rounded down to
-    // a panel) to the last row's visible end.
-    let plan_ref = &*plan;
-    parallel_for(batch * kv_heads, threads, &|head, _| {
-        let (b, kv_head) = (head / kv_heads, head % kv_heads);
-        let p = plan_ref.problem;
-        let (key_begin, _) = flash_row_key_range(p, b, plan_ref.group, 0);
-        let (_, key_end) = flash_row_key_range(p, b, plan_ref.group, plan_ref.rows_per_group - 1);
-        let first_panel = key_begin / KEY_PANEL;
-        if key_end <= first_panel * KEY_PANEL {
-            return;
+    let first_key = first_panel * KEY_PANEL;
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let key_dst = layout
+            .packed
+            .add((head * plan.panels_per_head + first_panel) * layout.panel_size);
+        match layout.pairs {
+            Some(pack_pairs) => pack_pairs(
+                p,
+                b,
+                kv_head,
+                first_key,
+                key_end,
+                key_dst.cast::<u32>(),
+                layout
+                    .packed_values
+                    .add((head * layout.keys_per_head + first_key) / 2 * plan.value_stride),
+                layout
+                    .value_finite
+                    .add(head * layout.keys_per_head + first_key),
+                plan.value_stride,
+            ),
+            None if p.kv_int8 => (kernels.pack_keys_int8)(p, b, kv_head, first_key, key_end, key_dst),
+            None => (kernels.pack_keys[p.dtype as usize])(p, b, kv_head, first_key, key_end, key_dst),
         }
-        let first_key = first_panel * KEY_PANEL;
-        // SAFETY: the problem is checked and its memory valid (attention_forward's contract);
-        // head `head` writes only its own panels, pair rows and flags, inside the buffers sized
-        // above.
-        unsafe {
-            let key_dst = packed
-                .get()
-                .add(head * head_floats + first_panel * panel_size);
-            match pairs {
-                Some(pack_pairs) => {
-                    let (values, finite) = value_pairs.get();
-                    pack_pairs(
-                        p,
-                        b,
-                        kv_head,
-                        first_key,
-                        key_end,
-                        key_dst.cast::<u32>(),
-                        values.add((head * keys_per_head + first_key) / 2 * plan_ref.value_stride),
-                        finite.add(head * keys_per_head + first_key),
-                        plan_ref.value_stride,
-                    )
-                }
-                None if p.kv_int8 => {
-                    (kernels.pack_keys_int8)(p, b, kv_head, first_key, key_end, key_dst)
-                }
-                None => (kernels.pack_keys[p.dtype as usize])(
-                    p, b, kv_head, first_key, key_end, key_dst,
-                ),
-            }
-        };
-    });
+    }
+}
 
+fn prefill_items(
+    plans: &[FlashPlan],
+    index: usize,
+    items: &mut Vec<CostedItem>,
+) -> Result<(), ProblemError> {
+    let plan = &plans[index];
+    let p = plan.problem;
+    let (batch, kv_heads) = (p.q.shape[0] as usize, p.k.shape[1] as usize);
     let tiles = plan.rows_per_group.div_ceil(Q_TILE_ROWS);
-    let mut items = Vec::new();
     items
-        .try_reserve_exact(batch * kv_heads * tiles)
+        .try_reserve(batch * kv_heads * tiles)
         .map_err(|_| ProblemError::out_of_memory())?;
     for b in 0..batch {
         for kv_head in 0..kv_heads {
@@ -519,6 +644,7 @@ fn run_prefill(
                 let first_key = first_key / KEY_PANEL * KEY_PANEL;
                 let last_key = last_key.max(first_key);
                 items.push(CostedItem {
+                    plan: index,
                     item: WorkItem {
                         b,
                         kv_head,
@@ -533,23 +659,22 @@ fn run_prefill(
             }
         }
     }
-    run_items(plan, kernels, &mut items, threads, false)
+    Ok(())
 }
 
-/// 6. Split-key: chunks of every group's visible keys, then the log-sum-exp merge.
-fn run_split_key(
-    plan: &mut FlashPlan,
-    kernels: FlashKernels,
-    threads: usize,
-    buffers: &mut CallerBuffers,
+/// 6. Split-key: chunks of every group's visible keys (slots numbered from 0 in each plan; the
+/// merge then combines each group's partials by log-sum-exp). items None: counting slots only.
+fn split_key_items(
+    plans: &[FlashPlan],
+    index: usize,
+    layout: &mut PlanLayout,
+    mut items: Option<&mut Vec<CostedItem>>,
 ) -> Result<(), ProblemError> {
+    let plan = &plans[index];
     let p = plan.problem;
-    let (batch, kv_heads, value_dim) =
-        (p.q.shape[0] as usize, p.k.shape[1] as usize, plan.value_dim);
+    let (batch, kv_heads) = (p.q.shape[0] as usize, p.k.shape[1] as usize);
     let rows = plan.rows_per_group;
-
-    let mut slot_base = try_filled(batch + 1, 0usize)?; // first slot of (b, kv_head 0)
-    let mut items = Vec::new();
+    layout.slot_base = try_filled(batch + 1, 0usize)?;
     for b in 0..batch {
         // Only the group's visible range is split: the first row's window start to the last
         // row's visible end.
@@ -557,15 +682,19 @@ fn run_split_key(
         let (_, key_end) = flash_row_key_range(p, b, plan.group, rows - 1);
         let key_end = key_end.max(key_begin0);
         let chunks = (key_end - key_begin0).div_ceil(SPLIT_KEY_CHUNK).max(1);
+        layout.slot_base[b + 1] = layout.slot_base[b] + if chunks > 1 { chunks * kv_heads } else { 0 };
+        let Some(items) = items.as_deref_mut() else {
+            continue;
+        };
         items
             .try_reserve(chunks * kv_heads)
             .map_err(|_| ProblemError::out_of_memory())?;
-        slot_base[b + 1] = slot_base[b] + if chunks > 1 { chunks * kv_heads } else { 0 };
         for kv_head in 0..kv_heads {
             for chunk in 0..chunks {
                 let key_begin = key_begin0 + chunk * SPLIT_KEY_CHUNK;
                 let chunk_end = (key_begin + SPLIT_KEY_CHUNK).min(key_end);
                 items.push(CostedItem {
+                    plan: index,
                     item: WorkItem {
                         b,
                         kv_head,
@@ -573,63 +702,209 @@ fn run_split_key(
                         row_end: rows,
                         key_begin,
                         key_end: if chunks > 1 { chunk_end } else { key_end },
-                        partial_slot: (chunks > 1).then(|| slot_base[b] + kv_head * chunks + chunk),
+                        partial_slot: (chunks > 1)
+                            .then(|| layout.slot_base[b] + kv_head * chunks + chunk),
                     },
                     cost: (chunk_end.saturating_sub(key_begin) + KEY_BLOCK) * rows,
                 });
             }
         }
     }
-    let slots = slot_base[batch];
-    let mut merge_rows = std::ptr::null_mut();
-    if slots > 0 {
-        let slot_rows = slots * rows;
-        // then one float32 row per thread for the merge of a half out (merge_partials)
-        let partials = buffers
-            .partials
-            .ensure(slot_rows * (value_dim + 2) + threads * value_dim)?;
-        // SAFETY: the buffer holds slot_rows * (Dv + 2) + threads * Dv floats.
-        merge_rows = unsafe { partials.add(slot_rows * (value_dim + 2)) };
-        plan.partial_out = partials;
-        // SAFETY: the buffer holds slot_rows * (Dv + 2) floats.
-        plan.partial_max = unsafe { partials.add(slot_rows * value_dim) };
-        // SAFETY: as above.
-        plan.partial_sum = unsafe { partials.add(slot_rows * (value_dim + 1)) };
-    }
-    run_items(plan, kernels, &mut items, threads, true)?;
-    if slots == 0 {
-        return Ok(());
-    }
-
-    // Merge, in chunk order.
-    let plan_ref = &*plan;
-    let slot_base = &slot_base;
-    let merge_rows = Shared(merge_rows);
-    parallel_for(batch * kv_heads, threads, &|head, thread| {
-        let (b, kv_head) = (head / kv_heads, head % kv_heads);
-        let chunks = (slot_base[b + 1] - slot_base[b]) / kv_heads;
-        if chunks == 0 {
-            return; // one chunk: written directly
-        }
-        // SAFETY: the partials of these slots were written by the items above; this group's
-        // out and lse rows are written by this item only.
-        unsafe {
-            let merge = match plan_ref.problem.dtype {
-                ElementType::Float32 => merge_partials::<f32>,
-                ElementType::Float16 => merge_partials::<Float16>,
-                ElementType::BFloat16 => merge_partials::<BFloat16>,
-            };
-            merge(
-                plan_ref,
-                b,
-                kv_head,
-                slot_base[b] + kv_head * chunks,
-                chunks,
-                merge_rows.get().add(thread * value_dim),
-            )
-        };
-    });
     Ok(())
+}
+
+/// Runs every problem of a call (none empty): the K^T panels of every prefill plan (one parallel
+/// pass), then the work items of all plans together (one parallel pass), then the merge of every
+/// split group (one parallel pass).
+///
+/// # Safety
+/// As [`attention_forward_with`], for every problem (each checked).
+unsafe fn run_problems(
+    problems: &[AttentionProblem],
+    kernels: FlashKernels,
+    threads: usize,
+) -> Result<(), ProblemError> {
+    let work: f64 = problems.iter().map(problem_work).sum();
+    let threads = if work < SERIAL_WORK as f64 {
+        1
+    } else {
+        threads
+    };
+    let mut plans: Vec<FlashPlan> = Vec::new();
+    plans
+        .try_reserve_exact(problems.len())
+        .map_err(|_| ProblemError::out_of_memory())?;
+    plans.extend(problems.iter().map(make_plan));
+    let mut layouts = Vec::new();
+    layouts
+        .try_reserve_exact(problems.len())
+        .map_err(|_| ProblemError::out_of_memory())?;
+
+    // Buffers: every plan's part of the packed K (and V pairs), of the partials.
+    let (mut packed_floats, mut value_pairs, mut finite_flags) = (0usize, 0usize, 0usize);
+    let (mut partial_rows, mut partial_floats) = (0usize, 0usize);
+    for index in 0..plans.len() {
+        let heads = (plans[index].problem.q.shape[0] * plans[index].problem.k.shape[1]) as usize;
+        let mut layout = PlanLayout {
+            prefill: plans[index].rows_per_group > Q_TILE_ROWS,
+            pairs: None,
+            panel_size: 0,
+            keys_per_head: 0,
+            packed_at: 0,
+            values_at: 0,
+            finite_at: 0,
+            packed: std::ptr::null_mut(),
+            packed_values: std::ptr::null_mut(),
+            value_finite: std::ptr::null_mut(),
+            slot_base: Vec::new(),
+            partial_at: 0,
+        };
+        if layout.prefill {
+            layout_prefill(&mut plans[index], kernels, &mut layout);
+            let plan = &plans[index];
+            layout.packed_at = packed_floats;
+            packed_floats = [heads, plan.panels_per_head, layout.panel_size]
+                .into_iter()
+                .try_fold(1usize, usize::checked_mul)
+                .and_then(|floats| floats.checked_add(packed_floats))
+                .ok_or_else(ProblemError::out_of_memory)?;
+            layout.values_at = value_pairs;
+            layout.finite_at = finite_flags;
+            if layout.pairs.is_some() {
+                value_pairs += heads * layout.keys_per_head / 2 * plan.value_stride;
+                finite_flags += heads * layout.keys_per_head;
+            }
+        } else {
+            split_key_items(&plans, index, &mut layout, None)?;
+            let plan = &plans[index];
+            let slot_rows = layout.slot_base[layout.slot_base.len() - 1] * plan.rows_per_group;
+            layout.partial_at = partial_rows;
+            partial_rows += slot_rows;
+            partial_floats += slot_rows * plan.value_dim;
+        }
+        layouts.push(layout);
+    }
+    let max_value_dim = plans.iter().map(|plan| plan.value_dim).max().unwrap_or(0);
+    with_thread_buffers(&CALLER_BUFFERS, |buffers| {
+        // (at least one element each: a prefill plan's packed_keys is never null, even with
+        // Lk = 0)
+        let packed = buffers.packed_keys.ensure(packed_floats.max(1))?;
+        let packed_values = buffers.packed_values.ensure(value_pairs.max(1))?.cast::<u32>();
+        if buffers.value_finite.len() < finite_flags.max(1) {
+            buffers.value_finite = try_filled(finite_flags.max(1), 0u8)?;
+        }
+        let value_finite = buffers.value_finite.as_mut_ptr();
+        // partial out, m, l, then one float32 row per thread for the merge of a half out
+        // (merge_partials)
+        let mut merge_rows = std::ptr::null_mut();
+        let mut partials = std::ptr::null_mut();
+        if partial_rows > 0 {
+            partials = buffers
+                .partials
+                .ensure(partial_floats + 2 * partial_rows + threads * max_value_dim)?;
+            // SAFETY: the buffer holds that many floats.
+            merge_rows = unsafe { partials.add(partial_floats + 2 * partial_rows) };
+        }
+        let mut pack_groups = Vec::new();
+        let mut merge_groups = Vec::new();
+        let mut partial_floats_at = 0;
+        for (index, (plan, layout)) in plans.iter_mut().zip(layouts.iter_mut()).enumerate() {
+            let (batch, kv_heads) = (
+                plan.problem.q.shape[0] as usize,
+                plan.problem.k.shape[1] as usize,
+            );
+            // SAFETY (every add below): the offsets lie inside the buffers sized above.
+            if layout.prefill {
+                layout.packed = unsafe { packed.add(layout.packed_at) };
+                plan.packed_keys = layout.packed;
+                if layout.pairs.is_some() {
+                    layout.packed_values = unsafe { packed_values.add(layout.values_at) };
+                    layout.value_finite = unsafe { value_finite.add(layout.finite_at) };
+                    plan.packed_values = layout.packed_values;
+                    plan.value_finite = layout.value_finite;
+                }
+                pack_groups
+                    .try_reserve(batch * kv_heads)
+                    .map_err(|_| ProblemError::out_of_memory())?;
+                for b in 0..batch {
+                    for kv_head in 0..kv_heads {
+                        pack_groups.push((index, b, kv_head));
+                    }
+                }
+            } else if layout.slot_base[batch] > 0 {
+                let slot_rows = layout.slot_base[batch] * plan.rows_per_group;
+                plan.partial_out = unsafe { partials.add(partial_floats_at) };
+                plan.partial_max = unsafe { partials.add(partial_floats + layout.partial_at) };
+                plan.partial_sum =
+                    unsafe { partials.add(partial_floats + partial_rows + layout.partial_at) };
+                partial_floats_at += slot_rows * plan.value_dim;
+                for b in 0..batch {
+                    for kv_head in 0..kv_heads {
+                        if layout.slot_base[b + 1] > layout.slot_base[b] {
+                            merge_groups.push((index, b, kv_head));
+                        }
+                    }
+                }
+            }
+        }
+        // 2 and 6. Every plan's work items (listed before the passes start: listing rewrites
+        // each split plan's slot_base, the same values as above).
+        let mut items = Vec::new();
+        for index in 0..plans.len() {
+            if layouts[index].prefill {
+                prefill_items(&plans, index, &mut items)?;
+            } else {
+                split_key_items(&plans, index, &mut layouts[index], Some(&mut items))?;
+            }
+        }
+        let (plans, layouts) = (&plans, &layouts);
+
+        // 2. The K^T panels of every prefill group.
+        if !pack_groups.is_empty() {
+            let pack_groups = &pack_groups;
+            parallel_for(pack_groups.len(), threads, &|index, _| {
+                let (plan, b, kv_head) = pack_groups[index];
+                // SAFETY: the problems are checked and valid; group (plan, b, kv_head) writes
+                // only its own panels, pair rows and flags, inside the buffers sized above.
+                unsafe { pack_head(&plans[plan], kernels, &layouts[plan], b, kv_head) };
+            });
+        }
+
+        // 2 and 6. The work items of all plans, in one pass.
+        run_items(plans, kernels, &mut items, threads)?;
+        if merge_groups.is_empty() {
+            return Ok(());
+        }
+
+        // 6. Merge, in chunk order.
+        let merge_rows = Shared(merge_rows);
+        let merge_groups = &merge_groups;
+        parallel_for(merge_groups.len(), threads, &|index, thread| {
+            let (plan_index, b, kv_head) = merge_groups[index];
+            let plan = &plans[plan_index];
+            let slot_base = &layouts[plan_index].slot_base;
+            let kv_heads = plan.problem.k.shape[1] as usize;
+            let chunks = (slot_base[b + 1] - slot_base[b]) / kv_heads;
+            // SAFETY: the partials of these slots were written by the items above; this group's
+            // out and lse rows are written by this item only.
+            unsafe {
+                let merge = match plan.problem.dtype {
+                    ElementType::Float32 => merge_partials::<f32>,
+                    ElementType::Float16 => merge_partials::<Float16>,
+                    ElementType::BFloat16 => merge_partials::<BFloat16>,
+                };
+                merge(
+                    plan,
+                    b,
+                    kv_head,
+                    slot_base[b] + kv_head * chunks,
+                    chunks,
+                    merge_rows.get().add(thread * max_value_dim),
+                )
+            };
+        });
+        Ok(())
+    })
 }
 
 /// Step 6's merge: for every row of group (b, kv_head), chunks in order, `m* = max_c m_c`,

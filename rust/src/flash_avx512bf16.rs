@@ -36,6 +36,7 @@ use std::arch::x86_64::*;
 
 use crate::constants::{AVX512_VALUE_VECTORS, KEY_BLOCK, KEY_PANEL, MICRO_ROWS};
 use crate::element::BFloat16;
+use crate::flash_attention::flash_key_rows;
 use crate::flash_kernel::{
     at, block_probabilities, block_values, finish_row, match_strip_rows, round_up, start_row,
     FlashKernels, FlashPlan, ThreadScratch, WorkItem,
@@ -77,20 +78,16 @@ unsafe fn pack_pairs(
     let value_dim = p.v.shape[3] as usize;
     // SAFETY: forwarded from this function's contract: rows read are < key_end <= kv_lens[b].
     unsafe {
-        let k_head =
-            p.k.data
-                .cast::<u16>()
-                .offset(at([b, kv_head], &[p.k.stride[0], p.k.stride[1]]));
-        let v_head =
-            p.v.data
-                .cast::<u16>()
-                .offset(at([b, kv_head], &[p.v.stride[0], p.v.stride[1]]));
-        // K pair panels: pair (d2, key) from K rows read in place.
+        // K pair panels: pair (d2, key) from K rows read in place (flash_key_rows, a panel at a
+        // time; V rows two keys at a time).
+        let mut rows = [std::ptr::null::<u8>(); KEY_PANEL];
+        let none = std::ptr::null_mut();
         let mut panel_begin = key_begin;
         while panel_begin < key_end {
             let keys = (key_end - panel_begin).min(KEY_PANEL);
+            flash_key_rows(p, b, kv_head, panel_begin, keys, rows.as_mut_ptr(), none, none.cast(), none.cast());
             for j in 0..KEY_PANEL {
-                let k_row = k_head.offset((panel_begin + j) as isize * p.k.stride[2] as isize);
+                let k_row = rows[j].cast::<u16>();
                 for d2 in 0..d2_len {
                     let mut pair = 0u32;
                     if j < keys {
@@ -112,8 +109,10 @@ unsafe fn pack_pairs(
         let padded_end = key_end + (key_end - key_begin) % 2;
         let mut key = key_begin;
         while key < padded_end {
-            let even = v_head.offset(key as isize * p.v.stride[2] as isize);
-            let odd = (key + 1 < key_end).then(|| even.offset(p.v.stride[2] as isize));
+            let pair_keys = if key + 1 < key_end { 2 } else { 1 };
+            flash_key_rows(p, b, kv_head, key, pair_keys, none, rows.as_mut_ptr(), none.cast(), none.cast());
+            let even = rows[0].cast::<u16>();
+            let odd = (key + 1 < key_end).then(|| rows[1].cast::<u16>());
             let dst = value_dst.add((key - key_begin) / 2 * value_stride);
             let (mut even_finite, mut odd_finite) = (true, true);
             for c in 0..value_dim {
@@ -443,11 +442,6 @@ unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
             .packed_values
             .add(head * keys_per_head / 2 * value_stride);
         let v_head_finite = plan.value_finite.add(head * keys_per_head);
-        let v_stride = p.v.stride[2] as isize;
-        let v_head =
-            p.v.data
-                .cast::<BFloat16>()
-                .offset(at([b, item.kv_head], &[p.v.stride[0], p.v.stride[1]]));
         let mut key_block = item.key_begin;
         while key_block < key_stop {
             let n = (key_stop - key_block).min(KEY_BLOCK);
@@ -474,12 +468,13 @@ unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
                 }
             }
             if !values_finite {
+                let none = std::ptr::null_mut();
+                flash_key_rows(p, b, item.kv_head, key_block, n, none, s.value_rows, none.cast(), none.cast());
                 block_values::<VecAvx512, BFloat16, true>(
                     s.scores,
                     rows,
                     n,
-                    v_head.offset(key_block as isize * v_stride),
-                    v_stride,
+                    s.value_rows,
                     s.out_acc,
                     value_stride,
                     value_dim,

@@ -26,7 +26,9 @@ use crate::constants::{
     TANH_SMALL,
 };
 use crate::element::{Element, Load};
-use crate::flash_attention::{flash_row_key_range, flash_row_lse, flash_row_position};
+use crate::flash_attention::{
+    flash_key_rows, flash_row_key_range, flash_row_lse, flash_row_position,
+};
 use crate::problem::{AttentionProblem, MaskKind};
 use crate::simd::Vector;
 
@@ -110,6 +112,10 @@ pub struct ThreadScratch {
     /// keys)
     pub key_scales: *mut f32,
     pub value_scales: *mut f32,
+    /// The current block's K and V rows (KEY_BLOCK each, [`flash_key_rows`]): dense or paged
+    /// alike.
+    pub key_rows: *mut *const u8,
+    pub value_rows: *mut *const u8,
 }
 
 /// Runs one work item. # Safety: see [`attend_rows`].
@@ -258,28 +264,29 @@ pub unsafe fn pack_keys<V: Vector, T: Load>(
     // SAFETY: forwarded from this function's contract: every key row read is < kv_lens[b], every
     // write lies inside dst's panels.
     unsafe {
-        let k_head =
-            p.k.data
-                .cast::<T>()
-                .offset(at([b, kv_head], &[p.k.stride[0], p.k.stride[1]]));
-        // int8: column j holds float32(k_j) * k_scale[j] (one rounding), so the micro-kernels
-        // are the float32 ones.
-        let k_scale_head = if T::SCALED {
-            p.k_scale.data.offset(at(
-                [b, kv_head],
-                &[p.k_scale.stride[0], p.k_scale.stride[1]],
-            ))
-        } else {
-            std::ptr::null()
-        };
-        let k_scale_at =
-            |key: usize| *k_scale_head.offset(key as isize * p.k_scale.stride[2] as isize);
+        // The panel's K rows and (int8) k_scale: column j holds float32(k_j) * k_scale[j] (one
+        // rounding), so the micro-kernels are the float32 ones.
+        let mut k_rows = [std::ptr::null::<u8>(); KEY_PANEL];
+        let mut k_scale = [0.0f32; KEY_PANEL];
         let w = V::WIDTH;
         let mut panel_begin = key_begin;
-        let key_stride = p.k.stride[2] as isize;
         while panel_begin < key_end {
             let keys = (key_end - panel_begin).min(KEY_PANEL);
-            let panel_rows = k_head.offset(panel_begin as isize * key_stride);
+            flash_key_rows(
+                p,
+                b,
+                kv_head,
+                panel_begin,
+                keys,
+                k_rows.as_mut_ptr(),
+                std::ptr::null_mut(),
+                if T::SCALED {
+                    k_scale.as_mut_ptr()
+                } else {
+                    std::ptr::null_mut()
+                },
+                std::ptr::null_mut(),
+            );
             let mut d_done = 0;
             if keys == KEY_PANEL {
                 // whole panel: WIDTH x WIDTH blocks transposed in registers
@@ -287,11 +294,9 @@ pub unsafe fn pack_keys<V: Vector, T: Load>(
                 while d_done + w <= d_len {
                     for j in (0..KEY_PANEL).step_by(w) {
                         for (t, row) in block.iter_mut().enumerate().take(w) {
-                            *row = T::load::<V>(
-                                panel_rows.offset((j + t) as isize * key_stride).add(d_done),
-                            );
+                            *row = T::load::<V>(k_rows[j + t].cast::<T>().add(d_done));
                             if T::SCALED {
-                                *row = V::mul(*row, V::broadcast(k_scale_at(panel_begin + j + t)));
+                                *row = V::mul(*row, V::broadcast(k_scale[j + t]));
                             }
                         }
                         V::transpose(&mut block[..w]);
@@ -304,9 +309,9 @@ pub unsafe fn pack_keys<V: Vector, T: Load>(
             }
             for j in 0..keys {
                 // the rest, element by element
-                let k_row = panel_rows.offset(j as isize * key_stride);
+                let k_row = k_rows[j].cast::<T>();
                 if T::SCALED {
-                    let scale = k_scale_at(panel_begin + j);
+                    let scale = k_scale[j];
                     for d in d_done..d_len {
                         *dst.add(d * KEY_PANEL + j) = (*k_row.add(d)).to_f32() * scale;
                     }
@@ -496,15 +501,14 @@ unsafe fn direct_batch<V: Vector, T: Load, const R: usize>(
 /// (one multiply per (row, key); key_scales holds the block's, 0 past n).
 ///
 /// # Safety
-/// V's instruction set is available; q: R rows of d_len floats; k_rows: n rows of stride
-/// k_stride, d_len floats each; scores: R rows of stride KEY_BLOCK, j0 + WIDTH <= KEY_BLOCK.
+/// V's instruction set is available; q: R rows of d_len floats; k_rows: n row pointers, d_len
+/// elements each; scores: R rows of stride KEY_BLOCK, j0 + WIDTH <= KEY_BLOCK.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn direct_strip<V: Vector, T: Load, const R: usize>(
     q: *const f32,
     d_len: usize,
-    k_rows: *const T,
-    k_stride: isize,
+    k_rows: *const *const u8,
     j0: usize,
     n: usize,
     key_scales: *const f32,
@@ -519,7 +523,7 @@ unsafe fn direct_strip<V: Vector, T: Load, const R: usize>(
                 continue; // y stays 0
             }
             let k: [*const T; 4] =
-                std::array::from_fn(|t| k_rows.offset((first + t).min(n - 1) as isize * k_stride));
+                std::array::from_fn(|t| (*k_rows.add((first + t).min(n - 1))).cast::<T>());
             direct_batch::<V, T, R>(q, d_len, &k, &mut y, batch);
         }
         for (r, y_r) in y.iter().enumerate() {
@@ -543,8 +547,7 @@ unsafe fn direct_block_scores<V: Vector, T: Load>(
     q_tile: *const f32,
     d_len: usize,
     rows: usize,
-    k_rows: *const T,
-    k_stride: isize,
+    k_rows: *const *const u8,
     n: usize,
     key_scales: *const f32,
     scores: *mut f32,
@@ -557,7 +560,7 @@ unsafe fn direct_block_scores<V: Vector, T: Load>(
                 let q = q_tile.add(r * d_len);
                 let s = scores.add(r * KEY_BLOCK);
                 match_strip_rows!((rows - r).min(strip), R => {
-                    direct_strip::<V, T, R>(q, d_len, k_rows, k_stride, j0, n, key_scales, s)
+                    direct_strip::<V, T, R>(q, d_len, k_rows, j0, n, key_scales, s)
                 });
             }
         }
@@ -571,7 +574,7 @@ unsafe fn direct_block_scores<V: Vector, T: Load>(
 ///
 /// # Safety
 /// V's instruction set is available; probs: R rows of stride KEY_BLOCK, n keys;
-/// v_rows: n value rows of stride v_stride, each readable for the columns used; out:
+/// v_rows: n value row pointers, each row readable from `column` for the columns used; out:
 /// R rows of stride out_stride, NV * WIDTH floats each; rescale: R floats.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
@@ -585,8 +588,8 @@ unsafe fn value_micro<
 >(
     probs: *const f32,
     n: usize,
-    v_rows: *const T,
-    v_stride: isize,
+    v_rows: *const *const u8,
+    column: usize,
     out: *mut f32,
     out_stride: usize,
     rescale: *const f32,
@@ -607,7 +610,7 @@ unsafe fn value_micro<
             }
         }
         for key in 0..n {
-            let v_row = v_rows.offset(key as isize * v_stride);
+            let v_row = (*v_rows.add(key)).cast::<T>().add(column);
             let mut values = [V::zero(); NV];
             for (v, value) in values.iter_mut().enumerate() {
                 *value = if TAIL && v == NV - 1 {
@@ -657,8 +660,7 @@ unsafe fn value_micro<
 unsafe fn strip_values<V: Vector, T: Load, const R: usize, const SAFE: bool>(
     probs: *const f32,
     n: usize,
-    v_rows: *const T,
-    v_stride: isize,
+    v_rows: *const *const u8,
     out: *mut f32,
     out_stride: usize,
     value_dim: usize,
@@ -678,8 +680,8 @@ unsafe fn strip_values<V: Vector, T: Load, const R: usize, const SAFE: bool>(
                 value_micro::<V, T, R, $nv, $tail, SAFE>(
                     probs,
                     n,
-                    v_rows.add($c),
-                    v_stride,
+                    v_rows,
+                    $c,
                     out.add($c),
                     out_stride,
                     rescale,
@@ -719,8 +721,7 @@ pub(crate) unsafe fn block_values<V: Vector, T: Load, const SAFE: bool>(
     scores: *const f32,
     rows: usize,
     n: usize,
-    v_rows: *const T,
-    v_stride: isize,
+    v_rows: *const *const u8,
     out_acc: *mut f32,
     out_stride: usize,
     value_dim: usize,
@@ -734,7 +735,7 @@ pub(crate) unsafe fn block_values<V: Vector, T: Load, const SAFE: bool>(
             let alpha = rescale.add(r);
             match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
                 strip_values::<V, T, R, SAFE>(
-                    probs, n, v_rows, v_stride, out, out_stride, value_dim, alpha,
+                    probs, n, v_rows, out, out_stride, value_dim, alpha,
                 )
             });
         }
@@ -797,46 +798,40 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
                     * KEY_PANEL,
             )
         };
-        let v_head =
-            p.v.data
-                .cast::<KV>()
-                .offset(at([b, item.kv_head], &[p.v.stride[0], p.v.stride[1]]));
-        let v_stride = p.v.stride[2] as isize;
-        let k_head =
-            p.k.data
-                .cast::<KV>()
-                .offset(at([b, item.kv_head], &[p.k.stride[0], p.k.stride[1]]));
-        let k_stride = p.k.stride[2] as isize;
-        // int8: this head's scales (read through their strides, gathered per block).
-        let scale_head = |view: &crate::problem::ParamView3| {
-            if KV::SCALED {
-                view.data
-                    .offset(at([b, item.kv_head], &[view.stride[0], view.stride[1]]))
-            } else {
-                std::ptr::null()
-            }
-        };
-        let (k_scale_head, v_scale_head) = (scale_head(&p.k_scale), scale_head(&p.v_scale));
         // Split-key groups of few rows read K in place (3a'); the others pack K^T panels.
         let direct = plan.packed_keys.is_null() && rows <= DIRECT_SCORE_ROWS;
         let mut key_block = item.key_begin;
         while key_block < key_stop {
             let n = (key_stop - key_block).min(KEY_BLOCK);
             let n_padded = round_up(n, w);
+            // The block's K rows (read in place by the direct path only), V rows and int8
+            // scales, 0 past n (those scores become -inf below).
+            let scales = |buffer: *mut f32| {
+                if KV::SCALED {
+                    buffer
+                } else {
+                    std::ptr::null_mut()
+                }
+            };
+            flash_key_rows(
+                p,
+                b,
+                item.kv_head,
+                key_block,
+                n,
+                if direct {
+                    s.key_rows
+                } else {
+                    std::ptr::null_mut()
+                },
+                s.value_rows,
+                scales(s.key_scales),
+                scales(s.value_scales),
+            );
             if KV::SCALED {
-                // the block's scales, 0 past n (those scores become -inf below)
-                for j in 0..n_padded {
-                    let key = (key_block + j) as isize;
-                    let (k_scale, v_scale) = if j < n {
-                        (
-                            *k_scale_head.offset(key * p.k_scale.stride[2] as isize),
-                            *v_scale_head.offset(key * p.v_scale.stride[2] as isize),
-                        )
-                    } else {
-                        (0.0, 0.0)
-                    };
-                    *s.key_scales.add(j) = k_scale;
-                    *s.value_scales.add(j) = v_scale;
+                for j in n..n_padded {
+                    *s.key_scales.add(j) = 0.0;
+                    *s.value_scales.add(j) = 0.0;
                 }
             }
             // (a) S = Q K^T (int8: direct scores times k_scale there, panels already scaled).
@@ -845,8 +840,7 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
                     s.q_tile,
                     d_len,
                     rows,
-                    k_head.offset(key_block as isize * k_stride),
-                    k_stride,
+                    s.key_rows,
                     n,
                     s.key_scales,
                     s.scores,
@@ -878,15 +872,26 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
                 }
             }
             // (d) O = alpha O + P V.
-            let v_rows = v_head.offset(key_block as isize * v_stride);
             if masked {
                 block_values::<V, KV, true>(
-                    s.scores, rows, n, v_rows, v_stride, s.out_acc, out_stride, value_dim,
+                    s.scores,
+                    rows,
+                    n,
+                    s.value_rows,
+                    s.out_acc,
+                    out_stride,
+                    value_dim,
                     s.rescale,
                 );
             } else {
                 block_values::<V, KV, false>(
-                    s.scores, rows, n, v_rows, v_stride, s.out_acc, out_stride, value_dim,
+                    s.scores,
+                    rows,
+                    n,
+                    s.value_rows,
+                    s.out_acc,
+                    out_stride,
+                    value_dim,
                     s.rescale,
                 );
             }

@@ -170,6 +170,28 @@ impl ParamView3 {
     };
 }
 
+/// Paged keys and values (attention_paged; docs/kernels.md, "Key rows"): a null `data` means k,
+/// v, k_scale and v_scale are the dense (B, Hkv, Lk, ...) views. Otherwise the problem holds one
+/// sequence (B = 1) whose key j lives in page `data[(j / block_size) * stride]`, slot
+/// `j % block_size`: axis 0 of k, v, k_scale and v_scale then steps pages (its stride is the page
+/// stride), axis 2 steps slots within a page, and only the pages of keys j < kv_lens[0] are read.
+#[derive(Clone, Copy, Debug)]
+pub struct KeyPages {
+    pub data: *const i32,
+    /// in elements, between consecutive entries of the sequence's block table
+    pub stride: i64,
+    pub block_size: i64,
+}
+
+impl KeyPages {
+    /// Dense keys.
+    pub const NONE: KeyPages = KeyPages {
+        data: std::ptr::null(),
+        stride: 0,
+        block_size: 1,
+    };
+}
+
 /// Everything one attention call needs: the same fields with the same meaning as C++'s
 /// AttentionProblem (cpp/include/twinattn/problem.hpp).
 #[derive(Clone, Copy, Debug)]
@@ -210,6 +232,8 @@ pub struct AttentionProblem<'a> {
     pub kv_int8: bool,
     pub k_scale: ParamView3,
     pub v_scale: ParamView3,
+    /// Paged K/V ([`KeyPages`]): set by attention_paged for its per-sequence problems only.
+    pub pages: KeyPages,
 }
 
 /// Row-major (contiguous) views over shape (d0, d1, d2, d3) of float32 elements; a convenience
@@ -375,14 +399,15 @@ fn check_shape(
 fn check_unit_last_stride(
     name: &str,
     axis_name: &str,
-    shape: &[i64; 4],
-    stride: &[i64; 4],
+    shape: &[i64],
+    stride: &[i64],
 ) -> Result<(), ProblemError> {
-    if shape[3] > 1 && stride[3] != 1 && !shape.contains(&0) {
+    let last = shape.len() - 1;
+    if shape[last] > 1 && stride[last] != 1 && !shape.contains(&0) {
         reject!(
             "{name}: expected unit stride on the last axis ({axis_name}={}), got stride {} elements",
-            shape[3],
-            stride[3]
+            shape[last],
+            stride[last]
         );
     }
     Ok(())
@@ -489,11 +514,7 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
     }
 
     // 2. Grouped-query heads: query head h reads KV head h / (Hq / Hkv).
-    if q_heads > 0 && (kv_heads == 0 || q_heads % kv_heads != 0) {
-        reject!(
-            "k: expected Hkv dividing Hq={q_heads} (query head h reads KV head h // (Hq // Hkv)), got Hkv={kv_heads}"
-        );
-    }
+    check_group("k", q_heads, kv_heads)?;
 
     // 3. Memory: data present when non-empty, unit stride on the feature axes.
     check_data("q", p.q.data.is_null(), &p.q.shape)?;
@@ -538,58 +559,18 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
     }
 
     // 6. Variants: window sides, softcap, ALiBi slopes (B, Hq) and sinks (Hq,), all finite.
-    if p.window_left < -1 {
-        reject!(
-            "window_left: expected an int >= -1 (-1: unbounded), got {}",
-            p.window_left
-        );
-    }
-    if p.window_right < -1 {
-        reject!(
-            "window_right: expected an int >= -1 (-1: unbounded), got {}",
-            p.window_right
-        );
-    }
-    if !p.softcap.is_finite() || p.softcap < 0.0 {
-        reject!(
-            "softcap: expected a finite number >= 0 (0: off), got {}",
-            p.softcap
-        );
-    }
-    if !p.alibi_slopes.data.is_null() {
-        check_shape(
-            "alibi_slopes",
-            || format!("(B={batch}, Hq={q_heads})"),
-            &p.alibi_slopes.shape,
-            p.alibi_slopes.shape == [batch, q_heads],
-        )?;
-        check_finite_values(
-            "alibi_slopes",
-            p.alibi_slopes.data,
-            &p.alibi_slopes.shape,
-            &p.alibi_slopes.stride,
-        )?;
-    }
-    if !p.sinks.data.is_null() {
-        check_shape(
-            "sinks",
-            || format!("(Hq={q_heads},)"),
-            &p.sinks.shape,
-            p.sinks.shape == [q_heads],
-        )?;
-        check_finite_values("sinks", p.sinks.data, &p.sinks.shape, &p.sinks.stride)?;
-    }
+    check_variants(
+        p.window_left,
+        p.window_right,
+        p.softcap,
+        &p.alibi_slopes,
+        &p.sinks,
+        batch,
+        q_heads,
+    )?;
     // int8 K/V: both scales (B, Hkv, Lk), any values (a NaN scale acts like a NaN in K or V).
     for (name, view) in [("k_scale", &p.k_scale), ("v_scale", &p.v_scale)] {
-        if p.kv_int8 && view.data.is_null() {
-            reject!("{name}: required with int8 k and v (float32, shape (B, Hkv, Lk)), got None");
-        }
-        if !p.kv_int8 && !view.data.is_null() {
-            reject!(
-                "{name}: expected None with {} k and v (scales are only for int8), got an array",
-                p.dtype.name()
-            );
-        }
+        check_scale_given(name, !view.data.is_null(), p.kv_int8, p.dtype, "(B, Hkv, Lk)")?;
         if !view.data.is_null() {
             check_shape(
                 name,
@@ -671,14 +652,733 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
         ),
         ("lse", lse_extent),
     ];
-    for (output, extent) in [("out", out_extent), ("lse", lse_extent)] {
-        for &(input, input_extent) in &inputs {
+    check_outputs_disjoint(out_extent, lse_extent, &inputs)
+}
+
+/// Step 2 of every problem: query head h reads KV head h / (Hq / Hkv).
+fn check_group(name: &str, q_heads: i64, kv_heads: i64) -> Result<(), ProblemError> {
+    if q_heads > 0 && (kv_heads == 0 || q_heads % kv_heads != 0) {
+        reject!(
+            "{name}: expected Hkv dividing Hq={q_heads} (query head h reads KV head h // (Hq // Hkv)), got Hkv={kv_heads}"
+        );
+    }
+    Ok(())
+}
+
+/// Step 6 of every problem: window sides, softcap, ALiBi slopes (B, Hq) and sinks (Hq,), all
+/// finite.
+fn check_variants(
+    window_left: i64,
+    window_right: i64,
+    softcap: f32,
+    alibi_slopes: &ParamView2,
+    sinks: &ParamView1,
+    batch: i64,
+    q_heads: i64,
+) -> Result<(), ProblemError> {
+    if window_left < -1 {
+        reject!("window_left: expected an int >= -1 (-1: unbounded), got {window_left}");
+    }
+    if window_right < -1 {
+        reject!("window_right: expected an int >= -1 (-1: unbounded), got {window_right}");
+    }
+    if !softcap.is_finite() || softcap < 0.0 {
+        reject!("softcap: expected a finite number >= 0 (0: off), got {softcap}");
+    }
+    if !alibi_slopes.data.is_null() {
+        check_shape(
+            "alibi_slopes",
+            || format!("(B={batch}, Hq={q_heads})"),
+            &alibi_slopes.shape,
+            alibi_slopes.shape == [batch, q_heads],
+        )?;
+        check_finite_values(
+            "alibi_slopes",
+            alibi_slopes.data,
+            &alibi_slopes.shape,
+            &alibi_slopes.stride,
+        )?;
+    }
+    if !sinks.data.is_null() {
+        check_shape(
+            "sinks",
+            || format!("(Hq={q_heads},)"),
+            &sinks.shape,
+            sinks.shape == [q_heads],
+        )?;
+        check_finite_values("sinks", sinks.data, &sinks.shape, &sinks.stride)?;
+    }
+    Ok(())
+}
+
+/// An int8 scale (k_scale, v_scale) is given exactly when k and v are int8; `shape` names its
+/// axes.
+fn check_scale_given(
+    name: &str,
+    given: bool,
+    kv_int8: bool,
+    dtype: ElementType,
+    shape: &str,
+) -> Result<(), ProblemError> {
+    if kv_int8 && !given {
+        reject!("{name}: required with int8 k and v (float32, shape {shape}), got None");
+    }
+    if !kv_int8 && given {
+        reject!(
+            "{name}: expected None with {} k and v (scales are only for int8), got an array",
+            dtype.name()
+        );
+    }
+    Ok(())
+}
+
+type Extent = Option<(i128, i128)>;
+
+/// Step 7's last part: out and lse disjoint from every input (and from each other).
+fn check_outputs_disjoint(
+    out: Extent,
+    lse: Extent,
+    inputs: &[(&str, Extent)],
+) -> Result<(), ProblemError> {
+    for (output, extent) in [("out", out), ("lse", lse)] {
+        for &(input, input_extent) in inputs {
             if input != output && extents_overlap(extent, input_extent) {
                 reject!("{output}: expected memory disjoint from {input}, got arrays that overlap");
             }
         }
     }
     Ok(())
+}
+
+// ---- Packed (varlen) and paged batches (docs/native_api.md, attention_varlen / attention_paged)
+
+/// A rank-3 view of packed rows, (total, H, D): strides in elements, the last axis unit stride;
+/// elements of the problem's dtype (int8 for int8 k and v).
+#[derive(Clone, Copy, Debug)]
+pub struct TensorView3 {
+    pub data: *const u8,
+    pub shape: [i64; 3],
+    pub stride: [i64; 3],
+}
+
+/// A writeable [`TensorView3`].
+#[derive(Clone, Copy, Debug)]
+pub struct MutTensorView3 {
+    pub data: *mut u8,
+    pub shape: [i64; 3],
+    pub stride: [i64; 3],
+}
+
+/// lse of packed rows, (Hq, total_q) (flash-attn's layout); a null `data`: not requested.
+#[derive(Clone, Copy, Debug)]
+pub struct LseView2 {
+    pub data: *mut f32,
+    pub shape: [i64; 2],
+    pub stride: [i64; 2],
+}
+
+impl LseView2 {
+    /// No lse requested.
+    pub const NONE: LseView2 = LseView2 {
+        data: std::ptr::null_mut(),
+        shape: [0; 2],
+        stride: [0; 2],
+    };
+}
+
+/// The block table, int32 (B, max_blocks), strides in elements.
+#[derive(Clone, Copy, Debug)]
+pub struct BlockTableView {
+    pub data: *const i32,
+    pub shape: [i64; 2],
+    pub stride: [i64; 2],
+}
+
+/// What attention_varlen and attention_paged share: the options of [`AttentionProblem`] (same
+/// meaning), alibi_slopes (B, Hq) with B the number of sequences.
+#[derive(Clone, Copy, Debug)]
+pub struct PackedOptions {
+    pub dtype: ElementType,
+    pub kv_int8: bool,
+    pub causal: bool,
+    pub scale: f32,
+    pub window_left: i64,
+    pub window_right: i64,
+    pub softcap: f32,
+    pub alibi_slopes: ParamView2,
+    pub sinks: ParamView1,
+}
+
+impl Default for PackedOptions {
+    fn default() -> Self {
+        PackedOptions {
+            dtype: ElementType::Float32,
+            kv_int8: false,
+            causal: false,
+            scale: 1.0,
+            window_left: -1,
+            window_right: -1,
+            softcap: 0.0,
+            alibi_slopes: ParamView2::NONE,
+            sinks: ParamView1::NONE,
+        }
+    }
+}
+
+/// Sequences packed one after another: sequence b has query rows cu_seqlens_q[b] ..
+/// cu_seqlens_q[b + 1] and keys cu_seqlens_k[b] .. cu_seqlens_k[b + 1]; its query row i sits at
+/// position (Lk_b - Lq_b) + i (bottom-right).
+///
+/// ```text
+/// q (total_q, Hq, D)   k (total_k, Hkv, D)   v (total_k, Hkv, Dv)   out (total_q, Hq, Dv)
+/// lse (Hq, total_q)    cu_seqlens_q, cu_seqlens_k (B + 1,)   k_scale, v_scale (total_k, Hkv)
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct VarlenProblem<'a> {
+    pub q: TensorView3,
+    pub k: TensorView3,
+    pub v: TensorView3,
+    pub out: MutTensorView3,
+    pub lse: LseView2,
+    pub cu_seqlens_q: &'a [i64],
+    pub cu_seqlens_k: &'a [i64],
+    pub options: PackedOptions,
+    pub k_scale: ParamView2,
+    pub v_scale: ParamView2,
+}
+
+/// Keys in pages: key j of sequence b at k_cache[block_table[b, j / block_size], j % block_size];
+/// sequence b has seq_lens[b] keys and query rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1], its
+/// last positions (row i at seq_lens[b] - Lq_b + i).
+///
+/// ```text
+/// q (total_q, Hq, D)   k_cache (num_blocks, block_size, Hkv, D)   v_cache (.., Hkv, Dv)
+/// out (total_q, Hq, Dv)   lse (Hq, total_q)   block_table (B, max_blocks)   seq_lens (B,)
+/// cu_seqlens_q (B + 1,)   k_scale, v_scale (num_blocks, block_size, Hkv)
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct PagedProblem<'a> {
+    pub q: TensorView3,
+    pub k_cache: TensorView4,
+    pub v_cache: TensorView4,
+    pub out: MutTensorView3,
+    pub lse: LseView2,
+    pub block_table: BlockTableView,
+    pub seq_lens: &'a [i64],
+    pub cu_seqlens_q: &'a [i64],
+    pub options: PackedOptions,
+    pub k_scale: ParamView3,
+    pub v_scale: ParamView3,
+}
+
+/// cu_seqlens (B + 1,): cu[0] == 0, non-decreasing, cu[B] == total (the rows of `total_name`).
+/// batch None: this argument defines B (at least one entry).
+fn check_cu_seqlens(
+    name: &str,
+    cu: &[i64],
+    batch: Option<i64>,
+    total_name: &str,
+    total: i64,
+) -> Result<(), ProblemError> {
+    match batch {
+        None if cu.is_empty() => reject!("{name}: expected shape (B + 1,) with B >= 0, got (0,)"),
+        Some(batch) if cu.len() as i64 != batch + 1 => reject!(
+            "{name}: expected shape (B + 1={},), got ({},)",
+            batch + 1,
+            cu.len()
+        ),
+        _ => {}
+    }
+    if cu[0] != 0 {
+        reject!("{name}: expected {name}[0]=0, got {}", cu[0]);
+    }
+    for b in 1..cu.len() {
+        if cu[b] < cu[b - 1] {
+            reject!(
+                "{name}: expected non-decreasing values, got {name}[{b}]={} after {name}[{}]={}",
+                cu[b],
+                b - 1,
+                cu[b - 1]
+            );
+        }
+    }
+    let last = cu.len() - 1;
+    if cu[last] != total {
+        reject!(
+            "{name}: expected {name}[{last}]={total_name}={total}, got {}",
+            cu[last]
+        );
+    }
+    Ok(())
+}
+
+/// Steps 1 (q, out, lse) of a packed problem: q (total_q, Hq, D) defines total_q, Hq and D;
+/// out (total_q, Hq, Dv) with Dv given; lse (Hq, total_q).
+fn check_packed_rows(
+    q: &TensorView3,
+    out: &MutTensorView3,
+    lse: &LseView2,
+    value_dim: i64,
+) -> Result<(), ProblemError> {
+    check_shape("q", || "(total_q, Hq, D)".to_owned(), &q.shape, true)?;
+    let [total_q, q_heads, _] = q.shape;
+    check_shape(
+        "out",
+        || format!("(total_q={total_q}, Hq={q_heads}, Dv={value_dim})"),
+        &out.shape,
+        out.shape == [total_q, q_heads, value_dim],
+    )?;
+    if !lse.data.is_null() {
+        check_shape(
+            "lse",
+            || format!("(Hq={q_heads}, total_q={total_q})"),
+            &lse.shape,
+            lse.shape == [q_heads, total_q],
+        )?;
+    }
+    Ok(())
+}
+
+/// Step 3 (the memory of q and out) of a packed problem.
+fn check_packed_memory(q: &TensorView3, out: &MutTensorView3) -> Result<(), ProblemError> {
+    check_data("q", q.data.is_null(), &q.shape)?;
+    check_data("out", out.data.is_null(), &out.shape)?;
+    check_unit_last_stride("q", "D", &q.shape, &q.stride)?;
+    check_unit_last_stride("out", "Dv", &out.shape, &out.stride)
+}
+
+/// Steps 5 to 7 for a packed problem (scale, variants with B sequences, outputs): `inputs` are
+/// the problem's own (k, v, block_table, scales); q, alibi_slopes and sinks are added here.
+fn check_packed_options(
+    o: &PackedOptions,
+    q: &TensorView3,
+    out: &MutTensorView3,
+    lse: &LseView2,
+    batch: i64,
+    mut inputs: Vec<(&str, Extent)>,
+) -> Result<(), ProblemError> {
+    if !o.scale.is_finite() {
+        reject!("scale: expected a finite number, got {}", o.scale);
+    }
+    check_variants(
+        o.window_left,
+        o.window_right,
+        o.softcap,
+        &o.alibi_slopes,
+        &o.sinks,
+        batch,
+        q.shape[1],
+    )?;
+    check_distinct_elements("out", &out.shape, &out.stride)?;
+    if !lse.data.is_null() {
+        check_distinct_elements("lse", &lse.shape, &lse.stride)?;
+    }
+    let item = o.dtype.size() as i64;
+    let lse_extent = byte_extent(lse.data as usize, &lse.shape, &lse.stride, 4)
+        .filter(|_| !lse.data.is_null());
+    inputs.insert(
+        0,
+        ("q", byte_extent(q.data as usize, &q.shape, &q.stride, item)),
+    );
+    let slopes = &o.alibi_slopes;
+    inputs.push((
+        "alibi_slopes",
+        byte_extent(slopes.data as usize, &slopes.shape, &slopes.stride, 4)
+            .filter(|_| !slopes.data.is_null()),
+    ));
+    inputs.push((
+        "sinks",
+        byte_extent(o.sinks.data as usize, &o.sinks.shape, &o.sinks.stride, 4)
+            .filter(|_| !o.sinks.data.is_null()),
+    ));
+    inputs.push(("lse", lse_extent));
+    let out_extent = byte_extent(out.data as usize, &out.shape, &out.stride, item);
+    check_outputs_disjoint(out_extent, lse_extent, &inputs)
+}
+
+/// `data` offset by `offset` elements of `item` bytes (no arithmetic for 0: data may be null).
+fn element_at(data: *const u8, offset: i64, item: i64) -> *const u8 {
+    if offset == 0 {
+        data
+    } else {
+        data.wrapping_offset((offset * item) as isize)
+    }
+}
+
+/// The dense problem of sequence b (B = 1): its query rows [row_begin, row_begin + rows) of q
+/// and out, its lse columns, its ALiBi row; q_offset and kv_len from `position` (two entries).
+/// The caller sets k, v, the scales (and pages).
+#[allow(clippy::too_many_arguments)]
+fn sequence_problem<'a>(
+    q: &TensorView3,
+    out: &MutTensorView3,
+    lse: &LseView2,
+    o: &PackedOptions,
+    b: i64,
+    row_begin: i64,
+    rows: i64,
+    position: &'a [i64],
+) -> AttentionProblem<'a> {
+    let item = o.dtype.size() as i64;
+    let mut sequence_lse = LseView {
+        data: std::ptr::null_mut(),
+        shape: [1, q.shape[1], rows],
+        stride: [0; 3],
+    };
+    if !lse.data.is_null() {
+        sequence_lse.data = lse.data.wrapping_offset((row_begin * lse.stride[1]) as isize);
+        sequence_lse.stride = [0, lse.stride[0], lse.stride[1]];
+    }
+    let slopes = &o.alibi_slopes;
+    AttentionProblem {
+        dtype: o.dtype,
+        q: TensorView4 {
+            data: element_at(q.data, row_begin * q.stride[0], item),
+            shape: [1, q.shape[1], rows, q.shape[2]],
+            stride: [0, q.stride[1], q.stride[0], q.stride[2]],
+        },
+        k: TensorView4 {
+            data: std::ptr::null(),
+            shape: [0; 4],
+            stride: [0; 4],
+        },
+        v: TensorView4 {
+            data: std::ptr::null(),
+            shape: [0; 4],
+            stride: [0; 4],
+        },
+        out: MutTensorView4 {
+            data: element_at(out.data, row_begin * out.stride[0], item).cast_mut(),
+            shape: [1, out.shape[1], rows, out.shape[2]],
+            stride: [0, out.stride[1], out.stride[0], out.stride[2]],
+        },
+        lse: sequence_lse,
+        q_offset: &position[..1],
+        kv_lens: &position[1..2],
+        mask: MaskView::NONE,
+        causal: o.causal,
+        scale: o.scale,
+        window_left: o.window_left,
+        window_right: o.window_right,
+        softcap: o.softcap,
+        alibi_slopes: if slopes.data.is_null() {
+            ParamView2::NONE
+        } else {
+            ParamView2 {
+                data: slopes.data.wrapping_offset((b * slopes.stride[0]) as isize),
+                shape: [1, slopes.shape[1]],
+                stride: [0, slopes.stride[1]],
+            }
+        },
+        sinks: o.sinks,
+        kv_int8: o.kv_int8,
+        k_scale: ParamView3::NONE,
+        v_scale: ParamView3::NONE,
+        pages: KeyPages::NONE,
+    }
+}
+
+/// A per-token scale of packed keys (total_k, Hkv) as the (1, Hkv, Lk_b) view of sequence rows
+/// [key_begin, key_begin + keys).
+fn scale_rows(scale: &ParamView2, key_begin: i64, keys: i64) -> ParamView3 {
+    if scale.data.is_null() {
+        return ParamView3::NONE;
+    }
+    ParamView3 {
+        data: scale
+            .data
+            .wrapping_offset((key_begin * scale.stride[0]) as isize),
+        shape: [1, scale.shape[1], keys],
+        stride: [0, scale.stride[1], scale.stride[0]],
+    }
+}
+
+/// The checks of [`check_problem`] for a packed batch (same order, same style of message), then
+/// one dense problem (B = 1) per sequence with query rows, views into the caller's arrays (no
+/// copy); `positions` receives per sequence its q_offset and kv_len, which the problems borrow.
+/// Twin of C++'s varlen_sequences.
+pub fn varlen_sequences<'a>(
+    p: &VarlenProblem,
+    positions: &'a mut Vec<i64>,
+) -> Result<Vec<AttentionProblem<'a>>, ProblemError> {
+    let o = &p.options;
+    // 1. Shapes: q defines total_q, Hq, D; k total_k and Hkv; v Dv.
+    let head_dim = p.q.shape[2];
+    check_shape("q", || "(total_q, Hq, D)".to_owned(), &p.q.shape, true)?;
+    check_shape(
+        "k",
+        || format!("(total_k, Hkv, D={head_dim})"),
+        &p.k.shape,
+        p.k.shape[2] == head_dim,
+    )?;
+    let [total_k, kv_heads, _] = p.k.shape;
+    check_shape(
+        "v",
+        || format!("(total_k={total_k}, Hkv={kv_heads}, Dv)"),
+        &p.v.shape,
+        p.v.shape[..2] == [total_k, kv_heads],
+    )?;
+    check_packed_rows(&p.q, &p.out, &p.lse, p.v.shape[2])?;
+    // 2. Grouped-query heads.
+    check_group("k", p.q.shape[1], kv_heads)?;
+    // 3. Memory.
+    check_packed_memory(&p.q, &p.out)?;
+    check_data("k", p.k.data.is_null(), &p.k.shape)?;
+    check_data("v", p.v.data.is_null(), &p.v.shape)?;
+    check_unit_last_stride("k", "D", &p.k.shape, &p.k.stride)?;
+    check_unit_last_stride("v", "Dv", &p.v.shape, &p.v.stride)?;
+    // 4. The sequences.
+    check_cu_seqlens("cu_seqlens_q", p.cu_seqlens_q, None, "total_q", p.q.shape[0])?;
+    let batch = p.cu_seqlens_q.len() as i64 - 1;
+    check_cu_seqlens("cu_seqlens_k", p.cu_seqlens_k, Some(batch), "total_k", total_k)?;
+    // 5 - 7. Scale, variants, int8 scales (total_k, Hkv), outputs.
+    let kv_item = if o.kv_int8 { 1 } else { o.dtype.size() as i64 };
+    let mut inputs = vec![
+        (
+            "k",
+            byte_extent(p.k.data as usize, &p.k.shape, &p.k.stride, kv_item),
+        ),
+        (
+            "v",
+            byte_extent(p.v.data as usize, &p.v.shape, &p.v.stride, kv_item),
+        ),
+    ];
+    for (name, view) in [("k_scale", &p.k_scale), ("v_scale", &p.v_scale)] {
+        check_scale_given(
+            name,
+            !view.data.is_null(),
+            o.kv_int8,
+            o.dtype,
+            "(total_k, Hkv)",
+        )?;
+        if view.data.is_null() {
+            continue;
+        }
+        check_shape(
+            name,
+            || format!("(total_k={total_k}, Hkv={kv_heads})"),
+            &view.shape,
+            view.shape == [total_k, kv_heads],
+        )?;
+        inputs.push((
+            name,
+            byte_extent(view.data as usize, &view.shape, &view.stride, 4),
+        ));
+    }
+    check_packed_options(o, &p.q, &p.out, &p.lse, batch, inputs)?;
+
+    let cu_q = p.cu_seqlens_q;
+    let cu_k = p.cu_seqlens_k;
+    positions.clear();
+    for b in 0..batch as usize {
+        let keys = cu_k[b + 1] - cu_k[b];
+        positions.extend([keys - (cu_q[b + 1] - cu_q[b]), keys]); // bottom-right
+    }
+    let positions: &'a [i64] = positions;
+    let mut sequences = Vec::new();
+    for b in 0..batch as usize {
+        let rows = cu_q[b + 1] - cu_q[b];
+        let (key_begin, keys) = (cu_k[b], cu_k[b + 1] - cu_k[b]);
+        if rows == 0 {
+            continue;
+        }
+        let position = &positions[2 * b..2 * b + 2];
+        let mut s = sequence_problem(&p.q, &p.out, &p.lse, o, b as i64, cu_q[b], rows, position);
+        s.k = TensorView4 {
+            data: element_at(p.k.data, key_begin * p.k.stride[0], kv_item),
+            shape: [1, kv_heads, keys, p.k.shape[2]],
+            stride: [0, p.k.stride[1], p.k.stride[0], p.k.stride[2]],
+        };
+        s.v = TensorView4 {
+            data: element_at(p.v.data, key_begin * p.v.stride[0], kv_item),
+            shape: [1, kv_heads, keys, p.v.shape[2]],
+            stride: [0, p.v.stride[1], p.v.stride[0], p.v.stride[2]],
+        };
+        s.k_scale = scale_rows(&p.k_scale, key_begin, keys);
+        s.v_scale = scale_rows(&p.v_scale, key_begin, keys);
+        sequences.push(s);
+    }
+    Ok(sequences)
+}
+
+/// As [`varlen_sequences`] for keys in pages (twin of C++'s paged_sequences).
+pub fn paged_sequences<'a>(
+    p: &PagedProblem,
+    positions: &'a mut Vec<i64>,
+) -> Result<Vec<AttentionProblem<'a>>, ProblemError> {
+    let o = &p.options;
+    // 1. Shapes: q defines total_q, Hq, D; k_cache num_blocks, block_size and Hkv; v_cache Dv;
+    // block_table B and max_blocks.
+    check_shape("q", || "(total_q, Hq, D)".to_owned(), &p.q.shape, true)?;
+    let head_dim = p.q.shape[2];
+    check_shape(
+        "k_cache",
+        || format!("(num_blocks, block_size, Hkv, D={head_dim})"),
+        &p.k_cache.shape,
+        p.k_cache.shape[3] == head_dim,
+    )?;
+    let [num_blocks, block_size, kv_heads, _] = p.k_cache.shape;
+    if block_size < 1 {
+        reject!(
+            "k_cache: expected block_size >= 1, got shape {}",
+            shape_string(&p.k_cache.shape)
+        );
+    }
+    check_shape(
+        "v_cache",
+        || format!("(num_blocks={num_blocks}, block_size={block_size}, Hkv={kv_heads}, Dv)"),
+        &p.v_cache.shape,
+        p.v_cache.shape[..3] == [num_blocks, block_size, kv_heads],
+    )?;
+    check_packed_rows(&p.q, &p.out, &p.lse, p.v_cache.shape[3])?;
+    let table = &p.block_table;
+    check_shape(
+        "block_table",
+        || "(B, max_blocks)".to_owned(),
+        &table.shape,
+        true,
+    )?;
+    let [batch, max_blocks] = table.shape;
+    // 2. Grouped-query heads.
+    check_group("k_cache", p.q.shape[1], kv_heads)?;
+    // 3. Memory.
+    check_packed_memory(&p.q, &p.out)?;
+    check_data("k_cache", p.k_cache.data.is_null(), &p.k_cache.shape)?;
+    check_data("v_cache", p.v_cache.data.is_null(), &p.v_cache.shape)?;
+    check_data("block_table", table.data.is_null(), &table.shape)?;
+    check_unit_last_stride("k_cache", "D", &p.k_cache.shape, &p.k_cache.stride)?;
+    check_unit_last_stride("v_cache", "Dv", &p.v_cache.shape, &p.v_cache.stride)?;
+    // 4. The sequences: lengths, query rows, the blocks they use.
+    if p.seq_lens.len() as i64 != batch {
+        reject!(
+            "seq_lens: expected shape (B={batch},), got ({},)",
+            p.seq_lens.len()
+        );
+    }
+    check_cu_seqlens("cu_seqlens_q", p.cu_seqlens_q, Some(batch), "total_q", p.q.shape[0])?;
+    for b in 0..batch as usize {
+        let (keys, rows) = (p.seq_lens[b], p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b]);
+        if keys < 0 || keys / block_size + i64::from(keys % block_size != 0) > max_blocks {
+            let capacity = (i128::from(max_blocks) * i128::from(block_size)).min(i128::from(i64::MAX));
+            reject!("seq_lens: expected values in [0, max_blocks * block_size={capacity}], got seq_lens[{b}]={keys}");
+        }
+        if rows > keys {
+            reject!(
+                "cu_seqlens_q: expected at most seq_lens[b] query rows in sequence b, got {rows} rows in sequence {b} (seq_lens[{b}]={keys})"
+            );
+        }
+        let mut entry = 0i64;
+        while entry * block_size < keys {
+            // SAFETY: the view's promise (the caller's): (b, entry) is inside its shape.
+            let block = unsafe {
+                *table
+                    .data
+                    .offset((b as i64 * table.stride[0] + entry * table.stride[1]) as isize)
+            };
+            if block < 0 || i64::from(block) >= num_blocks {
+                reject!(
+                    "block_table: expected block ids in [0, num_blocks={num_blocks}) for the blocks sequence b uses, got block_table[{b}, {entry}]={block}"
+                );
+            }
+            entry += 1;
+        }
+    }
+    // 5 - 7. Scale, variants, int8 scales (num_blocks, block_size, Hkv), outputs.
+    let kv_item = if o.kv_int8 { 1 } else { o.dtype.size() as i64 };
+    let mut inputs = vec![
+        (
+            "k_cache",
+            byte_extent(
+                p.k_cache.data as usize,
+                &p.k_cache.shape,
+                &p.k_cache.stride,
+                kv_item,
+            ),
+        ),
+        (
+            "v_cache",
+            byte_extent(
+                p.v_cache.data as usize,
+                &p.v_cache.shape,
+                &p.v_cache.stride,
+                kv_item,
+            ),
+        ),
+        (
+            "block_table",
+            byte_extent(table.data as usize, &table.shape, &table.stride, 4),
+        ),
+    ];
+    for (name, view) in [("k_scale", &p.k_scale), ("v_scale", &p.v_scale)] {
+        check_scale_given(
+            name,
+            !view.data.is_null(),
+            o.kv_int8,
+            o.dtype,
+            "(num_blocks, block_size, Hkv)",
+        )?;
+        if view.data.is_null() {
+            continue;
+        }
+        check_shape(
+            name,
+            || format!("(num_blocks={num_blocks}, block_size={block_size}, Hkv={kv_heads})"),
+            &view.shape,
+            view.shape == [num_blocks, block_size, kv_heads],
+        )?;
+        inputs.push((
+            name,
+            byte_extent(view.data as usize, &view.shape, &view.stride, 4),
+        ));
+    }
+    check_packed_options(o, &p.q, &p.out, &p.lse, batch, inputs)?;
+
+    let cu_q = p.cu_seqlens_q;
+    positions.clear();
+    for b in 0..batch as usize {
+        let keys = p.seq_lens[b];
+        positions.extend([keys - (cu_q[b + 1] - cu_q[b]), keys]); // the sequence's last positions
+    }
+    let positions: &'a [i64] = positions;
+    let mut sequences = Vec::new();
+    for b in 0..batch as usize {
+        let (rows, keys) = (cu_q[b + 1] - cu_q[b], p.seq_lens[b]);
+        if rows == 0 {
+            continue;
+        }
+        let position = &positions[2 * b..2 * b + 2];
+        let mut s = sequence_problem(&p.q, &p.out, &p.lse, o, b as i64, cu_q[b], rows, position);
+        // Axis 0 steps pages, axis 2 slots (KeyPages).
+        let paged = |cache: &TensorView4| TensorView4 {
+            data: cache.data,
+            shape: [1, kv_heads, keys, cache.shape[3]],
+            stride: [cache.stride[0], cache.stride[2], cache.stride[1], cache.stride[3]],
+        };
+        s.k = paged(&p.k_cache);
+        s.v = paged(&p.v_cache);
+        let paged_scale = |scale: &ParamView3| {
+            if scale.data.is_null() {
+                ParamView3::NONE
+            } else {
+                ParamView3 {
+                    data: scale.data,
+                    shape: [1, kv_heads, keys],
+                    stride: [scale.stride[0], scale.stride[2], scale.stride[1]],
+                }
+            }
+        };
+        s.k_scale = paged_scale(&p.k_scale);
+        s.v_scale = paged_scale(&p.v_scale);
+        s.pages = KeyPages {
+            data: table
+                .data
+                .wrapping_offset((b as i64 * table.stride[0]) as isize),
+            stride: table.stride[1],
+            block_size,
+        };
+        sequences.push(s);
+    }
+    Ok(sequences)
 }
 
 #[cfg(test)]

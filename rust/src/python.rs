@@ -13,8 +13,9 @@ use pyo3::types::{PyBool, PyDict, PyString};
 
 use crate::constants::*;
 use crate::problem::{
-    check_num_threads, AttentionProblem, ElementType, LseView, MaskKind, MaskView, MutTensorView4,
-    ParamView1, ParamView2, ParamView3, ProblemError, TensorView4,
+    check_num_threads, AttentionProblem, BlockTableView, ElementType, KeyPages, LseView, LseView2,
+    MaskKind, MaskView, MutTensorView3, MutTensorView4, PackedOptions, PagedProblem, ParamView1,
+    ParamView2, ParamView3, ProblemError, TensorView3, TensorView4, VarlenProblem,
 };
 
 /// Which kernel a call runs.
@@ -203,7 +204,13 @@ fn per_sequence(
     let Some(obj) = obj else {
         return Ok(vec![fill; batch]);
     };
-    let array = as_array(obj, name, Dtype::Int64, 1, "(B,)")?;
+    int64_vector(obj, name, "(B,)")
+}
+
+/// An int64 vector (any stride) copied into a Vec: per_sequence's arrays, cu_seqlens_q,
+/// cu_seqlens_k, seq_lens.
+fn int64_vector(obj: &Bound<'_, PyAny>, name: &str, axes: &str) -> PyResult<Vec<i64>> {
+    let array = as_array(obj, name, Dtype::Int64, 1, axes)?;
     let stride = array.strides()[0] / 8; // checked: a multiple of the item size
     let data = data_of(array).cast::<i64>().cast_const();
     Ok((0..array.shape()[0] as isize)
@@ -457,14 +464,18 @@ fn run_kernel(
     let kv_lens = per_sequence(kv_lens, "kv_lens", batch, k.shape()[2] as i64)?;
 
     // 2. Scalars; then the parameter arrays.
-    let causal = causal.map_or(Ok(false), |x| as_bool(x, "causal"))?;
-    let scale = as_float(scale, "scale")?;
-    let num_threads = num_threads.map_or(Ok(1), |x| as_int64(x, "num_threads"))?;
-    let window_left = window_left.map_or(Ok(-1), |x| as_int64(x, "window_left"))?;
-    let window_right = window_right.map_or(Ok(-1), |x| as_int64(x, "window_right"))?;
-    let softcap = softcap.map_or(Ok(0.0), |x| as_float(x, "softcap"))?;
-    let alibi_slopes = param_view!(ParamView2, alibi_slopes, "alibi_slopes", "(B, Hq)");
-    let sinks = param_view!(ParamView1, sinks, "sinks", "(Hq,)");
+    let (options, num_threads) = convert_options(
+        scale,
+        [
+            causal,
+            num_threads,
+            window_left,
+            window_right,
+            softcap,
+            alibi_slopes,
+            sinks,
+        ],
+    )?;
     let k_scale = param_view!(ParamView3, k_scale, "k_scale", "(B, Hkv, Lk)");
     let v_scale = param_view!(ParamView3, v_scale, "v_scale", "(B, Hkv, Lk)");
 
@@ -482,16 +493,17 @@ fn run_kernel(
         q_offset: &q_offset,
         kv_lens: &kv_lens,
         mask,
-        causal,
-        scale: scale as f32, // beyond float32's range becomes inf: rejected
-        window_left,
-        window_right,
-        softcap: softcap as f32, // likewise
-        alibi_slopes,
-        sinks,
+        causal: options.causal,
+        scale: options.scale,
+        window_left: options.window_left,
+        window_right: options.window_right,
+        softcap: options.softcap,
+        alibi_slopes: options.alibi_slopes,
+        sinks: options.sinks,
         kv_int8,
         k_scale,
         v_scale,
+        pages: KeyPages::NONE,
     };
 
     // 3. The kernel without the GIL; it checks the problem first (check_problem, once per call).
@@ -499,6 +511,305 @@ fn run_kernel(
     let job = DetachedProblem(problem);
     q.py()
         .detach(move || job.run(threads, kernel))
+        .map_err(raise)
+}
+
+/// The scalars and the variants' parameter arrays every entry takes, converted in this order:
+/// causal, scale, num_threads (returned), window_left, window_right, softcap, alibi_slopes,
+/// sinks. `keywords`: causal, num_threads, window_left, window_right, softcap, alibi_slopes,
+/// sinks.
+fn convert_options(
+    scale: &Bound<'_, PyAny>,
+    keywords: [Option<&Bound<'_, PyAny>>; 7],
+) -> PyResult<(PackedOptions, i64)> {
+    let [causal, num_threads, window_left, window_right, softcap, alibi_slopes, sinks] = keywords;
+    let causal = causal.map_or(Ok(false), |x| as_bool(x, "causal"))?;
+    let scale = as_float(scale, "scale")?;
+    let num_threads = num_threads.map_or(Ok(1), |x| as_int64(x, "num_threads"))?;
+    let options = PackedOptions {
+        causal,
+        scale: scale as f32, // beyond float32's range becomes inf: rejected
+        window_left: window_left.map_or(Ok(-1), |x| as_int64(x, "window_left"))?,
+        window_right: window_right.map_or(Ok(-1), |x| as_int64(x, "window_right"))?,
+        softcap: softcap.map_or(Ok(0.0), |x| as_float(x, "softcap"))? as f32, // likewise
+        alibi_slopes: param_view!(ParamView2, alibi_slopes, "alibi_slopes", "(B, Hq)"),
+        sinks: param_view!(ParamView1, sinks, "sinks", "(Hq,)"),
+        ..PackedOptions::default()
+    };
+    Ok((options, num_threads))
+}
+
+// ---- attention_varlen and attention_paged (docs/native_api.md) -------------------------------
+
+/// A packed or paged problem handed to the thread that computes while the GIL is released (as
+/// [`DetachedProblem`]).
+struct DetachedCall<P>(P);
+
+// SAFETY: as DetachedProblem: the views point into NumPy arrays that the calling frame keeps
+// alive until the detached computation has returned.
+unsafe impl<P> Send for DetachedCall<P> {}
+
+/// q (total_q, Hq, D) of float32, float16 or bfloat16; k and v of rank `kv_rank`, q's dtype or
+/// both int8; out (total_q, Hq, Dv) writeable; each whole before the next. Returns them with
+/// the options' dtype and kv_int8 set.
+fn packed_arrays<'a, 'py>(
+    arrays: [&'a Bound<'py, PyAny>; 4],
+    names: [&str; 2],
+    kv_rank: usize,
+    axes: [&str; 2],
+) -> PyResult<([&'a Bound<'py, PyUntypedArray>; 4], PackedOptions)> {
+    let [q, k, v, out] = arrays;
+    let q = as_array(q, "q", Dtype::Element, 3, "(total_q, Hq, D)")?;
+    let element = element_type_of(&q.dtype()).expect("checked by as_array");
+    let like = Dtype::Like(element, element.name());
+    let k = as_array(
+        k,
+        names[0],
+        Dtype::LikeOrInt8(element, element.name()),
+        kv_rank,
+        axes[0],
+    )?;
+    let kv_int8 = k.dtype().is_equiv_to(&dtype::<i8>(k.py()));
+    let v = as_array(v, names[1], if kv_int8 { Dtype::Int8 } else { like }, kv_rank, axes[1])?;
+    let out = as_array(out, "out", like, 3, "(total_q, Hq, Dv)")?;
+    require_writeable(out, "out")?;
+    let options = PackedOptions {
+        dtype: element,
+        kv_int8,
+        ..PackedOptions::default()
+    };
+    Ok(([q, k, v, out], options))
+}
+
+fn view3(array: &Bound<'_, PyUntypedArray>) -> TensorView3 {
+    TensorView3 {
+        data: data_of(array).cast_const(),
+        shape: shape_of(array),
+        stride: strides_of(array),
+    }
+}
+
+/// lse (Hq, total_q), writeable, float32; None: not requested.
+fn packed_lse(lse: Option<&Bound<'_, PyAny>>) -> PyResult<LseView2> {
+    let Some(lse) = lse else {
+        return Ok(LseView2::NONE);
+    };
+    let lse = as_array(lse, "lse", Dtype::Float32, 2, "(Hq, total_q)")?;
+    require_writeable(lse, "lse")?;
+    Ok(LseView2 {
+        data: data_of(lse).cast::<f32>(),
+        shape: shape_of(lse),
+        stride: strides_of(lse),
+    })
+}
+
+/// The options converted after the arrays (convert_options), the dtype kept.
+fn packed_options(
+    element: PackedOptions,
+    scale: &Bound<'_, PyAny>,
+    keywords: [Option<&Bound<'_, PyAny>>; 7],
+) -> PyResult<(PackedOptions, i64)> {
+    let (options, num_threads) = convert_options(scale, keywords)?;
+    let options = PackedOptions {
+        dtype: element.dtype,
+        kv_int8: element.kv_int8,
+        ..options
+    };
+    Ok((options, num_threads))
+}
+
+/// attention_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, *, scale, lse=None, causal=None,
+///     num_threads=None, window_left=None, window_right=None, softcap=None, alibi_slopes=None,
+///     sinks=None, k_scale=None, v_scale=None)
+/// --
+///
+/// Attention over sequences packed one after another (flash-attn's varlen layout) into out (and
+/// lse); see docs/native_api.md.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, out, cu_seqlens_q, cu_seqlens_k, *, scale, lse=None, causal=None, num_threads=None, window_left=None, window_right=None, softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None))]
+#[allow(clippy::too_many_arguments)]
+fn attention_varlen<'py>(
+    q: &Bound<'py, PyAny>,
+    k: &Bound<'py, PyAny>,
+    v: &Bound<'py, PyAny>,
+    out: &Bound<'py, PyAny>,
+    cu_seqlens_q: &Bound<'py, PyAny>,
+    cu_seqlens_k: &Bound<'py, PyAny>,
+    scale: &Bound<'py, PyAny>,
+    lse: Option<&Bound<'py, PyAny>>,
+    causal: Option<&Bound<'py, PyAny>>,
+    num_threads: Option<&Bound<'py, PyAny>>,
+    window_left: Option<&Bound<'py, PyAny>>,
+    window_right: Option<&Bound<'py, PyAny>>,
+    softcap: Option<&Bound<'py, PyAny>>,
+    alibi_slopes: Option<&Bound<'py, PyAny>>,
+    sinks: Option<&Bound<'py, PyAny>>,
+    k_scale: Option<&Bound<'py, PyAny>>,
+    v_scale: Option<&Bound<'py, PyAny>>,
+) -> PyResult<()> {
+    // 1. Arrays; 2. scalars and parameter arrays; 3. the kernel (its core checks the problem).
+    let ([q, k, v, out], element) = packed_arrays(
+        [q, k, v, out],
+        ["k", "v"],
+        3,
+        ["(total_k, Hkv, D)", "(total_k, Hkv, Dv)"],
+    )?;
+    let lse = packed_lse(lse)?;
+    let cu_seqlens_q = int64_vector(cu_seqlens_q, "cu_seqlens_q", "(B + 1,)")?;
+    let cu_seqlens_k = int64_vector(cu_seqlens_k, "cu_seqlens_k", "(B + 1,)")?;
+    let (options, num_threads) = packed_options(
+        element,
+        scale,
+        [
+            causal,
+            num_threads,
+            window_left,
+            window_right,
+            softcap,
+            alibi_slopes,
+            sinks,
+        ],
+    )?;
+    let problem = VarlenProblem {
+        q: view3(q),
+        k: view3(k),
+        v: view3(v),
+        out: MutTensorView3 {
+            data: data_of(out),
+            shape: shape_of(out),
+            stride: strides_of(out),
+        },
+        lse,
+        cu_seqlens_q: &cu_seqlens_q,
+        cu_seqlens_k: &cu_seqlens_k,
+        options,
+        k_scale: param_view!(ParamView2, k_scale, "k_scale", "(total_k, Hkv)"),
+        v_scale: param_view!(ParamView2, v_scale, "v_scale", "(total_k, Hkv)"),
+    };
+    let threads = check_num_threads(num_threads).map_err(raise)?;
+    let job = DetachedCall(problem);
+    q.py()
+        .detach(move || {
+            let job = job;
+            // SAFETY: as DetachedProblem::run: views of live, aligned NumPy arrays, checked by
+            // the core before any memory is touched.
+            unsafe { crate::flash_attention::attention_varlen(&job.0, threads) }
+        })
+        .map_err(raise)
+}
+
+/// attention_paged(q, k_cache, v_cache, out, block_table, seq_lens, cu_seqlens_q, *, scale,
+///     lse=None, causal=None, num_threads=None, window_left=None, window_right=None,
+///     softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None)
+/// --
+///
+/// Attention of packed query rows over keys and values in a paged cache (block table) into out
+/// (and lse); see docs/native_api.md.
+#[pyfunction]
+#[pyo3(signature = (q, k_cache, v_cache, out, block_table, seq_lens, cu_seqlens_q, *, scale, lse=None, causal=None, num_threads=None, window_left=None, window_right=None, softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None))]
+#[allow(clippy::too_many_arguments)]
+fn attention_paged<'py>(
+    q: &Bound<'py, PyAny>,
+    k_cache: &Bound<'py, PyAny>,
+    v_cache: &Bound<'py, PyAny>,
+    out: &Bound<'py, PyAny>,
+    block_table: &Bound<'py, PyAny>,
+    seq_lens: &Bound<'py, PyAny>,
+    cu_seqlens_q: &Bound<'py, PyAny>,
+    scale: &Bound<'py, PyAny>,
+    lse: Option<&Bound<'py, PyAny>>,
+    causal: Option<&Bound<'py, PyAny>>,
+    num_threads: Option<&Bound<'py, PyAny>>,
+    window_left: Option<&Bound<'py, PyAny>>,
+    window_right: Option<&Bound<'py, PyAny>>,
+    softcap: Option<&Bound<'py, PyAny>>,
+    alibi_slopes: Option<&Bound<'py, PyAny>>,
+    sinks: Option<&Bound<'py, PyAny>>,
+    k_scale: Option<&Bound<'py, PyAny>>,
+    v_scale: Option<&Bound<'py, PyAny>>,
+) -> PyResult<()> {
+    let ([q, k_cache, v_cache, out], element) = packed_arrays(
+        [q, k_cache, v_cache, out],
+        ["k_cache", "v_cache"],
+        4,
+        [
+            "(num_blocks, block_size, Hkv, D)",
+            "(num_blocks, block_size, Hkv, Dv)",
+        ],
+    )?;
+    let lse = packed_lse(lse)?;
+    let table = block_table.cast::<PyUntypedArray>().map_err(|_| {
+        PyTypeError::new_err(format!(
+            "block_table: expected a numpy.ndarray, got {}",
+            type_name(block_table)
+        ))
+    })?;
+    if !table.dtype().is_equiv_to(&dtype::<i32>(table.py())) {
+        return Err(PyTypeError::new_err(format!(
+            "block_table: expected dtype int32, got {}",
+            table.dtype()
+        )));
+    }
+    if table.ndim() != 2 {
+        return Err(PyValueError::new_err(format!(
+            "block_table: expected 2 dimensions (B, max_blocks), got shape {}",
+            tuple_string(table.shape())
+        )));
+    }
+    if !table.is_empty()
+        && (table.strides().iter().any(|&s| s % 4 != 0)
+            || !(data_of(table) as usize).is_multiple_of(4))
+    {
+        return Err(PyValueError::new_err(format!(
+            "block_table: expected byte strides that are multiples of the item size 4 and aligned data, got strides {}",
+            tuple_string(table.strides())
+        )));
+    }
+    let seq_lens = int64_vector(seq_lens, "seq_lens", "(B,)")?;
+    let cu_seqlens_q = int64_vector(cu_seqlens_q, "cu_seqlens_q", "(B + 1,)")?;
+    let (options, num_threads) = packed_options(
+        element,
+        scale,
+        [
+            causal,
+            num_threads,
+            window_left,
+            window_right,
+            softcap,
+            alibi_slopes,
+            sinks,
+        ],
+    )?;
+    let scale_axes = "(num_blocks, block_size, Hkv)";
+    let problem = PagedProblem {
+        q: view3(q),
+        k_cache: tensor_view(k_cache),
+        v_cache: tensor_view(v_cache),
+        out: MutTensorView3 {
+            data: data_of(out),
+            shape: shape_of(out),
+            stride: strides_of(out),
+        },
+        lse,
+        block_table: BlockTableView {
+            data: data_of(table).cast::<i32>().cast_const(),
+            shape: shape_of(table),
+            stride: strides_of(table),
+        },
+        seq_lens: &seq_lens,
+        cu_seqlens_q: &cu_seqlens_q,
+        options,
+        k_scale: param_view!(ParamView3, k_scale, "k_scale", scale_axes),
+        v_scale: param_view!(ParamView3, v_scale, "v_scale", scale_axes),
+    };
+    let threads = check_num_threads(num_threads).map_err(raise)?;
+    let job = DetachedCall(problem);
+    q.py()
+        .detach(move || {
+            let job = job;
+            // SAFETY: as in attention_varlen.
+            unsafe { crate::flash_attention::attention_paged(&job.0, threads) }
+        })
         .map_err(raise)
 }
 
@@ -618,6 +929,8 @@ fn _rust(m: &Bound<'_, PyModule>) -> PyResult<()> {
     crate::dispatch::init_isa_from_environment().map_err(PyImportError::new_err)?;
     m.add_function(wrap_pyfunction!(attention_forward, m)?)?;
     m.add_function(wrap_pyfunction!(attention_reference, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_varlen, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_paged, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(set_isa_py, m)?)?;
     m.add_function(wrap_pyfunction!(softcap_tanh_py, m)?)?;

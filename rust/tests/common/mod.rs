@@ -782,6 +782,7 @@ impl Case {
                     stride: [1],
                 },
             },
+            pages: twinattn::problem::KeyPages::NONE,
         };
         let result = f(&mut problem);
         if let Some(buffer) = out_halves {

@@ -597,6 +597,7 @@ pub fn check_problem_rejects_overlapping_outputs_and_bad_lse() {
         kv_int8: false,
         k_scale: twinattn::problem::ParamView3::NONE,
         v_scale: twinattn::problem::ParamView3::NONE,
+        pages: twinattn::problem::KeyPages::NONE,
     };
     let lse_at = |at: usize, n: i64| LseView {
         data: base.wrapping_add(at),
