@@ -529,6 +529,8 @@ def attention(
     mask = None if attn_mask is None else _prepare_mask(attn_mask, dtype, (batch, q_heads, q_len, k_len))
     if scale is None:
         scale_value = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    elif type(scale) is float and abs(scale) < _FLOAT32_OVERFLOW:
+        scale_value = scale  # a finite Python float (what callers pass): nothing more to check
     else:
         scale_value = _checked_scale(scale, dtype)
     out_shape = q.shape[:-1] + (value_dim,)
