@@ -446,3 +446,13 @@ def test_ports_agree_bit_for_bit() -> None:
     for (cpp_out, cpp_lse), (rust_out, rust_lse) in zip(results["cpp"], results["rust"]):
         np.testing.assert_array_equal(cpp_out.view(np.uint16), rust_out.view(np.uint16))
         np.testing.assert_array_equal(cpp_lse, rust_lse)
+
+
+def test_nn_attention_full_cache_appends_no_row() -> None:
+    attn = twinattn.nn.Attention(16, 2, 1, backend="numpy")
+    cache = twinattn.PagedKVCache(3, 2, 1, 1, 8)
+    seqs = [cache.add(), cache.add()]
+    assert cache.blocks_needed(seqs[0], 0, 3) == 2
+    with pytest.raises(twinattn.CacheFullError, match=r"needs 4 free blocks, 3 of 3 are free; the cache is unchanged"):
+        attn(np.zeros((2, 3, 16), np.float32), cache=cache, seqs=seqs)
+    assert cache.seq_lens(seqs).tolist() == [0, 0] and cache.num_free_blocks == 3

@@ -43,7 +43,7 @@ from ..core._backends import BACKENDS, native_module, resolve_backend
 from ..core.api import attention
 from ..core.varlen import attention_paged
 from .cache import KVCache, layer_index, new_token_counts
-from .paged_cache import PagedKVCache
+from .paged_cache import CacheFullError, PagedKVCache
 from .rope import RotaryEmbedding
 
 __all__ = ["Attention"]
@@ -330,6 +330,13 @@ class Attention:
         over its blocks: q (B, H, L, D), k and v (B, Hkv, L, D) -> (B, L, H, D) (padding rows zero)."""
         batch, _, length, _ = q.shape
         counts = new_token_counts(num_new, batch, length)
+        # every row's blocks are counted first: a full cache raises before any row is appended
+        needed = sum(cache.blocks_needed(seq, layer, int(n)) for seq, n in zip(seqs, counts))
+        if needed > cache.num_free_blocks:
+            raise CacheFullError(
+                f"cache: appending {counts.tolist()} tokens to sequences {seqs} (layer {layer}) needs {needed} free blocks, "
+                f"{cache.num_free_blocks} of {cache.num_blocks} are free; the cache is unchanged"
+            )
         for b, seq in enumerate(seqs):
             cache.append(seq, layer, k[b, :, : counts[b]].swapaxes(0, 1), v[b, :, : counts[b]].swapaxes(0, 1))
         valid = np.arange(length)[None, :] < counts[:, None]

@@ -238,9 +238,7 @@ class PagedKVCache:
         start, n = sequence.lens[index], keys.shape[0]
         if n == 0:
             return
-        first, last = start // self.block_size, (start + n - 1) // self.block_size
-        new_blocks = max(0, last + 1 - len(sequence.blocks))
-        shared = [i for i in range(first, min(last + 1, len(sequence.blocks))) if self._refs[sequence.blocks[i]] > 1]
+        new_blocks, shared = self._blocks_to_take(sequence, index, n)
         needed = new_blocks + len(shared)
         if needed > self.num_free_blocks:
             raise CacheFullError(
@@ -265,6 +263,22 @@ class PagedKVCache:
         self._values[index, ids, slots] = values
         sequence.lens[index] = start + n
         self._register_full_blocks(sequence)
+
+    def blocks_needed(self, seq: int, layer: int, n: int) -> int:
+        """How many free blocks append(seq, layer, ...) of n tokens takes: new blocks past the
+        sequence's last, and copies of shared blocks it would write into."""
+        new_blocks, shared = self._blocks_to_take(self._sequence(seq), layer_index(layer, self.num_layers, "layer"),
+                                                  count("n", n, positive=False))
+        return new_blocks + len(shared)
+
+    def _blocks_to_take(self, sequence: _Sequence, layer: int, n: int) -> tuple[int, list[int]]:
+        """(new blocks, indices of the shared blocks to copy) for n more tokens in layer `layer`."""
+        if n == 0:
+            return 0, []
+        start = sequence.lens[layer]
+        first, last = start // self.block_size, (start + n - 1) // self.block_size
+        shared = [i for i in range(first, min(last + 1, len(sequence.blocks))) if self._refs[sequence.blocks[i]] > 1]
+        return max(0, last + 1 - len(sequence.blocks)), shared
 
     def _check_states(self, name: str, states: object, width: int) -> np.ndarray:
         if not isinstance(states, np.ndarray):
