@@ -88,7 +88,7 @@ class _Problem:
     ) -> None:
         window = _NO_WINDOW if window_size is _NO_WINDOW else _checks.window_size(window_size)
         self.window_left, self.window_right = window
-        if self.causal and self.window_left != -1 or self.causal and self.window_right != -1:
+        if self.causal and window != _NO_WINDOW:
             self.window_right = 0  # causality already hides every key right of the query
         self.softcap = 0.0 if type(softcap) is float and softcap == 0.0 else _checks.softcap(softcap)
         self.slopes = None
