@@ -8,11 +8,19 @@ import numpy as np
 import pytest
 
 from conftest import NATIVE_BACKENDS, _require
-from twinattn.bench import cli, serving
+from twinattn.bench import cli, machine, serving
 from twinattn.bench.timing import Budget
 
 TINY = Budget(time_s=0.0, min_repeats=1, warmup_s=0.0)
 SHRINK = 64
+
+
+@pytest.fixture
+def small_ceilings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CLI's ceilings measured on small problems (what tests/test_bench.py does)."""
+    monkeypatch.setattr(machine, "GEMM_N", 128)
+    monkeypatch.setattr(machine, "READ_BYTES", 4 << 20)
+    monkeypatch.setattr(machine, "settle", lambda: None)
 
 
 @pytest.mark.parametrize("name", list(serving.CASES))
@@ -67,7 +75,7 @@ def test_names_in() -> None:
         serving.names_in(["serving/nope"])
 
 
-def test_cli_runs_the_serving_cases(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_runs_the_serving_cases(small_ceilings: None, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["--list"]) == 0
     assert "serving/paged-decode-block1" in capsys.readouterr().out
     status = cli.main(["--cases", "serving/paged-decode", "--backends", "numpy", "--shrink", str(SHRINK), "--repeat", "1",
@@ -78,3 +86,18 @@ def test_cli_runs_the_serving_cases(capsys: pytest.CaptureFixture[str]) -> None:
     assert [line.split()[1] for line in lines] == ["paged", "contiguous"], out
     assert "vs paged" in out
     assert np.isfinite(float(lines[1].split()[5].rstrip("x")))
+
+
+def test_serving_cases_run_only_when_named(small_ceilings: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+
+    def run_case(name: str, *args: object, **kwargs: object) -> dict[str, object]:
+        ran.append(name)
+        return {"case": serving.CASES[name].name, "title": "", "notes": [], "rows": []}
+
+    monkeypatch.setattr(serving, "run_case", run_case)
+    monkeypatch.setattr(cli, "standard_suite", lambda threads: [])
+    cli.main(["--backends", "numpy", "--no-progress", "--quick"])
+    assert ran == []
+    cli.main(["--cases", "serving/cascade", "--backends", "numpy", "--no-progress"])
+    assert ran == ["cascade"]

@@ -220,7 +220,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     try:
         e2e_models = _e2e_models(names) if args.cases is not None else ([] if args.quick else list(e2e.PLANS))
         want_e2e = bool(e2e_models)
-        serving_cases = serving.names_in(names) if args.cases is not None else ([] if args.quick else list(serving.CASES))
+        serving_cases = serving.names_in(names)  # only when asked for: --cases serving (or serving/CASE)
         dtypes = parse_dtypes(args.dtype)
         if (want_e2e or serving_cases) and args.cases is not None and not kernel_names:
             selected = []  # --cases e2e or serving alone
