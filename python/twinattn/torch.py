@@ -43,11 +43,12 @@ from ._torch_views import array as _array, checked_array as _checked_array, from
 from ._torch_views import tensor as _tensor, to_numpy as _numpy, view as _view
 from .core import _checks, api
 from .core import backward as _backward
+from .core import varlen as api_varlen
 from .core._backends import resolve_backend
 from .core.api import _NO_WINDOW
 from .nn import sdpa as _sdpa
 
-__all__ = ["attention", "scaled_dot_product_attention"]
+__all__ = ["attention", "attention_paged", "attention_varlen", "scaled_dot_product_attention"]
 
 _Tensor = torch.Tensor
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
@@ -438,3 +439,142 @@ def scaled_dot_product_attention(
         backend=backend,
     )
     return torch.from_numpy(result)
+
+
+# ---- packed (varlen) and paged attention ------------------------------------------------------------
+# The same pattern as attention: eager calls run twinattn.attention_varlen / attention_paged on the
+# tensors' NumPy views; traced calls see one custom op each, whose fake implementation gives the
+# shapes (out (total_q, Hq, Dv) in q's dtype, lse (Hq, total_q) float32).
+
+_PACKED_OPTIONS = (
+    "bool causal, float? scale, str backend, int? num_threads, int window_left, int window_right, float softcap, "
+    "Tensor? alibi_slopes, Tensor? sinks, Tensor? k_scale, Tensor? v_scale"
+)
+
+
+def _packed_views(names: Tuple[str, ...], tensors: Tuple[Any, ...], backend: str) -> list[Any]:
+    """q, the keys and values (one dtype, as attention's _inputs), and the other tensors' NumPy views."""
+    views = list(_inputs(tensors[0], tensors[1], tensors[2], backend))
+    return views + [_optional_array(name, t) for name, t in zip(names[3:], tensors[3:])]
+
+
+def _packed_result(result: Any, out: Any, return_lse: bool) -> Any:
+    out_array, lse = result if return_lse else (result, None)
+    tensor_out = out if out is not None else _tensor(out_array)
+    return (tensor_out, _from_numpy(lse)) if return_lse else tensor_out
+
+
+def _out_view(out: Any, q: Any) -> Any:
+    if out is None:
+        return None
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out: expected a torch.Tensor, got {type(out).__name__}")
+    if out.dtype is not q.dtype:
+        raise TypeError(f"out: expected dtype {q.dtype} (q's dtype), got {out.dtype}; allocate it with dtype={q.dtype}")
+    return _array("out", out)
+
+
+def _variants(window_size: Any, softcap: Any) -> Tuple[int, int, float]:
+    left, right = _checks.window_size(window_size)
+    return left, right, _checks.softcap(softcap)
+
+
+def _traced(op: Any, tensors: Tuple[Any, ...], causal: bool, scale: Any, backend: str, num_threads: Any, window_size: Any,
+            softcap: Any, extras: Tuple[Any, ...], out: Any, return_lse: bool) -> Any:
+    result, lse = op(*tensors, causal, scale, backend, num_threads, *_variants(window_size, softcap), *extras)
+    if out is not None:
+        out.copy_(result)
+        result = out
+    return (result, lse) if return_lse else result
+
+
+def _packed_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_rest: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+_VARLEN_TENSORS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
+_PAGED_TENSORS = ("q", "k_cache", "v_cache", "block_table", "seq_lens", "cu_seqlens_q")
+
+
+def _varlen_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, causal: bool,
+                 scale: Optional[float], backend: str, num_threads: Optional[int], left: int, right: int, softcap: float,
+                 *extras: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    slopes, sinks, k_scale, v_scale = extras
+    out, lse = attention_varlen(q, k, v, cu_q, cu_k, causal=causal, scale=scale, backend=backend, num_threads=num_threads,
+                                window_size=_window(left, right), softcap=softcap, alibi_slopes=slopes, sinks=sinks,
+                                k_scale=k_scale, v_scale=v_scale, return_lse=True)
+    return out, lse
+
+
+def _paged_impl(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+                cu_q: Optional[torch.Tensor], causal: bool, scale: Optional[float], backend: str, num_threads: Optional[int],
+                left: int, right: int, softcap: float, *extras: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+    slopes, sinks, k_scale, v_scale = extras
+    out, lse = attention_paged(q, k_cache, v_cache, table, lens, cu_seqlens_q=cu_q, causal=causal, scale=scale, backend=backend,
+                               num_threads=num_threads, window_size=_window(left, right), softcap=softcap, alibi_slopes=slopes,
+                               sinks=sinks, k_scale=k_scale, v_scale=v_scale, return_lse=True)
+    return out, lse
+
+
+_varlen_op = torch.library.custom_op(
+    "twinattn::attention_varlen", _varlen_impl, mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, {_PACKED_OPTIONS}) -> (Tensor, Tensor)",
+)
+_varlen_op.register_fake(_packed_fake)
+_paged_op = torch.library.custom_op(
+    "twinattn::attention_paged", _paged_impl, mutates_args=(),
+    schema=(
+        "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, Tensor seq_lens, Tensor? cu_seqlens_q, "
+        f"{_PACKED_OPTIONS}) -> (Tensor, Tensor)"
+    ),
+)
+_paged_op.register_fake(_packed_fake)
+
+
+def attention_varlen(
+    q: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, *, causal: bool = False, scale: Optional[float] = None,
+    window_size: Tuple[int, int] = _NO_WINDOW, softcap: float = 0.0, alibi_slopes: Any = None, sinks: Any = None,
+    return_lse: bool = False, out: Any = None, backend: str = "auto", num_threads: Optional[int] = None,
+    k_scale: Any = None, v_scale: Any = None,
+) -> Any:
+    """twinattn.attention_varlen on torch CPU tensors, read in place: q (total_q, Hq, D), k and v
+    (total_k, Hkv, D / Dv), cu_seqlens_q and cu_seqlens_k int32 or int64 tensors (B + 1,) ->
+    out (total_q, Hq, Dv) in q's dtype [, lse (Hq, total_q) float32]. Forward only."""
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if not ((type(q) is _Tensor and not _is_dynamo_compiling()) or not torch.compiler.is_compiling()):
+        extras = (alibi_slopes, sinks, k_scale, v_scale)
+        return _traced(torch.ops.twinattn.attention_varlen, tensors, causal, scale, backend, num_threads, window_size, softcap,
+                       extras, out, return_lse)
+    qa, ka, va, cu_q, cu_k = _packed_views(_VARLEN_TENSORS, tensors, backend)
+    result = api_varlen.attention_varlen(
+        qa, ka, va, cu_q, cu_k, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
+        alibi_slopes=_optional_array("alibi_slopes", alibi_slopes), sinks=_optional_array("sinks", sinks),
+        return_lse=return_lse, out=_out_view(out, q), backend=backend, num_threads=num_threads,
+        k_scale=_optional_array("k_scale", k_scale), v_scale=_optional_array("v_scale", v_scale),
+    )
+    return _packed_result(result, out, return_lse)
+
+
+def attention_paged(
+    q: Any, k_cache: Any, v_cache: Any, block_table: Any, seq_lens: Any, *, cu_seqlens_q: Any = None, causal: bool = True,
+    scale: Optional[float] = None, window_size: Tuple[int, int] = _NO_WINDOW, softcap: float = 0.0, alibi_slopes: Any = None,
+    sinks: Any = None, k_scale: Any = None, v_scale: Any = None, return_lse: bool = False, out: Any = None,
+    backend: str = "auto", num_threads: Optional[int] = None,
+) -> Any:
+    """twinattn.attention_paged on torch CPU tensors, read in place: q (total_q, Hq, D), k_cache
+    and v_cache (num_blocks, block_size, Hkv, D / Dv) (any strides: interleaved K/V pages too),
+    block_table int32 (B, max_blocks), seq_lens (B,), cu_seqlens_q (B + 1,) or None (decode) ->
+    out (total_q, Hq, Dv) in q's dtype [, lse (Hq, total_q) float32]. Forward only."""
+    tensors = (q, k_cache, v_cache, block_table, seq_lens, cu_seqlens_q)
+    if not ((type(q) is _Tensor and not _is_dynamo_compiling()) or not torch.compiler.is_compiling()):
+        extras = (alibi_slopes, sinks, k_scale, v_scale)
+        return _traced(torch.ops.twinattn.attention_paged, tensors, causal, scale, backend, num_threads, window_size, softcap,
+                       extras, out, return_lse)
+    qa, kc, vc, table, lens, cu_q = _packed_views(_PAGED_TENSORS, tensors, backend)
+    result = api_varlen.attention_paged(
+        qa, kc, vc, table, lens, cu_seqlens_q=cu_q, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
+        alibi_slopes=_optional_array("alibi_slopes", alibi_slopes), sinks=_optional_array("sinks", sinks),
+        k_scale=_optional_array("k_scale", k_scale), v_scale=_optional_array("v_scale", v_scale),
+        return_lse=return_lse, out=_out_view(out, q), backend=backend, num_threads=num_threads,
+    )
+    return _packed_result(result, out, return_lse)

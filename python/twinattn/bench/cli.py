@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import twinattn
 
 from .. import models
-from . import e2e, machine, report
+from . import e2e, machine, report, serving
 from .peers import PORTS, make_runners, parse_backends
 from .suite import QUICK_CASES, parse_dtypes, select, standard_suite, with_dtypes
 from .timing import Budget, run_suite
@@ -212,18 +212,23 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         print(f"{E2E:<24} {E2E_TEXT}")
         for name in e2e.PLANS:
             print(f"{E2E + '/' + name:<24} {_e2e_text(name)}")
+        for serving_case in serving.CASES.values():
+            print(f"{serving_case.name:<24} {serving_case.title} (paged against contiguous, torch SDPA as the peer)")
         return 0
     runners = make_runners()
     # the end-to-end case is not a kernel case: --cases e2e (or e2e/MODEL) asks for it, a full run
     # includes it
     names = [n.strip() for n in args.cases.split(",")] if args.cases is not None else []
     kernel_names = [n for n in names if n and n != E2E and not n.startswith(E2E + "/")]
+    # the serving cases (twinattn.bench.serving) likewise: --cases serving (or serving/CASE)
+    kernel_names = [n for n in kernel_names if n != serving.SERVING and not n.startswith(serving.SERVING + "/")]
     try:
         e2e_models = _e2e_models(names) if args.cases is not None else ([] if args.quick else list(e2e.PLANS))
         want_e2e = bool(e2e_models)
+        serving_cases = serving.names_in(names)  # only when asked for: --cases serving (or serving/CASE)
         dtypes = parse_dtypes(args.dtype)
-        if want_e2e and args.cases is not None and not kernel_names:
-            selected = []  # --cases e2e alone
+        if (want_e2e or serving_cases) and args.cases is not None and not kernel_names:
+            selected = []  # --cases e2e or serving alone
         else:
             selected = select(suite, ",".join(kernel_names) if args.cases is not None else None, args.quick)
         backends = parse_backends(args.backends, runners)
@@ -254,7 +259,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     pairs = len(cases) if all(p in backends for p in PORTS) else 0  # the ports timed alternately
     # the end-to-end case moves the bar per model loaded, per prefill and per context's decode steps
     e2e_units = (e2e.units(e2e_models, dtypes, args.shrink) or 1) if want_e2e and e2e.missing() is None else int(want_e2e)
-    progress = report.Progress(len(timed) + pairs + e2e_units, enabled=not args.no_progress)
+    progress = report.Progress(len(timed) + pairs + e2e_units + len(serving_cases), enabled=not args.no_progress)
     bandwidth = machine.ReadBandwidth()
     started = time.perf_counter()
     try:
@@ -262,6 +267,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         ceilings = machine.measure_ceilings(thread_counts, args.quick, bandwidth, progress.show, dtypes)
         rows = run_suite(cases, backends, runners, threads, budget, progress, bandwidth, ceilings)
         end_to_end = _run_e2e(e2e_models, dtypes, threads, args, progress) if want_e2e else None
+        serving_entries = _run_serving(serving_cases, backends, budget, args.shrink, progress)
     except KeyboardInterrupt:
         progress.close()
         print("twinattn-bench: interrupted", file=sys.stderr)
@@ -291,7 +297,11 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     }
     if end_to_end is not None:
         document["e2e"] = end_to_end
+    if serving_entries:
+        document["serving"] = serving_entries
     print(report.text(document))
+    if serving_entries:
+        print(f"\nserving (float32, {threads} threads)\n{serving.format_rows(serving_entries)}")
     if args.json:
         report.write_json(args.json, document)
         print(f"\nwrote {args.json}")
@@ -304,12 +314,27 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     if end_to_end is not None and end_to_end.get("error"):
         bad.append("e2e")
     bad += [f"e2e {m['title']}" for m in (end_to_end or {}).get("models", {}).values() if m.get("error")]
+    bad += [f"{r['case']} {r['way']} on {r['backend']}" for e in serving_entries for r in e["rows"] if r["status"] in ("wrong", "error")]
     print(
         f"\n{' and '.join(([f'{len(rows)} runs'] if rows or not e2e_rows else []) + (['the end-to-end case'] if e2e_rows else []))}"
         f" in {document['wall_s']:.0f} s"
         + (f"; {len(bad)} WRONG or failed: " + ", ".join(bad) if bad else "")
     )
     return 1 if bad else 0
+
+
+def _run_serving(
+    names: Sequence[str], backends: Sequence[str], budget: Budget, shrink: int, progress: report.Progress
+) -> list[dict[str, Any]]:
+    """The serving cases `names` on twinattn's backends among `backends` (torch's SDPA as the peer
+    when torch is among them)."""
+    entries = []
+    for name in names:
+        progress.show(serving.CASES[name].name)
+        ports = [b for b in backends if b in serving.TWINATTN_BACKENDS]
+        entries.append(serving.run_case(name, ports, budget, shrink, with_torch="torch" in backends))
+        progress.step()
+    return entries
 
 
 def _run_e2e(

@@ -73,43 +73,51 @@ def _check_query_dtype(a: np.ndarray, backend: str) -> None:
 
 def _check_like_query(name: str, a: np.ndarray, dtype: np.dtype, k_dtype: np.dtype) -> None:
     """k: q's dtype, or int8 (with scales) when q is float32, float16 or bfloat16; v: k's dtype
-    when that is int8, else q's (nothing is cast silently, mixed dtypes included)."""
-    if a.dtype == dtype and (name == "k" or k_dtype != INT8):
+    when that is int8, else q's (nothing is cast silently, mixed dtypes included). The keys may
+    be named k or k_cache, the values v or v_cache."""
+    is_key = name[0] == "k"
+    if a.dtype == dtype and (is_key or k_dtype != INT8):
         return
     int8_allowed = dtype in ATTENTION_DTYPES
-    if name == "k" and int8_allowed:
+    if is_key and int8_allowed:
         if a.dtype == INT8:
             return
         raise TypeError(
             f"k: expected dtype {dtype} (q's dtype) or int8, got {a.dtype}; convert with k.astype({dtype_in_code(dtype)}), "
             "or quantize both k and v with twinattn.quantize_kv"
         )
-    if name == "v" and k_dtype == INT8 and int8_allowed:
+    if not is_key and k_dtype == INT8 and int8_allowed:
         if a.dtype == INT8:
             return
-        raise TypeError(f"v: expected dtype int8 (k's dtype), got {a.dtype}; quantize it with twinattn.quantize_kv(v)")
+        raise TypeError(f"{name}: expected dtype int8 (k's dtype), got {a.dtype}; quantize it with twinattn.quantize_kv({name})")
     raise TypeError(
         f"{name}: expected dtype {dtype} (q's dtype), got {a.dtype}; convert with {name}.astype({dtype_in_code(dtype)})"
     )
 
 
-def _check_scale(name: str, value: object, int8: bool, k_dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray | None:
+def _check_scale(
+    name: str, value: object, int8: bool, k_dtype: np.dtype, shape: tuple[int, ...], names: tuple[str, ...] | None = None
+) -> np.ndarray | None:
     """k_scale / v_scale: a float32 array of k's shape without D when k and v are int8, else None.
     Any strides (a broadcast view of one scale per head, say); values are not checked (a NaN
-    scale of a visible token gives NaN, of a hidden one never matters)."""
+    scale of a visible token gives NaN, of a hidden one never matters). `names`: the axes'
+    names, when they are not attention's (B, Hkv, Lk)."""
     if value is None:
         if int8:
-            raise ValueError(f"{name}: required with int8 k and v (float32, shape (B, Hkv, Lk)), got None")
+            layout = "B, Hkv, Lk" if names is None else ", ".join(names)
+            raise ValueError(f"{name}: required with int8 k and v (float32, shape ({layout})), got None")
         return None
     if not int8:
         raise ValueError(f"{name}: expected None with {k_dtype} k and v (scales are only for int8), got an array")
     if not isinstance(value, np.ndarray):
         if not hasattr(value, "__array__"):
-            raise TypeError(f"{name}: expected a float32 numpy array of shape (B, Hkv, Lk), got {type(value).__name__}")
+            layout = "B, Hkv, Lk" if names is None else ", ".join(names)
+            raise TypeError(f"{name}: expected a float32 numpy array of shape ({layout}), got {type(value).__name__}")
         value = np.asarray(value)
     if value.dtype != FLOAT32:
         raise TypeError(f"{name}: expected dtype float32, got {value.dtype}; convert with {name}.astype(np.float32)")
-    names = ("B", "Hkv", "Lk")[3 - len(shape):]
+    if names is None:
+        names = ("B", "Hkv", "Lk")[3 - len(shape):]
     if value.ndim != len(shape):
         raise ValueError(f"{name}: expected {len(shape)} dimensions ({', '.join(names)}), got shape {shape_str(value.shape)}")
     if value.shape != shape:
@@ -122,6 +130,18 @@ def _check_scale(name: str, value: object, int8: bool, k_dtype: np.dtype, shape:
 _FLOAT32_OVERFLOW = 2.0**128 * (1 - 2.0**-25)
 _filled_cache: dict[tuple[int, int], np.ndarray] = {}
 _NO_WINDOW = (-1, -1)
+
+
+def _checked_scale(scale: object, dtype: np.dtype) -> float:
+    """A given scale: a real number, finite in the problem's arithmetic (float32 unless float64)."""
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
+    scale_value = float(scale)
+    if not math.isfinite(scale_value):
+        raise ValueError(f"scale: expected a finite float, got {scale_value}")
+    if dtype != FLOAT64 and abs(scale_value) >= _FLOAT32_OVERFLOW:
+        raise ValueError(f"scale: expected a finite float, got {scale_value}, which is inf in float32")
+    return scale_value
 
 
 def _resolve(backend: object) -> str:
@@ -192,8 +212,11 @@ def _prepare_mask(attn_mask: object, dtype: np.dtype, full_shape: tuple[int, int
         ) from None
 
 
+_INPUT_NAMES = ("q", "k", "v", "attn_mask", "k_scale", "v_scale")
+
+
 def _prepare_out(
-    out: object, shape: tuple[int, ...], dtype: np.dtype, inputs: list[np.ndarray | None]
+    out: object, shape: tuple[int, ...], dtype: np.dtype, inputs: list[np.ndarray | None], names: tuple[str, ...] = _INPUT_NAMES
 ) -> np.ndarray:
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out: expected a numpy array, got {type(out).__name__}")
@@ -209,7 +232,7 @@ def _prepare_out(
             f"out: expected an array whose elements do not overlap each other, got strides {out.strides} "
             f"(bytes) for shape {shape_str(out.shape)}: pass a fresh array such as np.empty({shape_str(out.shape)}, {dtype_in_code(dtype)})"
         )
-    for name, a in zip(("q", "k", "v", "attn_mask", "k_scale", "v_scale"), inputs):
+    for name, a in zip(names, inputs):
         if a is not None and np.may_share_memory(out, a):
             raise ValueError(f"out: must not overlap the memory of {name}")
     return out
@@ -519,14 +542,10 @@ def attention(
     mask = None if attn_mask is None else _prepare_mask(attn_mask, dtype, (batch, q_heads, q_len, k_len))
     if scale is None:
         scale_value = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    elif type(scale) is float and abs(scale) < _FLOAT32_OVERFLOW:
+        scale_value = scale  # a finite Python float (what callers pass): nothing more to check
     else:
-        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale: expected a float, got {type(scale).__name__}")
-        scale_value = float(scale)
-        if not math.isfinite(scale_value):
-            raise ValueError(f"scale: expected a finite float, got {scale_value}")
-        if dtype != FLOAT64 and abs(scale_value) >= _FLOAT32_OVERFLOW:
-            raise ValueError(f"scale: expected a finite float, got {scale_value}, which is inf in float32")
+        scale_value = _checked_scale(scale, dtype)
     if _problem is not None:
         # twinattn.core.backward's entry: the checked, normalised problem, and nothing computed
         options = dict(

@@ -22,13 +22,17 @@ they are stored (twinattn.quantize_kv) and read with their scales; q stays float
 The variants of Mistral / Gemma 2 / gpt-oss: sliding_window=w (Hugging Face's meaning: each query
 sees itself and the w - 1 keys before it, window_size=(w - 1, 0) with causal), softcap (attention
 logit softcapping) and sinks=True (a learned per-head logit, state_dict key "sinks", gpt-oss).
+
+Paged: with a twinattn.PagedKVCache, pass seqs (one sequence id per batch row); each row's new
+keys and values are appended to its sequence and its queries attend over that sequence's blocks
+through twinattn.attention_paged (shared prefix blocks read in place, no padding to the longest).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -37,7 +41,9 @@ from ..core import _checks
 from ..core._checks import ATTENTION_DTYPES, FLOAT32, INT8, count, shape_str
 from ..core._backends import BACKENDS, native_module, resolve_backend
 from ..core.api import attention
-from .cache import KVCache
+from ..core.varlen import attention_paged
+from .cache import KVCache, layer_index, new_token_counts
+from .paged_cache import CacheFullError, PagedKVCache
 from .rope import RotaryEmbedding
 
 __all__ = ["Attention"]
@@ -177,8 +183,12 @@ class Attention:
             y += self._params[f"{name}.bias"]
         return y
 
-    def _positions(self, positions: object, batch: int, length: int, cache: KVCache | None, layer: int) -> np.ndarray:
+    def _positions(
+        self, positions: object, batch: int, length: int, cache: KVCache | PagedKVCache | None, layer: int, seqs: list[int]
+    ) -> np.ndarray:
         if positions is None:
+            if isinstance(cache, PagedKVCache):
+                return cache.positions(seqs, length, layer)
             if cache is not None:
                 return cache.positions(length, layer)
             return np.arange(length, dtype=np.int64)
@@ -194,11 +204,12 @@ class Attention:
         hidden_states: np.ndarray,
         *,
         positions: object = None,
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
         layer_idx: int = 0,
         attn_mask: ArrayLike | None = None,
         causal: bool = True,
         num_new: object = None,
+        seqs: Sequence[int] | None = None,
     ) -> np.ndarray:
         """hidden_states (B, L, hidden_size) float32 -> (B, L, hidden_size) float32.
 
@@ -216,6 +227,9 @@ class Attention:
             a cache); it is applied on top of the causal mask.
         causal: False for bidirectional attention (an encoder); True (Llama) by default. A module
             with a sliding_window needs causal=True.
+        seqs: with a PagedKVCache, the sequence id of each batch row (B ids, no repeats); row b's
+            first num_new[b] (default L) tokens are appended to sequence seqs[b] of layer layer_idx
+            and attend over its blocks. attn_mask is not taken then.
         With sliding_window=w each query (at its absolute position p) attends to keys p - w + 1 .. p
         only: a cached decode step reads the last w keys, not the whole cache.
         """
@@ -229,9 +243,16 @@ class Attention:
             raise ValueError(
                 f"hidden_states: expected shape (B, L, hidden_size={self.hidden_size}), got {shape_str(hidden_states.shape)}"
             )
-        if cache is not None:
+        seq_ids: list[int] = []
+        if isinstance(cache, PagedKVCache):
+            seq_ids = self._check_paged(cache, hidden_states.shape[0], seqs, attn_mask)
+            layer = layer_index(layer_idx, cache.num_layers)
+        elif seqs is not None:
+            got_cache = "cache=None" if cache is None else f"a {type(cache).__name__}"
+            raise ValueError(f"seqs: only meaningful with a twinattn.PagedKVCache, got sequence ids and {got_cache}")
+        elif cache is not None:
             if not isinstance(cache, KVCache):
-                raise TypeError(f"cache: expected None or a twinattn.KVCache, got {type(cache).__name__}")
+                raise TypeError(f"cache: expected None, a twinattn.KVCache or a twinattn.PagedKVCache, got {type(cache).__name__}")
             expected = (hidden_states.shape[0], self.num_kv_heads, self.head_dim)
             got = (cache.batch_size, cache.num_kv_heads, cache.head_dim)
             if got != expected:
@@ -254,7 +275,7 @@ class Attention:
                 "(window_size=(w - 1, 0) with causal, as Hugging Face); expected causal=True, got False"
             )
         batch, length, _ = hidden_states.shape
-        pos = self._positions(positions, batch, length, cache, layer)
+        pos = self._positions(positions, batch, length, cache, layer, seq_ids)
 
         # Projections, split into heads: (B, L, H * D) -> (B, H, L, D).
         q = self._project(hidden_states, "q_proj").reshape(batch, length, self.num_heads, self.head_dim)
@@ -264,6 +285,81 @@ class Attention:
         if self.rope is not None:
             q, k = self.rope.apply(q, pos), self.rope.apply(k, pos)
 
+        if isinstance(cache, PagedKVCache):
+            out = self._attend_paged(q, k, v, cache, seq_ids, layer, num_new, causal)
+        else:
+            out = self._attend_dense(q, k, v, cache, layer, num_new, causal, attn_mask)
+        # (B, L, H, D) -> (B, L, H * D) -> output projection (in float32, whatever the cache's dtype).
+        merged = out.reshape(batch, length, self.num_heads * self.head_dim).astype(FLOAT32, copy=False)
+        return self._project(merged, "o_proj")
+
+    def _variant_keywords(self) -> dict[str, Any]:
+        """The attention keywords the module's configuration gives, dense and paged alike."""
+        return dict(
+            scale=self.scale,
+            backend=resolve_backend(self.backend),
+            window_size=(-1, -1) if self.sliding_window is None else (self.sliding_window - 1, 0),
+            softcap=self.softcap,
+            sinks=self._params["sinks"] if self.sinks else None,
+        )
+
+    def _check_paged(self, cache: PagedKVCache, batch: int, seqs: Sequence[int] | None, attn_mask: object) -> list[int]:
+        if seqs is None:
+            raise ValueError(f"seqs: a PagedKVCache needs the sequence id of each of the B={batch} rows, got None")
+        seq_ids = [int(seq) for seq in seqs]
+        if len(seq_ids) != batch or len(set(seq_ids)) != batch:
+            raise ValueError(f"seqs: expected B={batch} distinct sequence ids (one per row), got {seq_ids}")
+        got = (cache.num_kv_heads, cache.head_dim, cache.value_dim)
+        if got != (self.num_kv_heads, self.head_dim, self.head_dim):
+            raise ValueError(
+                f"cache: expected (num_kv_heads, head_dim, value_dim) = ({self.num_kv_heads}, {self.head_dim}, {self.head_dim}), got {got}"
+            )
+        if cache.dtype not in ATTENTION_DTYPES and cache.dtype != INT8:
+            raise TypeError(
+                f"cache: expected a PagedKVCache of dtype float32, float16, bfloat16 (ml_dtypes.bfloat16) or int8, got {cache.dtype}"
+            )
+        if attn_mask is not None:
+            raise ValueError("attn_mask: not taken with a PagedKVCache (positions and seq_lens say what each query sees)")
+        return seq_ids
+
+    def _attend_paged(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: PagedKVCache, seqs: list[int], layer: int,
+        num_new: object, causal: bool,
+    ) -> np.ndarray:
+        """Append each row's first num_new[b] tokens to sequence seqs[b], then attend its queries
+        over its blocks: q (B, H, L, D), k and v (B, Hkv, L, D) -> (B, L, H, D) (padding rows zero)."""
+        batch, _, length, _ = q.shape
+        counts = new_token_counts(num_new, batch, length)
+        # every row's blocks are counted first: a full cache raises before any row is appended
+        needed = sum(cache.blocks_needed(seq, layer, int(n)) for seq, n in zip(seqs, counts))
+        if needed > cache.num_free_blocks:
+            raise CacheFullError(
+                f"cache: appending {counts.tolist()} tokens to sequences {seqs} (layer {layer}) needs {needed} free blocks, "
+                f"{cache.num_free_blocks} of {cache.num_blocks} are free; the cache is unchanged"
+            )
+        for b, seq in enumerate(seqs):
+            cache.append(seq, layer, k[b, :, : counts[b]].swapaxes(0, 1), v[b, :, : counts[b]].swapaxes(0, 1))
+        valid = np.arange(length)[None, :] < counts[:, None]
+        packed_q = q.transpose(0, 2, 1, 3)[valid]  # (total_q, H, D), row by row
+        if cache.dtype not in (FLOAT32, INT8):
+            packed_q = packed_q.astype(cache.dtype)
+        k_cache, v_cache = cache.layer(layer)
+        k_scale, v_scale = cache.scales(layer) if cache.dtype == INT8 else (None, None)
+        packed = attention_paged(
+            packed_q, k_cache, v_cache, cache.block_table(seqs), cache.seq_lens(seqs, layer),
+            cu_seqlens_q=np.concatenate([[0], np.cumsum(counts)]), causal=causal, k_scale=k_scale, v_scale=v_scale,
+            **self._variant_keywords(),
+        )
+        out = np.zeros((batch, length) + packed.shape[1:], packed.dtype)
+        out[valid] = packed
+        return out
+
+    def _attend_dense(
+        self, q: np.ndarray, k: np.ndarray, v: np.ndarray, cache: KVCache | None, layer: int, num_new: object, causal: bool,
+        attn_mask: ArrayLike | None,
+    ) -> np.ndarray:
+        """q (B, H, L, D), k and v (B, Hkv, L, D), appended to the dense cache when there is one
+        -> attention (B, L, H, D)."""
         # Keys are cached rotated; the kernel gets each sequence's offset and length explicitly.
         # A float16 / bfloat16 cache rounds k and v as it stores them; q is rounded to match. An
         # int8 cache quantizes them, and attention reads them with their scales; q stays float32.
@@ -286,18 +382,12 @@ class Attention:
             q_offset=q_offset if causal else None,
             kv_lens=kv_lens,
             attn_mask=attn_mask,
-            scale=self.scale,
-            backend=resolve_backend(self.backend),
-            window_size=(-1, -1) if self.sliding_window is None else (self.sliding_window - 1, 0),
-            softcap=self.softcap,
-            sinks=self._params["sinks"] if self.sinks else None,
             k_scale=k_scale,
             v_scale=v_scale,
+            **self._variant_keywords(),
         )
-
-        # (B, H, L, D) -> (B, L, H * D) -> output projection (in float32, whatever the cache's dtype).
-        merged = out.transpose(0, 2, 1, 3).reshape(batch, length, self.num_heads * self.head_dim).astype(FLOAT32, copy=False)
-        return self._project(merged, "o_proj")
+        result: np.ndarray = out.transpose(0, 2, 1, 3)
+        return result
 
     def __repr__(self) -> str:
         return (

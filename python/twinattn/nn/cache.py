@@ -145,11 +145,7 @@ class KVCache:
         return int(self._keys.nbytes + self._values.nbytes + scales)
 
     def _layer(self, layer_idx: object) -> int:
-        if isinstance(layer_idx, (bool, np.bool_)) or not isinstance(layer_idx, numbers.Integral):
-            raise TypeError(f"layer_idx: expected an int, got {type(layer_idx).__name__}")
-        if not 0 <= int(layer_idx) < self.num_layers:
-            raise IndexError(f"layer_idx: expected 0 <= layer_idx < num_layers={self.num_layers}, got {int(layer_idx)}")
-        return int(layer_idx)
+        return layer_index(layer_idx, self.num_layers)
 
     def seq_lens(self, layer_idx: int = 0) -> np.ndarray:
         """Tokens stored per sequence in this layer, int64 (B,) (a copy)."""
@@ -190,12 +186,7 @@ class KVCache:
     def _check_states(self, name: str, states: object) -> np.ndarray:
         if not isinstance(states, np.ndarray):
             raise TypeError(f"{name}: expected a numpy array (B, Hkv, L, D), got {type(states).__name__}")
-        if self.dtype == INT8:
-            if states.dtype not in ATTENTION_DTYPES:
-                raise TypeError(f"{name}: expected dtype {ATTENTION_DTYPES_TEXT} (quantized to the int8 cache as it is stored), got {states.dtype}")
-        elif states.dtype != self.dtype and states.dtype != FLOAT32:
-            also = "" if self.dtype == FLOAT32 else f" or float32 (rounded to {self.dtype} as it is stored)"
-            raise TypeError(f"{name}: expected dtype {self.dtype} (the cache's){also}, got {states.dtype}")
+        check_state_dtype(name, states, self.dtype)
         expected = (self.batch_size, self.num_kv_heads, self.head_dim)
         if states.ndim != 4 or (states.shape[0], states.shape[1], states.shape[3]) != expected:
             raise ValueError(
@@ -233,19 +224,7 @@ class KVCache:
         if values.shape != keys.shape:
             raise ValueError(f"value_states: expected the shape of key_states {shape_str(keys.shape)}, got {shape_str(values.shape)}")
         length = keys.shape[2]
-        if num_new is None:
-            counts = np.full(self.batch_size, length, dtype=np.int64)
-        else:
-            counts_arr = np.asarray(num_new)
-            if counts_arr.dtype.kind not in "iu":
-                raise TypeError(f"num_new: expected an int array of shape (B={self.batch_size},), got dtype {counts_arr.dtype}")
-            if counts_arr.shape != (self.batch_size,):
-                raise ValueError(
-                    f"num_new: expected an int array of shape (B={self.batch_size},), got shape {shape_str(counts_arr.shape)}"
-                )
-            counts = counts_arr.astype(np.int64)
-            if counts.size and (counts.min() < 0 or counts.max() > length):
-                raise ValueError(f"num_new: expected values in [0, L={length}], got {counts.tolist()}")
+        counts = new_token_counts(num_new, self.batch_size, length)
 
         lens = self._lens[layer]
         ends = lens + counts
@@ -323,6 +302,41 @@ class KVCache:
             f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, dtype={self.dtype.name}, "
             f"seq_lens(0)={self._lens[0].tolist()})"
         )
+
+
+def new_token_counts(num_new: object, batch: int, length: int) -> np.ndarray:
+    """num_new: None (every sequence appends all L tokens) or an int array (B,) in [0, L] -> int64 (B,)."""
+    if num_new is None:
+        return np.full(batch, length, dtype=np.int64)
+    counts_arr = np.asarray(num_new)
+    if counts_arr.dtype.kind not in "iu":
+        raise TypeError(f"num_new: expected an int array of shape (B={batch},), got dtype {counts_arr.dtype}")
+    if counts_arr.shape != (batch,):
+        raise ValueError(f"num_new: expected an int array of shape (B={batch},), got shape {shape_str(counts_arr.shape)}")
+    counts = counts_arr.astype(np.int64)
+    if counts.size and (counts.min() < 0 or counts.max() > length):
+        raise ValueError(f"num_new: expected values in [0, L={length}], got {counts.tolist()}")
+    return counts
+
+
+def layer_index(layer_idx: object, num_layers: int, name: str = "layer_idx") -> int:
+    """A layer argument: an int in [0, num_layers)."""
+    if isinstance(layer_idx, (bool, np.bool_)) or not isinstance(layer_idx, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {type(layer_idx).__name__}")
+    if not 0 <= int(layer_idx) < num_layers:
+        raise IndexError(f"{name}: expected 0 <= {name} < num_layers={num_layers}, got {int(layer_idx)}")
+    return int(layer_idx)
+
+
+def check_state_dtype(name: str, states: np.ndarray, cache_dtype: np.dtype) -> None:
+    """New keys or values for a cache: its dtype or float32 (rounded as stored); for an int8 cache
+    float32, float16 or bfloat16 (quantized as stored)."""
+    if cache_dtype == INT8:
+        if states.dtype not in ATTENTION_DTYPES:
+            raise TypeError(f"{name}: expected dtype {ATTENTION_DTYPES_TEXT} (quantized to the int8 cache as it is stored), got {states.dtype}")
+    elif states.dtype != cache_dtype and states.dtype != FLOAT32:
+        also = "" if cache_dtype == FLOAT32 else f" or float32 (rounded to {cache_dtype} as it is stored)"
+        raise TypeError(f"{name}: expected dtype {cache_dtype} (the cache's){also}, got {states.dtype}")
 
 
 def _cache_dtype(value: object) -> np.dtype:
