@@ -20,7 +20,7 @@ use twinattn::flash_attention::attention_forward;
 use twinattn::flash_backward::attention_backward;
 use twinattn::problem::{
     contiguous_lse_view, contiguous_mut_view, contiguous_view, AttentionProblem, BackwardProblem,
-    ElementType, MaskKind, MaskView, MutParamView1, ParamView1, ParamView2, ParamView3,
+    ElementType, KeyPages, MaskKind, MaskView, MutParamView1, ParamView1, ParamView2, ParamView3,
 };
 
 const UNIT_ROUNDOFF: f64 = 1.0 / 16_777_216.0; // 2^-24
@@ -183,6 +183,7 @@ impl Data {
             kv_int8: false,
             k_scale: ParamView3::NONE,
             v_scale: ParamView3::NONE,
+            pages: KeyPages::NONE,
         }
     }
 
