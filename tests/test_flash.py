@@ -140,7 +140,7 @@ def _varlen_reference(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, **options: A
 
 VARLEN_CASES = {"plain": dict(), "causal": dict(causal=True), "window_alibi": dict(window_size=(2, 1), alibi=True),
                 "softcap_causal": dict(causal=True, softcap=1.5)}
-Q_LENS, K_LENS = [3, 1, 5, 2], [4, 6, 5, 9]
+Q_LENS, K_LENS = [3, 1, 0, 5, 2], [4, 6, 3, 5, 9]  # a sequence without queries too
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -340,6 +340,8 @@ def test_errors() -> None:
         flash.flash_attn_with_kvcache(q, q, q, cache_seqlens=2.0)
     with pytest.raises(ValueError, match="rotary_cos"):
         flash.flash_attn_with_kvcache(q, q, q, rotary_cos=torch.ones(3, 4), rotary_sin=torch.ones(3, 4))
+    with pytest.raises(TypeError, match="k: expected the cache's dtype torch.float32"):
+        flash.flash_attn_with_kvcache(q, q, q, k=q[:, :1].half(), v=q[:, :1].half(), cache_seqlens=1)
     with pytest.raises(ValueError, match="capacity"):
         flash.flash_attn_with_kvcache(q, q, q, k=q[:, :2], v=q[:, :2], cache_seqlens=2)
     with pytest.raises(NotImplementedError, match="block_table"):

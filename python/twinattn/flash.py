@@ -241,6 +241,13 @@ def flash_attn_with_kvcache(
         if k is not None:
             _check_tensor("k", k, 4, "(batch, seqlen_new, nheads_k, headdim)")
             _check_tensor("v", v, 4, "(batch, seqlen_new, nheads_k, headdim)")
+            for name, new, cache in (("k", k, k_cache), ("v", v, v_cache)):
+                if new.dtype != cache.dtype:
+                    raise TypeError(f"{name}: expected the cache's dtype {cache.dtype}, got {new.dtype}; convert with {name}.to({cache.dtype})")
+                if new.shape[0] != batch or new.shape[2:] != cache.shape[2:] or new.shape[1] != k.shape[1]:
+                    raise ValueError(
+                        f"{name}: expected shape (batch={batch}, seqlen_new, {', '.join(map(str, cache.shape[2:]))}), got {tuple(new.shape)}"
+                    )
             if batch and int(lens.max()) + k.shape[1] > capacity:
                 raise ValueError(
                     f"k: cache_seqlens + seqlen_new = {int(lens.max()) + k.shape[1]} exceeds the cache's capacity {capacity}"
@@ -256,8 +263,8 @@ def flash_attn_with_kvcache(
                 index = (blocks, positions % k_cache.shape[1])
             else:
                 index = (rows[:, None].expand_as(positions), positions)
-            k_cache[index] = k.to(k_cache.dtype) if k.dtype != k_cache.dtype else k
-            v_cache[index] = v.to(v_cache.dtype) if v.dtype != v_cache.dtype else v
+            k_cache[index] = k
+            v_cache[index] = v
             lens = lens + k.shape[1]
         options = _options(q, softmax_scale, causal, window_size, softcap, alibi_slopes)
         out = q.new_empty(q.shape[:-1] + v_cache.shape[-1:])
