@@ -301,6 +301,9 @@ def test_kvcache_int_seqlens_and_whole_cache(port: str) -> None:
     assert_close(whole, reference(q, k_cache, v_cache)[0], torch.float32, 4.0)
     part = flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=6, causal=True)
     assert_close(part, reference(q, k_cache[:, :6], v_cache[:, :6], causal=True)[0], torch.float32, 4.0)
+    rows = rand(gen, 2, 3, 4, 16)  # more queries than keys: fine without causal (one key, weight 1)
+    few = flash.flash_attn_with_kvcache(rows, k_cache, v_cache, cache_seqlens=1)
+    assert_close(few, reference(rows, k_cache[:, :1], v_cache[:, :1])[0], torch.float32, 4.0)
 
 
 def test_use_backend_reaches_twinattn(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -342,6 +345,8 @@ def test_errors() -> None:
         flash.flash_attn_with_kvcache(q, q, q, rotary_cos=torch.ones(3, 4), rotary_sin=torch.ones(3, 4))
     with pytest.raises(TypeError, match="k: expected the cache's dtype torch.float32"):
         flash.flash_attn_with_kvcache(q, q, q, k=q[:, :1].half(), v=q[:, :1].half(), cache_seqlens=1)
+    with pytest.raises(ValueError, match=r"cache_seqlens: expected values in \[0, 3\]"):
+        flash.flash_attn_with_kvcache(q, q, q, cache_seqlens=4)
     with pytest.raises(ValueError, match="capacity"):
         flash.flash_attn_with_kvcache(q, q, q, k=q[:, :2], v=q[:, :2], cache_seqlens=2)
     with pytest.raises(NotImplementedError, match="block_table"):

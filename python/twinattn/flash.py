@@ -279,7 +279,7 @@ def flash_attn_with_kvcache(
         else:
             keys = slice(0, batch)
             _, lse = _twin.attention(q.transpose(1, 2), k_cache[keys].transpose(1, 2), v_cache[keys].transpose(1, 2),
-                                     kv_lens=lens, q_offset=lens - seqlen_q, out=out.transpose(1, 2), **options)
+                                     kv_lens=lens, out=out.transpose(1, 2), **options)  # q_offset: bottom-right, kv_lens - Lq
     return (out, lse) if return_softmax_lse else out
 
 
@@ -288,13 +288,14 @@ def _cache_seqlens(cache_seqlens: Any, batch: int, capacity: int) -> torch.Tenso
     if cache_seqlens is None:
         return torch.full((batch,), capacity, dtype=torch.int64)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-        return torch.full((batch,), cache_seqlens, dtype=torch.int64)
-    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype not in (torch.int32, torch.int64):
+        lens = torch.full((batch,), cache_seqlens, dtype=torch.int64)
+    elif not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"cache_seqlens: expected an int or an int32 tensor (batch,), got {cache_seqlens!r}")
-    _check_tensor("cache_seqlens", cache_seqlens, 1, "(batch,)")
-    if cache_seqlens.shape[0] != batch:
-        raise ValueError(f"cache_seqlens: expected shape (batch={batch},), got {tuple(cache_seqlens.shape)}")
-    lens = cache_seqlens.long()
+    else:
+        _check_tensor("cache_seqlens", cache_seqlens, 1, "(batch,)")
+        if cache_seqlens.shape[0] != batch:
+            raise ValueError(f"cache_seqlens: expected shape (batch={batch},), got {tuple(cache_seqlens.shape)}")
+        lens = cache_seqlens.long()
     if batch and (int(lens.min()) < 0 or int(lens.max()) > capacity):
         raise ValueError(f"cache_seqlens: expected values in [0, {capacity}] (the cache's length), got {lens.tolist()}")
     return lens
