@@ -353,3 +353,24 @@ def test_errors() -> None:
         leaf = q[0].clone().requires_grad_()
         flash.flash_attn_varlen_func(leaf, q, q, torch.tensor([0, 3], dtype=torch.int32), torch.tensor([0, 3], dtype=torch.int32),
                                      3, 3, block_table=torch.zeros(1, 1, dtype=torch.int32))
+
+
+# flash-attn 2.x's parameter lists (flash_attn_interface.py), in order: code calling positionally works
+FLASH_ATTN_SIGNATURES = {
+    "flash_attn_func": "q k v dropout_p softmax_scale causal window_size softcap alibi_slopes deterministic return_attn_probs",
+    "flash_attn_varlen_func": (
+        "q k v cu_seqlens_q cu_seqlens_k max_seqlen_q max_seqlen_k dropout_p softmax_scale causal window_size softcap "
+        "alibi_slopes deterministic return_attn_probs block_table"
+    ),
+    "flash_attn_with_kvcache": (
+        "q k_cache v_cache k v rotary_cos rotary_sin cache_seqlens cache_batch_idx cache_leftpad block_table softmax_scale "
+        "causal window_size softcap rotary_interleaved alibi_slopes num_splits return_softmax_lse"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(FLASH_ATTN_SIGNATURES))
+def test_signatures_are_flash_attn_s(name: str) -> None:
+    import inspect
+
+    assert list(inspect.signature(getattr(flash, name)).parameters) == FLASH_ATTN_SIGNATURES[name].split()
