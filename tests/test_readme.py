@@ -27,6 +27,7 @@ TRANSFORMERS = ("transformers", "pip install transformers")
 NEEDS = {
     "torch": [TORCH],
     "twinattn.torch": [TORCH],
+    "twinattn.flash": [TORCH],
     "twinattn.hf": [TORCH, TRANSFORMERS],
     "twinattn.models": [TORCH, TRANSFORMERS, ("gguf", "pip install gguf"), ("accelerate", "pip install accelerate")],
 }

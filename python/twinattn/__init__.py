@@ -12,6 +12,8 @@ k_scale and v_scale; KVCache(..., dtype="int8")). twinattn.merge_attention merge
 processes or machines is in twinattn.distributed (imports torch; import it explicitly).
 Serving: twinattn.attention_varlen (packed sequences), twinattn.attention_paged and
 twinattn.PagedKVCache (paged keys and values, shared prefixes).
+flash-attn's functions on torch CPU tensors are in twinattn.flash (imports torch; import it
+explicitly).
 """
 
 from ._version import __version__
