@@ -149,6 +149,8 @@ pub struct FlashKernels {
     /// int8 K/V, indexed by q's dtype; the K^T panels hold float32(k) * k_scale whatever q is.
     pub attend_rows_int8: [AttendRowsFn; ELEMENT_TYPES],
     pub pack_keys_int8: PackKeysFn,
+    /// The backward pass's inner products (backward_kernel.rs).
+    pub backward: crate::backward_kernel::BackwardKernels,
 }
 
 pub(crate) fn round_up(n: usize, m: usize) -> usize {
@@ -1244,6 +1246,54 @@ macro_rules! make_kernels {
             unsafe { $crate::flash_kernel::tanh_values::<$vector>(values) }
         }
 
+        /// backward_kernel.rs's panel_product.
+        ///
+        /// # Safety
+        /// The CPU supports this instruction set; otherwise as backward_kernel.rs's.
+        $(#[target_feature(enable = $feature)])?
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe fn backward_panel_product(
+            a: *const f32,
+            rows: usize,
+            depth: usize,
+            panel: *const f32,
+            panel_stride: usize,
+            n: usize,
+            out: *mut f32,
+            out_stride: usize,
+        ) {
+            // SAFETY: forwarded, as in attend_rows.
+            unsafe {
+                $crate::backward_kernel::panel_product::<$vector>(
+                    a, rows, depth, panel, panel_stride, n, out, out_stride,
+                )
+            }
+        }
+
+        /// backward_kernel.rs's accumulate.
+        ///
+        /// # Safety
+        /// The CPU supports this instruction set; otherwise as backward_kernel.rs's.
+        $(#[target_feature(enable = $feature)])?
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe fn backward_accumulate(
+            y: *mut f32,
+            n: usize,
+            coef: *const f32,
+            gate: *const f32,
+            coef_stride: usize,
+            x: *const f32,
+            x_stride: usize,
+            terms: usize,
+        ) {
+            // SAFETY: forwarded, as in attend_rows.
+            unsafe {
+                $crate::backward_kernel::accumulate::<$vector>(
+                    y, n, coef, gate, coef_stride, x, x_stride, terms,
+                )
+            }
+        }
+
         /// The table of this instruction set.
         pub const fn $table() -> FlashKernels {
             FlashKernels {
@@ -1267,6 +1317,10 @@ macro_rules! make_kernels {
                     attend_rows::<BFloat16, i8>,
                 ],
                 pack_keys_int8: pack_keys::<i8>,
+                backward: $crate::backward_kernel::BackwardKernels {
+                    panel_product: backward_panel_product,
+                    accumulate: backward_accumulate,
+                },
             }
         }
     };
