@@ -8,7 +8,8 @@
 // chain in a fixed order whatever the vector width:
 //   panel_product: S = Q K^T and dP = dO V^T against a transposed key block (panel[d][key]);
 //   accumulate:    dV += P^T dO, dK += dS^T Q (one key's row over the tile's rows) and
-//                  dQ += dS K (one query row over the block's keys).
+//                  dQ += dS K (one query row over the block's keys);
+// and row_gradients, P and dS of one row, lane by lane.
 #pragma once
 
 #include <cstdint>
@@ -26,9 +27,17 @@ using PanelProductFn = void (*)(const float* a, int64_t rows, int64_t depth, con
 using AccumulateFn = void (*)(float* y, int64_t n, const float* coef, const float* gate, int64_t coef_stride,
                               const float* x, int64_t x_stride, int64_t terms);
 
+// P and scale dS of one row's n keys (n a multiple of the vector width), in place: probs holds S
+// (base 2) and becomes P = V::exp2(S - lse); grads holds dP and becomes P (dP - delta), times
+// 1 - t^2 (t = capped[j]) when capped is not null, times scale; 0 where P is 0 (a hidden key: its
+// dP is never used).
+using RowGradientsFn = void (*)(float* probs, float* grads, const float* capped, int64_t n, float lse, float delta,
+                                float scale);
+
 struct BackwardKernels {
     PanelProductFn panel_product;
     AccumulateFn accumulate;
+    RowGradientsFn row_gradients;
 };
 
 namespace backward {
@@ -130,11 +139,28 @@ struct Ops {
         }
         if (d < n) accumulate_tail(y + d, n - d, coef, gate, coef_stride, x + d, x_stride, terms);
     }
+
+    static void row_gradients(float* probs, float* grads, const float* capped, int64_t n, float lse, float delta,
+                              float scale) {
+        const Reg row_lse = V::broadcast(lse), row_delta = V::broadcast(delta), factor = V::broadcast(scale);
+        const Reg one = V::broadcast(1.0f), zero = V::zero();
+        for (int64_t j = 0; j < n; j += W) {
+            const Reg prob = V::exp2(V::sub(V::load(probs + j), row_lse));
+            Reg ds = V::mul(prob, V::sub(V::load(grads + j), row_delta));
+            if (capped != nullptr) {
+                const Reg t = V::load(capped + j);
+                ds = V::mul(ds, V::sub(one, V::mul(t, t)));
+            }
+            V::store(probs + j, prob);
+            // 0 < P ? scale dS : P (0, or a NaN P's NaN)
+            V::store(grads + j, V::select_less(zero, prob, V::mul(ds, factor), prob));
+        }
+    }
 };
 
 template <class V>
 BackwardKernels make_backward_kernels() {
-    return BackwardKernels{Ops<V>::panel_product, Ops<V>::accumulate};
+    return BackwardKernels{Ops<V>::panel_product, Ops<V>::accumulate, Ops<V>::row_gradients};
 }
 
 }  // namespace backward

@@ -259,26 +259,22 @@ void tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int64_t rows
     view.row_key_begin = s.row_key_begin.data();
     view.row_key_end = s.row_key_end.data();
     ScalarKernel::mask_block(fp, tile, view, rows, key_block, n);
-    // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale.
+    // The padding keys [n, n_padded): S = -inf, so P = 0 there too (row_gradients runs over them).
+    for (int64_t r = 0; r < rows; ++r)
+        std::fill(s.scores.begin() + r * kKeyBlock + n, s.scores.begin() + r * kKeyBlock + n_padded, kNegInf);
+    // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale (the
+    // kernels' row_gradients, over the n_padded keys).
     const float scale = plan.problem->forward.scale;
     for (int64_t r = 0; r < rows; ++r) {
         float* probs = s.scores.data() + r * kKeyBlock;
         float* grads = s.grads.data() + r * kKeyBlock;
-        const float lse = s.row_lse[r];
-        for (int64_t j = 0; j < n; ++j) {
-            const float prob = lse == kNegInf ? 0.0f : V::exp2_lane(probs[j] - lse);
-            probs[j] = prob;
-            if (prob == 0.0f) {
-                grads[j] = 0.0f;
-                continue;
-            }
-            float ds = prob * (grads[j] - s.row_delta[r]);
-            if (fp.has_softcap) {
-                const float t = s.capped[r * kKeyBlock + j];
-                ds = ds * (1.0f - t * t);
-            }
-            grads[j] = ds * scale;
+        if (s.row_lse[r] == kNegInf) {  // no legal key: P = 0 and dS = 0
+            std::fill(probs, probs + n_padded, 0.0f);
+            std::fill(grads, grads + n_padded, 0.0f);
+            continue;
         }
+        const float* capped = fp.has_softcap ? s.capped.data() + r * kKeyBlock : nullptr;
+        plan.kernels.row_gradients(probs, grads, capped, n_padded, s.row_lse[r], s.row_delta[r], scale);
     }
 }
 

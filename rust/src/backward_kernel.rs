@@ -8,7 +8,9 @@
 //!
 //! - [`panel_product`]: S = Q K^T and dP = dO V^T against a transposed key block (panel[d][key]);
 //! - [`accumulate`]: dV += P^T dO, dK += dS^T Q (one key's row over the tile's rows) and
-//!   dQ += dS K (one query row over the block's keys).
+//!   dQ += dS K (one query row over the block's keys);
+//!
+//! and [`row_gradients`], P and dS of one row, lane by lane.
 
 use crate::simd::Vector;
 
@@ -39,11 +41,26 @@ pub type AccumulateFn = unsafe fn(
     terms: usize,
 );
 
+/// P and scale dS of one row's n keys (n a multiple of the vector width), in place: probs holds
+/// S (base 2) and becomes P = V::exp2(S - lse); grads holds dP and becomes P (dP - delta), times
+/// 1 - t^2 (t = capped[j]) when capped is not null, times scale; 0 where P is 0 (a hidden key: its
+/// dP is never used).
+pub type RowGradientsFn = unsafe fn(
+    probs: *mut f32,
+    grads: *mut f32,
+    capped: *const f32,
+    n: usize,
+    lse: f32,
+    delta: f32,
+    scale: f32,
+);
+
 /// The backward kernels of one instruction set.
 #[derive(Clone, Copy)]
 pub struct BackwardKernels {
     pub panel_product: PanelProductFn,
     pub accumulate: AccumulateFn,
+    pub row_gradients: RowGradientsFn,
 }
 
 /// Rows of a panel_product strip and accumulators of an accumulate chunk: 4 x 4 vectors and 8
@@ -273,6 +290,39 @@ pub unsafe fn accumulate<V: Vector>(
         if d < n {
             let (y, x) = chunk(d);
             accumulate_tail::<V>(y, n - d, coef, gate, coef_stride, x, x_stride, terms);
+        }
+    }
+}
+
+/// See [`RowGradientsFn`].
+///
+/// # Safety
+/// The CPU supports V's instruction set; probs, grads and (when not null) capped hold n floats.
+#[inline(always)]
+pub unsafe fn row_gradients<V: Vector>(
+    probs: *mut f32,
+    grads: *mut f32,
+    capped: *const f32,
+    n: usize,
+    lse: f32,
+    delta: f32,
+    scale: f32,
+) {
+    // SAFETY: forwarded; j + WIDTH <= n.
+    unsafe {
+        let (row_lse, row_delta, factor) =
+            (V::broadcast(lse), V::broadcast(delta), V::broadcast(scale));
+        let (one, zero) = (V::broadcast(1.0), V::zero());
+        for j in (0..n).step_by(V::WIDTH) {
+            let prob = V::exp2(V::sub(V::load(probs.add(j)), row_lse));
+            let mut ds = V::mul(prob, V::sub(V::load(grads.add(j)), row_delta));
+            if !capped.is_null() {
+                let t = V::load(capped.add(j));
+                ds = V::mul(ds, V::sub(one, V::mul(t, t)));
+            }
+            prob.store(probs.add(j));
+            // 0 < P ? scale dS : P (0, or a NaN P's NaN)
+            V::select_less(zero, prob, V::mul(ds, factor), prob).store(grads.add(j));
         }
     }
 }

@@ -442,28 +442,37 @@ unsafe fn tile_gradients(
     // SAFETY: forwarded; mask_block reads only scores (rows x n of stride KEY_BLOCK) and the
     // rows' key ranges of the view.
     unsafe { mask_block(fp, tile, &view, rows, key_block, n) };
-    // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale.
+    // The padding keys [n, n_padded): S = -inf, so P = 0 there too (row_gradients runs over them).
+    for r in 0..rows {
+        s.scores[r * KEY_BLOCK + n..r * KEY_BLOCK + n_padded].fill(f32::NEG_INFINITY);
+    }
+    // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale (the
+    // kernels' row_gradients, over the n_padded keys).
     let scale = plan.problem.forward.scale;
     for r in 0..rows {
-        let lse = s.row_lse[r];
-        for j in 0..n {
-            let at = r * KEY_BLOCK + j;
-            let prob = if lse == f32::NEG_INFINITY {
-                0.0
-            } else {
-                exp2_lane(s.scores[at] - lse)
-            };
-            s.scores[at] = prob;
-            if prob == 0.0 {
-                s.grads[at] = 0.0;
-                continue;
-            }
-            let mut ds = prob * (s.grads[at] - s.row_delta[r]);
-            if fp.has_softcap {
-                let t = s.capped[at];
-                ds *= 1.0 - t * t;
-            }
-            s.grads[at] = ds * scale;
+        let row = r * KEY_BLOCK..r * KEY_BLOCK + n_padded;
+        if s.row_lse[r] == f32::NEG_INFINITY {
+            // no legal key: P = 0 and dS = 0
+            s.scores[row.clone()].fill(0.0);
+            s.grads[row].fill(0.0);
+            continue;
+        }
+        let capped = match fp.has_softcap {
+            true => s.capped[row.start..].as_ptr(),
+            false => std::ptr::null(),
+        };
+        // SAFETY: n_padded <= KEY_BLOCK floats of the row in scores, grads and capped; the
+        // dispatcher hands out only kernels this CPU runs.
+        unsafe {
+            (plan.kernels.row_gradients)(
+                s.scores[row.start..].as_mut_ptr(),
+                s.grads[row.start..].as_mut_ptr(),
+                capped,
+                n_padded,
+                s.row_lse[r],
+                s.row_delta[r],
+                scale,
+            );
         }
     }
 }

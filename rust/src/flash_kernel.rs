@@ -1294,6 +1294,28 @@ macro_rules! make_kernels {
             }
         }
 
+        /// backward_kernel.rs's row_gradients.
+        ///
+        /// # Safety
+        /// The CPU supports this instruction set; otherwise as backward_kernel.rs's.
+        $(#[target_feature(enable = $feature)])?
+        pub unsafe fn backward_row_gradients(
+            probs: *mut f32,
+            grads: *mut f32,
+            capped: *const f32,
+            n: usize,
+            lse: f32,
+            delta: f32,
+            scale: f32,
+        ) {
+            // SAFETY: forwarded, as in attend_rows.
+            unsafe {
+                $crate::backward_kernel::row_gradients::<$vector>(
+                    probs, grads, capped, n, lse, delta, scale,
+                )
+            }
+        }
+
         /// The table of this instruction set.
         pub const fn $table() -> FlashKernels {
             FlashKernels {
@@ -1320,6 +1342,7 @@ macro_rules! make_kernels {
                 backward: $crate::backward_kernel::BackwardKernels {
                     panel_product: backward_panel_product,
                     accumulate: backward_accumulate,
+                    row_gradients: backward_row_gradients,
                 },
             }
         }
