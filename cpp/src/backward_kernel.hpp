@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 namespace twinattn {
 
@@ -21,11 +22,13 @@ namespace twinattn {
 // chain from 0 per element.
 using PanelProductFn = void (*)(const float* a, int64_t rows, int64_t depth, const float* panel,
                                 int64_t panel_stride, int64_t n, float* out, int64_t out_stride);
-// y[0, n) += coef[t * coef_stride] * x[t * x_stride + (0, n)] for t < terms, ascending, skipping
-// every term whose gate[t * coef_stride] is 0 (a hidden key: its x is never read): one V::fma
-// chain per element, starting from y.
-using AccumulateFn = void (*)(float* y, int64_t n, const float* coef, const float* gate, int64_t coef_stride,
-                              const float* x, int64_t x_stride, int64_t terms);
+// For every output o < outputs: y[o * y_stride + (0, n)] += c * x[t * x_stride + (0, n)] for
+// t < terms, ascending, c = coef[o * output_stride + t * coef_stride], skipping every term whose
+// gate (same index) is 0 (a hidden key: its x is never read): one V::fma chain per element,
+// starting from y.
+using AccumulateFn = void (*)(float* y, int64_t y_stride, int64_t outputs, int64_t n, const float* coef,
+                              const float* gate, int64_t coef_stride, int64_t output_stride, const float* x,
+                              int64_t x_stride, int64_t terms);
 
 // P and scale dS of one row's n keys (n a multiple of the vector width), in place: probs holds S
 // (base 2) and becomes P = V::exp2(S - lse); grads holds dP and becomes P (dP - delta), times
@@ -46,11 +49,11 @@ template <class V>
 struct Ops {
     using Reg = typename V::Reg;
     static constexpr int64_t W = V::kWidth;
-    // Rows of a panel_product strip and accumulators of an accumulate chunk: 4 x 4 vectors and
-    // 8 vectors (AVX-512: 16 and 8 of the 32 registers; AVX2 and NEON: as many of 16 and 32).
+    // Rows of a panel_product strip, 4 x 4 vectors, and accumulators of an accumulate chunk: 16
+    // vectors with 32 registers (AVX-512), 8 with 16 (AVX2; NEON and the scalar type alike).
     static constexpr int kStripRows = 4;
     static constexpr int kStripVectors = 4;
-    static constexpr int kChunkVectors = 8;
+    static constexpr int kAccumulators = W >= 16 ? 16 : 8;
 
     // R rows x NV vectors of out.
     template <int R, int NV>
@@ -94,21 +97,44 @@ struct Ops {
         for (; r < rows; ++r) product_rows<1>(a + r * depth, depth, panel, panel_stride, n, out + r * out_stride, out_stride);
     }
 
-    // y[0, NV W) of accumulate.
-    template <int NV>
-    static void accumulate_chunk(float* y, const float* coef, const float* gate, int64_t coef_stride, const float* x,
-                                 int64_t x_stride, int64_t terms) {
-        Reg acc[NV];
-        for (int c = 0; c < NV; ++c) acc[c] = V::load(y + c * W);
+    // Outputs O (1 or 2, sharing each x load), NV vectors of columns each: acc[o] = y_o, then for
+    // every term whose gate of output o is nonzero, acc[o] = V::fma(coef_o, x_t, acc[o]).
+    template <int O, int NV>
+    static void accumulate_chunk(float* y, int64_t y_stride, const float* coef, const float* gate, int64_t coef_stride,
+                                 int64_t output_stride, const float* x, int64_t x_stride, int64_t terms) {
+        Reg acc[O][NV];
+        for (int o = 0; o < O; ++o)
+            for (int c = 0; c < NV; ++c) acc[o][c] = V::load(y + o * y_stride + c * W);
         for (int64_t t = 0; t < terms; ++t) {
-            if (gate[t * coef_stride] == 0.0f) continue;
-            const Reg factor = V::broadcast(coef[t * coef_stride]);
-            for (int c = 0; c < NV; ++c) acc[c] = V::fma(factor, V::load(x + t * x_stride + c * W), acc[c]);
+            bool live[O];
+            bool all = true, any = false;
+            for (int o = 0; o < O; ++o) {
+                live[o] = gate[t * coef_stride + o * output_stride] != 0.0f;
+                all = all && live[o];
+                any = any || live[o];
+            }
+            if (!any) continue;
+            const float* x_row = x + t * x_stride;
+            if (all) {
+                Reg factor[O];
+                for (int o = 0; o < O; ++o) factor[o] = V::broadcast(coef[t * coef_stride + o * output_stride]);
+                for (int c = 0; c < NV; ++c) {
+                    const Reg column = V::load(x_row + c * W);
+                    for (int o = 0; o < O; ++o) acc[o][c] = V::fma(factor[o], column, acc[o][c]);
+                }
+                continue;
+            }
+            for (int o = 0; o < O; ++o) {
+                if (!live[o]) continue;
+                const Reg factor = V::broadcast(coef[t * coef_stride + o * output_stride]);
+                for (int c = 0; c < NV; ++c) acc[o][c] = V::fma(factor, V::load(x_row + c * W), acc[o][c]);
+            }
         }
-        for (int c = 0; c < NV; ++c) V::store(y + c * W, acc[c]);
+        for (int o = 0; o < O; ++o)
+            for (int c = 0; c < NV; ++c) V::store(y + o * y_stride + c * W, acc[o][c]);
     }
 
-    // y[0, n) of accumulate, n < W.
+    // One output's columns [0, n), n < W.
     static void accumulate_tail(float* y, int64_t n, const float* coef, const float* gate, int64_t coef_stride,
                                 const float* x, int64_t x_stride, int64_t terms) {
         Reg acc = V::load_tail(y, n);
@@ -119,25 +145,41 @@ struct Ops {
         V::store_tail(y, acc, n);
     }
 
-    // Chunks of kChunkVectors vectors, then 4, 2 and 1 vectors, then the tail.
-    static void accumulate(float* y, int64_t n, const float* coef, const float* gate, int64_t coef_stride,
-                           const float* x, int64_t x_stride, int64_t terms) {
+    // O outputs' columns [0, n): chunks of kAccumulators / O vectors, then 8, 4, 2 and 1 vectors
+    // (those below the chunk), then each output's tail.
+    template <int O>
+    static void accumulate_columns(float* y, int64_t y_stride, int64_t n, const float* coef, const float* gate,
+                                   int64_t coef_stride, int64_t output_stride, const float* x, int64_t x_stride,
+                                   int64_t terms) {
+        constexpr int kChunk = kAccumulators / O;
         int64_t d = 0;
-        for (; d + kChunkVectors * W <= n; d += kChunkVectors * W)
-            accumulate_chunk<kChunkVectors>(y + d, coef, gate, coef_stride, x + d, x_stride, terms);
-        if (d + 4 * W <= n) {
-            accumulate_chunk<4>(y + d, coef, gate, coef_stride, x + d, x_stride, terms);
-            d += 4 * W;
-        }
-        if (d + 2 * W <= n) {
-            accumulate_chunk<2>(y + d, coef, gate, coef_stride, x + d, x_stride, terms);
-            d += 2 * W;
-        }
-        if (d + W <= n) {
-            accumulate_chunk<1>(y + d, coef, gate, coef_stride, x + d, x_stride, terms);
-            d += W;
-        }
-        if (d < n) accumulate_tail(y + d, n - d, coef, gate, coef_stride, x + d, x_stride, terms);
+        const auto step = [&](auto vectors) {
+            constexpr int NV = decltype(vectors)::value;
+            accumulate_chunk<O, NV>(y + d, y_stride, coef, gate, coef_stride, output_stride, x + d, x_stride, terms);
+            d += NV * W;
+        };
+        while (d + kChunk * W <= n) step(std::integral_constant<int, kChunk>{});
+        if constexpr (kChunk > 8) if (d + 8 * W <= n) step(std::integral_constant<int, 8>{});
+        if constexpr (kChunk > 4) if (d + 4 * W <= n) step(std::integral_constant<int, 4>{});
+        if constexpr (kChunk > 2) if (d + 2 * W <= n) step(std::integral_constant<int, 2>{});
+        if constexpr (kChunk > 1) if (d + W <= n) step(std::integral_constant<int, 1>{});
+        if (d < n)
+            for (int o = 0; o < O; ++o)
+                accumulate_tail(y + o * y_stride + d, n - d, coef + o * output_stride, gate + o * output_stride,
+                                coef_stride, x + d, x_stride, terms);
+    }
+
+    // Outputs in pairs (each x load serving two), then the last one alone.
+    static void accumulate(float* y, int64_t y_stride, int64_t outputs, int64_t n, const float* coef,
+                           const float* gate, int64_t coef_stride, int64_t output_stride, const float* x,
+                           int64_t x_stride, int64_t terms) {
+        int64_t o = 0;
+        for (; o + 2 <= outputs; o += 2)
+            accumulate_columns<2>(y + o * y_stride, y_stride, n, coef + o * output_stride, gate + o * output_stride,
+                                  coef_stride, output_stride, x, x_stride, terms);
+        if (o < outputs)
+            accumulate_columns<1>(y + o * y_stride, y_stride, n, coef + o * output_stride, gate + o * output_stride,
+                                  coef_stride, output_stride, x, x_stride, terms);
     }
 
     static void row_gradients(float* probs, float* grads, const float* capped, int64_t n, float lse, float delta,

@@ -304,13 +304,11 @@ void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, i
         load_tile<T>(plan, tile, rows, s);
         tile_gradients(plan, tile, rows, key_block, visible, s);
         // Key j's rows: dV += P[., j]^T dO, dK += dS[., j]^T Q, over the tile's rows in order.
-        for (int64_t j = 0; j < visible; ++j) {
-            const float* probs = s.scores.data() + j;
-            plan.kernels.accumulate(s.value_grad.data() + j * Dv, Dv, probs, probs, kKeyBlock, s.dout_rows.data(), Dv,
-                                    rows);
-            plan.kernels.accumulate(s.key_grad.data() + j * D, D, s.grads.data() + j, probs, kKeyBlock,
-                                    s.q_rows.data(), D, rows);
-        }
+        const float* probs = s.scores.data();
+        plan.kernels.accumulate(s.value_grad.data(), Dv, visible, Dv, probs, probs, kKeyBlock, 1, s.dout_rows.data(),
+                                Dv, rows);
+        plan.kernels.accumulate(s.key_grad.data(), D, visible, D, s.grads.data(), probs, kKeyBlock, 1,
+                                s.q_rows.data(), D, rows);
     }
     for (int64_t j = 0; j < n; ++j) {
         store_row<T>(bp.dk, b, kv_head, key_block + j, s.key_grad.data() + j * D, D);
@@ -337,9 +335,8 @@ void query_tile_gradients(const BackwardPlan& plan, const WorkItem& tile, Backwa
         load_keys<T>(p, tile.b, tile.kv_head, key_block, n, s);
         tile_gradients(plan, tile, rows, key_block, n, s);
         // Row r: dQ += dS[r, .] K, over the block's keys in order.
-        for (int64_t r = 0; r < rows; ++r)
-            plan.kernels.accumulate(s.query_grad.data() + r * D, D, s.grads.data() + r * kKeyBlock,
-                                    s.scores.data() + r * kKeyBlock, 1, s.keys.data(), D, n);
+        plan.kernels.accumulate(s.query_grad.data(), D, rows, D, s.grads.data(), s.scores.data(), 1, kKeyBlock,
+                                s.keys.data(), D, n);
     }
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t packed = tile.row_begin + r;

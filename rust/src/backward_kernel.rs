@@ -27,15 +27,19 @@ pub type PanelProductFn = unsafe fn(
     out: *mut f32,
     out_stride: usize,
 );
-/// y[0, n) += coef[t * coef_stride] * x[t * x_stride + (0, n)] for t < terms, ascending,
-/// skipping every term whose gate[t * coef_stride] is 0 (a hidden key: its x is never read): one
-/// V::fma chain per element, starting from y.
+/// For every output o < outputs: y[o * y_stride + (0, n)] += c * x[t * x_stride + (0, n)] for
+/// t < terms, ascending, c = coef[o * output_stride + t * coef_stride], skipping every term whose
+/// gate (same index) is 0 (a hidden key: its x is never read): one V::fma chain per element,
+/// starting from y.
 pub type AccumulateFn = unsafe fn(
     y: *mut f32,
+    y_stride: usize,
+    outputs: usize,
     n: usize,
     coef: *const f32,
     gate: *const f32,
     coef_stride: usize,
+    output_stride: usize,
     x: *const f32,
     x_stride: usize,
     terms: usize,
@@ -63,11 +67,10 @@ pub struct BackwardKernels {
     pub row_gradients: RowGradientsFn,
 }
 
-/// Rows of a panel_product strip and accumulators of an accumulate chunk: 4 x 4 vectors and 8
-/// vectors (AVX-512: 16 and 8 of the 32 registers; AVX2 and NEON: as many of 16 and 32).
+/// Rows of a panel_product strip, 4 x 4 vectors; the accumulators of an accumulate chunk are 16
+/// vectors with 32 registers (AVX-512), 8 with 16 (AVX2; NEON and the scalar type alike).
 const STRIP_ROWS: usize = 4;
 const STRIP_VECTORS: usize = 4;
-const CHUNK_VECTORS: usize = 8;
 
 /// R rows x NV vectors of out.
 ///
@@ -178,44 +181,74 @@ pub unsafe fn panel_product<V: Vector>(
     }
 }
 
-/// y[0, NV WIDTH) of accumulate.
+/// Outputs O (1 or 2, sharing each x load), NV vectors of columns each: acc[o] = y_o, then for
+/// every term whose gate of output o is nonzero, acc[o] = V::fma(coef_o, x_t, acc[o]).
 ///
 /// # Safety
-/// As [`accumulate`], for these columns.
+/// As [`accumulate`], for these outputs and columns.
 #[inline(always)]
-unsafe fn accumulate_chunk<V: Vector, const NV: usize>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn accumulate_chunk<V: Vector, const O: usize, const NV: usize>(
     y: *mut f32,
+    y_stride: usize,
     coef: *const f32,
     gate: *const f32,
     coef_stride: usize,
+    output_stride: usize,
     x: *const f32,
     x_stride: usize,
     terms: usize,
 ) {
     let w = V::WIDTH;
-    // SAFETY: forwarded; every access lies in y's and the x rows' NV vectors.
+    // SAFETY: forwarded; every access lies in the outputs' and the x rows' NV vectors.
     unsafe {
-        let mut acc = [V::zero(); NV];
-        for (c, acc_c) in acc.iter_mut().enumerate() {
-            *acc_c = V::load(y.add(c * w));
+        let mut acc = [[V::zero(); NV]; O];
+        for (o, acc_o) in acc.iter_mut().enumerate() {
+            for (c, acc_oc) in acc_o.iter_mut().enumerate() {
+                *acc_oc = V::load(y.add(o * y_stride + c * w));
+            }
         }
         for t in 0..terms {
-            if *gate.add(t * coef_stride) == 0.0 {
+            let mut live = [false; O];
+            for (o, live_o) in live.iter_mut().enumerate() {
+                *live_o = *gate.add(t * coef_stride + o * output_stride) != 0.0;
+            }
+            if !live.iter().any(|&l| l) {
                 continue;
             }
-            let factor = V::broadcast(*coef.add(t * coef_stride));
             let x_row = x.add(t * x_stride);
-            for (c, acc_c) in acc.iter_mut().enumerate() {
-                *acc_c = V::fma(factor, V::load(x_row.add(c * w)), *acc_c);
+            if live.iter().all(|&l| l) {
+                let mut factor = [V::zero(); O];
+                for (o, factor_o) in factor.iter_mut().enumerate() {
+                    *factor_o = V::broadcast(*coef.add(t * coef_stride + o * output_stride));
+                }
+                for c in 0..NV {
+                    let column = V::load(x_row.add(c * w));
+                    for (acc_o, &factor_o) in acc.iter_mut().zip(&factor) {
+                        acc_o[c] = V::fma(factor_o, column, acc_o[c]);
+                    }
+                }
+                continue;
+            }
+            for (o, acc_o) in acc.iter_mut().enumerate() {
+                if !live[o] {
+                    continue;
+                }
+                let factor = V::broadcast(*coef.add(t * coef_stride + o * output_stride));
+                for (c, acc_oc) in acc_o.iter_mut().enumerate() {
+                    *acc_oc = V::fma(factor, V::load(x_row.add(c * w)), *acc_oc);
+                }
             }
         }
-        for (c, acc_c) in acc.iter().enumerate() {
-            acc_c.store(y.add(c * w));
+        for (o, acc_o) in acc.iter().enumerate() {
+            for (c, acc_oc) in acc_o.iter().enumerate() {
+                acc_oc.store(y.add(o * y_stride + c * w));
+            }
         }
     }
 }
 
-/// y[0, n) of accumulate, n < WIDTH.
+/// One output's columns [0, n), n < WIDTH.
 ///
 /// # Safety
 /// As [`accumulate`], for these columns.
@@ -245,51 +278,129 @@ unsafe fn accumulate_tail<V: Vector>(
     }
 }
 
-/// See [`AccumulateFn`]: chunks of CHUNK_VECTORS vectors, then 4, 2 and 1 vectors, then the tail.
+/// O outputs' columns [0, n): chunks of 16 / O vectors (WIDTH 16) or 8 / O (the others), then 8,
+/// 4, 2 and 1 vectors (those below the chunk), then each output's tail.
 ///
 /// # Safety
-/// The CPU supports V's instruction set; y holds n floats, coef and gate terms entries of
-/// stride coef_stride, x terms rows of x_stride (>= n) floats.
+/// As [`accumulate`], for these outputs.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn accumulate<V: Vector>(
+unsafe fn accumulate_columns<V: Vector, const O: usize>(
     y: *mut f32,
+    y_stride: usize,
     n: usize,
     coef: *const f32,
     gate: *const f32,
     coef_stride: usize,
+    output_stride: usize,
     x: *const f32,
     x_stride: usize,
     terms: usize,
 ) {
     let w = V::WIDTH;
+    let chunk = if w >= 16 { 16 / O } else { 8 / O };
     let mut d = 0;
     // SAFETY: forwarded; d + the chunk's columns <= n.
     unsafe {
-        let chunk = |d: usize| (y.add(d), x.add(d));
-        while d + CHUNK_VECTORS * w <= n {
-            let (y, x) = chunk(d);
-            accumulate_chunk::<V, CHUNK_VECTORS>(y, coef, gate, coef_stride, x, x_stride, terms);
-            d += CHUNK_VECTORS * w;
+        macro_rules! step {
+            ($vectors:literal) => {{
+                accumulate_chunk::<V, O, $vectors>(
+                    y.add(d),
+                    y_stride,
+                    coef,
+                    gate,
+                    coef_stride,
+                    output_stride,
+                    x.add(d),
+                    x_stride,
+                    terms,
+                );
+                d += $vectors * w;
+            }};
         }
-        if d + 4 * w <= n {
-            let (y, x) = chunk(d);
-            accumulate_chunk::<V, 4>(y, coef, gate, coef_stride, x, x_stride, terms);
-            d += 4 * w;
+        while d + chunk * w <= n {
+            match chunk {
+                16 => step!(16),
+                8 => step!(8),
+                _ => step!(4),
+            }
         }
-        if d + 2 * w <= n {
-            let (y, x) = chunk(d);
-            accumulate_chunk::<V, 2>(y, coef, gate, coef_stride, x, x_stride, terms);
-            d += 2 * w;
+        if chunk > 8 && d + 8 * w <= n {
+            step!(8);
         }
-        if d + w <= n {
-            let (y, x) = chunk(d);
-            accumulate_chunk::<V, 1>(y, coef, gate, coef_stride, x, x_stride, terms);
-            d += w;
+        if chunk > 4 && d + 4 * w <= n {
+            step!(4);
+        }
+        if chunk > 2 && d + 2 * w <= n {
+            step!(2);
+        }
+        if chunk > 1 && d + w <= n {
+            step!(1);
         }
         if d < n {
-            let (y, x) = chunk(d);
-            accumulate_tail::<V>(y, n - d, coef, gate, coef_stride, x, x_stride, terms);
+            for o in 0..O {
+                let at = o * output_stride;
+                let (coef, gate) = (coef.add(at), gate.add(at));
+                let y = y.add(o * y_stride + d);
+                accumulate_tail::<V>(y, n - d, coef, gate, coef_stride, x.add(d), x_stride, terms);
+            }
+        }
+    }
+}
+
+/// See [`AccumulateFn`]: outputs in pairs (each x load serving two), then the last one alone.
+///
+/// # Safety
+/// The CPU supports V's instruction set; y holds outputs rows of y_stride (>= n) floats, coef
+/// and gate every index the terms and outputs reach, x terms rows of x_stride (>= n) floats.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn accumulate<V: Vector>(
+    y: *mut f32,
+    y_stride: usize,
+    outputs: usize,
+    n: usize,
+    coef: *const f32,
+    gate: *const f32,
+    coef_stride: usize,
+    output_stride: usize,
+    x: *const f32,
+    x_stride: usize,
+    terms: usize,
+) {
+    let mut o = 0;
+    // SAFETY: forwarded; o + the outputs of each call <= outputs.
+    unsafe {
+        while o + 2 <= outputs {
+            let (y_o, at) = (y.add(o * y_stride), o * output_stride);
+            accumulate_columns::<V, 2>(
+                y_o,
+                y_stride,
+                n,
+                coef.add(at),
+                gate.add(at),
+                coef_stride,
+                output_stride,
+                x,
+                x_stride,
+                terms,
+            );
+            o += 2;
+        }
+        if o < outputs {
+            let (y_o, at) = (y.add(o * y_stride), o * output_stride);
+            accumulate_columns::<V, 1>(
+                y_o,
+                y_stride,
+                n,
+                coef.add(at),
+                gate.add(at),
+                coef_stride,
+                output_stride,
+                x,
+                x_stride,
+                terms,
+            );
         }
     }
 }

@@ -528,29 +528,33 @@ unsafe fn key_block_gradients<T: Element>(
             load_tile::<T>(plan, &tile, rows, s);
             tile_gradients(plan, &tile, rows, key_block, visible, s);
             // Key j's rows: dV += P[., j]^T dO, dK += dS[., j]^T Q, over the tile's rows in order.
-            for j in 0..visible {
-                let (probs, grads) = (s.scores.as_ptr().add(j), s.grads.as_ptr().add(j));
-                (plan.kernels.accumulate)(
-                    s.value_grad.as_mut_ptr().add(j * value_dim),
-                    value_dim,
-                    probs,
-                    probs,
-                    KEY_BLOCK,
-                    s.dout_rows.as_ptr(),
-                    value_dim,
-                    rows,
-                );
-                (plan.kernels.accumulate)(
-                    s.key_grad.as_mut_ptr().add(j * head_dim),
-                    head_dim,
-                    grads,
-                    probs,
-                    KEY_BLOCK,
-                    s.q_rows.as_ptr(),
-                    head_dim,
-                    rows,
-                );
-            }
+            let probs = s.scores.as_ptr();
+            (plan.kernels.accumulate)(
+                s.value_grad.as_mut_ptr(),
+                value_dim,
+                visible,
+                value_dim,
+                probs,
+                probs,
+                KEY_BLOCK,
+                1,
+                s.dout_rows.as_ptr(),
+                value_dim,
+                rows,
+            );
+            (plan.kernels.accumulate)(
+                s.key_grad.as_mut_ptr(),
+                head_dim,
+                visible,
+                head_dim,
+                s.grads.as_ptr(),
+                probs,
+                KEY_BLOCK,
+                1,
+                s.q_rows.as_ptr(),
+                head_dim,
+                rows,
+            );
         }
         for j in 0..n {
             let key = key_block + j;
@@ -600,18 +604,19 @@ unsafe fn query_tile_gradients<T: Element>(
             load_keys::<T>(bp, tile.b, tile.kv_head, key_block, n, s);
             tile_gradients(plan, tile, rows, key_block, n, s);
             // Row r: dQ += dS[r, .] K, over the block's keys in order.
-            for r in 0..rows {
-                (plan.kernels.accumulate)(
-                    s.query_grad.as_mut_ptr().add(r * head_dim),
-                    head_dim,
-                    s.grads.as_ptr().add(r * KEY_BLOCK),
-                    s.scores.as_ptr().add(r * KEY_BLOCK),
-                    1,
-                    s.keys.as_ptr(),
-                    head_dim,
-                    n,
-                );
-            }
+            (plan.kernels.accumulate)(
+                s.query_grad.as_mut_ptr(),
+                head_dim,
+                rows,
+                head_dim,
+                s.grads.as_ptr(),
+                s.scores.as_ptr(),
+                1,
+                KEY_BLOCK,
+                s.keys.as_ptr(),
+                head_dim,
+                n,
+            );
             key_block += BACKWARD_KEY_BLOCK;
         }
         for r in 0..rows {

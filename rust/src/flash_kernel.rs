@@ -1278,10 +1278,13 @@ macro_rules! make_kernels {
         #[allow(clippy::too_many_arguments)]
         pub unsafe fn backward_accumulate(
             y: *mut f32,
+            y_stride: usize,
+            outputs: usize,
             n: usize,
             coef: *const f32,
             gate: *const f32,
             coef_stride: usize,
+            output_stride: usize,
             x: *const f32,
             x_stride: usize,
             terms: usize,
@@ -1289,7 +1292,17 @@ macro_rules! make_kernels {
             // SAFETY: forwarded, as in attend_rows.
             unsafe {
                 $crate::backward_kernel::accumulate::<$vector>(
-                    y, n, coef, gate, coef_stride, x, x_stride, terms,
+                    y,
+                    y_stride,
+                    outputs,
+                    n,
+                    coef,
+                    gate,
+                    coef_stride,
+                    output_stride,
+                    x,
+                    x_stride,
+                    terms,
                 )
             }
         }
