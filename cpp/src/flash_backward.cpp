@@ -238,10 +238,13 @@ void tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int64_t rows
     const int64_t n_padded = ceil_div(n, kKeyPanel) * kKeyPanel;
     // (a) S = (Q times the multiplier) K^T, in base 2; softcap: t = tanh(S) kept, S = t softcap log2 e.
     // dP = dO V^T into s.grads.
-    plan.kernels.panel_product(s.q_tile.data(), rows, D, s.key_panel.data(), kBackwardKeyBlock, n_padded,
-                               s.scores.data(), kKeyBlock);
-    plan.kernels.panel_product(s.dout_rows.data(), rows, Dv, s.value_panel.data(), kBackwardKeyBlock, n_padded,
-                               s.grads.data(), kKeyBlock);
+    const auto product = [&](const std::vector<float>& a, int64_t depth, const std::vector<float>& panel,
+                             std::vector<float>& out) {
+        plan.kernels.panel_product(
+            PanelProduct{a.data(), rows, depth, panel.data(), kBackwardKeyBlock, n_padded, out.data(), kKeyBlock});
+    };
+    product(s.q_tile, D, s.key_panel, s.scores);
+    product(s.dout_rows, Dv, s.value_panel, s.grads);
     for (int64_t r = 0; r < rows; ++r) {
         float* row = s.scores.data() + r * kKeyBlock;
         for (int64_t j = n; j < n_padded; ++j) row[j] = 0.0f;
@@ -274,7 +277,7 @@ void tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int64_t rows
             continue;
         }
         const float* capped = fp.has_softcap ? s.capped.data() + r * kKeyBlock : nullptr;
-        plan.kernels.row_gradients(probs, grads, capped, n_padded, s.row_lse[r], s.row_delta[r], scale);
+        plan.kernels.row_gradients(RowGradients{probs, grads, capped, n_padded, s.row_lse[r], s.row_delta[r], scale});
     }
 }
 
@@ -304,11 +307,13 @@ void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, i
         load_tile<T>(plan, tile, rows, s);
         tile_gradients(plan, tile, rows, key_block, visible, s);
         // Key j's rows: dV += P[., j]^T dO, dK += dS[., j]^T Q, over the tile's rows in order.
-        const float* probs = s.scores.data();
-        plan.kernels.accumulate(s.value_grad.data(), Dv, visible, Dv, probs, probs, kKeyBlock, 1, s.dout_rows.data(),
-                                Dv, rows);
-        plan.kernels.accumulate(s.key_grad.data(), D, visible, D, s.grads.data(), probs, kKeyBlock, 1,
-                                s.q_rows.data(), D, rows);
+        const auto key_rows = [&](std::vector<float>& y, int64_t width, const std::vector<float>& coef,
+                                  const std::vector<float>& x) {
+            return Accumulation{y.data(), width, visible, width, coef.data(), s.scores.data(), kKeyBlock, 1,
+                                x.data(), width, rows};
+        };
+        plan.kernels.accumulate(key_rows(s.value_grad, Dv, s.scores, s.dout_rows));
+        plan.kernels.accumulate(key_rows(s.key_grad, D, s.grads, s.q_rows));
     }
     for (int64_t j = 0; j < n; ++j) {
         store_row<T>(bp.dk, b, kv_head, key_block + j, s.key_grad.data() + j * D, D);
@@ -335,8 +340,8 @@ void query_tile_gradients(const BackwardPlan& plan, const WorkItem& tile, Backwa
         load_keys<T>(p, tile.b, tile.kv_head, key_block, n, s);
         tile_gradients(plan, tile, rows, key_block, n, s);
         // Row r: dQ += dS[r, .] K, over the block's keys in order.
-        plan.kernels.accumulate(s.query_grad.data(), D, rows, D, s.grads.data(), s.scores.data(), 1, kKeyBlock,
-                                s.keys.data(), D, n);
+        plan.kernels.accumulate(Accumulation{s.query_grad.data(), D, rows, D, s.grads.data(), s.scores.data(), 1,
+                                             kKeyBlock, s.keys.data(), D, n});
     }
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t packed = tile.row_begin + r;

@@ -14,50 +14,55 @@
 
 use crate::simd::Vector;
 
-/// out[r * out_stride + j] for r < rows, j < n (n a multiple of the vector width) = sum over
-/// d < depth, ascending, of a[r * depth + d] * panel[d * panel_stride + j]: one V::fma chain
-/// from 0 per element.
-pub type PanelProductFn = unsafe fn(
-    a: *const f32,
-    rows: usize,
-    depth: usize,
-    panel: *const f32,
-    panel_stride: usize,
-    n: usize,
-    out: *mut f32,
-    out_stride: usize,
-);
-/// For every output o < outputs: y[o * y_stride + (0, n)] += c * x[t * x_stride + (0, n)] for
-/// t < terms, ascending, c = coef[o * output_stride + t * coef_stride], skipping every term whose
-/// gate (same index) is 0 (a hidden key: its x is never read): one V::fma chain per element,
-/// starting from y.
-pub type AccumulateFn = unsafe fn(
-    y: *mut f32,
-    y_stride: usize,
-    outputs: usize,
-    n: usize,
-    coef: *const f32,
-    gate: *const f32,
-    coef_stride: usize,
-    output_stride: usize,
-    x: *const f32,
-    x_stride: usize,
-    terms: usize,
-);
+/// One panel product: out[r * out_stride + j] for r < rows, j < n (n a multiple of the vector
+/// width) = sum over d < depth, ascending, of a[r * depth + d] * panel[d * panel_stride + j]: one
+/// V::fma chain from 0 per element.
+pub struct PanelProduct {
+    pub a: *const f32,
+    pub rows: usize,
+    pub depth: usize,
+    pub panel: *const f32,
+    pub panel_stride: usize,
+    pub n: usize,
+    pub out: *mut f32,
+    pub out_stride: usize,
+}
+
+/// One accumulation: for every output o < outputs, y[o * y_stride + (0, n)] += c * x[t *
+/// x_stride + (0, n)] for t < terms, ascending, c = coef[o * output_stride + t * coef_stride],
+/// skipping every term whose gate (same index) is 0 (a hidden key: its x is never read): one
+/// V::fma chain per element, starting from y.
+pub struct Accumulation {
+    pub y: *mut f32,
+    pub y_stride: usize,
+    pub outputs: usize,
+    pub n: usize,
+    pub coef: *const f32,
+    pub gate: *const f32,
+    pub coef_stride: usize,
+    pub output_stride: usize,
+    pub x: *const f32,
+    pub x_stride: usize,
+    pub terms: usize,
+}
 
 /// P and scale dS of one row's n keys (n a multiple of the vector width), in place: probs holds
 /// S (base 2) and becomes P = V::exp2(S - lse); grads holds dP and becomes P (dP - delta), times
 /// 1 - t^2 (t = capped[j]) when capped is not null, times scale; 0 where P is 0 (a hidden key: its
 /// dP is never used).
-pub type RowGradientsFn = unsafe fn(
-    probs: *mut f32,
-    grads: *mut f32,
-    capped: *const f32,
-    n: usize,
-    lse: f32,
-    delta: f32,
-    scale: f32,
-);
+pub struct RowGradients {
+    pub probs: *mut f32,
+    pub grads: *mut f32,
+    pub capped: *const f32,
+    pub n: usize,
+    pub lse: f32,
+    pub delta: f32,
+    pub scale: f32,
+}
+
+pub type PanelProductFn = unsafe fn(&PanelProduct);
+pub type AccumulateFn = unsafe fn(&Accumulation);
+pub type RowGradientsFn = unsafe fn(&RowGradients);
 
 /// The backward kernels of one instruction set.
 #[derive(Clone, Copy)]
@@ -72,368 +77,258 @@ pub struct BackwardKernels {
 const STRIP_ROWS: usize = 4;
 const STRIP_VECTORS: usize = 4;
 
-/// R rows x NV vectors of out.
+/// R rows x NV vectors of the columns from j of rows [r, r + R) of the product.
 ///
 /// # Safety
 /// As [`panel_product`], for these rows and columns.
 #[inline(always)]
 unsafe fn product_strip<V: Vector, const R: usize, const NV: usize>(
-    a: *const f32,
-    depth: usize,
-    panel: *const f32,
-    panel_stride: usize,
-    out: *mut f32,
-    out_stride: usize,
+    p: &PanelProduct,
+    r: usize,
+    j: usize,
 ) {
     let w = V::WIDTH;
-    // SAFETY: forwarded; every read lies in a's R rows and the panel's NV vectors of columns.
+    // SAFETY: forwarded; every access lies in rows [r, r + R) and columns [j, j + NV w).
     unsafe {
+        let a = p.a.add(r * p.depth);
         let mut acc = [[V::zero(); NV]; R];
-        for d in 0..depth {
+        for d in 0..p.depth {
             let mut column = [V::zero(); NV];
             for (c, vector) in column.iter_mut().enumerate() {
-                *vector = V::load(panel.add(d * panel_stride + c * w));
+                *vector = V::load(p.panel.add(d * p.panel_stride + j + c * w));
             }
-            for (r, acc_row) in acc.iter_mut().enumerate() {
-                let x = V::broadcast(*a.add(r * depth + d));
-                for (acc_rc, &column_c) in acc_row.iter_mut().zip(&column) {
-                    *acc_rc = V::fma(x, column_c, *acc_rc);
+            for (i, acc_row) in acc.iter_mut().enumerate() {
+                let x = V::broadcast(*a.add(i * p.depth + d));
+                for (acc_ic, &column_c) in acc_row.iter_mut().zip(&column) {
+                    *acc_ic = V::fma(x, column_c, *acc_ic);
                 }
             }
         }
-        for (r, acc_row) in acc.iter().enumerate() {
-            for (c, acc_rc) in acc_row.iter().enumerate() {
-                acc_rc.store(out.add(r * out_stride + c * w));
+        for (i, acc_row) in acc.iter().enumerate() {
+            for (c, acc_ic) in acc_row.iter().enumerate() {
+                acc_ic.store(p.out.add((r + i) * p.out_stride + j + c * w));
             }
         }
     }
 }
 
-/// R rows of out, all n columns: strips of STRIP_VECTORS vectors, then the remaining ones.
+/// Rows [r, r + R), all n columns: strips of STRIP_VECTORS vectors, then the remaining ones.
 ///
 /// # Safety
 /// As [`panel_product`], for these rows.
 #[inline(always)]
-unsafe fn product_rows<V: Vector, const R: usize>(
-    a: *const f32,
-    depth: usize,
-    panel: *const f32,
-    panel_stride: usize,
-    n: usize,
-    out: *mut f32,
-    out_stride: usize,
-) {
+unsafe fn product_rows<V: Vector, const R: usize>(p: &PanelProduct, r: usize) {
     let w = V::WIDTH;
     let mut j = 0;
     // SAFETY: forwarded; j + the strip's columns <= n.
     unsafe {
-        while j + STRIP_VECTORS * w <= n {
-            product_strip::<V, R, STRIP_VECTORS>(
-                a,
-                depth,
-                panel.add(j),
-                panel_stride,
-                out.add(j),
-                out_stride,
-            );
+        while j + STRIP_VECTORS * w <= p.n {
+            product_strip::<V, R, STRIP_VECTORS>(p, r, j);
             j += STRIP_VECTORS * w;
         }
-        let (panel, out) = (panel.add(j), out.add(j));
-        match (n - j) / w {
-            3 => product_strip::<V, R, 3>(a, depth, panel, panel_stride, out, out_stride),
-            2 => product_strip::<V, R, 2>(a, depth, panel, panel_stride, out, out_stride),
-            1 => product_strip::<V, R, 1>(a, depth, panel, panel_stride, out, out_stride),
+        match (p.n - j) / w {
+            3 => product_strip::<V, R, 3>(p, r, j),
+            2 => product_strip::<V, R, 2>(p, r, j),
+            1 => product_strip::<V, R, 1>(p, r, j),
             _ => {}
         }
     }
 }
 
-/// See [`PanelProductFn`].
+/// See [`PanelProduct`].
 ///
 /// # Safety
 /// The CPU supports V's instruction set; a holds rows x depth floats, panel depth rows of
 /// panel_stride (>= n) floats, out rows rows of out_stride (>= n) floats.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn panel_product<V: Vector>(
-    a: *const f32,
-    rows: usize,
-    depth: usize,
-    panel: *const f32,
-    panel_stride: usize,
-    n: usize,
-    out: *mut f32,
-    out_stride: usize,
-) {
+pub unsafe fn panel_product<V: Vector>(p: &PanelProduct) {
     let mut r = 0;
     // SAFETY: forwarded; r + the strip's rows <= rows.
     unsafe {
-        while r + STRIP_ROWS <= rows {
-            let (a, out) = (a.add(r * depth), out.add(r * out_stride));
-            product_rows::<V, STRIP_ROWS>(a, depth, panel, panel_stride, n, out, out_stride);
+        while r + STRIP_ROWS <= p.rows {
+            product_rows::<V, STRIP_ROWS>(p, r);
             r += STRIP_ROWS;
         }
-        while r < rows {
-            let (a, out) = (a.add(r * depth), out.add(r * out_stride));
-            product_rows::<V, 1>(a, depth, panel, panel_stride, n, out, out_stride);
+        while r < p.rows {
+            product_rows::<V, 1>(p, r);
             r += 1;
         }
     }
 }
 
-/// Outputs O (1 or 2, sharing each x load), NV vectors of columns each: acc[o] = y_o, then for
-/// every term whose gate of output o is nonzero, acc[o] = V::fma(coef_o, x_t, acc[o]).
+/// Outputs [o, o + O) (O = 1 or 2, sharing each x load), NV vectors of columns from d each:
+/// acc = y, then for every term whose gate of that output is nonzero, acc = V::fma(coef, x_t, acc).
 ///
 /// # Safety
 /// As [`accumulate`], for these outputs and columns.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn accumulate_chunk<V: Vector, const O: usize, const NV: usize>(
-    y: *mut f32,
-    y_stride: usize,
-    coef: *const f32,
-    gate: *const f32,
-    coef_stride: usize,
-    output_stride: usize,
-    x: *const f32,
-    x_stride: usize,
-    terms: usize,
+    a: &Accumulation,
+    o: usize,
+    d: usize,
 ) {
     let w = V::WIDTH;
-    // SAFETY: forwarded; every access lies in the outputs' and the x rows' NV vectors.
+    // SAFETY: forwarded; every access lies in the outputs' and the x rows' NV vectors from d.
     unsafe {
+        let y = a.y.add(o * a.y_stride + d);
+        let at = |t: usize, i: usize| (o + i) * a.output_stride + t * a.coef_stride;
         let mut acc = [[V::zero(); NV]; O];
-        for (o, acc_o) in acc.iter_mut().enumerate() {
-            for (c, acc_oc) in acc_o.iter_mut().enumerate() {
-                *acc_oc = V::load(y.add(o * y_stride + c * w));
+        for (i, acc_i) in acc.iter_mut().enumerate() {
+            for (c, acc_ic) in acc_i.iter_mut().enumerate() {
+                *acc_ic = V::load(y.add(i * a.y_stride + c * w));
             }
         }
-        for t in 0..terms {
+        for t in 0..a.terms {
             let mut live = [false; O];
-            for (o, live_o) in live.iter_mut().enumerate() {
-                *live_o = *gate.add(t * coef_stride + o * output_stride) != 0.0;
+            for (i, live_i) in live.iter_mut().enumerate() {
+                *live_i = *a.gate.add(at(t, i)) != 0.0;
             }
             if !live.iter().any(|&l| l) {
                 continue;
             }
-            let x_row = x.add(t * x_stride);
+            let x_row = a.x.add(t * a.x_stride + d);
             if live.iter().all(|&l| l) {
                 let mut factor = [V::zero(); O];
-                for (o, factor_o) in factor.iter_mut().enumerate() {
-                    *factor_o = V::broadcast(*coef.add(t * coef_stride + o * output_stride));
+                for (i, factor_i) in factor.iter_mut().enumerate() {
+                    *factor_i = V::broadcast(*a.coef.add(at(t, i)));
                 }
                 for c in 0..NV {
                     let column = V::load(x_row.add(c * w));
-                    for (acc_o, &factor_o) in acc.iter_mut().zip(&factor) {
-                        acc_o[c] = V::fma(factor_o, column, acc_o[c]);
+                    for (acc_i, &factor_i) in acc.iter_mut().zip(&factor) {
+                        acc_i[c] = V::fma(factor_i, column, acc_i[c]);
                     }
                 }
                 continue;
             }
-            for (o, acc_o) in acc.iter_mut().enumerate() {
-                if !live[o] {
+            for (i, acc_i) in acc.iter_mut().enumerate() {
+                if !live[i] {
                     continue;
                 }
-                let factor = V::broadcast(*coef.add(t * coef_stride + o * output_stride));
-                for (c, acc_oc) in acc_o.iter_mut().enumerate() {
-                    *acc_oc = V::fma(factor, V::load(x_row.add(c * w)), *acc_oc);
+                let factor = V::broadcast(*a.coef.add(at(t, i)));
+                for (c, acc_ic) in acc_i.iter_mut().enumerate() {
+                    *acc_ic = V::fma(factor, V::load(x_row.add(c * w)), *acc_ic);
                 }
             }
         }
-        for (o, acc_o) in acc.iter().enumerate() {
-            for (c, acc_oc) in acc_o.iter().enumerate() {
-                acc_oc.store(y.add(o * y_stride + c * w));
+        for (i, acc_i) in acc.iter().enumerate() {
+            for (c, acc_ic) in acc_i.iter().enumerate() {
+                acc_ic.store(y.add(i * a.y_stride + c * w));
             }
         }
     }
 }
 
-/// One output's columns [0, n), n < WIDTH.
+/// Output o's columns [d, n), n - d < WIDTH.
 ///
 /// # Safety
 /// As [`accumulate`], for these columns.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn accumulate_tail<V: Vector>(
-    y: *mut f32,
-    n: usize,
-    coef: *const f32,
-    gate: *const f32,
-    coef_stride: usize,
-    x: *const f32,
-    x_stride: usize,
-    terms: usize,
-) {
-    // SAFETY: forwarded; every access lies in y's and the x rows' first n floats.
+unsafe fn accumulate_tail<V: Vector>(a: &Accumulation, o: usize, d: usize) {
+    let n = a.n - d;
+    // SAFETY: forwarded; every access lies in y's and the x rows' columns [d, a.n).
     unsafe {
+        let y = a.y.add(o * a.y_stride + d);
         let mut acc = V::load_tail(y, n);
-        for t in 0..terms {
-            if *gate.add(t * coef_stride) == 0.0 {
+        for t in 0..a.terms {
+            let at = o * a.output_stride + t * a.coef_stride;
+            if *a.gate.add(at) == 0.0 {
                 continue;
             }
-            let factor = V::broadcast(*coef.add(t * coef_stride));
-            acc = V::fma(factor, V::load_tail(x.add(t * x_stride), n), acc);
+            let factor = V::broadcast(*a.coef.add(at));
+            acc = V::fma(factor, V::load_tail(a.x.add(t * a.x_stride + d), n), acc);
         }
         acc.store_tail(y, n);
     }
 }
 
-/// O outputs' columns [0, n): chunks of 16 / O vectors (WIDTH 16) or 8 / O (the others), then 8,
-/// 4, 2 and 1 vectors (those below the chunk), then each output's tail.
+/// Outputs [o, o + O), columns [0, n): chunks of 16 / O vectors (WIDTH 16) or 8 / O (the
+/// others), then 8, 4, 2 and 1 vectors (those below the chunk), then each output's tail.
 ///
 /// # Safety
 /// As [`accumulate`], for these outputs.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn accumulate_columns<V: Vector, const O: usize>(
-    y: *mut f32,
-    y_stride: usize,
-    n: usize,
-    coef: *const f32,
-    gate: *const f32,
-    coef_stride: usize,
-    output_stride: usize,
-    x: *const f32,
-    x_stride: usize,
-    terms: usize,
-) {
+unsafe fn accumulate_columns<V: Vector, const O: usize>(a: &Accumulation, o: usize) {
     let w = V::WIDTH;
     let chunk = if w >= 16 { 16 / O } else { 8 / O };
     let mut d = 0;
     // SAFETY: forwarded; d + the chunk's columns <= n.
     unsafe {
-        macro_rules! step {
-            ($vectors:literal) => {{
-                accumulate_chunk::<V, O, $vectors>(
-                    y.add(d),
-                    y_stride,
-                    coef,
-                    gate,
-                    coef_stride,
-                    output_stride,
-                    x.add(d),
-                    x_stride,
-                    terms,
-                );
-                d += $vectors * w;
-            }};
-        }
-        while d + chunk * w <= n {
+        while d + chunk * w <= a.n {
             match chunk {
-                16 => step!(16),
-                8 => step!(8),
-                _ => step!(4),
+                16 => accumulate_chunk::<V, O, 16>(a, o, d),
+                8 => accumulate_chunk::<V, O, 8>(a, o, d),
+                _ => accumulate_chunk::<V, O, 4>(a, o, d),
             }
+            d += chunk * w;
         }
-        if chunk > 8 && d + 8 * w <= n {
-            step!(8);
+        if chunk > 8 && d + 8 * w <= a.n {
+            accumulate_chunk::<V, O, 8>(a, o, d);
+            d += 8 * w;
         }
-        if chunk > 4 && d + 4 * w <= n {
-            step!(4);
+        if chunk > 4 && d + 4 * w <= a.n {
+            accumulate_chunk::<V, O, 4>(a, o, d);
+            d += 4 * w;
         }
-        if chunk > 2 && d + 2 * w <= n {
-            step!(2);
+        if chunk > 2 && d + 2 * w <= a.n {
+            accumulate_chunk::<V, O, 2>(a, o, d);
+            d += 2 * w;
         }
-        if chunk > 1 && d + w <= n {
-            step!(1);
+        if chunk > 1 && d + w <= a.n {
+            accumulate_chunk::<V, O, 1>(a, o, d);
+            d += w;
         }
-        if d < n {
-            for o in 0..O {
-                let at = o * output_stride;
-                let (coef, gate) = (coef.add(at), gate.add(at));
-                let y = y.add(o * y_stride + d);
-                accumulate_tail::<V>(y, n - d, coef, gate, coef_stride, x.add(d), x_stride, terms);
+        if d < a.n {
+            for i in 0..O {
+                accumulate_tail::<V>(a, o + i, d);
             }
         }
     }
 }
 
-/// See [`AccumulateFn`]: outputs in pairs (each x load serving two), then the last one alone.
+/// See [`Accumulation`]: outputs in pairs (each x load serving two), then the last one alone.
 ///
 /// # Safety
 /// The CPU supports V's instruction set; y holds outputs rows of y_stride (>= n) floats, coef
 /// and gate every index the terms and outputs reach, x terms rows of x_stride (>= n) floats.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn accumulate<V: Vector>(
-    y: *mut f32,
-    y_stride: usize,
-    outputs: usize,
-    n: usize,
-    coef: *const f32,
-    gate: *const f32,
-    coef_stride: usize,
-    output_stride: usize,
-    x: *const f32,
-    x_stride: usize,
-    terms: usize,
-) {
+pub unsafe fn accumulate<V: Vector>(a: &Accumulation) {
     let mut o = 0;
     // SAFETY: forwarded; o + the outputs of each call <= outputs.
     unsafe {
-        while o + 2 <= outputs {
-            let (y_o, at) = (y.add(o * y_stride), o * output_stride);
-            accumulate_columns::<V, 2>(
-                y_o,
-                y_stride,
-                n,
-                coef.add(at),
-                gate.add(at),
-                coef_stride,
-                output_stride,
-                x,
-                x_stride,
-                terms,
-            );
+        while o + 2 <= a.outputs {
+            accumulate_columns::<V, 2>(a, o);
             o += 2;
         }
-        if o < outputs {
-            let (y_o, at) = (y.add(o * y_stride), o * output_stride);
-            accumulate_columns::<V, 1>(
-                y_o,
-                y_stride,
-                n,
-                coef.add(at),
-                gate.add(at),
-                coef_stride,
-                output_stride,
-                x,
-                x_stride,
-                terms,
-            );
+        if o < a.outputs {
+            accumulate_columns::<V, 1>(a, o);
         }
     }
 }
 
-/// See [`RowGradientsFn`].
+/// See [`RowGradients`].
 ///
 /// # Safety
 /// The CPU supports V's instruction set; probs, grads and (when not null) capped hold n floats.
 #[inline(always)]
-pub unsafe fn row_gradients<V: Vector>(
-    probs: *mut f32,
-    grads: *mut f32,
-    capped: *const f32,
-    n: usize,
-    lse: f32,
-    delta: f32,
-    scale: f32,
-) {
+pub unsafe fn row_gradients<V: Vector>(g: &RowGradients) {
     // SAFETY: forwarded; j + WIDTH <= n.
     unsafe {
-        let (row_lse, row_delta, factor) =
-            (V::broadcast(lse), V::broadcast(delta), V::broadcast(scale));
+        let (row_lse, row_delta, factor) = (
+            V::broadcast(g.lse),
+            V::broadcast(g.delta),
+            V::broadcast(g.scale),
+        );
         let (one, zero) = (V::broadcast(1.0), V::zero());
-        for j in (0..n).step_by(V::WIDTH) {
-            let prob = V::exp2(V::sub(V::load(probs.add(j)), row_lse));
-            let mut ds = V::mul(prob, V::sub(V::load(grads.add(j)), row_delta));
-            if !capped.is_null() {
-                let t = V::load(capped.add(j));
+        for j in (0..g.n).step_by(V::WIDTH) {
+            let prob = V::exp2(V::sub(V::load(g.probs.add(j)), row_lse));
+            let mut ds = V::mul(prob, V::sub(V::load(g.grads.add(j)), row_delta));
+            if !g.capped.is_null() {
+                let t = V::load(g.capped.add(j));
                 ds = V::mul(ds, V::sub(one, V::mul(t, t)));
             }
-            prob.store(probs.add(j));
+            prob.store(g.probs.add(j));
             // 0 < P ? scale dS : P (0, or a NaN P's NaN)
-            V::select_less(zero, prob, V::mul(ds, factor), prob).store(grads.add(j));
+            V::select_less(zero, prob, V::mul(ds, factor), prob).store(g.grads.add(j));
         }
     }
 }

@@ -36,7 +36,7 @@
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::backward_kernel::BackwardKernels;
+use crate::backward_kernel::{Accumulation, BackwardKernels, PanelProduct, RowGradients};
 use crate::constants::{
     BACKWARD_KEY_BLOCK, KEY_BLOCK, KEY_PANEL, LOG2_E, Q_TILE_ROWS, SERIAL_WORK,
 };
@@ -383,31 +383,24 @@ unsafe fn tile_gradients(
     let (head_dim, value_dim) = (fp.head_dim, fp.value_dim);
     let n_padded = n.div_ceil(KEY_PANEL) * KEY_PANEL;
     // (a) S = (Q times the multiplier) K^T, in base 2; softcap: t = tanh(S) kept, S = t softcap log2 e.
-    // SAFETY: the tile's rows x D (Dv) floats of q_tile (dout_rows), D (Dv) panel rows of
-    // BACKWARD_KEY_BLOCK >= n_padded floats, rows score (grad) rows of KEY_BLOCK floats; the
-    // dispatcher hands out only kernels this CPU runs.
-    unsafe {
-        (plan.kernels.panel_product)(
-            s.q_tile.as_ptr(),
+    let product = |a: &[f32], depth: usize, panel: &[f32], out: &mut [f32]| {
+        let product = PanelProduct {
+            a: a.as_ptr(),
             rows,
-            head_dim,
-            s.key_panel.as_ptr(),
-            BACKWARD_KEY_BLOCK,
-            n_padded,
-            s.scores.as_mut_ptr(),
-            KEY_BLOCK,
-        );
-        (plan.kernels.panel_product)(
-            s.dout_rows.as_ptr(),
-            rows,
-            value_dim,
-            s.value_panel.as_ptr(),
-            BACKWARD_KEY_BLOCK,
-            n_padded,
-            s.grads.as_mut_ptr(),
-            KEY_BLOCK,
-        );
-    }
+            depth,
+            panel: panel.as_ptr(),
+            panel_stride: BACKWARD_KEY_BLOCK,
+            n: n_padded,
+            out: out.as_mut_ptr(),
+            out_stride: KEY_BLOCK,
+        };
+        // SAFETY: the tile's rows x depth floats of a, depth panel rows of BACKWARD_KEY_BLOCK >=
+        // n_padded floats, rows out rows of KEY_BLOCK floats; the dispatcher hands out only
+        // kernels this CPU runs.
+        unsafe { (plan.kernels.panel_product)(&product) };
+    };
+    product(&s.q_tile, head_dim, &s.key_panel, &mut s.scores);
+    product(&s.dout_rows, value_dim, &s.value_panel, &mut s.grads);
     for r in 0..rows {
         let row = &mut s.scores[r * KEY_BLOCK..(r + 1) * KEY_BLOCK];
         row[n..n_padded].fill(0.0);
@@ -461,19 +454,18 @@ unsafe fn tile_gradients(
             true => s.capped[row.start..].as_ptr(),
             false => std::ptr::null(),
         };
+        let gradients = RowGradients {
+            probs: s.scores[row.start..].as_mut_ptr(),
+            grads: s.grads[row.start..].as_mut_ptr(),
+            capped,
+            n: n_padded,
+            lse: s.row_lse[r],
+            delta: s.row_delta[r],
+            scale,
+        };
         // SAFETY: n_padded <= KEY_BLOCK floats of the row in scores, grads and capped; the
         // dispatcher hands out only kernels this CPU runs.
-        unsafe {
-            (plan.kernels.row_gradients)(
-                s.scores[row.start..].as_mut_ptr(),
-                s.grads[row.start..].as_mut_ptr(),
-                capped,
-                n_padded,
-                s.row_lse[r],
-                s.row_delta[r],
-                scale,
-            );
-        }
+        unsafe { (plan.kernels.row_gradients)(&gradients) };
     }
 }
 
@@ -528,33 +520,23 @@ unsafe fn key_block_gradients<T: Element>(
             load_tile::<T>(plan, &tile, rows, s);
             tile_gradients(plan, &tile, rows, key_block, visible, s);
             // Key j's rows: dV += P[., j]^T dO, dK += dS[., j]^T Q, over the tile's rows in order.
-            let probs = s.scores.as_ptr();
-            (plan.kernels.accumulate)(
-                s.value_grad.as_mut_ptr(),
-                value_dim,
-                visible,
-                value_dim,
-                probs,
-                probs,
-                KEY_BLOCK,
-                1,
-                s.dout_rows.as_ptr(),
-                value_dim,
-                rows,
-            );
-            (plan.kernels.accumulate)(
-                s.key_grad.as_mut_ptr(),
-                head_dim,
-                visible,
-                head_dim,
-                s.grads.as_ptr(),
-                probs,
-                KEY_BLOCK,
-                1,
-                s.q_rows.as_ptr(),
-                head_dim,
-                rows,
-            );
+            let key_rows = |y: &mut [f32], width: usize, coef: &[f32], x: &[f32]| Accumulation {
+                y: y.as_mut_ptr(),
+                y_stride: width,
+                outputs: visible,
+                n: width,
+                coef: coef.as_ptr(),
+                gate: s.scores.as_ptr(),
+                coef_stride: KEY_BLOCK,
+                output_stride: 1,
+                x: x.as_ptr(),
+                x_stride: width,
+                terms: rows,
+            };
+            let value_rows = key_rows(&mut s.value_grad, value_dim, &s.scores, &s.dout_rows);
+            (plan.kernels.accumulate)(&value_rows);
+            let key_rows = key_rows(&mut s.key_grad, head_dim, &s.grads, &s.q_rows);
+            (plan.kernels.accumulate)(&key_rows);
         }
         for j in 0..n {
             let key = key_block + j;
@@ -604,19 +586,20 @@ unsafe fn query_tile_gradients<T: Element>(
             load_keys::<T>(bp, tile.b, tile.kv_head, key_block, n, s);
             tile_gradients(plan, tile, rows, key_block, n, s);
             // Row r: dQ += dS[r, .] K, over the block's keys in order.
-            (plan.kernels.accumulate)(
-                s.query_grad.as_mut_ptr(),
-                head_dim,
-                rows,
-                head_dim,
-                s.grads.as_ptr(),
-                s.scores.as_ptr(),
-                1,
-                KEY_BLOCK,
-                s.keys.as_ptr(),
-                head_dim,
-                n,
-            );
+            let query_rows = Accumulation {
+                y: s.query_grad.as_mut_ptr(),
+                y_stride: head_dim,
+                outputs: rows,
+                n: head_dim,
+                coef: s.grads.as_ptr(),
+                gate: s.scores.as_ptr(),
+                coef_stride: 1,
+                output_stride: KEY_BLOCK,
+                x: s.keys.as_ptr(),
+                x_stride: head_dim,
+                terms: n,
+            };
+            (plan.kernels.accumulate)(&query_rows);
             key_block += BACKWARD_KEY_BLOCK;
         }
         for r in 0..rows {

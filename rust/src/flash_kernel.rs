@@ -1251,23 +1251,9 @@ macro_rules! make_kernels {
         /// # Safety
         /// The CPU supports this instruction set; otherwise as backward_kernel.rs's.
         $(#[target_feature(enable = $feature)])?
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe fn backward_panel_product(
-            a: *const f32,
-            rows: usize,
-            depth: usize,
-            panel: *const f32,
-            panel_stride: usize,
-            n: usize,
-            out: *mut f32,
-            out_stride: usize,
-        ) {
+        pub unsafe fn backward_panel_product(p: &$crate::backward_kernel::PanelProduct) {
             // SAFETY: forwarded, as in attend_rows.
-            unsafe {
-                $crate::backward_kernel::panel_product::<$vector>(
-                    a, rows, depth, panel, panel_stride, n, out, out_stride,
-                )
-            }
+            unsafe { $crate::backward_kernel::panel_product::<$vector>(p) }
         }
 
         /// backward_kernel.rs's accumulate.
@@ -1275,36 +1261,9 @@ macro_rules! make_kernels {
         /// # Safety
         /// The CPU supports this instruction set; otherwise as backward_kernel.rs's.
         $(#[target_feature(enable = $feature)])?
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe fn backward_accumulate(
-            y: *mut f32,
-            y_stride: usize,
-            outputs: usize,
-            n: usize,
-            coef: *const f32,
-            gate: *const f32,
-            coef_stride: usize,
-            output_stride: usize,
-            x: *const f32,
-            x_stride: usize,
-            terms: usize,
-        ) {
+        pub unsafe fn backward_accumulate(a: &$crate::backward_kernel::Accumulation) {
             // SAFETY: forwarded, as in attend_rows.
-            unsafe {
-                $crate::backward_kernel::accumulate::<$vector>(
-                    y,
-                    y_stride,
-                    outputs,
-                    n,
-                    coef,
-                    gate,
-                    coef_stride,
-                    output_stride,
-                    x,
-                    x_stride,
-                    terms,
-                )
-            }
+            unsafe { $crate::backward_kernel::accumulate::<$vector>(a) }
         }
 
         /// backward_kernel.rs's row_gradients.
@@ -1312,21 +1271,9 @@ macro_rules! make_kernels {
         /// # Safety
         /// The CPU supports this instruction set; otherwise as backward_kernel.rs's.
         $(#[target_feature(enable = $feature)])?
-        pub unsafe fn backward_row_gradients(
-            probs: *mut f32,
-            grads: *mut f32,
-            capped: *const f32,
-            n: usize,
-            lse: f32,
-            delta: f32,
-            scale: f32,
-        ) {
+        pub unsafe fn backward_row_gradients(g: &$crate::backward_kernel::RowGradients) {
             // SAFETY: forwarded, as in attend_rows.
-            unsafe {
-                $crate::backward_kernel::row_gradients::<$vector>(
-                    probs, grads, capped, n, lse, delta, scale,
-                )
-            }
+            unsafe { $crate::backward_kernel::row_gradients::<$vector>(g) }
         }
 
         /// The table of this instruction set.
