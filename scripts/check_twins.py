@@ -41,6 +41,7 @@ PAIRS: list[tuple[list[str], list[str]]] = [
      ["rust/src/flash_attention.rs"]),
     (["cpp/include/twinattn/flash_backward.hpp", "cpp/src/flash_backward.cpp"],
      ["rust/src/flash_backward.rs"]),
+    (["cpp/src/backward_kernel.hpp"], ["rust/src/backward_kernel.rs"]),
     (["cpp/src/measure_peak.hpp", "cpp/src/measure_peak.cpp"], ["rust/src/measure_peak.rs"]),
     (["cpp/src/dispatch.hpp", "cpp/src/dispatch.cpp"], ["rust/src/dispatch.rs"]),
     (["cpp/include/twinattn/reference_kernel.hpp", "cpp/src/reference_kernel.cpp"],
@@ -125,6 +126,11 @@ FORCED: dict[str, dict[str, str]] = {
         "with_scratch": "C++ thread_local function statics; Rust thread_local! with RefCell borrows",
         "with_thread_buffers": "C++ thread_local function statics; Rust thread_local! with RefCell borrows",
         "Shared": _SYNC, "get": _SYNC,
+    },
+    "cpp/src/backward_kernel.hpp": {
+        "Ops": _CLASS, "Reg": _CLASS, "W": _CLASS,
+        "ACCUMULATORS": "stable Rust cannot use a generic parameter's constant in a const generic: the chunk is chosen from WIDTH at run time",
+        "make_backward_kernels": "Rust's make_kernels macro fills the backward table inline (C++: a template function)",
     },
     "cpp/include/twinattn/flash_backward.hpp": {
         "NEG_INF": _STD, "ceil_div": _STD,

@@ -11,6 +11,7 @@ contract.
 from __future__ import annotations
 
 import importlib
+import platform
 from types import ModuleType
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import _require
+from helpers import forced_isa
 
 UNIT_ROUNDOFF = 2.0**-24  # float32
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -249,6 +251,32 @@ def test_several_tiles_and_key_blocks(ports: dict[str, ModuleType], num_threads:
         serial = _run(ports["rust"], inputs, out, lse, kw, 1)
         for name, grad in grads.items():
             assert np.array_equal(_bits(grad), _bits(serial[name])), name
+
+
+# the instruction sets a build for this machine's architecture may offer (the backward's inner
+# products are each one's own kernels)
+ISAS = ("scalar", "neon") if platform.machine().lower() in ("aarch64", "arm64") else (
+    "scalar", "avx2", "avx512", "avx512bf16")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(
+    ("case", "kw"),
+    [("causal", dict(causal=True, q_offset=np.array([60, 0], np.int64))),
+     ("everything", dict(causal=True, q_offset=np.array([70, 40], np.int64), kv_lens=np.array([130, 111], np.int64),
+                         window_left=90, softcap=6.0, alibi_slopes=np.full((2, 4), 0.02, np.float32),
+                         sinks=np.linspace(-1, 1, 4).astype(np.float32)))],
+    ids=["causal", "everything"])
+def test_every_isa_matches_float64_and_agrees_bitwise(ports: dict[str, ModuleType], isa: str, case: str,
+                                                      kw: dict[str, Any]) -> None:
+    """Both ports forced to each instruction set: the same bits, within the float64 bound.
+    Two sequences, GQA 4/2 over 71 positions (142 packed rows: query tiles of 48, the last one 46 rows, not a
+    whole micro-kernel strip) and 150 keys (key blocks of 64, the last one 22 keys); D = 136 and
+    Dv = 120 leave every chunk size and a tail of the kernels' vectors."""
+    inputs = _problem(9, 2, 4, 2, 71, 150, 136, 120)
+    kw = {"scale": 0.1, **kw}
+    with forced_isa("cpp", isa), forced_isa("rust", isa):
+        _check(ports, inputs, kw, num_threads=2)
 
 
 def test_keys_past_kv_lens_never_read(ports: dict[str, ModuleType]) -> None:

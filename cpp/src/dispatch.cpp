@@ -68,6 +68,7 @@ FlashKernels kernels_for(int isa) {
         // int8 K/V: the avx512 kernels too (the convert path; no dot product applies).
         for (int type = 0; type < kElementTypes; ++type) kernels.attend_rows_int8[type] = avx512.attend_rows_int8[type];
         kernels.pack_keys_int8 = avx512.pack_keys_int8;
+        kernels.backward = avx512.backward;
         return kernels;
     }
     if (isa == kAvx2) return flash_kernels_avx2();

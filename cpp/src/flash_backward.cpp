@@ -20,9 +20,12 @@
 // num_threads nor on the schedule. Chosen over per-thread dQ accumulators reduced afterwards:
 // P is computed twice (passes 2 and 3), but nothing is allocated per thread beyond the tiles,
 // and both passes compute each (row, key) by the same function (tile_gradients).
-// Portable code: the inner loops over D are plain float loops, or the scalar vector type's
-// operations (simd_scalar.hpp: dot products in kScalarWidth lanes folded in a fixed order, the
-// exp2 polynomial), the same on every instruction set and, operation for operation, in Rust.
+// The inner products (S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ += dS K) are the
+// instruction set's backward kernels (backward_kernel.hpp, through dispatch.cpp's table): one fma
+// chain per element in a fixed order, so the results depend on the instruction set as the
+// forward's do, and match Rust bit for bit on the same one. The rest (Drow, dsinks, P and dS per
+// element, the softcap's tanh) is portable code over the scalar vector type (simd_scalar.hpp),
+// the same on every instruction set and, operation for operation, in Rust.
 #include "twinattn/flash_backward.hpp"
 
 #include <algorithm>
@@ -30,6 +33,7 @@
 #include <limits>
 #include <vector>
 
+#include "dispatch.hpp"
 #include "flash_kernel.hpp"
 #include "simd_scalar.hpp"
 #include "thread_pool.hpp"
@@ -51,6 +55,7 @@ struct BackwardPlan {
     const BackwardProblem* problem;
     FlashPlan flash;          // the forward's plan: group, shapes, Q multiplier, variants' flags
     const float* row_delta;   // Drow of every query row, (B, Hq, Lq) contiguous
+    BackwardKernels kernels;  // the inner products, of the instruction set in use (backward_kernel.hpp)
 };
 
 // One thread's tiles (grown on demand, kept for the thread's life):
@@ -58,12 +63,13 @@ struct BackwardPlan {
 //   dout_rows (kQTileRows, Dv)        dO
 //   row_delta, row_lse (kQTileRows)   Drow and lse * log2(e) of the tile's rows
 //   row_key_begin, row_key_end        each row's visible key range
-//   keys (kBackwardKeyBlock, D), values (kBackwardKeyBlock, Dv): the block's K and V in float32
+//   keys (kBackwardKeyBlock, D)       the block's K in float32 (dQ)
+//   key_panel (D, kBackwardKeyBlock), value_panel (Dv, kBackwardKeyBlock): K^T and V^T (S, dP)
 //   scores, capped, grads (kQTileRows, kKeyBlock): S then P; tanh of the softcap; scale * dS
 //   key_grad, value_grad (kBackwardKeyBlock, D / Dv), query_grad (kQTileRows, D): float32 sums
 struct BackwardScratch {
-    std::vector<float> q_tile, q_rows, dout_rows, row_delta, row_lse, keys, values, scores, capped,
-        grads, key_grad, value_grad, query_grad;
+    std::vector<float> q_tile, q_rows, dout_rows, row_delta, row_lse, keys, key_panel, value_panel, scores,
+        capped, grads, key_grad, value_grad, query_grad;
     std::vector<int64_t> row_key_begin, row_key_end;
 
     void ensure(int64_t D, int64_t Dv) {
@@ -76,7 +82,8 @@ struct BackwardScratch {
         grow(row_delta, kQTileRows);
         grow(row_lse, kQTileRows);
         grow(keys, kBackwardKeyBlock * D);
-        grow(values, kBackwardKeyBlock * Dv);
+        grow(key_panel, D * kBackwardKeyBlock);
+        grow(value_panel, Dv * kBackwardKeyBlock);
         grow(scores, kQTileRows * kKeyBlock);
         grow(capped, kQTileRows * kKeyBlock);
         grow(grads, kQTileRows * kKeyBlock);
@@ -114,11 +121,6 @@ float dot(const float* a, const float* b, int64_t n) {
     for (; d + W <= n; d += W) acc = V::fma(V::load(a + d), V::load(b + d), acc);
     if (d < n) acc = V::fma(V::load_tail(a + d, n - d), V::load_tail(b + d, n - d), acc);
     return V::reduce_sum(acc);
-}
-
-// y += alpha x over n floats (a product, then a sum: -ffp-contract=off keeps them apart, as Rust).
-void axpy(float* y, float alpha, const float* x, int64_t n) {
-    for (int64_t d = 0; d < n; ++d) y[d] = alpha * x[d] + y[d];
 }
 
 // Row i of head h of sequence b of a (B, H, L, n) view, as T.
@@ -199,32 +201,52 @@ void load_tile(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, Bac
     }
 }
 
-// Keys [key_block, key_block + n) of (b, kv_head): K and V rows in float32.
+// Keys [key_block, key_block + n) of (b, kv_head) in float32: K rows, and the K^T and V^T
+// panels, their columns from n to n rounded up to kKeyPanel zero.
 template <typename T>
 void load_keys(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_block, int64_t n,
                BackwardScratch& s) {
     const int64_t D = p.k.shape[3], Dv = p.v.shape[3];
     for (int64_t j = 0; j < n; ++j) {
         const T* k = view_row<T>(p.k, b, kv_head, key_block + j);
-        for (int64_t d = 0; d < D; ++d) s.keys[j * D + d] = to_f32(k[d]);
+        for (int64_t d = 0; d < D; ++d) {
+            const float x = to_f32(k[d]);
+            s.keys[j * D + d] = x;
+            s.key_panel[d * kBackwardKeyBlock + j] = x;
+        }
         const T* v = view_row<T>(p.v, b, kv_head, key_block + j);
-        for (int64_t c = 0; c < Dv; ++c) s.values[j * Dv + c] = to_f32(v[c]);
+        for (int64_t c = 0; c < Dv; ++c) s.value_panel[c * kBackwardKeyBlock + j] = to_f32(v[c]);
     }
+    const int64_t n_padded = ceil_div(n, kKeyPanel) * kKeyPanel;
+    for (int64_t d = 0; d < D; ++d)
+        std::fill(s.key_panel.begin() + d * kBackwardKeyBlock + n, s.key_panel.begin() + d * kBackwardKeyBlock + n_padded,
+                  0.0f);
+    for (int64_t c = 0; c < Dv; ++c)
+        std::fill(s.value_panel.begin() + c * kBackwardKeyBlock + n,
+                  s.value_panel.begin() + c * kBackwardKeyBlock + n_padded, 0.0f);
 }
 
 // P and scale * dS of the tile's rows against the n loaded keys from key_block: s.scores (P) and
-// s.grads, rows of stride kKeyBlock (as the forward's mask_block reads them). A hidden key has
-// P = 0 and dS = 0, and its value is never read (no 0 * NaN from it); a row with no legal key
-// (lse = -inf) is all zeros.
+// s.grads, rows of stride kKeyBlock (as the forward's mask_block reads them), S and dP by the
+// kernels' panel products over n rounded up to kKeyPanel keys. A hidden key has P = 0 and
+// dS = 0, and its dP is never used (no 0 * NaN from it); a row with no legal key (lse = -inf)
+// is all zeros.
 void tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, int64_t key_block,
                     int64_t n, BackwardScratch& s) {
     const FlashPlan& fp = plan.flash;
     const int64_t D = fp.head_dim, Dv = fp.value_dim;
-    const int64_t n_padded = ceil_div(n, W) * W;
+    const int64_t n_padded = ceil_div(n, kKeyPanel) * kKeyPanel;
     // (a) S = (Q times the multiplier) K^T, in base 2; softcap: t = tanh(S) kept, S = t softcap log2 e.
+    // dP = dO V^T into s.grads.
+    const auto product = [&](const std::vector<float>& a, int64_t depth, const std::vector<float>& panel,
+                             std::vector<float>& out) {
+        plan.kernels.panel_product(
+            PanelProduct{a.data(), rows, depth, panel.data(), kBackwardKeyBlock, n_padded, out.data(), kKeyBlock});
+    };
+    product(s.q_tile, D, s.key_panel, s.scores);
+    product(s.dout_rows, Dv, s.value_panel, s.grads);
     for (int64_t r = 0; r < rows; ++r) {
         float* row = s.scores.data() + r * kKeyBlock;
-        for (int64_t j = 0; j < n; ++j) row[j] = dot(s.q_tile.data() + r * D, s.keys.data() + j * D, D);
         for (int64_t j = n; j < n_padded; ++j) row[j] = 0.0f;
         if (!fp.has_softcap) continue;
         float* capped = s.capped.data() + r * kKeyBlock;
@@ -240,27 +262,22 @@ void tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int64_t rows
     view.row_key_begin = s.row_key_begin.data();
     view.row_key_end = s.row_key_end.data();
     ScalarKernel::mask_block(fp, tile, view, rows, key_block, n);
-    // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale.
+    // The padding keys [n, n_padded): S = -inf, so P = 0 there too (row_gradients runs over them).
+    for (int64_t r = 0; r < rows; ++r)
+        std::fill(s.scores.begin() + r * kKeyBlock + n, s.scores.begin() + r * kKeyBlock + n_padded, kNegInf);
+    // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale (the
+    // kernels' row_gradients, over the n_padded keys).
     const float scale = plan.problem->forward.scale;
     for (int64_t r = 0; r < rows; ++r) {
         float* probs = s.scores.data() + r * kKeyBlock;
         float* grads = s.grads.data() + r * kKeyBlock;
-        const float lse = s.row_lse[r];
-        for (int64_t j = 0; j < n; ++j) {
-            const float prob = lse == kNegInf ? 0.0f : V::exp2_lane(probs[j] - lse);
-            probs[j] = prob;
-            if (prob == 0.0f) {
-                grads[j] = 0.0f;
-                continue;
-            }
-            const float dp = dot(s.dout_rows.data() + r * Dv, s.values.data() + j * Dv, Dv);
-            float ds = prob * (dp - s.row_delta[r]);
-            if (fp.has_softcap) {
-                const float t = s.capped[r * kKeyBlock + j];
-                ds = ds * (1.0f - t * t);
-            }
-            grads[j] = ds * scale;
+        if (s.row_lse[r] == kNegInf) {  // no legal key: P = 0 and dS = 0
+            std::fill(probs, probs + n_padded, 0.0f);
+            std::fill(grads, grads + n_padded, 0.0f);
+            continue;
         }
+        const float* capped = fp.has_softcap ? s.capped.data() + r * kKeyBlock : nullptr;
+        plan.kernels.row_gradients(RowGradients{probs, grads, capped, n_padded, s.row_lse[r], s.row_delta[r], scale});
     }
 }
 
@@ -289,13 +306,14 @@ void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, i
         const int64_t rows = row_end - row_begin;
         load_tile<T>(plan, tile, rows, s);
         tile_gradients(plan, tile, rows, key_block, visible, s);
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t j = 0; j < visible; ++j) {
-                const float prob = s.scores[r * kKeyBlock + j];
-                if (prob == 0.0f) continue;
-                axpy(s.value_grad.data() + j * Dv, prob, s.dout_rows.data() + r * Dv, Dv);
-                axpy(s.key_grad.data() + j * D, s.grads[r * kKeyBlock + j], s.q_rows.data() + r * D, D);
-            }
+        // Key j's rows: dV += P[., j]^T dO, dK += dS[., j]^T Q, over the tile's rows in order.
+        const auto key_rows = [&](std::vector<float>& y, int64_t width, const std::vector<float>& coef,
+                                  const std::vector<float>& x) {
+            return Accumulation{y.data(), width, visible, width, coef.data(), s.scores.data(), kKeyBlock, 1,
+                                x.data(), width, rows};
+        };
+        plan.kernels.accumulate(key_rows(s.value_grad, Dv, s.scores, s.dout_rows));
+        plan.kernels.accumulate(key_rows(s.key_grad, D, s.grads, s.q_rows));
     }
     for (int64_t j = 0; j < n; ++j) {
         store_row<T>(bp.dk, b, kv_head, key_block + j, s.key_grad.data() + j * D, D);
@@ -321,11 +339,9 @@ void query_tile_gradients(const BackwardPlan& plan, const WorkItem& tile, Backwa
         const int64_t n = std::min(kBackwardKeyBlock, last_key - key_block);
         load_keys<T>(p, tile.b, tile.kv_head, key_block, n, s);
         tile_gradients(plan, tile, rows, key_block, n, s);
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t j = 0; j < n; ++j) {
-                if (s.scores[r * kKeyBlock + j] == 0.0f) continue;
-                axpy(s.query_grad.data() + r * D, s.grads[r * kKeyBlock + j], s.keys.data() + j * D, D);
-            }
+        // Row r: dQ += dS[r, .] K, over the block's keys in order.
+        plan.kernels.accumulate(Accumulation{s.query_grad.data(), D, rows, D, s.grads.data(), s.scores.data(), 1,
+                                             kKeyBlock, s.keys.data(), D, n});
     }
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t packed = tile.row_begin + r;
@@ -337,6 +353,7 @@ void query_tile_gradients(const BackwardPlan& plan, const WorkItem& tile, Backwa
 template <typename T>
 void backward_passes(const BackwardProblem& bp, int num_threads) {
     const AttentionProblem& p = bp.forward;
+    const BackwardKernels kernels = current_kernels().backward;
     const int64_t B = p.q.shape[0], Hq = p.q.shape[1], Lq = p.q.shape[2];
     const int64_t Hkv = p.k.shape[1], Lk = p.k.shape[2];
 
@@ -350,7 +367,7 @@ void backward_passes(const BackwardProblem& bp, int num_threads) {
     if (bp.dsinks.data != nullptr) sink_gradients(bp, delta.data());
     if (Hkv == 0) return;  // then Hq = 0 too (check_problem): no gradient left to write
 
-    const BackwardPlan plan{&bp, flash_plan(p), delta.data()};
+    const BackwardPlan plan{&bp, flash_plan(p), delta.data(), kernels};
     // 2. dK, dV.
     const int64_t key_blocks = ceil_div(Lk, kBackwardKeyBlock);
     for_each_item(B * Hkv * key_blocks, num_threads, D, Dv, [&](int64_t index, BackwardScratch& s) {

@@ -26,6 +26,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "backward_kernel.hpp"
 #include "element.hpp"
 #include "twinattn/constants.hpp"
 #include "twinattn/problem.hpp"
@@ -123,6 +124,8 @@ struct FlashKernels {
     // int8 K/V, indexed by q's ElementType; the K^T panels hold float32(k) * k_scale whatever q is.
     AttendRowsFn attend_rows_int8[kElementTypes];
     PackKeysFn pack_keys_int8;
+    // The backward pass's inner products (backward_kernel.hpp).
+    BackwardKernels backward;
 };
 
 // Defined in flash_{scalar,avx2,avx512}.cpp (the last two only when built for x86-64), each
@@ -741,7 +744,8 @@ FlashKernels make_kernels() {
                         nullptr,
                         {Kernel<V, float, int8_t>::attend_rows, Kernel<V, Float16, int8_t>::attend_rows,
                          Kernel<V, BFloat16, int8_t>::attend_rows},
-                        Kernel<V, float, int8_t>::pack_keys};
+                        Kernel<V, float, int8_t>::pack_keys,
+                        backward::make_backward_kernels<V>()};
 }
 
 }  // namespace flash

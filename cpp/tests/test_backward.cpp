@@ -332,7 +332,11 @@ void test_bad_input() {
 }  // namespace
 
 int main() {
-    for (const Case& c : cases()) test_case(c);
+    // Every instruction set: the backward's inner products are each one's own kernels.
+    for (const std::string& isa : available_isas()) {
+        set_isa(isa);
+        for (const Case& c : cases()) test_case(c);
+    }
     test_bad_input();
     if (twinattn_test::failures != 0) std::fprintf(stderr, "%d check(s) failed\n", twinattn_test::failures);
     else std::printf("test_backward: all checks passed\n");

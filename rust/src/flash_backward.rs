@@ -26,14 +26,21 @@
 //! num_threads nor on the schedule. Chosen over per-thread dQ accumulators reduced afterwards: P
 //! is computed twice (passes 2 and 3), but nothing is allocated per thread beyond the tiles, and
 //! both passes compute each (row, key) by the same function (tile_gradients).
-//! Portable code: the inner loops over D are plain float loops, or the scalar vector type's
-//! operations (simd_scalar.rs: dot products in SCALAR_WIDTH lanes folded in a fixed order, the
-//! exp2 polynomial), the same on every instruction set and, operation for operation, in C++.
+//! The inner products (S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ += dS K) are the
+//! instruction set's backward kernels (backward_kernel.rs, through dispatch.rs's table): one fma
+//! chain per element in a fixed order, so the results depend on the instruction set as the
+//! forward's do, and match C++ bit for bit on the same one. The rest (Drow, dsinks, P and dS per
+//! element, the softcap's tanh) is portable code over the scalar vector type (simd_scalar.rs),
+//! the same on every instruction set and, operation for operation, in C++.
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::constants::{BACKWARD_KEY_BLOCK, KEY_BLOCK, LOG2_E, Q_TILE_ROWS, SERIAL_WORK};
+use crate::backward_kernel::{Accumulation, BackwardKernels, PanelProduct, RowGradients};
+use crate::constants::{
+    BACKWARD_KEY_BLOCK, KEY_BLOCK, KEY_PANEL, LOG2_E, Q_TILE_ROWS, SERIAL_WORK,
+};
+use crate::dispatch::current_kernels;
 use crate::element::{BFloat16, Element, Float16};
 use crate::flash_attention::{flash_plan, flash_row_key_range, with_thread_buffers, Shared};
 use crate::flash_kernel::{mask_block, tanh, FlashPlan, ThreadScratch, WorkItem};
@@ -55,6 +62,8 @@ struct BackwardPlan<'p, 'a> {
     flash: FlashPlan<'p, 'a>,
     /// Drow of every query row, (B, Hq, Lq) contiguous
     row_delta: *const f32,
+    /// the inner products, of the instruction set in use (backward_kernel.rs)
+    kernels: BackwardKernels,
 }
 
 // SAFETY: the plan is read-only while the items run; they write disjoint gradient rows. (Raw
@@ -68,7 +77,8 @@ unsafe impl Sync for BackwardPlan<'_, '_> {}
 /// dout_rows (Q_TILE_ROWS, Dv)        dO
 /// row_delta, row_lse (Q_TILE_ROWS)   Drow and lse * log2(e) of the tile's rows
 /// row_key_begin, row_key_end         each row's visible key range
-/// keys (BACKWARD_KEY_BLOCK, D), values (BACKWARD_KEY_BLOCK, Dv): the block's K and V in float32
+/// keys (BACKWARD_KEY_BLOCK, D)      the block's K in float32 (dQ)
+/// key_panel (D, BACKWARD_KEY_BLOCK), value_panel (Dv, BACKWARD_KEY_BLOCK): K^T and V^T (S, dP)
 /// scores, capped, grads (Q_TILE_ROWS, KEY_BLOCK): S then P; tanh of the softcap; scale * dS
 /// key_grad, value_grad (BACKWARD_KEY_BLOCK, D / Dv), query_grad (Q_TILE_ROWS, D): float32 sums
 /// ```
@@ -80,7 +90,8 @@ struct BackwardScratch {
     row_delta: Vec<f32>,
     row_lse: Vec<f32>,
     keys: Vec<f32>,
-    values: Vec<f32>,
+    key_panel: Vec<f32>,
+    value_panel: Vec<f32>,
     scores: Vec<f32>,
     capped: Vec<f32>,
     grads: Vec<f32>,
@@ -105,7 +116,8 @@ impl BackwardScratch {
         grow(&mut self.row_delta, Q_TILE_ROWS)?;
         grow(&mut self.row_lse, Q_TILE_ROWS)?;
         grow(&mut self.keys, BACKWARD_KEY_BLOCK * head_dim)?;
-        grow(&mut self.values, BACKWARD_KEY_BLOCK * value_dim)?;
+        grow(&mut self.key_panel, head_dim * BACKWARD_KEY_BLOCK)?;
+        grow(&mut self.value_panel, value_dim * BACKWARD_KEY_BLOCK)?;
         grow(&mut self.scores, Q_TILE_ROWS * KEY_BLOCK)?;
         grow(&mut self.capped, Q_TILE_ROWS * KEY_BLOCK)?;
         grow(&mut self.grads, Q_TILE_ROWS * KEY_BLOCK)?;
@@ -169,15 +181,6 @@ fn dot(a: &[f32], b: &[f32], n: usize) -> f32 {
             );
         }
         V::reduce_sum(acc)
-    }
-}
-
-/// y += alpha x over n floats (a product, then a sum: Rust never fuses them, as C++ with
-/// -ffp-contract=off).
-#[inline(always)]
-fn axpy(y: &mut [f32], alpha: f32, x: &[f32], n: usize) {
-    for (y_d, &x_d) in y[..n].iter_mut().zip(&x[..n]) {
-        *y_d += alpha * x_d;
     }
 }
 
@@ -321,7 +324,8 @@ unsafe fn load_tile<T: Element>(
     }
 }
 
-/// Keys [key_block, key_block + n) of (b, kv_head): K and V rows in float32.
+/// Keys [key_block, key_block + n) of (b, kv_head) in float32: K rows, and the K^T and V^T
+/// panels, their columns from n to n rounded up to KEY_PANEL zero.
 ///
 /// # Safety
 /// As [`row_deltas`]; the keys are inside k and v.
@@ -340,20 +344,30 @@ unsafe fn load_keys<T: Element>(
         unsafe {
             let k = view_row::<T>(p.k.data, &p.k.stride, b, kv_head, key_block + j);
             for d in 0..head_dim {
-                s.keys[j * head_dim + d] = (*k.add(d)).to_f32();
+                let x = (*k.add(d)).to_f32();
+                s.keys[j * head_dim + d] = x;
+                s.key_panel[d * BACKWARD_KEY_BLOCK + j] = x;
             }
             let v = view_row::<T>(p.v.data, &p.v.stride, b, kv_head, key_block + j);
             for c in 0..value_dim {
-                s.values[j * value_dim + c] = (*v.add(c)).to_f32();
+                s.value_panel[c * BACKWARD_KEY_BLOCK + j] = (*v.add(c)).to_f32();
             }
         }
+    }
+    let n_padded = n.div_ceil(KEY_PANEL) * KEY_PANEL;
+    for d in 0..head_dim {
+        s.key_panel[d * BACKWARD_KEY_BLOCK + n..d * BACKWARD_KEY_BLOCK + n_padded].fill(0.0);
+    }
+    for c in 0..value_dim {
+        s.value_panel[c * BACKWARD_KEY_BLOCK + n..c * BACKWARD_KEY_BLOCK + n_padded].fill(0.0);
     }
 }
 
 /// P and scale * dS of the tile's rows against the n loaded keys from key_block: s.scores (P)
-/// and s.grads, rows of stride KEY_BLOCK (as the forward's mask_block reads them). A hidden key
-/// has P = 0 and dS = 0, and its value is never read (no 0 * NaN from it); a row with no legal
-/// key (lse = -inf) is all zeros.
+/// and s.grads, rows of stride KEY_BLOCK (as the forward's mask_block reads them), S and dP by
+/// the kernels' panel products over n rounded up to KEY_PANEL keys. A hidden key has P = 0 and
+/// dS = 0, and its dP is never used (no 0 * NaN from it); a row with no legal key (lse = -inf)
+/// is all zeros.
 ///
 /// # Safety
 /// As [`load_tile`], after load_tile and load_keys of these rows and keys.
@@ -367,14 +381,28 @@ unsafe fn tile_gradients(
 ) {
     let fp = &plan.flash;
     let (head_dim, value_dim) = (fp.head_dim, fp.value_dim);
-    let n_padded = n.div_ceil(W) * W;
+    let n_padded = n.div_ceil(KEY_PANEL) * KEY_PANEL;
     // (a) S = (Q times the multiplier) K^T, in base 2; softcap: t = tanh(S) kept, S = t softcap log2 e.
+    let product = |a: &[f32], depth: usize, panel: &[f32], out: &mut [f32]| {
+        let product = PanelProduct {
+            a: a.as_ptr(),
+            rows,
+            depth,
+            panel: panel.as_ptr(),
+            panel_stride: BACKWARD_KEY_BLOCK,
+            n: n_padded,
+            out: out.as_mut_ptr(),
+            out_stride: KEY_BLOCK,
+        };
+        // SAFETY: the tile's rows x depth floats of a, depth panel rows of BACKWARD_KEY_BLOCK >=
+        // n_padded floats, rows out rows of KEY_BLOCK floats; the dispatcher hands out only
+        // kernels this CPU runs.
+        unsafe { (plan.kernels.panel_product)(&product) };
+    };
+    product(&s.q_tile, head_dim, &s.key_panel, &mut s.scores);
+    product(&s.dout_rows, value_dim, &s.value_panel, &mut s.grads);
     for r in 0..rows {
-        let q = &s.q_tile[r * head_dim..];
         let row = &mut s.scores[r * KEY_BLOCK..(r + 1) * KEY_BLOCK];
-        for (j, score) in row[..n].iter_mut().enumerate() {
-            *score = dot(q, &s.keys[j * head_dim..], head_dim);
-        }
         row[n..n_padded].fill(0.0);
         if !fp.has_softcap {
             continue;
@@ -409,34 +437,37 @@ unsafe fn tile_gradients(
     // SAFETY: forwarded; mask_block reads only scores (rows x n of stride KEY_BLOCK) and the
     // rows' key ranges of the view.
     unsafe { mask_block(fp, tile, &view, rows, key_block, n) };
-    // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale.
+    // The padding keys [n, n_padded): S = -inf, so P = 0 there too (row_gradients runs over them).
+    for r in 0..rows {
+        s.scores[r * KEY_BLOCK + n..r * KEY_BLOCK + n_padded].fill(f32::NEG_INFINITY);
+    }
+    // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale (the
+    // kernels' row_gradients, over the n_padded keys).
     let scale = plan.problem.forward.scale;
     for r in 0..rows {
-        let lse = s.row_lse[r];
-        for j in 0..n {
-            let at = r * KEY_BLOCK + j;
-            let prob = if lse == f32::NEG_INFINITY {
-                0.0
-            } else {
-                exp2_lane(s.scores[at] - lse)
-            };
-            s.scores[at] = prob;
-            if prob == 0.0 {
-                s.grads[at] = 0.0;
-                continue;
-            }
-            let dp = dot(
-                &s.dout_rows[r * value_dim..],
-                &s.values[j * value_dim..],
-                value_dim,
-            );
-            let mut ds = prob * (dp - s.row_delta[r]);
-            if fp.has_softcap {
-                let t = s.capped[at];
-                ds *= 1.0 - t * t;
-            }
-            s.grads[at] = ds * scale;
+        let row = r * KEY_BLOCK..r * KEY_BLOCK + n_padded;
+        if s.row_lse[r] == f32::NEG_INFINITY {
+            // no legal key: P = 0 and dS = 0
+            s.scores[row.clone()].fill(0.0);
+            s.grads[row].fill(0.0);
+            continue;
         }
+        let capped = match fp.has_softcap {
+            true => s.capped[row.start..].as_ptr(),
+            false => std::ptr::null(),
+        };
+        let gradients = RowGradients {
+            probs: s.scores[row.start..].as_mut_ptr(),
+            grads: s.grads[row.start..].as_mut_ptr(),
+            capped,
+            n: n_padded,
+            lse: s.row_lse[r],
+            delta: s.row_delta[r],
+            scale,
+        };
+        // SAFETY: n_padded <= KEY_BLOCK floats of the row in scores, grads and capped; the
+        // dispatcher hands out only kernels this CPU runs.
+        unsafe { (plan.kernels.row_gradients)(&gradients) };
     }
 }
 
@@ -490,26 +521,24 @@ unsafe fn key_block_gradients<T: Element>(
             let rows = row_end - tile_begin;
             load_tile::<T>(plan, &tile, rows, s);
             tile_gradients(plan, &tile, rows, key_block, visible, s);
-            for r in 0..rows {
-                for j in 0..visible {
-                    let prob = s.scores[r * KEY_BLOCK + j];
-                    if prob == 0.0 {
-                        continue;
-                    }
-                    axpy(
-                        &mut s.value_grad[j * value_dim..],
-                        prob,
-                        &s.dout_rows[r * value_dim..],
-                        value_dim,
-                    );
-                    axpy(
-                        &mut s.key_grad[j * head_dim..],
-                        s.grads[r * KEY_BLOCK + j],
-                        &s.q_rows[r * head_dim..],
-                        head_dim,
-                    );
-                }
-            }
+            // Key j's rows: dV += P[., j]^T dO, dK += dS[., j]^T Q, over the tile's rows in order.
+            let key_rows = |y: &mut [f32], width: usize, coef: &[f32], x: &[f32]| Accumulation {
+                y: y.as_mut_ptr(),
+                y_stride: width,
+                outputs: visible,
+                n: width,
+                coef: coef.as_ptr(),
+                gate: s.scores.as_ptr(),
+                coef_stride: KEY_BLOCK,
+                output_stride: 1,
+                x: x.as_ptr(),
+                x_stride: width,
+                terms: rows,
+            };
+            let value_rows = key_rows(&mut s.value_grad, value_dim, &s.scores, &s.dout_rows);
+            (plan.kernels.accumulate)(&value_rows);
+            let key_rows = key_rows(&mut s.key_grad, head_dim, &s.grads, &s.q_rows);
+            (plan.kernels.accumulate)(&key_rows);
         }
         for j in 0..n {
             let key = key_block + j;
@@ -558,19 +587,21 @@ unsafe fn query_tile_gradients<T: Element>(
             let n = BACKWARD_KEY_BLOCK.min(last_key - key_block);
             load_keys::<T>(bp, tile.b, tile.kv_head, key_block, n, s);
             tile_gradients(plan, tile, rows, key_block, n, s);
-            for r in 0..rows {
-                for j in 0..n {
-                    if s.scores[r * KEY_BLOCK + j] == 0.0 {
-                        continue;
-                    }
-                    axpy(
-                        &mut s.query_grad[r * head_dim..],
-                        s.grads[r * KEY_BLOCK + j],
-                        &s.keys[j * head_dim..],
-                        head_dim,
-                    );
-                }
-            }
+            // Row r: dQ += dS[r, .] K, over the block's keys in order.
+            let query_rows = Accumulation {
+                y: s.query_grad.as_mut_ptr(),
+                y_stride: head_dim,
+                outputs: rows,
+                n: head_dim,
+                coef: s.grads.as_ptr(),
+                gate: s.scores.as_ptr(),
+                coef_stride: 1,
+                output_stride: KEY_BLOCK,
+                x: s.keys.as_ptr(),
+                x_stride: head_dim,
+                terms: n,
+            };
+            (plan.kernels.accumulate)(&query_rows);
             key_block += BACKWARD_KEY_BLOCK;
         }
         for r in 0..rows {
@@ -591,6 +622,7 @@ unsafe fn backward_passes<T: Element>(
     threads: usize,
 ) -> Result<(), ProblemError> {
     let p = &bp.forward;
+    let kernels = current_kernels().map_err(ProblemError)?.backward;
     let [batch, q_heads, q_len, head_dim] = p.q.shape.map(|n| n as usize);
     let (kv_heads, k_len, value_dim) = (
         p.k.shape[1] as usize,
@@ -626,6 +658,7 @@ unsafe fn backward_passes<T: Element>(
         problem: bp,
         flash: flash_plan(p),
         row_delta: delta.as_ptr(),
+        kernels,
     };
     // 2. dK, dV.
     let key_blocks = k_len.div_ceil(BACKWARD_KEY_BLOCK);
@@ -671,8 +704,10 @@ unsafe fn backward_passes<T: Element>(
 /// Writes dq, dk and dv (every element: 0 for keys past kv_lens, keys no row sees and rows that
 /// see no key) and dsinks when requested, after [`check_backward`] and [`check_num_threads`]. A
 /// buffer that cannot be allocated gives [`ProblemError::out_of_memory`] (the gradients are then
-/// unspecified). Portable float32 code, the same on every instruction set; the results do not
-/// depend on num_threads (each gradient element is summed by one thread in a fixed order).
+/// unspecified); an error naming the instruction sets when TWINATTN_ISA names one this CPU
+/// cannot run (as attention_forward). float32 arithmetic on the instruction set in use (dispatch.rs);
+/// the results do not depend on num_threads (each gradient element is summed by one thread in a
+/// fixed order).
 ///
 /// # Safety
 /// As [`crate::flash_attention::attention_forward`]: every view describes memory valid for its

@@ -155,6 +155,8 @@ pub struct FlashKernels {
     /// int8 K/V, indexed by q's dtype; the K^T panels hold float32(k) * k_scale whatever q is.
     pub attend_rows_int8: [AttendRowsFn; ELEMENT_TYPES],
     pub pack_keys_int8: PackKeysFn,
+    /// The backward pass's inner products (backward_kernel.rs).
+    pub backward: crate::backward_kernel::BackwardKernels,
 }
 
 pub(crate) fn round_up(n: usize, m: usize) -> usize {
@@ -1236,6 +1238,36 @@ macro_rules! make_kernels {
             unsafe { $crate::flash_kernel::tanh_values::<$vector>(values) }
         }
 
+        /// backward_kernel.rs's panel_product.
+        ///
+        /// # Safety
+        /// The CPU supports this instruction set; otherwise as backward_kernel.rs's.
+        $(#[target_feature(enable = $feature)])?
+        pub unsafe fn backward_panel_product(p: &$crate::backward_kernel::PanelProduct) {
+            // SAFETY: forwarded, as in attend_rows.
+            unsafe { $crate::backward_kernel::panel_product::<$vector>(p) }
+        }
+
+        /// backward_kernel.rs's accumulate.
+        ///
+        /// # Safety
+        /// The CPU supports this instruction set; otherwise as backward_kernel.rs's.
+        $(#[target_feature(enable = $feature)])?
+        pub unsafe fn backward_accumulate(a: &$crate::backward_kernel::Accumulation) {
+            // SAFETY: forwarded, as in attend_rows.
+            unsafe { $crate::backward_kernel::accumulate::<$vector>(a) }
+        }
+
+        /// backward_kernel.rs's row_gradients.
+        ///
+        /// # Safety
+        /// The CPU supports this instruction set; otherwise as backward_kernel.rs's.
+        $(#[target_feature(enable = $feature)])?
+        pub unsafe fn backward_row_gradients(g: &$crate::backward_kernel::RowGradients) {
+            // SAFETY: forwarded, as in attend_rows.
+            unsafe { $crate::backward_kernel::row_gradients::<$vector>(g) }
+        }
+
         /// The table of this instruction set.
         pub const fn $table() -> FlashKernels {
             FlashKernels {
@@ -1259,6 +1291,11 @@ macro_rules! make_kernels {
                     attend_rows::<BFloat16, i8>,
                 ],
                 pack_keys_int8: pack_keys::<i8>,
+                backward: $crate::backward_kernel::BackwardKernels {
+                    panel_product: backward_panel_product,
+                    accumulate: backward_accumulate,
+                    row_gradients: backward_row_gradients,
+                },
             }
         }
     };

@@ -10,6 +10,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod backward_kernel;
 pub mod constants;
 pub mod dispatch;
 pub mod element;

@@ -16,6 +16,7 @@ extern crate _rust as twinattn;
 mod common;
 
 use common::Rng;
+use twinattn::dispatch::{available_isas, set_isa};
 use twinattn::flash_attention::attention_forward;
 use twinattn::flash_backward::attention_backward;
 use twinattn::problem::{
@@ -445,8 +446,12 @@ fn small_problems_match_float64() {
         c.sinks = true;
         c.threads = 3;
     });
-    for c in &cases {
-        run_case(c);
+    // Every instruction set: the backward's inner products are each one's own kernels.
+    for isa in available_isas() {
+        set_isa(isa).unwrap();
+        for c in &cases {
+            run_case(c);
+        }
     }
 }
 

@@ -9,9 +9,10 @@ namespace twinattn {
 // Writes dq, dk and dv (every element: 0 for keys past kv_lens, keys no row sees and rows that
 // see no key) and dsinks when requested, for the whole problem. Calls check_backward first and
 // throws std::invalid_argument on a bad problem or num_threads < 1; std::bad_alloc when its
-// buffers cannot be allocated. Portable float32 code, the same on every instruction set; the
-// results do not depend on num_threads (each gradient element is summed by one thread in a fixed
-// order). Safe to call concurrently from several threads.
+// buffers cannot be allocated; std::invalid_argument naming the instruction sets when TWINATTN_ISA
+// names one this CPU cannot run (as attention_forward). float32 arithmetic on the instruction set
+// in use (dispatch.hpp); the results do not depend on num_threads (each gradient element is summed
+// by one thread in a fixed order). Safe to call concurrently from several threads.
 void attention_backward(const BackwardProblem& problem, int num_threads);
 
 }  // namespace twinattn

@@ -1,0 +1,233 @@
+// The inner products of the backward pass (flash_backward.cpp), written once over a vector type
+// V (simd_*.hpp) and compiled once per instruction set by flash_{scalar,avx2,avx512,neon}.cpp
+// through flash::make_kernels (the ODR note of flash_kernel.hpp applies: templates over V only,
+// no standard container). Twin of rust/src/backward_kernel.rs.
+//
+// Both are outer-product forms (a broadcast times a vector of the other operand, accumulated
+// in registers), so no element needs a horizontal sum, and every element's sum is one V::fma
+// chain in a fixed order whatever the vector width:
+//   panel_product: S = Q K^T and dP = dO V^T against a transposed key block (panel[d][key]);
+//   accumulate:    dV += P^T dO, dK += dS^T Q (one key's row over the tile's rows) and
+//                  dQ += dS K (one query row over the block's keys);
+// and row_gradients, P and dS of one row, lane by lane.
+#pragma once
+
+#include <cstdint>
+
+namespace twinattn {
+
+// One panel product: out[r * out_stride + j] for r < rows, j < n (n a multiple of the vector
+// width) = sum over d < depth, ascending, of a[r * depth + d] * panel[d * panel_stride + j]: one
+// V::fma chain from 0 per element.
+struct PanelProduct {
+    const float* a;
+    int64_t rows, depth;
+    const float* panel;
+    int64_t panel_stride, n;
+    float* out;
+    int64_t out_stride;
+};
+
+// One accumulation: for every output o < outputs, y[o * y_stride + (0, n)] += c * x[t * x_stride
+// + (0, n)] for t < terms, ascending, c = coef[o * output_stride + t * coef_stride], skipping every
+// term whose gate (same index) is 0 (a hidden key: its x is never read): one V::fma chain per
+// element, starting from y.
+struct Accumulation {
+    float* y;
+    int64_t y_stride, outputs, n;
+    const float* coef;
+    const float* gate;
+    int64_t coef_stride, output_stride;
+    const float* x;
+    int64_t x_stride, terms;
+};
+
+// P and scale dS of one row's n keys (n a multiple of the vector width), in place: probs holds S
+// (base 2) and becomes P = V::exp2(S - lse); grads holds dP and becomes P (dP - delta), times
+// 1 - t^2 (t = capped[j]) when capped is not null, times scale; 0 where P is 0 (a hidden key: its
+// dP is never used).
+struct RowGradients {
+    float* probs;
+    float* grads;
+    const float* capped;
+    int64_t n;
+    float lse, delta, scale;
+};
+
+using PanelProductFn = void (*)(const PanelProduct&);
+using AccumulateFn = void (*)(const Accumulation&);
+using RowGradientsFn = void (*)(const RowGradients&);
+
+struct BackwardKernels {
+    PanelProductFn panel_product;
+    AccumulateFn accumulate;
+    RowGradientsFn row_gradients;
+};
+
+namespace backward {
+
+template <class V>
+struct Ops {
+    using Reg = typename V::Reg;
+    static constexpr int64_t W = V::kWidth;
+    // Rows of a panel_product strip, 4 x 4 vectors, and accumulators of an accumulate chunk: 16
+    // vectors with 32 registers (AVX-512), 8 with 16 (AVX2; NEON and the scalar type alike).
+    static constexpr int kStripRows = 4;
+    static constexpr int kStripVectors = 4;
+    static constexpr int kAccumulators = W >= 16 ? 16 : 8;
+
+    // R rows x NV vectors: rows [r, r + R), the columns from j.
+    template <int R, int NV>
+    static void product_strip(const PanelProduct& p, int64_t r, int64_t j) {
+        const float* a = p.a + r * p.depth;
+        Reg acc[R][NV];
+        for (int i = 0; i < R; ++i)
+            for (int c = 0; c < NV; ++c) acc[i][c] = V::zero();
+        for (int64_t d = 0; d < p.depth; ++d) {
+            Reg column[NV];
+            for (int c = 0; c < NV; ++c) column[c] = V::load(p.panel + d * p.panel_stride + j + c * W);
+            for (int i = 0; i < R; ++i) {
+                const Reg x = V::broadcast(a[i * p.depth + d]);
+                for (int c = 0; c < NV; ++c) acc[i][c] = V::fma(x, column[c], acc[i][c]);
+            }
+        }
+        for (int i = 0; i < R; ++i)
+            for (int c = 0; c < NV; ++c) V::store(p.out + (r + i) * p.out_stride + j + c * W, acc[i][c]);
+    }
+
+    // Rows [r, r + R), all n columns: strips of kStripVectors vectors, then the remaining ones.
+    template <int R>
+    static void product_rows(const PanelProduct& p, int64_t r) {
+        int64_t j = 0;
+        for (; j + kStripVectors * W <= p.n; j += kStripVectors * W) product_strip<R, kStripVectors>(p, r, j);
+        switch ((p.n - j) / W) {
+            case 3: product_strip<R, 3>(p, r, j); break;
+            case 2: product_strip<R, 2>(p, r, j); break;
+            case 1: product_strip<R, 1>(p, r, j); break;
+            default: break;
+        }
+    }
+
+    static void panel_product(const PanelProduct& p) {
+        int64_t r = 0;
+        for (; r + kStripRows <= p.rows; r += kStripRows) product_rows<kStripRows>(p, r);
+        for (; r < p.rows; ++r) product_rows<1>(p, r);
+    }
+
+    // Outputs [o, o + O) (O = 1 or 2, sharing each x load), NV vectors of columns from d each:
+    // acc = y, then for every term whose gate of that output is nonzero, acc = V::fma(coef, x_t, acc).
+    template <int O, int NV>
+    static void accumulate_chunk(const Accumulation& a, int64_t o, int64_t d) {
+        float* y = a.y + o * a.y_stride + d;
+        const auto at = [&](int64_t t, int i) { return (o + i) * a.output_stride + t * a.coef_stride; };
+        Reg acc[O][NV];
+        for (int i = 0; i < O; ++i)
+            for (int c = 0; c < NV; ++c) acc[i][c] = V::load(y + i * a.y_stride + c * W);
+        for (int64_t t = 0; t < a.terms; ++t) {
+            bool live[O];
+            bool all = true, any = false;
+            for (int i = 0; i < O; ++i) {
+                live[i] = a.gate[at(t, i)] != 0.0f;
+                all = all && live[i];
+                any = any || live[i];
+            }
+            if (!any) continue;
+            const float* x_row = a.x + t * a.x_stride + d;
+            if (all) {
+                Reg factor[O];
+                for (int i = 0; i < O; ++i) factor[i] = V::broadcast(a.coef[at(t, i)]);
+                for (int c = 0; c < NV; ++c) {
+                    const Reg column = V::load(x_row + c * W);
+                    for (int i = 0; i < O; ++i) acc[i][c] = V::fma(factor[i], column, acc[i][c]);
+                }
+                continue;
+            }
+            for (int i = 0; i < O; ++i) {
+                if (!live[i]) continue;
+                const Reg factor = V::broadcast(a.coef[at(t, i)]);
+                for (int c = 0; c < NV; ++c) acc[i][c] = V::fma(factor, V::load(x_row + c * W), acc[i][c]);
+            }
+        }
+        for (int i = 0; i < O; ++i)
+            for (int c = 0; c < NV; ++c) V::store(y + i * a.y_stride + c * W, acc[i][c]);
+    }
+
+    // Output o's columns [d, n), n - d < W.
+    static void accumulate_tail(const Accumulation& a, int64_t o, int64_t d) {
+        const int64_t n = a.n - d;
+        float* y = a.y + o * a.y_stride + d;
+        Reg acc = V::load_tail(y, n);
+        for (int64_t t = 0; t < a.terms; ++t) {
+            const int64_t at = o * a.output_stride + t * a.coef_stride;
+            if (a.gate[at] == 0.0f) continue;
+            acc = V::fma(V::broadcast(a.coef[at]), V::load_tail(a.x + t * a.x_stride + d, n), acc);
+        }
+        V::store_tail(y, acc, n);
+    }
+
+    // Outputs [o, o + O), columns [0, n): chunks of kAccumulators / O vectors, then 8, 4, 2 and 1
+    // vectors (those below the chunk), then each output's tail.
+    template <int O>
+    static void accumulate_columns(const Accumulation& a, int64_t o) {
+        constexpr int kChunk = kAccumulators / O;
+        int64_t d = 0;
+        for (; d + kChunk * W <= a.n; d += kChunk * W) accumulate_chunk<O, kChunk>(a, o, d);
+        if constexpr (kChunk > 8) {
+            if (d + 8 * W <= a.n) {
+                accumulate_chunk<O, 8>(a, o, d);
+                d += 8 * W;
+            }
+        }
+        if constexpr (kChunk > 4) {
+            if (d + 4 * W <= a.n) {
+                accumulate_chunk<O, 4>(a, o, d);
+                d += 4 * W;
+            }
+        }
+        if constexpr (kChunk > 2) {
+            if (d + 2 * W <= a.n) {
+                accumulate_chunk<O, 2>(a, o, d);
+                d += 2 * W;
+            }
+        }
+        if constexpr (kChunk > 1) {
+            if (d + W <= a.n) {
+                accumulate_chunk<O, 1>(a, o, d);
+                d += W;
+            }
+        }
+        if (d < a.n)
+            for (int i = 0; i < O; ++i) accumulate_tail(a, o + i, d);
+    }
+
+    // Outputs in pairs (each x load serving two), then the last one alone.
+    static void accumulate(const Accumulation& a) {
+        int64_t o = 0;
+        for (; o + 2 <= a.outputs; o += 2) accumulate_columns<2>(a, o);
+        if (o < a.outputs) accumulate_columns<1>(a, o);
+    }
+
+    static void row_gradients(const RowGradients& g) {
+        const Reg row_lse = V::broadcast(g.lse), row_delta = V::broadcast(g.delta), factor = V::broadcast(g.scale);
+        const Reg one = V::broadcast(1.0f), zero = V::zero();
+        for (int64_t j = 0; j < g.n; j += W) {
+            const Reg prob = V::exp2(V::sub(V::load(g.probs + j), row_lse));
+            Reg ds = V::mul(prob, V::sub(V::load(g.grads + j), row_delta));
+            if (g.capped != nullptr) {
+                const Reg t = V::load(g.capped + j);
+                ds = V::mul(ds, V::sub(one, V::mul(t, t)));
+            }
+            V::store(g.probs + j, prob);
+            // 0 < P ? scale dS : P (0, or a NaN P's NaN)
+            V::store(g.grads + j, V::select_less(zero, prob, V::mul(ds, factor), prob));
+        }
+    }
+};
+
+template <class V>
+BackwardKernels make_backward_kernels() {
+    return BackwardKernels{Ops<V>::panel_product, Ops<V>::accumulate, Ops<V>::row_gradients};
+}
+
+}  // namespace backward
+}  // namespace twinattn

@@ -1,0 +1,334 @@
+//! The inner products of the backward pass (flash_backward.rs), written once over a vector type
+//! V (simd_*.rs) and compiled once per instruction set by the `#[target_feature]` entry
+//! functions of [`crate::flash_kernel::make_kernels`]. Twin of `cpp/src/backward_kernel.hpp`.
+//!
+//! Both are outer-product forms (a broadcast times a vector of the other operand, accumulated in
+//! registers), so no element needs a horizontal sum, and every element's sum is one V::fma chain
+//! in a fixed order whatever the vector width:
+//!
+//! - [`panel_product`]: S = Q K^T and dP = dO V^T against a transposed key block (panel[d][key]);
+//! - [`accumulate`]: dV += P^T dO, dK += dS^T Q (one key's row over the tile's rows) and
+//!   dQ += dS K (one query row over the block's keys);
+//!
+//! and [`row_gradients`], P and dS of one row, lane by lane.
+
+use crate::simd::Vector;
+
+/// One panel product: out[r * out_stride + j] for r < rows, j < n (n a multiple of the vector
+/// width) = sum over d < depth, ascending, of a[r * depth + d] * panel[d * panel_stride + j]: one
+/// V::fma chain from 0 per element.
+pub struct PanelProduct {
+    pub a: *const f32,
+    pub rows: usize,
+    pub depth: usize,
+    pub panel: *const f32,
+    pub panel_stride: usize,
+    pub n: usize,
+    pub out: *mut f32,
+    pub out_stride: usize,
+}
+
+/// One accumulation: for every output o < outputs, y[o * y_stride + (0, n)] += c * x[t *
+/// x_stride + (0, n)] for t < terms, ascending, c = coef[o * output_stride + t * coef_stride],
+/// skipping every term whose gate (same index) is 0 (a hidden key: its x is never read): one
+/// V::fma chain per element, starting from y.
+pub struct Accumulation {
+    pub y: *mut f32,
+    pub y_stride: usize,
+    pub outputs: usize,
+    pub n: usize,
+    pub coef: *const f32,
+    pub gate: *const f32,
+    pub coef_stride: usize,
+    pub output_stride: usize,
+    pub x: *const f32,
+    pub x_stride: usize,
+    pub terms: usize,
+}
+
+/// P and scale dS of one row's n keys (n a multiple of the vector width), in place: probs holds
+/// S (base 2) and becomes P = V::exp2(S - lse); grads holds dP and becomes P (dP - delta), times
+/// 1 - t^2 (t = capped[j]) when capped is not null, times scale; 0 where P is 0 (a hidden key: its
+/// dP is never used).
+pub struct RowGradients {
+    pub probs: *mut f32,
+    pub grads: *mut f32,
+    pub capped: *const f32,
+    pub n: usize,
+    pub lse: f32,
+    pub delta: f32,
+    pub scale: f32,
+}
+
+pub type PanelProductFn = unsafe fn(&PanelProduct);
+pub type AccumulateFn = unsafe fn(&Accumulation);
+pub type RowGradientsFn = unsafe fn(&RowGradients);
+
+/// The backward kernels of one instruction set.
+#[derive(Clone, Copy)]
+pub struct BackwardKernels {
+    pub panel_product: PanelProductFn,
+    pub accumulate: AccumulateFn,
+    pub row_gradients: RowGradientsFn,
+}
+
+/// Rows of a panel_product strip, 4 x 4 vectors; the accumulators of an accumulate chunk are 16
+/// vectors with 32 registers (AVX-512), 8 with 16 (AVX2; NEON and the scalar type alike).
+const STRIP_ROWS: usize = 4;
+const STRIP_VECTORS: usize = 4;
+
+/// R rows x NV vectors of the columns from j of rows [r, r + R) of the product.
+///
+/// # Safety
+/// As [`panel_product`], for these rows and columns.
+#[inline(always)]
+unsafe fn product_strip<V: Vector, const R: usize, const NV: usize>(
+    p: &PanelProduct,
+    r: usize,
+    j: usize,
+) {
+    let w = V::WIDTH;
+    // SAFETY: forwarded; every access lies in rows [r, r + R) and columns [j, j + NV w).
+    unsafe {
+        let a = p.a.add(r * p.depth);
+        let mut acc = [[V::zero(); NV]; R];
+        for d in 0..p.depth {
+            let mut column = [V::zero(); NV];
+            for (c, vector) in column.iter_mut().enumerate() {
+                *vector = V::load(p.panel.add(d * p.panel_stride + j + c * w));
+            }
+            for (i, acc_row) in acc.iter_mut().enumerate() {
+                let x = V::broadcast(*a.add(i * p.depth + d));
+                for (acc_ic, &column_c) in acc_row.iter_mut().zip(&column) {
+                    *acc_ic = V::fma(x, column_c, *acc_ic);
+                }
+            }
+        }
+        for (i, acc_row) in acc.iter().enumerate() {
+            for (c, acc_ic) in acc_row.iter().enumerate() {
+                acc_ic.store(p.out.add((r + i) * p.out_stride + j + c * w));
+            }
+        }
+    }
+}
+
+/// Rows [r, r + R), all n columns: strips of STRIP_VECTORS vectors, then the remaining ones.
+///
+/// # Safety
+/// As [`panel_product`], for these rows.
+#[inline(always)]
+unsafe fn product_rows<V: Vector, const R: usize>(p: &PanelProduct, r: usize) {
+    let w = V::WIDTH;
+    let mut j = 0;
+    // SAFETY: forwarded; j + the strip's columns <= n.
+    unsafe {
+        while j + STRIP_VECTORS * w <= p.n {
+            product_strip::<V, R, STRIP_VECTORS>(p, r, j);
+            j += STRIP_VECTORS * w;
+        }
+        match (p.n - j) / w {
+            3 => product_strip::<V, R, 3>(p, r, j),
+            2 => product_strip::<V, R, 2>(p, r, j),
+            1 => product_strip::<V, R, 1>(p, r, j),
+            _ => {}
+        }
+    }
+}
+
+/// See [`PanelProduct`].
+///
+/// # Safety
+/// The CPU supports V's instruction set; a holds rows x depth floats, panel depth rows of
+/// panel_stride (>= n) floats, out rows rows of out_stride (>= n) floats.
+#[inline(always)]
+pub unsafe fn panel_product<V: Vector>(p: &PanelProduct) {
+    let mut r = 0;
+    // SAFETY: forwarded; r + the strip's rows <= rows.
+    unsafe {
+        while r + STRIP_ROWS <= p.rows {
+            product_rows::<V, STRIP_ROWS>(p, r);
+            r += STRIP_ROWS;
+        }
+        while r < p.rows {
+            product_rows::<V, 1>(p, r);
+            r += 1;
+        }
+    }
+}
+
+/// Outputs [o, o + O) (O = 1 or 2, sharing each x load), NV vectors of columns from d each:
+/// acc = y, then for every term whose gate of that output is nonzero, acc = V::fma(coef, x_t, acc).
+///
+/// # Safety
+/// As [`accumulate`], for these outputs and columns.
+#[inline(always)]
+unsafe fn accumulate_chunk<V: Vector, const O: usize, const NV: usize>(
+    a: &Accumulation,
+    o: usize,
+    d: usize,
+) {
+    let w = V::WIDTH;
+    // SAFETY: forwarded; every access lies in the outputs' and the x rows' NV vectors from d.
+    unsafe {
+        let y = a.y.add(o * a.y_stride + d);
+        let at = |t: usize, i: usize| (o + i) * a.output_stride + t * a.coef_stride;
+        let mut acc = [[V::zero(); NV]; O];
+        for (i, acc_i) in acc.iter_mut().enumerate() {
+            for (c, acc_ic) in acc_i.iter_mut().enumerate() {
+                *acc_ic = V::load(y.add(i * a.y_stride + c * w));
+            }
+        }
+        for t in 0..a.terms {
+            let mut live = [false; O];
+            for (i, live_i) in live.iter_mut().enumerate() {
+                *live_i = *a.gate.add(at(t, i)) != 0.0;
+            }
+            if !live.iter().any(|&l| l) {
+                continue;
+            }
+            let x_row = a.x.add(t * a.x_stride + d);
+            if live.iter().all(|&l| l) {
+                let mut factor = [V::zero(); O];
+                for (i, factor_i) in factor.iter_mut().enumerate() {
+                    *factor_i = V::broadcast(*a.coef.add(at(t, i)));
+                }
+                for c in 0..NV {
+                    let column = V::load(x_row.add(c * w));
+                    for (acc_i, &factor_i) in acc.iter_mut().zip(&factor) {
+                        acc_i[c] = V::fma(factor_i, column, acc_i[c]);
+                    }
+                }
+                continue;
+            }
+            for (i, acc_i) in acc.iter_mut().enumerate() {
+                if !live[i] {
+                    continue;
+                }
+                let factor = V::broadcast(*a.coef.add(at(t, i)));
+                for (c, acc_ic) in acc_i.iter_mut().enumerate() {
+                    *acc_ic = V::fma(factor, V::load(x_row.add(c * w)), *acc_ic);
+                }
+            }
+        }
+        for (i, acc_i) in acc.iter().enumerate() {
+            for (c, acc_ic) in acc_i.iter().enumerate() {
+                acc_ic.store(y.add(i * a.y_stride + c * w));
+            }
+        }
+    }
+}
+
+/// Output o's columns [d, n), n - d < WIDTH.
+///
+/// # Safety
+/// As [`accumulate`], for these columns.
+#[inline(always)]
+unsafe fn accumulate_tail<V: Vector>(a: &Accumulation, o: usize, d: usize) {
+    let n = a.n - d;
+    // SAFETY: forwarded; every access lies in y's and the x rows' columns [d, a.n).
+    unsafe {
+        let y = a.y.add(o * a.y_stride + d);
+        let mut acc = V::load_tail(y, n);
+        for t in 0..a.terms {
+            let at = o * a.output_stride + t * a.coef_stride;
+            if *a.gate.add(at) == 0.0 {
+                continue;
+            }
+            let factor = V::broadcast(*a.coef.add(at));
+            acc = V::fma(factor, V::load_tail(a.x.add(t * a.x_stride + d), n), acc);
+        }
+        acc.store_tail(y, n);
+    }
+}
+
+/// Outputs [o, o + O), columns [0, n): chunks of 16 / O vectors (WIDTH 16) or 8 / O (the
+/// others), then 8, 4, 2 and 1 vectors (those below the chunk), then each output's tail.
+///
+/// # Safety
+/// As [`accumulate`], for these outputs.
+#[inline(always)]
+unsafe fn accumulate_columns<V: Vector, const O: usize>(a: &Accumulation, o: usize) {
+    let w = V::WIDTH;
+    let chunk = if w >= 16 { 16 / O } else { 8 / O };
+    let mut d = 0;
+    // SAFETY: forwarded; d + the chunk's columns <= n.
+    unsafe {
+        while d + chunk * w <= a.n {
+            match chunk {
+                16 => accumulate_chunk::<V, O, 16>(a, o, d),
+                8 => accumulate_chunk::<V, O, 8>(a, o, d),
+                _ => accumulate_chunk::<V, O, 4>(a, o, d),
+            }
+            d += chunk * w;
+        }
+        if chunk > 8 && d + 8 * w <= a.n {
+            accumulate_chunk::<V, O, 8>(a, o, d);
+            d += 8 * w;
+        }
+        if chunk > 4 && d + 4 * w <= a.n {
+            accumulate_chunk::<V, O, 4>(a, o, d);
+            d += 4 * w;
+        }
+        if chunk > 2 && d + 2 * w <= a.n {
+            accumulate_chunk::<V, O, 2>(a, o, d);
+            d += 2 * w;
+        }
+        if chunk > 1 && d + w <= a.n {
+            accumulate_chunk::<V, O, 1>(a, o, d);
+            d += w;
+        }
+        if d < a.n {
+            for i in 0..O {
+                accumulate_tail::<V>(a, o + i, d);
+            }
+        }
+    }
+}
+
+/// See [`Accumulation`]: outputs in pairs (each x load serving two), then the last one alone.
+///
+/// # Safety
+/// The CPU supports V's instruction set; y holds outputs rows of y_stride (>= n) floats, coef
+/// and gate every index the terms and outputs reach, x terms rows of x_stride (>= n) floats.
+#[inline(always)]
+pub unsafe fn accumulate<V: Vector>(a: &Accumulation) {
+    let mut o = 0;
+    // SAFETY: forwarded; o + the outputs of each call <= outputs.
+    unsafe {
+        while o + 2 <= a.outputs {
+            accumulate_columns::<V, 2>(a, o);
+            o += 2;
+        }
+        if o < a.outputs {
+            accumulate_columns::<V, 1>(a, o);
+        }
+    }
+}
+
+/// See [`RowGradients`].
+///
+/// # Safety
+/// The CPU supports V's instruction set; probs, grads and (when not null) capped hold n floats.
+#[inline(always)]
+pub unsafe fn row_gradients<V: Vector>(g: &RowGradients) {
+    // SAFETY: forwarded; j + WIDTH <= n.
+    unsafe {
+        let (row_lse, row_delta, factor) = (
+            V::broadcast(g.lse),
+            V::broadcast(g.delta),
+            V::broadcast(g.scale),
+        );
+        let (one, zero) = (V::broadcast(1.0), V::zero());
+        for j in (0..g.n).step_by(V::WIDTH) {
+            let prob = V::exp2(V::sub(V::load(g.probs.add(j)), row_lse));
+            let mut ds = V::mul(prob, V::sub(V::load(g.grads.add(j)), row_delta));
+            if !g.capped.is_null() {
+                let t = V::load(g.capped.add(j));
+                ds = V::mul(ds, V::sub(one, V::mul(t, t)));
+            }
+            prob.store(g.probs.add(j));
+            // 0 < P ? scale dS : P (0, or a NaN P's NaN)
+            V::select_less(zero, prob, V::mul(ds, factor), prob).store(g.grads.add(j));
+        }
+    }
+}
