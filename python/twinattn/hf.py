@@ -65,6 +65,7 @@ from transformers.masking_utils import (
 
 from ._torch_views import NUMPY_DTYPES, array, tensor
 from .core._threads import threads_for
+from .hf_serving import accept_in_continuous_batching, packed_attention_forward
 from .nn.cache import KVCache
 from .torch import attention
 
@@ -194,6 +195,12 @@ def attention_forward(
     sinks = kwargs.get("s_aux")
     if dropout and getattr(module, "training", False):
         raise NotImplementedError(f"dropout: twinattn computes inference attention only; got dropout={dropout} in training mode")
+    if attention_mask is None and kwargs.get("cu_seq_lens_q") is not None:
+        # continuous batching's packed batch (twinattn.hf_serving): one attention_varlen call
+        return packed_attention_forward(
+            module, query, key, value, scaling=scaling, cu_seq_lens_q=kwargs["cu_seq_lens_q"],
+            cu_seq_lens_k=kwargs["cu_seq_lens_k"], sliding_window=sliding_window, softcap=softcap, s_aux=sinks,
+        )
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     batch, q_heads, q_len, _ = query.shape
     k_len = key.shape[2]
@@ -464,10 +471,12 @@ class TwinattnCache(Cache):  # type: ignore[misc]
 
 
 def register() -> None:
-    """Register "twinattn" with transformers' AttentionInterface and AttentionMaskInterface
-    (done on import; calling it again changes nothing)."""
+    """Register "twinattn" with transformers' AttentionInterface and AttentionMaskInterface, and
+    let continuous batching keep it (done on import; calling it again changes nothing)."""
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, mask_function)
+    # generate_batch / ContinuousBatchingManager keep "twinattn" (twinattn.hf_serving)
+    accept_in_continuous_batching(NAME)
 
 
 register()
