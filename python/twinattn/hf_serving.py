@@ -29,18 +29,40 @@ wrapper changes nothing.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+from transformers import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 
 from .core._threads import threads_for
 from .torch import attention_varlen
 
-__all__ = ["TRANSFORMERS_VERSION", "accept_in_continuous_batching", "packed_attention_forward"]
+__all__ = ["TRANSFORMERS_VERSION", "accept_in_continuous_batching", "continuous_batching_config", "packed_attention_forward"]
 
 # the transformers version the wrapper of switch_to_cb_friendly_attn was written for
 TRANSFORMERS_VERSION = "5.24"
+
+
+def continuous_batching_config(
+    prompt_lengths: Sequence[int], max_new_tokens: int, *, page_size: int = 32, max_batch_tokens: Optional[int] = None
+) -> Any:
+    """A transformers ContinuousBatchingConfig whose paged cache holds exactly this work: every
+    request's prompt and max_new_tokens, in pages of page_size tokens (num_blocks), so that no
+    request waits for blocks (safety_margin 0). Without num_blocks, transformers sizes the cache
+    from the free memory and allocates and zero-fills all of it at the first call. max_batch_tokens
+    (the most tokens one step computes, prefill chunks included) stays transformers' default when
+    None."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 4:
+        raise ValueError(f"page_size: expected an int of at least 4 (transformers' minimum), got {page_size!r}")
+    num_blocks = sum(-(-(int(n) + max_new_tokens) // page_size) for n in prompt_lengths)
+    if num_blocks == 0:
+        raise ValueError("prompt_lengths: expected at least one request")
+    return ContinuousBatchingConfig(
+        page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens, safety_margin=0.0
+    )
 
 
 def packed_attention_forward(
@@ -104,7 +126,8 @@ def accept_in_continuous_batching(name: str) -> None:
     def switch_to_cb_friendly_attn(self: Any, model: Any, auto_switch_to_flash: bool = True) -> None:
         if model.config._attn_implementation in accepted_names:
             return None  # computes continuous batching's packed batches itself
-        return original(self, model, auto_switch_to_flash)
+        original(self, model, auto_switch_to_flash)
+        return None
 
     accepted_names = {name}
     switch_to_cb_friendly_attn._twinattn_accepted = accepted_names  # type: ignore[attr-defined]
