@@ -45,14 +45,15 @@ TRANSFORMERS_VERSION = "5.24"
 
 
 def continuous_batching_config(
-    prompt_lengths: Sequence[int], max_new_tokens: int, *, page_size: int = 32, max_batch_tokens: Optional[int] = None
+    prompt_lengths: Sequence[int], max_new_tokens: int, *, page_size: int = 32, max_batch_tokens: Optional[int] = None,
+    **options: Any,
 ) -> Any:
     """A transformers ContinuousBatchingConfig whose paged cache holds exactly this work: every
     request's prompt and max_new_tokens, in pages of page_size tokens (num_blocks), so that no
     request waits for blocks (safety_margin 0). Without num_blocks, transformers sizes the cache
     from the free memory and allocates and zero-fills all of it at the first call. max_batch_tokens
     (the most tokens one step computes, prefill chunks included) stays transformers' default when
-    None."""
+    None. Other keywords go to ContinuousBatchingConfig as they are."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected a positive int, got {max_new_tokens!r}")
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 4:
@@ -61,7 +62,7 @@ def continuous_batching_config(
     if num_blocks == 0:
         raise ValueError("prompt_lengths: expected at least one request")
     return ContinuousBatchingConfig(
-        page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens, safety_margin=0.0
+        page_size=page_size, num_blocks=num_blocks, max_batch_tokens=max_batch_tokens, **{"safety_margin": 0.0, **options}
     )
 
 
