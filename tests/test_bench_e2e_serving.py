@@ -60,6 +60,13 @@ def test_serving_case_in_the_json_and_the_table(
         assert r["status"] == "ok" and r["threads"] == 1 and r["phase"] == "serving", r
         assert r["tokens_per_s"] == pytest.approx(r["requests"] * r["new_tokens"] * 1e3 / r["ms"])
         assert 2 * r["requests"] <= r["prompt_tokens"] <= 32 * r["requests"]
+    # the attention and cache-update time of a third generate_batch call, inside that call's own
+    for r in rows:
+        if r["impl"].endswith("generate_batch"):
+            assert 0 < r["attention_ms"] and 0 < r["cache_ms"] and r["attention_ms"] + r["cache_ms"] < r["split_call_ms"], r
+        else:
+            assert "attention_ms" not in r
+    assert "cache write + gather" in out
     # twinattn's greedy tokens are sdpa generate_batch's on every request
     assert all(r["same_tokens"] for r in rows if r["impl"] == "twinattn+generate_batch")
     assert f"\n{e2e.SERVING} (1 threads)\n" in out
@@ -71,10 +78,10 @@ def test_serving_case_reports_tokens_that_differ_as_wrong(monkeypatch: pytest.Mo
     real = e2e._serve
 
     def serve(model: Any, way: str, warm: Any, prompts: Any, new_tokens: int) -> Any:
-        seconds, tokens = real(model, way, warm, prompts, new_tokens)
+        seconds, tokens, split = real(model, way, warm, prompts, new_tokens)
         if way.startswith("twinattn"):
             tokens = [[(t + 1) % 96 for t in request] for request in tokens]
-        return seconds, tokens
+        return seconds, tokens, split
 
     monkeypatch.setattr(e2e, "_serve", serve)
     rows = e2e.measure_serving(_tiny_llama(), requests=(3,), new_tokens=2, prompt_lengths=(2, 8), threads=1, progress=None)

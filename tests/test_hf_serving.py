@@ -38,6 +38,32 @@ class _Spy:
         monkeypatch.setattr(hf_serving, "attention_varlen", spy)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("variant", [{}, {"sliding_window": 3}, {"softcap": 2.0}, {"s_aux": "sinks"}], ids=str)
+def test_packed_call_is_each_sequences_own_attention(dtype: str, variant: dict[str, Any]) -> None:
+    """What generate_batch hands the attention function (one packed row, cu_seq_lens_q/k, no mask):
+    each request's rows are what attention_forward gives that request alone, its queries at its
+    last positions."""
+    torch.manual_seed(1)
+    q_lens, k_lens = [1, 5, 1, 3], [7, 5, 1, 11]  # decode rows, a first chunk, a later chunk
+    q_heads, kv_heads, head_dim = 6, 2, 16
+    query = torch.randn(1, sum(q_lens), q_heads, head_dim).to(getattr(torch, dtype)).transpose(1, 2)
+    key = torch.randn(1, sum(k_lens), kv_heads, head_dim).to(query.dtype).transpose(1, 2)
+    value = torch.randn(1, sum(k_lens), kv_heads, head_dim).to(query.dtype).transpose(1, 2)
+    cu_q, cu_k = (torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32) for lens in (q_lens, k_lens))
+    options = {name: torch.randn(q_heads) if value == "sinks" else value for name, value in variant.items()}
+    module = torch.nn.Module()
+    got, _ = hf.attention_forward(module, query, key, value, None, scaling=0.3, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k,
+                                  max_length_q=max(q_lens), max_length_k=max(k_lens), is_causal=True, **options)
+    assert got.shape == (1, sum(q_lens), q_heads, head_dim) and got.dtype == query.dtype
+    for b in range(len(q_lens)):
+        rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        want, _ = hf.attention_forward(module, query[:, :, rows], key[:, :, keys], value[:, :, keys], None, scaling=0.3,
+                                       is_causal=True, **options)
+        tol = 1e-6 if dtype == "float32" else 2.0**-7  # float32 rounding; one bfloat16 rounding of out
+        torch.testing.assert_close(got[:, rows].float(), want.float(), rtol=tol, atol=tol)
+
+
 def _generate_batch(model: Any, impl: str, prompts: list[list[int]], config: Any) -> dict[str, list[int]]:
     model.set_attn_implementation(impl)
     settings = transformers.GenerationConfig(
@@ -120,6 +146,22 @@ def test_continuous_batching_config_holds_the_work() -> None:
         hf.continuous_batching_config([3], 4, page_size=2)
     with pytest.raises(ValueError, match="prompt_lengths"):
         hf.continuous_batching_config([], 4)
+
+
+def test_the_wrapper_is_what_lets_twinattn_in() -> None:
+    """transformers (TRANSFORMERS_VERSION) rejects "twinattn" on its own; the wrapper accepts it.
+    When a transformers release accepts it unwrapped, this fails: the wrapper can go."""
+    manager_class = transformers.generation.continuous_batching.ContinuousBatchingManager
+    wrapper = manager_class.switch_to_cb_friendly_attn
+    assert "twinattn" in wrapper._twinattn_accepted
+    model = _tiny("llama")
+    model.set_attn_implementation("twinattn")
+    manager = manager_class.__new__(manager_class)
+    manager._original_attn_impl = None
+    with pytest.raises(ValueError, match="Implementation twinattn is not supported for continuous batching"):
+        wrapper.__wrapped__(manager, model, auto_switch_to_flash=False)
+    wrapper(manager, model, auto_switch_to_flash=False)
+    assert model.config._attn_implementation == "twinattn"
 
 
 def test_other_implementations_still_go_through_transformers_check() -> None:

@@ -95,11 +95,13 @@ def packed_attention_forward(
         variants["softcap"] = float(softcap)
     if s_aux is not None:
         variants["sinks"] = s_aux.float()
-    # the work of the whole call (every request's Lq * Lk), as threads_for counts it
-    q_lens = cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]
-    k_lens = cu_seq_lens_k[1:] - cu_seq_lens_k[:-1]
-    work = q_heads * int((q_lens.long() * k_lens.long()).sum()) * (query.shape[-1] + value.shape[-1])
-    num_threads = threads_for(work, beside_spinning_threads=query.dtype != torch.float32)
+    num_threads = None  # threads_for's answer for a float32 model: counting the work is left out
+    if query.dtype != torch.float32:
+        # the work of the whole call (every request's Lq * Lk), as threads_for counts it
+        q_lens = cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]
+        k_lens = cu_seq_lens_k[1:] - cu_seq_lens_k[:-1]
+        work = q_heads * int((q_lens.long() * k_lens.long()).sum()) * (query.shape[-1] + value.shape[-1])
+        num_threads = threads_for(work, beside_spinning_threads=True)
     # (total, heads, D) views of the packed rows: read in place
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

@@ -602,7 +602,7 @@ def measure_serving(
                 base = {"model": title, "dtype": dtype, "impl": way, "phase": "serving", "requests": count,
                         "new_tokens": new_tokens, "prompt_tokens": sum(map(len, timed)), "threads": threads}
                 try:
-                    seconds, tokens[way] = _serve(model, way, warm, timed, new_tokens)
+                    seconds, tokens[way], split = _serve(model, way, warm, timed, new_tokens)
                 except Exception as exc:  # noqa: BLE001 - one way failing must not stop the others
                     message = f"{type(exc).__name__}: {exc}"
                     _say(progress, f"[{SERVING}] {title} {way} {dtype}: error: {message}")
@@ -611,7 +611,7 @@ def measure_serving(
                 finally:
                     _ends(bar)
                 rate = count * new_tokens / seconds
-                rows.append({**base, "tokens_per_s": rate, "ms": seconds * 1e3, "status": "ok"})
+                rows.append({**base, "tokens_per_s": rate, "ms": seconds * 1e3, "status": "ok", **split})
                 _say(progress, f"[{SERVING}] {title} {dtype}: {count} requests, {way}: {rate:.1f} tokens/s")
             reference = tokens.get("sdpa+generate_batch")
             for row in rows[-len(SERVING_WAYS):]:
@@ -633,8 +633,14 @@ def _serving_prompts(count: int, vocab: int, lengths: Tuple[int, int]) -> Tuple[
     )
 
 
-def _serve(model: Any, way: str, warm: list[list[int]], prompts: list[list[int]], new_tokens: int) -> Tuple[float, list[list[int]]]:
-    """(seconds, each request's new tokens) of one way of SERVING_WAYS on `prompts`."""
+def _serve(
+    model: Any, way: str, warm: list[list[int]], prompts: list[list[int]], new_tokens: int
+) -> Tuple[float, list[list[int]], dict[str, float]]:
+    """(seconds, each request's new tokens, split) of one way of SERVING_WAYS on `prompts`. For
+    generate_batch, split is a third call's (on the warm-up prompts) milliseconds in the attention
+    function (attention_ms) and in the paged cache's update (cache_ms: the new keys and values
+    written, and, on CPU, every key of the step gathered out of the pages), with the call's own
+    (split_call_ms); the padded batch has none."""
     import torch
     from transformers import GenerationConfig
 
@@ -655,6 +661,12 @@ def _serve(model: Any, way: str, warm: list[list[int]], prompts: list[list[int]]
                 out = model.generate_batch(prompts, generation_config=settings, continuous_batching_config=config,
                                            persistent_manager=True, progress_bar=False)
                 seconds = time.perf_counter() - start
+                with _timed_attention_and_cache(impl) as (attention, cache):
+                    start = time.perf_counter()
+                    model.generate_batch(warm, generation_config=settings, continuous_batching_config=config,
+                                         persistent_manager=True, progress_bar=False)
+                    split = {"attention_ms": sum(attention) * 1e3, "cache_ms": sum(cache) * 1e3,
+                             "split_call_ms": (time.perf_counter() - start) * 1e3}
         finally:
             model.destroy_cached_continuous_batching_manager()
         generated = [result.generated_tokens for result in out.values()]
@@ -671,10 +683,30 @@ def _serve(model: Any, way: str, warm: list[list[int]], prompts: list[list[int]]
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=settings)
             seconds = time.perf_counter() - start
         generated = out[:, longest:].tolist()
+        split = {}
     if len(generated) != len(prompts) or any(len(tokens) != new_tokens for tokens in generated):
         raise RuntimeError(f"{way}: expected {new_tokens} new tokens for each of {len(prompts)} requests, got "
                            f"{[len(tokens) for tokens in generated]}")
-    return seconds, generated
+    return seconds, generated, split
+
+
+@contextlib.contextmanager
+def _timed_attention_and_cache(impl: str) -> Iterator[Tuple[list[float], list[float]]]:
+    """The seconds of every call of attention implementation `impl` and of PagedAttentionCache.update
+    in the block (continuous batching's generation thread makes them), collected into two lists."""
+    from transformers import AttentionInterface
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    attention: list[float] = []
+    cache: list[float] = []
+    original, update = AttentionInterface._global_mapping[impl], PagedAttentionCache.update
+    AttentionInterface._global_mapping[impl] = _timed(attention, original)
+    PagedAttentionCache.update = _timed(cache, update)
+    try:
+        yield attention, cache
+    finally:
+        AttentionInterface._global_mapping[impl] = original
+        PagedAttentionCache.update = update
 
 
 @contextlib.contextmanager
@@ -707,6 +739,9 @@ def format_serving_rows(rows: Sequence[dict[str, Any]]) -> str:
         note = "" if same is None else "tokens = sdpa generate_batch's" if same else "tokens differ from sdpa generate_batch's"
         if r["status"] == "wrong":
             note = "WRONG: " + note
+        if r.get("split_call_ms"):
+            note += (f"{'; ' if note else ''}a call of {r['split_call_ms']:.0f} ms: attention {r['attention_ms']:.0f}, "
+                     f"cache write + gather {r['cache_ms']:.0f}")
         lines.append(f"{r['model']:24} {r['dtype']:8} {r['requests']:>8} {r['impl']:24} {r['tokens_per_s']:>9.1f} "
                      f"{r['ms']:>9.1f} {ratio:>8}  {note}")
     return "\n".join(lines)
