@@ -39,7 +39,9 @@ class _Spy:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("variant", [{}, {"sliding_window": 3}, {"softcap": 2.0}, {"s_aux": "sinks"}], ids=str)
+@pytest.mark.parametrize(
+    "variant", [{}, {"sliding_window": 3}, {"softcap": 2.0}, {"s_aux": "sinks"}, {"is_causal": False}], ids=str
+)
 def test_packed_call_is_each_sequences_own_attention(dtype: str, variant: dict[str, Any]) -> None:
     """What generate_batch hands the attention function (one packed row, cu_seq_lens_q/k, no mask):
     each request's rows are what attention_forward gives that request alone, its queries at its
@@ -51,15 +53,15 @@ def test_packed_call_is_each_sequences_own_attention(dtype: str, variant: dict[s
     key = torch.randn(1, sum(k_lens), kv_heads, head_dim).to(query.dtype).transpose(1, 2)
     value = torch.randn(1, sum(k_lens), kv_heads, head_dim).to(query.dtype).transpose(1, 2)
     cu_q, cu_k = (torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32) for lens in (q_lens, k_lens))
-    options = {name: torch.randn(q_heads) if value == "sinks" else value for name, value in variant.items()}
+    options = {"is_causal": True, **{name: torch.randn(q_heads) if value == "sinks" else value for name, value in variant.items()}}
     module = torch.nn.Module()
     got, _ = hf.attention_forward(module, query, key, value, None, scaling=0.3, cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k,
-                                  max_length_q=max(q_lens), max_length_k=max(k_lens), is_causal=True, **options)
+                                  max_length_q=max(q_lens), max_length_k=max(k_lens), **options)
     assert got.shape == (1, sum(q_lens), q_heads, head_dim) and got.dtype == query.dtype
     for b in range(len(q_lens)):
         rows, keys = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
         want, _ = hf.attention_forward(module, query[:, :, rows], key[:, :, keys], value[:, :, keys], None, scaling=0.3,
-                                       is_causal=True, **options)
+                                       **options)
         tol = 1e-6 if dtype == "float32" else 2.0**-7  # float32 rounding; one bfloat16 rounding of out
         torch.testing.assert_close(got[:, rows].float(), want.float(), rtol=tol, atol=tol)
 

@@ -200,13 +200,14 @@ def attention_forward(
     sinks = kwargs.get("s_aux")
     if dropout and getattr(module, "training", False):
         raise NotImplementedError(f"dropout: twinattn computes inference attention only; got dropout={dropout} in training mode")
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     if attention_mask is None and kwargs.get("cu_seq_lens_q") is not None:
         # continuous batching's packed batch (twinattn.hf_serving): one attention_varlen call
         return packed_attention_forward(
             module, query, key, value, scaling=scaling, cu_seq_lens_q=kwargs["cu_seq_lens_q"],
-            cu_seq_lens_k=kwargs["cu_seq_lens_k"], sliding_window=sliding_window, softcap=softcap, s_aux=sinks,
+            cu_seq_lens_k=kwargs["cu_seq_lens_k"], causal=causal, sliding_window=sliding_window, softcap=softcap,
+            s_aux=sinks,
         )
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     batch, q_heads, q_len, _ = query.shape
     k_len = key.shape[2]
 

@@ -75,13 +75,15 @@ def packed_attention_forward(
     scaling: Optional[float],
     cu_seq_lens_q: Any,
     cu_seq_lens_k: Any,
+    causal: bool = True,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     s_aux: Any = None,
 ) -> tuple[Any, None]:
     """A packed batch: query (1, Hq, total_q, D), key (1, Hkv, total_k, D), value (1, Hkv, total_k,
     Dv), request b's queries rows cu_seq_lens_q[b]:cu_seq_lens_q[b+1] (its last positions), its
-    keys rows cu_seq_lens_k[b]:cu_seq_lens_k[b+1] -> ((1, total_q, Hq, Dv), None). Causal."""
+    keys rows cu_seq_lens_k[b]:cu_seq_lens_k[b+1] -> ((1, total_q, Hq, Dv), None). Continuous
+    batching's calls are causal; bidirectional packed sequences (causal=False) take no window."""
     if query.shape[0] != 1 or key.shape[0] != 1:
         raise ValueError(
             f"query: packed sequences (cu_seq_lens_q) come as a batch of one row, got query {tuple(query.shape)} and key {tuple(key.shape)}"
@@ -89,6 +91,11 @@ def packed_attention_forward(
     q_heads, total_q = query.shape[1], query.shape[2]
     variants: dict[str, Any] = {}
     if sliding_window is not None:
+        if not causal:
+            raise NotImplementedError(
+                f"sliding_window: twinattn applies a window to packed sequences with causal attention only; "
+                f"got sliding_window={sliding_window} on bidirectional attention"
+            )
         # transformers' window: key j is visible to the query at position p iff p - w < j <= p
         variants["window_size"] = (sliding_window - 1, 0)
     if softcap:
@@ -106,12 +113,12 @@ def packed_attention_forward(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         result = attention_varlen(
-            q, k, v, cu_seq_lens_q, cu_seq_lens_k, causal=True, scale=scaling, num_threads=num_threads, **variants
+            q, k, v, cu_seq_lens_q, cu_seq_lens_k, causal=causal, scale=scaling, num_threads=num_threads, **variants
         )
         return result[None], None
     out = torch.empty((1, total_q, q_heads, value.shape[-1]), dtype=query.dtype)
     attention_varlen(
-        q, k, v, cu_seq_lens_q, cu_seq_lens_k, causal=True, scale=scaling, out=out[0], num_threads=num_threads, **variants
+        q, k, v, cu_seq_lens_q, cu_seq_lens_k, causal=causal, scale=scaling, out=out[0], num_threads=num_threads, **variants
     )
     return out, None
 
