@@ -4,7 +4,8 @@
                     and the standard library only
     1 Python layer  twinattn.nn.*, and the public face over core and nn: twinattn (__init__) and
                     twinattn.reference
-    2 integrations  twinattn.torch, twinattn.flash, twinattn.hf, twinattn.distributed, twinattn.models
+    2 integrations  twinattn.torch, twinattn.flash, twinattn.hf (and twinattn.hf_serving),
+                    twinattn.distributed, twinattn.models
     3 tools         twinattn.bench.*, twinattn.__main__
 
 A module imports from its own layer or below, never above; nothing below the integrations imports
@@ -33,7 +34,8 @@ LAYER_NAMES = ("core", "Python layer", "integrations", "tools")
 # the native modules (and the types of their stubs) and the version: leaves, beside twinattn.core
 NATIVE_AND_VERSION = ("twinattn._cpp", "twinattn._rust", "twinattn._native_types", "twinattn._version")
 INTEGRATIONS = (
-    "twinattn._torch_views", "twinattn.torch", "twinattn.flash", "twinattn.hf", "twinattn.distributed", "twinattn.models",
+    "twinattn._torch_views", "twinattn.torch", "twinattn.flash", "twinattn.hf", "twinattn.hf_serving", "twinattn.distributed",
+    "twinattn.models",
 )
 OPTIONAL_HEAVY = ("torch", "transformers")
 # what layers 0 and 1 may import besides the standard library and twinattn itself

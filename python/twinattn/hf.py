@@ -33,6 +33,11 @@ NotImplementedError.
 Training: a forward with gradients enabled (dropout 0) records twinattn's backward, so
 loss.backward() gives the model's gradients (twinattn.torch's gradients: q, k, v and s_aux).
 
+Continuous batching: `model.generate_batch(...)` and transformers' ContinuousBatchingManager keep
+"twinattn" (twinattn.hf_serving): each step's prefill chunks and decode tokens, packed by
+transformers, are one twinattn attention_varlen call; continuous_batching_config(prompt_lengths,
+max_new_tokens) sizes transformers' paged cache to the work.
+
 dtypes: float32, bfloat16 and float16 models. Query, key and value reach twinattn in the model's
 dtype (computed in float32, out rounded once to that dtype), and TwinattnCache stores keys and
 values in it (a bfloat16 cache is half a float32 one). TwinattnCache(..., kv_dtype="int8") stores
@@ -65,10 +70,11 @@ from transformers.masking_utils import (
 
 from ._torch_views import NUMPY_DTYPES, array, tensor
 from .core._threads import threads_for
+from .hf_serving import accept_in_continuous_batching, continuous_batching_config, packed_attention_forward
 from .nn.cache import KVCache
 from .torch import attention
 
-__all__ = ["NAME", "TwinattnCache", "attention_forward", "mask_function", "register"]
+__all__ = ["NAME", "TwinattnCache", "attention_forward", "continuous_batching_config", "mask_function", "register"]
 
 NAME = "twinattn"
 
@@ -195,6 +201,13 @@ def attention_forward(
     if dropout and getattr(module, "training", False):
         raise NotImplementedError(f"dropout: twinattn computes inference attention only; got dropout={dropout} in training mode")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if attention_mask is None and kwargs.get("cu_seq_lens_q") is not None:
+        # continuous batching's packed batch (twinattn.hf_serving): one attention_varlen call
+        return packed_attention_forward(
+            module, query, key, value, scaling=scaling, cu_seq_lens_q=kwargs["cu_seq_lens_q"],
+            cu_seq_lens_k=kwargs["cu_seq_lens_k"], causal=causal, sliding_window=sliding_window, softcap=softcap,
+            s_aux=sinks,
+        )
     batch, q_heads, q_len, _ = query.shape
     k_len = key.shape[2]
 
@@ -464,10 +477,12 @@ class TwinattnCache(Cache):  # type: ignore[misc]
 
 
 def register() -> None:
-    """Register "twinattn" with transformers' AttentionInterface and AttentionMaskInterface
-    (done on import; calling it again changes nothing)."""
+    """Register "twinattn" with transformers' AttentionInterface and AttentionMaskInterface, and
+    let continuous batching keep it (done on import; calling it again changes nothing)."""
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, mask_function)
+    # generate_batch / ContinuousBatchingManager keep "twinattn" (twinattn.hf_serving)
+    accept_in_continuous_batching(NAME)
 
 
 register()

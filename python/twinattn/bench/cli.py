@@ -214,6 +214,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             print(f"{E2E + '/' + name:<24} {_e2e_text(name)}")
         for serving_case in serving.CASES.values():
             print(f"{serving_case.name:<24} {serving_case.title} (paged against contiguous, torch SDPA as the peer)")
+        print(f"{e2e.SERVING:<24} {e2e.SERVING_TEXT}")
         return 0
     runners = make_runners()
     # the end-to-end case is not a kernel case: --cases e2e (or e2e/MODEL) asks for it, a full run
@@ -222,12 +223,15 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     kernel_names = [n for n in names if n and n != E2E and not n.startswith(E2E + "/")]
     # the serving cases (twinattn.bench.serving) likewise: --cases serving (or serving/CASE)
     kernel_names = [n for n in kernel_names if n != serving.SERVING and not n.startswith(serving.SERVING + "/")]
+    # and the serving case through transformers' continuous batching: --cases e2e-serving, never by default
+    want_serving_e2e = e2e.SERVING in names
+    kernel_names = [n for n in kernel_names if n != e2e.SERVING]
     try:
         e2e_models = _e2e_models(names) if args.cases is not None else ([] if args.quick else list(e2e.PLANS))
         want_e2e = bool(e2e_models)
         serving_cases = serving.names_in(names)  # only when asked for: --cases serving (or serving/CASE)
         dtypes = parse_dtypes(args.dtype)
-        if (want_e2e or serving_cases) and args.cases is not None and not kernel_names:
+        if (want_e2e or serving_cases or want_serving_e2e) and args.cases is not None and not kernel_names:
             selected = []  # --cases e2e or serving alone
         else:
             selected = select(suite, ",".join(kernel_names) if args.cases is not None else None, args.quick)
@@ -259,7 +263,9 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     pairs = len(cases) if all(p in backends for p in PORTS) else 0  # the ports timed alternately
     # the end-to-end case moves the bar per model loaded, per prefill and per context's decode steps
     e2e_units = (e2e.units(e2e_models, dtypes, args.shrink) or 1) if want_e2e and e2e.missing() is None else int(want_e2e)
-    progress = report.Progress(len(timed) + pairs + e2e_units + len(serving_cases), enabled=not args.no_progress)
+    serving_e2e_units = (e2e.serving_units() + 1 if e2e.missing(e2e.SERVING_MODEL) is None else 1) if want_serving_e2e else 0
+    progress = report.Progress(len(timed) + pairs + e2e_units + len(serving_cases) + serving_e2e_units,
+                               enabled=not args.no_progress)
     bandwidth = machine.ReadBandwidth()
     started = time.perf_counter()
     try:
@@ -268,6 +274,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         rows = run_suite(cases, backends, runners, threads, budget, progress, bandwidth, ceilings)
         end_to_end = _run_e2e(e2e_models, dtypes, threads, args, progress) if want_e2e else None
         serving_entries = _run_serving(serving_cases, backends, budget, args.shrink, progress)
+        serving_e2e = _run_serving_e2e(dtypes, threads, args.shrink, progress) if want_serving_e2e else None
     except KeyboardInterrupt:
         progress.close()
         print("twinattn-bench: interrupted", file=sys.stderr)
@@ -299,9 +306,13 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         document["e2e"] = end_to_end
     if serving_entries:
         document["serving"] = serving_entries
+    if serving_e2e is not None:
+        document["e2e_serving"] = serving_e2e
     print(report.text(document))
     if serving_entries:
         print(f"\nserving (float32, {threads} threads)\n{serving.format_rows(serving_entries)}")
+    if serving_e2e is not None:
+        print(f"\n{e2e.SERVING} ({threads} threads)\n" + _serving_e2e_text(serving_e2e))
     if args.json:
         report.write_json(args.json, document)
         print(f"\nwrote {args.json}")
@@ -315,6 +326,10 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         bad.append("e2e")
     bad += [f"e2e {m['title']}" for m in (end_to_end or {}).get("models", {}).values() if m.get("error")]
     bad += [f"{r['case']} {r['way']} on {r['backend']}" for e in serving_entries for r in e["rows"] if r["status"] in ("wrong", "error")]
+    bad += [f"{e2e.SERVING} {r['requests']} requests {r['dtype']} {r['impl']}" for r in (serving_e2e or {}).get("rows", [])
+            if r["status"] in ("wrong", "error")]
+    if (serving_e2e or {}).get("error"):
+        bad.append(e2e.SERVING)
     print(
         f"\n{' and '.join(([f'{len(rows)} runs'] if rows or not e2e_rows else []) + (['the end-to-end case'] if e2e_rows else []))}"
         f" in {document['wall_s']:.0f} s"
@@ -335,6 +350,24 @@ def _run_serving(
         entries.append(serving.run_case(name, ports, budget, shrink, with_torch="torch" in backends))
         progress.step()
     return entries
+
+
+def _run_serving_e2e(dtypes: Sequence[str], threads: int, shrink: int, progress: report.Progress) -> dict[str, Any]:
+    """The serving case through transformers' continuous batching (twinattn.bench.e2e.run_serving_case),
+    {"skipped": why} when what it needs is not installed, {"error": message} when it failed."""
+    progress.show(f"{e2e.SERVING}: {e2e.SERVING_TEXT}")
+    try:
+        return e2e.run_serving_case(dtypes, threads, shrink, progress=None, bar=progress)
+    except Exception as exc:  # noqa: BLE001 - reported in the table and the status, never a traceback
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _serving_e2e_text(entry: dict[str, Any]) -> str:
+    if "skipped" in entry:
+        return f"not run: {entry['skipped']}"
+    if "error" in entry:
+        return f"error: {entry['error']}"
+    return str(e2e.format_serving_rows(entry["rows"]))
 
 
 def _run_e2e(

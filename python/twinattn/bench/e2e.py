@@ -204,22 +204,14 @@ def measure(
     implementation; see the module docstring for the procedure and the rows (whose "model" is
     `title`, default the config's model_type). Progress lines go to `progress`; `bar` moves one
     step per prefill and per context's decode steps."""
-    import torch
+    from .. import hf  # noqa: F401  registers "twinattn"
 
-    from .. import hf  # registers "twinattn"
-
-    import twinattn
-
-    # both thread counts set for the run and put back after it
-    previous_torch, previous_twinattn = torch.get_num_threads(), configured_num_threads()
-    torch.set_num_threads(threads)
-    twinattn.set_num_threads(threads)
     vocab, dtype = model.config.vocab_size, dtype_of(model)
     title = title or model.config.model_type
     lengths = sorted(set(contexts) | set(prefill))
     rows: list[dict[str, Any]] = []
     first_logits: dict[int, Any] = {}  # the first implementation's last-position prefill logits
-    try:
+    with _threads(threads):
         for impl in impls:
             try:
                 rows.extend(_measure_impl(model, title, impl, dtype, vocab, lengths, contexts, prefill, steps, threads,
@@ -229,10 +221,24 @@ def measure(
                 _say(progress, f"[e2e] {title} {impl} {dtype}: error: {message}")
                 rows.append({"model": title, "dtype": dtype, "impl": impl, "phase": "error", "context": 0,
                              "threads": threads, "tokens_per_s": None, "ms": None, "status": "error", "note": message})
+    return rows
+
+
+@contextlib.contextmanager
+def _threads(threads: int) -> Iterator[None]:
+    """torch's and twinattn's thread counts set to `threads` for the block, and put back after it."""
+    import torch
+
+    import twinattn
+
+    previous_torch, previous_twinattn = torch.get_num_threads(), configured_num_threads()
+    torch.set_num_threads(threads)
+    twinattn.set_num_threads(threads)
+    try:
+        yield
     finally:
         torch.set_num_threads(previous_torch)
         twinattn.set_num_threads(previous_twinattn)
-    return rows
 
 
 def _measure_impl(
@@ -531,6 +537,246 @@ def run_case(
                                      progress=progress, title=title, bar=bar)
             del model
         del base
+    return entry
+
+
+# ---- serving: many requests through transformers' continuous batching --------------------------------
+
+SERVING = "e2e-serving"  # its --cases name: opt in (a few minutes), a full run leaves it out
+SERVING_MODEL = "smollm2"
+SERVING_REQUESTS = (16, 32)
+SERVING_NEW_TOKENS = 32
+SERVING_PROMPTS = (32, 512)  # each request's prompt length, drawn uniformly from this range (seeded)
+# the ways each set of requests is generated: continuous batching with each attention, and a padded
+# static batch through generate()
+SERVING_WAYS = ("twinattn+generate_batch", "sdpa+generate_batch", "sdpa+generate(padded)")
+SERVING_TEXT = (
+    f"{models.MODELS[SERVING_MODEL].title}: {' and '.join(map(str, SERVING_REQUESTS))} requests of "
+    f"{SERVING_PROMPTS[0]}-{SERVING_PROMPTS[1]} prompt tokens, {SERVING_NEW_TOKENS} new tokens each: generate_batch "
+    "with twinattn and with sdpa (warm manager), and a padded batch through generate() with sdpa (opt-in: --cases "
+    f"{SERVING})"
+)
+
+
+def serving_units(requests: Sequence[int] = SERVING_REQUESTS) -> int:
+    """The steps measure_serving moves its bar by (run_serving_case adds one for the loading)."""
+    return len(requests) * len(SERVING_WAYS)
+
+
+def measure_serving(
+    model: Any,
+    *,
+    requests: Sequence[int] = SERVING_REQUESTS,
+    new_tokens: int = SERVING_NEW_TOKENS,
+    prompt_lengths: Tuple[int, int] = SERVING_PROMPTS,
+    threads: int = 2,
+    progress: Optional[TextIO] = sys.stderr,
+    title: Optional[str] = None,
+    bar: Optional[Bar] = None,
+) -> list[dict[str, Any]]:
+    """Generated tokens/s of `model` serving `requests` greedy requests at once (each count in
+    turn), each of a random prompt (lengths uniform in `prompt_lengths`, the same for every way) and
+    `new_tokens` new tokens, every way of SERVING_WAYS:
+
+    - generate_batch (transformers' continuous batching) with twinattn and with sdpa: a first call on
+      other prompts of the same lengths warms the manager (persistent_manager=True), the second is
+      timed; the paged cache is sized to the work (twinattn.hf.continuous_batching_config), not to
+      the free memory, and no prefix is shared between the calls;
+    - a static batch through generate() with sdpa: the prompts left-padded to the longest.
+
+    Rows: model, dtype, impl (the way), phase "serving", requests, new_tokens, prompt_tokens,
+    threads, tokens_per_s (generated tokens over the call's seconds), ms, status, and same_tokens:
+    whether the way's tokens are sdpa generate_batch's. twinattn's must be (status "wrong"
+    otherwise); the padded batch's are reported (its padding changes the floats it rounds)."""
+    from .. import hf  # noqa: F401  registers "twinattn"
+
+    dtype = dtype_of(model)
+    title = title or model.config.model_type
+    rows: list[dict[str, Any]] = []
+    with _threads(threads), _continuous_batching_quiet():
+        for count in requests:
+            warm, timed = _serving_prompts(count, model.config.vocab_size, prompt_lengths)
+            tokens: dict[str, list[list[int]]] = {}
+            for way in SERVING_WAYS:
+                _starts(bar, f"{SERVING} {title} {dtype}: {count} requests, {way}")
+                base = {"model": title, "dtype": dtype, "impl": way, "phase": "serving", "requests": count,
+                        "new_tokens": new_tokens, "prompt_tokens": sum(map(len, timed)), "threads": threads}
+                try:
+                    seconds, tokens[way], split = _serve(model, way, warm, timed, new_tokens)
+                except Exception as exc:  # noqa: BLE001 - one way failing must not stop the others
+                    message = f"{type(exc).__name__}: {exc}"
+                    _say(progress, f"[{SERVING}] {title} {way} {dtype}: error: {message}")
+                    rows.append({**base, "tokens_per_s": None, "ms": None, "status": "error", "note": message})
+                    continue
+                finally:
+                    _ends(bar)
+                rate = count * new_tokens / seconds
+                rows.append({**base, "tokens_per_s": rate, "ms": seconds * 1e3, "status": "ok", **split})
+                _say(progress, f"[{SERVING}] {title} {dtype}: {count} requests, {way}: {rate:.1f} tokens/s")
+            reference = tokens.get("sdpa+generate_batch")
+            for row in rows[-len(SERVING_WAYS):]:
+                if row["status"] == "ok" and row["impl"] != "sdpa+generate_batch" and reference is not None:
+                    row["same_tokens"] = tokens[row["impl"]] == reference
+                    if row["impl"].startswith("twinattn") and not row["same_tokens"]:
+                        row["status"] = "wrong"
+    return rows
+
+
+def _serving_prompts(count: int, vocab: int, lengths: Tuple[int, int]) -> Tuple[list[list[int]], list[list[int]]]:
+    """Two sets of `count` random prompts of the same lengths (seeded): the warm-up call's and the timed one's."""
+    import torch
+
+    generator = torch.Generator().manual_seed(count)
+    sizes = torch.randint(lengths[0], lengths[1] + 1, (count,), generator=generator).tolist()
+    return tuple(  # type: ignore[return-value]
+        [torch.randint(1, vocab, (n,), generator=generator).tolist() for n in sizes] for _ in range(2)
+    )
+
+
+def _serve(
+    model: Any, way: str, warm: list[list[int]], prompts: list[list[int]], new_tokens: int
+) -> Tuple[float, list[list[int]], dict[str, float]]:
+    """(seconds, each request's new tokens, split) of one way of SERVING_WAYS on `prompts`. For
+    generate_batch, split is a third call's (on the warm-up prompts) milliseconds in the attention
+    function (attention_ms) and in the paged cache's update (cache_ms: the new keys and values
+    written, and, on CPU, every key of the step gathered out of the pages), with the call's own
+    (split_call_ms); the padded batch has none."""
+    import torch
+    from transformers import GenerationConfig
+
+    from ..hf import continuous_batching_config
+
+    impl, how = way.split("+")
+    model.set_attn_implementation(impl)
+    if how == "generate_batch":
+        # eos -1: no request stops early, every way generates new_tokens per request
+        settings = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        config = continuous_batching_config([len(p) for p in prompts], new_tokens, allow_block_sharing=False)
+        model.destroy_cached_continuous_batching_manager()
+        try:
+            with torch.inference_mode():
+                model.generate_batch(warm, generation_config=settings, continuous_batching_config=config,
+                                     persistent_manager=True, progress_bar=False)
+                start = time.perf_counter()
+                out = model.generate_batch(prompts, generation_config=settings, continuous_batching_config=config,
+                                           persistent_manager=True, progress_bar=False)
+                seconds = time.perf_counter() - start
+                with _timed_attention_and_cache(impl) as (attention, cache):
+                    start = time.perf_counter()
+                    model.generate_batch(warm, generation_config=settings, continuous_batching_config=config,
+                                         persistent_manager=True, progress_bar=False)
+                    split = {"attention_ms": sum(attention) * 1e3, "cache_ms": sum(cache) * 1e3,
+                             "split_call_ms": (time.perf_counter() - start) * 1e3}
+        finally:
+            model.destroy_cached_continuous_batching_manager()
+        generated = [result.generated_tokens for result in out.values()]
+    else:
+        settings = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        longest = max(map(len, prompts))
+        ids = torch.zeros((len(prompts), longest), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):  # left padding: every prompt ends at the last column
+            ids[row, longest - len(prompt):] = torch.tensor(prompt)
+            mask[row, longest - len(prompt):] = 1
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=settings)
+            seconds = time.perf_counter() - start
+        generated = out[:, longest:].tolist()
+        split = {}
+    if len(generated) != len(prompts) or any(len(tokens) != new_tokens for tokens in generated):
+        raise RuntimeError(f"{way}: expected {new_tokens} new tokens for each of {len(prompts)} requests, got "
+                           f"{[len(tokens) for tokens in generated]}")
+    return seconds, generated, split
+
+
+@contextlib.contextmanager
+def _timed_attention_and_cache(impl: str) -> Iterator[Tuple[list[float], list[float]]]:
+    """The seconds of every call of attention implementation `impl` and of PagedAttentionCache.update
+    in the block (continuous batching's generation thread makes them), collected into two lists."""
+    from transformers import AttentionInterface
+    from transformers.generation.continuous_batching import PagedAttentionCache
+
+    attention: list[float] = []
+    cache: list[float] = []
+    original, update = AttentionInterface._global_mapping[impl], PagedAttentionCache.update
+    AttentionInterface._global_mapping[impl] = _timed(attention, original)
+    PagedAttentionCache.update = _timed(cache, update)
+    try:
+        yield attention, cache
+    finally:
+        AttentionInterface._global_mapping[impl] = original
+        PagedAttentionCache.update = update
+
+
+@contextlib.contextmanager
+def _continuous_batching_quiet() -> Iterator[None]:
+    """transformers' continuous-batching logger held to errors for the block (its warnings about
+    persistent managers and eos tokens are not the benchmark's output)."""
+    import logging
+
+    logger = logging.getLogger("ContinuousBatchingLogger")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def format_serving_rows(rows: Sequence[dict[str, Any]]) -> str:
+    """A plain table of measure_serving's rows, with each way's tokens/s against sdpa generate_batch's."""
+    lines = [f"{'model':24} {'dtype':8} {'requests':>8} {'impl':24} {'tokens/s':>9} {'ms':>9} {'vs sdpa':>8}  note"]
+    base = {(r["model"], r["dtype"], r["requests"]): r["tokens_per_s"] for r in rows
+            if r["impl"] == "sdpa+generate_batch" and r.get("tokens_per_s")}
+    for r in rows:
+        if r.get("tokens_per_s") is None:
+            lines.append(f"{r['model']:24} {r['dtype']:8} {r['requests']:>8} {r['impl']:24} {'error':>9}  {r.get('note', '')}")
+            continue
+        ref = base.get((r["model"], r["dtype"], r["requests"]))
+        ratio = f"{r['tokens_per_s'] / ref:.2f}x" if ref else "-"
+        same = r.get("same_tokens")
+        note = "" if same is None else "tokens = sdpa generate_batch's" if same else "tokens differ from sdpa generate_batch's"
+        if r["status"] == "wrong":
+            note = "WRONG: " + note
+        if r.get("split_call_ms"):
+            note += (f"{'; ' if note else ''}a call of {r['split_call_ms']:.0f} ms: attention {r['attention_ms']:.0f}, "
+                     f"cache write + gather {r['cache_ms']:.0f}")
+        lines.append(f"{r['model']:24} {r['dtype']:8} {r['requests']:>8} {r['impl']:24} {r['tokens_per_s']:>9.1f} "
+                     f"{r['ms']:>9.1f} {ratio:>8}  {note}")
+    return "\n".join(lines)
+
+
+def run_serving_case(
+    dtypes: Sequence[str], threads: int, shrink: int = 1, progress: Optional[TextIO] = sys.stderr, bar: Optional[Bar] = None
+) -> dict[str, Any]:
+    """The serving case of twinattn-bench (--cases e2e-serving): SERVING_MODEL loaded once, then
+    measure_serving in each of `dtypes`, prompt lengths and new tokens divided by `shrink`. Returns
+    the JSON's "e2e_serving" entry: settings, rows and versions, or {"skipped": why}, or
+    {"error": message} when the model failed to load. `bar` moves serving_units() + 1 steps."""
+    import torch
+    import transformers
+
+    why = missing(SERVING_MODEL)
+    if why is not None:
+        _ends(bar)
+        return {"skipped": why}
+    new_tokens = max(1, SERVING_NEW_TOKENS // shrink)
+    lengths = (max(1, SERVING_PROMPTS[0] // shrink), max(1, SERVING_PROMPTS[1] // shrink))
+    entry: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": threads,
+                             "requests": list(SERVING_REQUESTS), "new_tokens": new_tokens, "prompt_lengths": list(lengths),
+                             "dtypes": list(dtypes), "rows": []}
+    title = models.MODELS[SERVING_MODEL].title
+    _starts(bar, f"{SERVING} loading {title}")
+    try:
+        base = load_model(SERVING_MODEL)
+    except Exception as exc:  # noqa: BLE001 - reported in the table and the status
+        _ends(bar)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    _ends(bar)
+    for dtype in dtypes:
+        entry["rows"] += measure_serving(model_in(base, dtype), new_tokens=new_tokens, prompt_lengths=lengths,
+                                         threads=threads, progress=progress, title=title, bar=bar)
     return entry
 
 
