@@ -96,6 +96,12 @@ float flash_row_lse(float m, float l) {
     return kLn2 * (m + log2f(l));
 }
 
+// The multiply-adds of a problem, in double (the product of five int64 extents may overflow).
+double problem_work(const AttentionProblem& p) {
+    return static_cast<double>(p.q.shape[0]) * static_cast<double>(p.q.shape[1]) * static_cast<double>(p.q.shape[2]) *
+           static_cast<double>(p.k.shape[2]) * static_cast<double>(p.q.shape[3] + p.v.shape[3]);
+}
+
 FlashPlan flash_plan(const AttentionProblem& p) {
     FlashPlan plan{};
     plan.problem = &p;
@@ -401,12 +407,6 @@ struct Group {
     size_t plan;
     int64_t b, kv_head;
 };
-
-// The multiply-adds of a problem, in double (the product of five int64 extents may overflow).
-double problem_work(const AttentionProblem& p) {
-    return static_cast<double>(p.q.shape[0]) * static_cast<double>(p.q.shape[1]) * static_cast<double>(p.q.shape[2]) *
-           static_cast<double>(p.k.shape[2]) * static_cast<double>(p.q.shape[3] + p.v.shape[3]);
-}
 
 // Runs every problem of a call (none empty): the K^T panels of every prefill plan (one parallel
 // pass), then the work items of all plans together (one parallel pass), then the merge of every

@@ -392,11 +392,8 @@ void attention_backward(const BackwardProblem& bp, int num_threads) {
     check_num_threads(num_threads);
     const AttentionProblem& p = bp.forward;
     // A call below kSerialWork multiply-adds runs on the calling thread, as the forward's (the
-    // results do not depend on it). Work in double: the product of five int64 extents may overflow.
-    const double work = static_cast<double>(p.q.shape[0]) * static_cast<double>(p.q.shape[1]) *
-                        static_cast<double>(p.q.shape[2]) * static_cast<double>(p.k.shape[2]) *
-                        static_cast<double>(p.q.shape[3] + p.v.shape[3]);
-    if (work < static_cast<double>(kSerialWork)) num_threads = 1;
+    // results do not depend on it).
+    if (problem_work(p) < static_cast<double>(kSerialWork)) num_threads = 1;
     switch (p.dtype) {
         case ElementType::Float32: backward_passes<float>(bp, num_threads); break;
         case ElementType::Float16: backward_passes<Float16>(bp, num_threads); break;

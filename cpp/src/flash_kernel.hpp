@@ -161,6 +161,10 @@ float flash_row_lse(float m, float l);
 // (flash_backward.cpp) scores with the same plan.
 FlashPlan flash_plan(const AttentionProblem& p);
 
+// The multiply-adds of a problem (B Hq Lq Lk (D + Dv)), in double: the forward's and the
+// backward's measure of a call against kSerialWork.
+double problem_work(const AttentionProblem& p);
+
 namespace flash {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();

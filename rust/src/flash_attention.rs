@@ -585,8 +585,9 @@ fn plan_cascade<'a>(
     Ok(parts)
 }
 
-/// The multiply-adds of a problem, in f64 (the product of five extents may overflow).
-fn problem_work(p: &AttentionProblem) -> f64 {
+/// The multiply-adds of a problem (B Hq Lq Lk (D + Dv)), in f64 (the product of five extents may
+/// overflow): the forward's and the backward's measure of a call against SERIAL_WORK.
+pub(crate) fn problem_work(p: &AttentionProblem) -> f64 {
     let extents = [
         p.q.shape[0],
         p.q.shape[1],

@@ -42,7 +42,9 @@ use crate::constants::{
 };
 use crate::dispatch::current_kernels;
 use crate::element::{BFloat16, Element, Float16};
-use crate::flash_attention::{flash_plan, flash_row_key_range, with_thread_buffers, Shared};
+use crate::flash_attention::{
+    flash_plan, flash_row_key_range, problem_work, with_thread_buffers, Shared,
+};
 use crate::flash_kernel::{mask_block, tanh, FlashPlan, ThreadScratch, WorkItem};
 use crate::problem::{
     check_backward, check_num_threads, try_filled, BackwardProblem, ElementType, MutTensorView4,
@@ -720,16 +722,8 @@ pub unsafe fn attention_backward(
     let threads = check_num_threads(i64::try_from(num_threads).unwrap_or(i64::MAX))?;
     let p = &bp.forward;
     // A call below SERIAL_WORK multiply-adds runs on the calling thread, as the forward's (the
-    // results do not depend on it). Work in f64: the product of five extents may overflow.
-    let extents = [
-        p.q.shape[0],
-        p.q.shape[1],
-        p.q.shape[2],
-        p.k.shape[2],
-        p.q.shape[3] + p.v.shape[3],
-    ];
-    let work: f64 = extents.iter().map(|&n| n as f64).product();
-    let threads = if work < SERIAL_WORK as f64 {
+    // results do not depend on it).
+    let threads = if problem_work(p) < SERIAL_WORK as f64 {
         1
     } else {
         threads
