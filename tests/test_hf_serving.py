@@ -228,6 +228,10 @@ def test_continuous_batching_config_holds_the_work() -> None:
     config = hf.continuous_batching_config([3, 41, 1], 8, page_size=16)
     # ceil(11 / 16) + ceil(49 / 16) + ceil(9 / 16) pages
     assert (config.num_blocks, config.page_size, config.safety_margin) == (1 + 4 + 1, 16, 0.0)
+    # steps of at most 2048 tokens (hf_serving.MAX_BATCH_TOKENS), transformers' own default on None
+    assert config.max_batch_tokens == hf_serving.MAX_BATCH_TOKENS == 2048
+    assert hf.continuous_batching_config([3], 8, max_batch_tokens=None).max_batch_tokens is None
+    assert hf.continuous_batching_config([3], 8, max_batch_tokens=64).max_batch_tokens == 64
     with pytest.raises(ValueError, match="max_new_tokens"):
         hf.continuous_batching_config([3], 0)
     with pytest.raises(ValueError, match="page_size"):
