@@ -139,6 +139,11 @@ def packed_attention_forward(
         num_threads = threads_for(work, beside_spinning_threads=True)
     # (total, heads, D) views of the packed rows: read in place
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    if pages is None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        result = attention_varlen(
+            q, k, v, cu_seq_lens_q, cu_seq_lens_k, causal=causal, scale=scaling, num_threads=num_threads, **variants
+        )
+        return result[None], None
     out = torch.empty((1, total_q, q_heads, value.shape[-1]), dtype=query.dtype)
     if pages is not None:  # forward only: the wrapped update hands pages over with gradients off
         k_pages, v_pages, table = pages
@@ -147,11 +152,6 @@ def packed_attention_forward(
             scale=scaling, out=out[0], num_threads=num_threads, **variants,
         )
         return out, None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        result = attention_varlen(
-            q, k, v, cu_seq_lens_q, cu_seq_lens_k, causal=causal, scale=scaling, num_threads=num_threads, **variants
-        )
-        return result[None], None
     attention_varlen(
         q, k, v, cu_seq_lens_q, cu_seq_lens_k, causal=causal, scale=scaling, out=out[0], num_threads=num_threads, **variants
     )
