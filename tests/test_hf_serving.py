@@ -162,6 +162,11 @@ def _tiny(kind: str) -> Any:
     )
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).eval()
+    if kind == "qwen2-hybrid":
+        # a sliding-window layer, then a full-attention one: two groups of pages in one cache
+        layer_types = ["sliding_attention", "full_attention"]
+        config = transformers.Qwen2Config(**common, layer_types=layer_types, sliding_window=6, use_sliding_window=True)
+        return transformers.Qwen2ForCausalLM(config).eval()
     # every layer a sliding-window one: transformers' sliding cache reads at most the window back
     return transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=6)).eval()
 
@@ -171,7 +176,7 @@ PROMPTS = [[5, 9, 3], [7] + list(range(10, 50)), [100], list(range(60, 77))]
 MAX_BATCH_TOKENS = 16
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral-window"])
+@pytest.mark.parametrize("kind", ["llama", "mistral-window", "qwen2-hybrid"])
 def test_generate_batch_gives_sdpas_tokens_through_twinattn(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model = _tiny(kind)
     config = hf.continuous_batching_config([len(p) for p in PROMPTS], NEW_TOKENS, page_size=8, max_batch_tokens=MAX_BATCH_TOKENS)
@@ -198,9 +203,12 @@ def test_generate_batch_gives_sdpas_tokens_through_twinattn(kind: str, monkeypat
         # full attention: a step over cached keys reads them in place from the pages, a step of
         # whole prompts takes its new keys as they are; nothing is gathered
         assert reads_cache == {("varlen", False), ("paged", True)} and spy.gathered == 0, spy.calls
-    else:
+    elif kind == "mistral-window":
         # sliding-window layers (a ring of pages) keep transformers' gather
         assert {call for call, _, _ in spy.calls} == {"varlen"} and spy.gathered > 0
+    else:
+        # the full-attention layer reads its pages in place, the sliding one reads what is gathered
+        assert ("paged", True) in reads_cache and ("varlen", True) in reads_cache and spy.gathered > 0, spy.calls
 
 
 def test_continuous_batching_manager_serves_twinattn(monkeypatch: pytest.MonkeyPatch) -> None:
