@@ -35,8 +35,10 @@ loss.backward() gives the model's gradients (twinattn.torch's gradients: q, k, v
 
 Continuous batching: `model.generate_batch(...)` and transformers' ContinuousBatchingManager keep
 "twinattn" (twinattn.hf_serving): each step's prefill chunks and decode tokens, packed by
-transformers, are one twinattn attention_varlen call; continuous_batching_config(prompt_lengths,
-max_new_tokens) sizes transformers' paged cache to the work.
+transformers, are one twinattn call per layer, attention_paged reading the cached keys in place
+from transformers' pages (attention_varlen on a step of whole prompts);
+continuous_batching_config(prompt_lengths, max_new_tokens) sizes transformers' paged cache to the
+work.
 
 dtypes: float32, bfloat16 and float16 models. Query, key and value reach twinattn in the model's
 dtype (computed in float32, out rounded once to that dtype), and TwinattnCache stores keys and
@@ -70,7 +72,7 @@ from transformers.masking_utils import (
 
 from ._torch_views import NUMPY_DTYPES, array, tensor
 from .core._threads import threads_for
-from .hf_serving import accept_in_continuous_batching, continuous_batching_config, packed_attention_forward
+from .hf_serving import PAGES, accept_in_continuous_batching, continuous_batching_config, packed_attention_forward
 from .nn.cache import KVCache
 from .torch import attention
 
@@ -206,7 +208,7 @@ def attention_forward(
         return packed_attention_forward(
             module, query, key, value, scaling=scaling, cu_seq_lens_q=kwargs["cu_seq_lens_q"],
             cu_seq_lens_k=kwargs["cu_seq_lens_k"], causal=causal, sliding_window=sliding_window, softcap=softcap,
-            s_aux=sinks,
+            s_aux=sinks, pages=kwargs.get(PAGES),
         )
     batch, q_heads, q_len, _ = query.shape
     k_len = key.shape[2]

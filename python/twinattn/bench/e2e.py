@@ -428,6 +428,15 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def verdict(value: Optional[float], bound: float, at_most: bool = False) -> str:
+    """"met", "missed by N%" or "not measured": `value` against a target of at least (at most) `bound`."""
+    if value is None:
+        return "not measured"
+    if (value <= bound) if at_most else (value >= bound):
+        return "met"
+    return f"missed by {100 * abs(value / bound - 1):.0f}%"
+
+
 def targets(rows: Sequence[dict[str, Any]], plans: dict[str, Plan], shrink: int = 1) -> str:
     """The end-to-end targets that these rows speak to, per model (`plans`: its Plan by the rows'
     "model") and dtype: twinattn's decode step at growth_at against its own at the first context,
@@ -442,13 +451,6 @@ def targets(rows: Sequence[dict[str, Any]], plans: dict[str, Plan], shrink: int 
     def ratio(model: str, dtype: str, phase: str, context: int) -> Optional[float]:
         ours, theirs = rate(model, dtype, "twinattn", phase, context), rate(model, dtype, "sdpa", phase, context)
         return ours / theirs if ours and theirs else None
-
-    def verdict(value: Optional[float], bound: float, at_most: bool = False) -> str:
-        if value is None:
-            return "not measured"
-        if (value <= bound) if at_most else (value >= bound):
-            return "met"
-        return f"missed by {100 * abs(value / bound - 1):.0f}%"
 
     def text(value: Optional[float]) -> str:
         return "-" if value is None else f"{value:.2f}x"
@@ -550,6 +552,11 @@ SERVING_PROMPTS = (32, 512)  # each request's prompt length, drawn uniformly fro
 # the ways each set of requests is generated: continuous batching with each attention, and a padded
 # static batch through generate()
 SERVING_WAYS = ("twinattn+generate_batch", "sdpa+generate_batch", "sdpa+generate(padded)")
+# twinattn generate_batch's tokens/s at the most requests over those at the fewest: at least this
+SERVING_SCALE_TARGET = 1.3
+# what a first generate_batch call (a fresh manager: its paged cache made) spends beyond the
+# prefill of its prompts: at most this many seconds
+SERVING_FIRST_CALL_TARGET_S = 2.0
 SERVING_TEXT = (
     f"{models.MODELS[SERVING_MODEL].title}: {' and '.join(map(str, SERVING_REQUESTS))} requests of "
     f"{SERVING_PROMPTS[0]}-{SERVING_PROMPTS[1]} prompt tokens, {SERVING_NEW_TOKENS} new tokens each: generate_batch "
@@ -587,7 +594,9 @@ def measure_serving(
     Rows: model, dtype, impl (the way), phase "serving", requests, new_tokens, prompt_tokens,
     threads, tokens_per_s (generated tokens over the call's seconds), ms, status, and same_tokens:
     whether the way's tokens are sdpa generate_batch's. twinattn's must be (status "wrong"
-    otherwise); the padded batch's are reported (its padding changes the floats it rounds)."""
+    otherwise); the padded batch's are reported (its padding changes the floats it rounds).
+    generate_batch's rows also carry first_call_ms, prefill_ms, attention_ms, cache_ms and
+    split_call_ms (_serve says what each is)."""
     from .. import hf  # noqa: F401  registers "twinattn"
 
     dtype = dtype_of(model)
@@ -637,10 +646,13 @@ def _serve(
     model: Any, way: str, warm: list[list[int]], prompts: list[list[int]], new_tokens: int
 ) -> Tuple[float, list[list[int]], dict[str, float]]:
     """(seconds, each request's new tokens, split) of one way of SERVING_WAYS on `prompts`. For
-    generate_batch, split is a third call's (on the warm-up prompts) milliseconds in the attention
-    function (attention_ms) and in the paged cache's update (cache_ms: the new keys and values
-    written, and, on CPU, every key of the step gathered out of the pages), with the call's own
-    (split_call_ms); the padded batch has none."""
+    generate_batch, split holds the milliseconds of a first call on the warm-up prompts with one new
+    token each, on a fresh manager (first_call_ms: its paged cache made, then every prompt's
+    prefill), of the same call again on the now warm manager (prefill_ms: the prefill alone), and
+    of a call after the timed one (on the warm-up prompts): the time in the attention function
+    (attention_ms) and in the paged cache's update (cache_ms: the new keys and values written, and
+    every key of the step gathered out of the pages where transformers gathers them), with the
+    call's own (split_call_ms); the padded batch has none."""
     import torch
     from transformers import GenerationConfig
 
@@ -648,13 +660,20 @@ def _serve(
 
     impl, how = way.split("+")
     model.set_attn_implementation(impl)
+    split: dict[str, float] = {}
     if how == "generate_batch":
         # eos -1: no request stops early, every way generates new_tokens per request
         settings = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+        first_token = GenerationConfig(max_new_tokens=1, do_sample=False, eos_token_id=-1, pad_token_id=0)
         config = continuous_batching_config([len(p) for p in prompts], new_tokens, allow_block_sharing=False)
         model.destroy_cached_continuous_batching_manager()
         try:
             with torch.inference_mode():
+                for name in ("first_call_ms", "prefill_ms"):
+                    start = time.perf_counter()
+                    model.generate_batch(warm, generation_config=first_token, continuous_batching_config=config,
+                                         persistent_manager=True, progress_bar=False)
+                    split[name] = (time.perf_counter() - start) * 1e3
                 model.generate_batch(warm, generation_config=settings, continuous_batching_config=config,
                                      persistent_manager=True, progress_bar=False)
                 start = time.perf_counter()
@@ -665,8 +684,8 @@ def _serve(
                     start = time.perf_counter()
                     model.generate_batch(warm, generation_config=settings, continuous_batching_config=config,
                                          persistent_manager=True, progress_bar=False)
-                    split = {"attention_ms": sum(attention) * 1e3, "cache_ms": sum(cache) * 1e3,
-                             "split_call_ms": (time.perf_counter() - start) * 1e3}
+                    split.update(attention_ms=sum(attention) * 1e3, cache_ms=sum(cache) * 1e3,
+                                 split_call_ms=(time.perf_counter() - start) * 1e3)
         finally:
             model.destroy_cached_continuous_batching_manager()
         generated = [result.generated_tokens for result in out.values()]
@@ -683,7 +702,6 @@ def _serve(
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=settings)
             seconds = time.perf_counter() - start
         generated = out[:, longest:].tolist()
-        split = {}
     if len(generated) != len(prompts) or any(len(tokens) != new_tokens for tokens in generated):
         raise RuntimeError(f"{way}: expected {new_tokens} new tokens for each of {len(prompts)} requests, got "
                            f"{[len(tokens) for tokens in generated]}")
@@ -741,10 +759,34 @@ def format_serving_rows(rows: Sequence[dict[str, Any]]) -> str:
             note = "WRONG: " + note
         if r.get("split_call_ms"):
             note += (f"{'; ' if note else ''}a call of {r['split_call_ms']:.0f} ms: attention {r['attention_ms']:.0f}, "
-                     f"cache write + gather {r['cache_ms']:.0f}")
+                     f"cache update {r['cache_ms']:.0f}; prefill {r['prefill_ms']:.0f}, first call "
+                     f"{r['first_call_ms']:.0f}")
         lines.append(f"{r['model']:24} {r['dtype']:8} {r['requests']:>8} {r['impl']:24} {r['tokens_per_s']:>9.1f} "
                      f"{r['ms']:>9.1f} {ratio:>8}  {note}")
-    return "\n".join(lines)
+    return "\n".join(lines + serving_targets(rows))
+
+
+def serving_targets(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The serving targets of twinattn generate_batch, per model and dtype: its tokens/s at the most
+    requests over those at the fewest (>= SERVING_SCALE_TARGET), with the share of each call that is
+    the prompts' prefill (prefill_ms / ms: linear in the prompts, it bounds that ratio), and the
+    time a first call spends beyond its prefill (first_call_ms - prefill_ms, at most
+    SERVING_FIRST_CALL_TARGET_S), the most over the request counts."""
+    lines = []
+    ours = [r for r in rows if r["impl"] == "twinattn+generate_batch" and r["status"] == "ok"]
+    for model, dtype in dict.fromkeys((r["model"], r["dtype"]) for r in ours):
+        mine = sorted((r for r in ours if (r["model"], r["dtype"]) == (model, dtype)), key=lambda r: r["requests"])
+        few, most = mine[0], mine[-1]
+        if most["requests"] > few["requests"]:
+            scale = most["tokens_per_s"] / few["tokens_per_s"]
+            shares = ", ".join(f"{100 * r['prefill_ms'] / r['ms']:.0f}% at {r['requests']}" for r in (few, most))
+            lines.append(f"{model} {dtype}: twinattn generate_batch tokens/s at {most['requests']} requests / at "
+                         f"{few['requests']}: {scale:.2f}x (>= {SERVING_SCALE_TARGET}x): {verdict(scale, SERVING_SCALE_TARGET)}"
+                         f"; the prompts' prefill is {shares} of the call")
+        beyond = max((r["first_call_ms"] - r["prefill_ms"]) / 1e3 for r in mine)
+        lines.append(f"{model} {dtype}: twinattn generate_batch's first call beyond its prefill: {beyond:.2f} s "
+                     f"(<= {SERVING_FIRST_CALL_TARGET_S:g} s): {verdict(beyond, SERVING_FIRST_CALL_TARGET_S, True)}")
+    return lines
 
 
 def run_serving_case(
