@@ -104,27 +104,17 @@ void tile_products(const void* a, int64_t a_stride, int64_t rows, const void* b,
     const char* a_bytes = static_cast<const char*>(a);
     const char* b_bytes = static_cast<const char*>(b);
     char* c_bytes = static_cast<char*>(c);
+    using TileProductFn = void (*)(const char*, int64_t, const char*, int64_t, int64_t, char*, int64_t, bool);
+    static constexpr TileProductFn kBlocks[2][2] = {{tile_product<1, 1>, tile_product<1, 2>},
+                                                    {tile_product<2, 1>, tile_product<2, 2>}};
     const int64_t row_tiles = (rows + kTileRows - 1) / kTileRows;
     for (int64_t t = 0; t < row_tiles; t += 2) {
-        const char* a_t = a_bytes + t * kTileRows * a_stride;
-        char* c_t = c_bytes + t * kTileRows * c_stride;
         const bool two_rows = t + 2 <= row_tiles;
-        int64_t u = 0;
-        for (; u + 2 <= columns; u += 2) {
-            const char* b_u = b_bytes + u * kTileBytes;
-            char* c_u = c_t + u * kTileBytes;
-            if (two_rows)
-                tile_product<2, 2>(a_t, a_stride, b_u, b_stride, chunks, c_u, c_stride, accumulate);
-            else
-                tile_product<1, 2>(a_t, a_stride, b_u, b_stride, chunks, c_u, c_stride, accumulate);
-        }
-        if (u < columns) {
-            const char* b_u = b_bytes + u * kTileBytes;
-            char* c_u = c_t + u * kTileBytes;
-            if (two_rows)
-                tile_product<2, 1>(a_t, a_stride, b_u, b_stride, chunks, c_u, c_stride, accumulate);
-            else
-                tile_product<1, 1>(a_t, a_stride, b_u, b_stride, chunks, c_u, c_stride, accumulate);
+        for (int64_t u = 0; u < columns; u += 2) {
+            const bool two_columns = u + 2 <= columns;
+            kBlocks[two_rows][two_columns](a_bytes + t * kTileRows * a_stride, a_stride, b_bytes + u * kTileBytes,
+                                           b_stride, chunks, c_bytes + t * kTileRows * c_stride + u * kTileBytes,
+                                           c_stride, accumulate);
         }
     }
 }

@@ -221,38 +221,28 @@ unsafe fn tile_products(
     c_stride: usize,
     accumulate: bool,
 ) {
+    type TileProductFn = unsafe fn(*const u8, usize, *const u8, usize, usize, *mut u8, usize, bool);
+    const BLOCKS: [[TileProductFn; 2]; 2] = [
+        [tile_product::<1, 1>, tile_product::<1, 2>],
+        [tile_product::<2, 1>, tile_product::<2, 2>],
+    ];
     let row_tiles = rows.div_ceil(TILE_ROWS);
     // SAFETY: forwarded from this function's contract.
     unsafe {
         for t in (0..row_tiles).step_by(2) {
-            let a_t = a.add(t * TILE_ROWS * a_stride);
-            let c_t = c.add(t * TILE_ROWS * c_stride);
             let two_rows = t + 2 <= row_tiles;
-            let mut u = 0;
-            while u + 2 <= columns {
-                let (b_u, c_u) = (b.add(u * TILE_BYTES), c_t.add(u * TILE_BYTES));
-                if two_rows {
-                    tile_product::<2, 2>(
-                        a_t, a_stride, b_u, b_stride, chunks, c_u, c_stride, accumulate,
-                    );
-                } else {
-                    tile_product::<1, 2>(
-                        a_t, a_stride, b_u, b_stride, chunks, c_u, c_stride, accumulate,
-                    );
-                }
-                u += 2;
-            }
-            if u < columns {
-                let (b_u, c_u) = (b.add(u * TILE_BYTES), c_t.add(u * TILE_BYTES));
-                if two_rows {
-                    tile_product::<2, 1>(
-                        a_t, a_stride, b_u, b_stride, chunks, c_u, c_stride, accumulate,
-                    );
-                } else {
-                    tile_product::<1, 1>(
-                        a_t, a_stride, b_u, b_stride, chunks, c_u, c_stride, accumulate,
-                    );
-                }
+            for u in (0..columns).step_by(2) {
+                let two_columns = u + 2 <= columns;
+                BLOCKS[usize::from(two_rows)][usize::from(two_columns)](
+                    a.add(t * TILE_ROWS * a_stride),
+                    a_stride,
+                    b.add(u * TILE_BYTES),
+                    b_stride,
+                    chunks,
+                    c.add(t * TILE_ROWS * c_stride + u * TILE_BYTES),
+                    c_stride,
+                    accumulate,
+                );
             }
         }
     }
@@ -378,34 +368,9 @@ pub const fn flash_kernels_amxbf16() -> FlashKernels {
     kernels
 }
 
-/// Whether this CPU has AMX-TILE and AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22) and the OS lets
-/// this process use the tile data (Linux: arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA),
-/// asked once by dispatch.rs; the permission then holds for every thread of the process).
-pub fn amx_bf16_usable() -> bool {
-    #[cfg(target_os = "linux")]
-    {
-        if __get_cpuid_max(0).0 < 7 {
-            return false;
-        }
-        let edx = __cpuid_count(7, 0).edx;
-        if (edx >> 24) & 1 == 0 || (edx >> 22) & 1 == 0 {
-            return false;
-        }
-        const SYS_ARCH_PRCTL: usize = 158;
-        const ARCH_REQ_XCOMP_PERM: usize = 0x1023;
-        const XFEATURE_XTILEDATA: usize = 18;
-        let result: isize;
-        // SAFETY: the arch_prctl system call, which only changes this process's permissions.
-        unsafe {
-            asm!("syscall", inlateout("rax") SYS_ARCH_PRCTL as isize => result,
-                 in("rdi") ARCH_REQ_XCOMP_PERM, in("rsi") XFEATURE_XTILEDATA,
-                 lateout("rcx") _, lateout("r11") _, options(nostack));
-        }
-        result == 0
-    }
-    #[cfg(not(target_os = "linux"))]
-    false
-}
+// Whether this CPU has AMX-TILE and AMX-BF16 and the OS grants the tile data: amx_bf16_usable(),
+// shared with build.rs (which marks the amxbf16 tests ignored where it is false).
+include!("amx_usable.rs");
 
 /// measure_peak's TDPBF16PS loop: 4 independent accumulator tiles of 16 x 16 floats, each step
 /// C += A B over 16 x 32 bfloat16 of small values (2^-10: the sums grow by 2^-15 per

@@ -235,31 +235,6 @@ unsafe fn strip_scores<const R: usize>(
     }
 }
 
-/// # Safety
-/// As [`strip_scores`], for rows rows.
-#[inline(always)]
-unsafe fn block_scores(
-    q_pairs: *const u32,
-    d2_len: usize,
-    rows: usize,
-    panels: *const u32,
-    n: usize,
-    scores: *mut f32,
-    q_multiplier: f32,
-) {
-    // SAFETY: forwarded from this function's contract.
-    unsafe {
-        let multiplier = _mm512_set1_ps(q_multiplier);
-        for r in (0..rows).step_by(MICRO_ROWS) {
-            let q = q_pairs.add(r * d2_len);
-            let s = scores.add(r * KEY_BLOCK);
-            match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
-                strip_scores::<R>(q, d2_len, panels, n, s, multiplier)
-            });
-        }
-    }
-}
-
 // ---- 3d. O = alpha O + P V by bfloat16 pair dot products -------------------------------------
 
 /// P of each row (n_padded floats, 0 past n) rounded to bfloat16 pairs, 32 keys at a time.
@@ -394,31 +369,6 @@ unsafe fn strip_values<const R: usize>(
     }
 }
 
-/// # Safety
-/// As [`value_micro`], for rows rows (out_acc of stride value_stride).
-#[inline(always)]
-unsafe fn pair_block_values(
-    probs_pairs: *const u32,
-    rows: usize,
-    pairs: usize,
-    v_pairs: *const u32,
-    value_stride: usize,
-    out_acc: *mut f32,
-    rescale: *const f32,
-) {
-    // SAFETY: forwarded from this function's contract.
-    unsafe {
-        for r in (0..rows).step_by(MICRO_ROWS) {
-            let probs = probs_pairs.add(r * PAIRS_PER_BLOCK);
-            let out = out_acc.add(r * value_stride);
-            let alpha = rescale.add(r);
-            match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
-                strip_values::<R>(probs, pairs, v_pairs, value_stride, out, value_stride, alpha)
-            });
-        }
-    }
-}
-
 // ---- The two products of a pair path ---------------------------------------------------------
 
 /// The products a bfloat16 pair path supplies to [`pack_pairs`] and [`attend_rows`] (twin of
@@ -439,7 +389,9 @@ pub(crate) trait PairProducts {
     /// S of whole K panels holding the block's n keys, times q_multiplier.
     ///
     /// # Safety
-    /// As [`block_scores`] (and the tiles' rows, flash_amx.rs).
+    /// The unit's instruction set available; q_pairs: rows rows of d2_len pairs (rounded up to
+    /// ROW_GRANULE rows); panels: the K pair panels of the block's n keys; scores: those rows of
+    /// stride KEY_BLOCK.
     unsafe fn block_scores(
         q_pairs: *const u32,
         d2_len: usize,
@@ -452,7 +404,9 @@ pub(crate) trait PairProducts {
     /// O = alpha O + P V over `pairs` key pairs.
     ///
     /// # Safety
-    /// As [`pair_block_values`] (and the tiles' rows, flash_amx.rs).
+    /// The unit's instruction set available; probs_pairs: rows rows (rounded up to ROW_GRANULE)
+    /// of PAIRS_PER_BLOCK pairs; v_pairs: `pairs` rows of value_stride pairs; out_acc: those rows
+    /// of stride value_stride; rescale: rows.
     unsafe fn block_values(
         probs_pairs: *const u32,
         rows: usize,
@@ -485,7 +439,16 @@ impl PairProducts for DotProducts {
         q_multiplier: f32,
     ) {
         // SAFETY: forwarded from this function's contract.
-        unsafe { block_scores(q_pairs, d2_len, rows, panels, n, scores, q_multiplier) }
+        unsafe {
+            let multiplier = _mm512_set1_ps(q_multiplier);
+            for r in (0..rows).step_by(MICRO_ROWS) {
+                let q = q_pairs.add(r * d2_len);
+                let s = scores.add(r * KEY_BLOCK);
+                match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
+                    strip_scores::<R>(q, d2_len, panels, n, s, multiplier)
+                });
+            }
+        }
     }
     #[inline(always)]
     unsafe fn block_values(
@@ -499,15 +462,14 @@ impl PairProducts for DotProducts {
     ) {
         // SAFETY: forwarded from this function's contract.
         unsafe {
-            pair_block_values(
-                probs_pairs,
-                rows,
-                pairs,
-                v_pairs,
-                value_stride,
-                out_acc,
-                rescale,
-            )
+            for r in (0..rows).step_by(MICRO_ROWS) {
+                let probs = probs_pairs.add(r * PAIRS_PER_BLOCK);
+                let out = out_acc.add(r * value_stride);
+                let alpha = rescale.add(r);
+                match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
+                    strip_values::<R>(probs, pairs, v_pairs, value_stride, out, value_stride, alpha)
+                });
+            }
         }
     }
 }
