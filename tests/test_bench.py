@@ -1083,7 +1083,7 @@ def test_narrow_dtypes_in_the_json_and_the_table(
     out = capsys.readouterr().out
     doc = json.loads(path.read_text())
     assert doc["dtypes"] == ["float32", "float16", "bfloat16"]
-    assert set(doc["ceilings"]["peaks"]) == {"fma32", "bf16dot"}
+    assert set(doc["ceilings"]["peaks"]) == {"fma32", "bf16dot", "bf16tile"}
     rows = doc["results"]
     assert all(r["dtype"] in suite.FLOAT_DTYPES for r in rows)
     assert {(r["case"], r["dtype"]) for r in rows} == {

@@ -3,7 +3,9 @@
 // prefill. Compile flags of this translation unit: those of flash_avx512bf16.cpp plus -mamx-tile
 // -mamx-bf16 (cpp/CMakeLists.txt).
 //
-// Everything but bfloat16 prefill is avx512bf16's (dispatch.cpp copies its table). bfloat16
+// Everything but bfloat16 prefill is avx512bf16's (dispatch.cpp copies its table); the convert
+// path's kernel here, for split-key items and unsafe blocks, has its own vector type
+// (VecAvx512Amx, ODR note in simd_avx512.hpp), the same source and results. bfloat16
 // prefill is the dot path (flash_bf16_pairs.hpp: the same K pair panels, raw Q pairs, P rounded
 // to bfloat16 pairs, V pair rows, the same masking and softmax) with its two products on tiles.
 // Every tile is 16 rows x 64 bytes (palette 1, tmm0-7; LDTILECFG at the start of a work item,
@@ -159,8 +161,8 @@ struct AmxProducts {
     }
 };
 
-using AmxKernel = PairKernel<AmxProducts>;
-using DotKernel = PairKernel<DotProducts>;
+using AmxKernel = PairKernel<VecAvx512Amx, AmxProducts>;
+using DotKernel = PairKernel<VecAvx512Amx, DotProducts>;
 
 // D a multiple of 32 takes the tiles; any other D the dot path (the packing is the same).
 void attend_rows(const FlashPlan& plan, const WorkItem& item, const ThreadScratch& s) {

@@ -38,7 +38,7 @@
 namespace twinattn {
 namespace {
 
-using DotKernel = PairKernel<DotProducts>;
+using DotKernel = PairKernel<VecAvx512Bf16, DotProducts>;
 
 }  // namespace
 

@@ -10,7 +10,8 @@
 //   block_values(probs_pairs, rows, pairs, v_pairs, value_stride, out_acc, rescale):
 //     O = alpha O + P V over `pairs` key pairs;
 //   begin_item() / end_item(): around a work item's key blocks (the tiles' configuration).
-// Included by those two units only, each with its own target flags: hence internal linkage.
+// Included by those two units only, each with its own target flags: hence internal linkage here,
+// and each unit's own vector type V for the convert path's kernel (ODR note, flash_kernel.hpp).
 #pragma once
 
 #include "simd_avx512.hpp"
@@ -20,12 +21,16 @@
 namespace twinattn {
 namespace {
 
-using Convert = flash::Kernel<VecAvx512Bf16, BFloat16>;
-
 constexpr int64_t kPairsPerBlock = kKeyBlock / 2;
 
-template <class Products>
-struct PairKernel : Convert {
+template <class V, class Products>
+struct PairKernel : flash::Kernel<V, BFloat16> {
+    using Convert = flash::Kernel<V, BFloat16>;
+    using Convert::block_probabilities;
+    using Convert::finish_row;
+    using Convert::round_up;
+    using Convert::start_row;
+
     // ---- Packing (once per (b, kv_head)) ------------------------------------------------------
     static void pack_pairs(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_begin,
                            int64_t key_end, uint32_t* key_dst, uint32_t* value_dst,
@@ -144,7 +149,7 @@ struct PairKernel : Convert {
                 for (int64_t j = 0; j < n_read; ++j) values_finite &= v_head_finite[key_block + j] != 0;
             if (!values_finite) {
                 flash_key_rows(p, b, item.kv_head, key_block, n, nullptr, s.value_rows, nullptr, nullptr);
-                Convert::block_values<true>(s.scores, rows, n, s.value_rows, s.out_acc, value_stride, Dv, s.rescale);
+                Convert::template block_values<true>(s.scores, rows, n, s.value_rows, s.out_acc, value_stride, Dv, s.rescale);
                 continue;
             }
             round_probs(s.scores, rows, n_padded, s.probs_pairs);
