@@ -14,10 +14,12 @@ fn main() {
         .unwrap_or_else(|| "rustc (unknown version)".to_owned());
     println!("cargo:rustc-env=TWINATTN_RUSTC_VERSION={version}");
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=src/amx_usable.rs");
     cpu_cfgs();
 }
 
-/// `twinattn_cpu_avx2` / `twinattn_cpu_avx512` / `twinattn_cpu_avx512bf16`: the CPU building the
+/// `twinattn_cpu_avx2` / `twinattn_cpu_avx512` / `twinattn_cpu_avx512bf16` /
+/// `twinattn_cpu_amxbf16`: the CPU building the
 /// crate runs that instruction set (the same test as dispatch.rs). The tests of a set the CPU lacks are then `#[ignore]`d, so
 /// `cargo test` reports them as ignored instead of passing without running. Cross builds (target
 /// differs from host) set neither: nothing is known about the CPU that will run them.
@@ -25,6 +27,7 @@ fn cpu_cfgs() {
     println!("cargo::rustc-check-cfg=cfg(twinattn_cpu_avx2)");
     println!("cargo::rustc-check-cfg=cfg(twinattn_cpu_avx512)");
     println!("cargo::rustc-check-cfg=cfg(twinattn_cpu_avx512bf16)");
+    println!("cargo::rustc-check-cfg=cfg(twinattn_cpu_amxbf16)");
     if std::env::var("TARGET").ok() != std::env::var("HOST").ok() {
         return;
     }
@@ -46,6 +49,12 @@ fn cpu_cfgs() {
             && is_x86_feature_detected!("avx512bf16")
         {
             println!("cargo::rustc-cfg=twinattn_cpu_avx512bf16");
+            if amx_bf16_usable() {
+                println!("cargo::rustc-cfg=twinattn_cpu_amxbf16");
+            }
         }
     }
 }
+
+#[cfg(target_arch = "x86_64")]
+include!("src/amx_usable.rs");

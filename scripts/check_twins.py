@@ -36,7 +36,8 @@ PAIRS: list[tuple[list[str], list[str]]] = [
     (["cpp/src/flash_avx2.cpp"], ["rust/src/flash_avx2.rs"]),
     (["cpp/src/flash_avx512.cpp"], ["rust/src/flash_avx512.rs"]),
     (["cpp/src/flash_neon.cpp"], ["rust/src/flash_neon.rs"]),
-    (["cpp/src/flash_avx512bf16.cpp"], ["rust/src/flash_avx512bf16.rs"]),
+    (["cpp/src/flash_avx512bf16.cpp", "cpp/src/flash_bf16_pairs.hpp"], ["rust/src/flash_avx512bf16.rs"]),
+    (["cpp/src/flash_amx.cpp"], ["rust/src/flash_amx.rs", "rust/src/amx_usable.rs"]),
     (["cpp/include/twinattn/flash_attention.hpp", "cpp/src/flash_attention.cpp"],
      ["rust/src/flash_attention.rs"]),
     (["cpp/include/twinattn/flash_backward.hpp", "cpp/src/flash_backward.cpp"],
@@ -111,9 +112,16 @@ FORCED: dict[str, dict[str, str]] = {
         "match_strip_rows": "a const generic from a run-time strip height (C++: a switch at the call)",
     },
     "cpp/src/flash_avx512bf16.cpp": {
-        "Convert": _CLASS, "DotKernel": _CLASS,
-        "block_values": "C++'s DotKernel::block_values hides Convert's; Rust's module imports both",
-        "pair_block_values": "C++'s DotKernel::block_values hides Convert's; Rust's module imports both",
+        "Convert": _CLASS, "DotKernel": _CLASS, "PairKernel": _CLASS, "PairProducts": _TRAIT,
+    },
+    "cpp/src/flash_amx.cpp": {
+        "AmxKernel": _CLASS, "DotKernel": _CLASS,
+        "TileConfig": "Rust: the 64 bytes as one array (C++ a struct of LDTILECFG's fields)",
+        "tile_config": "Rust builds the configuration as a const (TILE_CONFIG); C++ in a function",
+        "TILE_CONFIG": "Rust builds the configuration as a const (TILE_CONFIG); C++ in a function",
+        **{name: "core::arch's AMX intrinsics are unstable: Rust wraps each tile instruction in inline asm "
+                 "(C++ calls the _tile_* intrinsics)"
+           for name in ("tile_dot", "tile_load", "tile_load_config", "tile_release", "tile_store", "tile_zero")},
     },
     "cpp/include/twinattn/flash_attention.hpp": {
         "AlignedBuffer.operator": "C++ deletes the copy; Rust types do not copy unless they say so",
@@ -178,10 +186,10 @@ FORCED: dict[str, dict[str, str]] = {
 # Differences that no language forces and that are not aligned yet, each with why it stays (a
 # rename cannot align it: one port is laid out or split differently). A stale entry fails.
 NOT_YET_ALIGNED: dict[str, set[str]] = {
-    # C++ one class template VecAvx512Unit<kUnit> serves the float32 and the bf16-dot vector types
-    # (VecAvx512 and VecAvx512Bf16 are aliases) and wraps _mm512_mask_shuffle_f32x4 as
+    # C++ one class template VecAvx512Unit<kUnit> serves the float32, the bf16-dot and the AMX
+    # units' vector types (VecAvx512, VecAvx512Bf16 and VecAvx512Amx are aliases) and wraps _mm512_mask_shuffle_f32x4 as
     # shuffle_groups; Rust has the one type and calls _mm512_shuffle_f32x4 inline.
-    "cpp/src/simd_avx512.hpp": {"VecAvx512Bf16", "VecAvx512Unit", "shuffle_groups"},
+    "cpp/src/simd_avx512.hpp": {"VecAvx512Bf16", "VecAvx512Amx", "VecAvx512Unit", "shuffle_groups"},
     # C++ names the 4-lane halves of the 8-lane operations; Rust writes them inline.
     "cpp/src/simd_neon.hpp": {"load4", "reduce4_group", "store4"},
     # C++ names the direct strip's score loop (a template over the strip height); Rust writes it

@@ -34,11 +34,17 @@ HALF_DTYPES = (FLOAT16, BFLOAT16)
 # significant bits (the implicit one included) and the smallest normal exponent of each
 _HALF_FORMAT = {FLOAT16: (11, -14), BFLOAT16: (8, -126)}
 # the instruction sets a build for this machine's architecture may offer (TWINATTN_ISA's names);
-# avx512bf16 is AVX-512F plus AVX512_BF16: VDPBF16PS in the bfloat16 prefill path
-ISAS = ("scalar", "neon") if platform.machine().lower() in ("aarch64", "arm64") else ("scalar", "avx2", "avx512", "avx512bf16")
-# the one (instruction set, dtype) whose result is not the float32 kernel's on the converted
-# inputs: bfloat16 prefill on avx512bf16 multiplies with VDPBF16PS and rounds P to bfloat16
-DOT_PATH = ("avx512bf16", BFLOAT16)
+# avx512bf16 is AVX-512F plus AVX512_BF16: VDPBF16PS in the bfloat16 prefill path; amxbf16 adds
+# AMX-BF16: TDPBF16PS on tiles there
+ISAS = (
+    ("scalar", "neon")
+    if platform.machine().lower() in ("aarch64", "arm64")
+    else ("scalar", "avx2", "avx512", "avx512bf16", "amxbf16")
+)
+# the (instruction set, dtype) whose result is not the float32 kernel's on the converted inputs:
+# bfloat16 prefill on avx512bf16 (VDPBF16PS) and amxbf16 (TDPBF16PS) multiplies bfloat16 pairs
+# and rounds P to bfloat16
+DOT_PATHS = (("avx512bf16", BFLOAT16), ("amxbf16", BFLOAT16))
 
 
 def rand(rng: np.random.Generator, *shape: int) -> np.ndarray:
@@ -112,13 +118,13 @@ def assert_half_close_to_reference(
     Tolerance per element, from the arithmetic: the float32 kernel's error on the converted inputs
     (helpers' float32 tolerance: a multiple of the NumPy float32 reference's error, plus a floor),
     plus half an ulp of the value in q's dtype (out is rounded once, to nearest), plus on the
-    bfloat16 dot path (avx512bf16) the rounding of each weight p_j to bfloat16 before P.V: each
+    bfloat16 dot and tile paths (avx512bf16, amxbf16) the rounding of each weight p_j to bfloat16 before P.V: each
     p_j moves by at most 2^-8 p_j (8 significant bits), so the output by at most
     2^-8 sum_j p_j |v_j| (the reference's attention over |v|)."""
     dtype = q.dtype
     want = np.asarray(reference64(q, k, v, **kwargs))
     f32 = np.asarray(reference32(*(as32(a) for a in (q, k, v)), **{n: as32(x) for n, x in kwargs.items()}))
-    weighted = np.asarray(reference64(q, k, np.abs(as64(v)), **kwargs)) if (isa, dtype) == DOT_PATH else None
+    weighted = np.asarray(reference64(q, k, np.abs(as64(v)), **kwargs)) if (isa, dtype) in DOT_PATHS else None
     assert_half_within(got, want, f32, max_abs(as64(v)), dtype, weighted)
 
 

@@ -965,6 +965,11 @@ def test_peak_for_picks_the_dtypes_peak() -> None:
     assert machine.peak_for("bfloat16", slow_dot, "dot") == ("bf16dot", 200.0)
     assert machine.peak_for("float32", slow_dot, None) == ("fma32", 400.0)
     assert machine.peak_for("bfloat16", lacking, "dot") == (None, None)
+    # the AMX path against the tile peak; a peer against the highest, tiles included
+    tiles = {"peaks": {**entry["peaks"], "bf16tile": {"gflops": 3000.0}}}
+    assert machine.peak_for("bfloat16", tiles, "amx") == ("bf16tile", 3000.0)
+    assert machine.peak_for("bfloat16", tiles) == ("bf16tile", 3000.0)
+    assert machine.peak_for("bfloat16", entry, "amx") == (None, None)  # no tiles measured
 
 
 def test_bfloat16_path_is_the_ports_and_split_key_converts() -> None:
@@ -976,7 +981,7 @@ def test_bfloat16_path_is_the_ports_and_split_key_converts() -> None:
     for port in ports:
         info = twinattn.build_info()[port]
         assert prefill.q_len * prefill.q_heads // prefill.kv_heads > info["constants"]["q_tile_rows"]
-        assert machine.bfloat16_path(port, prefill) == info["bfloat16_path"] in ("dot", "convert")
+        assert machine.bfloat16_path(port, prefill) == info["bfloat16_path"] in ("amx", "dot", "convert")
         assert machine.bfloat16_path(port, decode) == "convert"
         assert machine.bfloat16_path(port, dataclasses.replace(prefill, dtype="float32")) is None
     assert machine.bfloat16_path("torch", prefill) is None
@@ -1078,7 +1083,7 @@ def test_narrow_dtypes_in_the_json_and_the_table(
     out = capsys.readouterr().out
     doc = json.loads(path.read_text())
     assert doc["dtypes"] == ["float32", "float16", "bfloat16"]
-    assert set(doc["ceilings"]["peaks"]) == {"fma32", "bf16dot"}
+    assert set(doc["ceilings"]["peaks"]) == {"fma32", "bf16dot", "bf16tile"}
     rows = doc["results"]
     assert all(r["dtype"] in suite.FLOAT_DTYPES for r in rows)
     assert {(r["case"], r["dtype"]) for r in rows} == {

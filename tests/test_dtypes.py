@@ -30,7 +30,7 @@ import pytest
 import twinattn
 from conftest import import_optional
 from helpers import (
-    BFLOAT16, DOT_PATH, FLOAT16, HALF_DTYPES, as32, as64, assert_half_within, assert_lse_within, forced_isa, max_abs,
+    BFLOAT16, DOT_PATHS, FLOAT16, HALF_DTYPES, as32, as64, assert_half_within, assert_lse_within, forced_isa, max_abs,
     rand, reference32, reference64,
 )
 from helpers import backend_isa  # noqa: F401  (the fixture: numpy, and each port per instruction set)
@@ -153,9 +153,9 @@ def test_against_float64_reference(backend_isa: tuple[str, str], case: str, dtyp
     q, k, v, kwargs, want, want_lse, f32, f32_lse, weighted = _problem(case, dtype)
     out, lse = twinattn.attention(q, k, v, return_lse=True, backend=port, **kwargs)
     assert out.dtype == dtype and lse.dtype == np.float32
-    assert_half_within(out, want, f32, max_abs(as64(v)), dtype, weighted if (isa, dtype) == DOT_PATH else None)
+    assert_half_within(out, want, f32, max_abs(as64(v)), dtype, weighted if (isa, dtype) in DOT_PATHS else None)
     assert_lse_within(lse, want_lse, f32_lse)
-    if port != "numpy" and (isa, dtype) != DOT_PATH:
+    if port != "numpy" and (isa, dtype) not in DOT_PATHS:
         # the convert path: the float32 kernel on the exactly converted inputs, rounded once
         out32, lse32 = twinattn.attention(as32(q), as32(k), as32(v), return_lse=True, backend=port,
                                           **{n: as32(x) for n, x in kwargs.items()})
@@ -163,14 +163,15 @@ def test_against_float64_reference(backend_isa: tuple[str, str], case: str, dtyp
         _assert_bits_equal(lse, lse32)
 
 
+@pytest.mark.parametrize("wide_isa", ["avx512bf16", "amxbf16"])
 @pytest.mark.parametrize("dtype", [np.dtype(np.float32), FLOAT16, BFLOAT16], ids=str)
-def test_avx512bf16_is_avx512_but_for_bfloat16_prefill(native_backend: str, dtype: np.dtype) -> None:
-    """float32 and float16 on avx512bf16 run exactly the avx512 kernels (the same bits); so does
-    bfloat16 decode (the split-key path converts). bfloat16 prefill takes the dot path there,
-    checked against the reference by test_against_float64_reference."""
+def test_avx512bf16_is_avx512_but_for_bfloat16_prefill(native_backend: str, dtype: np.dtype, wide_isa: str) -> None:
+    """float32 and float16 on avx512bf16 and amxbf16 run exactly the avx512 kernels (the same
+    bits); so does bfloat16 decode (the split-key path converts). bfloat16 prefill takes the dot
+    path or the tiles there, checked against the reference by test_against_float64_reference."""
     cases = ("prefill", "decode", "mask-float", "odd-dims") if dtype != BFLOAT16 else ("decode", "decode-window", "decode-sinks-alibi")
     results: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-    for isa in ("avx512", "avx512bf16"):
+    for isa in ("avx512", wide_isa):
         with forced_isa(native_backend, isa):
             results[isa] = []
             for case in cases:
@@ -178,9 +179,23 @@ def test_avx512bf16_is_avx512_but_for_bfloat16_prefill(native_backend: str, dtyp
                 if dtype != BFLOAT16:
                     q, k, v = (a.astype(dtype) for a in (q, k, v))
                 results[isa].append(twinattn.attention(q, k, v, return_lse=True, backend=native_backend, **kwargs))
-    for (out_a, lse_a), (out_b, lse_b) in zip(results["avx512"], results["avx512bf16"]):
+    for (out_a, lse_a), (out_b, lse_b) in zip(results["avx512"], results[wide_isa]):
         _assert_bits_equal(out_a, out_b)
         _assert_bits_equal(lse_a, lse_b)
+
+
+def test_amxbf16_runs_the_dot_path_where_d_is_not_a_multiple_of_32(native_backend: str) -> None:
+    """The tiles cover D 32 at a time: any other D takes the dot path on amxbf16 (the same bits as
+    avx512bf16's)."""
+    rng = np.random.default_rng(17)
+    q = rand(rng, 1, 8, 40, 48).astype(BFLOAT16)  # 40 rows x group 4 > q_tile_rows: the prefill path
+    k, v = rand(rng, 1, 2, 300, 48).astype(BFLOAT16), rand(rng, 1, 2, 300, 40).astype(BFLOAT16)
+    results = []
+    for isa in ("avx512bf16", "amxbf16"):
+        with forced_isa(native_backend, isa):
+            results.append(twinattn.attention(q, k, v, causal=True, return_lse=True, backend=native_backend))
+    _assert_bits_equal(results[0][0], results[1][0])
+    _assert_bits_equal(results[0][1], results[1][1])
 
 
 @half_dtypes
@@ -195,7 +210,7 @@ def test_strided_views_and_out(backend_isa: tuple[str, str], dtype: np.dtype) ->
     kwargs: dict[str, Any] = {"causal": True, "kv_lens": np.array([333, 200]), "q_offset": np.array([263, 0])}
     want = reference64(q, k, v, **kwargs)
     f32 = reference32(as32(q), as32(k), as32(v), **kwargs)
-    weighted = reference64(q, k, np.abs(as64(v)), **kwargs) if (isa, dtype) == DOT_PATH else None
+    weighted = reference64(q, k, np.abs(as64(v)), **kwargs) if (isa, dtype) in DOT_PATHS else None
     in_place = np.full((2, 70, 4, 24), 7, dtype).swapaxes(1, 2)
     every_other = np.full((2, 4, 70, 48), 7, dtype)[..., ::2]
     for out in (in_place, every_other):
@@ -204,7 +219,7 @@ def test_strided_views_and_out(backend_isa: tuple[str, str], dtype: np.dtype) ->
         assert_half_within(out, want, f32, max_abs(as64(v)), dtype, weighted)
     np.testing.assert_array_equal(every_other.base[..., 1::2].astype(np.float64), 7.0)  # the gaps untouched
     np.testing.assert_array_equal(in_place, every_other)
-    if port != "numpy" and (isa, dtype) != DOT_PATH:
+    if port != "numpy" and (isa, dtype) not in DOT_PATHS:
         _assert_bits_equal(np.ascontiguousarray(in_place), round_to_dtype(
             twinattn.attention(as32(q), as32(k), as32(v), backend=port, **kwargs), dtype))
 

@@ -235,33 +235,38 @@ def test_twinattn_isa_environment_variable(native_backend: str, value: str, ok: 
         assert "TWINATTN_ISA" in result.stderr and value in result.stderr
 
 
-# ---- bfloat16: the dot path (VDPBF16PS) or the convert path, chosen by what the CPU does faster ----
+# ---- bfloat16: the tile path (AMX) where usable, else the dot path (VDPBF16PS) or the convert path,
+# ---- chosen by what the CPU does faster
 
 def _clean_environment() -> dict[str, str]:
     return {name: value for name, value in os.environ.items() if name != "TWINATTN_ISA"}
 
 
 def test_bfloat16_path_is_reported_and_follows_the_measurement(native_backend: str) -> None:
-    """build_info says which path bfloat16 prefill takes (the dot path exactly on avx512bf16), the
-    default instruction set, and, where the default had the choice, the measured ratio that chose
-    it against the shared threshold."""
+    """build_info says which path bfloat16 prefill takes (the tile path exactly on amxbf16, the dot
+    path exactly on avx512bf16), the default instruction set (amxbf16 wherever it is available),
+    and, where the default had the choice, the measured ratio that chose it against the shared
+    threshold."""
     info = _module(native_backend).build_info()
-    assert info["bfloat16_path"] == ("dot" if info["isa"] == "avx512bf16" else "convert")
+    assert info["bfloat16_path"] == {"amxbf16": "amx", "avx512bf16": "dot"}.get(info["isa"], "convert")
     assert info["isa_default"] in info["isa_available"]
+    if not os.environ.get("TWINATTN_ISA") and "amxbf16" in info["isa_available"]:
+        assert info["isa_default"] == "amxbf16"
     ratio = info["bf16dot_over_fma32"]
-    if ratio is None:  # no choice measured: TWINATTN_ISA decided, or there is no VDPBF16PS
-        assert os.environ.get("TWINATTN_ISA") or "avx512bf16" not in info["isa_available"]
+    if ratio is None:  # no choice measured: TWINATTN_ISA or AMX decided, or there is no VDPBF16PS
+        assert (os.environ.get("TWINATTN_ISA") or "amxbf16" in info["isa_available"]
+                or "avx512bf16" not in info["isa_available"])
     else:
         assert ratio > 0
         threshold = info["constants"]["bf16_dot_min_ratio"]
         assert info["isa_default"] == ("avx512bf16" if ratio >= threshold else "avx512")
 
 
-@pytest.mark.parametrize("isa, path", [("avx512", "convert"), ("avx512bf16", "dot")])
+@pytest.mark.parametrize("isa, path", [("avx512", "convert"), ("avx512bf16", "dot"), ("amxbf16", "amx")])
 def test_either_bfloat16_path_can_be_forced(native_backend: str, isa: str, path: str) -> None:
-    """set_isa (and so TWINATTN_ISA, below) forces either path whatever the measurement said; each
+    """set_isa (and so TWINATTN_ISA, below) forces any path whatever the measurement said; each
     stays within the documented bfloat16 tolerance (helpers: float32's error, out's rounding, and
-    on the dot path P's rounding to bfloat16)."""
+    on the dot and tile paths P's rounding to bfloat16)."""
     rng = np.random.default_rng(11)
     q = rand(rng, 1, 8, 40, 64).astype(BFLOAT16)  # 40 rows x group 4 > q_tile_rows: the prefill path
     k, v = rand(rng, 1, 2, 300, 64).astype(BFLOAT16), rand(rng, 1, 2, 300, 48).astype(BFLOAT16)
@@ -271,7 +276,7 @@ def test_either_bfloat16_path_can_be_forced(native_backend: str, isa: str, path:
     assert_half_close_to_reference(out, q, k, v, isa=isa, causal=True)
 
 
-@pytest.mark.parametrize("isa, path", [("avx512", "convert"), ("avx512bf16", "dot")])
+@pytest.mark.parametrize("isa, path", [("avx512", "convert"), ("avx512bf16", "dot"), ("amxbf16", "amx")])
 def test_twinattn_isa_forces_the_bfloat16_path_without_measuring(native_backend: str, isa: str, path: str) -> None:
     info = _module(native_backend).build_info()
     if isa not in info["isa_available"]:

@@ -680,8 +680,9 @@ PYBIND11_MODULE(_cpp, m) {
     m.def("softcap_tanh", &softcap_tanh_py, py::arg("x"),
           "tanh of a float32 vector with the fast kernel's vectorised tanh (softcap), for tests.");
     m.def("measure_peak", &measure_peak_py, py::arg("kind"), py::arg("num_threads"), py::arg("seconds"),
-          "GFLOP/s of a register-resident loop of independent 'fma32' (AVX-512 / AVX2 FMA) or "
-          "'bf16dot' (VDPBF16PS) operations on num_threads threads for about `seconds`.");
+          "GFLOP/s of a register-resident loop of independent 'fma32' (AVX-512 / AVX2 FMA), "
+          "'bf16dot' (VDPBF16PS) or 'bf16tile' (AMX TDPBF16PS) operations on num_threads threads for "
+          "about `seconds`.");
     m.def("build_info", &build_info,
           "Instruction set in use, those available, compiler and version of this build.");
 }

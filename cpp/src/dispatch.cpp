@@ -17,8 +17,8 @@ namespace {
 
 // Slowest first. NEON and the x86 sets are never in the same build, so "fastest available" is
 // the highest index either way.
-enum IsaIndex { kScalar = 0, kNeon = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4, kIsaCount = 5 };
-const char* const kIsaNames[kIsaCount] = {"scalar", "neon", "avx2", "avx512", "avx512bf16"};
+enum IsaIndex { kScalar = 0, kNeon = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4, kAmxBf16 = 5, kIsaCount = 6 };
+const char* const kIsaNames[kIsaCount] = {"scalar", "neon", "avx2", "avx512", "avx512bf16", "amxbf16"};
 
 struct CpuSupport {
     bool isa[kIsaCount];
@@ -26,7 +26,7 @@ struct CpuSupport {
 
 // What this build compiled and this CPU (and OS, for the wide registers) can run.
 CpuSupport detect() {
-    CpuSupport support{{true, false, false, false, false}};
+    CpuSupport support{{true, false, false, false, false, false}};
 #if defined(TWINATTN_HAVE_NEON_KERNELS)
     support.isa[kNeon] = true;  // NEON is part of the AArch64 baseline: nothing to ask
 #endif
@@ -39,6 +39,9 @@ CpuSupport detect() {
     // The bfloat16 unit is compiled with BW and VL as well (its 16-bit conversions may use them).
     support.isa[kAvx512Bf16] = support.isa[kAvx512] && __builtin_cpu_supports("avx512bw") &&
                                __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+    // AMX: CPUID's AMX-TILE and AMX-BF16, and the OS's permission for the tile data (asked here,
+    // once per process: flash_amx.cpp).
+    support.isa[kAmxBf16] = support.isa[kAvx512Bf16] && amx_bf16_usable();
 #endif
     return support;
 }
@@ -56,10 +59,11 @@ FlashKernels kernels_for(int isa) {
 #endif
 #if defined(TWINATTN_HAVE_X86_KERNELS)
     if (isa == kAvx512) return flash_kernels_avx512();
-    if (isa == kAvx512Bf16) {
-        // float32 and float16 run exactly the avx512 kernels; bfloat16 its own (dot products).
+    if (isa == kAvx512Bf16 || isa == kAmxBf16) {
+        // float32 and float16 run exactly the avx512 kernels; bfloat16 its own (dot products, or
+        // tile products on amxbf16).
         const FlashKernels avx512 = flash_kernels_avx512();
-        FlashKernels kernels = flash_kernels_avx512bf16();
+        FlashKernels kernels = isa == kAmxBf16 ? flash_kernels_amxbf16() : flash_kernels_avx512bf16();
         for (ElementType type : {ElementType::Float32, ElementType::Float16}) {
             kernels.attend_rows[static_cast<int>(type)] = avx512.attend_rows[static_cast<int>(type)];
             kernels.pack_keys[static_cast<int>(type)] = avx512.pack_keys[static_cast<int>(type)];
@@ -94,9 +98,10 @@ int fastest() {
     return kScalar;
 }
 
-// The default without TWINATTN_ISA: the fastest available set, except that avx512bf16 differs
-// from avx512 only in bfloat16's path (dot or convert), so there the faster unit decides, from
-// one short measurement (constants.hpp, "bfloat16 path choice"), kept in *ratio.
+// The default without TWINATTN_ISA: the fastest available set (amxbf16 where the tiles are
+// usable), except that avx512bf16 differs from avx512 only in bfloat16's path (dot or convert),
+// so there the faster unit decides, from one short measurement (constants.hpp, "bfloat16 path
+// choice"), kept in *ratio.
 int preferred(std::optional<double>* ratio) {
     const int isa = fastest();
     if (isa != kAvx512Bf16) return isa;
@@ -157,7 +162,9 @@ std::string default_isa() { return kIsaNames[dispatch().default_isa]; }
 
 std::string bfloat16_path() {
     Dispatch& d = dispatch();
-    return d.table[d.current.load()].pack_pairs != nullptr ? "dot" : "convert";
+    const int isa = d.current.load();
+    if (isa == kAmxBf16) return "amx";
+    return d.table[isa].pack_pairs != nullptr ? "dot" : "convert";
 }
 
 std::optional<double> bf16dot_over_fma32() { return dispatch().bf16dot_over_fma32; }

@@ -134,6 +134,9 @@ FlashKernels flash_kernels_scalar();
 FlashKernels flash_kernels_avx2();
 FlashKernels flash_kernels_avx512();
 FlashKernels flash_kernels_avx512bf16();  // flash_avx512bf16.cpp
+FlashKernels flash_kernels_amxbf16();     // flash_amx.cpp
+// Whether the CPU has AMX-TILE and AMX-BF16 and the OS grants the tile data (flash_amx.cpp).
+bool amx_bf16_usable();
 FlashKernels flash_kernels_neon();  // flash_neon.cpp, only when built for AArch64
 
 // The keys packed row r of (b, *) may see by length, causality and window: [*begin, *end),

@@ -2,7 +2,8 @@
 // native_api.md): GFLOP/s of register-resident loops of independent multiply-adds on num_threads
 // threads of the pool for about `seconds`. "fma32": AVX-512 FMA on 16 floats (32 flop per
 // instruction), or AVX2 FMA on 8 floats (16) on a CPU without AVX-512F; "bf16dot": VDPBF16PS
-// (64 flop per instruction, AVX512_BF16). Twin of rust/src/measure_peak.rs.
+// (64 flop per instruction, AVX512_BF16); "bf16tile": AMX TDPBF16PS (16384 flop per
+// instruction, AMX-BF16). Twin of rust/src/measure_peak.rs.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -33,8 +34,14 @@ double measure_peak(const std::string& kind, int64_t num_threads_requested, doub
 #endif
         if (loop == nullptr)
             throw std::invalid_argument("kind: \"bf16dot\" needs AVX512_BF16, which this CPU lacks");
+    } else if (kind == "bf16tile") {
+#if defined(TWINATTN_HAVE_X86_KERNELS)
+        if (has("amxbf16")) loop = peak_bf16tile_amxbf16;
+#endif
+        if (loop == nullptr)
+            throw std::invalid_argument("kind: \"bf16tile\" needs AMX-BF16 (and the OS's permission), which this CPU lacks");
     } else {
-        throw std::invalid_argument("kind: expected \"fma32\" or \"bf16dot\", got \"" + kind + "\"");
+        throw std::invalid_argument("kind: expected \"fma32\", \"bf16dot\" or \"bf16tile\", got \"" + kind + "\"");
     }
     const int num_threads = check_num_threads(num_threads_requested);
     if (!(seconds > 0.0) || seconds > 1e6)

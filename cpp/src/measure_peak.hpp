@@ -17,6 +17,8 @@ using PeakLoop = int64_t (*)(int64_t instructions);
 int64_t peak_fma32_avx512(int64_t instructions);
 int64_t peak_fma32_avx2(int64_t instructions);
 int64_t peak_bf16dot_avx512bf16(int64_t instructions);
+// TDPBF16PS on 16 x 16 float tiles from 16 x 32 bfloat16 (16384 flop each; flash_amx.cpp).
+int64_t peak_bf16tile_amxbf16(int64_t instructions);
 
 // One core's VDPBF16PS flop rate over its float32 AVX-512 FMA rate, for dispatch.cpp's choice of
 // the bfloat16 path (constants.hpp, "bfloat16 path choice"): on the calling thread, a warm-up

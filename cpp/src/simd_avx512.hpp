@@ -1,8 +1,8 @@
 // The AVX-512F vector type of the fast kernels: 16 floats. Included only by flash_avx512.cpp
-// (-mavx512f -mfma -mf16c: nothing here may run on a CPU without AVX-512F) and
-// flash_avx512bf16.cpp (AVX512_BF16 flags too). Each unit instantiates its own kUnit, so the two
-// never share a symbol (ODR note, flash_kernel.hpp): the avx512 kernels cannot pick up code
-// compiled for AVX512_BF16.
+// (-mavx512f -mfma -mf16c: nothing here may run on a CPU without AVX-512F), flash_avx512bf16.cpp
+// (AVX512_BF16 flags too) and flash_amx.cpp (and AMX's). Each unit instantiates its own kUnit, so
+// they never share a symbol (ODR note, flash_kernel.hpp): the avx512 kernels cannot pick up code
+// compiled for AVX512_BF16, nor the avx512bf16 ones code compiled for AMX.
 #pragma once
 
 #include <immintrin.h>
@@ -159,5 +159,6 @@ struct VecAvx512Unit : StorageOps<VecAvx512Unit<kUnit>> {
 
 using VecAvx512 = VecAvx512Unit<0>;     // flash_avx512.cpp
 using VecAvx512Bf16 = VecAvx512Unit<1>;  // flash_avx512bf16.cpp
+using VecAvx512Amx = VecAvx512Unit<2>;   // flash_amx.cpp
 
 }  // namespace twinattn

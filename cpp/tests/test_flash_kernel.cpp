@@ -576,17 +576,21 @@ void test_dispatch() {
         if (std::find(isas.begin(), isas.end(), name) == isas.end())
             CHECK_THROWS(std::invalid_argument, set_isa(name), "scalar");
     CHECK_THROWS(std::invalid_argument, set_isa("avx1024"), "got 'avx1024'");
-    // bfloat16's path: the default follows the measurement where there was a choice (no
-    // TWINATTN_ISA, AVX512_BF16), and the dot path runs exactly on avx512bf16.
+    // bfloat16's path: amxbf16 by default where it is available, else the default follows the
+    // measurement where there was a choice (no TWINATTN_ISA, AVX512_BF16); the tile path runs
+    // exactly on amxbf16, the dot path exactly on avx512bf16.
     CHECK(std::find(isas.begin(), isas.end(), default_isa()) != isas.end());
     const std::optional<double> ratio = bf16dot_over_fma32();
     const char* forced = std::getenv("TWINATTN_ISA");
+    const bool is_forced = forced != nullptr && *forced != '\0';
     const bool has_dot = std::find(isas.begin(), isas.end(), "avx512bf16") != isas.end();
+    const bool has_amx = std::find(isas.begin(), isas.end(), "amxbf16") != isas.end();
+    if (!is_forced && has_amx) CHECK(default_isa() == "amxbf16");
     if (ratio) CHECK(default_isa() == (*ratio >= kBf16DotMinRatio ? "avx512bf16" : "avx512"));
-    else CHECK((forced != nullptr && *forced != '\0') || !has_dot);
+    else CHECK(is_forced || has_amx || !has_dot);
     for (const std::string& isa : isas) {
         set_isa(isa);
-        CHECK(bfloat16_path() == (isa == "avx512bf16" ? "dot" : "convert"));
+        CHECK(bfloat16_path() == (isa == "amxbf16" ? "amx" : isa == "avx512bf16" ? "dot" : "convert"));
     }
     set_isa(isas.front());
     CHECK(current_isa() == isas.front());

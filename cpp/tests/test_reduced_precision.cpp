@@ -347,9 +347,10 @@ void test_convert_path(const char* type_name) {
     for (const Case& c : kernel_cases()) {
         const Inputs<T> in = make_inputs<T>(c);
         for (const std::string& isa : isas) {
-            // avx512bf16 runs bfloat16 prefill by dot products (test 4); its other bfloat16
-            // paths, and float16, are the convert path and are checked here.
-            if (isa == "avx512bf16" && std::is_same<T, BFloat16>::value && c.Lq * c.Hq / c.Hkv > 48) continue;
+            // avx512bf16 and amxbf16 run bfloat16 prefill by dot or tile products (test 4); their
+            // other bfloat16 paths, and float16, are the convert path and are checked here.
+            const bool pairs = isa == "avx512bf16" || isa == "amxbf16";
+            if (pairs && std::is_same<T, BFloat16>::value && c.Lq * c.Hq / c.Hkv > 48) continue;
             set_isa(isa);
             Outputs16 narrow, wide;
             run_both(in, attention_forward, 2, narrow, wide);
@@ -374,15 +375,17 @@ void test_convert_path(const char* type_name) {
     set_isa(isas.front());
 }
 
-// 4. The bfloat16 dot-product path (avx512bf16 prefill) against the float64 reference on the same
-// rounded inputs. Errors beyond float32 rounding (1e-4 (1 + |ref|), as test_flash_kernel.cpp): P
-// rounded to bfloat16 moves each weight by at most 2^-9 of itself, so out by at most 2^-9 max|v|
-// (the weights sum to 1 at most); out rounded to bfloat16 adds 2^-9 |ref|. S is exact products
-// summed in float32 (VDPBF16PS), and lse sums the unrounded P: float32 tolerance.
-void test_dot_path() {
+// 4. The bfloat16 pair paths (bfloat16 prefill: avx512bf16's dot products, amxbf16's tiles)
+// against the float64 reference on the same rounded inputs. Errors beyond float32 rounding (1e-4
+// (1 + |ref|), as test_flash_kernel.cpp): P rounded to bfloat16 moves each weight by at most 2^-9
+// of itself, so out by at most 2^-9 max|v| (the weights sum to 1 at most); out rounded to bfloat16
+// adds 2^-9 |ref|. S is exact products summed in float32 (VDPBF16PS, TDPBF16PS), and lse sums the
+// unrounded P: float32 tolerance. The tiles need D a multiple of 32 (others take the dot path), so
+// the masked and non-finite cases come with D 40 and 64, the last one with D 16 and 32.
+void test_pair_path(const std::string& isa) {
     const std::vector<std::string> isas = available_isas();
-    if (std::find(isas.begin(), isas.end(), "avx512bf16") == isas.end()) {
-        std::printf("avx512bf16: not on this CPU, the dot-product path is not tested here\n");
+    if (std::find(isas.begin(), isas.end(), isa) == isas.end()) {
+        std::printf("%s: not on this CPU, its bfloat16 prefill path is not tested here\n", isa.c_str());
         return;
     }
     std::vector<Case> cases;
@@ -393,27 +396,31 @@ void test_dot_path() {
             c.kv_lens = {613, 390};
             cases.push_back(c);
         }
-        Case c;  // masks and NaN / inf in hidden V (past kv_len, masked, the causal future: odd ends)
-        c.B = 2, c.Hq = 4, c.Hkv = 1, c.Lq = 61, c.Lk = 531, c.D = 40, c.Dv = 24, c.causal = causal;
-        c.kv_lens = {531, 300}, c.q_offset = {101, 37}, c.nan_in_hidden = true, c.strided = true;
-        cases.push_back(c);
-        c.bool_mask = true;
-        cases.push_back(c);
-        c.bool_mask = false, c.softcap = 0.9f, c.alibi = true, c.sinks = true, c.input_scale = 2.0f;
-        cases.push_back(c);
+        for (int64_t D : {40, 64}) {
+            Case c;  // masks and NaN / inf in hidden V (past kv_len, masked, the causal future: odd ends)
+            c.B = 2, c.Hq = 4, c.Hkv = 1, c.Lq = 61, c.Lk = 531, c.D = D, c.Dv = D == 40 ? 24 : 48, c.causal = causal;
+            c.kv_lens = {531, 300}, c.q_offset = {101, 37}, c.nan_in_hidden = true, c.strided = true;
+            cases.push_back(c);
+            c.bool_mask = true;
+            cases.push_back(c);
+            c.bool_mask = false, c.softcap = 0.9f, c.alibi = true, c.sinks = true, c.input_scale = 2.0f;
+            cases.push_back(c);
+        }
     }
     // A tile whose rows all end at key 101 (48 heads of one position per tile) sees an unmasked
-    // block of 101 keys: its last pair holds key 101, which only later positions see, with NaN
-    // in V. The rows at position 100 must stay finite.
-    Case c;
-    c.Hq = 48, c.Hkv = 1, c.Lq = 4, c.Lk = 104, c.D = 16, c.Dv = 20, c.causal = true, c.q_offset = {100};
-    c.nan_value_key = 101;
-    cases.push_back(c);
+    // block of 101 keys: its last pair (its last 32 keys on the tiles) holds key 101, which only
+    // later positions see, with NaN in V. The rows at position 100 must stay finite.
+    for (int64_t D : {16, 32}) {
+        Case c;
+        c.Hq = 48, c.Hkv = 1, c.Lq = 4, c.Lk = 104, c.D = D, c.Dv = 20, c.causal = true, c.q_offset = {100};
+        c.nan_value_key = 101;
+        cases.push_back(c);
+    }
     double worst = 0.0;
     int differs_from_convert = 0;
     for (const Case& c : cases) {
         const Inputs<BFloat16> in = make_inputs<BFloat16>(c);
-        set_isa("avx512bf16");
+        set_isa(isa);
         Outputs16 dot, unused;
         std::vector<float> reference;
         run_both(in, attention_forward, 2, dot, unused);
@@ -433,7 +440,8 @@ void test_dot_path() {
             const bool ok = std::isnan(e) ? std::isnan(a) : std::fabs(a - e) <= tolerance;
             if (std::isfinite(e)) worst = std::max(worst, std::fabs(a - e));
             if (!ok && reported++ < 3) {
-                std::fprintf(stderr, "[avx512bf16 dot] %s: out[%zu] = %.9g, reference %.9g\n", describe(c).c_str(), n, a, e);
+                std::fprintf(stderr, "[%s] %s: out[%zu] = %.9g, reference %.9g\n", isa.c_str(), describe(c).c_str(), n, a,
+                             e);
                 ++twinattn_test::failures;
             }
         }
@@ -442,14 +450,15 @@ void test_dot_path() {
             const bool ok = std::isinf(e) || std::isnan(e) ? (a == e || (std::isnan(a) && std::isnan(e)))
                                                            : std::fabs(a - e) <= 1e-4 * (1 + std::fabs(e));
             if (!ok && reported++ < 3) {
-                std::fprintf(stderr, "[avx512bf16 dot] %s: lse[%zu] = %.9g, reference %.9g\n", describe(c).c_str(), n, a, e);
+                std::fprintf(stderr, "[%s] %s: lse[%zu] = %.9g, reference %.9g\n", isa.c_str(), describe(c).c_str(), n, a,
+                             e);
                 ++twinattn_test::failures;
             }
         }
     }
-    // The dot-product path really ran: rounding P to bfloat16 changes some outputs of every case.
+    // The pair path really ran: rounding P to bfloat16 changes some outputs of every case.
     CHECK(differs_from_convert == static_cast<int>(cases.size()));
-    std::printf("avx512bf16: %zu dot-product cases, worst |out - reference| = %.3g\n", cases.size(), worst);
+    std::printf("%s: %zu bfloat16 prefill cases, worst |out - reference| = %.3g\n", isa.c_str(), cases.size(), worst);
     set_isa(isas.front());
 }
 
@@ -458,8 +467,9 @@ void test_dot_path() {
 void test_measure_peak() {
     const std::vector<std::string> isas = available_isas();
     const bool has_bf16 = std::find(isas.begin(), isas.end(), "avx512bf16") != isas.end();
+    const bool has_amx = std::find(isas.begin(), isas.end(), "amxbf16") != isas.end();
     const bool has_fma = std::find(isas.begin(), isas.end(), "avx2") != isas.end();
-    CHECK_THROWS(std::invalid_argument, measure_peak("fma64", 1, 0.01), "kind: expected \"fma32\" or \"bf16dot\", got \"fma64\"");
+    CHECK_THROWS(std::invalid_argument, measure_peak("fma64", 1, 0.01), "kind: expected \"fma32\", \"bf16dot\" or \"bf16tile\", got \"fma64\"");
     CHECK_THROWS(std::invalid_argument, measure_peak("fma64", 0, 0.01), "kind: expected");  // kind first
     if (has_fma) {
         CHECK_THROWS(std::invalid_argument, measure_peak("fma32", 0, 0.01), "num_threads: expected an int >= 1, got 0");
@@ -467,6 +477,8 @@ void test_measure_peak() {
     }
     if (has_bf16) CHECK(measure_peak("bf16dot", 1, 0.01) > 0.0);
     else CHECK_THROWS(std::invalid_argument, measure_peak("bf16dot", 1, 0.01), "kind: \"bf16dot\" needs AVX512_BF16, which this CPU lacks");
+    if (has_amx) CHECK(measure_peak("bf16tile", 1, 0.01) > 0.0);
+    else CHECK_THROWS(std::invalid_argument, measure_peak("bf16tile", 1, 0.01), "kind: \"bf16tile\" needs AMX-BF16");
 }
 
 }  // namespace
@@ -476,7 +488,8 @@ int main() {
     test_conversions();
     test_convert_path<Float16>("float16");
     test_convert_path<BFloat16>("bfloat16");
-    test_dot_path();
+    test_pair_path("avx512bf16");
+    test_pair_path("amxbf16");
     if (twinattn_test::failures != 0) std::fprintf(stderr, "%d check(s) failed\n", twinattn_test::failures);
     return twinattn_test::failures == 0 ? 0 : 1;
 }

@@ -146,10 +146,10 @@ def set_isa(name: str) -> None:
     """Switches the instruction set among build_info()["isa_available"]; ValueError otherwise."""
 
 def measure_peak(kind: str, num_threads: int, seconds: float) -> float:
-    """GFLOP/s of a register-resident loop of "fma32" (FMA) or "bf16dot" (VDPBF16PS) operations
-    on num_threads threads."""
+    """GFLOP/s of a register-resident loop of "fma32" (FMA), "bf16dot" (VDPBF16PS) or "bf16tile"
+    (AMX TDPBF16PS) operations on num_threads threads."""
 
 def build_info() -> dict[str, Any]:
     """{"isa": str, "isa_available": list[str], "compiler": str, "version": str,
-    "isa_default": str, "bfloat16_path": "dot" | "convert", "bf16dot_over_fma32": float | None,
+    "isa_default": str, "bfloat16_path": "amx" | "dot" | "convert", "bf16dot_over_fma32": float | None,
     "constants": dict[str, int | float | list[float]]}."""

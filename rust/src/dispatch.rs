@@ -21,8 +21,10 @@ const AVX2: usize = 2;
 const AVX512: usize = 3;
 #[cfg(target_arch = "x86_64")]
 const AVX512_BF16: usize = 4;
-const ISA_COUNT: usize = 5;
-const ISA_NAMES: [&str; ISA_COUNT] = ["scalar", "neon", "avx2", "avx512", "avx512bf16"];
+#[cfg(target_arch = "x86_64")]
+const AMX_BF16: usize = 5;
+const ISA_COUNT: usize = 6;
+const ISA_NAMES: [&str; ISA_COUNT] = ["scalar", "neon", "avx2", "avx512", "avx512bf16", "amxbf16"];
 
 /// What this build compiled and this CPU (and OS, for the wide registers) can run.
 fn detect() -> [bool; ISA_COUNT] {
@@ -44,6 +46,9 @@ fn detect() -> [bool; ISA_COUNT] {
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512bf16");
+        // AMX: CPUID's AMX-TILE and AMX-BF16, and the OS's permission for the tile data (asked
+        // here, once per process: flash_amx.rs).
+        support[AMX_BF16] = support[AVX512_BF16] && crate::flash_amx::amx_bf16_usable();
     }
     support
 }
@@ -57,6 +62,9 @@ fn cpu() -> &'static [bool; ISA_COUNT] {
 fn table(isa: usize) -> FlashKernels {
     #[cfg(target_arch = "x86_64")]
     {
+        if isa == AMX_BF16 {
+            return const { crate::flash_amx::flash_kernels_amxbf16() };
+        }
         if isa == AVX512_BF16 {
             return const { crate::flash_avx512bf16::flash_kernels_avx512bf16() };
         }
@@ -96,9 +104,10 @@ fn fastest() -> usize {
         .unwrap_or(SCALAR)
 }
 
-/// The default without TWINATTN_ISA: the fastest available set, except that avx512bf16 differs
-/// from avx512 only in bfloat16's path (dot or convert), so there the faster unit decides, from
-/// one short measurement (constants.rs, "bfloat16 path choice"), returned beside it.
+/// The default without TWINATTN_ISA: the fastest available set (amxbf16 where the tiles are
+/// usable), except that avx512bf16 differs from avx512 only in bfloat16's path (dot or convert),
+/// so there the faster unit decides, from one short measurement (constants.rs, "bfloat16 path
+/// choice"), returned beside it.
 fn preferred() -> (usize, Option<f64>) {
     let isa = fastest();
     #[cfg(target_arch = "x86_64")]
@@ -146,7 +155,8 @@ fn dispatch() -> &'static Dispatch {
     })
 }
 
-/// "avx512bf16" (AVX-512F/BW/VL + AVX512_BF16), "avx512" (AVX-512F), "avx2" (AVX2 + FMA + F16C),
+/// "amxbf16" (avx512bf16 + AMX-TILE and AMX-BF16, the OS granting the tiles), "avx512bf16"
+/// (AVX-512F/BW/VL + AVX512_BF16), "avx512" (AVX-512F), "avx2" (AVX2 + FMA + F16C),
 /// "neon" (AArch64), "scalar" (portable): the names this build and this CPU can run, fastest
 /// first.
 pub fn available_isas() -> Vec<&'static str> {
@@ -170,14 +180,16 @@ pub fn default_isa() -> &'static str {
     ISA_NAMES[dispatch().default_isa]
 }
 
-/// The path bfloat16 prefill takes with the instruction set in use: "dot" (VDPBF16PS, the
-/// avx512bf16 kernels) or "convert" (widened to float32, FMA: every other set; and bfloat16
+/// The path bfloat16 prefill takes with the instruction set in use: "amx" (TDPBF16PS on tiles,
+/// amxbf16), "dot" (VDPBF16PS, the avx512bf16 kernels) or "convert" (widened to float32, FMA: every other set; and bfloat16
 /// decode, the split-key path, on every set).
 pub fn bfloat16_path() -> &'static str {
-    if table(dispatch().current.load(Ordering::Relaxed))
-        .pack_pairs
-        .is_some()
-    {
+    let isa = dispatch().current.load(Ordering::Relaxed);
+    #[cfg(target_arch = "x86_64")]
+    if isa == AMX_BF16 {
+        return "amx";
+    }
+    if table(isa).pack_pairs.is_some() {
         "dot"
     } else {
         "convert"

@@ -45,7 +45,7 @@ use crate::measure_peak::run_peak_loop;
 use crate::problem::AttentionProblem;
 use crate::simd_avx512::VecAvx512;
 
-const PAIRS_PER_BLOCK: usize = KEY_BLOCK / 2;
+pub(crate) const PAIRS_PER_BLOCK: usize = KEY_BLOCK / 2;
 
 #[inline(always)]
 fn as_pairs(x: __m512i) -> __m512bh {
@@ -62,7 +62,7 @@ fn as_pairs(x: __m512i) -> __m512bh {
 /// more for an odd range).
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
-unsafe fn pack_pairs(
+pub(crate) unsafe fn pack_pairs<P: PairProducts>(
     p: &AttentionProblem,
     b: usize,
     kv_head: usize,
@@ -116,9 +116,21 @@ unsafe fn pack_pairs(
             panel_begin += KEY_PANEL;
         }
         // V pair rows and the finite flags (a bfloat16 is finite unless its exponent is all ones).
-        let padded_end = key_end + (key_end - key_begin) % 2;
+        // Keys from key_end to padded_end (key_begin + a multiple of P::KEY_GRANULE) are zero pad
+        // keys, finite.
+        let padded_end = key_begin + round_up(key_end - key_begin, P::KEY_GRANULE);
         let mut key = key_begin;
         while key < padded_end {
+            if key >= key_end {
+                let dst = value_dst.add((key - key_begin) / 2 * value_stride);
+                for c in 0..value_stride {
+                    *dst.add(c) = 0;
+                }
+                *finite_dst.add(key - key_begin) = 1;
+                *finite_dst.add(key + 1 - key_begin) = 1;
+                key += 2;
+                continue;
+            }
             let pair_keys = if key + 1 < key_end { 2 } else { 1 };
             flash_key_rows(
                 p,
@@ -220,31 +232,6 @@ unsafe fn strip_scores<const R: usize>(
             )
         };
         panel += 1;
-    }
-}
-
-/// # Safety
-/// As [`strip_scores`], for rows rows.
-#[inline(always)]
-unsafe fn block_scores(
-    q_pairs: *const u32,
-    d2_len: usize,
-    rows: usize,
-    panels: *const u32,
-    n: usize,
-    scores: *mut f32,
-    q_multiplier: f32,
-) {
-    // SAFETY: forwarded from this function's contract.
-    unsafe {
-        let multiplier = _mm512_set1_ps(q_multiplier);
-        for r in (0..rows).step_by(MICRO_ROWS) {
-            let q = q_pairs.add(r * d2_len);
-            let s = scores.add(r * KEY_BLOCK);
-            match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
-                strip_scores::<R>(q, d2_len, panels, n, s, multiplier)
-            });
-        }
     }
 }
 
@@ -382,27 +369,107 @@ unsafe fn strip_values<const R: usize>(
     }
 }
 
-/// # Safety
-/// As [`value_micro`], for rows rows (out_acc of stride value_stride).
-#[inline(always)]
-unsafe fn pair_block_values(
-    probs_pairs: *const u32,
-    rows: usize,
-    pairs: usize,
-    v_pairs: *const u32,
-    value_stride: usize,
-    out_acc: *mut f32,
-    rescale: *const f32,
-) {
-    // SAFETY: forwarded from this function's contract.
-    unsafe {
-        for r in (0..rows).step_by(MICRO_ROWS) {
-            let probs = probs_pairs.add(r * PAIRS_PER_BLOCK);
-            let out = out_acc.add(r * value_stride);
-            let alpha = rescale.add(r);
-            match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
-                strip_values::<R>(probs, pairs, v_pairs, value_stride, out, value_stride, alpha)
-            });
+// ---- The two products of a pair path ---------------------------------------------------------
+
+/// The products a bfloat16 pair path supplies to [`pack_pairs`] and [`attend_rows`] (twin of
+/// `cpp/src/flash_bf16_pairs.hpp`'s `Products`): this unit's dot products, or the tiles of
+/// flash_amx.rs.
+pub(crate) trait PairProducts {
+    /// P.V reads the keys [key_block, key_block + n rounded up to this): the packing zero-fills
+    /// V pairs up to it (finite pad keys), and a block checks those keys' flags.
+    const KEY_GRANULE: usize;
+    /// Q pair rows up to `rows` rounded up to this are written (zero past rows).
+    const ROW_GRANULE: usize;
+    /// # Safety
+    /// The unit's instruction set available; around a work item's key blocks.
+    unsafe fn begin_item();
+    /// # Safety
+    /// After [`PairProducts::begin_item`].
+    unsafe fn end_item();
+    /// S of whole K panels holding the block's n keys, times q_multiplier.
+    ///
+    /// # Safety
+    /// The unit's instruction set available; q_pairs: rows rows of d2_len pairs (rounded up to
+    /// ROW_GRANULE rows); panels: the K pair panels of the block's n keys; scores: those rows of
+    /// stride KEY_BLOCK.
+    unsafe fn block_scores(
+        q_pairs: *const u32,
+        d2_len: usize,
+        rows: usize,
+        panels: *const u32,
+        n: usize,
+        scores: *mut f32,
+        q_multiplier: f32,
+    );
+    /// O = alpha O + P V over `pairs` key pairs.
+    ///
+    /// # Safety
+    /// The unit's instruction set available; probs_pairs: rows rows (rounded up to ROW_GRANULE)
+    /// of PAIRS_PER_BLOCK pairs; v_pairs: `pairs` rows of value_stride pairs; out_acc: those rows
+    /// of stride value_stride; rescale: rows.
+    unsafe fn block_values(
+        probs_pairs: *const u32,
+        rows: usize,
+        pairs: usize,
+        v_pairs: *const u32,
+        value_stride: usize,
+        out_acc: *mut f32,
+        rescale: *const f32,
+    );
+}
+
+/// The dot path's products: VDPBF16PS on AVX-512 registers.
+pub(crate) struct DotProducts;
+
+impl PairProducts for DotProducts {
+    const KEY_GRANULE: usize = 2;
+    const ROW_GRANULE: usize = 1;
+    #[inline(always)]
+    unsafe fn begin_item() {}
+    #[inline(always)]
+    unsafe fn end_item() {}
+    #[inline(always)]
+    unsafe fn block_scores(
+        q_pairs: *const u32,
+        d2_len: usize,
+        rows: usize,
+        panels: *const u32,
+        n: usize,
+        scores: *mut f32,
+        q_multiplier: f32,
+    ) {
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            let multiplier = _mm512_set1_ps(q_multiplier);
+            for r in (0..rows).step_by(MICRO_ROWS) {
+                let q = q_pairs.add(r * d2_len);
+                let s = scores.add(r * KEY_BLOCK);
+                match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
+                    strip_scores::<R>(q, d2_len, panels, n, s, multiplier)
+                });
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn block_values(
+        probs_pairs: *const u32,
+        rows: usize,
+        pairs: usize,
+        v_pairs: *const u32,
+        value_stride: usize,
+        out_acc: *mut f32,
+        rescale: *const f32,
+    ) {
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            for r in (0..rows).step_by(MICRO_ROWS) {
+                let probs = probs_pairs.add(r * PAIRS_PER_BLOCK);
+                let out = out_acc.add(r * value_stride);
+                let alpha = rescale.add(r);
+                match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
+                    strip_values::<R>(probs, pairs, v_pairs, value_stride, out, value_stride, alpha)
+                });
+            }
         }
     }
 }
@@ -413,7 +480,11 @@ unsafe fn pair_block_values(
 /// AVX512_BF16 (and AVX-512F/BW/VL) available; otherwise as flash_kernel.rs's attend_rows, for
 /// a bfloat16 problem.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
-unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
+pub(crate) unsafe fn attend_rows<P: PairProducts>(
+    plan: &FlashPlan,
+    item: &WorkItem,
+    s: &ThreadScratch,
+) {
     if plan.packed_values.is_null() {
         // split-key: the convert path
         // SAFETY: forwarded.
@@ -449,6 +520,13 @@ unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
             }
             start_row(plan, item, s, r);
         }
+        // (pad rows up to a multiple of P::ROW_GRANULE: zero, read by whole-tile products)
+        for r in rows..round_up(rows, P::ROW_GRANULE) {
+            for d2 in 0..d2_len {
+                *q_pairs.add(r * d2_len + d2) = 0;
+            }
+        }
+        P::begin_item();
 
         // 3. Key blocks, as the float32 kernel.
         let key_stop = (*s.row_key_end.add(rows - 1)).min(item.key_end);
@@ -467,7 +545,7 @@ unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
             let n = (key_stop - key_block).min(KEY_BLOCK);
             let n_padded = round_up(n, 16);
             // (a) S = Q K^T (key_block is a multiple of KEY_PANEL: item.key_begin is).
-            block_scores(
+            P::block_scores(
                 q_pairs,
                 d2_len,
                 rows,
@@ -482,8 +560,9 @@ unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
             // (d) O = alpha O + P V: by pairs, unless P's zeros meet a non-finite V (module
             // documentation).
             let mut values_finite = true;
-            if masked || !n.is_multiple_of(2) {
-                for j in 0..n + n % 2 {
+            let n_read = round_up(n, P::KEY_GRANULE); // the keys P.V reads
+            if masked || n != n_read {
+                for j in 0..n_read {
                     values_finite &= *v_head_finite.add(key_block + j) != 0;
                 }
             }
@@ -512,10 +591,10 @@ unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
                 );
             } else {
                 round_probs(s.scores, rows, n_padded, s.probs_pairs);
-                pair_block_values(
+                P::block_values(
                     s.probs_pairs,
                     rows,
-                    n.div_ceil(2),
+                    n_read / 2,
                     v_head_pairs.add(key_block / 2 * value_stride),
                     value_stride,
                     s.out_acc,
@@ -525,6 +604,7 @@ unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
             key_block += KEY_BLOCK;
         }
 
+        P::end_item();
         // 4. Finish: out = O / l rounded to bfloat16, and lse (prefill never writes partials).
         for r in 0..rows {
             finish_row::<VecAvx512, BFloat16>(plan, item, s, r);
@@ -537,8 +617,9 @@ unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
 pub const fn flash_kernels_avx512bf16() -> FlashKernels {
     let mut kernels = crate::flash_avx512::flash_kernels_avx512();
     kernels.isa = "avx512bf16";
-    kernels.attend_rows[crate::problem::ElementType::BFloat16 as usize] = attend_rows;
-    kernels.pack_pairs = Some(pack_pairs);
+    kernels.attend_rows[crate::problem::ElementType::BFloat16 as usize] =
+        attend_rows::<DotProducts>;
+    kernels.pack_pairs = Some(pack_pairs::<DotProducts>);
     kernels
 }
 

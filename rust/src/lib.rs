@@ -14,6 +14,8 @@ pub mod backward_kernel;
 pub mod constants;
 pub mod dispatch;
 pub mod element;
+#[cfg(target_arch = "x86_64")]
+pub mod flash_amx;
 pub mod flash_attention;
 #[cfg(target_arch = "x86_64")]
 pub mod flash_avx2;

@@ -2,7 +2,8 @@
 //! (docs/native_api.md): GFLOP/s of register-resident loops of independent multiply-adds on
 //! num_threads threads of the pool for about `seconds`. "fma32": AVX-512 FMA on 16 floats (32 flop
 //! per instruction), or AVX2 FMA on 8 floats (16) on a CPU without AVX-512F; "bf16dot":
-//! VDPBF16PS (64 flop per instruction, AVX512_BF16). Twin of `cpp/src/measure_peak.cpp`, same
+//! VDPBF16PS (64 flop per instruction, AVX512_BF16); "bf16tile": AMX TDPBF16PS (16384 flop per
+//! instruction, AMX-BF16). Twin of `cpp/src/measure_peak.cpp`, same
 //! checks, same messages.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -49,9 +50,21 @@ pub fn measure_peak(kind: &str, num_threads: i64, seconds: f64) -> Result<f64, P
                 ));
             }
         }
+        "bf16tile" => {
+            #[cfg(target_arch = "x86_64")]
+            if has("amxbf16") {
+                peak_loop = Some(crate::flash_amx::peak_bf16tile_amxbf16);
+            }
+            if peak_loop.is_none() {
+                return Err(ProblemError(
+                    "kind: \"bf16tile\" needs AMX-BF16 (and the OS's permission), which this CPU lacks"
+                        .to_owned(),
+                ));
+            }
+        }
         _ => {
             return Err(ProblemError(format!(
-                "kind: expected \"fma32\" or \"bf16dot\", got \"{kind}\""
+                "kind: expected \"fma32\", \"bf16dot\" or \"bf16tile\", got \"{kind}\""
             )))
         }
     }

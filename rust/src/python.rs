@@ -1035,10 +1035,11 @@ fn softcap_tanh_py<'py>(x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<f
 /// measure_peak(kind, num_threads, seconds) -> float
 /// --
 ///
-/// GFLOP/s of a register-resident loop of independent 'fma32' (AVX-512 / AVX2 FMA) or
-/// 'bf16dot' (VDPBF16PS) operations on num_threads threads for about `seconds`. Conversion
-/// order as C++: kind (a str), num_threads (an int), seconds (a float, > 0 and <= 1e6, said with
-/// Python's repr), then the core's checks (kind known, kind runnable here, num_threads >= 1).
+/// GFLOP/s of a register-resident loop of independent 'fma32' (AVX-512 / AVX2 FMA),
+/// 'bf16dot' (VDPBF16PS) or 'bf16tile' (AMX TDPBF16PS) operations on num_threads threads for
+/// about `seconds`. Conversion order as C++: kind (a str), num_threads (an int), seconds (a
+/// float, > 0 and <= 1e6, said with Python's repr), then the core's checks (kind known, kind
+/// runnable here, num_threads >= 1).
 #[pyfunction]
 #[pyo3(name = "measure_peak")]
 fn measure_peak_py(

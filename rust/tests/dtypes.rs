@@ -53,8 +53,9 @@ fn check(case: &Case, what: &str) {
     for dtype in HALVES {
         let rounded = case.stored_as(dtype);
         for kernel in kernels() {
-            if kernel == Kernel::Fast("avx512bf16") && dtype == ElementType::BFloat16 {
-                assert_dot_path(&rounded, what);
+            let pairs = kernel == Kernel::Fast("avx512bf16") || kernel == Kernel::Fast("amxbf16");
+            if pairs && dtype == ElementType::BFloat16 {
+                assert_pair_path(&rounded, kernel, what);
                 continue;
             }
             let got = assert_convert_path(case, kernel, dtype, what);
@@ -70,12 +71,12 @@ fn check(case: &Case, what: &str) {
     }
 }
 
-/// The bfloat16 dot-product path (avx512bf16; prefill, the convert path elsewhere) against the
-/// reference kernel on the same bfloat16 inputs: P rounded to bfloat16 costs up to 2^-9 of the
-/// largest |v| per output, the output's rounding 2^-9 of itself, float32 sums far less; NaN and
-/// inf where the reference has them. Returns the output.
-fn assert_dot_path(case: &Case, what: &str) -> Output {
-    let got = common::run_with(Kernel::Fast("avx512bf16"), case, 2);
+/// A bfloat16 pair path (prefill; the convert path elsewhere): avx512bf16's dot products or
+/// amxbf16's tiles, against the reference kernel on the same bfloat16 inputs: P rounded to
+/// bfloat16 costs up to 2^-9 of the largest |v| per output, the output's rounding 2^-9 of itself,
+/// float32 sums far less; NaN and inf where the reference has them. Returns the output.
+fn assert_pair_path(case: &Case, kernel: Kernel, what: &str) -> Output {
+    let got = common::run_with(kernel, case, 2);
     let want = common::run_with(Kernel::Reference, case, 2);
     let v_max = case.v.values().iter().fold(0.0f32, |m, x| m.max(x.abs()));
     let tolerance = 2f32.powi(-7);
@@ -90,7 +91,7 @@ fn assert_dot_path(case: &Case, what: &str) -> Output {
         };
         assert!(
             ok,
-            "{what} avx512bf16 dot path: out element {n}: {g} vs reference {w}"
+            "{what} {kernel:?}: out element {n}: {g} vs reference {w}"
         );
     }
     for (n, (&g, &w)) in got.lse.iter().zip(&want.lse).enumerate() {
@@ -103,7 +104,7 @@ fn assert_dot_path(case: &Case, what: &str) -> Output {
         };
         assert!(
             ok,
-            "{what} avx512bf16 dot path: lse element {n}: {g} vs reference {w}"
+            "{what} {kernel:?}: lse element {n}: {g} vs reference {w}"
         );
     }
     got
@@ -118,11 +119,32 @@ fn assert_dot_path(case: &Case, what: &str) -> Output {
     ignore = "AVX-512F/BW/VL + AVX512_BF16 is not available on this CPU"
 )]
 fn bf16_dot_product_path() {
+    pair_path_checks(Kernel::Fast("avx512bf16"), 37);
+}
+
+/// The same on amxbf16's tiles (D a multiple of 32; Dv 45: an odd count of 16-column tiles),
+/// and any other D there runs the dot path (avx512bf16's bits).
+#[test]
+#[cfg_attr(
+    not(twinattn_cpu_amxbf16),
+    ignore = "avx512bf16 + AMX-TILE/AMX-BF16 (and the OS's permission) is not available on this CPU"
+)]
+fn bf16_tile_path() {
+    pair_path_checks(Kernel::Fast("amxbf16"), 64);
+    let mut rng = Rng::new(433);
+    let case = random_case(&mut rng, (1, 8, 2, 40, 300, 48, 40)).causal(&[260]);
+    let case = case.stored_as(ElementType::BFloat16);
+    let tiles = common::run_with(Kernel::Fast("amxbf16"), &case, 2);
+    let dot = common::run_with(Kernel::Fast("avx512bf16"), &case, 2);
+    common::assert_identical(&tiles, &dot);
+}
+
+fn pair_path_checks(kernel: Kernel, d: i64) {
     let mut rng = Rng::new(431);
-    let mut case = random_case(&mut rng, (2, 8, 2, 61, 301, 37, 45)).causal(&[240, 0]);
+    let mut case = random_case(&mut rng, (2, 8, 2, 61, 301, d, 45)).causal(&[240, 0]);
     case.kv_lens = vec![301, 99];
     let case = case.stored_as(ElementType::BFloat16);
-    let dot = assert_dot_path(&case, "prefill");
+    let dot = assert_pair_path(&case, kernel, "prefill");
     let convert = common::run_with(Kernel::Fast("avx512"), &case, 2);
     assert_ne!(
         common::bits(&dot.out.values()),
@@ -132,7 +154,7 @@ fn bf16_dot_product_path() {
     let mut decode = case.clone();
     decode.q = decode.q.seq(60..61);
     decode.q_offset = vec![300, 60];
-    let dot = common::run_with(Kernel::Fast("avx512bf16"), &decode, 2);
+    let dot = common::run_with(kernel, &decode, 2);
     let convert = common::run_with(Kernel::Fast("avx512"), &decode, 2);
     common::assert_identical(&dot, &convert);
     // NaN / inf in values hidden by a mask (masked blocks) and past kv_lens (an odd pair pad)
@@ -143,12 +165,12 @@ fn bf16_dot_product_path() {
         hidden.v.set([0, 1, j, 5], f32::NAN);
     }
     hidden.mask = Mask::bool_from_fn([2, 8, 61, 301], |[_, _, _, j]| j % 7 != 2);
-    let got = assert_dot_path(&hidden, "hidden non-finite values");
+    let got = assert_pair_path(&hidden, kernel, "hidden non-finite values");
     assert!(got.out.values().iter().all(|x| x.is_finite()));
     // a visible NaN reaches its column, as in the reference
     let mut visible = case.clone();
     visible.v.set([0, 1, 5, 4], f32::NAN);
-    let got = assert_dot_path(&visible, "visible NaN");
+    let got = assert_pair_path(&visible, kernel, "visible NaN");
     assert!(got.out.values().iter().any(|x| x.is_nan()));
 }
 

@@ -43,6 +43,16 @@ mod avx512bf16 {
         )]
     );
 }
+#[cfg(target_arch = "x86_64")]
+mod amxbf16 {
+    contract_tests!(
+        crate::common::Kernel::Fast("amxbf16"),
+        #[cfg_attr(
+            not(twinattn_cpu_amxbf16),
+            ignore = "avx512bf16 + AMX-TILE/AMX-BF16 (and the OS's permission) is not available on this CPU"
+        )]
+    );
+}
 #[cfg(target_arch = "aarch64")]
 mod neon {
     contract_tests!(crate::common::Kernel::Fast("neon"));
@@ -53,33 +63,38 @@ fn isas() -> Vec<&'static str> {
     twinattn::dispatch::available_isas()
 }
 
-/// bfloat16's path: the default follows the measurement where there was a choice (no
-/// TWINATTN_ISA, AVX512_BF16), and the dot path is avx512bf16's table alone. (Nothing here
-/// switches the process-wide set: cargo runs the tests in parallel; C++'s test_dispatch does.)
+/// bfloat16's path: amxbf16 by default where it is available, else the default follows the
+/// measurement where there was a choice (no TWINATTN_ISA, AVX512_BF16); the pair paths (tiles,
+/// dot products) are the tables of amxbf16 and avx512bf16 alone. (Nothing here switches the
+/// process-wide set: cargo runs the tests in parallel; C++'s test_dispatch does.)
 #[test]
 fn default_isa_follows_the_bf16_measurement() {
     let default = twinattn::dispatch::default_isa();
     assert!(isas().contains(&default), "{default}");
-    let current = twinattn::dispatch::current_isa();
-    let path = if current == "avx512bf16" {
-        "dot"
-    } else {
-        "convert"
+    let forced = std::env::var("TWINATTN_ISA").is_ok_and(|v| !v.is_empty());
+    if !forced && isas().contains(&"amxbf16") {
+        assert_eq!(default, "amxbf16");
+    }
+    let path = match twinattn::dispatch::current_isa() {
+        "amxbf16" => "amx",
+        "avx512bf16" => "dot",
+        _ => "convert",
     };
     assert_eq!(twinattn::dispatch::bfloat16_path(), path);
     for isa in isas() {
         let pairs = twinattn::dispatch::kernels_for(isa).map(|k| k.pack_pairs.is_some());
-        assert_eq!(pairs, Some(isa == "avx512bf16"), "{isa}");
+        assert_eq!(
+            pairs,
+            Some(isa == "avx512bf16" || isa == "amxbf16"),
+            "{isa}"
+        );
     }
     match twinattn::dispatch::bf16dot_over_fma32() {
         Some(ratio) => {
             let dot = ratio >= twinattn::constants::BF16_DOT_MIN_RATIO;
             assert_eq!(default, if dot { "avx512bf16" } else { "avx512" });
         }
-        None => assert!(
-            std::env::var("TWINATTN_ISA").is_ok_and(|v| !v.is_empty())
-                || !isas().contains(&"avx512bf16")
-        ),
+        None => assert!(forced || isas().contains(&"amxbf16") || !isas().contains(&"avx512bf16")),
     }
 }
 

@@ -14,13 +14,14 @@ reported against a measurement taken right beside each of them (see the CLI).
 Arithmetic peaks: the native ports' measure_peak(kind, threads, seconds), a register-resident loop
 of independent instructions on the port's own thread pool: "fma32" (float32 FMA: AVX-512, or AVX2
 where there is none) and, when the run has bfloat16 cases, "bf16dot" (VDPBF16PS, bf16 pairs into
-float32: 64 FLOPs per instruction). A CPU without AVX512_BF16, or a build without measure_peak,
-gives no figure and the reason instead. float32 and float16 cases (float16 is converted to float32
-and multiplied in float32) are reported against the FMA peak; bfloat16 against the peak of the path
-that ran (bfloat16_path): on a twinattn port, the dot-product peak where it took the dot path
-(VDPBF16PS), the FMA peak where it converted to float32 (the port's choice for this CPU, see
-build_info()'s "bfloat16_path", and always in the split-key path of decode); on a peer, whose
-kernels are its own, the higher of the two. A peak is the
+float32: 64 FLOPs per instruction) and "bf16tile" (AMX TDPBF16PS, 16 x 16 float32 tiles from
+16 x 32 bfloat16: 16384 FLOPs per instruction). A CPU without AVX512_BF16 (or AMX-BF16), or a build
+without measure_peak, gives no figure and the reason instead. float32 and float16 cases (float16 is
+converted to float32 and multiplied in float32) are reported against the FMA peak; bfloat16 against
+the peak of the path that ran (bfloat16_path): on a twinattn port, the tile peak where it took the
+AMX path, the dot-product peak where it took the dot path (VDPBF16PS), the FMA peak where it
+converted to float32 (the port's choice for this CPU, see build_info()'s "bfloat16_path", and
+always in the split-key path of decode); on a peer, whose kernels are its own, the highest of them. A peak is the
 best of PEAK_REPEATS measurements (another process on the machine only ever lowers one), and a case
 that runs faster than that has the peak measured again (raise_peak): %peak never passes 100% by a
 low measurement.
@@ -210,7 +211,7 @@ READ_METHOD = (
 )
 
 
-PEAK_KINDS = {"fma32": "float32 FMA", "bf16dot": "BF16 dot product (VDPBF16PS)"}
+PEAK_KINDS = {"fma32": "float32 FMA", "bf16dot": "BF16 dot product (VDPBF16PS)", "bf16tile": "BF16 tiles (AMX TDPBF16PS)"}
 PEAK_REPEATS = 5  # a peak is the best of this many measurements
 
 
@@ -252,12 +253,12 @@ def raise_peak(entry: dict[str, Any], kind: str, threads: int, seconds: float, g
     peak["gflops"], peak["note"] = best, note
 
 
-BFLOAT16_PEAKS = {"dot": "bf16dot", "convert": "fma32"}  # the peak of each bfloat16 path
+BFLOAT16_PEAKS = {"amx": "bf16tile", "dot": "bf16dot", "convert": "fma32"}  # the peak of each bfloat16 path
 
 
 def bfloat16_path(backend: str, case: Any) -> Optional[str]:
-    """The path a bfloat16 `case` (suite.Case) takes on `backend`: "dot" (VDPBF16PS) or "convert"
-    (widened to float32, FMA) on a twinattn port, from its build_info()["bfloat16_path"], except
+    """The path a bfloat16 `case` (suite.Case) takes on `backend`: "amx" (TDPBF16PS tiles), "dot"
+    (VDPBF16PS) or "convert" (widened to float32, FMA) on a twinattn port, from its build_info()["bfloat16_path"], except
     that groups of at most q_tile_rows packed query rows (Lq x Hq / Hkv: decode, short chunks) take
     the split-key path, which converts on every instruction set (docs/kernels.md); None for a
     peer (its kernels are its own) and for every other dtype."""
@@ -276,11 +277,11 @@ def peak_for(
 ) -> tuple[Optional[str], Optional[float]]:
     """The arithmetic peak a case in `dtype` is measured against (module docstring), from one
     thread count's ceilings: (kind, GFLOP/s), or (None, None) where none was measured. `path`:
-    bfloat16's path where known (bfloat16_path), else the higher of the two peaks."""
+    bfloat16's path where known (bfloat16_path), else the highest of its peaks."""
     peaks = entry.get("peaks", {})
     kinds = ["fma32"]
     if dtype == "bfloat16":
-        kinds = [BFLOAT16_PEAKS[path]] if path is not None else ["bf16dot", "fma32"]
+        kinds = [BFLOAT16_PEAKS[path]] if path is not None else ["bf16tile", "bf16dot", "fma32"]
     measured = [(peaks[kind]["gflops"], kind) for kind in kinds if peaks.get(kind, {}).get("gflops")]
     if not measured:
         return None, None
@@ -300,11 +301,11 @@ def measure_ceilings(
     show: Callable[[str], None],
     dtypes: Sequence[str] = ("float32",),
 ) -> dict[str, Any]:
-    """GEMM, read bandwidth and the arithmetic peaks (bf16dot only with bfloat16 among `dtypes`)
+    """GEMM, read bandwidth and the arithmetic peaks (bf16dot and bf16tile only with bfloat16 among `dtypes`)
     for every thread count of the run; the top-level figures are the largest count's. `show`
     reports progress."""
     by_threads: dict[str, dict[str, Any]] = {}
-    kinds = ["fma32"] + (["bf16dot"] if "bfloat16" in dtypes else [])
+    kinds = ["fma32"] + (["bf16dot", "bf16tile"] if "bfloat16" in dtypes else [])
     for t in thread_counts:
         show(f"ceilings: NumPy float32 GEMM and read bandwidth, {t} thread(s)")
         settle()
@@ -332,7 +333,8 @@ def measure_ceilings(
         "gemm_method": f"numpy.matmul float32 {GEMM_N}x{GEMM_N}, median, BLAS threads = case threads",
         "read_method": READ_METHOD.format(size=f"{bandwidth.nbytes >> 20} MiB", threads="T"),
         "peak_method": f"the best of {PEAK_REPEATS} calls of the native port's measure_peak(kind, threads, seconds): "
-        "independent register-resident FMA (fma32) or VDPBF16PS (bf16dot) instructions on its thread pool; "
+        "independent register-resident FMA (fma32), VDPBF16PS (bf16dot) or TDPBF16PS (bf16tile) instructions on its "
+        "thread pool; "
         "measured again when a case runs faster (raise_peak)",
         "by_threads": by_threads,
     }

@@ -103,8 +103,8 @@ def result_row(
             "cached": case.cached if layer else None,
         },
         "gemm_fraction": gflops / gemm_gflops if gflops and gemm_gflops else None,
-        "peak_kind": peak_kind,  # the arithmetic peak of the dtype: "fma32" or "bf16dot" (None: not measured)
-        "bfloat16_path": path,  # a port's bfloat16 case: "dot" or "convert", the path whose peak applies
+        "peak_kind": peak_kind,  # the arithmetic peak of the dtype: "fma32", "bf16dot" or "bf16tile" (None: not measured)
+        "bfloat16_path": path,  # a port's bfloat16 case: "amx", "dot" or "convert", the path whose peak applies
         "peak_fraction": gflops / peak_gflops if gflops and peak_gflops else None,
     }
     if beside:
@@ -426,8 +426,9 @@ def bfloat16_line(ports: dict[str, Any]) -> str:
         threshold = threshold if ratio is None else info["constants"]["bf16_dot_min_ratio"]
     rule = f"; the dot path needs {threshold:g}x" if threshold is not None else ""
     return (f"bfloat16: {', '.join(said) or 'no native port built'}{rule}. %peak: convert against "
-            f"{PEAK_KINDS[BFLOAT16_PEAKS['convert']]}, dot against {PEAK_KINDS[BFLOAT16_PEAKS['dot']]}; "
-            "split-key calls (decode) convert; peers against the higher peak")
+            f"{PEAK_KINDS[BFLOAT16_PEAKS['convert']]}, dot against {PEAK_KINDS[BFLOAT16_PEAKS['dot']]}, "
+            f"amx against {PEAK_KINDS[BFLOAT16_PEAKS['amx']]}; split-key calls (decode) convert; peers against the "
+            "highest peak")
 
 
 def text(document: dict[str, Any]) -> str:
