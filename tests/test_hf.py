@@ -74,8 +74,11 @@ def _inputs(tok: Any, prompts: list[str]) -> Any:
     return tok(prompts, return_tensors="pt", padding=True, padding_side="left")
 
 
+@pytest.mark.parametrize("twinattn_cache", ["TwinattnCache", "DynamicCache"])
 @pytest.mark.parametrize("case", list(PROMPTS))
-def test_smollm2_prefill_and_every_decode_step_match_sdpa(smol: tuple[Any, Any], case: str) -> None:
+def test_smollm2_prefill_and_every_decode_step_match_sdpa(smol: tuple[Any, Any], case: str, twinattn_cache: str) -> None:
+    # step by step, as hand-written loops drive a model: twinattn over its own cache or over
+    # transformers' DynamicCache
     model, tok = smol
     batch = _inputs(tok, PROMPTS[case])
     ids, mask = batch.input_ids, batch.attention_mask
@@ -83,7 +86,8 @@ def test_smollm2_prefill_and_every_decode_step_match_sdpa(smol: tuple[Any, Any],
     caches = {
         "sdpa": DynamicCache(),
         "eager": DynamicCache(),
-        "twinattn": hf.TwinattnCache(max_cache_len=ids.shape[1] + DECODE_STEPS, config=model.config),
+        "twinattn": hf.TwinattnCache(max_cache_len=ids.shape[1] + DECODE_STEPS, config=model.config)
+        if twinattn_cache == "TwinattnCache" else DynamicCache(),
     }
     with torch.inference_mode():
         for step in range(DECODE_STEPS + 1):
@@ -97,19 +101,64 @@ def test_smollm2_prefill_and_every_decode_step_match_sdpa(smol: tuple[Any, Any],
     assert caches["twinattn"].get_seq_length() == mask.shape[1] - 1
 
 
+def _generate(model: Any, batch: Any, settings: dict[str, Any], cache: Any) -> tuple[Any, Any]:
+    """generate's tokens and the cache it used (cache None: no cache argument)."""
+    given = {} if cache is None else {cache_kw(model): cache}
+    out = model.generate(**batch, **settings, **given, return_dict_in_generate=True)
+    return out.sequences, out.cache if hasattr(out, "cache") else out.past_key_values
+
+
+# the caches generate may be given with twinattn attention: (what to pass, the cache generate must use)
+GIVEN_CACHES = {
+    "TwinattnCache": (lambda model, length: hf.TwinattnCache(max_cache_len=length, config=model.config), hf.TwinattnCache),
+    # no cache argument: generate makes a TwinattnCache (hf.default_cache_in_generate)
+    "no cache": (lambda model, length: None, hf.TwinattnCache),
+    # the caller's own DynamicCache is kept: twinattn reads its tensors
+    "DynamicCache": (lambda model, length: DynamicCache(config=model.config), DynamicCache),
+}
+
+
+@pytest.mark.parametrize("given", list(GIVEN_CACHES))
 @pytest.mark.parametrize("case", list(PROMPTS))
-def test_smollm2_greedy_generation_gives_sdpas_tokens(smol: tuple[Any, Any], case: str) -> None:
+def test_smollm2_greedy_generation_gives_sdpas_tokens(smol: tuple[Any, Any], case: str, given: str) -> None:
     model, tok = smol
     batch = _inputs(tok, PROMPTS[case])
     settings = {"max_new_tokens": GENERATED, "min_new_tokens": GENERATED, "do_sample": False}
+    make, used = GIVEN_CACHES[given]
     with torch.inference_mode():
         model.set_attn_implementation("sdpa")
-        want = model.generate(**batch, **settings)
+        want, sdpa_cache = _generate(model, batch, settings, None)
         model.set_attn_implementation("twinattn")
-        cache = hf.TwinattnCache(max_cache_len=batch.input_ids.shape[1] + GENERATED, config=model.config)
-        got = model.generate(**batch, **settings, **{cache_kw(model): cache})
+        got, cache = _generate(model, batch, settings, make(model, batch.input_ids.shape[1] + GENERATED))
+    assert type(sdpa_cache) is DynamicCache  # other attentions keep transformers' default
+    assert type(cache) is used
     assert got.shape == want.shape == (len(PROMPTS[case]), batch.input_ids.shape[1] + GENERATED)
     assert torch.equal(got, want), tok.batch_decode(got) + tok.batch_decode(want)
+
+
+def test_default_cache_is_made_only_where_generate_makes_a_dynamic_one(smol: tuple[Any, Any]) -> None:
+    from transformers import StaticCache
+    from transformers.generation.utils import GenerationMixin
+
+    model, tok = smol
+    batch = _inputs(tok, PROMPTS["single"])
+    settings = {"max_new_tokens": 4, "do_sample": False}
+    with torch.inference_mode():
+        model.set_attn_implementation("twinattn")
+        _, cache = _generate(model, batch, settings, None)
+        # sized by generate: the prompt and the new tokens but the last
+        assert type(cache) is hf.TwinattnCache and cache.max_cache_len == batch.input_ids.shape[1] + 3
+        assert cache.get_seq_length() == batch.input_ids.shape[1] + 3
+        _, cache = _generate(model, batch, {**settings, "cache_implementation": "static"}, None)
+        assert type(cache) is StaticCache
+        _, cache = _generate(model, batch, {**settings, "cache_implementation": "dynamic"}, None)
+        assert type(cache) is hf.TwinattnCache
+        out = model.generate(**batch, **settings, use_cache=False, return_dict_in_generate=True)
+        assert getattr(out, "cache", None) is None and getattr(out, "past_key_values", None) is None
+    # installed once, however often register() runs
+    hf.register()
+    wrapper = GenerationMixin._prepare_cache_for_generation
+    assert wrapper._twinattn_default_cache and not getattr(wrapper.__wrapped__, "_twinattn_default_cache", False)
 
 
 # ---- SmolLM2 with an int8 cache ------------------------------------------------------------------
@@ -420,6 +469,44 @@ def test_cache_refuses_other_layer_kinds_and_dtypes() -> None:
         cache.update(torch.zeros(1, 1, 2, 8, dtype=torch.float64), torch.zeros(1, 1, 2, 8, dtype=torch.float64), 0)
     with pytest.raises(TypeError, match=r"value_states: expected dtype torch.float16 \(key_states'\), got torch.float32"):
         cache.update(torch.zeros(1, 1, 2, 8, dtype=torch.float16), torch.zeros(1, 1, 2, 8), 0)
+
+
+def test_cache_appends_follow_crop_reorder_and_reset() -> None:
+    # update's fast path (torch copies at the stored length) against torch.cat of what was kept
+    cache = hf.TwinattnCache(max_cache_len=12, num_layers=2)
+    generator = torch.Generator().manual_seed(3)
+
+    def states(length: int) -> Any:
+        return torch.randn(3, 2, length, 8, generator=generator)
+
+    want = [states(5) for _ in range(2)]
+    for layer in range(2):
+        cache.update(want[layer], want[layer] * 2, layer)
+    cache.crop(-2)  # every layer keeps 3 tokens
+    want = [w[:, :, :3] for w in want]
+    beams = torch.tensor([2, 0, 0])
+    cache.reorder_cache(beams)
+    want = [w[beams] for w in want]
+    for step in range(3):
+        for layer in range(2):
+            new = states(1 + step)
+            want[layer] = torch.cat([want[layer], new], dim=2)
+            got_k, got_v = cache.update(new, new * 2, layer)
+            assert torch.equal(got_k, want[layer]) and torch.equal(got_v, want[layer] * 2)
+            assert cache.layers[layer].get_seq_length() == want[layer].shape[2]
+    assert cache.get_seq_length() == 9
+    assert np.array_equal(cache.kv.seq_lens(1), [9, 9, 9])  # the KVCache agrees
+    with pytest.raises(twinattn.CacheOverflowError, match="exceeds max_seq_len=12"):
+        cache.update(states(4), states(4), 0)
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    fresh = states(2)
+    assert torch.equal(cache.update(fresh, fresh, 0)[0], fresh)
+    # float32 states into a bfloat16 cache: rounded as they are stored, by KVCache.update
+    half = hf.TwinattnCache(max_cache_len=4, num_layers=1)
+    half.update(fresh.bfloat16(), fresh.bfloat16(), 0)
+    more = states(1)
+    assert torch.equal(half.update(more, more, 0)[0], torch.cat([fresh, more], dim=2).bfloat16())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])

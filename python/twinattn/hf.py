@@ -60,7 +60,7 @@ try:
     from transformers import AttentionInterface
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("twinattn.hf needs torch and transformers: pip install torch transformers") from error
-from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, get_layer_types_and_kwargs
 from transformers.masking_utils import (
     AttentionMaskInterface,
     bidirectional_mask_function,
@@ -69,14 +69,19 @@ from transformers.masking_utils import (
 )
 
 from ._torch_views import NUMPY_DTYPES, array, tensor
+from .core import api
 from .core._threads import threads_for
 from .hf_serving import accept_in_continuous_batching, continuous_batching_config, packed_attention_forward
 from .nn.cache import KVCache
 from .torch import attention
 
-__all__ = ["NAME", "TwinattnCache", "attention_forward", "continuous_batching_config", "mask_function", "register"]
+__all__ = [
+    "NAME", "TwinattnCache", "attention_forward", "continuous_batching_config", "default_cache_in_generate", "mask_function",
+    "register",
+]
 
 NAME = "twinattn"
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 # keywords that ask for attention twinattn does not compute yet: never silently dropped
 _UNSUPPORTED = {
@@ -126,7 +131,9 @@ def mask_function(
         # returns back to it as the 2D mask of the same step, gets the same answer again
         if attention_mask is None or bool(attention_mask.all()):
             return None
-        return attention_mask.to(torch.bool)
+        # a new tensor for each forward, even from a bool mask: attention_forward keeps what it
+        # derived from the last one by identity (_padding_of)
+        return attention_mask.to(torch.bool, copy=True)
     return sdpa_mask(
         batch_size=batch_size,
         q_length=q_length,
@@ -161,6 +168,32 @@ def _closure(function: Any) -> dict[str, Any]:
     return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
 
 
+class _LastPadding(threading.local):
+    """The padding mask attention_forward last turned into (kv_lens, attn_mask) on this thread,
+    and what it became: every layer of a forward gets the same mask object and the same key
+    count, so the first layer's answer serves the others (mask_function hands each forward a
+    mask of its own, so a mask object is never reused with other contents)."""
+
+    mask: Any = None
+    k_len = -1
+    answer: Any = None
+
+
+_last_padding = _LastPadding()
+
+
+def _padding_of(attention_mask: Any, k_len: int) -> tuple[Any, Any]:
+    """_padding of the last k_len columns of a (B, >= k_len) padding mask, computed once per mask
+    and key count."""
+    last = _last_padding
+    if last.mask is attention_mask and last.k_len == k_len:
+        answer: tuple[Any, Any] = last.answer
+        return answer
+    answer = _padding(attention_mask[:, attention_mask.shape[-1] - k_len :])
+    last.mask, last.k_len, last.answer = attention_mask, k_len, answer
+    return answer
+
+
 def _padding(mask: Any) -> tuple[Any, Any]:
     """(kv_lens, attn_mask) for a (B, Lk) padding mask: kv_lens (B,) when every row is a prefix of
     real tokens (right padding), else a (B, 1, 1, Lk) broadcast view of the mask (left padding)."""
@@ -189,15 +222,17 @@ def attention_forward(
     value (B, Hkv, Lk, Dv) -> ((B, Lq, Hq, Dv), None). attention_mask is what mask_function
     returned (None, a (B, >= Lk) padding mask whose last Lk columns are the keys') or a 4D bool/float
     mask a caller built."""
-    for name, what in _UNSUPPORTED.items():
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"{name}: twinattn does not compute {what} yet, and will not silently compute full "
-                f"attention instead; load this model with attn_implementation='sdpa'"
-            )
-    sliding_window = kwargs.get("sliding_window")
-    softcap = kwargs.get("softcap")
-    sinks = kwargs.get("s_aux")
+    sliding_window = softcap = sinks = None
+    if kwargs:
+        for name, what in _UNSUPPORTED.items():
+            if kwargs.get(name) is not None:
+                raise NotImplementedError(
+                    f"{name}: twinattn does not compute {what} yet, and will not silently compute full "
+                    f"attention instead; load this model with attn_implementation='sdpa'"
+                )
+        sliding_window = kwargs.get("sliding_window")
+        softcap = kwargs.get("softcap")
+        sinks = kwargs.get("s_aux")
     if dropout and getattr(module, "training", False):
         raise NotImplementedError(f"dropout: twinattn computes inference attention only; got dropout={dropout} in training mode")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -219,11 +254,12 @@ def attention_forward(
                 f"attention_mask: a 2D padding mask needs a column for each of the {k_len} keys, got shape {tuple(attention_mask.shape)}"
             )
         # the keys are the last k_len positions the padding mask covers (a sliding cache keeps those)
-        kv_lens, attn_mask = _padding(attention_mask[:, attention_mask.shape[-1] - k_len :])
+        kv_lens, attn_mask = _padding_of(attention_mask, k_len)
     elif attention_mask is not None:
         # a materialised mask already holds causality, the window and offsets: apply it as it is
         attn_mask, causal, sliding_window = attention_mask, False, None
-    window = (-1, -1)
+    # the variants only when they are used: the plain call passes what it always did
+    variants: dict[str, Any] = {}
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise ValueError(f"sliding_window: expected a positive int or None, got {sliding_window!r}")
@@ -233,75 +269,109 @@ def attention_forward(
                 f"got sliding_window={sliding_window} on bidirectional attention"
             )
         # transformers' window: key j is visible to the query at position p iff p - w < j <= p
-        window = (sliding_window - 1, 0)
-    # the queries are the last q_len positions of a cache holding k_len keys (HF's alignment), said
-    # explicitly so that right-padded rows (kv_lens < q_len) stay causal rather than raise
-    q_offset = k_len - q_len if causal else None
-    # A float16/bfloat16 model's call runs beside torch's OpenMP threads, which keep spinning on
-    # every core between the model's torch ops (threads_for says what that does to a call of this
-    # work). This work is per sequence (Hq * Lq * Lk * (D + Dv)), as measured on a batch of one.
-    work = q_heads * q_len * k_len * (query.shape[-1] + value.shape[-1])
-    num_threads = threads_for(work, beside_spinning_threads=query.dtype != torch.float32)
-
-    # the variants only when they are used: the plain call passes what it always did
-    variants: dict[str, Any] = {}
-    if window != (-1, -1):
-        variants["window_size"] = window
+        variants["window_size"] = (sliding_window - 1, 0)
     if softcap:
         variants["softcap"] = float(softcap)
     if sinks is not None:
         variants["sinks"] = sinks.float()  # float32 (a bfloat16 model's s_aux converts exactly)
-    if key.dtype == torch.int8 or value.dtype == torch.int8:
-        variants["k_scale"], variants["v_scale"] = _int8_scales(key, value)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
-        # training: the differentiable call (twinattn.torch's op and its backward), out allocated by it
+    if causal and kv_lens is not None:
+        # the queries are the last q_len positions of a cache holding k_len keys (HF's alignment),
+        # said explicitly so that right-padded rows (kv_lens < q_len) stay causal rather than
+        # raise; without kv_lens that is twinattn's default (bottom-right) alignment
+        variants["q_offset"] = k_len - q_len
+    # A float16/bfloat16 model's call runs beside torch's OpenMP threads, which keep spinning on
+    # every core between the model's torch ops (threads_for says what that does to a call of this
+    # work). This work is per sequence (Hq * Lq * Lk * (D + Dv)), as measured on a batch of one.
+    work = q_heads * q_len * k_len * (query.shape[-1] + value.shape[-1])
+    num_threads = threads_for(work, beside_spinning_threads=query.dtype is not torch.float32)
+    # a decode step's (B, Hq, 1, Dv) as twinattn allocates it is already (B, 1, Hq, Dv) in memory:
+    # its transpose is the model's layout (torch.empty and a checked out cost more than such a
+    # step's attention); longer queries are written straight into the model's layout
+    out = None if q_len == 1 else torch.empty((batch, q_len, q_heads, value.shape[-1]), dtype=query.dtype)
+    handed = _handed_over(key, value)
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks))
+    if handed is not None and not training and type(query) is torch.Tensor and not _is_dynamo_compiling():
+        # a TwinattnCache's own views, in eager mode: twinattn.attention on the arrays it handed
+        # over (converting the tensors back would cost more than a short step's attention)
+        keys, values, scales = handed
+        if scales is not None:
+            variants["k_scale"], variants["v_scale"] = scales
+        if "sinks" in variants:
+            variants["sinks"] = array("s_aux", variants["sinks"])
+        result = api.attention(
+            array("query", query),
+            keys,
+            values,
+            causal=causal,
+            kv_lens=None if kv_lens is None else array("kv_lens", kv_lens),
+            attn_mask=None if attn_mask is None else array("attention_mask", attn_mask),
+            scale=scaling,
+            out=None if out is None else array("out", out.transpose(1, 2)),
+            num_threads=num_threads,
+            **variants,
+        )
+        return (tensor(result).transpose(1, 2) if out is None else out), None
+    if handed is not None and handed[2] is not None:
+        variants["k_scale"], variants["v_scale"] = (tensor(scale) for scale in handed[2])
+    if training:
+        # the differentiable call (twinattn.torch's op and its backward), out allocated by it
         result = attention(
-            query, key, value, causal=causal, q_offset=q_offset, kv_lens=kv_lens, attn_mask=attn_mask, scale=scaling,
-            num_threads=num_threads, **variants,
+            query, key, value, causal=causal, kv_lens=kv_lens, attn_mask=attn_mask, scale=scaling, num_threads=num_threads,
+            **variants,
         )
         return result.transpose(1, 2), None
-    out = torch.empty((batch, q_len, q_heads, value.shape[-1]), dtype=query.dtype)
     # twinattn.torch.attention: its custom op under torch.compile
-    attention(
+    result = attention(
         query,
         key,
         value,
         causal=causal,
-        q_offset=q_offset,
         kv_lens=kv_lens,
         attn_mask=attn_mask,
         scale=scaling,
-        out=out.transpose(1, 2),
+        out=None if out is None else out.transpose(1, 2),
         num_threads=num_threads,
         **variants,
     )
-    return out, None
+    return (result.transpose(1, 2) if out is None else out), None
 
 
-class _Int8Views(threading.local):
-    """The int8 key and value views a TwinattnCache(kv_dtype="int8") layer last returned on this
-    thread, with their float32 scales. transformers calls the cache's update and then the
-    attention function with those very tensors, and nothing else passes between the two: the
-    scales are handed over here, to the call whose key and value are those tensors."""
+class _CacheViews(threading.local):
+    """The key and value views a TwinattnCache layer last returned on this thread, with their
+    NumPy views and, from an int8 cache, their float32 scales. transformers calls the cache's
+    update and then the attention function with those very tensors, and nothing else passes
+    between the two: the arrays are handed over here, to the call whose key and value are those
+    tensors, once (it then reads them without converting the tensors back)."""
 
     keys: Any = None
     values: Any = None
+    arrays: Any = None
     scales: Any = None
 
 
-_int8_views = _Int8Views()
+_cache_views = _CacheViews()
 
 
-def _int8_scales(key: Any, value: Any) -> tuple[Any, Any]:
-    """(k_scale, v_scale) of the int8 key and value a TwinattnCache(kv_dtype="int8") returned."""
-    if key is not _int8_views.keys or value is not _int8_views.values:
+def _handed_over(key: Any, value: Any) -> Optional[tuple[Any, Any, Any]]:
+    """(keys, values, scales) as NumPy arrays, scales None or (k_scale, v_scale), when key and value
+    are the views a TwinattnCache layer just returned; else None. int8 keys and values come only
+    that way (their scales with them)."""
+    views = _cache_views
+    if key is views.keys and value is views.values:
+        handed: tuple[Any, Any, Any] = (*views.arrays, views.scales)
+        views.keys = views.values = views.arrays = views.scales = None  # handed over once: nothing kept alive
+        return handed
+    if key.dtype is torch.int8 or value.dtype is torch.int8:
         raise TypeError(
             "key: int8 keys and values reach twinattn with their scales only from a TwinattnCache(kv_dtype='int8'); "
             f"got {key.dtype} key and {value.dtype} value without them"
         )
-    scales: tuple[Any, Any] = _int8_views.scales
-    _int8_views.keys = _int8_views.values = _int8_views.scales = None  # handed over once: nothing kept alive
-    return scales
+    return None
+
+
+def _hand_over(keys: Any, values: Any, arrays: tuple[Any, Any], scales: Any = None) -> None:
+    views = _cache_views
+    views.keys, views.values, views.arrays, views.scales = keys, values, arrays, scales
 
 
 # ---- the cache --------------------------------------------------------------------------------------
@@ -325,8 +395,39 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         self.is_initialized = True
 
     def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        if self._owner.kv is None:
+        owner = self._owner
+        if owner.kv is None:
             self.lazy_initialization(key_states, value_states)
+        # the common case, every step of every layer: the new tokens written at this layer's
+        # length into its buffers, views of the stored prefix back, and their NumPy views handed
+        # to attention_forward (a few microseconds; KVCache.update's general checks and
+        # per-sequence lengths cost several times that)
+        stores = owner._stores
+        if stores is not None and key_states.dtype is owner._dtype and value_states.dtype is owner._dtype:
+            if not (key_states.requires_grad or value_states.requires_grad):
+                new_keys, new_values = array("key_states", key_states), array("value_states", value_states)
+                keys, values = stores[self._layer_idx]
+                start = owner._lengths[self._layer_idx]
+                end = start + new_keys.shape[2]
+                shape = new_keys.shape
+                if (
+                    end <= owner.max_cache_len
+                    and shape[0] == keys.shape[0] and shape[1] == keys.shape[1] and shape[3] == keys.shape[3]
+                    and new_values.shape == shape
+                ):
+                    self.is_initialized = True
+                    keys[:, :, start:end] = new_keys
+                    values[:, :, start:end] = new_values
+                    owner._set_length(self._layer_idx, end)
+                    keys, values = keys[:, :, :end], values[:, :, :end]
+                    self.keys, self.values = tensor(keys), tensor(values)
+                    _hand_over(self.keys, self.values, (keys, values))
+                    return self.keys, self.values
+        return self._update_checked(key_states, value_states)
+
+    def _update_checked(self, key_states: Any, value_states: Any) -> tuple[Any, Any]:
+        """update through KVCache.update: int8 caches, and whatever the fast path does not take,
+        which KVCache checks (and names in its errors)."""
         kv = self._owner.kv
         assert kv is not None
         self.is_initialized = True
@@ -342,18 +443,17 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
                     "config=model.config) for each generate call or batch (it allocates for the batch it first sees)"
                 ) from None
             raise
+        self._owner._sync_lengths(self._layer_idx)
         self.keys, self.values = tensor(keys), tensor(values)
-        if self._owner.kv_dtype == "int8":  # their scales, for attention_forward (_Int8Views)
-            _int8_views.keys, _int8_views.values = self.keys, self.values
-            _int8_views.scales = tuple(tensor(scale) for scale in kv.scales(self._layer_idx))
+        # the arrays (and an int8 cache's scales) for attention_forward (_CacheViews)
+        _hand_over(self.keys, self.values, (keys, values), kv.scales(self._layer_idx) if self._owner.kv_dtype == "int8" else None)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        kv = self._owner.kv
-        return 0 if kv is None or kv.batch_size == 0 else int(kv.seq_lens(self._layer_idx).max())
+        return self._owner._lengths[self._layer_idx]
 
     def get_max_length(self) -> int:
         return self._owner.max_cache_len
@@ -425,6 +525,13 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         self.num_layers = num_layers
         self.kv_dtype = kv_dtype
         self.kv: Optional[KVCache] = None
+        # once allocated (not int8): per layer, the KVCache's whole key and value buffers
+        # (B, Hkv, max_cache_len, D), which update writes into; and per layer the
+        # stored length (every sequence of a generate batch has the same one, left padding
+        # included), kept equal to the KVCache's
+        self._stores: Optional[list[tuple[Any, Any]]] = None
+        self._dtype: Any = None  # the model's torch dtype, once allocated
+        self._lengths = [0] * num_layers
         super().__init__(layers=[_TwinattnLayer(self, i) for i in range(num_layers)])
 
     def _allocate(self, key_states: Any, value_states: Any) -> None:
@@ -449,11 +556,28 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         # int8: quantized as they are appended (KVCache.update), from the model's dtype
         stored = "int8" if self.kv_dtype == "int8" else dtype
         self.kv = KVCache(self.num_layers, batch, kv_heads, head_dim, self.max_cache_len, dtype=stored)
+        self._dtype = key_states.dtype
+        if stored != "int8":
+            # the buffers themselves (KVCache's keys() and values() end at the stored length)
+            self._stores = [(self.kv._keys[i], self.kv._values[i]) for i in range(self.num_layers)]
+
+    def _set_length(self, layer_idx: int, length: int) -> None:
+        """The fast path's append: every sequence of layer layer_idx now holds `length` tokens."""
+        assert self.kv is not None
+        self._lengths[layer_idx] = length
+        self.kv._lens[layer_idx] = length
+
+    def _sync_lengths(self, layer_idx: Optional[int] = None) -> None:
+        """_lengths from the KVCache, after an edit that went through it (all layers, or one)."""
+        kv = self.kv
+        for i in range(self.num_layers) if layer_idx is None else (layer_idx,):
+            self._lengths[i] = 0 if kv is None or kv.batch_size == 0 else int(kv.seq_lens(i).max())
 
     def _reset_layer(self, layer_idx: int) -> None:
         # KVCache.reset empties every layer at once: transformers calls this for each layer in turn
         if self.kv is not None:
             self.kv.reset()
+            self._sync_lengths()
 
     def _crop_layer(self, layer_idx: int, tokens_to_remove: int) -> None:
         if self.kv is None or tokens_to_remove == 0:
@@ -462,10 +586,12 @@ class TwinattnCache(Cache):  # type: ignore[misc]
             stored = self.get_seq_length(0)
             keep = stored + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
             self.kv.crop(max(keep, 0))
+            self._sync_lengths()
 
     def _reorder_layer(self, layer_idx: int, beam_idx: Any) -> None:
         if self.kv is not None and layer_idx == 0:  # KVCache.reorder applies to every layer
             self.kv.reorder(np.asarray(beam_idx.cpu() if isinstance(beam_idx, torch.Tensor) else beam_idx))
+            self._sync_lengths()
 
     @property
     def nbytes(self) -> int:
@@ -478,11 +604,67 @@ class TwinattnCache(Cache):  # type: ignore[misc]
 
 def register() -> None:
     """Register "twinattn" with transformers' AttentionInterface and AttentionMaskInterface, and
-    let continuous batching keep it (done on import; calling it again changes nothing)."""
+    make generate() give a model whose attention is "twinattn" a TwinattnCache by default
+    (default_cache_in_generate), and let continuous batching keep it; done on import, calling it
+    again changes nothing."""
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, mask_function)
+    default_cache_in_generate()
     # generate_batch / ContinuousBatchingManager keep "twinattn" (twinattn.hf_serving)
     accept_in_continuous_batching(NAME)
+
+
+def _twinattn_cache_for(model: Any, max_cache_len: int) -> Optional[TwinattnCache]:
+    """The TwinattnCache that generate gives `model` in place of the DynamicCache it made, or None
+    where it keeps that one: attention other than twinattn, an encoder-decoder, a layer kind
+    TwinattnCache does not hold."""
+    config = model.config
+    text_config = config.get_text_config(decoder=True)
+    if getattr(text_config, "_attn_implementation", None) != NAME or getattr(config, "is_encoder_decoder", False):
+        return None
+    layer_types, _ = get_layer_types_and_kwargs(text_config)
+    if any(kind not in ("full_attention", "sliding_attention") for kind in layer_types):
+        return None
+    return TwinattnCache(max_cache_len=max(int(max_cache_len), 1), config=config)
+
+
+def default_cache_in_generate() -> None:
+    """generate() without a cache argument gives a model whose attention is "twinattn" a
+    TwinattnCache of generate's own maximum length where it would make a DynamicCache (no
+    cache_implementation, or "dynamic"): decode steps append in place instead of concatenating.
+
+    transformers (written against 5.24) has no registry of default caches: generate makes its
+    cache in GenerationMixin._prepare_cache_for_generation, which this wraps, once. The wrapper
+    calls it as it is and replaces only a DynamicCache it has just made; a cache the caller passed,
+    use_cache=False, cache_implementation="static" / "offloaded" / "quantized", assisted
+    decoding's assistant and other models' attentions are left as transformers makes them."""
+    from transformers.generation.utils import GenerationMixin
+
+    original = GenerationMixin._prepare_cache_for_generation
+    if getattr(original, "_twinattn_default_cache", False):
+        return
+
+    def prepare(
+        self: Any, generation_config: Any, model_kwargs: dict[str, Any], generation_mode: Any, batch_size: int,
+        max_cache_length: int,
+    ) -> Any:
+        # the cache's keyword: "cache" in transformers 5.24, "past_key_values" before
+        names = [name for name in ("cache", "past_key_values") if model_kwargs.get(name) is None]
+        result = original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        made = [name for name in names if type(model_kwargs.get(name)) is DynamicCache]
+        if (
+            made
+            and generation_config.cache_implementation in (None, "dynamic")
+            and not getattr(generation_config, "is_assistant", False)
+        ):
+            cache = _twinattn_cache_for(self, max_cache_length)
+            if cache is not None:
+                model_kwargs[made[0]] = cache
+        return result
+
+    prepare._twinattn_default_cache = True  # type: ignore[attr-defined]
+    prepare.__wrapped__ = original  # type: ignore[attr-defined]
+    GenerationMixin._prepare_cache_for_generation = prepare
 
 
 register()
