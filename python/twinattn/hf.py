@@ -50,6 +50,7 @@ those very views: attention over the dequantized keys and values, read in place.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any, Optional
 
@@ -643,21 +644,23 @@ def default_cache_in_generate() -> None:
     original = GenerationMixin._prepare_cache_for_generation
     if getattr(original, "_twinattn_default_cache", False):
         return
+    signature = inspect.signature(original)
+    if not {"self", "generation_config", "model_kwargs", "max_cache_length"} <= set(signature.parameters):
+        return  # a transformers this was not written for: generate keeps its own default
 
-    def prepare(
-        self: Any, generation_config: Any, model_kwargs: dict[str, Any], generation_mode: Any, batch_size: int,
-        max_cache_length: int,
-    ) -> Any:
+    def prepare(*args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(*args, **kwargs).arguments
+        model_kwargs, generation_config = call["model_kwargs"], call["generation_config"]
         # the cache's keyword: "cache" in transformers 5.24, "past_key_values" before
         names = [name for name in ("cache", "past_key_values") if model_kwargs.get(name) is None]
-        result = original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        result = original(*args, **kwargs)
         made = [name for name in names if type(model_kwargs.get(name)) is DynamicCache]
         if (
             made
             and generation_config.cache_implementation in (None, "dynamic")
             and not getattr(generation_config, "is_assistant", False)
         ):
-            cache = _twinattn_cache_for(self, max_cache_length)
+            cache = _twinattn_cache_for(call["self"], call["max_cache_length"])
             if cache is not None:
                 model_kwargs[made[0]] = cache
         return result
