@@ -3,11 +3,13 @@ or the `hf` extra).
 
     import twinattn.hf                                    # registers "twinattn"
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="twinattn")
+    model.generate(**inputs)                              # makes a TwinattnCache (default_cache_in_generate)
     cache = twinattn.hf.TwinattnCache(max_cache_len=4096, config=model.config)
     model.generate(**inputs, cache=cache)                 # decode appends in place, never copies
                                                           # (past_key_values=cache before transformers 5)
 
-Importing this module registers "twinattn" twice under the same name, as transformers needs:
+Importing this module registers "twinattn" twice under the same name, as transformers needs
+(and makes generate() give such a model a TwinattnCache where it would make a DynamicCache):
 - with AttentionInterface, `attention_forward`: the attention of every layer, on the model's
   (B, H, L, D) query/key/value tensors, read in place (GQA without repeat_kv), written straight
   into the (B, L, H, D) layout the model reshapes next;
