@@ -440,6 +440,23 @@ def test_mask_function_keeps_masks_small(smol: tuple[Any, Any]) -> None:
     assert torch.equal(window, (want[None] & padding.bool()[:, None, :])[:, None])
 
 
+def test_a_padding_mask_is_read_afresh_unless_mask_function_made_it() -> None:
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(2, 2, 1, 8, generator=generator), *(torch.randn(2, 1, 5, 8, generator=generator) for _ in range(2))
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, :1] = False
+    first, _ = hf.attention_forward(torch.nn.Module(), q, k, v, mask)
+    mask[0, :2] = False  # the caller's own mask, written in place: read again
+    second, _ = hf.attention_forward(torch.nn.Module(), q, k, v, mask)
+    want = twinattn.torch.attention(q, k, v, causal=True, attn_mask=mask[:, None, None, :])
+    assert torch.equal(second, want.transpose(1, 2)) and not torch.equal(first[0], second[0])
+    # what mask_function makes is a copy of its own, turned into kv_lens / attn_mask once per forward
+    made = hf.mask_function(2, 1, 5, q_offset=4, attention_mask=mask)
+    assert made is not mask and torch.equal(made, mask)
+    assert hf._padding_of(made, 5) is hf._padding_of(made, 5)
+    assert hf._padding_of(mask, 5) is not hf._padding_of(mask, 5)
+
+
 def test_register_is_idempotent() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface

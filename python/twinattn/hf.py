@@ -134,9 +134,11 @@ def mask_function(
         # returns back to it as the 2D mask of the same step, gets the same answer again
         if attention_mask is None or bool(attention_mask.all()):
             return None
-        # a new tensor for each forward, even from a bool mask: attention_forward keeps what it
-        # derived from the last one by identity (_padding_of)
-        return attention_mask.to(torch.bool, copy=True)
+        # a new tensor for each forward, even from a bool mask, that nobody else writes to:
+        # attention_forward keeps what it derives from it for the forward's other layers (_padding_of)
+        made = attention_mask.to(torch.bool, copy=True)
+        _last_padding.made = made
+        return made
     return sdpa_mask(
         batch_size=batch_size,
         q_length=q_length,
@@ -172,11 +174,13 @@ def _closure(function: Any) -> dict[str, Any]:
 
 
 class _LastPadding(threading.local):
-    """The padding mask attention_forward last turned into (kv_lens, attn_mask) on this thread,
-    and what it became: every layer of a forward gets the same mask object and the same key
-    count, so the first layer's answer serves the others (mask_function hands each forward a
-    mask of its own, so a mask object is never reused with other contents)."""
+    """The padding mask mask_function last made on this thread (`made`: a copy of its own for each
+    forward, which nobody writes to), and once attention_forward has turned it into (kv_lens,
+    attn_mask) for k_len keys, that answer: every layer of the forward gets the same mask object
+    and the same key count, so the first layer's answer serves the others. A mask from anywhere
+    else is turned into its answer at each call."""
 
+    made: Any = None
     mask: Any = None
     k_len = -1
     answer: Any = None
@@ -186,14 +190,15 @@ _last_padding = _LastPadding()
 
 
 def _padding_of(attention_mask: Any, k_len: int) -> tuple[Any, Any]:
-    """_padding of the last k_len columns of a (B, >= k_len) padding mask, computed once per mask
-    and key count."""
+    """_padding of the last k_len columns of a (B, >= k_len) padding mask, computed once per
+    forward for the mask mask_function made."""
     last = _last_padding
     if last.mask is attention_mask and last.k_len == k_len:
         answer: tuple[Any, Any] = last.answer
         return answer
     answer = _padding(attention_mask[:, attention_mask.shape[-1] - k_len :])
-    last.mask, last.k_len, last.answer = attention_mask, k_len, answer
+    if attention_mask is last.made:
+        last.mask, last.k_len, last.answer = attention_mask, k_len, answer
     return answer
 
 
