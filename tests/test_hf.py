@@ -101,6 +101,36 @@ def test_smollm2_prefill_and_every_decode_step_match_sdpa(smol: tuple[Any, Any],
     assert caches["twinattn"].get_seq_length() == mask.shape[1] - 1
 
 
+def test_the_cache_a_forward_makes_appends_in_place(smol: tuple[Any, Any]) -> None:
+    # a loop that lets the model make its cache (use_cache=True, no cache) and hands each step the
+    # cache the last one returned: a twinattn model's DynamicCache appends in place, sdpa's keeps
+    # transformers' layers; greedy tokens and logits as sdpa's
+    from transformers.cache_utils import DynamicLayer
+
+    model, tok = smol
+    batch = _inputs(tok, PROMPTS["left-padded"])
+    got: dict[str, Any] = {}
+    with torch.inference_mode():
+        for impl in ("sdpa", "twinattn"):
+            model.set_attn_implementation(impl)
+            out = model(**batch, use_cache=True)
+            cache, mask = getattr(out, "cache", None) or out.past_key_values, batch.attention_mask
+            assert type(cache) is DynamicCache
+            layer_types = {type(layer) for layer in cache.layers}
+            assert layer_types == ({hf._AppendingLayer} if impl == "twinattn" else {DynamicLayer})
+            tokens, buffers = [out.logits[:, -1].argmax(-1, keepdim=True)], set()
+            for _ in range(DECODE_STEPS):
+                mask = torch.cat([mask, torch.ones_like(tokens[-1])], dim=1)
+                out = model(tokens[-1], attention_mask=mask, **{cache_kw(model): cache}, use_cache=True)
+                tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+                buffers.add(cache.layers[0].keys.data_ptr())
+            assert cache.get_seq_length() == mask.shape[1]
+            got[impl] = (torch.cat(tokens, dim=1), out.logits, len(buffers))
+    assert torch.equal(got["twinattn"][0], got["sdpa"][0])
+    assert float((got["twinattn"][1] - got["sdpa"][1]).abs().max()) < 1e-4
+    assert got["twinattn"][2] == 1 and got["sdpa"][2] == DECODE_STEPS  # one buffer, written in place; torch.cat's copies
+
+
 def _generate(model: Any, batch: Any, settings: dict[str, Any], cache: Any) -> tuple[Any, Any]:
     """generate's tokens and the cache it used (cache None: no cache argument)."""
     given = {} if cache is None else {cache_kw(model): cache}
@@ -486,6 +516,46 @@ def test_cache_refuses_other_layer_kinds_and_dtypes() -> None:
         cache.update(torch.zeros(1, 1, 2, 8, dtype=torch.float64), torch.zeros(1, 1, 2, 8, dtype=torch.float64), 0)
     with pytest.raises(TypeError, match=r"value_states: expected dtype torch.float16 \(key_states'\), got torch.float32"):
         cache.update(torch.zeros(1, 1, 2, 8, dtype=torch.float16), torch.zeros(1, 1, 2, 8), 0)
+
+
+def test_appending_layers_follow_crop_reorder_select_and_reset() -> None:
+    # _AppendingLayer (a twinattn model's DynamicCache) against DynamicLayer's torch.cat, through
+    # what transformers does to a DynamicCache between steps
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_size=16)
+    config._attn_implementation = "twinattn"
+    cache, want = DynamicCache(config=config), DynamicCache(config=LlamaConfig(num_hidden_layers=2))
+    assert all(type(layer) is hf._AppendingLayer for layer in cache.layers)
+    generator = torch.Generator().manual_seed(4)
+
+    def step(length: int, batch: int = 3) -> None:
+        for layer in range(2):
+            new = torch.randn(batch, 2, length, 8, generator=generator)
+            got_k, got_v = cache.update(new, new * 2, layer)
+            want_k, want_v = want.update(new, new * 2, layer)
+            assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+    step(5)
+    step(1)
+    buffer = cache.layers[0].keys.data_ptr()
+    step(2)
+    assert cache.layers[0].keys.data_ptr() == buffer  # room for 12 after 6 tokens: appended in place
+    step(9)  # outgrown: copied into a larger buffer
+    for edit in (lambda c: c.crop(-3), lambda c: c.reorder_cache(torch.tensor([2, 0, 0])), lambda c: c.batch_select_indices(torch.tensor([0, 2]))):
+        edit(cache)
+        edit(want)
+        step(1, batch=cache.layers[0].keys.shape[0])
+    assert cache.get_seq_length() == want.get_seq_length() == 17
+    cache.reset()
+    want.reset()
+    step(2, batch=4)
+    # states that require grad (training) take torch.cat, as DynamicLayer
+    leaf = torch.randn(4, 2, 1, 8, requires_grad=True)
+    keys, _ = cache.update(leaf, leaf, 0)
+    assert keys.requires_grad and keys.shape == (4, 2, 3, 8)
+    # a DynamicCache without a twinattn config keeps transformers' layers
+    assert all(type(layer) is not hf._AppendingLayer for layer in want.layers + DynamicCache().layers)
 
 
 def test_cache_appends_follow_crop_reorder_and_reset() -> None:

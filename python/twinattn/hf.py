@@ -63,7 +63,7 @@ try:
     from transformers import AttentionInterface
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("twinattn.hf needs torch and transformers: pip install torch transformers") from error
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, get_layer_types_and_kwargs
 from transformers.masking_utils import (
     AttentionMaskInterface,
     bidirectional_mask_function,
@@ -79,8 +79,8 @@ from .nn.cache import KVCache
 from .torch import attention
 
 __all__ = [
-    "NAME", "TwinattnCache", "attention_forward", "continuous_batching_config", "default_cache_in_generate", "mask_function",
-    "register",
+    "NAME", "TwinattnCache", "attention_forward", "continuous_batching_config", "default_cache_in_forward",
+    "default_cache_in_generate", "mask_function", "register",
 ]
 
 NAME = "twinattn"
@@ -607,17 +607,140 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         return 0 if self.kv is None else self.kv.nbytes
 
 
+# ---- the DynamicCache a twinattn model's forward makes ---------------------------------------------
+
+
+class _AppendingLayer(DynamicLayer):  # type: ignore[misc]
+    """A full-attention layer of the DynamicCache that transformers makes for a model whose attention
+    is "twinattn" (default_cache_in_forward): DynamicLayer, appending in place. keys and values
+    are views (B, Hkv, stored, D) of buffers with room to grow (twice what they hold when they
+    are made or outgrown), so a decode step copies its new token where DynamicLayer's torch.cat
+    copies the whole cache, and their NumPy views go to attention_forward as TwinattnCache's do.
+    Whatever replaced keys or values since the last update (crop, reorder_cache,
+    batch_select_indices and the like assign new tensors) is copied into new buffers first.
+    States that require grad, or that NumPy cannot view, are appended by DynamicLayer's torch.cat."""
+
+    keys: Any
+    values: Any
+    # the NumPy buffers (B, Hkv, capacity, D) and the tensors update last returned (views of them)
+    _buffers: Any = None
+    _returned: Any = None
+
+    def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        dtype = key_states.dtype
+        if (
+            value_states.dtype is not dtype
+            or dtype not in NUMPY_DTYPES
+            or key_states.device.type != "cpu"
+            or key_states.requires_grad
+            or value_states.requires_grad
+            or _is_dynamo_compiling()
+        ):
+            return self._concatenated(key_states, value_states, *args, **kwargs)
+        new_keys, new_values = array("key_states", key_states), array("value_states", value_states)
+        stored_keys: Any = self.keys
+        stored_values: Any = self.values
+        returned, buffers = self._returned, self._buffers
+        if returned is None or returned[0] is not stored_keys or returned[1] is not stored_values:
+            buffers = None  # new tensors since the last update (or none yet): copied below
+        start = stored_keys.shape[2] if stored_keys.dim() == 4 else 0
+        end = start + new_keys.shape[2]
+        if buffers is None or end > buffers[0].shape[2] or buffers[0].dtype != new_keys.dtype:
+            buffers = self._grow(new_keys, new_values, start, 2 * end)
+        if buffers is None or any(
+            (new.shape[:2], new.shape[3]) != (buffer.shape[:2], buffer.shape[3])
+            for new, buffer in zip((new_keys, new_values), buffers)
+        ):
+            # stored and new states of other batches, heads or widths: torch.cat says how
+            return self._concatenated(key_states, value_states, *args, **kwargs)
+        key_buffer, value_buffer = buffers
+        key_buffer[:, :, start:end] = new_keys
+        value_buffer[:, :, start:end] = new_values
+        keys, values = key_buffer[:, :, :end], value_buffer[:, :, :end]
+        self.keys, self.values = key_tensor, value_tensor = tensor(keys), tensor(values)
+        self._buffers, self._returned = buffers, (key_tensor, value_tensor)
+        _hand_over(key_tensor, value_tensor, (keys, values))
+        return key_tensor, value_tensor
+
+    def _concatenated(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """DynamicLayer's update (torch.cat); the buffers are then no longer what keys and values view."""
+        self._buffers = self._returned = None
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        return keys, values
+
+    def _grow(self, new_keys: Any, new_values: Any, stored: int, capacity: int) -> Optional[tuple[Any, Any]]:
+        """New buffers of `capacity` tokens holding the `stored` tokens of keys and values, or None
+        when those do not match the new states' batch, heads and widths."""
+        shapes = (new_keys.shape, new_values.shape)
+        buffers = tuple(np.empty((*shape[:2], capacity, shape[3]), dtype=new_keys.dtype) for shape in shapes)
+        if stored:
+            kept_states: tuple[Any, Any] = (self.keys, self.values)
+            for buffer, kept in zip(buffers, kept_states):
+                if kept.dim() != 4 or (kept.shape[:2], kept.shape[3], kept.shape[2]) != (buffer.shape[:2], buffer.shape[3], stored):
+                    return None
+                kept_array = array("keys", kept.detach())
+                if kept_array.dtype != buffer.dtype:
+                    return None
+                buffer[:, :, :stored] = kept_array
+        return buffers[0], buffers[1]
+
+
+def _is_twinattn(config: Any) -> bool:
+    """Whether a model's config says its (decoder's) attention is "twinattn"."""
+    text_config = config.get_text_config(decoder=True)
+    return bool(getattr(text_config, "_attn_implementation", None) == NAME)
+
+
+def default_cache_in_forward() -> None:
+    """A DynamicCache made with the config of a model whose attention is "twinattn" appends in
+    place: its full-attention layers are _AppendingLayer instead of DynamicLayer. That is the
+    cache a model's forward makes when it is given none (use_cache=True: `cache =
+    DynamicCache(config=self.config)` in every transformers model), so a loop that hands each
+    step the cache the previous step returned copies one token per layer per step, not the whole
+    cache; it stays a DynamicCache in every other respect.
+
+    transformers (written against 5.24) has no registry of default caches, and its layer registry
+    (DYNAMIC_LAYER_TYPE_MAPPING) is keyed by layer type, not by the model's attention: this wraps
+    DynamicCache.__init__, once, the one place every such cache is made, and changes only the
+    layers of a cache made with a twinattn model's config (other attentions, a DynamicCache()
+    without config and sliding-window layers keep transformers' own layers)."""
+    original = DynamicCache.__init__
+    if getattr(original, "_twinattn_default_cache", False):
+        return
+    signature = inspect.signature(original)
+    if "config" not in signature.parameters:
+        return  # a transformers this was not written for: its DynamicCache is left as it is
+
+    def init(*args: Any, **kwargs: Any) -> None:
+        original(*args, **kwargs)
+        call = signature.bind(*args, **kwargs).arguments
+        config = call.get("config")
+        if config is not None and _is_twinattn(config):
+            cache = call["self"]
+            cache.layers = [
+                _AppendingLayer() if type(layer) is DynamicLayer and not layer.is_initialized else layer for layer in cache.layers
+            ]
+
+    init._twinattn_default_cache = True  # type: ignore[attr-defined]
+    init.__wrapped__ = original  # type: ignore[attr-defined]
+    DynamicCache.__init__ = init
+
+
 # ---- registration -------------------------------------------------------------------------------------
 
 
 def register() -> None:
     """Register "twinattn" with transformers' AttentionInterface and AttentionMaskInterface, and
     make generate() give a model whose attention is "twinattn" a TwinattnCache by default
-    (default_cache_in_generate), and let continuous batching keep it; done on import, calling it
+    (default_cache_in_generate) and the DynamicCache its forward makes append in place
+    (default_cache_in_forward), and let continuous batching keep it; done on import, calling it
     again changes nothing."""
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, mask_function)
     default_cache_in_generate()
+    default_cache_in_forward()
     # generate_batch / ContinuousBatchingManager keep "twinattn" (twinattn.hf_serving)
     accept_in_continuous_batching(NAME)
 
