@@ -9,7 +9,8 @@ or the `hf` extra).
                                                           # (past_key_values=cache before transformers 5)
 
 Importing this module registers "twinattn" twice under the same name, as transformers needs
-(and makes generate() give such a model a TwinattnCache where it would make a DynamicCache):
+(and makes generate() give such a model a TwinattnCache where it would make a DynamicCache, and
+the DynamicCache its forward makes when given none append in place: default_cache_in_forward):
 - with AttentionInterface, `attention_forward`: the attention of every layer, on the model's
   (B, H, L, D) query/key/value tensors, read in place (GQA without repeat_kv), written straight
   into the (B, L, H, D) layout the model reshapes next;
