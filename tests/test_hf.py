@@ -74,8 +74,11 @@ def _inputs(tok: Any, prompts: list[str]) -> Any:
     return tok(prompts, return_tensors="pt", padding=True, padding_side="left")
 
 
+@pytest.mark.parametrize("twinattn_cache", ["TwinattnCache", "DynamicCache"])
 @pytest.mark.parametrize("case", list(PROMPTS))
-def test_smollm2_prefill_and_every_decode_step_match_sdpa(smol: tuple[Any, Any], case: str) -> None:
+def test_smollm2_prefill_and_every_decode_step_match_sdpa(smol: tuple[Any, Any], case: str, twinattn_cache: str) -> None:
+    # step by step, as hand-written loops drive a model: twinattn over its own cache or over
+    # transformers' DynamicCache
     model, tok = smol
     batch = _inputs(tok, PROMPTS[case])
     ids, mask = batch.input_ids, batch.attention_mask
@@ -83,7 +86,8 @@ def test_smollm2_prefill_and_every_decode_step_match_sdpa(smol: tuple[Any, Any],
     caches = {
         "sdpa": DynamicCache(),
         "eager": DynamicCache(),
-        "twinattn": hf.TwinattnCache(max_cache_len=ids.shape[1] + DECODE_STEPS, config=model.config),
+        "twinattn": hf.TwinattnCache(max_cache_len=ids.shape[1] + DECODE_STEPS, config=model.config)
+        if twinattn_cache == "TwinattnCache" else DynamicCache(),
     }
     with torch.inference_mode():
         for step in range(DECODE_STEPS + 1):
@@ -97,19 +101,94 @@ def test_smollm2_prefill_and_every_decode_step_match_sdpa(smol: tuple[Any, Any],
     assert caches["twinattn"].get_seq_length() == mask.shape[1] - 1
 
 
+def test_the_cache_a_forward_makes_appends_in_place(smol: tuple[Any, Any]) -> None:
+    # a loop that lets the model make its cache (use_cache=True, no cache) and hands each step the
+    # cache the last one returned: a twinattn model's DynamicCache appends in place, sdpa's keeps
+    # transformers' layers; greedy tokens and logits as sdpa's
+    from transformers.cache_utils import DynamicLayer
+
+    model, tok = smol
+    batch = _inputs(tok, PROMPTS["left-padded"])
+    got: dict[str, Any] = {}
+    with torch.inference_mode():
+        for impl in ("sdpa", "twinattn"):
+            model.set_attn_implementation(impl)
+            out = model(**batch, use_cache=True)
+            cache, mask = getattr(out, "cache", None) or out.past_key_values, batch.attention_mask
+            assert type(cache) is DynamicCache
+            layer_types = {type(layer) for layer in cache.layers}
+            assert layer_types == ({hf._AppendingLayer} if impl == "twinattn" else {DynamicLayer})
+            tokens, buffers = [out.logits[:, -1].argmax(-1, keepdim=True)], set()
+            for _ in range(DECODE_STEPS):
+                mask = torch.cat([mask, torch.ones_like(tokens[-1])], dim=1)
+                out = model(tokens[-1], attention_mask=mask, **{cache_kw(model): cache}, use_cache=True)
+                tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+                buffers.add(cache.layers[0].keys.data_ptr())
+            assert cache.get_seq_length() == mask.shape[1]
+            got[impl] = (torch.cat(tokens, dim=1), out.logits, len(buffers))
+    assert torch.equal(got["twinattn"][0], got["sdpa"][0])
+    assert float((got["twinattn"][1] - got["sdpa"][1]).abs().max()) < 1e-4
+    assert got["twinattn"][2] == 1 and got["sdpa"][2] == DECODE_STEPS  # one buffer, written in place; torch.cat's copies
+
+
+def _generate(model: Any, batch: Any, settings: dict[str, Any], cache: Any) -> tuple[Any, Any]:
+    """generate's tokens and the cache it used (cache None: no cache argument)."""
+    given = {} if cache is None else {cache_kw(model): cache}
+    out = model.generate(**batch, **settings, **given, return_dict_in_generate=True)
+    return out.sequences, out.cache if hasattr(out, "cache") else out.past_key_values
+
+
+# the caches generate may be given with twinattn attention: (what to pass, the cache generate must use)
+GIVEN_CACHES = {
+    "TwinattnCache": (lambda model, length: hf.TwinattnCache(max_cache_len=length, config=model.config), hf.TwinattnCache),
+    # no cache argument: generate makes a TwinattnCache (hf.default_cache_in_generate)
+    "no cache": (lambda model, length: None, hf.TwinattnCache),
+    # the caller's own DynamicCache is kept: twinattn reads its tensors
+    "DynamicCache": (lambda model, length: DynamicCache(config=model.config), DynamicCache),
+}
+
+
+@pytest.mark.parametrize("given", list(GIVEN_CACHES))
 @pytest.mark.parametrize("case", list(PROMPTS))
-def test_smollm2_greedy_generation_gives_sdpas_tokens(smol: tuple[Any, Any], case: str) -> None:
+def test_smollm2_greedy_generation_gives_sdpas_tokens(smol: tuple[Any, Any], case: str, given: str) -> None:
     model, tok = smol
     batch = _inputs(tok, PROMPTS[case])
     settings = {"max_new_tokens": GENERATED, "min_new_tokens": GENERATED, "do_sample": False}
+    make, used = GIVEN_CACHES[given]
     with torch.inference_mode():
         model.set_attn_implementation("sdpa")
-        want = model.generate(**batch, **settings)
+        want, sdpa_cache = _generate(model, batch, settings, None)
         model.set_attn_implementation("twinattn")
-        cache = hf.TwinattnCache(max_cache_len=batch.input_ids.shape[1] + GENERATED, config=model.config)
-        got = model.generate(**batch, **settings, **{cache_kw(model): cache})
+        got, cache = _generate(model, batch, settings, make(model, batch.input_ids.shape[1] + GENERATED))
+    assert type(sdpa_cache) is DynamicCache  # other attentions keep transformers' default
+    assert type(cache) is used
     assert got.shape == want.shape == (len(PROMPTS[case]), batch.input_ids.shape[1] + GENERATED)
     assert torch.equal(got, want), tok.batch_decode(got) + tok.batch_decode(want)
+
+
+def test_default_cache_is_made_only_where_generate_makes_a_dynamic_one(smol: tuple[Any, Any]) -> None:
+    from transformers import StaticCache
+    from transformers.generation.utils import GenerationMixin
+
+    model, tok = smol
+    batch = _inputs(tok, PROMPTS["single"])
+    settings = {"max_new_tokens": 4, "do_sample": False}
+    with torch.inference_mode():
+        model.set_attn_implementation("twinattn")
+        _, cache = _generate(model, batch, settings, None)
+        # sized by generate: the prompt and the new tokens but the last
+        assert type(cache) is hf.TwinattnCache and cache.max_cache_len == batch.input_ids.shape[1] + 3
+        assert cache.get_seq_length() == batch.input_ids.shape[1] + 3
+        _, cache = _generate(model, batch, {**settings, "cache_implementation": "static"}, None)
+        assert type(cache) is StaticCache
+        _, cache = _generate(model, batch, {**settings, "cache_implementation": "dynamic"}, None)
+        assert type(cache) is hf.TwinattnCache
+        out = model.generate(**batch, **settings, use_cache=False, return_dict_in_generate=True)
+        assert getattr(out, "cache", None) is None and getattr(out, "past_key_values", None) is None
+    # installed once, however often register() runs
+    hf.register()
+    wrapper = GenerationMixin._prepare_cache_for_generation
+    assert wrapper._twinattn_default_cache and not getattr(wrapper.__wrapped__, "_twinattn_default_cache", False)
 
 
 # ---- SmolLM2 with an int8 cache ------------------------------------------------------------------
@@ -391,6 +470,23 @@ def test_mask_function_keeps_masks_small(smol: tuple[Any, Any]) -> None:
     assert torch.equal(window, (want[None] & padding.bool()[:, None, :])[:, None])
 
 
+def test_a_padding_mask_is_read_afresh_unless_mask_function_made_it() -> None:
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(2, 2, 1, 8, generator=generator), *(torch.randn(2, 1, 5, 8, generator=generator) for _ in range(2))
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, :1] = False
+    first, _ = hf.attention_forward(torch.nn.Module(), q, k, v, mask)
+    mask[0, :2] = False  # the caller's own mask, written in place: read again
+    second, _ = hf.attention_forward(torch.nn.Module(), q, k, v, mask)
+    want = twinattn.torch.attention(q, k, v, causal=True, attn_mask=mask[:, None, None, :])
+    assert torch.equal(second, want.transpose(1, 2)) and not torch.equal(first[0], second[0])
+    # what mask_function makes is a copy of its own, turned into kv_lens / attn_mask once per forward
+    made = hf.mask_function(2, 1, 5, q_offset=4, attention_mask=mask)
+    assert made is not mask and torch.equal(made, mask)
+    assert hf._padding_of(made, 5) is hf._padding_of(made, 5)
+    assert hf._padding_of(mask, 5) is not hf._padding_of(mask, 5)
+
+
 def test_register_is_idempotent() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
@@ -420,6 +516,84 @@ def test_cache_refuses_other_layer_kinds_and_dtypes() -> None:
         cache.update(torch.zeros(1, 1, 2, 8, dtype=torch.float64), torch.zeros(1, 1, 2, 8, dtype=torch.float64), 0)
     with pytest.raises(TypeError, match=r"value_states: expected dtype torch.float16 \(key_states'\), got torch.float32"):
         cache.update(torch.zeros(1, 1, 2, 8, dtype=torch.float16), torch.zeros(1, 1, 2, 8), 0)
+
+
+def test_appending_layers_follow_crop_reorder_select_and_reset() -> None:
+    # _AppendingLayer (a twinattn model's DynamicCache) against DynamicLayer's torch.cat, through
+    # what transformers does to a DynamicCache between steps
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, hidden_size=16)
+    config._attn_implementation = "twinattn"
+    cache, want = DynamicCache(config=config), DynamicCache(config=LlamaConfig(num_hidden_layers=2))
+    assert all(type(layer) is hf._AppendingLayer for layer in cache.layers)
+    generator = torch.Generator().manual_seed(4)
+
+    def step(length: int, batch: int = 3) -> None:
+        for layer in range(2):
+            new = torch.randn(batch, 2, length, 8, generator=generator)
+            got_k, got_v = cache.update(new, new * 2, layer)
+            want_k, want_v = want.update(new, new * 2, layer)
+            assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+    step(5)
+    step(1)
+    buffer = cache.layers[0].keys.data_ptr()
+    step(2)
+    assert cache.layers[0].keys.data_ptr() == buffer  # room for 12 after 6 tokens: appended in place
+    step(9)  # outgrown: copied into a larger buffer
+    for edit in (lambda c: c.crop(-3), lambda c: c.reorder_cache(torch.tensor([2, 0, 0])), lambda c: c.batch_select_indices(torch.tensor([0, 2]))):
+        edit(cache)
+        edit(want)
+        step(1, batch=cache.layers[0].keys.shape[0])
+    assert cache.get_seq_length() == want.get_seq_length() == 17
+    cache.reset()
+    want.reset()
+    step(2, batch=4)
+    # states that require grad (training) take torch.cat, as DynamicLayer
+    leaf = torch.randn(4, 2, 1, 8, requires_grad=True)
+    keys, _ = cache.update(leaf, leaf, 0)
+    assert keys.requires_grad and keys.shape == (4, 2, 3, 8)
+    # a DynamicCache without a twinattn config keeps transformers' layers
+    assert all(type(layer) is not hf._AppendingLayer for layer in want.layers + DynamicCache().layers)
+
+
+def test_cache_appends_follow_crop_reorder_and_reset() -> None:
+    # update's fast path (torch copies at the stored length) against torch.cat of what was kept
+    cache = hf.TwinattnCache(max_cache_len=12, num_layers=2)
+    generator = torch.Generator().manual_seed(3)
+
+    def states(length: int) -> Any:
+        return torch.randn(3, 2, length, 8, generator=generator)
+
+    want = [states(5) for _ in range(2)]
+    for layer in range(2):
+        cache.update(want[layer], want[layer] * 2, layer)
+    cache.crop(-2)  # every layer keeps 3 tokens
+    want = [w[:, :, :3] for w in want]
+    beams = torch.tensor([2, 0, 0])
+    cache.reorder_cache(beams)
+    want = [w[beams] for w in want]
+    for step in range(3):
+        for layer in range(2):
+            new = states(1 + step)
+            want[layer] = torch.cat([want[layer], new], dim=2)
+            got_k, got_v = cache.update(new, new * 2, layer)
+            assert torch.equal(got_k, want[layer]) and torch.equal(got_v, want[layer] * 2)
+            assert cache.layers[layer].get_seq_length() == want[layer].shape[2]
+    assert cache.get_seq_length() == 9
+    assert np.array_equal(cache.kv.seq_lens(1), [9, 9, 9])  # the KVCache agrees
+    with pytest.raises(twinattn.CacheOverflowError, match="exceeds max_seq_len=12"):
+        cache.update(states(4), states(4), 0)
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    fresh = states(2)
+    assert torch.equal(cache.update(fresh, fresh, 0)[0], fresh)
+    # float32 states into a bfloat16 cache: rounded as they are stored, by KVCache.update
+    half = hf.TwinattnCache(max_cache_len=4, num_layers=1)
+    half.update(fresh.bfloat16(), fresh.bfloat16(), 0)
+    more = states(1)
+    assert torch.equal(half.update(more, more, 0)[0], torch.cat([fresh, more], dim=2).bfloat16())
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])

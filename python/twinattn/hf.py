@@ -3,11 +3,14 @@ or the `hf` extra).
 
     import twinattn.hf                                    # registers "twinattn"
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="twinattn")
+    model.generate(**inputs)                              # makes a TwinattnCache (default_cache_in_generate)
     cache = twinattn.hf.TwinattnCache(max_cache_len=4096, config=model.config)
     model.generate(**inputs, cache=cache)                 # decode appends in place, never copies
                                                           # (past_key_values=cache before transformers 5)
 
-Importing this module registers "twinattn" twice under the same name, as transformers needs:
+Importing this module registers "twinattn" twice under the same name, as transformers needs
+(and makes generate() give such a model a TwinattnCache where it would make a DynamicCache, and
+the DynamicCache its forward makes when given none append in place: default_cache_in_forward):
 - with AttentionInterface, `attention_forward`: the attention of every layer, on the model's
   (B, H, L, D) query/key/value tensors, read in place (GQA without repeat_kv), written straight
   into the (B, L, H, D) layout the model reshapes next;
@@ -52,6 +55,7 @@ those very views: attention over the dequantized keys and values, read in place.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from typing import Any, Optional
 
@@ -62,7 +66,7 @@ try:
     from transformers import AttentionInterface
 except ImportError as error:  # pragma: no cover - depends on the environment
     raise ImportError("twinattn.hf needs torch and transformers: pip install torch transformers") from error
-from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer, get_layer_types_and_kwargs
 from transformers.masking_utils import (
     AttentionMaskInterface,
     bidirectional_mask_function,
@@ -71,14 +75,19 @@ from transformers.masking_utils import (
 )
 
 from ._torch_views import NUMPY_DTYPES, array, tensor
+from .core import api
 from .core._threads import threads_for
 from .hf_serving import PAGES, accept_in_continuous_batching, continuous_batching_config, packed_attention_forward
 from .nn.cache import KVCache
 from .torch import attention
 
-__all__ = ["NAME", "TwinattnCache", "attention_forward", "continuous_batching_config", "mask_function", "register"]
+__all__ = [
+    "NAME", "TwinattnCache", "attention_forward", "continuous_batching_config", "default_cache_in_forward",
+    "default_cache_in_generate", "mask_function", "register",
+]
 
 NAME = "twinattn"
+_is_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 # keywords that ask for attention twinattn does not compute yet: never silently dropped
 _UNSUPPORTED = {
@@ -128,7 +137,11 @@ def mask_function(
         # returns back to it as the 2D mask of the same step, gets the same answer again
         if attention_mask is None or bool(attention_mask.all()):
             return None
-        return attention_mask.to(torch.bool)
+        # a new tensor for each forward, even from a bool mask, that nobody else writes to:
+        # attention_forward keeps what it derives from it for the forward's other layers (_padding_of)
+        made = attention_mask.to(torch.bool, copy=True)
+        _last_padding.made = made
+        return made
     return sdpa_mask(
         batch_size=batch_size,
         q_length=q_length,
@@ -163,6 +176,35 @@ def _closure(function: Any) -> dict[str, Any]:
     return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
 
 
+class _LastPadding(threading.local):
+    """The padding mask mask_function last made on this thread (`made`: a copy of its own for each
+    forward, which nobody writes to), and once attention_forward has turned it into (kv_lens,
+    attn_mask) for k_len keys, that answer: every layer of the forward gets the same mask object
+    and the same key count, so the first layer's answer serves the others. A mask from anywhere
+    else is turned into its answer at each call."""
+
+    made: Any = None
+    mask: Any = None
+    k_len = -1
+    answer: Any = None
+
+
+_last_padding = _LastPadding()
+
+
+def _padding_of(attention_mask: Any, k_len: int) -> tuple[Any, Any]:
+    """_padding of the last k_len columns of a (B, >= k_len) padding mask, computed once per
+    forward for the mask mask_function made."""
+    last = _last_padding
+    if last.mask is attention_mask and last.k_len == k_len:
+        answer: tuple[Any, Any] = last.answer
+        return answer
+    answer = _padding(attention_mask[:, attention_mask.shape[-1] - k_len :])
+    if attention_mask is last.made:
+        last.mask, last.k_len, last.answer = attention_mask, k_len, answer
+    return answer
+
+
 def _padding(mask: Any) -> tuple[Any, Any]:
     """(kv_lens, attn_mask) for a (B, Lk) padding mask: kv_lens (B,) when every row is a prefix of
     real tokens (right padding), else a (B, 1, 1, Lk) broadcast view of the mask (left padding)."""
@@ -191,15 +233,17 @@ def attention_forward(
     value (B, Hkv, Lk, Dv) -> ((B, Lq, Hq, Dv), None). attention_mask is what mask_function
     returned (None, a (B, >= Lk) padding mask whose last Lk columns are the keys') or a 4D bool/float
     mask a caller built."""
-    for name, what in _UNSUPPORTED.items():
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"{name}: twinattn does not compute {what} yet, and will not silently compute full "
-                f"attention instead; load this model with attn_implementation='sdpa'"
-            )
-    sliding_window = kwargs.get("sliding_window")
-    softcap = kwargs.get("softcap")
-    sinks = kwargs.get("s_aux")
+    sliding_window = softcap = sinks = None
+    if kwargs:
+        for name, what in _UNSUPPORTED.items():
+            if kwargs.get(name) is not None:
+                raise NotImplementedError(
+                    f"{name}: twinattn does not compute {what} yet, and will not silently compute full "
+                    f"attention instead; load this model with attn_implementation='sdpa'"
+                )
+        sliding_window = kwargs.get("sliding_window")
+        softcap = kwargs.get("softcap")
+        sinks = kwargs.get("s_aux")
     if dropout and getattr(module, "training", False):
         raise NotImplementedError(f"dropout: twinattn computes inference attention only; got dropout={dropout} in training mode")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -221,11 +265,12 @@ def attention_forward(
                 f"attention_mask: a 2D padding mask needs a column for each of the {k_len} keys, got shape {tuple(attention_mask.shape)}"
             )
         # the keys are the last k_len positions the padding mask covers (a sliding cache keeps those)
-        kv_lens, attn_mask = _padding(attention_mask[:, attention_mask.shape[-1] - k_len :])
+        kv_lens, attn_mask = _padding_of(attention_mask, k_len)
     elif attention_mask is not None:
         # a materialised mask already holds causality, the window and offsets: apply it as it is
         attn_mask, causal, sliding_window = attention_mask, False, None
-    window = (-1, -1)
+    # the variants only when they are used: the plain call passes what it always did
+    variants: dict[str, Any] = {}
     if sliding_window is not None:
         if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
             raise ValueError(f"sliding_window: expected a positive int or None, got {sliding_window!r}")
@@ -235,75 +280,109 @@ def attention_forward(
                 f"got sliding_window={sliding_window} on bidirectional attention"
             )
         # transformers' window: key j is visible to the query at position p iff p - w < j <= p
-        window = (sliding_window - 1, 0)
-    # the queries are the last q_len positions of a cache holding k_len keys (HF's alignment), said
-    # explicitly so that right-padded rows (kv_lens < q_len) stay causal rather than raise
-    q_offset = k_len - q_len if causal else None
-    # A float16/bfloat16 model's call runs beside torch's OpenMP threads, which keep spinning on
-    # every core between the model's torch ops (threads_for says what that does to a call of this
-    # work). This work is per sequence (Hq * Lq * Lk * (D + Dv)), as measured on a batch of one.
-    work = q_heads * q_len * k_len * (query.shape[-1] + value.shape[-1])
-    num_threads = threads_for(work, beside_spinning_threads=query.dtype != torch.float32)
-
-    # the variants only when they are used: the plain call passes what it always did
-    variants: dict[str, Any] = {}
-    if window != (-1, -1):
-        variants["window_size"] = window
+        variants["window_size"] = (sliding_window - 1, 0)
     if softcap:
         variants["softcap"] = float(softcap)
     if sinks is not None:
         variants["sinks"] = sinks.float()  # float32 (a bfloat16 model's s_aux converts exactly)
-    if key.dtype == torch.int8 or value.dtype == torch.int8:
-        variants["k_scale"], variants["v_scale"] = _int8_scales(key, value)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
-        # training: the differentiable call (twinattn.torch's op and its backward), out allocated by it
+    if causal and kv_lens is not None:
+        # the queries are the last q_len positions of a cache holding k_len keys (HF's alignment),
+        # said explicitly so that right-padded rows (kv_lens < q_len) stay causal rather than
+        # raise; without kv_lens that is twinattn's default (bottom-right) alignment
+        variants["q_offset"] = k_len - q_len
+    # A float16/bfloat16 model's call runs beside torch's OpenMP threads, which keep spinning on
+    # every core between the model's torch ops (threads_for says what that does to a call of this
+    # work). This work is per sequence (Hq * Lq * Lk * (D + Dv)), as measured on a batch of one.
+    work = q_heads * q_len * k_len * (query.shape[-1] + value.shape[-1])
+    num_threads = threads_for(work, beside_spinning_threads=query.dtype is not torch.float32)
+    # a decode step's (B, Hq, 1, Dv) as twinattn allocates it is already (B, 1, Hq, Dv) in memory:
+    # its transpose is the model's layout (torch.empty and a checked out cost more than such a
+    # step's attention); longer queries are written straight into the model's layout
+    out = None if q_len == 1 else torch.empty((batch, q_len, q_heads, value.shape[-1]), dtype=query.dtype)
+    handed = _handed_over(key, value)
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks))
+    if handed is not None and not training and type(query) is torch.Tensor and not _is_dynamo_compiling():
+        # a TwinattnCache's own views, in eager mode: twinattn.attention on the arrays it handed
+        # over (converting the tensors back would cost more than a short step's attention)
+        keys, values, scales = handed
+        if scales is not None:
+            variants["k_scale"], variants["v_scale"] = scales
+        if "sinks" in variants:
+            variants["sinks"] = array("s_aux", variants["sinks"])
+        result = api.attention(
+            array("query", query),
+            keys,
+            values,
+            causal=causal,
+            kv_lens=None if kv_lens is None else array("kv_lens", kv_lens),
+            attn_mask=None if attn_mask is None else array("attention_mask", attn_mask),
+            scale=scaling,
+            out=None if out is None else array("out", out.transpose(1, 2)),
+            num_threads=num_threads,
+            **variants,
+        )
+        return (tensor(result).transpose(1, 2) if out is None else out), None
+    if handed is not None and handed[2] is not None:
+        variants["k_scale"], variants["v_scale"] = (tensor(scale) for scale in handed[2])
+    if training:
+        # the differentiable call (twinattn.torch's op and its backward), out allocated by it
         result = attention(
-            query, key, value, causal=causal, q_offset=q_offset, kv_lens=kv_lens, attn_mask=attn_mask, scale=scaling,
-            num_threads=num_threads, **variants,
+            query, key, value, causal=causal, kv_lens=kv_lens, attn_mask=attn_mask, scale=scaling, num_threads=num_threads,
+            **variants,
         )
         return result.transpose(1, 2), None
-    out = torch.empty((batch, q_len, q_heads, value.shape[-1]), dtype=query.dtype)
     # twinattn.torch.attention: its custom op under torch.compile
-    attention(
+    result = attention(
         query,
         key,
         value,
         causal=causal,
-        q_offset=q_offset,
         kv_lens=kv_lens,
         attn_mask=attn_mask,
         scale=scaling,
-        out=out.transpose(1, 2),
+        out=None if out is None else out.transpose(1, 2),
         num_threads=num_threads,
         **variants,
     )
-    return out, None
+    return (result.transpose(1, 2) if out is None else out), None
 
 
-class _Int8Views(threading.local):
-    """The int8 key and value views a TwinattnCache(kv_dtype="int8") layer last returned on this
-    thread, with their float32 scales. transformers calls the cache's update and then the
-    attention function with those very tensors, and nothing else passes between the two: the
-    scales are handed over here, to the call whose key and value are those tensors."""
+class _CacheViews(threading.local):
+    """The key and value views a TwinattnCache layer last returned on this thread, with their
+    NumPy views and, from an int8 cache, their float32 scales. transformers calls the cache's
+    update and then the attention function with those very tensors, and nothing else passes
+    between the two: the arrays are handed over here, to the call whose key and value are those
+    tensors, once (it then reads them without converting the tensors back)."""
 
     keys: Any = None
     values: Any = None
+    arrays: Any = None
     scales: Any = None
 
 
-_int8_views = _Int8Views()
+_cache_views = _CacheViews()
 
 
-def _int8_scales(key: Any, value: Any) -> tuple[Any, Any]:
-    """(k_scale, v_scale) of the int8 key and value a TwinattnCache(kv_dtype="int8") returned."""
-    if key is not _int8_views.keys or value is not _int8_views.values:
+def _handed_over(key: Any, value: Any) -> Optional[tuple[Any, Any, Any]]:
+    """(keys, values, scales) as NumPy arrays, scales None or (k_scale, v_scale), when key and value
+    are the views a TwinattnCache layer just returned; else None. int8 keys and values come only
+    that way (their scales with them)."""
+    views = _cache_views
+    if key is views.keys and value is views.values:
+        handed: tuple[Any, Any, Any] = (*views.arrays, views.scales)
+        views.keys = views.values = views.arrays = views.scales = None  # handed over once: nothing kept alive
+        return handed
+    if key.dtype is torch.int8 or value.dtype is torch.int8:
         raise TypeError(
             "key: int8 keys and values reach twinattn with their scales only from a TwinattnCache(kv_dtype='int8'); "
             f"got {key.dtype} key and {value.dtype} value without them"
         )
-    scales: tuple[Any, Any] = _int8_views.scales
-    _int8_views.keys = _int8_views.values = _int8_views.scales = None  # handed over once: nothing kept alive
-    return scales
+    return None
+
+
+def _hand_over(keys: Any, values: Any, arrays: tuple[Any, Any], scales: Any = None) -> None:
+    views = _cache_views
+    views.keys, views.values, views.arrays, views.scales = keys, values, arrays, scales
 
 
 # ---- the cache --------------------------------------------------------------------------------------
@@ -327,8 +406,39 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         self.is_initialized = True
 
     def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        if self._owner.kv is None:
+        owner = self._owner
+        if owner.kv is None:
             self.lazy_initialization(key_states, value_states)
+        # the common case, every step of every layer: the new tokens written at this layer's
+        # length into its buffers, views of the stored prefix back, and their NumPy views handed
+        # to attention_forward (a few microseconds; KVCache.update's general checks and
+        # per-sequence lengths cost several times that)
+        stores = owner._stores
+        if stores is not None and key_states.dtype is owner._dtype and value_states.dtype is owner._dtype:
+            if not (key_states.requires_grad or value_states.requires_grad):
+                new_keys, new_values = array("key_states", key_states), array("value_states", value_states)
+                keys, values = stores[self._layer_idx]
+                start = owner._lengths[self._layer_idx]
+                end = start + new_keys.shape[2]
+                shape = new_keys.shape
+                if (
+                    end <= owner.max_cache_len
+                    and shape[0] == keys.shape[0] and shape[1] == keys.shape[1] and shape[3] == keys.shape[3]
+                    and new_values.shape == shape
+                ):
+                    self.is_initialized = True
+                    keys[:, :, start:end] = new_keys
+                    values[:, :, start:end] = new_values
+                    owner._set_length(self._layer_idx, end)
+                    keys, values = keys[:, :, :end], values[:, :, :end]
+                    self.keys, self.values = tensor(keys), tensor(values)
+                    _hand_over(self.keys, self.values, (keys, values))
+                    return self.keys, self.values
+        return self._update_checked(key_states, value_states)
+
+    def _update_checked(self, key_states: Any, value_states: Any) -> tuple[Any, Any]:
+        """update through KVCache.update: int8 caches, and whatever the fast path does not take,
+        which KVCache checks (and names in its errors)."""
         kv = self._owner.kv
         assert kv is not None
         self.is_initialized = True
@@ -344,18 +454,17 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
                     "config=model.config) for each generate call or batch (it allocates for the batch it first sees)"
                 ) from None
             raise
+        self._owner._sync_lengths(self._layer_idx)
         self.keys, self.values = tensor(keys), tensor(values)
-        if self._owner.kv_dtype == "int8":  # their scales, for attention_forward (_Int8Views)
-            _int8_views.keys, _int8_views.values = self.keys, self.values
-            _int8_views.scales = tuple(tensor(scale) for scale in kv.scales(self._layer_idx))
+        # the arrays (and an int8 cache's scales) for attention_forward (_CacheViews)
+        _hand_over(self.keys, self.values, (keys, values), kv.scales(self._layer_idx) if self._owner.kv_dtype == "int8" else None)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        kv = self._owner.kv
-        return 0 if kv is None or kv.batch_size == 0 else int(kv.seq_lens(self._layer_idx).max())
+        return self._owner._lengths[self._layer_idx]
 
     def get_max_length(self) -> int:
         return self._owner.max_cache_len
@@ -427,6 +536,13 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         self.num_layers = num_layers
         self.kv_dtype = kv_dtype
         self.kv: Optional[KVCache] = None
+        # once allocated (not int8): per layer, the KVCache's whole key and value buffers
+        # (B, Hkv, max_cache_len, D), which update writes into; and per layer the
+        # stored length (every sequence of a generate batch has the same one, left padding
+        # included), kept equal to the KVCache's
+        self._stores: Optional[list[tuple[Any, Any]]] = None
+        self._dtype: Any = None  # the model's torch dtype, once allocated
+        self._lengths = [0] * num_layers
         super().__init__(layers=[_TwinattnLayer(self, i) for i in range(num_layers)])
 
     def _allocate(self, key_states: Any, value_states: Any) -> None:
@@ -451,11 +567,28 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         # int8: quantized as they are appended (KVCache.update), from the model's dtype
         stored = "int8" if self.kv_dtype == "int8" else dtype
         self.kv = KVCache(self.num_layers, batch, kv_heads, head_dim, self.max_cache_len, dtype=stored)
+        self._dtype = key_states.dtype
+        if stored != "int8":
+            # the buffers themselves (KVCache's keys() and values() end at the stored length)
+            self._stores = [(self.kv._keys[i], self.kv._values[i]) for i in range(self.num_layers)]
+
+    def _set_length(self, layer_idx: int, length: int) -> None:
+        """The fast path's append: every sequence of layer layer_idx now holds `length` tokens."""
+        assert self.kv is not None
+        self._lengths[layer_idx] = length
+        self.kv._lens[layer_idx] = length
+
+    def _sync_lengths(self, layer_idx: Optional[int] = None) -> None:
+        """_lengths from the KVCache, after an edit that went through it (all layers, or one)."""
+        kv = self.kv
+        for i in range(self.num_layers) if layer_idx is None else (layer_idx,):
+            self._lengths[i] = 0 if kv is None or kv.batch_size == 0 else int(kv.seq_lens(i).max())
 
     def _reset_layer(self, layer_idx: int) -> None:
         # KVCache.reset empties every layer at once: transformers calls this for each layer in turn
         if self.kv is not None:
             self.kv.reset()
+            self._sync_lengths()
 
     def _crop_layer(self, layer_idx: int, tokens_to_remove: int) -> None:
         if self.kv is None or tokens_to_remove == 0:
@@ -464,10 +597,12 @@ class TwinattnCache(Cache):  # type: ignore[misc]
             stored = self.get_seq_length(0)
             keep = stored + tokens_to_remove if tokens_to_remove < 0 else tokens_to_remove
             self.kv.crop(max(keep, 0))
+            self._sync_lengths()
 
     def _reorder_layer(self, layer_idx: int, beam_idx: Any) -> None:
         if self.kv is not None and layer_idx == 0:  # KVCache.reorder applies to every layer
             self.kv.reorder(np.asarray(beam_idx.cpu() if isinstance(beam_idx, torch.Tensor) else beam_idx))
+            self._sync_lengths()
 
     @property
     def nbytes(self) -> int:
@@ -475,16 +610,197 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         return 0 if self.kv is None else self.kv.nbytes
 
 
+# ---- the DynamicCache a twinattn model's forward makes ---------------------------------------------
+
+
+class _AppendingLayer(DynamicLayer):  # type: ignore[misc]
+    """A full-attention layer of the DynamicCache that transformers makes for a model whose attention
+    is "twinattn" (default_cache_in_forward): DynamicLayer, appending in place. keys and values
+    are views (B, Hkv, stored, D) of buffers with room to grow (twice what they hold when they
+    are made or outgrown), so a decode step copies its new token where DynamicLayer's torch.cat
+    copies the whole cache, and their NumPy views go to attention_forward as TwinattnCache's do.
+    Whatever replaced keys or values since the last update (crop, reorder_cache,
+    batch_select_indices and the like assign new tensors) is copied into new buffers first.
+    States that require grad, or that NumPy cannot view, are appended by DynamicLayer's torch.cat."""
+
+    keys: Any
+    values: Any
+    # the NumPy buffers (B, Hkv, capacity, D) and the tensors update last returned (views of them)
+    _buffers: Any = None
+    _returned: Any = None
+
+    def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        dtype = key_states.dtype
+        if (
+            value_states.dtype is not dtype
+            or dtype not in NUMPY_DTYPES
+            or key_states.device.type != "cpu"
+            or key_states.requires_grad
+            or value_states.requires_grad
+            or _is_dynamo_compiling()
+        ):
+            return self._concatenated(key_states, value_states, *args, **kwargs)
+        new_keys, new_values = array("key_states", key_states), array("value_states", value_states)
+        stored_keys: Any = self.keys
+        stored_values: Any = self.values
+        returned, buffers = self._returned, self._buffers
+        if returned is None or returned[0] is not stored_keys or returned[1] is not stored_values:
+            buffers = None  # new tensors since the last update (or none yet): copied below
+        start = stored_keys.shape[2] if stored_keys.dim() == 4 else 0
+        end = start + new_keys.shape[2]
+        if buffers is None or end > buffers[0].shape[2] or buffers[0].dtype != new_keys.dtype:
+            buffers = self._grow(new_keys, new_values, start, 2 * end)
+        if buffers is None or any(
+            (new.shape[:2], new.shape[3]) != (buffer.shape[:2], buffer.shape[3])
+            for new, buffer in zip((new_keys, new_values), buffers)
+        ):
+            # stored and new states of other batches, heads or widths: torch.cat says how
+            return self._concatenated(key_states, value_states, *args, **kwargs)
+        key_buffer, value_buffer = buffers
+        key_buffer[:, :, start:end] = new_keys
+        value_buffer[:, :, start:end] = new_values
+        keys, values = key_buffer[:, :, :end], value_buffer[:, :, :end]
+        self.keys, self.values = key_tensor, value_tensor = tensor(keys), tensor(values)
+        self._buffers, self._returned = buffers, (key_tensor, value_tensor)
+        _hand_over(key_tensor, value_tensor, (keys, values))
+        return key_tensor, value_tensor
+
+    def _concatenated(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """DynamicLayer's update (torch.cat); the buffers are then no longer what keys and values view."""
+        self._buffers = self._returned = None
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        return keys, values
+
+    def _grow(self, new_keys: Any, new_values: Any, stored: int, capacity: int) -> Optional[tuple[Any, Any]]:
+        """New buffers of `capacity` tokens holding the `stored` tokens of keys and values, or None
+        when those do not match the new states' batch, heads and widths."""
+        shapes = (new_keys.shape, new_values.shape)
+        buffers = tuple(np.empty((*shape[:2], capacity, shape[3]), dtype=new_keys.dtype) for shape in shapes)
+        if stored:
+            kept_states: tuple[Any, Any] = (self.keys, self.values)
+            for buffer, kept in zip(buffers, kept_states):
+                if kept.dim() != 4 or (kept.shape[:2], kept.shape[3], kept.shape[2]) != (buffer.shape[:2], buffer.shape[3], stored):
+                    return None
+                kept_array = array("keys", kept.detach())
+                if kept_array.dtype != buffer.dtype:
+                    return None
+                buffer[:, :, :stored] = kept_array
+        return buffers[0], buffers[1]
+
+
+def _is_twinattn(config: Any) -> bool:
+    """Whether a model's config says its (decoder's) attention is "twinattn"."""
+    text_config = config.get_text_config(decoder=True)
+    return bool(getattr(text_config, "_attn_implementation", None) == NAME)
+
+
+def default_cache_in_forward() -> None:
+    """A DynamicCache made with the config of a model whose attention is "twinattn" appends in
+    place: its full-attention layers are _AppendingLayer instead of DynamicLayer. That is the
+    cache a model's forward makes when it is given none (use_cache=True: `cache =
+    DynamicCache(config=self.config)` in every transformers model), so a loop that hands each
+    step the cache the previous step returned copies one token per layer per step, not the whole
+    cache; it stays a DynamicCache in every other respect.
+
+    transformers (written against 5.24) has no registry of default caches, and its layer registry
+    (DYNAMIC_LAYER_TYPE_MAPPING) is keyed by layer type, not by the model's attention: this wraps
+    DynamicCache.__init__, once, the one place every such cache is made, and changes only the
+    layers of a cache made with a twinattn model's config (other attentions, a DynamicCache()
+    without config and sliding-window layers keep transformers' own layers)."""
+    original = DynamicCache.__init__
+    if getattr(original, "_twinattn_default_cache", False):
+        return
+    signature = inspect.signature(original)
+    if "config" not in signature.parameters:
+        return  # a transformers this was not written for: its DynamicCache is left as it is
+
+    def init(*args: Any, **kwargs: Any) -> None:
+        original(*args, **kwargs)
+        call = signature.bind(*args, **kwargs).arguments
+        config = call.get("config")
+        if config is not None and _is_twinattn(config):
+            cache = call["self"]
+            cache.layers = [
+                _AppendingLayer() if type(layer) is DynamicLayer and not layer.is_initialized else layer for layer in cache.layers
+            ]
+
+    init._twinattn_default_cache = True  # type: ignore[attr-defined]
+    init.__wrapped__ = original  # type: ignore[attr-defined]
+    DynamicCache.__init__ = init
+
+
 # ---- registration -------------------------------------------------------------------------------------
 
 
 def register() -> None:
     """Register "twinattn" with transformers' AttentionInterface and AttentionMaskInterface, and
-    let continuous batching keep it (done on import; calling it again changes nothing)."""
+    make generate() give a model whose attention is "twinattn" a TwinattnCache by default
+    (default_cache_in_generate) and the DynamicCache its forward makes append in place
+    (default_cache_in_forward), and let continuous batching keep it; done on import, calling it
+    again changes nothing."""
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, mask_function)
+    default_cache_in_generate()
+    default_cache_in_forward()
     # generate_batch / ContinuousBatchingManager keep "twinattn" (twinattn.hf_serving)
     accept_in_continuous_batching(NAME)
+
+
+def _twinattn_cache_for(model: Any, max_cache_len: int) -> Optional[TwinattnCache]:
+    """The TwinattnCache that generate gives `model` in place of the DynamicCache it made, or None
+    where it keeps that one: attention other than twinattn, an encoder-decoder, a layer kind
+    TwinattnCache does not hold."""
+    config = model.config
+    text_config = config.get_text_config(decoder=True)
+    if getattr(text_config, "_attn_implementation", None) != NAME or getattr(config, "is_encoder_decoder", False):
+        return None
+    layer_types, _ = get_layer_types_and_kwargs(text_config)
+    if any(kind not in ("full_attention", "sliding_attention") for kind in layer_types):
+        return None
+    return TwinattnCache(max_cache_len=max(int(max_cache_len), 1), config=config)
+
+
+def default_cache_in_generate() -> None:
+    """generate() without a cache argument gives a model whose attention is "twinattn" a
+    TwinattnCache of generate's own maximum length where it would make a DynamicCache (no
+    cache_implementation, or "dynamic"): decode steps append in place instead of concatenating.
+
+    transformers (written against 5.24) has no registry of default caches: generate makes its
+    cache in GenerationMixin._prepare_cache_for_generation, which this wraps, once. The wrapper
+    calls it as it is and replaces only a DynamicCache it has just made; a cache the caller passed,
+    use_cache=False, cache_implementation="static" / "offloaded" / "quantized", assisted
+    decoding's assistant and other models' attentions are left as transformers makes them."""
+    from transformers.generation.utils import GenerationMixin
+
+    original = GenerationMixin._prepare_cache_for_generation
+    if getattr(original, "_twinattn_default_cache", False):
+        return
+    signature = inspect.signature(original)
+    if not {"self", "generation_config", "model_kwargs", "max_cache_length"} <= set(signature.parameters):
+        return  # a transformers this was not written for: generate keeps its own default
+
+    def prepare(*args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(*args, **kwargs).arguments
+        model_kwargs, generation_config = call["model_kwargs"], call["generation_config"]
+        # the cache's keyword: "cache" in transformers 5.24, "past_key_values" before
+        names = [name for name in ("cache", "past_key_values") if model_kwargs.get(name) is None]
+        result = original(*args, **kwargs)
+        made = [name for name in names if type(model_kwargs.get(name)) is DynamicCache]
+        if (
+            made
+            and generation_config.cache_implementation in (None, "dynamic")
+            and not getattr(generation_config, "is_assistant", False)
+        ):
+            cache = _twinattn_cache_for(call["self"], call["max_cache_length"])
+            if cache is not None:
+                model_kwargs[made[0]] = cache
+        return result
+
+    prepare._twinattn_default_cache = True  # type: ignore[attr-defined]
+    prepare.__wrapped__ = original  # type: ignore[attr-defined]
+    GenerationMixin._prepare_cache_for_generation = prepare
 
 
 register()

@@ -75,14 +75,15 @@ examples:
 E2E = "e2e"
 E2E_TEXT = (
     "real models through transformers, sdpa + DynamicCache against twinattn + TwinattnCache: prefill and decode "
-    "tokens/s (needs twinattn's hf and models extras and the model packages): " + ", ".join(f"{E2E}/{name}" for name in e2e.PLANS)
+    "tokens/s, plain generate() with no cache argument, and twinattn.torch.attention's per-call overhead (needs twinattn's hf and models extras and the model packages): " + ", ".join(f"{E2E}/{name}" for name in e2e.PLANS)
 )
 
 
 def _e2e_text(name: str) -> str:
     plan = e2e.PLANS[name]
+    generate = f"; plain generate() with {', '.join(case.label() for case in plan.generate)}" if plan.generate else ""
     return (f"{models.MODELS[name].title}: decode at {', '.join(map(str, plan.contexts))} context, prefill of "
-            f"{', '.join(map(str, plan.prefill))} ({models.MODELS[name].install})")
+            f"{', '.join(map(str, plan.prefill))}{generate} ({models.MODELS[name].install})")
 
 
 def _e2e_models(names: Sequence[str]) -> list[str]:

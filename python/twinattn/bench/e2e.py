@@ -16,6 +16,10 @@ counts). Then two more decode passes split the step (_split): the attention call
 appends (timed around them), the matrix products (q/k/v/o and MLP projections, lm_head; their self
 time under torch's profiler, in the second pass), and the rest (norms, RoPE, embedding, Python).
 
+SmolLM2 also runs its Plan's plain-generate() cases (measure_generate: model.generate() with no
+cache argument, sdpa against twinattn in interleaved rounds), and the case ends with
+measure_overhead (twinattn.torch.attention against the NumPy API per call, the tiny case).
+
 The model runs in the dtype of its parameters (float32 as loaded; `model_in(model, "bfloat16")`
 is a bfloat16 copy), and the caches hold K/V in that dtype.
 
@@ -65,11 +69,41 @@ class Plan:
     growth: float = 0.0
     decode: Tuple[Tuple[int, float], ...] = ()
     prefill_ratio: Tuple[Tuple[int, float], ...] = ()
+    generate: Tuple["GenerateCase", ...] = ()
 
+
+@dataclass(frozen=True)
+class GenerateCase:
+    """A plain model.generate() with no cache argument, as most users call it, sdpa against
+    twinattn (measure_generate): `batch` prompts of `prompt` tokens (a batch: random lengths from
+    a quarter of that up, left-padded), in `dtype`; the target is twinattn's decode tokens/s at
+    least `bound` times sdpa's. `loop`: instead of generate(), a hand-written greedy loop that
+    lets the model make its cache (use_cache=True without one) and hands each step the cache the
+    last one returned."""
+
+    dtype: str
+    prompt: int
+    batch: int
+    bound: float
+    loop: bool = False
+
+    def label(self, shrink: int = 1) -> str:
+        prompt = max(1, self.prompt // shrink)
+        prompts = f"{prompt}-token prompt" if self.batch == 1 else f"left-padded batch of {self.batch} prompts of <= {prompt} tokens"
+        return f"{prompts} (step-by-step loop, the cache the forward makes)" if self.loop else prompts
+
+
+SMOLLM2_GENERATE = (
+    GenerateCase("float32", 16, 1, 1.0),
+    GenerateCase("bfloat16", 16, 1, 1.0),
+    GenerateCase("float32", 4096, 1, 1.15),
+    GenerateCase("float32", 16, 16, 1.0),
+    GenerateCase("float32", 16, 1, 1.0, loop=True),
+)
 
 PLANS = {
     "smollm2": Plan(contexts=(16, 1024, 4096, 8192), prefill=(1024, 4096, 8192), growth_at=4096, growth=1.15,
-                    decode=((4096, 1.4), (8192, 1.8)), prefill_ratio=((4096, 1.1),)),
+                    decode=((4096, 1.4), (8192, 1.8)), prefill_ratio=((4096, 1.1),), generate=SMOLLM2_GENERATE),
     # Gemma 3 at 8192: its figures against sdpa are reported, with no target
     "gemma3": Plan(contexts=(16, 8192), prefill=(8192,)),
 }
@@ -113,7 +147,9 @@ def units(names: Sequence[str], dtypes: Sequence[str], shrink: int = 1, impls: S
         if missing(name) is None:
             contexts, prefill = _lengths(PLANS[name], shrink)
             total += 1 + len(dtypes) * len(impls) * (len(set(contexts) | set(prefill)) + len(contexts))
-    return total
+            total += len(PLANS[name].generate)  # one per plain-generate() case
+    # the per-call overhead of twinattn.torch.attention, once
+    return total + 1 if total else 0
 
 
 # what the end-to-end case needs beyond twinattn and the model packages (import names), and how to get it
@@ -376,6 +412,196 @@ def _decode(model: Any, cache: Any, token: Any, steps: int) -> Any:
     return token
 
 
+# ---- plain generate(), and the per-call overhead of twinattn.torch.attention ----------------------
+
+
+def _left_padded_prompts(case: GenerateCase, vocab: int, shrink: int, generator: Any) -> tuple[Any, Any]:
+    """(input_ids, attention_mask) of `case`: random tokens; a batch's prompts of random lengths
+    from a quarter of the longest up, left-padded (padding token 0, masked out)."""
+    import torch
+
+    longest = max(1, case.prompt // shrink)
+    ids = torch.randint(1, vocab, (case.batch, longest), generator=generator)
+    mask = torch.ones(case.batch, longest, dtype=torch.long)
+    if case.batch > 1:
+        lengths = torch.randint(max(1, longest // 4), longest + 1, (case.batch,), generator=generator)
+        lengths[0] = longest
+        for row, length in enumerate(lengths.tolist()):
+            ids[row, : longest - length] = 0
+            mask[row, : longest - length] = 0
+    return ids, mask
+
+
+class _StepClock:
+    """A logits processor that notes the time of each call (one per generated token, after its
+    forward) and changes nothing: the decode steps are the time from the first call to the last."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: Any, scores: Any) -> Any:
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def _greedy_loop(model: Any, ids: Any, mask: Any, new_tokens: int, clock: _StepClock) -> Any:
+    """`new_tokens` greedy tokens by hand: the first forward makes the cache (use_cache=True
+    without one), each next step is given the cache the last one returned; the clock is called
+    after each token's forward. The prompts and the new tokens, as generate returns them."""
+    import torch
+
+    out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+    tokens = [ids]
+    for step in range(new_tokens):
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        clock(ids, None)
+        tokens.append(token)
+        if step + 1 < new_tokens:
+            mask = torch.cat([mask, torch.ones_like(token)], dim=1)
+            out = model(input_ids=token, attention_mask=mask, cache=out.cache, use_cache=True)
+    return torch.cat(tokens, dim=1)
+
+
+def measure_generate(
+    base: Any,
+    cases: Sequence[GenerateCase],
+    *,
+    new_tokens: int = 16,
+    rounds: int = 3,
+    shrink: int = 1,
+    threads: int = 2,
+    title: str = "",
+    bar: Optional[Bar] = None,
+) -> list[dict[str, Any]]:
+    """Each case: `rounds` interleaved rounds of model.generate() with no cache argument (greedy,
+    `new_tokens` new tokens; a loop case, _greedy_loop's hand-written loop), sdpa then twinattn, on the same prompts in one process; twinattn
+    gets what generate makes for it (a TwinattnCache), sdpa a DynamicCache. Decode tokens/s per
+    implementation from its median round (batch x (new_tokens - 1) tokens from the first generated
+    token to the last), their ratio, and whether twinattn's tokens were sdpa's in every round.
+    One row per case; `base` is the float32 model (model_in makes each dtype's copy)."""
+    import torch
+    from transformers import LogitsProcessorList
+
+    from .. import hf  # noqa: F401 - registers "twinattn" and its default cache
+
+    import twinattn
+
+    previous_torch, previous_twinattn = torch.get_num_threads(), configured_num_threads()
+    torch.set_num_threads(threads)
+    twinattn.set_num_threads(threads)
+    rows: list[dict[str, Any]] = []
+    models_by_dtype: dict[str, Any] = {}
+    try:
+        for case in cases:
+            _starts(bar, f"e2e {title} {case.dtype}: plain generate(), {case.label(shrink)}")
+            model = models_by_dtype.setdefault(case.dtype, model_in(base, case.dtype))
+            generator = torch.Generator().manual_seed(1)
+            ids, mask = _left_padded_prompts(case, model.config.vocab_size, shrink, generator)
+            settings = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
+            seconds: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+            tokens: dict[str, list[Any]] = {impl: [] for impl in IMPLS}
+            with torch.inference_mode():
+                for _ in range(rounds):
+                    for impl in IMPLS:
+                        model.set_attn_implementation(impl)
+                        clock = _StepClock()
+                        if case.loop:
+                            out = _greedy_loop(model, ids, mask, new_tokens, clock)
+                        else:
+                            out = model.generate(input_ids=ids, attention_mask=mask, logits_processor=LogitsProcessorList([clock]),
+                                                 pad_token_id=0, **settings)
+                        seconds[impl].append(clock.times[-1] - clock.times[0])
+                        tokens[impl].append(out)
+            rates = {impl: case.batch * (new_tokens - 1) / statistics.median(seconds[impl]) for impl in IMPLS}
+            rows.append({
+                "model": title, "dtype": case.dtype, "prompt": max(1, case.prompt // shrink), "batch": case.batch,
+                "label": case.label(shrink), "loop": case.loop, "new_tokens": new_tokens, "rounds": rounds, "threads": threads,
+                "sdpa_tokens_per_s": rates["sdpa"], "twinattn_tokens_per_s": rates["twinattn"],
+                "ratio": rates["twinattn"] / rates["sdpa"], "bound": case.bound,
+                "same_tokens": all(torch.equal(a, b) for a, b in zip(tokens["twinattn"], tokens["sdpa"])),
+            })
+            _ends(bar)
+    finally:
+        torch.set_num_threads(previous_torch)
+        twinattn.set_num_threads(previous_twinattn)
+    return rows
+
+
+# twinattn.torch.attention's per-call cost on the tiny case, at most this many times the NumPy API's
+OVERHEAD_BOUND = 1.3
+OVERHEAD_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def measure_overhead(
+    dtypes: Sequence[str] = OVERHEAD_DTYPES, *, calls: int = 2000, rounds: int = 7, bar: Optional[Bar] = None
+) -> list[dict[str, Any]]:
+    """Per-call time of twinattn.torch.attention on torch tensors against twinattn.attention on
+    NumPy arrays, the tiny case (B=1, H=1, Lq=Lk=16, D=64, causal), per dtype: `rounds`
+    interleaved rounds of `calls` calls each, the fastest round of each. One row per dtype."""
+    import numpy as np
+    import torch
+
+    import twinattn
+    import twinattn.torch as twinattn_torch
+
+    from .._torch_views import array
+
+    _starts(bar, "e2e per-call overhead of twinattn.torch.attention against the NumPy API (tiny case)")
+    rows = []
+    generator = torch.Generator().manual_seed(2)
+    for dtype in dtypes:
+        q, k, v = (torch.randn(1, 1, 16, 64, generator=generator).to(getattr(torch, dtype)) for _ in range(3))
+        qa, ka, va = array("q", q), array("k", k), array("v", v)
+        best = {"numpy": np.inf, "torch": np.inf}
+        for _ in range(rounds):
+            for api, call in (("numpy", lambda: twinattn.attention(qa, ka, va, causal=True)),
+                              ("torch", lambda: twinattn_torch.attention(q, k, v, causal=True))):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                best[api] = min(best[api], (time.perf_counter() - start) / calls)
+        rows.append({"dtype": dtype, "numpy_us": best["numpy"] * 1e6, "torch_us": best["torch"] * 1e6,
+                     "ratio": best["torch"] / best["numpy"], "bound": OVERHEAD_BOUND})
+    _ends(bar)
+    return rows
+
+
+def format_generate(rows: Sequence[dict[str, Any]]) -> str:
+    """The plain-generate() rows as a table."""
+    lines = [f"{'model':22} {'dtype':8} {'prompts':50} {'sdpa tok/s':>10} {'twinattn':>9} {'ratio':>6}  tokens"]
+    for r in rows:
+        same = "the same" if r["same_tokens"] else "DIFFERENT"
+        lines.append(f"{r['model']:22} {r['dtype']:8} {r['label']:50} {r['sdpa_tokens_per_s']:>10.1f} "
+                     f"{r['twinattn_tokens_per_s']:>9.1f} {r['ratio']:>5.2f}x  {same}")
+    return "\n".join(lines)
+
+
+def format_overhead(rows: Sequence[dict[str, Any]]) -> str:
+    """The per-call overhead rows as a table."""
+    lines = [f"{'dtype':8} {'NumPy API':>10} {'twinattn.torch':>14} {'ratio':>6}"]
+    for r in rows:
+        lines.append(f"{r['dtype']:8} {r['numpy_us']:>8.2f}us {r['torch_us']:>12.2f}us {r['ratio']:>5.2f}x")
+    return "\n".join(lines)
+
+
+def generate_targets(generate: Sequence[dict[str, Any]], overhead: Sequence[dict[str, Any]]) -> str:
+    """A target line per plain-generate() case (twinattn / sdpa decode tokens/s, and the same
+    tokens) and per overhead dtype (twinattn.torch.attention / NumPy API per call)."""
+    lines = []
+    for r in generate:
+        verdict = "met" if r["ratio"] >= r["bound"] else f"missed by {100 * (1 - r['ratio'] / r['bound']):.0f}%"
+        if not r["same_tokens"]:
+            verdict += "; tokens DIFFER from sdpa's"
+        how = "" if r.get("loop") else "plain generate(), "
+        lines.append(f"{r['model']} {r['dtype']}: {how}{r['label']}: twinattn / sdpa decode tokens/s "
+                     f"{r['ratio']:.2f}x (>= {r['bound']}x): {verdict}")
+    for r in overhead:
+        verdict = "met" if r["ratio"] <= r["bound"] else f"missed by {100 * (r['ratio'] / r['bound'] - 1):.0f}%"
+        lines.append(f"twinattn.torch.attention / NumPy API per call, tiny case, {r['dtype']}: {r['ratio']:.2f}x "
+                     f"(<= {r['bound']}x): {verdict}")
+    return "\n".join(lines)
+
+
 def _row(
     title: str,
     impl: str, cache: str, phase: str, context: int, threads: int, rate: float, ms: float, dtype: str, **extra: float
@@ -499,7 +725,8 @@ def run_case(
 ) -> dict[str, Any]:
     """The end-to-end case of twinattn-bench: each model of `names` (twinattn.models names) loaded
     once (load_model), then measure() in each of `dtypes` (a copy of the model in that dtype) at its
-    Plan's contexts and prefill lengths divided by `shrink`. A model whose package is not installed
+    Plan's contexts and prefill lengths divided by `shrink`, and measure_generate() on its Plan's
+    plain-generate() cases (entry "generate"); then, once, measure_overhead() (entry "overhead"). A model whose package is not installed
     is skipped, one that fails to load reported, and the others run. Returns the JSON's "e2e"
     entry: settings, per-model plans (or why not run), rows, and the versions of torch and
     transformers. `bar` moves units(names, dtypes, shrink) steps in all."""
@@ -538,7 +765,14 @@ def run_case(
             entry["rows"] += measure(model, contexts=contexts, prefill=prefill, steps=steps, threads=threads,
                                      progress=progress, title=title, bar=bar)
             del model
+        if plan.generate:
+            _say(progress, f"[e2e] {title}: plain generate() ...")
+            entry.setdefault("generate", []).extend(
+                measure_generate(base, plan.generate, new_tokens=max(steps, 2), shrink=shrink, threads=threads, title=title, bar=bar)
+            )
         del base
+    if entry["models"] and any("contexts" in m for m in entry["models"].values()):
+        entry["overhead"] = measure_overhead(bar=bar)
     return entry
 
 

@@ -467,6 +467,18 @@ def text(document: dict[str, Any]) -> str:
         goals = e2e.targets(end_to_end["rows"], e2e.plans_by_title(), end_to_end.get("shrink", 1))
         if goals:
             parts.append(f"end-to-end targets (ratios within this run):\n{goals}")
+    if end_to_end and end_to_end.get("generate"):
+        heading = (
+            "plain generate() with no cache argument (twinattn gets the TwinattnCache generate makes for it, sdpa a "
+            "DynamicCache): decode tokens/s of the median of interleaved rounds in one process:"
+        )
+        parts.append(f"{heading}\n{e2e.format_generate(end_to_end['generate'])}")
+    if end_to_end and end_to_end.get("overhead"):
+        heading = "per call on the tiny case (B=1, H=1, Lq=Lk=16, D=64, causal), fastest of interleaved rounds:"
+        parts.append(f"{heading}\n{e2e.format_overhead(end_to_end['overhead'])}")
+    if end_to_end and (end_to_end.get("generate") or end_to_end.get("overhead")):
+        goals = e2e.generate_targets(end_to_end.get("generate", []), end_to_end.get("overhead", []))
+        parts.append(f"plain generate() and per-call targets (ratios within this run):\n{goals}")
     if end_to_end and end_to_end.get("error"):
         parts.append(f"end to end: failed: {end_to_end['error']}")
     for entry in (end_to_end or {}).get("models", {}).values():
