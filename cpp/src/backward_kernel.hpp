@@ -9,7 +9,9 @@
 //   panel_product: S = Q K^T and dP = dO V^T against a transposed key block (panel[d][key]);
 //   accumulate:    dV += P^T dO, dK += dS^T Q (one key's row over the tile's rows) and
 //                  dQ += dS K (one query row over the block's keys);
-// and row_gradients, P and dS of one row, lane by lane.
+// and row_gradients, P and dS of one row, lane by lane. Both products are register-blocked:
+// strips of rows (outputs) x vectors of columns held in registers, per step one broadcast per
+// row and one load per vector of columns.
 #pragma once
 
 #include <cstdint>
@@ -31,7 +33,8 @@ struct PanelProduct {
 // One accumulation: for every output o < outputs, y[o * y_stride + (0, n)] += c * x[t * x_stride
 // + (0, n)] for t < terms, ascending, c = coef[o * output_stride + t * coef_stride], skipping every
 // term whose gate (same index) is 0 (a hidden key: its x is never read): one V::fma chain per
-// element, starting from y.
+// element, starting from y. gate null: every term counts (the caller has checked that no gate is
+// 0), and the outputs run in register blocks with no test per term.
 struct Accumulation {
     float* y;
     int64_t y_stride, outputs, n;
@@ -70,10 +73,11 @@ template <class V>
 struct Ops {
     using Reg = typename V::Reg;
     static constexpr int64_t W = V::kWidth;
-    // Rows of a panel_product strip, 4 x 4 vectors, and accumulators of an accumulate chunk: 16
-    // vectors with 32 registers (AVX-512), 8 with 16 (AVX2; NEON and the scalar type alike).
-    static constexpr int kStripRows = 4;
-    static constexpr int kStripVectors = 4;
+    // Register blocks, rows x vectors of accumulators: 6 x 4 (24 of AVX-512's 32 registers), 6 x 2
+    // with 16 registers (AVX2; NEON and the scalar type alike), for panel_product's strips and
+    // the ungated accumulate's blocks; the gated accumulate's chunks hold kAccumulators vectors.
+    static constexpr int kStripRows = 6;
+    static constexpr int kStripVectors = W >= 16 ? 4 : 2;
     static constexpr int kAccumulators = W >= 16 ? 16 : 8;
 
     // R rows x NV vectors: rows [r, r + R), the columns from j.
@@ -108,10 +112,71 @@ struct Ops {
         }
     }
 
+    // Strips of kStripRows rows, then one strip of the 1-5 rows left.
     static void panel_product(const PanelProduct& p) {
         int64_t r = 0;
         for (; r + kStripRows <= p.rows; r += kStripRows) product_rows<kStripRows>(p, r);
-        for (; r < p.rows; ++r) product_rows<1>(p, r);
+        switch (p.rows - r) {
+            case 5: product_rows<5>(p, r); break;
+            case 4: product_rows<4>(p, r); break;
+            case 3: product_rows<3>(p, r); break;
+            case 2: product_rows<2>(p, r); break;
+            case 1: product_rows<1>(p, r); break;
+            default: break;
+        }
+    }
+
+    // Ungated: outputs [o, o + O) x NV vectors of columns from d: acc = y, then for every term
+    // acc = V::fma(coef, x_t, acc), one broadcast per output and one load per vector.
+    template <int O, int NV>
+    static void accumulate_block(const Accumulation& a, int64_t o, int64_t d) {
+        float* y = a.y + o * a.y_stride + d;
+        const float* coef = a.coef + o * a.output_stride;
+        Reg acc[O][NV];
+        for (int i = 0; i < O; ++i)
+            for (int c = 0; c < NV; ++c) acc[i][c] = V::load(y + i * a.y_stride + c * W);
+        for (int64_t t = 0; t < a.terms; ++t) {
+            const float* x_row = a.x + t * a.x_stride + d;
+            Reg column[NV];
+            for (int c = 0; c < NV; ++c) column[c] = V::load(x_row + c * W);
+            for (int i = 0; i < O; ++i) {
+                const Reg factor = V::broadcast(coef[i * a.output_stride + t * a.coef_stride]);
+                for (int c = 0; c < NV; ++c) acc[i][c] = V::fma(factor, column[c], acc[i][c]);
+            }
+        }
+        for (int i = 0; i < O; ++i)
+            for (int c = 0; c < NV; ++c) V::store(y + i * a.y_stride + c * W, acc[i][c]);
+    }
+
+    // Ungated: outputs [o, o + O), columns [0, n): blocks of kStripVectors vectors, then the
+    // remaining vectors, then each output's tail.
+    template <int O>
+    static void accumulate_block_columns(const Accumulation& a, int64_t o) {
+        int64_t d = 0;
+        for (; d + kStripVectors * W <= a.n; d += kStripVectors * W) accumulate_block<O, kStripVectors>(a, o, d);
+        switch ((a.n - d) / W) {
+            case 3: accumulate_block<O, 3>(a, o, d); break;
+            case 2: accumulate_block<O, 2>(a, o, d); break;
+            case 1: accumulate_block<O, 1>(a, o, d); break;
+            default: break;
+        }
+        d += (a.n - d) / W * W;
+        if (d < a.n)
+            for (int i = 0; i < O; ++i) accumulate_tail(a, o + i, d);
+    }
+
+    // Ungated: outputs in blocks of kStripRows, then one block of the 1-5 left.
+    static void accumulate_blocks(const Accumulation& a) {
+        int64_t o = 0;
+        for (; o + kStripRows <= a.outputs; o += kStripRows) accumulate_block_columns<kStripRows>(a, o);
+        switch (a.outputs - o) {
+            case 5: accumulate_block_columns<5>(a, o); break;
+            case 4: accumulate_block_columns<4>(a, o); break;
+            case 3: accumulate_block_columns<3>(a, o); break;
+            case 2: accumulate_block_columns<2>(a, o); break;
+            case 1: accumulate_block_columns<1>(a, o); break;
+            default: break;
+        }
     }
 
     // Outputs [o, o + O) (O = 1 or 2, sharing each x load), NV vectors of columns from d each:
@@ -152,14 +217,14 @@ struct Ops {
             for (int c = 0; c < NV; ++c) V::store(y + i * a.y_stride + c * W, acc[i][c]);
     }
 
-    // Output o's columns [d, n), n - d < W.
+    // Output o's columns [d, n), n - d < W (gated unless gate is null).
     static void accumulate_tail(const Accumulation& a, int64_t o, int64_t d) {
         const int64_t n = a.n - d;
         float* y = a.y + o * a.y_stride + d;
         Reg acc = V::load_tail(y, n);
         for (int64_t t = 0; t < a.terms; ++t) {
             const int64_t at = o * a.output_stride + t * a.coef_stride;
-            if (a.gate[at] == 0.0f) continue;
+            if (a.gate != nullptr && a.gate[at] == 0.0f) continue;
             acc = V::fma(V::broadcast(a.coef[at]), V::load_tail(a.x + t * a.x_stride + d, n), acc);
         }
         V::store_tail(y, acc, n);
@@ -200,8 +265,13 @@ struct Ops {
             for (int i = 0; i < O; ++i) accumulate_tail(a, o + i, d);
     }
 
-    // Outputs in pairs (each x load serving two), then the last one alone.
+    // Ungated: accumulate_blocks. Gated: outputs in pairs (each x load serving two), then the
+    // last one alone.
     static void accumulate(const Accumulation& a) {
+        if (a.gate == nullptr) {
+            accumulate_blocks(a);
+            return;
+        }
         int64_t o = 0;
         for (; o + 2 <= a.outputs; o += 2) accumulate_columns<2>(a, o);
         if (o < a.outputs) accumulate_columns<1>(a, o);

@@ -10,7 +10,9 @@
 //! - [`accumulate`]: dV += P^T dO, dK += dS^T Q (one key's row over the tile's rows) and
 //!   dQ += dS K (one query row over the block's keys);
 //!
-//! and [`row_gradients`], P and dS of one row, lane by lane.
+//! and [`row_gradients`], P and dS of one row, lane by lane. Both products are register-blocked:
+//! strips of rows (outputs) x vectors of columns held in registers, per step one broadcast per
+//! row and one load per vector of columns.
 
 use crate::simd::Vector;
 
@@ -31,7 +33,8 @@ pub struct PanelProduct {
 /// One accumulation: for every output o < outputs, y[o * y_stride + (0, n)] += c * x[t *
 /// x_stride + (0, n)] for t < terms, ascending, c = coef[o * output_stride + t * coef_stride],
 /// skipping every term whose gate (same index) is 0 (a hidden key: its x is never read): one
-/// V::fma chain per element, starting from y.
+/// V::fma chain per element, starting from y. gate null: every term counts (the caller has
+/// checked that no gate is 0), and the outputs run in register blocks with no test per term.
 pub struct Accumulation {
     pub y: *mut f32,
     pub y_stride: usize,
@@ -72,10 +75,20 @@ pub struct BackwardKernels {
     pub row_gradients: RowGradientsFn,
 }
 
-/// Rows of a panel_product strip, 4 x 4 vectors; the accumulators of an accumulate chunk are 16
-/// vectors with 32 registers (AVX-512), 8 with 16 (AVX2; NEON and the scalar type alike).
-const STRIP_ROWS: usize = 4;
-const STRIP_VECTORS: usize = 4;
+/// Register blocks, rows x vectors of accumulators: 6 x 4 (24 of AVX-512's 32 registers), 6 x 2
+/// with 16 registers (AVX2; NEON and the scalar type alike), for panel_product's strips and the
+/// ungated accumulate's blocks; the gated accumulate's chunks hold 16 vectors (AVX-512) or 8.
+const STRIP_ROWS: usize = 6;
+
+/// The vectors of a register block (above) for V.
+#[inline(always)]
+fn strip_vectors<V: Vector>() -> usize {
+    if V::WIDTH >= 16 {
+        4
+    } else {
+        2
+    }
+}
 
 /// R rows x NV vectors of the columns from j of rows [r, r + R) of the product.
 ///
@@ -112,19 +125,22 @@ unsafe fn product_strip<V: Vector, const R: usize, const NV: usize>(
     }
 }
 
-/// Rows [r, r + R), all n columns: strips of STRIP_VECTORS vectors, then the remaining ones.
+/// Rows [r, r + R), all n columns: strips of strip_vectors vectors, then the remaining ones.
 ///
 /// # Safety
 /// As [`panel_product`], for these rows.
 #[inline(always)]
 unsafe fn product_rows<V: Vector, const R: usize>(p: &PanelProduct, r: usize) {
-    let w = V::WIDTH;
+    let (w, vectors) = (V::WIDTH, strip_vectors::<V>());
     let mut j = 0;
     // SAFETY: forwarded; j + the strip's columns <= n.
     unsafe {
-        while j + STRIP_VECTORS * w <= p.n {
-            product_strip::<V, R, STRIP_VECTORS>(p, r, j);
-            j += STRIP_VECTORS * w;
+        while j + vectors * w <= p.n {
+            match vectors {
+                4 => product_strip::<V, R, 4>(p, r, j),
+                _ => product_strip::<V, R, 2>(p, r, j),
+            }
+            j += vectors * w;
         }
         match (p.n - j) / w {
             3 => product_strip::<V, R, 3>(p, r, j),
@@ -135,7 +151,7 @@ unsafe fn product_rows<V: Vector, const R: usize>(p: &PanelProduct, r: usize) {
     }
 }
 
-/// See [`PanelProduct`].
+/// See [`PanelProduct`]: strips of STRIP_ROWS rows, then one strip of the 1-5 rows left.
 ///
 /// # Safety
 /// The CPU supports V's instruction set; a holds rows x depth floats, panel depth rows of
@@ -149,9 +165,113 @@ pub unsafe fn panel_product<V: Vector>(p: &PanelProduct) {
             product_rows::<V, STRIP_ROWS>(p, r);
             r += STRIP_ROWS;
         }
-        while r < p.rows {
-            product_rows::<V, 1>(p, r);
-            r += 1;
+        match p.rows - r {
+            5 => product_rows::<V, 5>(p, r),
+            4 => product_rows::<V, 4>(p, r),
+            3 => product_rows::<V, 3>(p, r),
+            2 => product_rows::<V, 2>(p, r),
+            1 => product_rows::<V, 1>(p, r),
+            _ => {}
+        }
+    }
+}
+
+/// Ungated: outputs [o, o + O) x NV vectors of columns from d: acc = y, then for every term
+/// acc = V::fma(coef, x_t, acc), one broadcast per output and one load per vector.
+///
+/// # Safety
+/// As [`accumulate`], for these outputs and columns.
+#[inline(always)]
+unsafe fn accumulate_block<V: Vector, const O: usize, const NV: usize>(
+    a: &Accumulation,
+    o: usize,
+    d: usize,
+) {
+    let w = V::WIDTH;
+    // SAFETY: forwarded; every access lies in the outputs' and the x rows' NV vectors from d.
+    unsafe {
+        let y = a.y.add(o * a.y_stride + d);
+        let coef = a.coef.add(o * a.output_stride);
+        let mut acc = [[V::zero(); NV]; O];
+        for (i, acc_i) in acc.iter_mut().enumerate() {
+            for (c, acc_ic) in acc_i.iter_mut().enumerate() {
+                *acc_ic = V::load(y.add(i * a.y_stride + c * w));
+            }
+        }
+        for t in 0..a.terms {
+            let x_row = a.x.add(t * a.x_stride + d);
+            let mut column = [V::zero(); NV];
+            for (c, vector) in column.iter_mut().enumerate() {
+                *vector = V::load(x_row.add(c * w));
+            }
+            for (i, acc_i) in acc.iter_mut().enumerate() {
+                let factor = V::broadcast(*coef.add(i * a.output_stride + t * a.coef_stride));
+                for (acc_ic, &column_c) in acc_i.iter_mut().zip(&column) {
+                    *acc_ic = V::fma(factor, column_c, *acc_ic);
+                }
+            }
+        }
+        for (i, acc_i) in acc.iter().enumerate() {
+            for (c, acc_ic) in acc_i.iter().enumerate() {
+                acc_ic.store(y.add(i * a.y_stride + c * w));
+            }
+        }
+    }
+}
+
+/// Ungated: outputs [o, o + O), columns [0, n): blocks of strip_vectors vectors, then the
+/// remaining vectors, then each output's tail.
+///
+/// # Safety
+/// As [`accumulate`], for these outputs.
+#[inline(always)]
+unsafe fn accumulate_block_columns<V: Vector, const O: usize>(a: &Accumulation, o: usize) {
+    let (w, vectors) = (V::WIDTH, strip_vectors::<V>());
+    let mut d = 0;
+    // SAFETY: forwarded; d + the block's columns <= n.
+    unsafe {
+        while d + vectors * w <= a.n {
+            match vectors {
+                4 => accumulate_block::<V, O, 4>(a, o, d),
+                _ => accumulate_block::<V, O, 2>(a, o, d),
+            }
+            d += vectors * w;
+        }
+        match (a.n - d) / w {
+            3 => accumulate_block::<V, O, 3>(a, o, d),
+            2 => accumulate_block::<V, O, 2>(a, o, d),
+            1 => accumulate_block::<V, O, 1>(a, o, d),
+            _ => {}
+        }
+        d += (a.n - d) / w * w;
+        if d < a.n {
+            for i in 0..O {
+                accumulate_tail::<V>(a, o + i, d);
+            }
+        }
+    }
+}
+
+/// Ungated: outputs in blocks of STRIP_ROWS, then one block of the 1-5 left.
+///
+/// # Safety
+/// As [`accumulate`].
+#[inline(always)]
+unsafe fn accumulate_blocks<V: Vector>(a: &Accumulation) {
+    let mut o = 0;
+    // SAFETY: forwarded; o + the block's outputs <= outputs.
+    unsafe {
+        while o + STRIP_ROWS <= a.outputs {
+            accumulate_block_columns::<V, STRIP_ROWS>(a, o);
+            o += STRIP_ROWS;
+        }
+        match a.outputs - o {
+            5 => accumulate_block_columns::<V, 5>(a, o),
+            4 => accumulate_block_columns::<V, 4>(a, o),
+            3 => accumulate_block_columns::<V, 3>(a, o),
+            2 => accumulate_block_columns::<V, 2>(a, o),
+            1 => accumulate_block_columns::<V, 1>(a, o),
+            _ => {}
         }
     }
 }
@@ -218,7 +338,7 @@ unsafe fn accumulate_chunk<V: Vector, const O: usize, const NV: usize>(
     }
 }
 
-/// Output o's columns [d, n), n - d < WIDTH.
+/// Output o's columns [d, n), n - d < WIDTH (gated unless gate is null).
 ///
 /// # Safety
 /// As [`accumulate`], for these columns.
@@ -231,7 +351,7 @@ unsafe fn accumulate_tail<V: Vector>(a: &Accumulation, o: usize, d: usize) {
         let mut acc = V::load_tail(y, n);
         for t in 0..a.terms {
             let at = o * a.output_stride + t * a.coef_stride;
-            if *a.gate.add(at) == 0.0 {
+            if !a.gate.is_null() && *a.gate.add(at) == 0.0 {
                 continue;
             }
             let factor = V::broadcast(*a.coef.add(at));
@@ -285,16 +405,22 @@ unsafe fn accumulate_columns<V: Vector, const O: usize>(a: &Accumulation, o: usi
     }
 }
 
-/// See [`Accumulation`]: outputs in pairs (each x load serving two), then the last one alone.
+/// See [`Accumulation`]. Ungated: accumulate_blocks. Gated: outputs in pairs (each x load
+/// serving two), then the last one alone.
 ///
 /// # Safety
 /// The CPU supports V's instruction set; y holds outputs rows of y_stride (>= n) floats, coef
-/// and gate every index the terms and outputs reach, x terms rows of x_stride (>= n) floats.
+/// and gate (when not null) every index the terms and outputs reach, x terms rows of x_stride
+/// (>= n) floats.
 #[inline(always)]
 pub unsafe fn accumulate<V: Vector>(a: &Accumulation) {
     let mut o = 0;
     // SAFETY: forwarded; o + the outputs of each call <= outputs.
     unsafe {
+        if a.gate.is_null() {
+            accumulate_blocks::<V>(a);
+            return;
+        }
         while o + 2 <= a.outputs {
             accumulate_columns::<V, 2>(a, o);
             o += 2;
