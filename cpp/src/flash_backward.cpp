@@ -326,21 +326,21 @@ const float* tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int6
     // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale (the
     // kernels' row_gradients, over the n_padded keys).
     const float scale = plan.problem->forward.scale;
-    bool all_live = true;
+    int64_t zeros = 0;  // P of the rows x n that are 0 (counted, not tested: the loop vectorises)
     for (int64_t r = 0; r < rows; ++r) {
         float* probs = s.scores + r * kKeyBlock;
         float* grads = s.grads + r * kKeyBlock;
         if (s.row_lse[r] == kNegInf) {  // no legal key: P = 0 and dS = 0
             std::fill(probs, probs + n_padded, 0.0f);
             std::fill(grads, grads + n_padded, 0.0f);
-            all_live = false;
+            zeros += n;
             continue;
         }
         const float* capped = fp.has_softcap ? s.capped + r * kKeyBlock : nullptr;
         plan.kernels.row_gradients(RowGradients{probs, grads, capped, n_padded, s.row_lse[r], s.row_delta[r], scale});
-        for (int64_t j = 0; j < n; ++j) all_live = all_live && probs[j] != 0.0f;
+        for (int64_t j = 0; j < n; ++j) zeros += probs[j] == 0.0f ? 1 : 0;
     }
-    return all_live ? nullptr : s.scores;
+    return zeros == 0 ? nullptr : s.scores;
 }
 
 // Pass 2: dK and dV of keys [key_block, key_block + kBackwardKeyBlock) of (b, kv_head), every query

@@ -553,14 +553,15 @@ unsafe fn tile_gradients(
     // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale (the
     // kernels' row_gradients, over the n_padded keys).
     let scale = plan.problem.forward.scale;
-    let mut all_live = true;
+    // P of the rows x n that are 0 (counted, not tested: the loop vectorises)
+    let mut zeros = 0usize;
     for r in 0..rows {
         let row = r * KEY_BLOCK..r * KEY_BLOCK + n_padded;
         if s.row_lse[r] == f32::NEG_INFINITY {
             // no legal key: P = 0 and dS = 0
             s.scores[row.clone()].fill(0.0);
             s.grads[row].fill(0.0);
-            all_live = false;
+            zeros += n;
             continue;
         }
         let capped = match fp.has_softcap {
@@ -580,12 +581,12 @@ unsafe fn tile_gradients(
         // dispatcher hands out only kernels this CPU runs.
         unsafe { (plan.kernels.row_gradients)(&gradients) };
         for &prob in &s.scores[row.start..row.start + n] {
-            all_live = all_live && prob != 0.0;
+            zeros += usize::from(prob == 0.0);
         }
     }
-    match all_live {
-        true => std::ptr::null(),
-        false => s.scores.as_ptr(),
+    match zeros {
+        0 => std::ptr::null(),
+        _ => s.scores.as_ptr(),
     }
 }
 
