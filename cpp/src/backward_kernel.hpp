@@ -77,7 +77,7 @@ struct Ops {
     // with 16 registers (AVX2; NEON and the scalar type alike), for panel_product's strips and
     // the ungated accumulate's blocks; the gated accumulate's chunks hold kAccumulators vectors.
     static constexpr int kStripRows = 6;
-    static constexpr int kStripVectors = W >= 16 ? 4 : 2;
+    static constexpr int strip_vectors() { return W >= 16 ? 4 : 2; }
     static constexpr int kAccumulators = W >= 16 ? 16 : 8;
 
     // R rows x NV vectors: rows [r, r + R), the columns from j.
@@ -99,11 +99,12 @@ struct Ops {
             for (int c = 0; c < NV; ++c) V::store(p.out + (r + i) * p.out_stride + j + c * W, acc[i][c]);
     }
 
-    // Rows [r, r + R), all n columns: strips of kStripVectors vectors, then the remaining ones.
+    // Rows [r, r + R), all n columns: strips of strip_vectors() vectors, then the remaining ones.
     template <int R>
     static void product_rows(const PanelProduct& p, int64_t r) {
+        constexpr int kVectors = strip_vectors();
         int64_t j = 0;
-        for (; j + kStripVectors * W <= p.n; j += kStripVectors * W) product_strip<R, kStripVectors>(p, r, j);
+        for (; j + kVectors * W <= p.n; j += kVectors * W) product_strip<R, kVectors>(p, r, j);
         switch ((p.n - j) / W) {
             case 3: product_strip<R, 3>(p, r, j); break;
             case 2: product_strip<R, 2>(p, r, j); break;
@@ -126,62 +127,11 @@ struct Ops {
         }
     }
 
-    // Ungated: outputs [o, o + O) x NV vectors of columns from d: acc = y, then for every term
-    // acc = V::fma(coef, x_t, acc), one broadcast per output and one load per vector.
-    template <int O, int NV>
-    static void accumulate_block(const Accumulation& a, int64_t o, int64_t d) {
-        float* y = a.y + o * a.y_stride + d;
-        const float* coef = a.coef + o * a.output_stride;
-        Reg acc[O][NV];
-        for (int i = 0; i < O; ++i)
-            for (int c = 0; c < NV; ++c) acc[i][c] = V::load(y + i * a.y_stride + c * W);
-        for (int64_t t = 0; t < a.terms; ++t) {
-            const float* x_row = a.x + t * a.x_stride + d;
-            Reg column[NV];
-            for (int c = 0; c < NV; ++c) column[c] = V::load(x_row + c * W);
-            for (int i = 0; i < O; ++i) {
-                const Reg factor = V::broadcast(coef[i * a.output_stride + t * a.coef_stride]);
-                for (int c = 0; c < NV; ++c) acc[i][c] = V::fma(factor, column[c], acc[i][c]);
-            }
-        }
-        for (int i = 0; i < O; ++i)
-            for (int c = 0; c < NV; ++c) V::store(y + i * a.y_stride + c * W, acc[i][c]);
-    }
-
-    // Ungated: outputs [o, o + O), columns [0, n): blocks of kStripVectors vectors, then the
-    // remaining vectors, then each output's tail.
-    template <int O>
-    static void accumulate_block_columns(const Accumulation& a, int64_t o) {
-        int64_t d = 0;
-        for (; d + kStripVectors * W <= a.n; d += kStripVectors * W) accumulate_block<O, kStripVectors>(a, o, d);
-        switch ((a.n - d) / W) {
-            case 3: accumulate_block<O, 3>(a, o, d); break;
-            case 2: accumulate_block<O, 2>(a, o, d); break;
-            case 1: accumulate_block<O, 1>(a, o, d); break;
-            default: break;
-        }
-        d += (a.n - d) / W * W;
-        if (d < a.n)
-            for (int i = 0; i < O; ++i) accumulate_tail(a, o + i, d);
-    }
-
-    // Ungated: outputs in blocks of kStripRows, then one block of the 1-5 left.
-    static void accumulate_blocks(const Accumulation& a) {
-        int64_t o = 0;
-        for (; o + kStripRows <= a.outputs; o += kStripRows) accumulate_block_columns<kStripRows>(a, o);
-        switch (a.outputs - o) {
-            case 5: accumulate_block_columns<5>(a, o); break;
-            case 4: accumulate_block_columns<4>(a, o); break;
-            case 3: accumulate_block_columns<3>(a, o); break;
-            case 2: accumulate_block_columns<2>(a, o); break;
-            case 1: accumulate_block_columns<1>(a, o); break;
-            default: break;
-        }
-    }
-
-    // Outputs [o, o + O) (O = 1 or 2, sharing each x load), NV vectors of columns from d each:
-    // acc = y, then for every term whose gate of that output is nonzero, acc = V::fma(coef, x_t, acc).
-    template <int O, int NV>
+    // Outputs [o, o + O) (sharing each x load), NV vectors of columns from d each: acc = y, then
+    // for every term whose gate of that output is nonzero (every term when not kGated),
+    // acc = V::fma(coef, x_t, acc). A term that counts for all O outputs: one load per vector
+    // and one broadcast per output.
+    template <int O, int NV, bool kGated>
     static void accumulate_chunk(const Accumulation& a, int64_t o, int64_t d) {
         float* y = a.y + o * a.y_stride + d;
         const auto at = [&](int64_t t, int i) { return (o + i) * a.output_stride + t * a.coef_stride; };
@@ -189,28 +139,28 @@ struct Ops {
         for (int i = 0; i < O; ++i)
             for (int c = 0; c < NV; ++c) acc[i][c] = V::load(y + i * a.y_stride + c * W);
         for (int64_t t = 0; t < a.terms; ++t) {
-            bool live[O];
-            bool all = true, any = false;
-            for (int i = 0; i < O; ++i) {
-                live[i] = a.gate[at(t, i)] != 0.0f;
-                all = all && live[i];
-                any = any || live[i];
-            }
-            if (!any) continue;
             const float* x_row = a.x + t * a.x_stride + d;
-            if (all) {
-                Reg factor[O];
-                for (int i = 0; i < O; ++i) factor[i] = V::broadcast(a.coef[at(t, i)]);
-                for (int c = 0; c < NV; ++c) {
-                    const Reg column = V::load(x_row + c * W);
-                    for (int i = 0; i < O; ++i) acc[i][c] = V::fma(factor[i], column, acc[i][c]);
+            if constexpr (kGated) {
+                bool live[O];
+                bool all = true;
+                for (int i = 0; i < O; ++i) {
+                    live[i] = a.gate[at(t, i)] != 0.0f;
+                    all = all && live[i];
                 }
-                continue;
+                if (!all) {  // only the live outputs (none: the term is skipped)
+                    for (int i = 0; i < O; ++i) {
+                        if (!live[i]) continue;
+                        const Reg factor = V::broadcast(a.coef[at(t, i)]);
+                        for (int c = 0; c < NV; ++c) acc[i][c] = V::fma(factor, V::load(x_row + c * W), acc[i][c]);
+                    }
+                    continue;
+                }
             }
+            Reg column[NV];
+            for (int c = 0; c < NV; ++c) column[c] = V::load(x_row + c * W);
             for (int i = 0; i < O; ++i) {
-                if (!live[i]) continue;
                 const Reg factor = V::broadcast(a.coef[at(t, i)]);
-                for (int c = 0; c < NV; ++c) acc[i][c] = V::fma(factor, V::load(x_row + c * W), acc[i][c]);
+                for (int c = 0; c < NV; ++c) acc[i][c] = V::fma(factor, column[c], acc[i][c]);
             }
         }
         for (int i = 0; i < O; ++i)
@@ -230,34 +180,33 @@ struct Ops {
         V::store_tail(y, acc, n);
     }
 
-    // Outputs [o, o + O), columns [0, n): chunks of kAccumulators / O vectors, then 8, 4, 2 and 1
-    // vectors (those below the chunk), then each output's tail.
-    template <int O>
+    // Outputs [o, o + O), columns [0, n): chunks of kChunk vectors, then 8, 4, 2 and 1 vectors
+    // (those below the chunk), then each output's tail.
+    template <int O, int kChunk, bool kGated>
     static void accumulate_columns(const Accumulation& a, int64_t o) {
-        constexpr int kChunk = kAccumulators / O;
         int64_t d = 0;
-        for (; d + kChunk * W <= a.n; d += kChunk * W) accumulate_chunk<O, kChunk>(a, o, d);
+        for (; d + kChunk * W <= a.n; d += kChunk * W) accumulate_chunk<O, kChunk, kGated>(a, o, d);
         if constexpr (kChunk > 8) {
             if (d + 8 * W <= a.n) {
-                accumulate_chunk<O, 8>(a, o, d);
+                accumulate_chunk<O, 8, kGated>(a, o, d);
                 d += 8 * W;
             }
         }
         if constexpr (kChunk > 4) {
             if (d + 4 * W <= a.n) {
-                accumulate_chunk<O, 4>(a, o, d);
+                accumulate_chunk<O, 4, kGated>(a, o, d);
                 d += 4 * W;
             }
         }
         if constexpr (kChunk > 2) {
             if (d + 2 * W <= a.n) {
-                accumulate_chunk<O, 2>(a, o, d);
+                accumulate_chunk<O, 2, kGated>(a, o, d);
                 d += 2 * W;
             }
         }
         if constexpr (kChunk > 1) {
             if (d + W <= a.n) {
-                accumulate_chunk<O, 1>(a, o, d);
+                accumulate_chunk<O, 1, kGated>(a, o, d);
                 d += W;
             }
         }
@@ -265,16 +214,24 @@ struct Ops {
             for (int i = 0; i < O; ++i) accumulate_tail(a, o + i, d);
     }
 
-    // Ungated: accumulate_blocks. Gated: outputs in pairs (each x load serving two), then the
-    // last one alone.
-    static void accumulate(const Accumulation& a) {
-        if (a.gate == nullptr) {
-            accumulate_blocks(a);
-            return;
-        }
+    // Ungated (gate null): blocks of kStripRows outputs x strip_vectors() vectors first. Then
+    // (every output when gated) outputs in pairs, each x load serving two, and the last one alone.
+    template <bool kGated>
+    static void accumulate_outputs(const Accumulation& a) {
         int64_t o = 0;
-        for (; o + 2 <= a.outputs; o += 2) accumulate_columns<2>(a, o);
-        if (o < a.outputs) accumulate_columns<1>(a, o);
+        if constexpr (!kGated)
+            for (; o + kStripRows <= a.outputs; o += kStripRows)
+                accumulate_columns<kStripRows, strip_vectors(), false>(a, o);
+        for (; o + 2 <= a.outputs; o += 2) accumulate_columns<2, kAccumulators / 2, kGated>(a, o);
+        if (o < a.outputs) accumulate_columns<1, kAccumulators, kGated>(a, o);
+    }
+
+    // See Accumulation: accumulate_outputs, gated unless gate is null.
+    static void accumulate(const Accumulation& a) {
+        if (a.gate == nullptr)
+            accumulate_outputs<false>(a);
+        else
+            accumulate_outputs<true>(a);
     }
 
     static void row_gradients(const RowGradients& g) {

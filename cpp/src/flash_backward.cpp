@@ -53,7 +53,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // float32 storage grown on demand whose data starts a 64-byte line (so no vector load of a
-// panel or a tile row straddles two), kept for its owner's life.
+// panel straddles two), kept for its owner's life.
 class AlignedFloats {
 public:
     float* ensure(int64_t count) {
@@ -115,7 +115,7 @@ CallerBuffers& caller_buffers() {
     return buffers;
 }
 
-// One thread's tiles (pointers into its buffers, grown on demand and kept for the thread's life):
+// One thread's tiles (grown on demand, kept for the thread's life):
 //   q_tile, q_rows (kQTileRows, D)    Q times the Q multiplier (scores), and Q (dK)
 //   dout_rows (kQTileRows, Dv)        dO
 //   row_delta, row_lse (kQTileRows)   Drow and lse * log2(e) of the tile's rows
@@ -123,39 +123,34 @@ CallerBuffers& caller_buffers() {
 //   scores, capped, grads (kQTileRows, kKeyBlock): S then P; tanh of the softcap; scale * dS
 //   key_grad, value_grad (kBackwardKeyBlock, D / Dv), query_grad (kQTileRows, D): float32 sums
 struct BackwardScratch {
-    float *q_tile, *q_rows, *dout_rows, *row_delta, *row_lse, *scores, *capped, *grads, *key_grad, *value_grad,
-        *query_grad;
-    int64_t *row_key_begin, *row_key_end;
-};
-
-struct ScratchBuffers {
-    AlignedFloats q_tile, q_rows, dout_rows, row_delta, row_lse, scores, capped, grads, key_grad, value_grad,
-        query_grad;
+    std::vector<float> q_tile, q_rows, dout_rows, row_delta, row_lse, scores, capped, grads, key_grad,
+        value_grad, query_grad;
     std::vector<int64_t> row_key_begin, row_key_end;
 
-    BackwardScratch view(int64_t D, int64_t Dv) {
+    void ensure(int64_t D, int64_t Dv) {
+        const auto grow = [](std::vector<float>& buffer, int64_t count) {
+            if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(static_cast<size_t>(count));
+        };
+        grow(q_tile, kQTileRows * D);
+        grow(q_rows, kQTileRows * D);
+        grow(dout_rows, kQTileRows * Dv);
+        grow(row_delta, kQTileRows);
+        grow(row_lse, kQTileRows);
+        grow(scores, kQTileRows * kKeyBlock);
+        grow(capped, kQTileRows * kKeyBlock);
+        grow(grads, kQTileRows * kKeyBlock);
+        grow(key_grad, kBackwardKeyBlock * D);
+        grow(value_grad, kBackwardKeyBlock * Dv);
+        grow(query_grad, kQTileRows * D);
         if (static_cast<int64_t>(row_key_end.size()) < kQTileRows) {
             row_key_begin.resize(kQTileRows);
             row_key_end.resize(kQTileRows);
         }
-        return BackwardScratch{q_tile.ensure(kQTileRows * D),
-                               q_rows.ensure(kQTileRows * D),
-                               dout_rows.ensure(kQTileRows * Dv),
-                               row_delta.ensure(kQTileRows),
-                               row_lse.ensure(kQTileRows),
-                               scores.ensure(kQTileRows * kKeyBlock),
-                               capped.ensure(kQTileRows * kKeyBlock),
-                               grads.ensure(kQTileRows * kKeyBlock),
-                               key_grad.ensure(kBackwardKeyBlock * D),
-                               value_grad.ensure(kBackwardKeyBlock * Dv),
-                               query_grad.ensure(kQTileRows * D),
-                               row_key_begin.data(),
-                               row_key_end.data()};
     }
 };
 
-ScratchBuffers& backward_scratch() {
-    thread_local ScratchBuffers scratch;
+BackwardScratch& backward_scratch() {
+    thread_local BackwardScratch scratch;
     return scratch;
 }
 
@@ -164,7 +159,8 @@ ScratchBuffers& backward_scratch() {
 template <typename Fn>
 void for_each_item(int64_t items, int num_threads, int64_t D, int64_t Dv, const Fn& fn) {
     parallel_for(items, num_threads, [&](int64_t index, int) {
-        BackwardScratch s = backward_scratch().view(D, Dv);
+        BackwardScratch& s = backward_scratch();
+        s.ensure(D, Dv);
         fn(index, s);
     });
 }
@@ -302,13 +298,13 @@ const float* tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int6
     const auto product = [&](const float* a, int64_t depth, const float* panel, float* out) {
         plan.kernels.panel_product(PanelProduct{a, rows, depth, panel, kBackwardKeyBlock, n_padded, out, kKeyBlock});
     };
-    product(s.q_tile, D, block.key_panel, s.scores);
-    product(s.dout_rows, Dv, block.value_panel, s.grads);
+    product(s.q_tile.data(), D, block.key_panel, s.scores.data());
+    product(s.dout_rows.data(), Dv, block.value_panel, s.grads.data());
     for (int64_t r = 0; r < rows; ++r) {
-        float* row = s.scores + r * kKeyBlock;
+        float* row = s.scores.data() + r * kKeyBlock;
         for (int64_t j = n; j < n_padded; ++j) row[j] = 0.0f;
         if (!fp.has_softcap) continue;
-        float* capped = s.capped + r * kKeyBlock;
+        float* capped = s.capped.data() + r * kKeyBlock;
         for (int64_t j = 0; j < n_padded; j += W) {
             const V::Reg t = ScalarKernel::tanh(V::load(row + j));
             V::store(capped + j, t);
@@ -317,30 +313,31 @@ const float* tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int6
     }
     // (b) Visibility, ALiBi and the mask: the forward's own code.
     ThreadScratch view{};
-    view.scores = s.scores;
-    view.row_key_begin = s.row_key_begin;
-    view.row_key_end = s.row_key_end;
+    view.scores = s.scores.data();
+    view.row_key_begin = s.row_key_begin.data();
+    view.row_key_end = s.row_key_end.data();
     ScalarKernel::mask_block(fp, tile, view, rows, key_block, n);
     // The padding keys [n, n_padded): S = -inf, so P = 0 there too (row_gradients runs over them).
-    for (int64_t r = 0; r < rows; ++r) std::fill(s.scores + r * kKeyBlock + n, s.scores + r * kKeyBlock + n_padded, kNegInf);
+    for (int64_t r = 0; r < rows; ++r)
+        std::fill(s.scores.begin() + r * kKeyBlock + n, s.scores.begin() + r * kKeyBlock + n_padded, kNegInf);
     // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale (the
     // kernels' row_gradients, over the n_padded keys).
     const float scale = plan.problem->forward.scale;
     int64_t zeros = 0;  // P of the rows x n that are 0 (counted, not tested: the loop vectorises)
     for (int64_t r = 0; r < rows; ++r) {
-        float* probs = s.scores + r * kKeyBlock;
-        float* grads = s.grads + r * kKeyBlock;
+        float* probs = s.scores.data() + r * kKeyBlock;
+        float* grads = s.grads.data() + r * kKeyBlock;
         if (s.row_lse[r] == kNegInf) {  // no legal key: P = 0 and dS = 0
             std::fill(probs, probs + n_padded, 0.0f);
             std::fill(grads, grads + n_padded, 0.0f);
             zeros += n;
             continue;
         }
-        const float* capped = fp.has_softcap ? s.capped + r * kKeyBlock : nullptr;
+        const float* capped = fp.has_softcap ? s.capped.data() + r * kKeyBlock : nullptr;
         plan.kernels.row_gradients(RowGradients{probs, grads, capped, n_padded, s.row_lse[r], s.row_delta[r], scale});
         for (int64_t j = 0; j < n; ++j) zeros += probs[j] == 0.0f ? 1 : 0;
     }
-    return zeros == 0 ? nullptr : s.scores;
+    return zeros == 0 ? nullptr : s.scores.data();
 }
 
 // Pass 2: dK and dV of keys [key_block, key_block + kBackwardKeyBlock) of (b, kv_head), every query
@@ -353,8 +350,8 @@ void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, i
     const int64_t G = plan.flash.group, D = plan.flash.head_dim, Dv = plan.flash.value_dim;
     const int64_t n = std::min(kBackwardKeyBlock, p.k.shape[2] - key_block);
     const int64_t visible = std::max<int64_t>(0, std::min(n, p.kv_lens[b] - key_block));
-    std::fill(s.key_grad, s.key_grad + n * D, 0.0f);
-    std::fill(s.value_grad, s.value_grad + n * Dv, 0.0f);
+    std::fill(s.key_grad.begin(), s.key_grad.begin() + n * D, 0.0f);
+    std::fill(s.value_grad.begin(), s.value_grad.begin() + n * Dv, 0.0f);
     for (int64_t row_begin = 0; visible > 0 && row_begin < plan.flash.rows_per_group; row_begin += kQTileRows) {
         const int64_t row_end = std::min(row_begin + kQTileRows, plan.flash.rows_per_group);
         // Rows are ordered by position, and so are their visible ranges: a tile whose first row
@@ -368,15 +365,16 @@ void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, i
         load_tile<T>(plan, tile, rows, s);
         const float* gate = tile_gradients(plan, tile, rows, key_block, visible, s);
         // Key j's rows: dV += P[., j]^T dO, dK += dS[., j]^T Q, over the tile's rows in order.
-        const auto key_rows = [&](float* y, int64_t width, const float* coef, const float* x) {
-            return Accumulation{y, width, visible, width, coef, gate, kKeyBlock, 1, x, width, rows};
+        const auto key_rows = [&](std::vector<float>& y, int64_t width, const std::vector<float>& coef,
+                                  const std::vector<float>& x) {
+            return Accumulation{y.data(), width, visible, width, coef.data(), gate, kKeyBlock, 1, x.data(), width, rows};
         };
         plan.kernels.accumulate(key_rows(s.value_grad, Dv, s.scores, s.dout_rows));
         plan.kernels.accumulate(key_rows(s.key_grad, D, s.grads, s.q_rows));
     }
     for (int64_t j = 0; j < n; ++j) {
-        store_row<T>(bp.dk, b, kv_head, key_block + j, s.key_grad + j * D, D);
-        store_row<T>(bp.dv, b, kv_head, key_block + j, s.value_grad + j * Dv, Dv);
+        store_row<T>(bp.dk, b, kv_head, key_block + j, s.key_grad.data() + j * D, D);
+        store_row<T>(bp.dv, b, kv_head, key_block + j, s.value_grad.data() + j * Dv, Dv);
     }
 }
 
@@ -389,7 +387,7 @@ void query_tile_gradients(const BackwardPlan& plan, const WorkItem& tile, Backwa
     const int64_t G = plan.flash.group, D = plan.flash.head_dim;
     const int64_t rows = tile.row_end - tile.row_begin;
     load_tile<T>(plan, tile, rows, s);
-    std::fill(s.query_grad, s.query_grad + rows * D, 0.0f);
+    std::fill(s.query_grad.begin(), s.query_grad.begin() + rows * D, 0.0f);
     int64_t first_key, last_key, unused;
     flash_row_key_range(p, tile.b, G, tile.row_begin, &first_key, &unused);
     flash_row_key_range(p, tile.b, G, tile.row_end - 1, &unused, &last_key);
@@ -399,11 +397,11 @@ void query_tile_gradients(const BackwardPlan& plan, const WorkItem& tile, Backwa
         const float* gate = tile_gradients(plan, tile, rows, key_block, n, s);
         // Row r: dQ += dS[r, .] K, over the block's keys in order.
         const float* keys = key_block_at(plan, tile.b, tile.kv_head, key_block).keys;
-        plan.kernels.accumulate(Accumulation{s.query_grad, D, rows, D, s.grads, gate, 1, kKeyBlock, keys, D, n});
+        plan.kernels.accumulate(Accumulation{s.query_grad.data(), D, rows, D, s.grads.data(), gate, 1, kKeyBlock, keys, D, n});
     }
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t packed = tile.row_begin + r;
-        store_row<T>(bp.dq, tile.b, tile.kv_head * G + packed % G, packed / G, s.query_grad + r * D, D);
+        store_row<T>(bp.dq, tile.b, tile.kv_head * G + packed % G, packed / G, s.query_grad.data() + r * D, D);
     }
 }
 
@@ -442,7 +440,7 @@ void backward_passes(const BackwardProblem& bp, int num_threads) {
     // 1. Drow, then dsinks.
     std::vector<float> delta(static_cast<size_t>(B * Hq * Lq));
     for_each_item(B * Hq, num_threads, D, Dv, [&](int64_t head, BackwardScratch& s) {
-        row_deltas<T>(bp, head / Hq, head % Hq, delta.data() + head * Lq, s.dout_rows);
+        row_deltas<T>(bp, head / Hq, head % Hq, delta.data() + head * Lq, s.dout_rows.data());
     });
     if (bp.dsinks.data != nullptr) sink_gradients(bp, delta.data());
     if (Hkv == 0) return;  // then Hq = 0 too (check_problem): no gradient left to write

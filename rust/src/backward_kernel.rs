@@ -176,113 +176,15 @@ pub unsafe fn panel_product<V: Vector>(p: &PanelProduct) {
     }
 }
 
-/// Ungated: outputs [o, o + O) x NV vectors of columns from d: acc = y, then for every term
-/// acc = V::fma(coef, x_t, acc), one broadcast per output and one load per vector.
+/// Outputs [o, o + O) (sharing each x load), NV vectors of columns from d each: acc = y, then
+/// for every term whose gate of that output is nonzero (every term when not GATED),
+/// acc = V::fma(coef, x_t, acc). A term that counts for all O outputs: one load per vector and
+/// one broadcast per output.
 ///
 /// # Safety
 /// As [`accumulate`], for these outputs and columns.
 #[inline(always)]
-unsafe fn accumulate_block<V: Vector, const O: usize, const NV: usize>(
-    a: &Accumulation,
-    o: usize,
-    d: usize,
-) {
-    let w = V::WIDTH;
-    // SAFETY: forwarded; every access lies in the outputs' and the x rows' NV vectors from d.
-    unsafe {
-        let y = a.y.add(o * a.y_stride + d);
-        let coef = a.coef.add(o * a.output_stride);
-        let mut acc = [[V::zero(); NV]; O];
-        for (i, acc_i) in acc.iter_mut().enumerate() {
-            for (c, acc_ic) in acc_i.iter_mut().enumerate() {
-                *acc_ic = V::load(y.add(i * a.y_stride + c * w));
-            }
-        }
-        for t in 0..a.terms {
-            let x_row = a.x.add(t * a.x_stride + d);
-            let mut column = [V::zero(); NV];
-            for (c, vector) in column.iter_mut().enumerate() {
-                *vector = V::load(x_row.add(c * w));
-            }
-            for (i, acc_i) in acc.iter_mut().enumerate() {
-                let factor = V::broadcast(*coef.add(i * a.output_stride + t * a.coef_stride));
-                for (acc_ic, &column_c) in acc_i.iter_mut().zip(&column) {
-                    *acc_ic = V::fma(factor, column_c, *acc_ic);
-                }
-            }
-        }
-        for (i, acc_i) in acc.iter().enumerate() {
-            for (c, acc_ic) in acc_i.iter().enumerate() {
-                acc_ic.store(y.add(i * a.y_stride + c * w));
-            }
-        }
-    }
-}
-
-/// Ungated: outputs [o, o + O), columns [0, n): blocks of strip_vectors vectors, then the
-/// remaining vectors, then each output's tail.
-///
-/// # Safety
-/// As [`accumulate`], for these outputs.
-#[inline(always)]
-unsafe fn accumulate_block_columns<V: Vector, const O: usize>(a: &Accumulation, o: usize) {
-    let (w, vectors) = (V::WIDTH, strip_vectors::<V>());
-    let mut d = 0;
-    // SAFETY: forwarded; d + the block's columns <= n.
-    unsafe {
-        while d + vectors * w <= a.n {
-            match vectors {
-                4 => accumulate_block::<V, O, 4>(a, o, d),
-                _ => accumulate_block::<V, O, 2>(a, o, d),
-            }
-            d += vectors * w;
-        }
-        match (a.n - d) / w {
-            3 => accumulate_block::<V, O, 3>(a, o, d),
-            2 => accumulate_block::<V, O, 2>(a, o, d),
-            1 => accumulate_block::<V, O, 1>(a, o, d),
-            _ => {}
-        }
-        d += (a.n - d) / w * w;
-        if d < a.n {
-            for i in 0..O {
-                accumulate_tail::<V>(a, o + i, d);
-            }
-        }
-    }
-}
-
-/// Ungated: outputs in blocks of STRIP_ROWS, then one block of the 1-5 left.
-///
-/// # Safety
-/// As [`accumulate`].
-#[inline(always)]
-unsafe fn accumulate_blocks<V: Vector>(a: &Accumulation) {
-    let mut o = 0;
-    // SAFETY: forwarded; o + the block's outputs <= outputs.
-    unsafe {
-        while o + STRIP_ROWS <= a.outputs {
-            accumulate_block_columns::<V, STRIP_ROWS>(a, o);
-            o += STRIP_ROWS;
-        }
-        match a.outputs - o {
-            5 => accumulate_block_columns::<V, 5>(a, o),
-            4 => accumulate_block_columns::<V, 4>(a, o),
-            3 => accumulate_block_columns::<V, 3>(a, o),
-            2 => accumulate_block_columns::<V, 2>(a, o),
-            1 => accumulate_block_columns::<V, 1>(a, o),
-            _ => {}
-        }
-    }
-}
-
-/// Outputs [o, o + O) (O = 1 or 2, sharing each x load), NV vectors of columns from d each:
-/// acc = y, then for every term whose gate of that output is nonzero, acc = V::fma(coef, x_t, acc).
-///
-/// # Safety
-/// As [`accumulate`], for these outputs and columns.
-#[inline(always)]
-unsafe fn accumulate_chunk<V: Vector, const O: usize, const NV: usize>(
+unsafe fn accumulate_chunk<V: Vector, const O: usize, const NV: usize, const GATED: bool>(
     a: &Accumulation,
     o: usize,
     d: usize,
@@ -299,34 +201,34 @@ unsafe fn accumulate_chunk<V: Vector, const O: usize, const NV: usize>(
             }
         }
         for t in 0..a.terms {
-            let mut live = [false; O];
-            for (i, live_i) in live.iter_mut().enumerate() {
-                *live_i = *a.gate.add(at(t, i)) != 0.0;
-            }
-            if !live.iter().any(|&l| l) {
-                continue;
-            }
             let x_row = a.x.add(t * a.x_stride + d);
-            if live.iter().all(|&l| l) {
-                let mut factor = [V::zero(); O];
-                for (i, factor_i) in factor.iter_mut().enumerate() {
-                    *factor_i = V::broadcast(*a.coef.add(at(t, i)));
+            if GATED {
+                let mut live = [false; O];
+                for (i, live_i) in live.iter_mut().enumerate() {
+                    *live_i = *a.gate.add(at(t, i)) != 0.0;
                 }
-                for c in 0..NV {
-                    let column = V::load(x_row.add(c * w));
-                    for (acc_i, &factor_i) in acc.iter_mut().zip(&factor) {
-                        acc_i[c] = V::fma(factor_i, column, acc_i[c]);
+                if !live.iter().all(|&l| l) {
+                    // only the live outputs (none: the term is skipped)
+                    for (i, acc_i) in acc.iter_mut().enumerate() {
+                        if !live[i] {
+                            continue;
+                        }
+                        let factor = V::broadcast(*a.coef.add(at(t, i)));
+                        for (c, acc_ic) in acc_i.iter_mut().enumerate() {
+                            *acc_ic = V::fma(factor, V::load(x_row.add(c * w)), *acc_ic);
+                        }
                     }
-                }
-                continue;
-            }
-            for (i, acc_i) in acc.iter_mut().enumerate() {
-                if !live[i] {
                     continue;
                 }
+            }
+            let mut column = [V::zero(); NV];
+            for (c, vector) in column.iter_mut().enumerate() {
+                *vector = V::load(x_row.add(c * w));
+            }
+            for (i, acc_i) in acc.iter_mut().enumerate() {
                 let factor = V::broadcast(*a.coef.add(at(t, i)));
-                for (c, acc_ic) in acc_i.iter_mut().enumerate() {
-                    *acc_ic = V::fma(factor, V::load(x_row.add(c * w)), *acc_ic);
+                for (acc_ic, &column_c) in acc_i.iter_mut().zip(&column) {
+                    *acc_ic = V::fma(factor, column_c, *acc_ic);
                 }
             }
         }
@@ -361,40 +263,44 @@ unsafe fn accumulate_tail<V: Vector>(a: &Accumulation, o: usize, d: usize) {
     }
 }
 
-/// Outputs [o, o + O), columns [0, n): chunks of 16 / O vectors (WIDTH 16) or 8 / O (the
-/// others), then 8, 4, 2 and 1 vectors (those below the chunk), then each output's tail.
+/// Outputs [o, o + O), columns [0, n): chunks of `chunk` vectors (16, 8, 4 or 2), then 8, 4, 2
+/// and 1 vectors (those below the chunk), then each output's tail.
 ///
 /// # Safety
 /// As [`accumulate`], for these outputs.
 #[inline(always)]
-unsafe fn accumulate_columns<V: Vector, const O: usize>(a: &Accumulation, o: usize) {
+unsafe fn accumulate_columns<V: Vector, const O: usize, const GATED: bool>(
+    a: &Accumulation,
+    o: usize,
+    chunk: usize,
+) {
     let w = V::WIDTH;
-    let chunk = if w >= 16 { 16 / O } else { 8 / O };
     let mut d = 0;
     // SAFETY: forwarded; d + the chunk's columns <= n.
     unsafe {
         while d + chunk * w <= a.n {
             match chunk {
-                16 => accumulate_chunk::<V, O, 16>(a, o, d),
-                8 => accumulate_chunk::<V, O, 8>(a, o, d),
-                _ => accumulate_chunk::<V, O, 4>(a, o, d),
+                16 => accumulate_chunk::<V, O, 16, GATED>(a, o, d),
+                8 => accumulate_chunk::<V, O, 8, GATED>(a, o, d),
+                4 => accumulate_chunk::<V, O, 4, GATED>(a, o, d),
+                _ => accumulate_chunk::<V, O, 2, GATED>(a, o, d),
             }
             d += chunk * w;
         }
         if chunk > 8 && d + 8 * w <= a.n {
-            accumulate_chunk::<V, O, 8>(a, o, d);
+            accumulate_chunk::<V, O, 8, GATED>(a, o, d);
             d += 8 * w;
         }
         if chunk > 4 && d + 4 * w <= a.n {
-            accumulate_chunk::<V, O, 4>(a, o, d);
+            accumulate_chunk::<V, O, 4, GATED>(a, o, d);
             d += 4 * w;
         }
         if chunk > 2 && d + 2 * w <= a.n {
-            accumulate_chunk::<V, O, 2>(a, o, d);
+            accumulate_chunk::<V, O, 2, GATED>(a, o, d);
             d += 2 * w;
         }
         if chunk > 1 && d + w <= a.n {
-            accumulate_chunk::<V, O, 1>(a, o, d);
+            accumulate_chunk::<V, O, 1, GATED>(a, o, d);
             d += w;
         }
         if d < a.n {
@@ -405,8 +311,35 @@ unsafe fn accumulate_columns<V: Vector, const O: usize>(a: &Accumulation, o: usi
     }
 }
 
-/// See [`Accumulation`]. Ungated: accumulate_blocks. Gated: outputs in pairs (each x load
-/// serving two), then the last one alone.
+/// Ungated (not GATED): blocks of STRIP_ROWS outputs x strip_vectors vectors first. Then (every
+/// output when GATED) outputs in pairs, each x load serving two, and the last one alone.
+///
+/// # Safety
+/// As [`accumulate`], with gate not null when GATED.
+#[inline(always)]
+unsafe fn accumulate_outputs<V: Vector, const GATED: bool>(a: &Accumulation) {
+    // the gated chunks' vectors: 16 accumulators with 32 registers (AVX-512), 8 with 16
+    let accumulators = if V::WIDTH >= 16 { 16 } else { 8 };
+    let mut o = 0;
+    // SAFETY: forwarded; o + the outputs of each call <= outputs.
+    unsafe {
+        if !GATED {
+            while o + STRIP_ROWS <= a.outputs {
+                accumulate_columns::<V, STRIP_ROWS, false>(a, o, strip_vectors::<V>());
+                o += STRIP_ROWS;
+            }
+        }
+        while o + 2 <= a.outputs {
+            accumulate_columns::<V, 2, GATED>(a, o, accumulators / 2);
+            o += 2;
+        }
+        if o < a.outputs {
+            accumulate_columns::<V, 1, GATED>(a, o, accumulators);
+        }
+    }
+}
+
+/// See [`Accumulation`]: accumulate_outputs, gated unless gate is null.
 ///
 /// # Safety
 /// The CPU supports V's instruction set; y holds outputs rows of y_stride (>= n) floats, coef
@@ -414,19 +347,11 @@ unsafe fn accumulate_columns<V: Vector, const O: usize>(a: &Accumulation, o: usi
 /// (>= n) floats.
 #[inline(always)]
 pub unsafe fn accumulate<V: Vector>(a: &Accumulation) {
-    let mut o = 0;
-    // SAFETY: forwarded; o + the outputs of each call <= outputs.
+    // SAFETY: forwarded.
     unsafe {
-        if a.gate.is_null() {
-            accumulate_blocks::<V>(a);
-            return;
-        }
-        while o + 2 <= a.outputs {
-            accumulate_columns::<V, 2>(a, o);
-            o += 2;
-        }
-        if o < a.outputs {
-            accumulate_columns::<V, 1>(a, o);
+        match a.gate.is_null() {
+            true => accumulate_outputs::<V, false>(a),
+            false => accumulate_outputs::<V, true>(a),
         }
     }
 }

@@ -60,7 +60,7 @@ type V = VecScalar;
 const W: usize = V::WIDTH;
 
 /// float32 storage grown on demand whose slice starts a 64-byte line (so no vector load of a
-/// panel or a tile row straddles two), kept for its owner's life.
+/// panel straddles two), kept for its owner's life.
 #[derive(Default)]
 struct AlignedFloats {
     buffer: Vec<f32>,
@@ -163,7 +163,7 @@ thread_local! {
     static CALLER_BUFFERS: RefCell<CallerBuffers> = RefCell::new(CallerBuffers::default());
 }
 
-/// One thread's tiles (slices of its buffers, grown on demand and kept for the thread's life):
+/// One thread's tiles (grown on demand, kept for the thread's life):
 ///
 /// ```text
 /// q_tile, q_rows (Q_TILE_ROWS, D)    Q times the Q multiplier (scores), and Q (dK)
@@ -173,69 +173,49 @@ thread_local! {
 /// scores, capped, grads (Q_TILE_ROWS, KEY_BLOCK): S then P; tanh of the softcap; scale * dS
 /// key_grad, value_grad (BACKWARD_KEY_BLOCK, D / Dv), query_grad (Q_TILE_ROWS, D): float32 sums
 /// ```
-struct BackwardScratch<'s> {
-    q_tile: &'s mut [f32],
-    q_rows: &'s mut [f32],
-    dout_rows: &'s mut [f32],
-    row_delta: &'s mut [f32],
-    row_lse: &'s mut [f32],
-    scores: &'s mut [f32],
-    capped: &'s mut [f32],
-    grads: &'s mut [f32],
-    key_grad: &'s mut [f32],
-    value_grad: &'s mut [f32],
-    query_grad: &'s mut [f32],
-    row_key_begin: &'s mut [usize],
-    row_key_end: &'s mut [usize],
-}
-
 #[derive(Default)]
-struct ScratchBuffers {
-    q_tile: AlignedFloats,
-    q_rows: AlignedFloats,
-    dout_rows: AlignedFloats,
-    row_delta: AlignedFloats,
-    row_lse: AlignedFloats,
-    scores: AlignedFloats,
-    capped: AlignedFloats,
-    grads: AlignedFloats,
-    key_grad: AlignedFloats,
-    value_grad: AlignedFloats,
-    query_grad: AlignedFloats,
+struct BackwardScratch {
+    q_tile: Vec<f32>,
+    q_rows: Vec<f32>,
+    dout_rows: Vec<f32>,
+    row_delta: Vec<f32>,
+    row_lse: Vec<f32>,
+    scores: Vec<f32>,
+    capped: Vec<f32>,
+    grads: Vec<f32>,
+    key_grad: Vec<f32>,
+    value_grad: Vec<f32>,
+    query_grad: Vec<f32>,
     row_key_begin: Vec<usize>,
     row_key_end: Vec<usize>,
 }
 
-impl ScratchBuffers {
-    fn view(
-        &mut self,
-        head_dim: usize,
-        value_dim: usize,
-    ) -> Result<BackwardScratch<'_>, ProblemError> {
-        if self.row_key_end.len() < Q_TILE_ROWS {
-            self.row_key_begin = try_filled(Q_TILE_ROWS, 0)?;
-            self.row_key_end = try_filled(Q_TILE_ROWS, 0)?;
+impl BackwardScratch {
+    fn ensure(&mut self, head_dim: usize, value_dim: usize) -> Result<(), ProblemError> {
+        fn grow<T: Copy + Default>(buffer: &mut Vec<T>, count: usize) -> Result<(), ProblemError> {
+            if buffer.len() < count {
+                *buffer = try_filled(count, T::default())?;
+            }
+            Ok(())
         }
-        Ok(BackwardScratch {
-            q_tile: self.q_tile.ensure(Q_TILE_ROWS * head_dim)?,
-            q_rows: self.q_rows.ensure(Q_TILE_ROWS * head_dim)?,
-            dout_rows: self.dout_rows.ensure(Q_TILE_ROWS * value_dim)?,
-            row_delta: self.row_delta.ensure(Q_TILE_ROWS)?,
-            row_lse: self.row_lse.ensure(Q_TILE_ROWS)?,
-            scores: self.scores.ensure(Q_TILE_ROWS * KEY_BLOCK)?,
-            capped: self.capped.ensure(Q_TILE_ROWS * KEY_BLOCK)?,
-            grads: self.grads.ensure(Q_TILE_ROWS * KEY_BLOCK)?,
-            key_grad: self.key_grad.ensure(BACKWARD_KEY_BLOCK * head_dim)?,
-            value_grad: self.value_grad.ensure(BACKWARD_KEY_BLOCK * value_dim)?,
-            query_grad: self.query_grad.ensure(Q_TILE_ROWS * head_dim)?,
-            row_key_begin: &mut self.row_key_begin,
-            row_key_end: &mut self.row_key_end,
-        })
+        grow(&mut self.q_tile, Q_TILE_ROWS * head_dim)?;
+        grow(&mut self.q_rows, Q_TILE_ROWS * head_dim)?;
+        grow(&mut self.dout_rows, Q_TILE_ROWS * value_dim)?;
+        grow(&mut self.row_delta, Q_TILE_ROWS)?;
+        grow(&mut self.row_lse, Q_TILE_ROWS)?;
+        grow(&mut self.scores, Q_TILE_ROWS * KEY_BLOCK)?;
+        grow(&mut self.capped, Q_TILE_ROWS * KEY_BLOCK)?;
+        grow(&mut self.grads, Q_TILE_ROWS * KEY_BLOCK)?;
+        grow(&mut self.key_grad, BACKWARD_KEY_BLOCK * head_dim)?;
+        grow(&mut self.value_grad, BACKWARD_KEY_BLOCK * value_dim)?;
+        grow(&mut self.query_grad, Q_TILE_ROWS * head_dim)?;
+        grow(&mut self.row_key_begin, Q_TILE_ROWS)?;
+        grow(&mut self.row_key_end, Q_TILE_ROWS)
     }
 }
 
 thread_local! {
-    static BACKWARD_SCRATCH: RefCell<ScratchBuffers> = RefCell::new(ScratchBuffers::default());
+    static BACKWARD_SCRATCH: RefCell<BackwardScratch> = RefCell::new(BackwardScratch::default());
 }
 
 /// parallel_for over `items` (thread_pool.rs), each run as f(index, scratch) with the calling
@@ -250,8 +230,9 @@ fn for_each_item(
     // C++ rethrows a worker's std::bad_alloc on the caller; here the failed item sets this flag.
     let out_of_memory = AtomicBool::new(false);
     parallel_for(items, threads, &|index, _| {
-        let done = with_thread_buffers(&BACKWARD_SCRATCH, |buffers: &mut ScratchBuffers| {
-            f(index, &mut buffers.view(head_dim, value_dim)?);
+        let done = with_thread_buffers(&BACKWARD_SCRATCH, |s: &mut BackwardScratch| {
+            s.ensure(head_dim, value_dim)?;
+            f(index, s);
             Ok::<(), ProblemError>(())
         });
         if done.is_err() {
@@ -508,8 +489,8 @@ unsafe fn tile_gradients(
         // kernels this CPU runs.
         unsafe { (plan.kernels.panel_product)(&product) };
     };
-    product(s.q_tile, head_dim, block.key_panel, s.scores);
-    product(s.dout_rows, value_dim, block.value_panel, s.grads);
+    product(&s.q_tile, head_dim, block.key_panel, &mut s.scores);
+    product(&s.dout_rows, value_dim, block.value_panel, &mut s.grads);
     for r in 0..rows {
         let row = &mut s.scores[r * KEY_BLOCK..(r + 1) * KEY_BLOCK];
         row[n..n_padded].fill(0.0);
@@ -651,9 +632,9 @@ unsafe fn key_block_gradients<T: Element>(
                 x_stride: width,
                 terms: rows,
             };
-            let value_rows = key_rows(s.value_grad, value_dim, s.scores, s.dout_rows);
+            let value_rows = key_rows(&mut s.value_grad, value_dim, &s.scores, &s.dout_rows);
             (plan.kernels.accumulate)(&value_rows);
-            let key_rows = key_rows(s.key_grad, head_dim, s.grads, s.q_rows);
+            let key_rows = key_rows(&mut s.key_grad, head_dim, &s.grads, &s.q_rows);
             (plan.kernels.accumulate)(&key_rows);
         }
         for j in 0..n {
@@ -757,7 +738,7 @@ unsafe fn backward_passes<T: Element>(
                 head / q_heads,
                 head % q_heads,
                 delta,
-                s.dout_rows,
+                &mut s.dout_rows,
             );
         }
     })?;
