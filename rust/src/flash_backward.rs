@@ -773,14 +773,10 @@ unsafe fn backward_passes<T: Element>(
             kernels,
             packed,
         };
-        // SAFETY: item `head` packs only its own head's blocks; the problem is checked.
-        for_each_item(
-            batch * kv_heads,
-            threads,
-            head_dim,
-            value_dim,
-            |head, _| unsafe { pack_keys::<T>(&plan, head / kv_heads, head % kv_heads) },
-        )?;
+        for_each_item(batch * kv_heads, threads, head_dim, value_dim, |head, _| {
+            // SAFETY: item `head` packs only its own head's blocks; the problem is checked.
+            unsafe { pack_keys::<T>(&plan, head / kv_heads, head % kv_heads) }
+        })?;
         // SAFETY: forwarded.
         unsafe { gradient_passes::<T>(&plan, threads) }
     })
