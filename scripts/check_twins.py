@@ -144,6 +144,7 @@ FORCED: dict[str, dict[str, str]] = {
         "NEG_INF": _STD, "ceil_div": _STD,
         "ScalarKernel": _CLASS,
         "backward_scratch": "C++ thread_local function statics; Rust thread_local! with RefCell borrows",
+        "caller_buffers": "C++ thread_local function statics; Rust thread_local! with RefCell borrows",
     },
     "cpp/include/twinattn/reference_kernel.hpp": {
         "NEG_INF": _STD, "int128": _STD, "SharedProblem": _SYNC, "SharedProblem.p": _SYNC, "new": _SYNC,

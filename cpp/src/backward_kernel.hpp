@@ -9,7 +9,9 @@
 //   panel_product: S = Q K^T and dP = dO V^T against a transposed key block (panel[d][key]);
 //   accumulate:    dV += P^T dO, dK += dS^T Q (one key's row over the tile's rows) and
 //                  dQ += dS K (one query row over the block's keys);
-// and row_gradients, P and dS of one row, lane by lane.
+// and row_gradients, P and dS of one row, lane by lane. Both products are register-blocked:
+// strips of rows (outputs) x vectors of columns held in registers, per step one broadcast per
+// row and one load per vector of columns.
 #pragma once
 
 #include <cstdint>
@@ -31,7 +33,8 @@ struct PanelProduct {
 // One accumulation: for every output o < outputs, y[o * y_stride + (0, n)] += c * x[t * x_stride
 // + (0, n)] for t < terms, ascending, c = coef[o * output_stride + t * coef_stride], skipping every
 // term whose gate (same index) is 0 (a hidden key: its x is never read): one V::fma chain per
-// element, starting from y.
+// element, starting from y. gate null: every term counts (the caller has checked that no gate is
+// 0), and the outputs run in register blocks with no test per term.
 struct Accumulation {
     float* y;
     int64_t y_stride, outputs, n;
@@ -70,10 +73,11 @@ template <class V>
 struct Ops {
     using Reg = typename V::Reg;
     static constexpr int64_t W = V::kWidth;
-    // Rows of a panel_product strip, 4 x 4 vectors, and accumulators of an accumulate chunk: 16
-    // vectors with 32 registers (AVX-512), 8 with 16 (AVX2; NEON and the scalar type alike).
-    static constexpr int kStripRows = 4;
-    static constexpr int kStripVectors = 4;
+    // Register blocks, rows x vectors of accumulators: 6 x 4 (24 of AVX-512's 32 registers), 6 x 2
+    // with 16 registers (AVX2; NEON and the scalar type alike), for panel_product's strips and
+    // the ungated accumulate's blocks; the gated accumulate's chunks hold kAccumulators vectors.
+    static constexpr int kStripRows = 6;
+    static constexpr int strip_vectors() { return W >= 16 ? 4 : 2; }
     static constexpr int kAccumulators = W >= 16 ? 16 : 8;
 
     // R rows x NV vectors: rows [r, r + R), the columns from j.
@@ -95,11 +99,12 @@ struct Ops {
             for (int c = 0; c < NV; ++c) V::store(p.out + (r + i) * p.out_stride + j + c * W, acc[i][c]);
     }
 
-    // Rows [r, r + R), all n columns: strips of kStripVectors vectors, then the remaining ones.
+    // Rows [r, r + R), all n columns: strips of strip_vectors() vectors, then the remaining ones.
     template <int R>
     static void product_rows(const PanelProduct& p, int64_t r) {
+        constexpr int kVectors = strip_vectors();
         int64_t j = 0;
-        for (; j + kStripVectors * W <= p.n; j += kStripVectors * W) product_strip<R, kStripVectors>(p, r, j);
+        for (; j + kVectors * W <= p.n; j += kVectors * W) product_strip<R, kVectors>(p, r, j);
         switch ((p.n - j) / W) {
             case 3: product_strip<R, 3>(p, r, j); break;
             case 2: product_strip<R, 2>(p, r, j); break;
@@ -108,15 +113,25 @@ struct Ops {
         }
     }
 
+    // Strips of kStripRows rows, then one strip of the 1-5 rows left.
     static void panel_product(const PanelProduct& p) {
         int64_t r = 0;
         for (; r + kStripRows <= p.rows; r += kStripRows) product_rows<kStripRows>(p, r);
-        for (; r < p.rows; ++r) product_rows<1>(p, r);
+        switch (p.rows - r) {
+            case 5: product_rows<5>(p, r); break;
+            case 4: product_rows<4>(p, r); break;
+            case 3: product_rows<3>(p, r); break;
+            case 2: product_rows<2>(p, r); break;
+            case 1: product_rows<1>(p, r); break;
+            default: break;
+        }
     }
 
-    // Outputs [o, o + O) (O = 1 or 2, sharing each x load), NV vectors of columns from d each:
-    // acc = y, then for every term whose gate of that output is nonzero, acc = V::fma(coef, x_t, acc).
-    template <int O, int NV>
+    // Outputs [o, o + O) (sharing each x load), NV vectors of columns from d each: acc = y, then
+    // for every term whose gate of that output is nonzero (every term when not kGated),
+    // acc = V::fma(coef, x_t, acc). A term that counts for all O outputs: one load per vector
+    // and one broadcast per output.
+    template <int O, int NV, bool kGated>
     static void accumulate_chunk(const Accumulation& a, int64_t o, int64_t d) {
         float* y = a.y + o * a.y_stride + d;
         const auto at = [&](int64_t t, int i) { return (o + i) * a.output_stride + t * a.coef_stride; };
@@ -124,75 +139,74 @@ struct Ops {
         for (int i = 0; i < O; ++i)
             for (int c = 0; c < NV; ++c) acc[i][c] = V::load(y + i * a.y_stride + c * W);
         for (int64_t t = 0; t < a.terms; ++t) {
-            bool live[O];
-            bool all = true, any = false;
-            for (int i = 0; i < O; ++i) {
-                live[i] = a.gate[at(t, i)] != 0.0f;
-                all = all && live[i];
-                any = any || live[i];
-            }
-            if (!any) continue;
             const float* x_row = a.x + t * a.x_stride + d;
-            if (all) {
-                Reg factor[O];
-                for (int i = 0; i < O; ++i) factor[i] = V::broadcast(a.coef[at(t, i)]);
-                for (int c = 0; c < NV; ++c) {
-                    const Reg column = V::load(x_row + c * W);
-                    for (int i = 0; i < O; ++i) acc[i][c] = V::fma(factor[i], column, acc[i][c]);
+            if constexpr (kGated) {
+                bool live[O];
+                bool all = true;
+                for (int i = 0; i < O; ++i) {
+                    live[i] = a.gate[at(t, i)] != 0.0f;
+                    all = all && live[i];
                 }
-                continue;
+                if (!all) {  // only the live outputs (none: the term is skipped)
+                    for (int i = 0; i < O; ++i) {
+                        if (!live[i]) continue;
+                        const Reg factor = V::broadcast(a.coef[at(t, i)]);
+                        for (int c = 0; c < NV; ++c) acc[i][c] = V::fma(factor, V::load(x_row + c * W), acc[i][c]);
+                    }
+                    continue;
+                }
             }
+            Reg column[NV];
+            for (int c = 0; c < NV; ++c) column[c] = V::load(x_row + c * W);
             for (int i = 0; i < O; ++i) {
-                if (!live[i]) continue;
                 const Reg factor = V::broadcast(a.coef[at(t, i)]);
-                for (int c = 0; c < NV; ++c) acc[i][c] = V::fma(factor, V::load(x_row + c * W), acc[i][c]);
+                for (int c = 0; c < NV; ++c) acc[i][c] = V::fma(factor, column[c], acc[i][c]);
             }
         }
         for (int i = 0; i < O; ++i)
             for (int c = 0; c < NV; ++c) V::store(y + i * a.y_stride + c * W, acc[i][c]);
     }
 
-    // Output o's columns [d, n), n - d < W.
+    // Output o's columns [d, n), n - d < W (gated unless gate is null).
     static void accumulate_tail(const Accumulation& a, int64_t o, int64_t d) {
         const int64_t n = a.n - d;
         float* y = a.y + o * a.y_stride + d;
         Reg acc = V::load_tail(y, n);
         for (int64_t t = 0; t < a.terms; ++t) {
             const int64_t at = o * a.output_stride + t * a.coef_stride;
-            if (a.gate[at] == 0.0f) continue;
+            if (a.gate != nullptr && a.gate[at] == 0.0f) continue;
             acc = V::fma(V::broadcast(a.coef[at]), V::load_tail(a.x + t * a.x_stride + d, n), acc);
         }
         V::store_tail(y, acc, n);
     }
 
-    // Outputs [o, o + O), columns [0, n): chunks of kAccumulators / O vectors, then 8, 4, 2 and 1
-    // vectors (those below the chunk), then each output's tail.
-    template <int O>
+    // Outputs [o, o + O), columns [0, n): chunks of kChunk vectors, then 8, 4, 2 and 1 vectors
+    // (those below the chunk), then each output's tail.
+    template <int O, int kChunk, bool kGated>
     static void accumulate_columns(const Accumulation& a, int64_t o) {
-        constexpr int kChunk = kAccumulators / O;
         int64_t d = 0;
-        for (; d + kChunk * W <= a.n; d += kChunk * W) accumulate_chunk<O, kChunk>(a, o, d);
+        for (; d + kChunk * W <= a.n; d += kChunk * W) accumulate_chunk<O, kChunk, kGated>(a, o, d);
         if constexpr (kChunk > 8) {
             if (d + 8 * W <= a.n) {
-                accumulate_chunk<O, 8>(a, o, d);
+                accumulate_chunk<O, 8, kGated>(a, o, d);
                 d += 8 * W;
             }
         }
         if constexpr (kChunk > 4) {
             if (d + 4 * W <= a.n) {
-                accumulate_chunk<O, 4>(a, o, d);
+                accumulate_chunk<O, 4, kGated>(a, o, d);
                 d += 4 * W;
             }
         }
         if constexpr (kChunk > 2) {
             if (d + 2 * W <= a.n) {
-                accumulate_chunk<O, 2>(a, o, d);
+                accumulate_chunk<O, 2, kGated>(a, o, d);
                 d += 2 * W;
             }
         }
         if constexpr (kChunk > 1) {
             if (d + W <= a.n) {
-                accumulate_chunk<O, 1>(a, o, d);
+                accumulate_chunk<O, 1, kGated>(a, o, d);
                 d += W;
             }
         }
@@ -200,11 +214,24 @@ struct Ops {
             for (int i = 0; i < O; ++i) accumulate_tail(a, o + i, d);
     }
 
-    // Outputs in pairs (each x load serving two), then the last one alone.
-    static void accumulate(const Accumulation& a) {
+    // Ungated (gate null): blocks of kStripRows outputs x strip_vectors() vectors first. Then
+    // (every output when gated) outputs in pairs, each x load serving two, and the last one alone.
+    template <bool kGated>
+    static void accumulate_outputs(const Accumulation& a) {
         int64_t o = 0;
-        for (; o + 2 <= a.outputs; o += 2) accumulate_columns<2>(a, o);
-        if (o < a.outputs) accumulate_columns<1>(a, o);
+        if constexpr (!kGated)
+            for (; o + kStripRows <= a.outputs; o += kStripRows)
+                accumulate_columns<kStripRows, strip_vectors(), false>(a, o);
+        for (; o + 2 <= a.outputs; o += 2) accumulate_columns<2, kAccumulators / 2, kGated>(a, o);
+        if (o < a.outputs) accumulate_columns<1, kAccumulators, kGated>(a, o);
+    }
+
+    // See Accumulation: accumulate_outputs, gated unless gate is null.
+    static void accumulate(const Accumulation& a) {
+        if (a.gate == nullptr)
+            accumulate_outputs<false>(a);
+        else
+            accumulate_outputs<true>(a);
     }
 
     static void row_gradients(const RowGradients& g) {

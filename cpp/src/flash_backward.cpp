@@ -7,6 +7,8 @@
 // position i = r / G of query head h = kv_head * G + r % G, so one pass over a group's packed
 // rows sums dK and dV over its G query heads without copying K or V.
 //
+//   0. K, K^T and V^T of every (b, kv_head) in float32, packed once per call (the keys a
+//      pass reads: below kv_lens[b]) and shared read-only by every item of passes 2 and 3.
 //   1. Drow = rowsum(dO * O) of every query row (float32, into a (B, Hq, Lq) buffer); dsinks.
 //   2. dK, dV: items (b, kv_head, key block of kBackwardKeyBlock keys), each owning its dk and
 //      dv rows. For every query tile (kQTileRows packed rows) that sees the block: S recomputed
@@ -50,26 +52,79 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// float32 storage grown on demand whose data starts a 64-byte line (so no vector load of a
+// panel straddles two), kept for its owner's life.
+class AlignedFloats {
+public:
+    float* ensure(int64_t count) {
+        constexpr int64_t kLine = 64 / sizeof(float);
+        if (static_cast<int64_t>(buffer_.size()) < count + kLine) buffer_.resize(static_cast<size_t>(count + kLine));
+        const auto misaligned = static_cast<int64_t>(reinterpret_cast<uintptr_t>(buffer_.data()) % 64);
+        return buffer_.data() + (64 - misaligned) % 64 / static_cast<int64_t>(sizeof(float));
+    }
+
+private:
+    std::vector<float> buffer_;
+};
+
+// Pass 0's packed keys of one call, for (b, kv_head) head = b * Hkv + kv_head and its key block
+// kb (kBackwardKeyBlock keys from kb * kBackwardKeyBlock), block = head * key_blocks + kb:
+//   keys         (kBackwardKeyBlock, D) at block * kBackwardKeyBlock * D     K rows (dQ += dS K)
+//   key_panels   (D, kBackwardKeyBlock) at block * D * kBackwardKeyBlock     K^T (S = Q K^T)
+//   value_panels (Dv, kBackwardKeyBlock) at block * Dv * kBackwardKeyBlock   V^T (dP = dO V^T)
+// Keys at or past kv_lens[b] are 0 (never read from k or v).
+struct PackedKeys {
+    float* keys;
+    float* key_panels;
+    float* value_panels;
+    int64_t key_blocks;  // per head: Lk / kBackwardKeyBlock rounded up
+};
+
 // What the items of one call share.
 struct BackwardPlan {
     const BackwardProblem* problem;
     FlashPlan flash;          // the forward's plan: group, shapes, Q multiplier, variants' flags
     const float* row_delta;   // Drow of every query row, (B, Hq, Lq) contiguous
     BackwardKernels kernels;  // the inner products, of the instruction set in use (backward_kernel.hpp)
+    PackedKeys packed;        // pass 0's keys
 };
+
+// One key block of the packed keys: its K rows, K^T and V^T.
+struct KeyBlock {
+    float* keys;
+    float* key_panel;
+    float* value_panel;
+};
+
+// Key block key_block (a multiple of kBackwardKeyBlock) of (b, kv_head) in the packed keys.
+KeyBlock key_block_at(const BackwardPlan& plan, int64_t b, int64_t kv_head, int64_t key_block) {
+    const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim, Hkv = plan.problem->forward.k.shape[1];
+    const int64_t block = (b * Hkv + kv_head) * plan.packed.key_blocks + key_block / kBackwardKeyBlock;
+    return KeyBlock{plan.packed.keys + block * kBackwardKeyBlock * D, plan.packed.key_panels + block * D * kBackwardKeyBlock,
+                    plan.packed.value_panels + block * Dv * kBackwardKeyBlock};
+}
+
+// The calling thread's packed keys (thread_local: concurrent callers never share them), reused
+// across calls so that a call does not fault its pages in again.
+struct CallerBuffers {
+    AlignedFloats keys, key_panels, value_panels;
+};
+
+CallerBuffers& caller_buffers() {
+    thread_local CallerBuffers buffers;
+    return buffers;
+}
 
 // One thread's tiles (grown on demand, kept for the thread's life):
 //   q_tile, q_rows (kQTileRows, D)    Q times the Q multiplier (scores), and Q (dK)
 //   dout_rows (kQTileRows, Dv)        dO
 //   row_delta, row_lse (kQTileRows)   Drow and lse * log2(e) of the tile's rows
 //   row_key_begin, row_key_end        each row's visible key range
-//   keys (kBackwardKeyBlock, D)       the block's K in float32 (dQ)
-//   key_panel (D, kBackwardKeyBlock), value_panel (Dv, kBackwardKeyBlock): K^T and V^T (S, dP)
 //   scores, capped, grads (kQTileRows, kKeyBlock): S then P; tanh of the softcap; scale * dS
 //   key_grad, value_grad (kBackwardKeyBlock, D / Dv), query_grad (kQTileRows, D): float32 sums
 struct BackwardScratch {
-    std::vector<float> q_tile, q_rows, dout_rows, row_delta, row_lse, keys, key_panel, value_panel, scores,
-        capped, grads, key_grad, value_grad, query_grad;
+    std::vector<float> q_tile, q_rows, dout_rows, row_delta, row_lse, scores, capped, grads, key_grad,
+        value_grad, query_grad;
     std::vector<int64_t> row_key_begin, row_key_end;
 
     void ensure(int64_t D, int64_t Dv) {
@@ -81,9 +136,6 @@ struct BackwardScratch {
         grow(dout_rows, kQTileRows * Dv);
         grow(row_delta, kQTileRows);
         grow(row_lse, kQTileRows);
-        grow(keys, kBackwardKeyBlock * D);
-        grow(key_panel, D * kBackwardKeyBlock);
-        grow(value_panel, Dv * kBackwardKeyBlock);
         grow(scores, kQTileRows * kKeyBlock);
         grow(capped, kQTileRows * kKeyBlock);
         grow(grads, kQTileRows * kKeyBlock);
@@ -201,50 +253,53 @@ void load_tile(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, Bac
     }
 }
 
-// Keys [key_block, key_block + n) of (b, kv_head) in float32: K rows, and the K^T and V^T
-// panels, their columns from n to n rounded up to kKeyPanel zero.
+// Pass 0: the keys of (b, kv_head) into the packed keys (PackedKeys): keys below kv_lens[b]
+// converted to float32, the rest of the head's blocks 0.
 template <typename T>
-void load_keys(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_block, int64_t n,
-               BackwardScratch& s) {
-    const int64_t D = p.k.shape[3], Dv = p.v.shape[3];
-    for (int64_t j = 0; j < n; ++j) {
-        const T* k = view_row<T>(p.k, b, kv_head, key_block + j);
-        for (int64_t d = 0; d < D; ++d) {
-            const float x = to_f32(k[d]);
-            s.keys[j * D + d] = x;
-            s.key_panel[d * kBackwardKeyBlock + j] = x;
+void pack_keys(const BackwardPlan& plan, int64_t b, int64_t kv_head) {
+    const AttentionProblem& p = plan.problem->forward;
+    const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim;
+    for (int64_t key_block = 0; key_block < plan.packed.key_blocks * kBackwardKeyBlock; key_block += kBackwardKeyBlock) {
+        const KeyBlock block = key_block_at(plan, b, kv_head, key_block);
+        const int64_t n = std::clamp<int64_t>(p.kv_lens[b] - key_block, 0, kBackwardKeyBlock);
+        for (int64_t j = 0; j < n; ++j) {
+            const T* k = view_row<T>(p.k, b, kv_head, key_block + j);
+            for (int64_t d = 0; d < D; ++d) {
+                const float x = to_f32(k[d]);
+                block.keys[j * D + d] = x;
+                block.key_panel[d * kBackwardKeyBlock + j] = x;
+            }
+            const T* v = view_row<T>(p.v, b, kv_head, key_block + j);
+            for (int64_t c = 0; c < Dv; ++c) block.value_panel[c * kBackwardKeyBlock + j] = to_f32(v[c]);
         }
-        const T* v = view_row<T>(p.v, b, kv_head, key_block + j);
-        for (int64_t c = 0; c < Dv; ++c) s.value_panel[c * kBackwardKeyBlock + j] = to_f32(v[c]);
+        std::fill(block.keys + n * D, block.keys + kBackwardKeyBlock * D, 0.0f);
+        for (int64_t d = 0; d < D; ++d)
+            std::fill(block.key_panel + d * kBackwardKeyBlock + n, block.key_panel + (d + 1) * kBackwardKeyBlock, 0.0f);
+        for (int64_t c = 0; c < Dv; ++c)
+            std::fill(block.value_panel + c * kBackwardKeyBlock + n, block.value_panel + (c + 1) * kBackwardKeyBlock,
+                      0.0f);
     }
-    const int64_t n_padded = ceil_div(n, kKeyPanel) * kKeyPanel;
-    for (int64_t d = 0; d < D; ++d)
-        std::fill(s.key_panel.begin() + d * kBackwardKeyBlock + n, s.key_panel.begin() + d * kBackwardKeyBlock + n_padded,
-                  0.0f);
-    for (int64_t c = 0; c < Dv; ++c)
-        std::fill(s.value_panel.begin() + c * kBackwardKeyBlock + n,
-                  s.value_panel.begin() + c * kBackwardKeyBlock + n_padded, 0.0f);
 }
 
-// P and scale * dS of the tile's rows against the n loaded keys from key_block: s.scores (P) and
-// s.grads, rows of stride kKeyBlock (as the forward's mask_block reads them), S and dP by the
-// kernels' panel products over n rounded up to kKeyPanel keys. A hidden key has P = 0 and
-// dS = 0, and its dP is never used (no 0 * NaN from it); a row with no legal key (lse = -inf)
-// is all zeros.
-void tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, int64_t key_block,
-                    int64_t n, BackwardScratch& s) {
+// P and scale * dS of the tile's rows against the n keys of the packed block from key_block:
+// s.scores (P) and s.grads, rows of stride kKeyBlock (as the forward's mask_block reads them), S
+// and dP by the kernels' panel products over n rounded up to kKeyPanel keys. A hidden key has
+// P = 0 and dS = 0, and its dP is never used (no 0 * NaN from it); a row with no legal key
+// (lse = -inf) is all zeros. Returns the gate of the accumulations: null when no P of the rows x
+// n is 0 (every term then counts: the kernels' ungated blocks), else s.scores.
+const float* tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, int64_t key_block,
+                            int64_t n, BackwardScratch& s) {
     const FlashPlan& fp = plan.flash;
     const int64_t D = fp.head_dim, Dv = fp.value_dim;
     const int64_t n_padded = ceil_div(n, kKeyPanel) * kKeyPanel;
+    const KeyBlock block = key_block_at(plan, tile.b, tile.kv_head, key_block);
     // (a) S = (Q times the multiplier) K^T, in base 2; softcap: t = tanh(S) kept, S = t softcap log2 e.
     // dP = dO V^T into s.grads.
-    const auto product = [&](const std::vector<float>& a, int64_t depth, const std::vector<float>& panel,
-                             std::vector<float>& out) {
-        plan.kernels.panel_product(
-            PanelProduct{a.data(), rows, depth, panel.data(), kBackwardKeyBlock, n_padded, out.data(), kKeyBlock});
+    const auto product = [&](const float* a, int64_t depth, const float* panel, float* out) {
+        plan.kernels.panel_product(PanelProduct{a, rows, depth, panel, kBackwardKeyBlock, n_padded, out, kKeyBlock});
     };
-    product(s.q_tile, D, s.key_panel, s.scores);
-    product(s.dout_rows, Dv, s.value_panel, s.grads);
+    product(s.q_tile.data(), D, block.key_panel, s.scores.data());
+    product(s.dout_rows.data(), Dv, block.value_panel, s.grads.data());
     for (int64_t r = 0; r < rows; ++r) {
         float* row = s.scores.data() + r * kKeyBlock;
         for (int64_t j = n; j < n_padded; ++j) row[j] = 0.0f;
@@ -268,17 +323,21 @@ void tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int64_t rows
     // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale (the
     // kernels' row_gradients, over the n_padded keys).
     const float scale = plan.problem->forward.scale;
+    int64_t zeros = 0;  // P of the rows x n that are 0 (counted, not tested: the loop vectorises)
     for (int64_t r = 0; r < rows; ++r) {
         float* probs = s.scores.data() + r * kKeyBlock;
         float* grads = s.grads.data() + r * kKeyBlock;
         if (s.row_lse[r] == kNegInf) {  // no legal key: P = 0 and dS = 0
             std::fill(probs, probs + n_padded, 0.0f);
             std::fill(grads, grads + n_padded, 0.0f);
+            zeros += n;
             continue;
         }
         const float* capped = fp.has_softcap ? s.capped.data() + r * kKeyBlock : nullptr;
         plan.kernels.row_gradients(RowGradients{probs, grads, capped, n_padded, s.row_lse[r], s.row_delta[r], scale});
+        for (int64_t j = 0; j < n; ++j) zeros += probs[j] == 0.0f ? 1 : 0;
     }
+    return zeros == 0 ? nullptr : s.scores.data();
 }
 
 // Pass 2: dK and dV of keys [key_block, key_block + kBackwardKeyBlock) of (b, kv_head), every query
@@ -293,7 +352,6 @@ void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, i
     const int64_t visible = std::max<int64_t>(0, std::min(n, p.kv_lens[b] - key_block));
     std::fill(s.key_grad.begin(), s.key_grad.begin() + n * D, 0.0f);
     std::fill(s.value_grad.begin(), s.value_grad.begin() + n * Dv, 0.0f);
-    if (visible > 0) load_keys<T>(p, b, kv_head, key_block, visible, s);
     for (int64_t row_begin = 0; visible > 0 && row_begin < plan.flash.rows_per_group; row_begin += kQTileRows) {
         const int64_t row_end = std::min(row_begin + kQTileRows, plan.flash.rows_per_group);
         // Rows are ordered by position, and so are their visible ranges: a tile whose first row
@@ -305,12 +363,11 @@ void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, i
         const WorkItem tile{b, kv_head, row_begin, row_end, key_block, key_block + visible, -1};
         const int64_t rows = row_end - row_begin;
         load_tile<T>(plan, tile, rows, s);
-        tile_gradients(plan, tile, rows, key_block, visible, s);
+        const float* gate = tile_gradients(plan, tile, rows, key_block, visible, s);
         // Key j's rows: dV += P[., j]^T dO, dK += dS[., j]^T Q, over the tile's rows in order.
         const auto key_rows = [&](std::vector<float>& y, int64_t width, const std::vector<float>& coef,
                                   const std::vector<float>& x) {
-            return Accumulation{y.data(), width, visible, width, coef.data(), s.scores.data(), kKeyBlock, 1,
-                                x.data(), width, rows};
+            return Accumulation{y.data(), width, visible, width, coef.data(), gate, kKeyBlock, 1, x.data(), width, rows};
         };
         plan.kernels.accumulate(key_rows(s.value_grad, Dv, s.scores, s.dout_rows));
         plan.kernels.accumulate(key_rows(s.key_grad, D, s.grads, s.q_rows));
@@ -337,11 +394,10 @@ void query_tile_gradients(const BackwardPlan& plan, const WorkItem& tile, Backwa
     for (int64_t key_block = first_key / kBackwardKeyBlock * kBackwardKeyBlock; key_block < last_key;
          key_block += kBackwardKeyBlock) {
         const int64_t n = std::min(kBackwardKeyBlock, last_key - key_block);
-        load_keys<T>(p, tile.b, tile.kv_head, key_block, n, s);
-        tile_gradients(plan, tile, rows, key_block, n, s);
+        const float* gate = tile_gradients(plan, tile, rows, key_block, n, s);
         // Row r: dQ += dS[r, .] K, over the block's keys in order.
-        plan.kernels.accumulate(Accumulation{s.query_grad.data(), D, rows, D, s.grads.data(), s.scores.data(), 1,
-                                             kKeyBlock, s.keys.data(), D, n});
+        const float* keys = key_block_at(plan, tile.b, tile.kv_head, key_block).keys;
+        plan.kernels.accumulate(Accumulation{s.query_grad.data(), D, rows, D, s.grads.data(), gate, 1, kKeyBlock, keys, D, n});
     }
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t packed = tile.row_begin + r;
@@ -349,7 +405,29 @@ void query_tile_gradients(const BackwardPlan& plan, const WorkItem& tile, Backwa
     }
 }
 
-// Passes 1-3 with q, k, v, out, dout and the gradients of storage type T.
+// Passes 2 and 3, after passes 0 and 1.
+template <typename T>
+void gradient_passes(const BackwardPlan& plan, int num_threads) {
+    const AttentionProblem& p = plan.problem->forward;
+    const int64_t B = p.q.shape[0], D = p.q.shape[3], Hkv = p.k.shape[1], Dv = p.v.shape[3];
+    const int64_t key_blocks = plan.packed.key_blocks;
+    // 2. dK, dV.
+    for_each_item(B * Hkv * key_blocks, num_threads, D, Dv, [&](int64_t index, BackwardScratch& s) {
+        const int64_t head = index / key_blocks;
+        key_block_gradients<T>(plan, head / Hkv, head % Hkv, index % key_blocks * kBackwardKeyBlock, s);
+    });
+    // 3. dQ.
+    const int64_t rows_per_group = plan.flash.rows_per_group;
+    const int64_t tiles = ceil_div(rows_per_group, kQTileRows);
+    for_each_item(B * Hkv * tiles, num_threads, D, Dv, [&](int64_t index, BackwardScratch& s) {
+        const int64_t head = index / tiles, row_begin = index % tiles * kQTileRows;
+        const WorkItem tile{head / Hkv, head % Hkv, row_begin, std::min(row_begin + kQTileRows, rows_per_group),
+                            0, 0, -1};
+        query_tile_gradients<T>(plan, tile, s);
+    });
+}
+
+// Passes 0-3 with q, k, v, out, dout and the gradients of storage type T.
 template <typename T>
 void backward_passes(const BackwardProblem& bp, int num_threads) {
     const AttentionProblem& p = bp.forward;
@@ -367,22 +445,16 @@ void backward_passes(const BackwardProblem& bp, int num_threads) {
     if (bp.dsinks.data != nullptr) sink_gradients(bp, delta.data());
     if (Hkv == 0) return;  // then Hq = 0 too (check_problem): no gradient left to write
 
-    const BackwardPlan plan{&bp, flash_plan(p), delta.data(), kernels};
-    // 2. dK, dV.
+    // 0. The packed keys.
     const int64_t key_blocks = ceil_div(Lk, kBackwardKeyBlock);
-    for_each_item(B * Hkv * key_blocks, num_threads, D, Dv, [&](int64_t index, BackwardScratch& s) {
-        const int64_t head = index / key_blocks;
-        key_block_gradients<T>(plan, head / Hkv, head % Hkv, index % key_blocks * kBackwardKeyBlock, s);
-    });
-    // 3. dQ.
-    const int64_t rows_per_group = plan.flash.rows_per_group;
-    const int64_t tiles = ceil_div(rows_per_group, kQTileRows);
-    for_each_item(B * Hkv * tiles, num_threads, D, Dv, [&](int64_t index, BackwardScratch& s) {
-        const int64_t head = index / tiles, row_begin = index % tiles * kQTileRows;
-        const WorkItem tile{head / Hkv, head % Hkv, row_begin, std::min(row_begin + kQTileRows, rows_per_group),
-                            0, 0, -1};
-        query_tile_gradients<T>(plan, tile, s);
-    });
+    const int64_t packed_keys = B * Hkv * key_blocks * kBackwardKeyBlock;
+    CallerBuffers& buffers = caller_buffers();
+    const PackedKeys packed{buffers.keys.ensure(packed_keys * D), buffers.key_panels.ensure(packed_keys * D),
+                            buffers.value_panels.ensure(packed_keys * Dv), key_blocks};
+    const BackwardPlan plan{&bp, flash_plan(p), delta.data(), kernels, packed};
+    for_each_item(B * Hkv, num_threads, D, Dv,
+                  [&](int64_t head, BackwardScratch&) { pack_keys<T>(plan, head / Hkv, head % Hkv); });
+    gradient_passes<T>(plan, num_threads);
 }
 
 }  // namespace

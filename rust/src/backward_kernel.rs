@@ -10,7 +10,9 @@
 //! - [`accumulate`]: dV += P^T dO, dK += dS^T Q (one key's row over the tile's rows) and
 //!   dQ += dS K (one query row over the block's keys);
 //!
-//! and [`row_gradients`], P and dS of one row, lane by lane.
+//! and [`row_gradients`], P and dS of one row, lane by lane. Both products are register-blocked:
+//! strips of rows (outputs) x vectors of columns held in registers, per step one broadcast per
+//! row and one load per vector of columns.
 
 use crate::simd::Vector;
 
@@ -31,7 +33,8 @@ pub struct PanelProduct {
 /// One accumulation: for every output o < outputs, y[o * y_stride + (0, n)] += c * x[t *
 /// x_stride + (0, n)] for t < terms, ascending, c = coef[o * output_stride + t * coef_stride],
 /// skipping every term whose gate (same index) is 0 (a hidden key: its x is never read): one
-/// V::fma chain per element, starting from y.
+/// V::fma chain per element, starting from y. gate null: every term counts (the caller has
+/// checked that no gate is 0), and the outputs run in register blocks with no test per term.
 pub struct Accumulation {
     pub y: *mut f32,
     pub y_stride: usize,
@@ -72,10 +75,20 @@ pub struct BackwardKernels {
     pub row_gradients: RowGradientsFn,
 }
 
-/// Rows of a panel_product strip, 4 x 4 vectors; the accumulators of an accumulate chunk are 16
-/// vectors with 32 registers (AVX-512), 8 with 16 (AVX2; NEON and the scalar type alike).
-const STRIP_ROWS: usize = 4;
-const STRIP_VECTORS: usize = 4;
+/// Register blocks, rows x vectors of accumulators: 6 x 4 (24 of AVX-512's 32 registers), 6 x 2
+/// with 16 registers (AVX2; NEON and the scalar type alike), for panel_product's strips and the
+/// ungated accumulate's blocks; the gated accumulate's chunks hold 16 vectors (AVX-512) or 8.
+const STRIP_ROWS: usize = 6;
+
+/// The vectors of a register block (above) for V.
+#[inline(always)]
+fn strip_vectors<V: Vector>() -> usize {
+    if V::WIDTH >= 16 {
+        4
+    } else {
+        2
+    }
+}
 
 /// R rows x NV vectors of the columns from j of rows [r, r + R) of the product.
 ///
@@ -112,19 +125,22 @@ unsafe fn product_strip<V: Vector, const R: usize, const NV: usize>(
     }
 }
 
-/// Rows [r, r + R), all n columns: strips of STRIP_VECTORS vectors, then the remaining ones.
+/// Rows [r, r + R), all n columns: strips of strip_vectors vectors, then the remaining ones.
 ///
 /// # Safety
 /// As [`panel_product`], for these rows.
 #[inline(always)]
 unsafe fn product_rows<V: Vector, const R: usize>(p: &PanelProduct, r: usize) {
-    let w = V::WIDTH;
+    let (w, vectors) = (V::WIDTH, strip_vectors::<V>());
     let mut j = 0;
     // SAFETY: forwarded; j + the strip's columns <= n.
     unsafe {
-        while j + STRIP_VECTORS * w <= p.n {
-            product_strip::<V, R, STRIP_VECTORS>(p, r, j);
-            j += STRIP_VECTORS * w;
+        while j + vectors * w <= p.n {
+            match vectors {
+                4 => product_strip::<V, R, 4>(p, r, j),
+                _ => product_strip::<V, R, 2>(p, r, j),
+            }
+            j += vectors * w;
         }
         match (p.n - j) / w {
             3 => product_strip::<V, R, 3>(p, r, j),
@@ -135,7 +151,7 @@ unsafe fn product_rows<V: Vector, const R: usize>(p: &PanelProduct, r: usize) {
     }
 }
 
-/// See [`PanelProduct`].
+/// See [`PanelProduct`]: strips of STRIP_ROWS rows, then one strip of the 1-5 rows left.
 ///
 /// # Safety
 /// The CPU supports V's instruction set; a holds rows x depth floats, panel depth rows of
@@ -149,20 +165,26 @@ pub unsafe fn panel_product<V: Vector>(p: &PanelProduct) {
             product_rows::<V, STRIP_ROWS>(p, r);
             r += STRIP_ROWS;
         }
-        while r < p.rows {
-            product_rows::<V, 1>(p, r);
-            r += 1;
+        match p.rows - r {
+            5 => product_rows::<V, 5>(p, r),
+            4 => product_rows::<V, 4>(p, r),
+            3 => product_rows::<V, 3>(p, r),
+            2 => product_rows::<V, 2>(p, r),
+            1 => product_rows::<V, 1>(p, r),
+            _ => {}
         }
     }
 }
 
-/// Outputs [o, o + O) (O = 1 or 2, sharing each x load), NV vectors of columns from d each:
-/// acc = y, then for every term whose gate of that output is nonzero, acc = V::fma(coef, x_t, acc).
+/// Outputs [o, o + O) (sharing each x load), NV vectors of columns from d each: acc = y, then
+/// for every term whose gate of that output is nonzero (every term when not GATED),
+/// acc = V::fma(coef, x_t, acc). A term that counts for all O outputs: one load per vector and
+/// one broadcast per output.
 ///
 /// # Safety
 /// As [`accumulate`], for these outputs and columns.
 #[inline(always)]
-unsafe fn accumulate_chunk<V: Vector, const O: usize, const NV: usize>(
+unsafe fn accumulate_chunk<V: Vector, const O: usize, const NV: usize, const GATED: bool>(
     a: &Accumulation,
     o: usize,
     d: usize,
@@ -179,34 +201,34 @@ unsafe fn accumulate_chunk<V: Vector, const O: usize, const NV: usize>(
             }
         }
         for t in 0..a.terms {
-            let mut live = [false; O];
-            for (i, live_i) in live.iter_mut().enumerate() {
-                *live_i = *a.gate.add(at(t, i)) != 0.0;
-            }
-            if !live.iter().any(|&l| l) {
-                continue;
-            }
             let x_row = a.x.add(t * a.x_stride + d);
-            if live.iter().all(|&l| l) {
-                let mut factor = [V::zero(); O];
-                for (i, factor_i) in factor.iter_mut().enumerate() {
-                    *factor_i = V::broadcast(*a.coef.add(at(t, i)));
+            if GATED {
+                let mut live = [false; O];
+                for (i, live_i) in live.iter_mut().enumerate() {
+                    *live_i = *a.gate.add(at(t, i)) != 0.0;
                 }
-                for c in 0..NV {
-                    let column = V::load(x_row.add(c * w));
-                    for (acc_i, &factor_i) in acc.iter_mut().zip(&factor) {
-                        acc_i[c] = V::fma(factor_i, column, acc_i[c]);
+                if !live.iter().all(|&l| l) {
+                    // only the live outputs (none: the term is skipped)
+                    for (i, acc_i) in acc.iter_mut().enumerate() {
+                        if !live[i] {
+                            continue;
+                        }
+                        let factor = V::broadcast(*a.coef.add(at(t, i)));
+                        for (c, acc_ic) in acc_i.iter_mut().enumerate() {
+                            *acc_ic = V::fma(factor, V::load(x_row.add(c * w)), *acc_ic);
+                        }
                     }
-                }
-                continue;
-            }
-            for (i, acc_i) in acc.iter_mut().enumerate() {
-                if !live[i] {
                     continue;
                 }
+            }
+            let mut column = [V::zero(); NV];
+            for (c, vector) in column.iter_mut().enumerate() {
+                *vector = V::load(x_row.add(c * w));
+            }
+            for (i, acc_i) in acc.iter_mut().enumerate() {
                 let factor = V::broadcast(*a.coef.add(at(t, i)));
-                for (c, acc_ic) in acc_i.iter_mut().enumerate() {
-                    *acc_ic = V::fma(factor, V::load(x_row.add(c * w)), *acc_ic);
+                for (acc_ic, &column_c) in acc_i.iter_mut().zip(&column) {
+                    *acc_ic = V::fma(factor, column_c, *acc_ic);
                 }
             }
         }
@@ -218,7 +240,7 @@ unsafe fn accumulate_chunk<V: Vector, const O: usize, const NV: usize>(
     }
 }
 
-/// Output o's columns [d, n), n - d < WIDTH.
+/// Output o's columns [d, n), n - d < WIDTH (gated unless gate is null).
 ///
 /// # Safety
 /// As [`accumulate`], for these columns.
@@ -231,7 +253,7 @@ unsafe fn accumulate_tail<V: Vector>(a: &Accumulation, o: usize, d: usize) {
         let mut acc = V::load_tail(y, n);
         for t in 0..a.terms {
             let at = o * a.output_stride + t * a.coef_stride;
-            if *a.gate.add(at) == 0.0 {
+            if !a.gate.is_null() && *a.gate.add(at) == 0.0 {
                 continue;
             }
             let factor = V::broadcast(*a.coef.add(at));
@@ -241,40 +263,44 @@ unsafe fn accumulate_tail<V: Vector>(a: &Accumulation, o: usize, d: usize) {
     }
 }
 
-/// Outputs [o, o + O), columns [0, n): chunks of 16 / O vectors (WIDTH 16) or 8 / O (the
-/// others), then 8, 4, 2 and 1 vectors (those below the chunk), then each output's tail.
+/// Outputs [o, o + O), columns [0, n): chunks of `chunk` vectors (16, 8, 4 or 2), then 8, 4, 2
+/// and 1 vectors (those below the chunk), then each output's tail.
 ///
 /// # Safety
 /// As [`accumulate`], for these outputs.
 #[inline(always)]
-unsafe fn accumulate_columns<V: Vector, const O: usize>(a: &Accumulation, o: usize) {
+unsafe fn accumulate_columns<V: Vector, const O: usize, const GATED: bool>(
+    a: &Accumulation,
+    o: usize,
+    chunk: usize,
+) {
     let w = V::WIDTH;
-    let chunk = if w >= 16 { 16 / O } else { 8 / O };
     let mut d = 0;
     // SAFETY: forwarded; d + the chunk's columns <= n.
     unsafe {
         while d + chunk * w <= a.n {
             match chunk {
-                16 => accumulate_chunk::<V, O, 16>(a, o, d),
-                8 => accumulate_chunk::<V, O, 8>(a, o, d),
-                _ => accumulate_chunk::<V, O, 4>(a, o, d),
+                16 => accumulate_chunk::<V, O, 16, GATED>(a, o, d),
+                8 => accumulate_chunk::<V, O, 8, GATED>(a, o, d),
+                4 => accumulate_chunk::<V, O, 4, GATED>(a, o, d),
+                _ => accumulate_chunk::<V, O, 2, GATED>(a, o, d),
             }
             d += chunk * w;
         }
         if chunk > 8 && d + 8 * w <= a.n {
-            accumulate_chunk::<V, O, 8>(a, o, d);
+            accumulate_chunk::<V, O, 8, GATED>(a, o, d);
             d += 8 * w;
         }
         if chunk > 4 && d + 4 * w <= a.n {
-            accumulate_chunk::<V, O, 4>(a, o, d);
+            accumulate_chunk::<V, O, 4, GATED>(a, o, d);
             d += 4 * w;
         }
         if chunk > 2 && d + 2 * w <= a.n {
-            accumulate_chunk::<V, O, 2>(a, o, d);
+            accumulate_chunk::<V, O, 2, GATED>(a, o, d);
             d += 2 * w;
         }
         if chunk > 1 && d + w <= a.n {
-            accumulate_chunk::<V, O, 1>(a, o, d);
+            accumulate_chunk::<V, O, 1, GATED>(a, o, d);
             d += w;
         }
         if d < a.n {
@@ -285,22 +311,47 @@ unsafe fn accumulate_columns<V: Vector, const O: usize>(a: &Accumulation, o: usi
     }
 }
 
-/// See [`Accumulation`]: outputs in pairs (each x load serving two), then the last one alone.
+/// Ungated (not GATED): blocks of STRIP_ROWS outputs x strip_vectors vectors first. Then (every
+/// output when GATED) outputs in pairs, each x load serving two, and the last one alone.
 ///
 /// # Safety
-/// The CPU supports V's instruction set; y holds outputs rows of y_stride (>= n) floats, coef
-/// and gate every index the terms and outputs reach, x terms rows of x_stride (>= n) floats.
+/// As [`accumulate`], with gate not null when GATED.
 #[inline(always)]
-pub unsafe fn accumulate<V: Vector>(a: &Accumulation) {
+unsafe fn accumulate_outputs<V: Vector, const GATED: bool>(a: &Accumulation) {
+    // the gated chunks' vectors: 16 accumulators with 32 registers (AVX-512), 8 with 16
+    let accumulators = if V::WIDTH >= 16 { 16 } else { 8 };
     let mut o = 0;
     // SAFETY: forwarded; o + the outputs of each call <= outputs.
     unsafe {
+        if !GATED {
+            while o + STRIP_ROWS <= a.outputs {
+                accumulate_columns::<V, STRIP_ROWS, false>(a, o, strip_vectors::<V>());
+                o += STRIP_ROWS;
+            }
+        }
         while o + 2 <= a.outputs {
-            accumulate_columns::<V, 2>(a, o);
+            accumulate_columns::<V, 2, GATED>(a, o, accumulators / 2);
             o += 2;
         }
         if o < a.outputs {
-            accumulate_columns::<V, 1>(a, o);
+            accumulate_columns::<V, 1, GATED>(a, o, accumulators);
+        }
+    }
+}
+
+/// See [`Accumulation`]: accumulate_outputs, gated unless gate is null.
+///
+/// # Safety
+/// The CPU supports V's instruction set; y holds outputs rows of y_stride (>= n) floats, coef
+/// and gate (when not null) every index the terms and outputs reach, x terms rows of x_stride
+/// (>= n) floats.
+#[inline(always)]
+pub unsafe fn accumulate<V: Vector>(a: &Accumulation) {
+    // SAFETY: forwarded.
+    unsafe {
+        match a.gate.is_null() {
+            true => accumulate_outputs::<V, false>(a),
+            false => accumulate_outputs::<V, true>(a),
         }
     }
 }

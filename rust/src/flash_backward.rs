@@ -12,6 +12,8 @@
 //! position i = r / G of query head h = kv_head * G + r % G, so one pass over a group's packed
 //! rows sums dK and dV over its G query heads without copying K or V.
 //!
+//!   0. K, K^T and V^T of every (b, kv_head) in float32, packed once per call (the keys a
+//!      pass reads: below kv_lens[b]) and shared read-only by every item of passes 2 and 3.
 //!   1. Drow = rowsum(dO * O) of every query row (float32, into a (B, Hq, Lq) buffer); dsinks.
 //!   2. dK, dV: items (b, kv_head, key block of BACKWARD_KEY_BLOCK keys), each owning its dk and
 //!      dv rows. For every query tile (Q_TILE_ROWS packed rows) that sees the block: S
@@ -57,6 +59,42 @@ use crate::thread_pool::parallel_for;
 type V = VecScalar;
 const W: usize = V::WIDTH;
 
+/// float32 storage grown on demand whose slice starts a 64-byte line (so no vector load of a
+/// panel straddles two), kept for its owner's life.
+#[derive(Default)]
+struct AlignedFloats {
+    buffer: Vec<f32>,
+}
+
+impl AlignedFloats {
+    fn ensure(&mut self, count: usize) -> Result<&mut [f32], ProblemError> {
+        const LINE: usize = 64 / std::mem::size_of::<f32>();
+        if self.buffer.len() < count + LINE {
+            self.buffer = try_filled(count + LINE, 0.0f32)?;
+        }
+        let offset = self.buffer.as_ptr().align_offset(64);
+        Ok(&mut self.buffer[offset..offset + count])
+    }
+}
+
+/// Pass 0's packed keys of one call, for (b, kv_head) head = b * Hkv + kv_head and its key block
+/// kb (BACKWARD_KEY_BLOCK keys from kb * BACKWARD_KEY_BLOCK), block = head * key_blocks + kb:
+///
+/// ```text
+/// keys         (BACKWARD_KEY_BLOCK, D) at block * BACKWARD_KEY_BLOCK * D     K rows (dQ += dS K)
+/// key_panels   (D, BACKWARD_KEY_BLOCK) at block * D * BACKWARD_KEY_BLOCK     K^T (S = Q K^T)
+/// value_panels (Dv, BACKWARD_KEY_BLOCK) at block * Dv * BACKWARD_KEY_BLOCK   V^T (dP = dO V^T)
+/// ```
+///
+/// Keys at or past kv_lens[b] are 0 (never read from k or v).
+struct PackedKeys {
+    keys: *mut f32,
+    key_panels: *mut f32,
+    value_panels: *mut f32,
+    /// per head: Lk / BACKWARD_KEY_BLOCK rounded up
+    key_blocks: usize,
+}
+
 /// What the items of one call share.
 struct BackwardPlan<'p, 'a> {
     problem: &'p BackwardProblem<'a>,
@@ -66,11 +104,64 @@ struct BackwardPlan<'p, 'a> {
     row_delta: *const f32,
     /// the inner products, of the instruction set in use (backward_kernel.rs)
     kernels: BackwardKernels,
+    /// pass 0's keys
+    packed: PackedKeys,
 }
 
-// SAFETY: the plan is read-only while the items run; they write disjoint gradient rows. (Raw
-// pointers are neither Send nor Sync in Rust; C++ has no such rule.)
+// SAFETY: the plan is read-only while the items run; they write disjoint gradient rows (and
+// pass 0 disjoint heads of the packed keys). (Raw pointers are neither Send nor Sync in Rust;
+// C++ has no such rule.)
 unsafe impl Sync for BackwardPlan<'_, '_> {}
+
+/// One key block of the packed keys: its K rows, K^T and V^T.
+struct KeyBlock {
+    keys: *mut f32,
+    key_panel: *mut f32,
+    value_panel: *mut f32,
+}
+
+/// Key block key_block (a multiple of BACKWARD_KEY_BLOCK) of (b, kv_head) in the packed keys.
+///
+/// # Safety
+/// (b, kv_head, key_block) is a key block of the plan's packed keys.
+#[inline(always)]
+unsafe fn key_block_at(
+    plan: &BackwardPlan,
+    b: usize,
+    kv_head: usize,
+    key_block: usize,
+) -> KeyBlock {
+    let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
+    let kv_heads = plan.problem.forward.k.shape[1] as usize;
+    let block = (b * kv_heads + kv_head) * plan.packed.key_blocks + key_block / BACKWARD_KEY_BLOCK;
+    // SAFETY: forwarded; the packed keys hold every block of every head.
+    unsafe {
+        KeyBlock {
+            keys: plan.packed.keys.add(block * BACKWARD_KEY_BLOCK * head_dim),
+            key_panel: plan
+                .packed
+                .key_panels
+                .add(block * head_dim * BACKWARD_KEY_BLOCK),
+            value_panel: plan
+                .packed
+                .value_panels
+                .add(block * value_dim * BACKWARD_KEY_BLOCK),
+        }
+    }
+}
+
+/// The calling thread's packed keys (thread-local: concurrent callers never share them), reused
+/// across calls so that a call does not fault its pages in again.
+#[derive(Default)]
+struct CallerBuffers {
+    keys: AlignedFloats,
+    key_panels: AlignedFloats,
+    value_panels: AlignedFloats,
+}
+
+thread_local! {
+    static CALLER_BUFFERS: RefCell<CallerBuffers> = RefCell::new(CallerBuffers::default());
+}
 
 /// One thread's tiles (grown on demand, kept for the thread's life):
 ///
@@ -79,8 +170,6 @@ unsafe impl Sync for BackwardPlan<'_, '_> {}
 /// dout_rows (Q_TILE_ROWS, Dv)        dO
 /// row_delta, row_lse (Q_TILE_ROWS)   Drow and lse * log2(e) of the tile's rows
 /// row_key_begin, row_key_end         each row's visible key range
-/// keys (BACKWARD_KEY_BLOCK, D)      the block's K in float32 (dQ)
-/// key_panel (D, BACKWARD_KEY_BLOCK), value_panel (Dv, BACKWARD_KEY_BLOCK): K^T and V^T (S, dP)
 /// scores, capped, grads (Q_TILE_ROWS, KEY_BLOCK): S then P; tanh of the softcap; scale * dS
 /// key_grad, value_grad (BACKWARD_KEY_BLOCK, D / Dv), query_grad (Q_TILE_ROWS, D): float32 sums
 /// ```
@@ -91,9 +180,6 @@ struct BackwardScratch {
     dout_rows: Vec<f32>,
     row_delta: Vec<f32>,
     row_lse: Vec<f32>,
-    keys: Vec<f32>,
-    key_panel: Vec<f32>,
-    value_panel: Vec<f32>,
     scores: Vec<f32>,
     capped: Vec<f32>,
     grads: Vec<f32>,
@@ -117,9 +203,6 @@ impl BackwardScratch {
         grow(&mut self.dout_rows, Q_TILE_ROWS * value_dim)?;
         grow(&mut self.row_delta, Q_TILE_ROWS)?;
         grow(&mut self.row_lse, Q_TILE_ROWS)?;
-        grow(&mut self.keys, BACKWARD_KEY_BLOCK * head_dim)?;
-        grow(&mut self.key_panel, head_dim * BACKWARD_KEY_BLOCK)?;
-        grow(&mut self.value_panel, value_dim * BACKWARD_KEY_BLOCK)?;
         grow(&mut self.scores, Q_TILE_ROWS * KEY_BLOCK)?;
         grow(&mut self.capped, Q_TILE_ROWS * KEY_BLOCK)?;
         grow(&mut self.grads, Q_TILE_ROWS * KEY_BLOCK)?;
@@ -326,53 +409,56 @@ unsafe fn load_tile<T: Element>(
     }
 }
 
-/// Keys [key_block, key_block + n) of (b, kv_head) in float32: K rows, and the K^T and V^T
-/// panels, their columns from n to n rounded up to KEY_PANEL zero.
+/// Pass 0: the keys of (b, kv_head) into the packed keys ([`PackedKeys`]): keys below
+/// kv_lens[b] converted to float32, the rest of the head's blocks 0.
 ///
 /// # Safety
-/// As [`row_deltas`]; the keys are inside k and v.
-unsafe fn load_keys<T: Element>(
-    bp: &BackwardProblem,
-    b: usize,
-    kv_head: usize,
-    key_block: usize,
-    n: usize,
-    s: &mut BackwardScratch,
-) {
-    let p = &bp.forward;
-    let (head_dim, value_dim) = (p.k.shape[3] as usize, p.v.shape[3] as usize);
-    for j in 0..n {
-        // SAFETY: forwarded; k and v rows hold D and Dv elements.
+/// As [`row_deltas`]; no other thread touches this head's packed keys meanwhile.
+unsafe fn pack_keys<T: Element>(plan: &BackwardPlan, b: usize, kv_head: usize) {
+    let p = &plan.problem.forward;
+    let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
+    const KB: usize = BACKWARD_KEY_BLOCK;
+    for key_block in (0..plan.packed.key_blocks * KB).step_by(KB) {
+        // SAFETY: forwarded; the block's parts hold KB * D, D * KB and Dv * KB floats, and the
+        // keys below kv_lens[b] <= Lk are inside k and v, whose rows hold D and Dv elements.
         unsafe {
-            let k = view_row::<T>(p.k.data, &p.k.stride, b, kv_head, key_block + j);
-            for d in 0..head_dim {
-                let x = (*k.add(d)).to_f32();
-                s.keys[j * head_dim + d] = x;
-                s.key_panel[d * BACKWARD_KEY_BLOCK + j] = x;
+            let block = key_block_at(plan, b, kv_head, key_block);
+            let keys = std::slice::from_raw_parts_mut(block.keys, KB * head_dim);
+            let key_panel = std::slice::from_raw_parts_mut(block.key_panel, head_dim * KB);
+            let value_panel = std::slice::from_raw_parts_mut(block.value_panel, value_dim * KB);
+            let n = (p.kv_lens[b] as usize).saturating_sub(key_block).min(KB);
+            for j in 0..n {
+                let k = view_row::<T>(p.k.data, &p.k.stride, b, kv_head, key_block + j);
+                for d in 0..head_dim {
+                    let x = (*k.add(d)).to_f32();
+                    keys[j * head_dim + d] = x;
+                    key_panel[d * KB + j] = x;
+                }
+                let v = view_row::<T>(p.v.data, &p.v.stride, b, kv_head, key_block + j);
+                for c in 0..value_dim {
+                    value_panel[c * KB + j] = (*v.add(c)).to_f32();
+                }
             }
-            let v = view_row::<T>(p.v.data, &p.v.stride, b, kv_head, key_block + j);
+            keys[n * head_dim..].fill(0.0);
+            for d in 0..head_dim {
+                key_panel[d * KB + n..(d + 1) * KB].fill(0.0);
+            }
             for c in 0..value_dim {
-                s.value_panel[c * BACKWARD_KEY_BLOCK + j] = (*v.add(c)).to_f32();
+                value_panel[c * KB + n..(c + 1) * KB].fill(0.0);
             }
         }
     }
-    let n_padded = n.div_ceil(KEY_PANEL) * KEY_PANEL;
-    for d in 0..head_dim {
-        s.key_panel[d * BACKWARD_KEY_BLOCK + n..d * BACKWARD_KEY_BLOCK + n_padded].fill(0.0);
-    }
-    for c in 0..value_dim {
-        s.value_panel[c * BACKWARD_KEY_BLOCK + n..c * BACKWARD_KEY_BLOCK + n_padded].fill(0.0);
-    }
 }
 
-/// P and scale * dS of the tile's rows against the n loaded keys from key_block: s.scores (P)
-/// and s.grads, rows of stride KEY_BLOCK (as the forward's mask_block reads them), S and dP by
-/// the kernels' panel products over n rounded up to KEY_PANEL keys. A hidden key has P = 0 and
-/// dS = 0, and its dP is never used (no 0 * NaN from it); a row with no legal key (lse = -inf)
-/// is all zeros.
+/// P and scale * dS of the tile's rows against the n keys of the packed block from key_block:
+/// s.scores (P) and s.grads, rows of stride KEY_BLOCK (as the forward's mask_block reads them),
+/// S and dP by the kernels' panel products over n rounded up to KEY_PANEL keys. A hidden key has
+/// P = 0 and dS = 0, and its dP is never used (no 0 * NaN from it); a row with no legal key
+/// (lse = -inf) is all zeros. Returns the gate of the accumulations: null when no P of the rows
+/// x n is 0 (every term then counts: the kernels' ungated blocks), else s.scores.
 ///
 /// # Safety
-/// As [`load_tile`], after load_tile and load_keys of these rows and keys.
+/// As [`load_tile`], after load_tile of these rows and pass 0.
 unsafe fn tile_gradients(
     plan: &BackwardPlan,
     tile: &WorkItem,
@@ -380,17 +466,19 @@ unsafe fn tile_gradients(
     key_block: usize,
     n: usize,
     s: &mut BackwardScratch,
-) {
+) -> *const f32 {
     let fp = &plan.flash;
     let (head_dim, value_dim) = (fp.head_dim, fp.value_dim);
     let n_padded = n.div_ceil(KEY_PANEL) * KEY_PANEL;
+    // SAFETY: forwarded.
+    let block = unsafe { key_block_at(plan, tile.b, tile.kv_head, key_block) };
     // (a) S = (Q times the multiplier) K^T, in base 2; softcap: t = tanh(S) kept, S = t softcap log2 e.
-    let product = |a: &[f32], depth: usize, panel: &[f32], out: &mut [f32]| {
+    let product = |a: &[f32], depth: usize, panel: *const f32, out: &mut [f32]| {
         let product = PanelProduct {
             a: a.as_ptr(),
             rows,
             depth,
-            panel: panel.as_ptr(),
+            panel,
             panel_stride: BACKWARD_KEY_BLOCK,
             n: n_padded,
             out: out.as_mut_ptr(),
@@ -401,8 +489,8 @@ unsafe fn tile_gradients(
         // kernels this CPU runs.
         unsafe { (plan.kernels.panel_product)(&product) };
     };
-    product(&s.q_tile, head_dim, &s.key_panel, &mut s.scores);
-    product(&s.dout_rows, value_dim, &s.value_panel, &mut s.grads);
+    product(&s.q_tile, head_dim, block.key_panel, &mut s.scores);
+    product(&s.dout_rows, value_dim, block.value_panel, &mut s.grads);
     for r in 0..rows {
         let row = &mut s.scores[r * KEY_BLOCK..(r + 1) * KEY_BLOCK];
         row[n..n_padded].fill(0.0);
@@ -446,12 +534,15 @@ unsafe fn tile_gradients(
     // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale (the
     // kernels' row_gradients, over the n_padded keys).
     let scale = plan.problem.forward.scale;
+    // P of the rows x n that are 0 (counted, not tested: the loop vectorises)
+    let mut zeros = 0usize;
     for r in 0..rows {
         let row = r * KEY_BLOCK..r * KEY_BLOCK + n_padded;
         if s.row_lse[r] == f32::NEG_INFINITY {
             // no legal key: P = 0 and dS = 0
             s.scores[row.clone()].fill(0.0);
             s.grads[row].fill(0.0);
+            zeros += n;
             continue;
         }
         let capped = match fp.has_softcap {
@@ -470,6 +561,13 @@ unsafe fn tile_gradients(
         // SAFETY: n_padded <= KEY_BLOCK floats of the row in scores, grads and capped; the
         // dispatcher hands out only kernels this CPU runs.
         unsafe { (plan.kernels.row_gradients)(&gradients) };
+        for &prob in &s.scores[row.start..row.start + n] {
+            zeros += usize::from(prob == 0.0);
+        }
+    }
+    match zeros {
+        0 => std::ptr::null(),
+        _ => s.scores.as_ptr(),
     }
 }
 
@@ -493,11 +591,8 @@ unsafe fn key_block_gradients<T: Element>(
     let visible = (p.kv_lens[b] as usize).saturating_sub(key_block).min(n);
     s.key_grad[..n * head_dim].fill(0.0);
     s.value_grad[..n * value_dim].fill(0.0);
-    // SAFETY: forwarded; the keys below key_block + visible <= kv_lens[b] <= Lk are inside k, v.
+    // SAFETY: forwarded.
     unsafe {
-        if visible > 0 {
-            load_keys::<T>(bp, b, kv_head, key_block, visible, s);
-        }
         let rows_per_group = plan.flash.rows_per_group;
         let mut row_begin = 0;
         while visible > 0 && row_begin < rows_per_group {
@@ -522,7 +617,7 @@ unsafe fn key_block_gradients<T: Element>(
             };
             let rows = row_end - tile_begin;
             load_tile::<T>(plan, &tile, rows, s);
-            tile_gradients(plan, &tile, rows, key_block, visible, s);
+            let gate = tile_gradients(plan, &tile, rows, key_block, visible, s);
             // Key j's rows: dV += P[., j]^T dO, dK += dS[., j]^T Q, over the tile's rows in order.
             let key_rows = |y: &mut [f32], width: usize, coef: &[f32], x: &[f32]| Accumulation {
                 y: y.as_mut_ptr(),
@@ -530,7 +625,7 @@ unsafe fn key_block_gradients<T: Element>(
                 outputs: visible,
                 n: width,
                 coef: coef.as_ptr(),
-                gate: s.scores.as_ptr(),
+                gate,
                 coef_stride: KEY_BLOCK,
                 output_stride: 1,
                 x: x.as_ptr(),
@@ -578,7 +673,7 @@ unsafe fn query_tile_gradients<T: Element>(
     let p = &bp.forward;
     let (group, head_dim) = (plan.flash.group, plan.flash.head_dim);
     let rows = tile.row_end - tile.row_begin;
-    // SAFETY: forwarded; the keys below the last row's visible end are inside k and v.
+    // SAFETY: forwarded.
     unsafe {
         load_tile::<T>(plan, tile, rows, s);
         s.query_grad[..rows * head_dim].fill(0.0);
@@ -587,8 +682,7 @@ unsafe fn query_tile_gradients<T: Element>(
         let mut key_block = first_key / BACKWARD_KEY_BLOCK * BACKWARD_KEY_BLOCK;
         while key_block < last_key {
             let n = BACKWARD_KEY_BLOCK.min(last_key - key_block);
-            load_keys::<T>(bp, tile.b, tile.kv_head, key_block, n, s);
-            tile_gradients(plan, tile, rows, key_block, n, s);
+            let gate = tile_gradients(plan, tile, rows, key_block, n, s);
             // Row r: dQ += dS[r, .] K, over the block's keys in order.
             let query_rows = Accumulation {
                 y: s.query_grad.as_mut_ptr(),
@@ -596,10 +690,10 @@ unsafe fn query_tile_gradients<T: Element>(
                 outputs: rows,
                 n: head_dim,
                 coef: s.grads.as_ptr(),
-                gate: s.scores.as_ptr(),
+                gate,
                 coef_stride: 1,
                 output_stride: KEY_BLOCK,
-                x: s.keys.as_ptr(),
+                x: key_block_at(plan, tile.b, tile.kv_head, key_block).keys,
                 x_stride: head_dim,
                 terms: n,
             };
@@ -656,14 +750,51 @@ unsafe fn backward_passes<T: Element>(
         return Ok(()); // then Hq = 0 too (check_problem): no gradient left to write
     }
 
-    let plan = BackwardPlan {
-        problem: bp,
-        flash: flash_plan(p),
-        row_delta: delta.as_ptr(),
-        kernels,
-    };
-    // 2. dK, dV.
+    // 0. The packed keys.
     let key_blocks = k_len.div_ceil(BACKWARD_KEY_BLOCK);
+    let packed_keys = batch * kv_heads * key_blocks * BACKWARD_KEY_BLOCK;
+    with_thread_buffers(&CALLER_BUFFERS, |buffers: &mut CallerBuffers| {
+        let packed = PackedKeys {
+            keys: buffers.keys.ensure(packed_keys * head_dim)?.as_mut_ptr(),
+            key_panels: buffers
+                .key_panels
+                .ensure(packed_keys * head_dim)?
+                .as_mut_ptr(),
+            value_panels: buffers
+                .value_panels
+                .ensure(packed_keys * value_dim)?
+                .as_mut_ptr(),
+            key_blocks,
+        };
+        let plan = BackwardPlan {
+            problem: bp,
+            flash: flash_plan(p),
+            row_delta: delta.as_ptr(),
+            kernels,
+            packed,
+        };
+        for_each_item(batch * kv_heads, threads, head_dim, value_dim, |head, _| {
+            // SAFETY: item `head` packs only its own head's blocks; the problem is checked.
+            unsafe { pack_keys::<T>(&plan, head / kv_heads, head % kv_heads) }
+        })?;
+        // SAFETY: forwarded.
+        unsafe { gradient_passes::<T>(&plan, threads) }
+    })
+}
+
+/// Passes 2 and 3, after passes 0 and 1.
+///
+/// # Safety
+/// As [`backward_passes`], with the plan's packed keys written.
+unsafe fn gradient_passes<T: Element>(
+    plan: &BackwardPlan,
+    threads: usize,
+) -> Result<(), ProblemError> {
+    let p = &plan.problem.forward;
+    let [batch, _, _, head_dim] = p.q.shape.map(|n| n as usize);
+    let (kv_heads, value_dim) = (p.k.shape[1] as usize, p.v.shape[3] as usize);
+    let key_blocks = plan.packed.key_blocks;
+    // 2. dK, dV.
     for_each_item(
         batch * kv_heads * key_blocks,
         threads,
@@ -674,7 +805,7 @@ unsafe fn backward_passes<T: Element>(
             let key_block = index % key_blocks * BACKWARD_KEY_BLOCK;
             // SAFETY: item (b, kv_head, key block) owns its keys' dk and dv rows.
             unsafe {
-                key_block_gradients::<T>(&plan, head / kv_heads, head % kv_heads, key_block, s)
+                key_block_gradients::<T>(plan, head / kv_heads, head % kv_heads, key_block, s)
             };
         },
     )?;
@@ -698,7 +829,7 @@ unsafe fn backward_passes<T: Element>(
                 partial_slot: None,
             };
             // SAFETY: item (b, kv_head, tile) owns the tile's dq rows.
-            unsafe { query_tile_gradients::<T>(&plan, &tile, s) };
+            unsafe { query_tile_gradients::<T>(plan, &tile, s) };
         },
     )
 }
