@@ -509,6 +509,7 @@ unsafe fn attend_rows(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch) {
                     value_stride,
                     value_dim,
                     s.rescale,
+                    None,
                 );
             } else {
                 round_probs(s.scores, rows, n_padded, s.probs_pairs);
