@@ -590,6 +590,7 @@ py::dict build_info() {
     constants["pool_spin_microseconds"] = kPoolSpinMicroseconds;
     constants["serial_work"] = kSerialWork;
     constants["direct_score_rows"] = kDirectScoreRows;
+    constants["decode_prefetch_bytes"] = kDecodePrefetchBytes;
     constants["backward_key_block"] = kBackwardKeyBlock;
     constants["avx512_score_vectors"] = kAvx512ScoreVectors;
     constants["avx512_value_vectors"] = kAvx512ValueVectors;

@@ -173,7 +173,7 @@ struct ScratchBuffers {
         s.probs_pairs = bf16_pairs ? probs_pairs.ensure(kQTileRows * kKeyBlock / 2) : nullptr;
         s.key_scales = key_scales.ensure(kKeyBlock);
         s.value_scales = value_scales.ensure(kKeyBlock);
-        s.key_rows = key_rows.ensure(kKeyBlock);
+        s.key_rows = key_rows.ensure(2 * kKeyBlock);  // the block's, then the next block's (read-ahead)
         s.value_rows = value_rows.ensure(kKeyBlock);
         return s;
     }

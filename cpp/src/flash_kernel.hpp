@@ -89,7 +89,9 @@ struct ThreadScratch {
     // int8 K/V: the current block's k_scale and v_scale (kKeyBlock each; 0 past the block's keys).
     float* key_scales;
     float* value_scales;
-    // The current block's K and V rows (kKeyBlock each, flash_key_rows): dense or paged alike.
+    // The current block's K and V rows (kKeyBlock each, flash_key_rows): dense or paged alike;
+    // key_rows has room for kKeyBlock more, the next block's first rows (the direct path's
+    // prefetch, step 6).
     const void** key_rows;
     const void** value_rows;
 };
@@ -323,15 +325,54 @@ struct Kernel {
         }
     }
 
+    // ---- Prefetch (the direct split-key path, docs/kernels.md step 6) ------------------------
+    // An item reads, per key block, its n K rows (scores), then its n V rows (P.V), then the next
+    // block's K rows: one read order. Reading position m of it, the kernel prefetches position
+    // m + lookahead (kDecodePrefetchBytes of K rows ahead), so that memory streams while the FMAs
+    // run: the hardware prefetcher alone left the two taking turns.
+    struct ReadAhead {
+        const void* const* key_rows;    // the block's n K rows, then the next block's, up to key_rows_end
+        const void* const* value_rows;  // the block's n V rows
+        int64_t n, key_rows_end, lookahead, key_bytes, value_bytes;
+    };
+
+    // One cache line into L1. An asm statement: GCC deletes a __builtin_prefetch (or
+    // _mm_prefetch) in a loop that it inlines into these kernels as an effect-free loop.
+    static void prefetch_line(const char* line) {
+#if defined(__x86_64__) || defined(__i386__)
+        asm volatile("prefetcht0 (%0)" : : "r"(line));
+#elif defined(__aarch64__)
+        asm volatile("prfm pldl1keep, [%0]" : : "r"(line));
+#else
+        (void)line;
+#endif
+    }
+
+    static void prefetch_row(const void* row, int64_t bytes) {
+        const char* line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63});
+        const char* const end = static_cast<const char*>(row) + bytes;
+        for (; line < end; line += 64) prefetch_line(line);
+    }
+
+    // Prefetches position m of the read order (nothing past the item's keys).
+    static void prefetch_position(const ReadAhead& ahead, int64_t m) {
+        if (m < ahead.n)
+            prefetch_row(ahead.key_rows[m], ahead.key_bytes);
+        else if (m < 2 * ahead.n)
+            prefetch_row(ahead.value_rows[m - ahead.n], ahead.value_bytes);
+        else if (m - ahead.n < ahead.key_rows_end)
+            prefetch_row(ahead.key_rows[m - ahead.n], ahead.key_bytes);
+    }
+
     // ---- 3a'. Direct S (split-key groups of at most kDirectScoreRows rows, docs step 6) ------
     // K is read in place (its rows are contiguous): no K^T panel. One batch of four keys k[0..3]
     // against R rows of q: one accumulator per (row, key), then each row's four accumulators
-    // reduced to one vector by V::reduce4, into y[r * y_stride]. Each key's row is read whole,
-    // W floats at a time (the last chunk a masked tail load of q and k: lanes past D are 0 and
-    // never read), before the next key's: the loads then walk K strictly forward, which the
-    // hardware prefetcher follows while the FMAs run. (Loading chunk d of all four keys together
-    // reuses each q chunk four times but interleaves four rows; measured at 32k keys on one
-    // thread that stalls on memory: 22 ms against 13.5-14 ms with whole rows, 1.6x slower.)
+    // reduced to one vector by V::reduce4, into y[r * y_stride]. D is walked W floats at a time
+    // (the last chunk a masked tail load of q and k: lanes past D are 0 and never read), chunk d
+    // of the four keys together, so each q chunk is loaded once for four keys; every
+    // accumulator still sums over D in order. (With no software prefetch this interleaving
+    // stalled on memory, 22 ms against 13.5-14 ms for whole rows one key after another at 32k
+    // keys on one thread; with the read-ahead above it is the faster order.)
     template <int R>
     static void direct_batch(const float* q, int64_t D, const KV* const k[4], Reg* y,
                              int64_t y_stride) {
@@ -340,21 +381,28 @@ struct Kernel {
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
             for (int t = 0; t < 4; ++t) acc[r][t] = V::zero();
+        int64_t d = 0;
+        for (; d + W <= D; d += W) {
+            Reg key_d[4];
 #pragma GCC unroll 4
-        for (int t = 0; t < 4; ++t) {
-            const KV* key = k[t];
-            int64_t d = 0;
-            for (; d + W <= D; d += W) {
-                const Reg key_d = V::load_as_f32(key + d);
+            for (int t = 0; t < 4; ++t) key_d[t] = V::load_as_f32(k[t] + d);
 #pragma GCC unroll 8
-                for (int r = 0; r < R; ++r) acc[r][t] = V::fma(V::load(q + r * D + d), key_d, acc[r][t]);
+            for (int r = 0; r < R; ++r) {
+                const Reg q_rd = V::load(q + r * D + d);
+#pragma GCC unroll 4
+                for (int t = 0; t < 4; ++t) acc[r][t] = V::fma(q_rd, key_d[t], acc[r][t]);
             }
-            if (d < D) {
-                const int64_t tail = D - d;
-                const Reg key_d = V::load_tail_as_f32(key + d, tail);
+        }
+        if (d < D) {
+            const int64_t tail = D - d;
+            Reg key_d[4];
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; ++t) key_d[t] = V::load_tail_as_f32(k[t] + d, tail);
 #pragma GCC unroll 8
-                for (int r = 0; r < R; ++r)
-                    acc[r][t] = V::fma(V::load_tail(q + r * D + d, tail), key_d, acc[r][t]);
+            for (int r = 0; r < R; ++r) {
+                const Reg q_rd = V::load_tail(q + r * D + d, tail);
+#pragma GCC unroll 4
+                for (int t = 0; t < 4; ++t) acc[r][t] = V::fma(q_rd, key_d[t], acc[r][t]);
             }
         }
 #pragma GCC unroll 8
@@ -365,10 +413,11 @@ struct Kernel {
     // V::fold_groups into W scores. A key at or past n (past the block's end) is never read: a
     // batch wholly past n is 0, a key past n inside a batch reuses key n - 1; both scores are
     // overwritten with -inf before the softmax. int8: each score is then acc * k_scale (one
-    // multiply per (row, key); key_scales is the block's, 0 past n).
+    // multiply per (row, key); key_scales is the block's, 0 past n). ahead (the first strip
+    // only, else nullptr): each batch prefetches its four positions plus the lookahead.
     template <int R>
     static void direct_strip(const float* q, int64_t D, const void* const* k_rows, int64_t j0, int64_t n,
-                             const float* key_scales, float* scores) {
+                             const float* key_scales, float* scores, const ReadAhead* ahead) {
         constexpr int64_t kBatches = W / 4;
         Reg y[R][kBatches];
         for (int64_t b = 0; b < kBatches; ++b) {
@@ -381,6 +430,8 @@ struct Kernel {
             const KV* k[4];
 #pragma GCC unroll 4
             for (int t = 0; t < 4; ++t) k[t] = static_cast<const KV*>(k_rows[first + t < n ? first + t : n - 1]);
+            if (ahead != nullptr)
+                for (int64_t t = 0; t < 4; ++t) prefetch_position(*ahead, first + t + ahead->lookahead);
             direct_batch<R>(q, D, k, &y[0][b], kBatches);
         }
 #pragma GCC unroll 8
@@ -395,20 +446,21 @@ struct Kernel {
     // S for all rows (<= kDirectScoreRows) against the block's n keys read in place: groups of
     // W keys, each in strips of V::kDirectStripRows rows (the last strip as many as remain).
     static void direct_block_scores(const float* q_tile, int64_t D, int64_t rows, const void* const* k_rows,
-                                    int64_t n, const float* key_scales, float* scores) {
+                                    int64_t n, const float* key_scales, float* scores, const ReadAhead& ahead) {
         constexpr int64_t SR = V::kDirectStripRows;
         static_assert(SR >= 1 && SR <= 6, "the switch below lists the strip heights 1..6");
         for (int64_t j0 = 0; j0 < n; j0 += W) {
             for (int64_t r = 0; r < rows; r += SR) {
                 const float* q = q_tile + r * D;
                 float* s = scores + r * kKeyBlock;
+                const ReadAhead* first_strip = r == 0 ? &ahead : nullptr;
                 switch (rows - r < SR ? rows - r : SR) {
-                    case 1: direct_strip<1>(q, D, k_rows, j0, n, key_scales, s); break;
-                    case 2: direct_strip<2>(q, D, k_rows, j0, n, key_scales, s); break;
-                    case 3: direct_strip<(SR >= 3 ? 3 : 1)>(q, D, k_rows, j0, n, key_scales, s); break;
-                    case 4: direct_strip<(SR >= 4 ? 4 : 1)>(q, D, k_rows, j0, n, key_scales, s); break;
-                    case 5: direct_strip<(SR >= 5 ? 5 : 1)>(q, D, k_rows, j0, n, key_scales, s); break;
-                    default: direct_strip<(SR >= 6 ? 6 : 1)>(q, D, k_rows, j0, n, key_scales, s); break;
+                    case 1: direct_strip<1>(q, D, k_rows, j0, n, key_scales, s, first_strip); break;
+                    case 2: direct_strip<2>(q, D, k_rows, j0, n, key_scales, s, first_strip); break;
+                    case 3: direct_strip<(SR >= 3 ? 3 : 1)>(q, D, k_rows, j0, n, key_scales, s, first_strip); break;
+                    case 4: direct_strip<(SR >= 4 ? 4 : 1)>(q, D, k_rows, j0, n, key_scales, s, first_strip); break;
+                    case 5: direct_strip<(SR >= 5 ? 5 : 1)>(q, D, k_rows, j0, n, key_scales, s, first_strip); break;
+                    default: direct_strip<(SR >= 6 ? 6 : 1)>(q, D, k_rows, j0, n, key_scales, s, first_strip); break;
                 }
             }
         }
@@ -416,11 +468,13 @@ struct Kernel {
 
     // ---- 3d. O = alpha O + P V: R (<= kMicroRows) rows x NV vectors of value columns -----------------
     // kTail: the last vector holds only `tail` columns. kSafe: a row whose p is 0 (a hidden key)
-    // skips the key, so a NaN in a hidden value never enters (0 * NaN = NaN).
+    // skips the key, so a NaN in a hidden value never enters (0 * NaN = NaN). ahead (the direct
+    // path's first strip and column block, else nullptr): key j prefetches position n + j plus
+    // the lookahead of the read order.
     template <int R, int NV, bool kTail, bool kSafe>
     static void value_micro(const float* probs, int64_t n, const void* const* v_rows, int64_t column,
                             float* out, int64_t out_stride, const float* rescale, bool do_rescale,
-                            int64_t tail) {
+                            int64_t tail, const ReadAhead* ahead) {
         Reg acc[R][NV] = {};  // (= {}: silences a false -Wuninitialized)
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
@@ -432,6 +486,7 @@ struct Kernel {
             }
         }
         for (int64_t key = 0; key < n; ++key) {
+            if (ahead != nullptr) prefetch_position(*ahead, ahead->n + key + ahead->lookahead);
             const KV* v_row = static_cast<const KV*>(v_rows[key]) + column;
             Reg values[NV];
 #pragma GCC unroll 4
@@ -470,36 +525,39 @@ struct Kernel {
     // then the masked tail.
     template <int R, bool kSafe>
     static void strip_values(const float* probs, int64_t n, const void* const* v_rows, float* out,
-                             int64_t out_stride, int64_t Dv, const float* rescale) {
+                             int64_t out_stride, int64_t Dv, const float* rescale, const ReadAhead* ahead) {
         constexpr int NV = V::kValueVectors;
         bool do_rescale = false;
         for (int s = 0; s < R; ++s) do_rescale |= rescale[s] != 1.0f;
         int64_t c = 0;
         for (; c + NV * W <= Dv; c += NV * W)
             value_micro<R, NV, false, kSafe>(probs, n, v_rows, c, out + c, out_stride,
-                                             rescale, do_rescale, 0);
+                                             rescale, do_rescale, 0, c == 0 ? ahead : nullptr);
         for (; c + W <= Dv; c += W)
             value_micro<R, 1, false, kSafe>(probs, n, v_rows, c, out + c, out_stride,
-                                            rescale, do_rescale, 0);
+                                            rescale, do_rescale, 0, c == 0 ? ahead : nullptr);
         if (c < Dv)
             value_micro<R, 1, true, kSafe>(probs, n, v_rows, c, out + c, out_stride,
-                                           rescale, do_rescale, Dv - c);
+                                           rescale, do_rescale, Dv - c, c == 0 ? ahead : nullptr);
     }
 
+    // ahead: the direct path's read order (nullptr elsewhere), prefetched by the first strip.
     template <bool kSafe>
     static void block_values(const float* scores, int64_t rows, int64_t n, const void* const* v_rows,
-                             float* out_acc, int64_t out_stride, int64_t Dv, const float* rescale) {
+                             float* out_acc, int64_t out_stride, int64_t Dv, const float* rescale,
+                             const ReadAhead* ahead = nullptr) {
         for (int64_t r = 0; r < rows; r += kMicroRows) {
             const float* probs = scores + r * kKeyBlock;
             float* out = out_acc + r * out_stride;
             const float* alpha = rescale + r;
+            const ReadAhead* first_strip = r == 0 ? ahead : nullptr;
             switch (rows - r < kMicroRows ? rows - r : kMicroRows) {
-                case 1: strip_values<1, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha); break;
-                case 2: strip_values<2, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha); break;
-                case 3: strip_values<3, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha); break;
-                case 4: strip_values<4, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha); break;
-                case 5: strip_values<5, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha); break;
-                default: strip_values<6, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha); break;
+                case 1: strip_values<1, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha, first_strip); break;
+                case 2: strip_values<2, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha, first_strip); break;
+                case 3: strip_values<3, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha, first_strip); break;
+                case 4: strip_values<4, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha, first_strip); break;
+                case 5: strip_values<5, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha, first_strip); break;
+                default: strip_values<6, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha, first_strip); break;
             }
         }
     }
@@ -537,6 +595,10 @@ struct Kernel {
                 : plan.packed_keys + (b * p.k.shape[1] + item.kv_head) * plan.panels_per_head * D * kKeyPanel;
         // Split-key groups of few rows read K in place (3a'); the others pack K^T panels.
         const bool direct = plan.packed_keys == nullptr && rows <= kDirectScoreRows;
+        // The direct path's read-ahead: kDecodePrefetchBytes of K rows, 1 to kKeyBlock rows.
+        const int64_t key_bytes = D * static_cast<int64_t>(sizeof(KV));
+        const int64_t lookahead_rows = key_bytes == 0 ? 1 : (kDecodePrefetchBytes + key_bytes - 1) / key_bytes;
+        const int64_t lookahead = lookahead_rows < kKeyBlock ? lookahead_rows : kKeyBlock;
         for (int64_t key_block = item.key_begin; key_block < key_stop; key_block += kKeyBlock) {
             const int64_t n = key_stop - key_block < kKeyBlock ? key_stop - key_block : kKeyBlock;
             const int64_t n_padded = round_up(n, W);
@@ -547,17 +609,22 @@ struct Kernel {
                 pack_keys(p, b, item.kv_head, key_block, key_block + n, s.key_panels);
                 panels = s.key_panels;
             }
-            // No software prefetch on any path: K and V are read as forward streams that the
-            // hardware prefetcher follows (docs/kernels.md, step 6).
             // The block's K rows (read in place by the direct path only), V rows and int8 scales,
-            // 0 past n (those scores become -inf below).
+            // 0 past n (those scores become -inf below); the direct path also takes the next
+            // block's first K rows, for its read-ahead (never past the item's last key).
             flash_key_rows(p, b, item.kv_head, key_block, n, direct ? s.key_rows : nullptr, s.value_rows,
                            kInt8 ? s.key_scales : nullptr, kInt8 ? s.value_scales : nullptr);
+            const int64_t ahead_end = key_stop - key_block < n + lookahead ? key_stop - key_block : n + lookahead;
+            if (direct && ahead_end > n)
+                flash_key_rows(p, b, item.kv_head, key_block + n, ahead_end - n, s.key_rows + n, nullptr, nullptr,
+                               nullptr);
+            const ReadAhead ahead{s.key_rows, s.value_rows, n, ahead_end, lookahead, key_bytes,
+                                  Dv * static_cast<int64_t>(sizeof(KV))};
             if (kInt8)
                 for (int64_t j = n; j < n_padded; ++j) s.key_scales[j] = s.value_scales[j] = 0.0f;
             // (a) S = Q K^T (int8: direct scores times k_scale here, panels already scaled).
             if (direct)
-                direct_block_scores(s.q_tile, D, rows, s.key_rows, n, s.key_scales, s.scores);
+                direct_block_scores(s.q_tile, D, rows, s.key_rows, n, s.key_scales, s.scores, ahead);
             else
                 block_scores(s.q_tile, D, rows, panels, n, s.scores);
             // (a') - (c) Softcap, mask, online softmax.
@@ -571,10 +638,11 @@ struct Kernel {
                         probs[j] = probs[j] == 0.0f ? 0.0f : probs[j] * s.value_scales[j];
                 }
             // (d) O = alpha O + P V.
+            const ReadAhead* value_ahead = direct ? &ahead : nullptr;
             if (masked)
-                block_values<true>(s.scores, rows, n, s.value_rows, s.out_acc, out_stride, Dv, s.rescale);
+                block_values<true>(s.scores, rows, n, s.value_rows, s.out_acc, out_stride, Dv, s.rescale, value_ahead);
             else
-                block_values<false>(s.scores, rows, n, s.value_rows, s.out_acc, out_stride, Dv, s.rescale);
+                block_values<false>(s.scores, rows, n, s.value_rows, s.out_acc, out_stride, Dv, s.rescale, value_ahead);
         }
 
         // 4. Finish: out = O / l and lse, or the partial (m, l, O) of this key range.

@@ -273,8 +273,9 @@ impl ScratchBuffers {
             self.row_key_begin = try_filled(Q_TILE_ROWS, 0)?;
             self.row_key_end = try_filled(Q_TILE_ROWS, 0)?;
         }
-        if self.key_rows.len() < KEY_BLOCK {
-            self.key_rows = try_filled(KEY_BLOCK, std::ptr::null())?;
+        if self.key_rows.len() < 2 * KEY_BLOCK {
+            // key_rows: the block's, then the next block's (the direct path's read-ahead)
+            self.key_rows = try_filled(2 * KEY_BLOCK, std::ptr::null())?;
             self.value_rows = try_filled(KEY_BLOCK, std::ptr::null())?;
         }
         Ok(ThreadScratch {

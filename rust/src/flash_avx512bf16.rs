@@ -588,6 +588,7 @@ pub(crate) unsafe fn attend_rows<P: PairProducts>(
                     value_stride,
                     value_dim,
                     s.rescale,
+                    None,
                 );
             } else {
                 round_probs(s.scores, rows, n_padded, s.probs_pairs);

@@ -22,8 +22,8 @@
 //! checked problem; the functions are `unsafe` with that as their contract.
 
 use crate::constants::{
-    DIRECT_SCORE_ROWS, KEY_BLOCK, KEY_PANEL, LOG2_E, MICRO_ROWS, TANH_COEFFICIENTS, TANH_DEGREE,
-    TANH_SMALL,
+    DECODE_PREFETCH_BYTES, DIRECT_SCORE_ROWS, KEY_BLOCK, KEY_PANEL, LOG2_E, MICRO_ROWS,
+    TANH_COEFFICIENTS, TANH_DEGREE, TANH_SMALL,
 };
 use crate::element::{Element, Load};
 use crate::flash_attention::{
@@ -113,7 +113,8 @@ pub struct ThreadScratch {
     pub key_scales: *mut f32,
     pub value_scales: *mut f32,
     /// The current block's K and V rows (KEY_BLOCK each, [`flash_key_rows`]): dense or paged
-    /// alike.
+    /// alike; key_rows has room for KEY_BLOCK more, the next block's first rows (the direct
+    /// path's prefetch, step 6).
     pub key_rows: *mut *const u8,
     pub value_rows: *mut *const u8,
 }
@@ -448,16 +449,84 @@ unsafe fn block_scores<V: Vector>(
     }
 }
 
+// ---- Prefetch (the direct split-key path, docs/kernels.md step 6) ------------------------------
+
+/// An item reads, per key block, its n K rows (scores), then its n V rows (P.V), then the next
+/// block's K rows: one read order. Reading position m of it, the kernel prefetches position
+/// m + lookahead (DECODE_PREFETCH_BYTES of K rows ahead), so that memory streams while the FMAs
+/// run: the hardware prefetcher alone left the two taking turns.
+pub struct ReadAhead {
+    /// the block's n K rows, then the next block's, up to key_rows_end
+    pub key_rows: *const *const u8,
+    /// the block's n V rows
+    pub value_rows: *const *const u8,
+    /// keys in the block
+    pub n: usize,
+    /// key rows filled: n plus the next block's first ones
+    pub key_rows_end: usize,
+    /// positions between a read and its prefetch
+    pub lookahead: usize,
+    /// bytes of a K row and of a V row
+    pub key_bytes: usize,
+    pub value_bytes: usize,
+}
+
+/// One cache line into L1 (C++ uses an asm statement: GCC deletes its prefetch builtin in these
+/// inlined loops; LLVM keeps the intrinsic).
+#[inline(always)]
+fn prefetch_line(line: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch never faults and reads nothing the program sees.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.cast());
+    }
+    #[cfg(target_arch = "aarch64")]
+    // SAFETY: as above; the instruction only hints the cache.
+    unsafe {
+        std::arch::asm!("prfm pldl1keep, [{0}]", in(reg) line, options(nostack, readonly, preserves_flags));
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    let _ = line;
+}
+
+#[inline(always)]
+fn prefetch_row(row: *const u8, bytes: usize) {
+    let end = row as usize + bytes;
+    let mut line = row as usize & !63;
+    while line < end {
+        prefetch_line(line as *const u8);
+        line += 64;
+    }
+}
+
+/// Prefetches position m of the read order (nothing past the item's keys).
+///
+/// # Safety
+/// `ahead`'s row pointers are valid for the indices its counts give.
+#[inline(always)]
+unsafe fn prefetch_position(ahead: &ReadAhead, m: usize) {
+    // SAFETY: every index is checked against the counts filled.
+    unsafe {
+        if m < ahead.n {
+            prefetch_row(*ahead.key_rows.add(m), ahead.key_bytes);
+        } else if m < 2 * ahead.n {
+            prefetch_row(*ahead.value_rows.add(m - ahead.n), ahead.value_bytes);
+        } else if m - ahead.n < ahead.key_rows_end {
+            prefetch_row(*ahead.key_rows.add(m - ahead.n), ahead.key_bytes);
+        }
+    }
+}
+
 // ---- 3a'. Direct S (split-key groups of at most DIRECT_SCORE_ROWS rows, docs step 6) ------------
 
 /// K is read in place (its rows are contiguous): no K^T panel. One batch of four keys k[0..3]
 /// against R rows of q: one accumulator per (row, key), then each row's four accumulators
-/// reduced to one vector by [`Vector::reduce4`], into y[r][batch]. Each key's row is read
-/// whole, WIDTH floats at a time (the last chunk a masked tail load of q and k: lanes past D are
-/// 0 and never read), before the next key's: the loads then walk K strictly forward, which the
-/// hardware prefetcher follows while the FMAs run. (Loading chunk d of all four keys together
-/// reuses each q chunk four times but interleaves four rows; measured at 32k keys on one thread
-/// that stalls on memory: 22 ms against 13.5-14 ms with whole rows, 1.6x slower.)
+/// reduced to one vector by [`Vector::reduce4`], into y[r][batch]. D is walked WIDTH floats at a
+/// time (the last chunk a masked tail load of q and k: lanes past D are 0 and never read), chunk
+/// d of the four keys together, so each q chunk is loaded once for four keys; every accumulator
+/// still sums over D in order. (With no software prefetch this interleaving stalled on memory,
+/// 22 ms against 13.5-14 ms for whole rows one key after another at 32k keys on one thread; with
+/// the read-ahead above it is the faster order.)
 ///
 /// # Safety
 /// V's instruction set is available; q: R rows of d_len floats; k: four rows of d_len floats.
@@ -473,20 +542,24 @@ unsafe fn direct_batch<V: Vector, T: Load, const R: usize>(
     // SAFETY: forwarded from this function's contract.
     unsafe {
         let mut acc = [[V::zero(); 4]; R];
-        for (t, &key) in k.iter().enumerate() {
-            let mut d = 0;
-            while d + w <= d_len {
-                let key_d = T::load::<V>(key.add(d));
-                for (r, acc_r) in acc.iter_mut().enumerate() {
-                    acc_r[t] = V::fma(V::load(q.add(r * d_len + d)), key_d, acc_r[t]);
+        let mut d = 0;
+        while d + w <= d_len {
+            let key_d: [V; 4] = std::array::from_fn(|t| T::load::<V>(k[t].add(d)));
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let q_rd = V::load(q.add(r * d_len + d));
+                for t in 0..4 {
+                    acc_r[t] = V::fma(q_rd, key_d[t], acc_r[t]);
                 }
-                d += w;
             }
-            if d < d_len {
-                let tail = d_len - d;
-                let key_d = T::load_tail::<V>(key.add(d), tail);
-                for (r, acc_r) in acc.iter_mut().enumerate() {
-                    acc_r[t] = V::fma(V::load_tail(q.add(r * d_len + d), tail), key_d, acc_r[t]);
+            d += w;
+        }
+        if d < d_len {
+            let tail = d_len - d;
+            let key_d: [V; 4] = std::array::from_fn(|t| T::load_tail::<V>(k[t].add(d), tail));
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let q_rd = V::load_tail(q.add(r * d_len + d), tail);
+                for t in 0..4 {
+                    acc_r[t] = V::fma(q_rd, key_d[t], acc_r[t]);
                 }
             }
         }
@@ -500,7 +573,8 @@ unsafe fn direct_batch<V: Vector, T: Load, const R: usize>(
 /// row [`Vector::fold_groups`] into WIDTH scores. A key at or past n (past the block's end) is
 /// never read: a batch wholly past n is 0, a key past n inside a batch reuses key n - 1; both
 /// scores are overwritten with -inf before the softmax. int8: each score is then acc * k_scale
-/// (one multiply per (row, key); key_scales holds the block's, 0 past n).
+/// (one multiply per (row, key); key_scales holds the block's, 0 past n). ahead (the first strip
+/// only, else None): each batch prefetches its four positions plus the lookahead.
 ///
 /// # Safety
 /// V's instruction set is available; q: R rows of d_len floats; k_rows: n row pointers, d_len
@@ -515,6 +589,7 @@ unsafe fn direct_strip<V: Vector, T: Load, const R: usize>(
     n: usize,
     key_scales: *const f32,
     scores: *mut f32,
+    ahead: Option<&ReadAhead>,
 ) {
     // SAFETY: forwarded from this function's contract.
     unsafe {
@@ -526,6 +601,11 @@ unsafe fn direct_strip<V: Vector, T: Load, const R: usize>(
             }
             let k: [*const T; 4] =
                 std::array::from_fn(|t| (*k_rows.add((first + t).min(n - 1))).cast::<T>());
+            if let Some(ahead) = ahead {
+                for t in 0..4 {
+                    prefetch_position(ahead, first + t + ahead.lookahead);
+                }
+            }
             direct_batch::<V, T, R>(q, d_len, &k, &mut y, batch);
         }
         for (r, y_r) in y.iter().enumerate() {
@@ -553,6 +633,7 @@ unsafe fn direct_block_scores<V: Vector, T: Load>(
     n: usize,
     key_scales: *const f32,
     scores: *mut f32,
+    ahead: &ReadAhead,
 ) {
     let strip = V::DIRECT_STRIP_ROWS;
     // SAFETY: forwarded from this function's contract.
@@ -561,8 +642,9 @@ unsafe fn direct_block_scores<V: Vector, T: Load>(
             for r in (0..rows).step_by(strip) {
                 let q = q_tile.add(r * d_len);
                 let s = scores.add(r * KEY_BLOCK);
+                let first_strip = if r == 0 { Some(ahead) } else { None };
                 match_strip_rows!((rows - r).min(strip), R => {
-                    direct_strip::<V, T, R>(q, d_len, k_rows, j0, n, key_scales, s)
+                    direct_strip::<V, T, R>(q, d_len, k_rows, j0, n, key_scales, s, first_strip)
                 });
             }
         }
@@ -572,7 +654,9 @@ unsafe fn direct_block_scores<V: Vector, T: Load>(
 // ---- 3d. O = alpha O + P V: R (<= MICRO_ROWS) rows x NV vectors of value columns -------------
 
 /// TAIL: the last vector holds only `tail` columns. SAFE: a row whose p is 0 (a hidden key)
-/// skips the key, so a NaN in a hidden value never enters (0 * NaN = NaN).
+/// skips the key, so a NaN in a hidden value never enters (0 * NaN = NaN). ahead (the direct
+/// path's first strip and column block, else None): key j prefetches position n + j plus the
+/// lookahead of the read order.
 ///
 /// # Safety
 /// V's instruction set is available; probs: R rows of stride KEY_BLOCK, n keys;
@@ -597,6 +681,7 @@ unsafe fn value_micro<
     rescale: *const f32,
     do_rescale: bool,
     tail: usize,
+    ahead: Option<&ReadAhead>,
 ) {
     let w = V::WIDTH;
     // SAFETY: forwarded from this function's contract.
@@ -612,6 +697,9 @@ unsafe fn value_micro<
             }
         }
         for key in 0..n {
+            if let Some(ahead) = ahead {
+                prefetch_position(ahead, ahead.n + key + ahead.lookahead);
+            }
             let v_row = (*v_rows.add(key)).cast::<T>().add(column);
             let mut values = [V::zero(); NV];
             for (v, value) in values.iter_mut().enumerate() {
@@ -667,6 +755,7 @@ unsafe fn strip_values<V: Vector, T: Load, const R: usize, const SAFE: bool>(
     out_stride: usize,
     value_dim: usize,
     rescale: *const f32,
+    ahead: Option<&ReadAhead>,
 ) {
     let w = V::WIDTH;
     let nv = V::VALUE_VECTORS;
@@ -689,6 +778,7 @@ unsafe fn strip_values<V: Vector, T: Load, const R: usize, const SAFE: bool>(
                     rescale,
                     do_rescale,
                     $tail_columns,
+                    if $c == 0 { ahead } else { None },
                 )
             };
         }
@@ -713,7 +803,8 @@ unsafe fn strip_values<V: Vector, T: Load, const R: usize, const SAFE: bool>(
     }
 }
 
-/// O for all rows: strips of MICRO_ROWS rows, the last strip as many rows as remain.
+/// O for all rows: strips of MICRO_ROWS rows, the last strip as many rows as remain. ahead: the
+/// direct path's read order (None elsewhere), prefetched by the first strip.
 ///
 /// # Safety
 /// As [`value_micro`], for every strip: rows rows, Dv columns.
@@ -728,6 +819,7 @@ pub(crate) unsafe fn block_values<V: Vector, T: Load, const SAFE: bool>(
     out_stride: usize,
     value_dim: usize,
     rescale: *const f32,
+    ahead: Option<&ReadAhead>,
 ) {
     // SAFETY: forwarded from this function's contract.
     unsafe {
@@ -735,9 +827,10 @@ pub(crate) unsafe fn block_values<V: Vector, T: Load, const SAFE: bool>(
             let probs = scores.add(r * KEY_BLOCK);
             let out = out_acc.add(r * out_stride);
             let alpha = rescale.add(r);
+            let first_strip = if r == 0 { ahead } else { None };
             match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
                 strip_values::<V, T, R, SAFE>(
-                    probs, n, v_rows, out, out_stride, value_dim, alpha,
+                    probs, n, v_rows, out, out_stride, value_dim, alpha, first_strip,
                 )
             });
         }
@@ -802,12 +895,18 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
         };
         // Split-key groups of few rows read K in place (3a'); the others pack K^T panels.
         let direct = plan.packed_keys.is_null() && rows <= DIRECT_SCORE_ROWS;
+        // The direct path's read-ahead: DECODE_PREFETCH_BYTES of K rows, 1 to KEY_BLOCK rows.
+        let key_bytes = d_len * size_of::<KV>();
+        let lookahead = DECODE_PREFETCH_BYTES
+            .div_ceil(key_bytes.max(1))
+            .clamp(1, KEY_BLOCK);
         let mut key_block = item.key_begin;
         while key_block < key_stop {
             let n = (key_stop - key_block).min(KEY_BLOCK);
             let n_padded = round_up(n, w);
             // The block's K rows (read in place by the direct path only), V rows and int8
-            // scales, 0 past n (those scores become -inf below).
+            // scales, 0 past n (those scores become -inf below); the direct path also takes the
+            // next block's first K rows, for its read-ahead (never past the item's last key).
             let scales = |buffer: *mut f32| {
                 if KV::SCALED {
                     buffer
@@ -830,6 +929,29 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
                 scales(s.key_scales),
                 scales(s.value_scales),
             );
+            let ahead_end = (key_stop - key_block).min(n + lookahead);
+            if direct && ahead_end > n {
+                flash_key_rows(
+                    p,
+                    b,
+                    item.kv_head,
+                    key_block + n,
+                    ahead_end - n,
+                    s.key_rows.add(n),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                );
+            }
+            let ahead = ReadAhead {
+                key_rows: s.key_rows,
+                value_rows: s.value_rows,
+                n,
+                key_rows_end: ahead_end,
+                lookahead,
+                key_bytes,
+                value_bytes: value_dim * size_of::<KV>(),
+            };
             if KV::SCALED {
                 for j in n..n_padded {
                     *s.key_scales.add(j) = 0.0;
@@ -846,6 +968,7 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
                     n,
                     s.key_scales,
                     s.scores,
+                    &ahead,
                 );
             } else {
                 let panels = if k_head_panels.is_null() {
@@ -875,14 +998,27 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
             }
             // (d) O = alpha O + P V.
             let v_rows = s.value_rows;
+            let value_ahead = if direct { Some(&ahead) } else { None };
+            // one argument list for both SAFE instantiations
+            macro_rules! values {
+                ($safe:literal) => {
+                    block_values::<V, KV, $safe>(
+                        s.scores,
+                        rows,
+                        n,
+                        v_rows,
+                        s.out_acc,
+                        out_stride,
+                        value_dim,
+                        s.rescale,
+                        value_ahead,
+                    )
+                };
+            }
             if masked {
-                block_values::<V, KV, true>(
-                    s.scores, rows, n, v_rows, s.out_acc, out_stride, value_dim, s.rescale,
-                );
+                values!(true);
             } else {
-                block_values::<V, KV, false>(
-                    s.scores, rows, n, v_rows, s.out_acc, out_stride, value_dim, s.rescale,
-                );
+                values!(false);
             }
             key_block += KEY_BLOCK;
         }
