@@ -630,12 +630,17 @@ struct Kernel {
             // (a') - (c) Softcap, mask, online softmax.
             const bool masked = block_probabilities(plan, item, s, rows, key_block, n, n_padded);
             // (c') int8: P times v_scale after l has summed the unscaled P; a P of 0 (a hidden
-            // key) stays 0, so a hidden key's NaN scale never enters.
+            // key) stays 0, so a hidden key's NaN scale never enters. The product is formed
+            // for every key and then chosen: no branch and no conditional load, so GCC
+            // vectorizes the loop (with the branch it stayed scalar).
             if (kInt8)
                 for (int64_t r = 0; r < rows; ++r) {
-                    float* probs = s.scores + r * kKeyBlock;
-                    for (int64_t j = 0; j < n; ++j)
-                        probs[j] = probs[j] == 0.0f ? 0.0f : probs[j] * s.value_scales[j];
+                    float* __restrict probs = s.scores + r * kKeyBlock;
+                    const float* __restrict value_scales = s.value_scales;
+                    for (int64_t j = 0; j < n; ++j) {
+                        const float scaled = probs[j] * value_scales[j];
+                        probs[j] = probs[j] == 0.0f ? 0.0f : scaled;
+                    }
                 }
             // (d) O = alpha O + P V.
             const ReadAhead* value_ahead = direct ? &ahead : nullptr;
