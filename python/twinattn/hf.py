@@ -77,7 +77,7 @@ from transformers.masking_utils import (
 from ._torch_views import NUMPY_DTYPES, array, tensor
 from .core import api
 from .core._threads import threads_for
-from .hf_serving import PAGES, accept_in_continuous_batching, continuous_batching_config, packed_attention_forward
+from .hf_serving import PAGES, accept_in_continuous_batching, attention_variants, continuous_batching_config, packed_attention_forward
 from .nn.cache import KVCache
 from .torch import attention
 
@@ -270,21 +270,11 @@ def attention_forward(
         # a materialised mask already holds causality, the window and offsets: apply it as it is
         attn_mask, causal, sliding_window = attention_mask, False, None
     # the variants only when they are used: the plain call passes what it always did
-    variants: dict[str, Any] = {}
-    if sliding_window is not None:
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-            raise ValueError(f"sliding_window: expected a positive int or None, got {sliding_window!r}")
-        if not causal:
-            raise NotImplementedError(
-                f"sliding_window: twinattn applies a window without a materialised mask to causal attention only; "
-                f"got sliding_window={sliding_window} on bidirectional attention"
-            )
-        # transformers' window: key j is visible to the query at position p iff p - w < j <= p
-        variants["window_size"] = (sliding_window - 1, 0)
-    if softcap:
-        variants["softcap"] = float(softcap)
-    if sinks is not None:
-        variants["sinks"] = sinks.float()  # float32 (a bfloat16 model's s_aux converts exactly)
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+    ):
+        raise ValueError(f"sliding_window: expected a positive int or None, got {sliding_window!r}")
+    variants = attention_variants(sliding_window, softcap, sinks, causal=causal, where="without a materialised mask to causal attention only")
     if causal and kv_lens is not None:
         # the queries are the last q_len positions of a cache holding k_len keys (HF's alignment),
         # said explicitly so that right-padded rows (kv_lens < q_len) stay causal rather than

@@ -51,7 +51,7 @@ from .core._threads import threads_for
 from .torch import attention_paged, attention_varlen
 
 __all__ = [
-    "MAX_BATCH_TOKENS", "PAGES", "TRANSFORMERS_VERSION", "accept_in_continuous_batching", "continuous_batching_config", "packed_attention_forward",
+    "MAX_BATCH_TOKENS", "PAGES", "TRANSFORMERS_VERSION", "accept_in_continuous_batching", "attention_variants", "continuous_batching_config", "packed_attention_forward",
     "page_table",
 ]
 
@@ -117,19 +117,7 @@ def packed_attention_forward(
             f"query: packed sequences (cu_seq_lens_q) come as a batch of one row, got query {tuple(query.shape)} and key {tuple(key.shape)}"
         )
     q_heads, total_q = query.shape[1], query.shape[2]
-    variants: dict[str, Any] = {}
-    if sliding_window is not None:
-        if not causal:
-            raise NotImplementedError(
-                f"sliding_window: twinattn applies a window to packed sequences with causal attention only; "
-                f"got sliding_window={sliding_window} on bidirectional attention"
-            )
-        # transformers' window: key j is visible to the query at position p iff p - w < j <= p
-        variants["window_size"] = (sliding_window - 1, 0)
-    if softcap:
-        variants["softcap"] = float(softcap)
-    if s_aux is not None:
-        variants["sinks"] = s_aux.float()
+    variants = attention_variants(sliding_window, softcap, s_aux, causal=causal, where="to packed sequences with causal attention only")
     num_threads = None  # threads_for's answer for a float32 model: counting the work is left out
     if query.dtype != torch.float32:
         # the work of the whole call (every request's Lq * Lk), as threads_for counts it
@@ -156,6 +144,26 @@ def packed_attention_forward(
         q, k, v, cu_seq_lens_q, cu_seq_lens_k, causal=causal, scale=scaling, out=out[0], num_threads=num_threads, **variants
     )
     return out, None
+
+
+def attention_variants(sliding_window: Any, softcap: Any, sinks: Any, *, causal: bool, where: str) -> dict[str, Any]:
+    """twinattn's keywords for transformers' attention variants, only those in use: its sliding
+    window (key j is visible to the query at position p iff p - w < j <= p), softcap (0 or None:
+    none) and sinks (s_aux, as float32: a bfloat16 model's converts exactly). A window on
+    bidirectional attention raises NotImplementedError, `where` saying which calls take a window."""
+    variants: dict[str, Any] = {}
+    if sliding_window is not None:
+        if not causal:
+            raise NotImplementedError(
+                f"sliding_window: twinattn applies a window {where}; "
+                f"got sliding_window={sliding_window} on bidirectional attention"
+            )
+        variants["window_size"] = (sliding_window - 1, 0)
+    if softcap:
+        variants["softcap"] = float(softcap)
+    if sinks is not None:
+        variants["sinks"] = sinks.float()
+    return variants
 
 
 def page_table(read_index: Any, cu_seq_lens_k: Any, page_size: int) -> Any:
