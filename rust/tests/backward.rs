@@ -11,9 +11,7 @@
 //! max |S| + max |lse| + sqrt(max(D, Dv)) and M the element's sum of absolute terms (as
 //! tests/test_backward_native.py).
 
-extern crate _rust as twinattn;
-
-mod common;
+use crate::common;
 
 use common::Rng;
 use twinattn::dispatch::{available_isas, set_isa};

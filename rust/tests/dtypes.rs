@@ -7,9 +7,7 @@
 //!   masks, strided layouts, the variants, decode (direct and packed split-key) and prefill,
 //!   NaN in hidden values.
 
-extern crate _rust as twinattn;
-
-mod common;
+use crate::common;
 
 use common::{assert_close_to_naive, fast_kernels, random_case, Case, Kernel, Mask, Output, Rng};
 use twinattn::problem::ElementType;

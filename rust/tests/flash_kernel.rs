@@ -1,14 +1,10 @@
 //! The fast kernel, on every instruction set this CPU runs: the shared contract checks
-//! (contract.rs: the seeds' checks among them), then sweeps around the tile sizes (MICRO_ROWS 6,
+//! (contract/: the seeds' checks among them), then sweeps around the tile sizes (MICRO_ROWS 6,
 //! vectors of 8/16, Q_TILE_ROWS 48, KEY_BLOCK 256, SPLIT_KEY_CHUNK 1024) against the plain
 //! reference kernel and the float64 naive computation, split-key decode over 32k keys, and
 //! scalar-vs-SIMD agreement.
 
-extern crate _rust as twinattn;
-
-mod common;
-#[macro_use]
-mod contract;
+use crate::common;
 
 use common::{
     assert_close_to_naive, assert_identical, random_case, Case, Kernel, Mask, Output, Rng,

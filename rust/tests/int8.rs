@@ -8,9 +8,7 @@
 //! - a NaN scale of a hidden key (past kv_len, masked) changes nothing;
 //! - check_problem's messages for the scales.
 
-extern crate _rust as twinattn;
-
-mod common;
+use crate::common;
 
 use common::{fast_kernels, random_case, Case, Kernel, Mask, Output, Rng};
 use twinattn::problem::ElementType;

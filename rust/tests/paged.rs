@@ -10,9 +10,7 @@
 //!   shared prefix read once), against the reference on each sequence's keys;
 //! - the checks' messages for a bad block id, a bad cu_seqlens and too many query rows.
 
-extern crate _rust as twinattn;
-
-mod common;
+use crate::common;
 
 use common::Rng;
 use twinattn::dispatch::{available_isas, set_isa};
