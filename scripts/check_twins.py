@@ -193,9 +193,6 @@ NOT_YET_ALIGNED: dict[str, set[str]] = {
     "cpp/src/simd_avx512.hpp": {"VecAvx512Bf16", "VecAvx512Amx", "VecAvx512Unit", "shuffle_groups"},
     # C++ names the 4-lane halves of the 8-lane operations; Rust writes them inline.
     "cpp/src/simd_neon.hpp": {"load4", "reduce4_group", "store4"},
-    # C++ names the direct strip's score loop (a template over the strip height); Rust writes it
-    # in the match_strip_rows! arms.
-    "cpp/src/flash_kernel.hpp": {"strip_scores"},
     # C++ names the broadcast of one bf16 pair; Rust calls _mm512_set1_epi32 inline.
     "cpp/src/flash_avx512bf16.cpp": {"broadcast_pair"},
     # Rust carves the per-row arrays out of one allocation each (rows: max, sum, rescale;

@@ -268,16 +268,24 @@ struct Kernel {
 
     // ---- 3a. S = Q K^T: R (<= kMicroRows) rows x kScoreVectors vectors of keys ---------------
     // q: R rows of D; panel: (D, kKeyPanel) already offset to the first key column;
-    // scores: R rows of stride kKeyBlock.
+    // scores: R rows of stride kKeyBlock. While it reads panel row d it prefetches the same
+    // columns kScorePrefetchBytes further on in the panels (a strip reads them as one stream,
+    // panel after panel; past the last panel the hint reads nothing the program sees).
     template <int R>
     static void score_micro(const float* q, int64_t D, const float* panel, float* scores) {
         constexpr int SV = V::kScoreVectors;
+        constexpr int64_t kMicroLines = (SV * W * static_cast<int64_t>(sizeof(float)) + 63) / 64;
         Reg acc[R][SV];
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
             for (int v = 0; v < SV; ++v) acc[r][v] = V::zero();
         for (int64_t d = 0; d < D; ++d) {
+            // an address, not a pointer into the panels: it may lie past them (a prefetch never faults)
+            const uintptr_t ahead = reinterpret_cast<uintptr_t>(panel + d * kKeyPanel) + kScorePrefetchBytes;
+#pragma GCC unroll 2
+            for (int64_t line = 0; line < kMicroLines; ++line)
+                prefetch_line(reinterpret_cast<const char*>(ahead + line * 64));
             Reg keys[SV];
 #pragma GCC unroll 4
             for (int v = 0; v < SV; ++v) keys[v] = V::load(panel + d * kKeyPanel + v * W);
@@ -307,7 +315,8 @@ struct Kernel {
     }
 
     // S for all rows: strips of kMicroRows rows, the last strip as many rows as remain (no
-    // padding rows are computed).
+    // padding rows are computed). A strip streams the block's panels from L2 (prefetched in
+    // score_micro) while its Q rows stay in L1.
     static void block_scores(const float* q_tile, int64_t D, int64_t rows, const float* panels,
                              int64_t n, float* scores) {
         static_assert(kMicroRows == 6, "the switch below lists the strip heights 1..kMicroRows");
@@ -541,25 +550,38 @@ struct Kernel {
                                            rescale, do_rescale, Dv - c, c == 0 ? ahead : nullptr);
     }
 
-    // ahead: the direct path's read order (nullptr elsewhere), prefetched by the first strip.
+    // O for all rows: key chunks of kValueKeyChunk keys, each through every strip of kMicroRows
+    // rows (the last strip as many rows as remain), so that the chunk's V rows stay in L1 while
+    // every strip reads them; alpha is applied with the first chunk. Each O element still sums
+    // its keys in key order, so the chunks change no bit. ahead: the direct path's read order
+    // (nullptr elsewhere), prefetched by the first strip; that path reads the block in one chunk.
     template <bool kSafe>
     static void block_values(const float* scores, int64_t rows, int64_t n, const void* const* v_rows,
                              float* out_acc, int64_t out_stride, int64_t Dv, const float* rescale,
                              const ReadAhead* ahead = nullptr) {
-        for (int64_t r = 0; r < rows; r += kMicroRows) {
-            const float* probs = scores + r * kKeyBlock;
-            float* out = out_acc + r * out_stride;
-            const float* alpha = rescale + r;
-            const ReadAhead* first_strip = r == 0 ? ahead : nullptr;
-            switch (rows - r < kMicroRows ? rows - r : kMicroRows) {
-                case 1: strip_values<1, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha, first_strip); break;
-                case 2: strip_values<2, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha, first_strip); break;
-                case 3: strip_values<3, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha, first_strip); break;
-                case 4: strip_values<4, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha, first_strip); break;
-                case 5: strip_values<5, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha, first_strip); break;
-                default: strip_values<6, kSafe>(probs, n, v_rows, out, out_stride, Dv, alpha, first_strip); break;
+        static_assert(kMicroRows == 6, "kNoRescale and the switch below list kMicroRows strips");
+        static constexpr float kNoRescale[kMicroRows] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
+        const int64_t chunk = ahead == nullptr ? kValueKeyChunk : n;
+        int64_t chunk_begin = 0;
+        do {  // at least once: n = 0 still rescales O
+            const int64_t keys = n - chunk_begin < chunk ? n - chunk_begin : chunk;
+            const void* const* chunk_rows = v_rows + chunk_begin;
+            for (int64_t r = 0; r < rows; r += kMicroRows) {
+                const float* probs = scores + r * kKeyBlock + chunk_begin;
+                float* out = out_acc + r * out_stride;
+                const float* alpha = chunk_begin == 0 ? rescale + r : kNoRescale;
+                const ReadAhead* first_strip = r == 0 ? ahead : nullptr;
+                switch (rows - r < kMicroRows ? rows - r : kMicroRows) {
+                    case 1: strip_values<1, kSafe>(probs, keys, chunk_rows, out, out_stride, Dv, alpha, first_strip); break;
+                    case 2: strip_values<2, kSafe>(probs, keys, chunk_rows, out, out_stride, Dv, alpha, first_strip); break;
+                    case 3: strip_values<3, kSafe>(probs, keys, chunk_rows, out, out_stride, Dv, alpha, first_strip); break;
+                    case 4: strip_values<4, kSafe>(probs, keys, chunk_rows, out, out_stride, Dv, alpha, first_strip); break;
+                    case 5: strip_values<5, kSafe>(probs, keys, chunk_rows, out, out_stride, Dv, alpha, first_strip); break;
+                    default: strip_values<6, kSafe>(probs, keys, chunk_rows, out, out_stride, Dv, alpha, first_strip); break;
+                }
             }
-        }
+            chunk_begin += chunk;
+        } while (chunk_begin < n);
     }
 
     // ---- The work item: steps 1-4 of docs/kernels.md for rows x keys --------------------------

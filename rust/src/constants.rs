@@ -37,6 +37,21 @@ pub const DIRECT_SCORE_ROWS: usize = 24;
 /// 66-68 / 55-56 / 44.
 pub const DECODE_PREFETCH_BYTES: usize = 2048;
 
+/// How far ahead in the packed K^T panels the S micro-kernel prefetches (docs/kernels.md, "What
+/// bounds prefill"): a strip of Q rows reads the block's panels as one stream from L2, and
+/// reading panel row d it prefetches the same columns this many bytes further on (16 panel rows
+/// of KEY_PANEL floats). Measured (causal prefill N = 2048, 32 / 8 heads, D = 128, one thread,
+/// CPU time on a loaded machine, C++): no prefetch 397-484 ms, 512 bytes 368, 1024 bytes 357,
+/// 2048 bytes 339-352, 4096 bytes 350.
+pub const SCORE_PREFETCH_BYTES: usize = 2048;
+
+/// Keys per chunk of O += P V (docs/kernels.md, "What bounds prefill"): every strip of a tile
+/// runs over one chunk of the block's keys before the next chunk, so the chunk's V rows (32 KB
+/// at Dv = 128) are read from L1 by all strips but the first. Measured (as above, with the
+/// prefetch): one chunk of KEY_BLOCK keys 298-307 ms, 16 keys 304, 32 keys 291-301, 64 keys
+/// 287-288, 128 keys 309.
+pub const VALUE_KEY_CHUNK: usize = 64;
+
 /// Keys per key block of the backward pass (flash_backward.rs): one item's dK and dV rows, and
 /// the keys each query tile recomputes P against at a time. Query tiles are Q_TILE_ROWS packed
 /// rows, as the forward's.

@@ -23,7 +23,7 @@
 
 use crate::constants::{
     DECODE_PREFETCH_BYTES, DIRECT_SCORE_ROWS, KEY_BLOCK, KEY_PANEL, LOG2_E, MICRO_ROWS,
-    TANH_COEFFICIENTS, TANH_DEGREE, TANH_SMALL,
+    SCORE_PREFETCH_BYTES, TANH_COEFFICIENTS, TANH_DEGREE, TANH_SMALL, VALUE_KEY_CHUNK,
 };
 use crate::element::{Element, Load};
 use crate::flash_attention::{
@@ -374,7 +374,9 @@ const MAX_VECTORS: usize = 4;
 const MAX_WIDTH: usize = 16;
 
 /// q: R rows of D; panel: (D, KEY_PANEL) already offset to the first key column;
-/// scores: R rows of stride KEY_BLOCK.
+/// scores: R rows of stride KEY_BLOCK. While it reads panel row d it prefetches the same columns
+/// SCORE_PREFETCH_BYTES further on in the panels (a strip reads them as one stream, panel after
+/// panel; past the last panel the hint reads nothing the program sees).
 ///
 /// # Safety
 /// V's instruction set is available; the pointers cover what is described above.
@@ -387,10 +389,19 @@ unsafe fn score_micro<V: Vector, const R: usize>(
 ) {
     let sv = V::SCORE_VECTORS;
     let w = V::WIDTH;
+    let micro_lines = (sv * w * size_of::<f32>()).div_ceil(64);
     // SAFETY: forwarded from this function's contract.
     unsafe {
         let mut acc = [[V::zero(); MAX_VECTORS]; R];
         for d in 0..d_len {
+            // wrapping: the address may lie past the panels (a prefetch never faults)
+            let ahead = panel
+                .add(d * KEY_PANEL)
+                .cast::<u8>()
+                .wrapping_add(SCORE_PREFETCH_BYTES);
+            for line in 0..micro_lines {
+                prefetch_line(ahead.wrapping_add(line * 64));
+            }
             let mut keys = [V::zero(); MAX_VECTORS];
             for (v, key) in keys.iter_mut().enumerate().take(sv) {
                 *key = V::load(panel.add(d * KEY_PANEL + v * w));
@@ -410,10 +421,41 @@ unsafe fn score_micro<V: Vector, const R: usize>(
     }
 }
 
-/// S for all rows against the panels holding the block's keys (n keys): strips of MICRO_ROWS
-/// rows, the last strip as many rows as remain (no padding rows are computed). (C++ runs strip
-/// by strip over every panel; here every micro column of keys runs over all strips while its
-/// panel columns are in L1: the same sums, each score computed once in the same order.)
+/// S for one strip of R rows against every panel of the block (n keys).
+///
+/// # Safety
+/// As [`score_micro`], for every micro tile of the strip.
+#[inline(always)]
+unsafe fn strip_scores<V: Vector, const R: usize>(
+    q: *const f32,
+    d_len: usize,
+    panels: *const f32,
+    n: usize,
+    scores: *mut f32,
+) {
+    let keys_per_micro = V::SCORE_VECTORS * V::WIDTH;
+    let mut panel = 0;
+    while panel * KEY_PANEL < n {
+        let mut column = 0;
+        while column < KEY_PANEL && panel * KEY_PANEL + column < n {
+            // SAFETY: forwarded from this function's contract.
+            unsafe {
+                score_micro::<V, R>(
+                    q,
+                    d_len,
+                    panels.add(panel * d_len * KEY_PANEL + column),
+                    scores.add(panel * KEY_PANEL + column),
+                );
+            }
+            column += keys_per_micro;
+        }
+        panel += 1;
+    }
+}
+
+/// S for all rows: strips of MICRO_ROWS rows, the last strip as many rows as remain (no padding
+/// rows are computed). A strip streams the block's panels from L2 (prefetched in
+/// [`score_micro`]) while its Q rows stay in L1.
 ///
 /// # Safety
 /// As [`score_micro`], for every micro tile.
@@ -426,26 +468,15 @@ unsafe fn block_scores<V: Vector>(
     n: usize,
     scores: *mut f32,
 ) {
-    let keys_per_micro = V::SCORE_VECTORS * V::WIDTH;
-    let mut panel = 0;
-    while panel * KEY_PANEL < n {
+    for r in (0..rows).step_by(MICRO_ROWS) {
         // SAFETY: forwarded from this function's contract.
         unsafe {
-            let panel_data = panels.add(panel * d_len * KEY_PANEL);
-            let mut column = 0;
-            while column < KEY_PANEL && panel * KEY_PANEL + column < n {
-                for r in (0..rows).step_by(MICRO_ROWS) {
-                    let q = q_tile.add(r * d_len);
-                    let k = panel_data.add(column);
-                    let out = scores.add(r * KEY_BLOCK + panel * KEY_PANEL + column);
-                    match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
-                        score_micro::<V, R>(q, d_len, k, out)
-                    });
-                }
-                column += keys_per_micro;
-            }
+            let q = q_tile.add(r * d_len);
+            let out = scores.add(r * KEY_BLOCK);
+            match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
+                strip_scores::<V, R>(q, d_len, panels, n, out)
+            });
         }
-        panel += 1;
     }
 }
 
@@ -803,8 +834,11 @@ unsafe fn strip_values<V: Vector, T: Load, const R: usize, const SAFE: bool>(
     }
 }
 
-/// O for all rows: strips of MICRO_ROWS rows, the last strip as many rows as remain. ahead: the
-/// direct path's read order (None elsewhere), prefetched by the first strip.
+/// O for all rows: key chunks of VALUE_KEY_CHUNK keys, each through every strip of MICRO_ROWS
+/// rows (the last strip as many rows as remain), so that the chunk's V rows stay in L1 while
+/// every strip reads them; alpha is applied with the first chunk. Each O element still sums its
+/// keys in key order, so the chunks change no bit. ahead: the direct path's read order (None
+/// elsewhere), prefetched by the first strip; that path reads the block in one chunk.
 ///
 /// # Safety
 /// As [`value_micro`], for every strip: rows rows, Dv columns.
@@ -821,18 +855,34 @@ pub(crate) unsafe fn block_values<V: Vector, T: Load, const SAFE: bool>(
     rescale: *const f32,
     ahead: Option<&ReadAhead>,
 ) {
+    static NO_RESCALE: [f32; MICRO_ROWS] = [1.0; MICRO_ROWS];
+    let chunk = if ahead.is_none() { VALUE_KEY_CHUNK } else { n };
+    let mut chunk_begin = 0;
     // SAFETY: forwarded from this function's contract.
     unsafe {
-        for r in (0..rows).step_by(MICRO_ROWS) {
-            let probs = scores.add(r * KEY_BLOCK);
-            let out = out_acc.add(r * out_stride);
-            let alpha = rescale.add(r);
-            let first_strip = if r == 0 { ahead } else { None };
-            match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
-                strip_values::<V, T, R, SAFE>(
-                    probs, n, v_rows, out, out_stride, value_dim, alpha, first_strip,
-                )
-            });
+        loop {
+            // at least once: n = 0 still rescales O
+            let keys = (n - chunk_begin).min(chunk);
+            let chunk_rows = v_rows.add(chunk_begin);
+            for r in (0..rows).step_by(MICRO_ROWS) {
+                let probs = scores.add(r * KEY_BLOCK + chunk_begin);
+                let out = out_acc.add(r * out_stride);
+                let alpha = if chunk_begin == 0 {
+                    rescale.add(r)
+                } else {
+                    NO_RESCALE.as_ptr()
+                };
+                let first_strip = if r == 0 { ahead } else { None };
+                match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
+                    strip_values::<V, T, R, SAFE>(
+                        probs, keys, chunk_rows, out, out_stride, value_dim, alpha, first_strip,
+                    )
+                });
+            }
+            chunk_begin += chunk;
+            if chunk_begin >= n {
+                break;
+            }
         }
     }
 }
