@@ -118,14 +118,16 @@ def test_the_cache_a_forward_makes_appends_in_place(smol: tuple[Any, Any]) -> No
             assert type(cache) is DynamicCache
             layer_types = {type(layer) for layer in cache.layers}
             assert layer_types == ({hf._AppendingLayer} if impl == "twinattn" else {DynamicLayer})
-            tokens, buffers = [out.logits[:, -1].argmax(-1, keepdim=True)], set()
+            # the layer-0 key tensors of every step, kept alive so that no address is reused
+            tokens, keys = [out.logits[:, -1].argmax(-1, keepdim=True)], []
             for _ in range(DECODE_STEPS):
                 mask = torch.cat([mask, torch.ones_like(tokens[-1])], dim=1)
                 out = model(tokens[-1], attention_mask=mask, **{cache_kw(model): cache}, use_cache=True)
                 tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
-                buffers.add(cache.layers[0].keys.data_ptr())
+                keys.append(cache.layers[0].keys)
             assert cache.get_seq_length() == mask.shape[1]
-            got[impl] = (torch.cat(tokens, dim=1), out.logits, len(buffers))
+            buffers = len({k.data_ptr() for k in keys})
+            got[impl] = (torch.cat(tokens, dim=1), out.logits, buffers)
     assert torch.equal(got["twinattn"][0], got["sdpa"][0])
     assert float((got["twinattn"][1] - got["sdpa"][1]).abs().max()) < 1e-4
     assert got["twinattn"][2] == 1 and got["sdpa"][2] == DECODE_STEPS  # one buffer, written in place; torch.cat's copies
