@@ -62,31 +62,41 @@ int64_t flash_row_position(const AttentionProblem& p, int64_t b, int64_t group, 
 
 void flash_key_rows(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_begin, int64_t n,
                     const void** key_rows, const void** value_rows, float* key_scales, float* value_scales) {
+    if (n <= 0) return;
     const int64_t item = p.kv_int8 ? 1 : element_size(p.dtype);
     const char* const k_data = static_cast<const char*>(p.k.data);
     const char* const v_data = static_cast<const char*>(p.v.data);
-    // Element offsets of key j: page * stride[0] + kv_head * stride[1] + slot * stride[2], the
-    // page b and the slot j when dense; the block table's entry and j's place in it when paged.
-    const auto fill = [&](int64_t j, int64_t page, int64_t slot) {
-        if (key_rows != nullptr)
-            key_rows[j] = k_data + (page * p.k.stride[0] + kv_head * p.k.stride[1] + slot * p.k.stride[2]) * item;
-        if (value_rows != nullptr)
-            value_rows[j] = v_data + (page * p.v.stride[0] + kv_head * p.v.stride[1] + slot * p.v.stride[2]) * item;
-        if (key_scales != nullptr)
-            key_scales[j] = p.k_scale.data[page * p.k_scale.stride[0] + kv_head * p.k_scale.stride[1] +
-                                           slot * p.k_scale.stride[2]];
-        if (value_scales != nullptr)
-            value_scales[j] = p.v_scale.data[page * p.v_scale.stride[0] + kv_head * p.v_scale.stride[1] +
-                                             slot * p.v_scale.stride[2]];
+    // A run of count keys from output j0 on: consecutive slots from `slot` of page `page` (the
+    // sequence b when dense). Entry offsets are page * stride[0] + kv_head * stride[1] + slot *
+    // stride[2], in elements; within a run each output steps by its own stride[2] from the first
+    // key's entry, one loop per output, with no multiply and no reload of the strides per key.
+    const auto fill_run = [&](int64_t j0, int64_t page, int64_t slot, int64_t count) {
+        const auto rows = [&](const void** dst, const char* data, const int64_t* stride) {
+            const char* const first = data + (page * stride[0] + kv_head * stride[1] + slot * stride[2]) * item;
+            const int64_t step = stride[2] * item;
+            for (int64_t t = 0; t < count; ++t) dst[j0 + t] = first + t * step;
+        };
+        const auto scales = [&](float* dst, const float* data, const int64_t* stride) {
+            const float* const first = data + page * stride[0] + kv_head * stride[1] + slot * stride[2];
+            const int64_t step = stride[2];
+            for (int64_t t = 0; t < count; ++t) dst[j0 + t] = first[t * step];
+        };
+        if (key_rows != nullptr) rows(key_rows, k_data, p.k.stride);
+        if (value_rows != nullptr) rows(value_rows, v_data, p.v.stride);
+        if (key_scales != nullptr) scales(key_scales, p.k_scale.data, p.k_scale.stride);
+        if (value_scales != nullptr) scales(value_scales, p.v_scale.data, p.v_scale.stride);
     };
     if (p.pages.data == nullptr) {
-        for (int64_t j = 0; j < n; ++j) fill(j, b, key_begin + j);
+        fill_run(0, b, key_begin, n);
         return;
     }
+    // Paged: one run per page, the first from key_begin's slot.
     int64_t entry = key_begin / p.pages.block_size, slot = key_begin % p.pages.block_size;
     for (int64_t j = 0; j < n; ++entry, slot = 0) {
         const int64_t page = p.pages.data[entry * p.pages.stride];
-        for (; slot < p.pages.block_size && j < n; ++slot, ++j) fill(j, page, slot);
+        const int64_t count = p.pages.block_size - slot < n - j ? p.pages.block_size - slot : n - j;
+        fill_run(j, page, slot, count);
+        j += count;
     }
 }
 

@@ -92,32 +92,50 @@ pub unsafe fn flash_key_rows(
     key_scales: *mut f32,
     value_scales: *mut f32,
 ) {
+    if n == 0 {
+        return;
+    }
     let item = if p.kv_int8 { 1 } else { p.dtype.size() as i64 };
     let kv_head = kv_head as i64;
-    // Element offsets of key j: page * stride[0] + kv_head * stride[1] + slot * stride[2], the
-    // page b and the slot j when dense; the block table's entry and j's place in it when paged.
+    // A run of count keys from output j0 on: consecutive slots from `slot` of page `page` (the
+    // sequence b when dense). Entry offsets are page * stride[0] + kv_head * stride[1] + slot *
+    // stride[2], in elements; within a run each output steps by its own stride[2] from the first
+    // key's entry, one loop per output, with no multiply per key.
     // SAFETY: forwarded from this function's contract.
-    let fill = |j: usize, page: i64, slot: i64| unsafe {
-        let at = |stride: &[i64]| page * stride[0] + kv_head * stride[1] + slot * stride[2];
+    let fill_run = |j0: usize, page: i64, slot: i64, count: usize| unsafe {
+        let first = |stride: &[i64]| page * stride[0] + kv_head * stride[1] + slot * stride[2];
+        let rows = |dst: *mut *const u8, data: *const u8, stride: &[i64]| {
+            let first = data.offset((first(stride) * item) as isize);
+            let step = (stride[2] * item) as isize;
+            for t in 0..count {
+                *dst.add(j0 + t) = first.offset(t as isize * step);
+            }
+        };
+        let scales = |dst: *mut f32, data: *const f32, stride: &[i64]| {
+            let first = data.offset(first(stride) as isize);
+            let step = stride[2] as isize;
+            for t in 0..count {
+                *dst.add(j0 + t) = *first.offset(t as isize * step);
+            }
+        };
         if !key_rows.is_null() {
-            *key_rows.add(j) = p.k.data.offset((at(&p.k.stride) * item) as isize);
+            rows(key_rows, p.k.data, &p.k.stride);
         }
         if !value_rows.is_null() {
-            *value_rows.add(j) = p.v.data.offset((at(&p.v.stride) * item) as isize);
+            rows(value_rows, p.v.data, &p.v.stride);
         }
         if !key_scales.is_null() {
-            *key_scales.add(j) = *p.k_scale.data.offset(at(&p.k_scale.stride) as isize);
+            scales(key_scales, p.k_scale.data, &p.k_scale.stride);
         }
         if !value_scales.is_null() {
-            *value_scales.add(j) = *p.v_scale.data.offset(at(&p.v_scale.stride) as isize);
+            scales(value_scales, p.v_scale.data, &p.v_scale.stride);
         }
     };
     if p.pages.data.is_null() {
-        for j in 0..n {
-            fill(j, b as i64, (key_begin + j) as i64);
-        }
+        fill_run(0, b as i64, key_begin as i64, n);
         return;
     }
+    // Paged: one run per page, the first from key_begin's slot.
     let block_size = p.pages.block_size as usize;
     let (mut entry, mut slot) = (key_begin / block_size, key_begin % block_size);
     let mut j = 0;
@@ -128,11 +146,9 @@ pub unsafe fn flash_key_rows(
                 .data
                 .offset(entry as isize * p.pages.stride as isize)
         });
-        while slot < block_size && j < n {
-            fill(j, page, slot as i64);
-            slot += 1;
-            j += 1;
-        }
+        let count = (block_size - slot).min(n - j);
+        fill_run(j, page, slot as i64, count);
+        j += count;
         entry += 1;
         slot = 0;
     }
