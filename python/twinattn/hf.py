@@ -56,6 +56,7 @@ those very views: attention over the dequantized keys and values, read in place.
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 from typing import Any, Optional
 
@@ -76,7 +77,8 @@ from transformers.masking_utils import (
 
 from ._torch_views import NUMPY_DTYPES, array, tensor
 from .core import api
-from .core._threads import threads_for
+from .core._backends import NATIVE_PORTS, _load
+from .core._threads import get_num_threads, threads_for
 from .hf_serving import PAGES, accept_in_continuous_batching, attention_variants, continuous_batching_config, packed_attention_forward
 from .nn.cache import KVCache
 from .torch import attention
@@ -254,6 +256,12 @@ def attention_forward(
             cu_seq_lens_k=kwargs["cu_seq_lens_k"], causal=causal, sliding_window=sliding_window, softcap=softcap,
             s_aux=sinks, pages=kwargs.get(PAGES),
         )
+    if attention_mask is None and causal and not softcap and sinks is None:
+        # every layer of every decode step over a TwinattnCache (or the DynamicCache a twinattn
+        # model's forward makes): the native call itself when that is what twinattn.attention would make
+        step = _decode_step(query, key, value, scaling, sliding_window)
+        if step is not None:
+            return step, None
     batch, q_heads, q_len, _ = query.shape
     k_len = key.shape[2]
 
@@ -335,6 +343,74 @@ def attention_forward(
         **variants,
     )
     return (result.transpose(1, 2) if out is None else out), None
+
+
+def _decode_step(query: Any, key: Any, value: Any, scaling: Any, sliding_window: Any) -> Any:
+    """attention_forward of one decode step, causal, without a mask, softcap or sinks, over the key
+    and value views a cache layer has just handed over (_CacheViews), in eager mode without
+    gradients: query (B, Hq, 1, D) -> (B, 1, Hq, Dv); else None (nothing handed over then).
+
+    Bit for bit twinattn.attention on the handed-over arrays as attention_forward calls it (first
+    native port, same threads), without its Python checks, which cost more than such a step's
+    native call (30 layers a step): the keys and values are the cache's own buffers, checked as
+    they were stored, and what twinattn.attention would check of the rest (the query's dtype,
+    shape and last stride, the scale, the window) is checked here to pass unchanged. Anything else
+    returns None, and attention_forward's checked call says what is wrong."""
+    views = _cache_views
+    if (
+        key is not views.keys or value is not views.values or views.scales is not None or type(query) is not torch.Tensor
+        or (sliding_window is not None and (type(sliding_window) is not int or sliding_window < 1))
+        or _is_dynamo_compiling() or (query.requires_grad and torch.is_grad_enabled())
+    ):
+        return None
+    keys, values = views.arrays
+    q = array("query", query)
+    shape, kv_shape = q.shape, keys.shape
+    if len(shape) != 4 or shape[2] != 1 or q.dtype != keys.dtype or q.dtype != values.dtype:
+        return None
+    batch, q_heads, _, head_dim = shape
+    kv_batch, kv_heads, k_len, k_dim = kv_shape
+    value_dim = values.shape[3]
+    if not (
+        kv_batch == batch and k_dim == head_dim and values.shape[:3] == kv_shape[:3] and k_len
+        and kv_heads and q_heads % kv_heads == 0
+        and (head_dim <= 1 or q.strides[3] == q.itemsize and keys.strides[3] == keys.itemsize)
+        and (value_dim <= 1 or values.strides[3] == values.itemsize)
+    ):
+        return None
+    if scaling is None:
+        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    elif type(scaling) is float and abs(scaling) < api._FLOAT32_OVERFLOW:
+        scale = scaling  # a finite float, which twinattn.attention takes as it is
+    else:
+        return None
+    # backend="auto": the first native port built (_load raises, as there, for one that refuses to load)
+    for port in NATIVE_PORTS:
+        module = _load(port)
+        if module is not None:
+            break
+    else:
+        return None
+    views.keys = views.values = views.arrays = None  # handed over once
+    # attention_forward's threads (threads_for), the same work counted the same way
+    num_threads = threads_for(q_heads * k_len * (head_dim + value_dim), beside_spinning_threads=q.dtype != _FLOAT32)
+    out = np.empty((batch, q_heads, 1, value_dim), dtype=q.dtype)
+    offsets, lens = api._filled(batch, k_len - 1), api._filled(batch, k_len)
+    # twinattn.attention's arguments, less those it passes at their defaults (None, 0); a causal
+    # window is (sliding_window - 1, 0), its right side capped at 0 as twinattn.attention caps it
+    threads = get_num_threads() if num_threads is None else num_threads
+    if sliding_window is None:
+        module.attention_forward(q, keys, values, out, scale=scale, q_offset=offsets, kv_lens=lens, causal=True, num_threads=threads)
+    else:
+        module.attention_forward(
+            q, keys, values, out, scale=scale, q_offset=offsets, kv_lens=lens, causal=True, num_threads=threads,
+            window_left=sliding_window - 1, window_right=0,
+        )
+    # (B, Hq, 1, Dv) is (B, 1, Hq, Dv) in memory: the model's layout
+    return tensor(out.reshape(batch, 1, q_heads, value_dim))
+
+
+_FLOAT32 = np.dtype(np.float32)
 
 
 class _CacheViews(threading.local):
