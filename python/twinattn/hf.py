@@ -483,23 +483,24 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         if stores is not None and key_states.dtype is owner._dtype and value_states.dtype is owner._dtype:
             if not (key_states.requires_grad or value_states.requires_grad):
                 new_keys, new_values = array("key_states", key_states), array("value_states", value_states)
-                keys, values = stores[self._layer_idx]
-                start = owner._lengths[self._layer_idx]
-                end = start + new_keys.shape[2]
-                shape = new_keys.shape
+                layer = self._layer_idx
+                keys, values = stores[layer]
+                start = owner._lengths[layer]
+                shape, stored = new_keys.shape, keys.shape
+                end = start + shape[2]
                 if (
-                    end <= owner.max_cache_len
-                    and shape[0] == keys.shape[0] and shape[1] == keys.shape[1] and shape[3] == keys.shape[3]
+                    end <= owner.max_cache_len and shape[0] == stored[0] and shape[1] == stored[1] and shape[3] == stored[3]
                     and new_values.shape == shape
                 ):
                     self.is_initialized = True
                     keys[:, :, start:end] = new_keys
                     values[:, :, start:end] = new_values
-                    owner._set_length(self._layer_idx, end)
+                    owner._set_length(layer, end)
                     keys, values = keys[:, :, :end], values[:, :, :end]
-                    self.keys, self.values = tensor(keys), tensor(values)
-                    _hand_over(self.keys, self.values, (keys, values))
-                    return self.keys, self.values
+                    self.keys, self.values = key_tensor, value_tensor = tensor(keys), tensor(values)
+                    views = _cache_views  # (_hand_over, inline)
+                    views.keys, views.values, views.arrays, views.scales = key_tensor, value_tensor, (keys, values), None
+                    return key_tensor, value_tensor
         return self._update_checked(key_states, value_states)
 
     def _update_checked(self, key_states: Any, value_states: Any) -> tuple[Any, Any]:
@@ -611,6 +612,12 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         self._lengths = [0] * num_layers
         super().__init__(layers=[_TwinattnLayer(self, i) for i in range(num_layers)])
 
+    def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Cache.update: the layer's update (a TwinattnCache has all its layers from the start and
+        never offloads them, the two things Cache.update checks for on each call first)."""
+        keys, values = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        return keys, values
+
     def _allocate(self, key_states: Any, value_states: Any) -> None:
         if self.kv is not None:
             return
@@ -691,7 +698,8 @@ class _AppendingLayer(DynamicLayer):  # type: ignore[misc]
 
     keys: Any
     values: Any
-    # the NumPy buffers (B, Hkv, capacity, D) and the tensors update last returned (views of them)
+    # the NumPy buffers (B, Hkv, capacity, D), and the tensors update last returned (views of
+    # them) with their length
     _buffers: Any = None
     _returned: Any = None
 
@@ -702,34 +710,38 @@ class _AppendingLayer(DynamicLayer):  # type: ignore[misc]
         if (
             value_states.dtype is not dtype
             or dtype not in NUMPY_DTYPES
-            or key_states.device.type != "cpu"
+            or not key_states.is_cpu
             or key_states.requires_grad
             or value_states.requires_grad
             or _is_dynamo_compiling()
         ):
             return self._concatenated(key_states, value_states, *args, **kwargs)
         new_keys, new_values = array("key_states", key_states), array("value_states", value_states)
-        stored_keys: Any = self.keys
-        stored_values: Any = self.values
         returned, buffers = self._returned, self._buffers
-        if returned is None or returned[0] is not stored_keys or returned[1] is not stored_values:
+        if returned is not None and returned[0] is self.keys and returned[1] is self.values:
+            start = returned[2]  # what update last returned is still what keys and values are
+        else:
             buffers = None  # new tensors since the last update (or none yet): copied below
-        start = stored_keys.shape[2] if stored_keys.dim() == 4 else 0
+            stored_keys: Any = self.keys
+            start = stored_keys.shape[2] if stored_keys.dim() == 4 else 0
         end = start + new_keys.shape[2]
         if buffers is None or end > buffers[0].shape[2] or buffers[0].dtype != new_keys.dtype:
             buffers = self._grow(new_keys, new_values, start, 2 * end)
-        if buffers is None or any(
-            (new.shape[:2], new.shape[3]) != (buffer.shape[:2], buffer.shape[3])
-            for new, buffer in zip((new_keys, new_values), buffers)
+        if buffers is None:
+            return self._concatenated(key_states, value_states, *args, **kwargs)
+        key_buffer, value_buffer = buffers
+        new_key_shape, new_value_shape, key_shape, value_shape = new_keys.shape, new_values.shape, key_buffer.shape, value_buffer.shape
+        if (
+            new_key_shape[:2] != key_shape[:2] or new_key_shape[3] != key_shape[3]
+            or new_value_shape[:2] != value_shape[:2] or new_value_shape[3] != value_shape[3]
         ):
             # stored and new states of other batches, heads or widths: torch.cat says how
             return self._concatenated(key_states, value_states, *args, **kwargs)
-        key_buffer, value_buffer = buffers
         key_buffer[:, :, start:end] = new_keys
         value_buffer[:, :, start:end] = new_values
         keys, values = key_buffer[:, :, :end], value_buffer[:, :, :end]
         self.keys, self.values = key_tensor, value_tensor = tensor(keys), tensor(values)
-        self._buffers, self._returned = buffers, (key_tensor, value_tensor)
+        self._buffers, self._returned = buffers, (key_tensor, value_tensor, end)
         _hand_over(key_tensor, value_tensor, (keys, values))
         return key_tensor, value_tensor
 
