@@ -31,6 +31,7 @@ hf = import_optional("twinattn.hf", "the Hugging Face integration")
 
 import twinattn  # noqa: E402
 import twinattn.models  # noqa: E402
+from twinattn._torch_views import array as numpy_view  # noqa: E402
 from hf_helpers import BF16_FLOOR_ULPS, BF16_ROUNDOFF, cache_kw, forward_logits, one_thread, tolerance  # noqa: E402, F401
 from transformers.cache_utils import DynamicCache  # noqa: E402
 
@@ -295,6 +296,80 @@ def test_int8_scales_reach_only_the_call_with_the_caches_own_views() -> None:
     for k8, v8 in ((keys, values), (keys.clone(), values.clone())):  # handed over already; a copy
         with pytest.raises(TypeError, match="int8 keys and values reach twinattn with their scales only from a TwinattnCache"):
             hf.attention_forward(torch.nn.Module(), query, k8, v8, None)
+
+
+def _decode_views(make: str, dtype: Any, rng: Any) -> tuple[Any, Any, Any, Any]:
+    """A 7-token prompt then one decode token through a TwinattnCache layer or the DynamicCache
+    layer a twinattn model's forward makes (_AppendingLayer): the key and value views the decode
+    step's update handed over, that step's query (B=2, Hq=6, Hkv=3, D=8, a transposed view as the
+    model's) and the NumPy keys and values to compare with."""
+    layer = hf.TwinattnCache(max_cache_len=16, num_layers=1).layers[0] if make == "TwinattnCache" else hf._AppendingLayer()
+    prompt, token = ([torch.from_numpy(rng.standard_normal((2, 3, n, 8), dtype=np.float32)).to(dtype) for _ in range(2)] for n in (7, 1))
+    layer.update(*prompt)
+    keys, values = layer.update(*token)
+    query = torch.from_numpy(rng.standard_normal((2, 1, 6, 8), dtype=np.float32)).to(dtype).transpose(1, 2)
+    arrays = [numpy_view(name, t) for name, t in (("keys", keys), ("values", values))]
+    return query, keys, values, arrays
+
+
+@pytest.mark.parametrize("make", ["TwinattnCache", "_AppendingLayer"])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_a_decode_step_over_the_caches_views_is_the_native_call_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch, make: str, window: int | None, dtype: str
+) -> None:
+    # a decode step over the views a cache layer just handed over skips twinattn.attention's
+    # checks (hf._decode_step), and gives exactly what twinattn.attention gives on the same arrays
+    query, keys, values, arrays = _decode_views(make, getattr(torch, dtype), np.random.default_rng(5))
+    want = twinattn.attention(
+        numpy_view("query", query), *arrays, causal=True, scale=0.3, **({} if window is None else {"window_size": (window - 1, 0)})
+    )
+    calls: list[Any] = []
+    checked = hf.api.attention
+    monkeypatch.setattr(hf.api, "attention", lambda *args, **kwargs: calls.append(args) or checked(*args, **kwargs))
+    variants = {} if window is None else {"sliding_window": window}
+    got, _ = hf.attention_forward(torch.nn.Module(), query, keys, values, None, scaling=0.3, **variants)
+    assert calls == [] and got.shape == (2, 1, 6, 8) and got.dtype == query.dtype and keys.shape[2] == 8
+    assert np.array_equal(numpy_view("out", got.transpose(1, 2)).view(np.uint8), want.view(np.uint8))
+    # handed over once: the same views again are read through the checked call
+    hf.attention_forward(torch.nn.Module(), query, keys, values, None, scaling=0.3, **variants)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    "case", ["scale not a float", "query with a non-unit last stride", "grad", "dtype", "padding mask", "bidirectional"]
+)
+def test_a_decode_step_the_fast_path_does_not_take_goes_through_the_checked_call(case: str) -> None:
+    # what _decode_step does not check itself goes where it went before: twinattn.attention (or,
+    # for a query that requires grad, twinattn.torch's op), with the same result, or its error
+    query, keys, values, arrays = _decode_views("TwinattnCache", torch.float32, np.random.default_rng(6))
+    scaling: Any = 0.3
+    mask, is_causal, want_error = None, True, None
+    if case == "scale not a float":
+        scaling = np.float32(0.3)
+    elif case == "query with a non-unit last stride":
+        query = query.repeat_interleave(2, dim=-1)[..., ::2]
+        assert query.stride(-1) == 2
+    elif case == "grad":
+        query = query.clone().requires_grad_(True)
+    elif case == "dtype":
+        query, want_error = query.double(), TypeError
+    elif case == "padding mask":
+        mask = torch.ones(2, 8, dtype=torch.bool)
+        mask[1, :2] = False
+    else:
+        is_causal = False
+    if want_error is not None:
+        with pytest.raises(want_error):
+            hf.attention_forward(torch.nn.Module(), query, keys, values, mask, scaling=scaling, is_causal=is_causal)
+        return
+    got, _ = hf.attention_forward(torch.nn.Module(), query, keys, values, mask, scaling=scaling, is_causal=is_causal)
+    want = twinattn.attention(
+        query.detach().numpy(), *arrays, causal=is_causal, scale=float(scaling),
+        attn_mask=None if mask is None else mask.numpy()[:, None, None, :],
+    )
+    assert np.array_equal(got.detach().transpose(1, 2).numpy(), want)
+    assert got.requires_grad == (case == "grad")
 
 
 # ---- SmolLM2 in bfloat16 -------------------------------------------------------------------------

@@ -56,6 +56,7 @@ those very views: attention over the dequantized keys and values, read in place.
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 from typing import Any, Optional
 
@@ -76,7 +77,8 @@ from transformers.masking_utils import (
 
 from ._torch_views import NUMPY_DTYPES, array, tensor
 from .core import api
-from .core._threads import threads_for
+from .core._backends import NATIVE_PORTS, _load
+from .core._threads import get_num_threads, threads_for
 from .hf_serving import PAGES, accept_in_continuous_batching, attention_variants, continuous_batching_config, packed_attention_forward
 from .nn.cache import KVCache
 from .torch import attention
@@ -254,6 +256,12 @@ def attention_forward(
             cu_seq_lens_k=kwargs["cu_seq_lens_k"], causal=causal, sliding_window=sliding_window, softcap=softcap,
             s_aux=sinks, pages=kwargs.get(PAGES),
         )
+    if attention_mask is None and causal and not softcap and sinks is None:
+        # every layer of every decode step over a TwinattnCache (or the DynamicCache a twinattn
+        # model's forward makes): the native call itself when that is what twinattn.attention would make
+        step = _decode_step(query, key, value, scaling, sliding_window)
+        if step is not None:
+            return step, None
     batch, q_heads, q_len, _ = query.shape
     k_len = key.shape[2]
 
@@ -337,6 +345,74 @@ def attention_forward(
     return (result.transpose(1, 2) if out is None else out), None
 
 
+def _decode_step(query: Any, key: Any, value: Any, scaling: Any, sliding_window: Any) -> Any:
+    """attention_forward of one decode step, causal, without a mask, softcap or sinks, over the key
+    and value views a cache layer has just handed over (_CacheViews), in eager mode without
+    gradients: query (B, Hq, 1, D) -> (B, 1, Hq, Dv); else None (nothing handed over then).
+
+    Bit for bit twinattn.attention on the handed-over arrays as attention_forward calls it (first
+    native port, same threads), without its Python checks, which cost more than such a step's
+    native call (30 layers a step): the keys and values are the cache's own buffers, checked as
+    they were stored, and what twinattn.attention would check of the rest (the query's dtype,
+    shape and last stride, the scale, the window) is checked here to pass unchanged. Anything else
+    returns None, and attention_forward's checked call says what is wrong."""
+    views = _cache_views
+    if (
+        key is not views.keys or value is not views.values or views.scales is not None or type(query) is not torch.Tensor
+        or (sliding_window is not None and (type(sliding_window) is not int or sliding_window < 1))
+        or _is_dynamo_compiling() or (query.requires_grad and torch.is_grad_enabled())
+    ):
+        return None
+    keys, values = views.arrays
+    q = array("query", query)
+    shape, kv_shape = q.shape, keys.shape
+    if len(shape) != 4 or shape[2] != 1 or q.dtype != keys.dtype or q.dtype != values.dtype:
+        return None
+    batch, q_heads, _, head_dim = shape
+    kv_batch, kv_heads, k_len, k_dim = kv_shape
+    value_dim = values.shape[3]
+    if not (
+        kv_batch == batch and k_dim == head_dim and values.shape[:3] == kv_shape[:3] and k_len
+        and kv_heads and q_heads % kv_heads == 0
+        and (head_dim <= 1 or q.strides[3] == q.itemsize and keys.strides[3] == keys.itemsize)
+        and (value_dim <= 1 or values.strides[3] == values.itemsize)
+    ):
+        return None
+    if scaling is None:
+        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    elif type(scaling) is float and abs(scaling) < api._FLOAT32_OVERFLOW:
+        scale = scaling  # a finite float, which twinattn.attention takes as it is
+    else:
+        return None
+    # backend="auto": the first native port built (_load raises, as there, for one that refuses to load)
+    for port in NATIVE_PORTS:
+        module = _load(port)
+        if module is not None:
+            break
+    else:
+        return None
+    views.keys = views.values = views.arrays = None  # handed over once
+    # attention_forward's threads (threads_for), the same work counted the same way
+    num_threads = threads_for(q_heads * k_len * (head_dim + value_dim), beside_spinning_threads=q.dtype != _FLOAT32)
+    out = np.empty((batch, q_heads, 1, value_dim), dtype=q.dtype)
+    offsets, lens = api._filled(batch, k_len - 1), api._filled(batch, k_len)
+    # twinattn.attention's arguments, less those it passes at their defaults (None, 0); a causal
+    # window is (sliding_window - 1, 0), its right side capped at 0 as twinattn.attention caps it
+    threads = get_num_threads() if num_threads is None else num_threads
+    if sliding_window is None:
+        module.attention_forward(q, keys, values, out, scale=scale, q_offset=offsets, kv_lens=lens, causal=True, num_threads=threads)
+    else:
+        module.attention_forward(
+            q, keys, values, out, scale=scale, q_offset=offsets, kv_lens=lens, causal=True, num_threads=threads,
+            window_left=sliding_window - 1, window_right=0,
+        )
+    # (B, Hq, 1, Dv) is (B, 1, Hq, Dv) in memory: the model's layout
+    return tensor(out.reshape(batch, 1, q_heads, value_dim))
+
+
+_FLOAT32 = np.dtype(np.float32)
+
+
 class _CacheViews(threading.local):
     """The key and value views a TwinattnCache layer last returned on this thread, with their
     NumPy views and, from an int8 cache, their float32 scales. transformers calls the cache's
@@ -407,23 +483,24 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         if stores is not None and key_states.dtype is owner._dtype and value_states.dtype is owner._dtype:
             if not (key_states.requires_grad or value_states.requires_grad):
                 new_keys, new_values = array("key_states", key_states), array("value_states", value_states)
-                keys, values = stores[self._layer_idx]
-                start = owner._lengths[self._layer_idx]
-                end = start + new_keys.shape[2]
-                shape = new_keys.shape
+                layer = self._layer_idx
+                keys, values = stores[layer]
+                start = owner._lengths[layer]
+                shape, stored = new_keys.shape, keys.shape
+                end = start + shape[2]
                 if (
-                    end <= owner.max_cache_len
-                    and shape[0] == keys.shape[0] and shape[1] == keys.shape[1] and shape[3] == keys.shape[3]
+                    end <= owner.max_cache_len and shape[0] == stored[0] and shape[1] == stored[1] and shape[3] == stored[3]
                     and new_values.shape == shape
                 ):
                     self.is_initialized = True
                     keys[:, :, start:end] = new_keys
                     values[:, :, start:end] = new_values
-                    owner._set_length(self._layer_idx, end)
+                    owner._set_length(layer, end)
                     keys, values = keys[:, :, :end], values[:, :, :end]
-                    self.keys, self.values = tensor(keys), tensor(values)
-                    _hand_over(self.keys, self.values, (keys, values))
-                    return self.keys, self.values
+                    self.keys, self.values = key_tensor, value_tensor = tensor(keys), tensor(values)
+                    views = _cache_views  # (_hand_over, inline)
+                    views.keys, views.values, views.arrays, views.scales = key_tensor, value_tensor, (keys, values), None
+                    return key_tensor, value_tensor
         return self._update_checked(key_states, value_states)
 
     def _update_checked(self, key_states: Any, value_states: Any) -> tuple[Any, Any]:
@@ -535,6 +612,12 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         self._lengths = [0] * num_layers
         super().__init__(layers=[_TwinattnLayer(self, i) for i in range(num_layers)])
 
+    def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """Cache.update: the layer's update (a TwinattnCache has all its layers from the start and
+        never offloads them, the two things Cache.update checks for on each call first)."""
+        keys, values = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+        return keys, values
+
     def _allocate(self, key_states: Any, value_states: Any) -> None:
         if self.kv is not None:
             return
@@ -615,7 +698,8 @@ class _AppendingLayer(DynamicLayer):  # type: ignore[misc]
 
     keys: Any
     values: Any
-    # the NumPy buffers (B, Hkv, capacity, D) and the tensors update last returned (views of them)
+    # the NumPy buffers (B, Hkv, capacity, D), and the tensors update last returned (views of
+    # them) with their length
     _buffers: Any = None
     _returned: Any = None
 
@@ -626,34 +710,38 @@ class _AppendingLayer(DynamicLayer):  # type: ignore[misc]
         if (
             value_states.dtype is not dtype
             or dtype not in NUMPY_DTYPES
-            or key_states.device.type != "cpu"
+            or not key_states.is_cpu
             or key_states.requires_grad
             or value_states.requires_grad
             or _is_dynamo_compiling()
         ):
             return self._concatenated(key_states, value_states, *args, **kwargs)
         new_keys, new_values = array("key_states", key_states), array("value_states", value_states)
-        stored_keys: Any = self.keys
-        stored_values: Any = self.values
         returned, buffers = self._returned, self._buffers
-        if returned is None or returned[0] is not stored_keys or returned[1] is not stored_values:
+        if returned is not None and returned[0] is self.keys and returned[1] is self.values:
+            start = returned[2]  # what update last returned is still what keys and values are
+        else:
             buffers = None  # new tensors since the last update (or none yet): copied below
-        start = stored_keys.shape[2] if stored_keys.dim() == 4 else 0
+            stored_keys: Any = self.keys
+            start = stored_keys.shape[2] if stored_keys.dim() == 4 else 0
         end = start + new_keys.shape[2]
         if buffers is None or end > buffers[0].shape[2] or buffers[0].dtype != new_keys.dtype:
             buffers = self._grow(new_keys, new_values, start, 2 * end)
-        if buffers is None or any(
-            (new.shape[:2], new.shape[3]) != (buffer.shape[:2], buffer.shape[3])
-            for new, buffer in zip((new_keys, new_values), buffers)
+        if buffers is None:
+            return self._concatenated(key_states, value_states, *args, **kwargs)
+        key_buffer, value_buffer = buffers
+        new_key_shape, new_value_shape, key_shape, value_shape = new_keys.shape, new_values.shape, key_buffer.shape, value_buffer.shape
+        if (
+            new_key_shape[:2] != key_shape[:2] or new_key_shape[3] != key_shape[3]
+            or new_value_shape[:2] != value_shape[:2] or new_value_shape[3] != value_shape[3]
         ):
             # stored and new states of other batches, heads or widths: torch.cat says how
             return self._concatenated(key_states, value_states, *args, **kwargs)
-        key_buffer, value_buffer = buffers
         key_buffer[:, :, start:end] = new_keys
         value_buffer[:, :, start:end] = new_values
         keys, values = key_buffer[:, :, :end], value_buffer[:, :, :end]
         self.keys, self.values = key_tensor, value_tensor = tensor(keys), tensor(values)
-        self._buffers, self._returned = buffers, (key_tensor, value_tensor)
+        self._buffers, self._returned = buffers, (key_tensor, value_tensor, end)
         _hand_over(key_tensor, value_tensor, (keys, values))
         return key_tensor, value_tensor
 
