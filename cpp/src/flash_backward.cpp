@@ -148,6 +148,12 @@ CallerBuffers& caller_buffers() {
     return buffers;
 }
 
+// What one thread's scratch is sized for: D, Dv and the rows of dQ sums (a tile's kQTileRows,
+// or a head's rows_per_group in the fused pass).
+struct ScratchShape {
+    int64_t head_dim, value_dim, query_grad_rows;
+};
+
 // One thread's tiles (grown on demand, kept for the thread's life):
 //   row_buffer (2 Dv)                 one row of out and of dO (pass 1)
 //   row_delta, row_lse (kQTileRows)   Drow and lse * log2(e) of the tile's rows
@@ -159,7 +165,8 @@ struct BackwardScratch {
     std::vector<float> row_buffer, row_delta, row_lse, scores, capped, grads, key_grad, value_grad, query_grad;
     std::vector<int64_t> row_key_begin, row_key_end;
 
-    void ensure(int64_t D, int64_t Dv, int64_t query_grad_rows) {
+    void ensure(const ScratchShape& shape) {
+        const int64_t D = shape.head_dim, Dv = shape.value_dim;
         const auto grow = [](std::vector<float>& buffer, int64_t count) {
             if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(static_cast<size_t>(count));
         };
@@ -171,7 +178,7 @@ struct BackwardScratch {
         grow(grads, kQTileRows * kKeyBlock);
         grow(key_grad, kBackwardKeyBlock * D);
         grow(value_grad, kBackwardKeyBlock * Dv);
-        grow(query_grad, query_grad_rows * D);
+        grow(query_grad, shape.query_grad_rows * D);
         if (static_cast<int64_t>(row_key_end.size()) < kQTileRows) {
             row_key_begin.resize(kQTileRows);
             row_key_end.resize(kQTileRows);
@@ -185,12 +192,12 @@ BackwardScratch& backward_scratch() {
 }
 
 // parallel_for over `items` (thread_pool.hpp), each run as fn(index, scratch) with the calling
-// thread's scratch, sized for D, Dv and query_grad_rows rows of dQ sums.
+// thread's scratch, sized for `shape`.
 template <typename Fn>
-void for_each_item(int64_t items, int num_threads, int64_t D, int64_t Dv, int64_t query_grad_rows, const Fn& fn) {
+void for_each_item(int64_t items, int num_threads, const ScratchShape& shape, const Fn& fn) {
     parallel_for(items, num_threads, [&](int64_t index, int) {
         BackwardScratch& s = backward_scratch();
-        s.ensure(D, Dv, query_grad_rows);
+        s.ensure(shape);
         fn(index, s);
     });
 }
@@ -500,20 +507,21 @@ void gradient_passes(const BackwardPlan& plan, int num_threads) {
     const AttentionProblem& p = plan.problem->forward;
     const int64_t B = p.q.shape[0], D = p.q.shape[3], Hkv = p.k.shape[1], Dv = p.v.shape[3];
     const int64_t key_blocks = plan.packed.key_blocks, rows_per_group = plan.flash.rows_per_group;
+    const ScratchShape tiles{D, Dv, kQTileRows};
     if (plan.fused) {  // 2 and 3 in one, per head
-        for_each_item(B * Hkv, num_threads, D, Dv, rows_per_group,
+        for_each_item(B * Hkv, num_threads, ScratchShape{D, Dv, rows_per_group},
                       [&](int64_t head, BackwardScratch& s) { head_gradients<T>(plan, head / Hkv, head % Hkv, s); });
         return;
     }
     // 2. dK, dV.
-    for_each_item(B * Hkv * key_blocks, num_threads, D, Dv, kQTileRows, [&](int64_t index, BackwardScratch& s) {
+    for_each_item(B * Hkv * key_blocks, num_threads, tiles, [&](int64_t index, BackwardScratch& s) {
         const int64_t head = index / key_blocks;
         key_block_gradients<T>(plan, head / Hkv, head % Hkv, index % key_blocks * kBackwardKeyBlock, s, nullptr);
     });
     // 3. dQ.
-    const int64_t tiles = ceil_div(rows_per_group, kQTileRows);
-    for_each_item(B * Hkv * tiles, num_threads, D, Dv, kQTileRows, [&](int64_t index, BackwardScratch& s) {
-        const int64_t head = index / tiles, row_begin = index % tiles * kQTileRows;
+    const int64_t query_tiles = ceil_div(rows_per_group, kQTileRows);
+    for_each_item(B * Hkv * query_tiles, num_threads, tiles, [&](int64_t index, BackwardScratch& s) {
+        const int64_t head = index / query_tiles, row_begin = index % query_tiles * kQTileRows;
         const WorkItem tile{head / Hkv, head % Hkv, row_begin, std::min(row_begin + kQTileRows, rows_per_group),
                             0, 0, -1};
         query_tile_gradients<T>(plan, tile, s);
@@ -532,7 +540,8 @@ void backward_passes(const BackwardProblem& bp, int num_threads) {
 
     // 1. Drow, then dsinks.
     std::vector<float> delta(static_cast<size_t>(B * Hq * Lq));
-    for_each_item(B * Hq, num_threads, D, Dv, kQTileRows, [&](int64_t head, BackwardScratch& s) {
+    const ScratchShape tiles{D, Dv, kQTileRows};
+    for_each_item(B * Hq, num_threads, tiles, [&](int64_t head, BackwardScratch& s) {
         row_deltas<T>(bp, head / Hq, head % Hq, delta.data() + head * Lq, s.row_buffer.data());
     });
     if (bp.dsinks.data != nullptr) sink_gradients(bp, delta.data());
@@ -549,7 +558,7 @@ void backward_passes(const BackwardProblem& bp, int num_threads) {
                                 buffers.query_scaled.ensure(packed_rows * D), buffers.dout_rows.ensure(packed_rows * Dv)};
     const bool fused = fused_pass(B * Hkv, num_threads);
     const BackwardPlan plan{&bp, flash_plan(p), delta.data(), kernels, packed, queries, fused};
-    for_each_item(B * Hkv, num_threads, D, Dv, kQTileRows, [&](int64_t head, BackwardScratch&) {
+    for_each_item(B * Hkv, num_threads, tiles, [&](int64_t head, BackwardScratch&) {
         pack_keys<T>(plan, head / Hkv, head % Hkv);
         pack_queries<T>(plan, head / Hkv, head % Hkv);
     });

@@ -241,13 +241,22 @@ struct BackwardScratch {
     row_key_end: Vec<usize>,
 }
 
+/// What one thread's scratch is sized for: D, Dv and the rows of dQ sums (a tile's Q_TILE_ROWS,
+/// or a head's rows_per_group in the fused pass).
+#[derive(Clone, Copy)]
+struct ScratchShape {
+    head_dim: usize,
+    value_dim: usize,
+    query_grad_rows: usize,
+}
+
 impl BackwardScratch {
-    fn ensure(
-        &mut self,
-        head_dim: usize,
-        value_dim: usize,
-        query_grad_rows: usize,
-    ) -> Result<(), ProblemError> {
+    fn ensure(&mut self, shape: ScratchShape) -> Result<(), ProblemError> {
+        let ScratchShape {
+            head_dim,
+            value_dim,
+            query_grad_rows,
+        } = shape;
         fn grow<T: Copy + Default>(buffer: &mut Vec<T>, count: usize) -> Result<(), ProblemError> {
             if buffer.len() < count {
                 *buffer = try_filled(count, T::default())?;
@@ -273,21 +282,18 @@ thread_local! {
 }
 
 /// parallel_for over `items` (thread_pool.rs), each run as f(index, scratch) with the calling
-/// thread's scratch, sized for D, Dv and query_grad_rows rows of dQ sums; the out-of-memory error
-/// when a scratch cannot grow.
+/// thread's scratch, sized for `shape`; the out-of-memory error when a scratch cannot grow.
 fn for_each_item(
     items: usize,
     threads: usize,
-    head_dim: usize,
-    value_dim: usize,
-    query_grad_rows: usize,
+    shape: ScratchShape,
     f: impl Fn(usize, &mut BackwardScratch) + Sync,
 ) -> Result<(), ProblemError> {
     // C++ rethrows a worker's std::bad_alloc on the caller; here the failed item sets this flag.
     let out_of_memory = AtomicBool::new(false);
     parallel_for(items, threads, &|index, _| {
         let done = with_thread_buffers(&BACKWARD_SCRATCH, |s: &mut BackwardScratch| {
-            s.ensure(head_dim, value_dim, query_grad_rows)?;
+            s.ensure(shape)?;
             f(index, s);
             Ok::<(), ProblemError>(())
         });
@@ -901,28 +907,24 @@ unsafe fn backward_passes<T: Element>(
     // 1. Drow, then dsinks.
     let mut delta = try_filled(batch * q_heads * q_len, 0.0f32)?;
     let (problem, delta_rows) = (Shared(bp), Shared(delta.as_mut_ptr()));
-    let items = batch * q_heads;
-    for_each_item(
-        items,
-        threads,
+    let tiles = ScratchShape {
         head_dim,
         value_dim,
-        Q_TILE_ROWS,
-        |head, s| {
-            // SAFETY: item `head` writes only its own Lq floats of delta; the problem is checked.
-            unsafe {
-                let delta =
-                    std::slice::from_raw_parts_mut(delta_rows.get().add(head * q_len), q_len);
-                row_deltas::<T>(
-                    problem.get(),
-                    head / q_heads,
-                    head % q_heads,
-                    delta,
-                    &mut s.row_buffer,
-                );
-            }
-        },
-    )?;
+        query_grad_rows: Q_TILE_ROWS,
+    };
+    for_each_item(batch * q_heads, threads, tiles, |head, s| {
+        // SAFETY: item `head` writes only its own Lq floats of delta; the problem is checked.
+        unsafe {
+            let delta = std::slice::from_raw_parts_mut(delta_rows.get().add(head * q_len), q_len);
+            row_deltas::<T>(
+                problem.get(),
+                head / q_heads,
+                head % q_heads,
+                delta,
+                &mut s.row_buffer,
+            );
+        }
+    })?;
     if !bp.dsinks.data.is_null() {
         // SAFETY: the problem is checked; dsinks comes with sinks.
         unsafe { sink_gradients(bp, &delta) };
@@ -961,22 +963,14 @@ unsafe fn backward_passes<T: Element>(
             queries,
             fused: fused_pass(batch * kv_heads, threads),
         };
-        let items = batch * kv_heads;
-        for_each_item(
-            items,
-            threads,
-            head_dim,
-            value_dim,
-            Q_TILE_ROWS,
-            |head, _| {
-                // SAFETY: item `head` packs only its own head's blocks and rows; the problem is
-                // checked.
-                unsafe {
-                    pack_keys::<T>(&plan, head / kv_heads, head % kv_heads);
-                    pack_queries::<T>(&plan, head / kv_heads, head % kv_heads);
-                }
-            },
-        )?;
+        for_each_item(batch * kv_heads, threads, tiles, |head, _| {
+            // SAFETY: item `head` packs only its own head's blocks and rows; the problem is
+            // checked.
+            unsafe {
+                pack_keys::<T>(&plan, head / kv_heads, head % kv_heads);
+                pack_queries::<T>(&plan, head / kv_heads, head % kv_heads);
+            }
+        })?;
         // SAFETY: forwarded.
         unsafe { gradient_passes::<T>(&plan, threads) }
     })
@@ -994,47 +988,40 @@ unsafe fn gradient_passes<T: Element>(
     let [batch, _, _, head_dim] = p.q.shape.map(|n| n as usize);
     let (kv_heads, value_dim) = (p.k.shape[1] as usize, p.v.shape[3] as usize);
     let (key_blocks, rows_per_group) = (plan.packed.key_blocks, plan.flash.rows_per_group);
+    let tiles = ScratchShape {
+        head_dim,
+        value_dim,
+        query_grad_rows: Q_TILE_ROWS,
+    };
     if plan.fused {
         // 2 and 3 in one, per head
-        return for_each_item(
-            batch * kv_heads,
-            threads,
-            head_dim,
-            value_dim,
-            rows_per_group,
-            |head, s| {
-                // SAFETY: item (b, kv_head) owns the head's dq, dk and dv rows and its dQ sums.
-                unsafe { head_gradients::<T>(plan, head / kv_heads, head % kv_heads, s) };
-            },
-        );
+        let heads = ScratchShape {
+            query_grad_rows: rows_per_group,
+            ..tiles
+        };
+        return for_each_item(batch * kv_heads, threads, heads, |head, s| {
+            // SAFETY: item (b, kv_head) owns the head's dq, dk and dv rows and its dQ sums.
+            unsafe { head_gradients::<T>(plan, head / kv_heads, head % kv_heads, s) };
+        });
     }
     // 2. dK, dV.
-    for_each_item(
-        batch * kv_heads * key_blocks,
-        threads,
-        head_dim,
-        value_dim,
-        Q_TILE_ROWS,
-        |index, s| {
-            let head = index / key_blocks;
-            let key_block = index % key_blocks * BACKWARD_KEY_BLOCK;
-            // SAFETY: item (b, kv_head, key block) owns its keys' dk and dv rows.
-            unsafe {
-                let (b, kv_head) = (head / kv_heads, head % kv_heads);
-                key_block_gradients::<T>(plan, b, kv_head, key_block, s, std::ptr::null_mut())
-            };
-        },
-    )?;
+    for_each_item(batch * kv_heads * key_blocks, threads, tiles, |index, s| {
+        let head = index / key_blocks;
+        let key_block = index % key_blocks * BACKWARD_KEY_BLOCK;
+        // SAFETY: item (b, kv_head, key block) owns its keys' dk and dv rows.
+        unsafe {
+            let (b, kv_head) = (head / kv_heads, head % kv_heads);
+            key_block_gradients::<T>(plan, b, kv_head, key_block, s, std::ptr::null_mut())
+        };
+    })?;
     // 3. dQ.
-    let tiles = rows_per_group.div_ceil(Q_TILE_ROWS);
+    let query_tiles = rows_per_group.div_ceil(Q_TILE_ROWS);
     for_each_item(
-        batch * kv_heads * tiles,
+        batch * kv_heads * query_tiles,
         threads,
-        head_dim,
-        value_dim,
-        Q_TILE_ROWS,
+        tiles,
         |index, s| {
-            let (head, row_begin) = (index / tiles, index % tiles * Q_TILE_ROWS);
+            let (head, row_begin) = (index / query_tiles, index % query_tiles * Q_TILE_ROWS);
             let tile = WorkItem {
                 b: head / kv_heads,
                 kv_head: head % kv_heads,
