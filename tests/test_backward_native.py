@@ -242,7 +242,8 @@ def test_half_precision(ports: dict[str, ModuleType], dtype: Any, case: str, kw:
     ids=["causal", "window_kv_lens", "softcap_alibi_sinks"])
 def test_several_tiles_and_key_blocks(ports: dict[str, ModuleType], num_threads: int, case: str, kw: dict[str, Any]) -> None:
     """GQA 8/2 over 70 positions (280 packed rows: 6 query tiles) and 150 keys (3 key blocks),
-    strided inputs; the result does not depend on the thread count."""
+    strided inputs; the result does not depend on the thread count (3 threads run passes 2 and 3 on
+    its 4 (sequence, KV head) pairs, 1 thread the fused pass: the same bits)."""
     inputs = _problem(3, 2, 8, 2, 70, 150, 20, 12, strided=True)
     kw = {"scale": 0.2, **kw}
     grads = _check(ports, inputs, kw, num_threads)

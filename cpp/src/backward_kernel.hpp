@@ -79,23 +79,34 @@ struct Ops {
     static constexpr int kStripRows = 6;
     static constexpr int strip_vectors() { return W >= 16 ? 4 : 2; }
     static constexpr int kAccumulators = W >= 16 ? 16 : 8;
+    // The `#pragma GCC unroll` on every loop over a register block's rows or vectors (as
+    // flash_kernel.hpp's micro-kernels): unrolled that early, GCC keeps the block in registers;
+    // without them it copied every accumulator through the stack before and after each strip's
+    // loop (77-79 stack accesses per 6 x 4 block on AVX-512; rustc/LLVM never did).
 
     // R rows x NV vectors: rows [r, r + R), the columns from j.
     template <int R, int NV>
     static void product_strip(const PanelProduct& p, int64_t r, int64_t j) {
         const float* a = p.a + r * p.depth;
         Reg acc[R][NV];
+#pragma GCC unroll 8
         for (int i = 0; i < R; ++i)
+#pragma GCC unroll 16
             for (int c = 0; c < NV; ++c) acc[i][c] = V::zero();
         for (int64_t d = 0; d < p.depth; ++d) {
             Reg column[NV];
+#pragma GCC unroll 16
             for (int c = 0; c < NV; ++c) column[c] = V::load(p.panel + d * p.panel_stride + j + c * W);
+#pragma GCC unroll 8
             for (int i = 0; i < R; ++i) {
                 const Reg x = V::broadcast(a[i * p.depth + d]);
+#pragma GCC unroll 16
                 for (int c = 0; c < NV; ++c) acc[i][c] = V::fma(x, column[c], acc[i][c]);
             }
         }
+#pragma GCC unroll 8
         for (int i = 0; i < R; ++i)
+#pragma GCC unroll 16
             for (int c = 0; c < NV; ++c) V::store(p.out + (r + i) * p.out_stride + j + c * W, acc[i][c]);
     }
 
@@ -136,34 +147,44 @@ struct Ops {
         float* y = a.y + o * a.y_stride + d;
         const auto at = [&](int64_t t, int i) { return (o + i) * a.output_stride + t * a.coef_stride; };
         Reg acc[O][NV];
+#pragma GCC unroll 8
         for (int i = 0; i < O; ++i)
+#pragma GCC unroll 16
             for (int c = 0; c < NV; ++c) acc[i][c] = V::load(y + i * a.y_stride + c * W);
         for (int64_t t = 0; t < a.terms; ++t) {
             const float* x_row = a.x + t * a.x_stride + d;
             if constexpr (kGated) {
                 bool live[O];
                 bool all = true;
+#pragma GCC unroll 8
                 for (int i = 0; i < O; ++i) {
                     live[i] = a.gate[at(t, i)] != 0.0f;
                     all = all && live[i];
                 }
                 if (!all) {  // only the live outputs (none: the term is skipped)
+#pragma GCC unroll 8
                     for (int i = 0; i < O; ++i) {
                         if (!live[i]) continue;
                         const Reg factor = V::broadcast(a.coef[at(t, i)]);
+#pragma GCC unroll 16
                         for (int c = 0; c < NV; ++c) acc[i][c] = V::fma(factor, V::load(x_row + c * W), acc[i][c]);
                     }
                     continue;
                 }
             }
             Reg column[NV];
+#pragma GCC unroll 16
             for (int c = 0; c < NV; ++c) column[c] = V::load(x_row + c * W);
+#pragma GCC unroll 8
             for (int i = 0; i < O; ++i) {
                 const Reg factor = V::broadcast(a.coef[at(t, i)]);
+#pragma GCC unroll 16
                 for (int c = 0; c < NV; ++c) acc[i][c] = V::fma(factor, column[c], acc[i][c]);
             }
         }
+#pragma GCC unroll 8
         for (int i = 0; i < O; ++i)
+#pragma GCC unroll 16
             for (int c = 0; c < NV; ++c) V::store(y + i * a.y_stride + c * W, acc[i][c]);
     }
 
@@ -211,6 +232,7 @@ struct Ops {
             }
         }
         if (d < a.n)
+#pragma GCC unroll 8
             for (int i = 0; i < O; ++i) accumulate_tail(a, o + i, d);
     }
 

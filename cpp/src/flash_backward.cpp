@@ -8,7 +8,9 @@
 // rows sums dK and dV over its G query heads without copying K or V.
 //
 //   0. K, K^T and V^T of every (b, kv_head) in float32, packed once per call (the keys a
-//      pass reads: below kv_lens[b]) and shared read-only by every item of passes 2 and 3.
+//      pass reads: below kv_lens[b]), and the query side, Q, Q times the Q multiplier and dO of
+//      every packed row, in float32 once per call; shared read-only by every item of passes 2
+//      and 3.
 //   1. Drow = rowsum(dO * O) of every query row (float32, into a (B, Hq, Lq) buffer); dsinks.
 //   2. dK, dV: items (b, kv_head, key block of kBackwardKeyBlock keys), each owning its dk and
 //      dv rows. For every query tile (kQTileRows packed rows) that sees the block: S recomputed
@@ -17,11 +19,15 @@
 //      1 - tanh^2), dV += P^T dO, dK += scale dS^T Q. Rounded once into dk and dv.
 //   3. dQ: items (b, kv_head, query tile), each owning its dq rows: for every key block the tile
 //      sees, P and dS recomputed as in 2, dQ += scale dS K. Rounded once into dq.
+//
+// Passes 2 and 3 fused (head_gradients, when fused_pass says it pays): items (b, kv_head), each
+// owning the head's dq, dk and dv: pass 2 over the head's key blocks in order, each tile's
+// dQ += scale dS K summed into the head's float32 dQ sums as it goes, so S and dP are computed
+// once.
 // Determinism: every gradient element is summed by the one item that owns it, in a fixed order
 // (query rows ascending for dK and dV, keys ascending for dQ), so the results depend neither on
-// num_threads nor on the schedule. Chosen over per-thread dQ accumulators reduced afterwards:
-// P is computed twice (passes 2 and 3), but nothing is allocated per thread beyond the tiles,
-// and both passes compute each (row, key) by the same function (tile_gradients).
+// num_threads nor on the schedule. The fused pass sums every element in the same order as passes
+// 2 and 3 (the same bits); it trades their finer items for five products instead of seven.
 // The inner products (S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ += dS K) are the
 // instruction set's backward kernels (backward_kernel.hpp, through dispatch.cpp's table): one fma
 // chain per element in a fixed order, so the results depend on the instruction set as the
@@ -80,6 +86,17 @@ struct PackedKeys {
     int64_t key_blocks;  // per head: Lk / kBackwardKeyBlock rounded up
 };
 
+// Pass 0's packed query side of one call, for (b, kv_head) head = b * Hkv + kv_head and its
+// packed row r, row = head * rows_per_group + r:
+//   query_rows   (rows, D) at row * D     Q (dK += dS^T Q)
+//   query_scaled (rows, D) at row * D     Q times the Q multiplier (S = Q K^T)
+//   dout_rows    (rows, Dv) at row * Dv   dO (dP = dO V^T, dV += P^T dO)
+struct PackedQueries {
+    float* query_rows;
+    float* query_scaled;
+    float* dout_rows;
+};
+
 // What the items of one call share.
 struct BackwardPlan {
     const BackwardProblem* problem;
@@ -87,6 +104,8 @@ struct BackwardPlan {
     const float* row_delta;   // Drow of every query row, (B, Hq, Lq) contiguous
     BackwardKernels kernels;  // the inner products, of the instruction set in use (backward_kernel.hpp)
     PackedKeys packed;        // pass 0's keys
+    PackedQueries queries;    // pass 0's query side
+    bool fused;               // passes 2 and 3 run as one, per head (fused_pass)
 };
 
 // One key block of the packed keys: its K rows, K^T and V^T.
@@ -104,10 +123,24 @@ KeyBlock key_block_at(const BackwardPlan& plan, int64_t b, int64_t kv_head, int6
                     plan.packed.value_panels + block * Dv * kBackwardKeyBlock};
 }
 
-// The calling thread's packed keys (thread_local: concurrent callers never share them), reused
-// across calls so that a call does not fault its pages in again.
+// The tile's rows in the packed query side: Q, Q times the multiplier, dO (rows of D, D, Dv).
+struct QueryRows {
+    float* rows;
+    float* scaled;
+    float* dout;
+};
+
+QueryRows query_rows_at(const BackwardPlan& plan, const WorkItem& tile) {
+    const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim, Hkv = plan.problem->forward.k.shape[1];
+    const int64_t row = (tile.b * Hkv + tile.kv_head) * plan.flash.rows_per_group + tile.row_begin;
+    return QueryRows{plan.queries.query_rows + row * D, plan.queries.query_scaled + row * D,
+                     plan.queries.dout_rows + row * Dv};
+}
+
+// The calling thread's packed keys and query side (thread_local: concurrent callers never share
+// them), reused across calls so that a call does not fault their pages in again.
 struct CallerBuffers {
-    AlignedFloats keys, key_panels, value_panels;
+    AlignedFloats keys, key_panels, value_panels, query_rows, query_scaled, dout_rows;
 };
 
 CallerBuffers& caller_buffers() {
@@ -115,25 +148,29 @@ CallerBuffers& caller_buffers() {
     return buffers;
 }
 
+// What one thread's scratch is sized for: D, Dv and the rows of dQ sums (a tile's kQTileRows,
+// or a head's rows_per_group in the fused pass).
+struct ScratchShape {
+    int64_t head_dim, value_dim, query_grad_rows;
+};
+
 // One thread's tiles (grown on demand, kept for the thread's life):
-//   q_tile, q_rows (kQTileRows, D)    Q times the Q multiplier (scores), and Q (dK)
-//   dout_rows (kQTileRows, Dv)        dO
+//   row_buffer (2 Dv)                 one row of out and of dO (pass 1)
 //   row_delta, row_lse (kQTileRows)   Drow and lse * log2(e) of the tile's rows
 //   row_key_begin, row_key_end        each row's visible key range
 //   scores, capped, grads (kQTileRows, kKeyBlock): S then P; tanh of the softcap; scale * dS
-//   key_grad, value_grad (kBackwardKeyBlock, D / Dv), query_grad (kQTileRows, D): float32 sums
+//   key_grad, value_grad (kBackwardKeyBlock, D / Dv), query_grad (query_grad_rows, D): float32
+//   sums (query_grad_rows: a tile's kQTileRows, or a head's rows_per_group in the fused pass)
 struct BackwardScratch {
-    std::vector<float> q_tile, q_rows, dout_rows, row_delta, row_lse, scores, capped, grads, key_grad,
-        value_grad, query_grad;
+    std::vector<float> row_buffer, row_delta, row_lse, scores, capped, grads, key_grad, value_grad, query_grad;
     std::vector<int64_t> row_key_begin, row_key_end;
 
-    void ensure(int64_t D, int64_t Dv) {
+    void ensure(const ScratchShape& shape) {
+        const int64_t D = shape.head_dim, Dv = shape.value_dim;
         const auto grow = [](std::vector<float>& buffer, int64_t count) {
             if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(static_cast<size_t>(count));
         };
-        grow(q_tile, kQTileRows * D);
-        grow(q_rows, kQTileRows * D);
-        grow(dout_rows, kQTileRows * Dv);
+        grow(row_buffer, 2 * Dv);
         grow(row_delta, kQTileRows);
         grow(row_lse, kQTileRows);
         grow(scores, kQTileRows * kKeyBlock);
@@ -141,7 +178,7 @@ struct BackwardScratch {
         grow(grads, kQTileRows * kKeyBlock);
         grow(key_grad, kBackwardKeyBlock * D);
         grow(value_grad, kBackwardKeyBlock * Dv);
-        grow(query_grad, kQTileRows * D);
+        grow(query_grad, shape.query_grad_rows * D);
         if (static_cast<int64_t>(row_key_end.size()) < kQTileRows) {
             row_key_begin.resize(kQTileRows);
             row_key_end.resize(kQTileRows);
@@ -155,12 +192,12 @@ BackwardScratch& backward_scratch() {
 }
 
 // parallel_for over `items` (thread_pool.hpp), each run as fn(index, scratch) with the calling
-// thread's scratch, sized for D and Dv.
+// thread's scratch, sized for `shape`.
 template <typename Fn>
-void for_each_item(int64_t items, int num_threads, int64_t D, int64_t Dv, const Fn& fn) {
+void for_each_item(int64_t items, int num_threads, const ScratchShape& shape, const Fn& fn) {
     parallel_for(items, num_threads, [&](int64_t index, int) {
         BackwardScratch& s = backward_scratch();
-        s.ensure(D, Dv);
+        s.ensure(shape);
         fn(index, s);
     });
 }
@@ -228,25 +265,16 @@ void sink_gradients(const BackwardProblem& bp, const float* delta) {
     }
 }
 
-// The tile's rows (packed rows tile.row_begin + r, r < rows): Q times the Q multiplier, Q, dO,
-// Drow, lse * log2(e) and the visible key range.
-template <typename T>
+// The tile's rows (packed rows tile.row_begin + r, r < rows): Drow, lse * log2(e) and the
+// visible key range (Q and dO are pass 0's packed query side).
 void load_tile(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, BackwardScratch& s) {
     const BackwardProblem& bp = *plan.problem;
     const AttentionProblem& p = bp.forward;
-    const int64_t G = plan.flash.group, D = plan.flash.head_dim, Dv = plan.flash.value_dim;
+    const int64_t G = plan.flash.group;
     const int64_t Hq = p.q.shape[1], Lq = p.q.shape[2], b = tile.b;
     for (int64_t r = 0; r < rows; ++r) {
         const int64_t packed = tile.row_begin + r;
         const int64_t h = tile.kv_head * G + packed % G, i = packed / G;
-        const T* q = view_row<T>(p.q, b, h, i);
-        for (int64_t d = 0; d < D; ++d) {
-            const float x = to_f32(q[d]);
-            s.q_rows[r * D + d] = x;
-            s.q_tile[r * D + d] = x * plan.flash.q_multiplier;
-        }
-        const T* dout = view_row<T>(bp.dout, b, h, i);
-        for (int64_t c = 0; c < Dv; ++c) s.dout_rows[r * Dv + c] = to_f32(dout[c]);
         s.row_delta[r] = plan.row_delta[(b * Hq + h) * Lq + i];
         s.row_lse[r] = lse_at(bp, b, h, i) * kLog2E;
         flash_row_key_range(p, b, G, packed, &s.row_key_begin[r], &s.row_key_end[r]);
@@ -281,6 +309,32 @@ void pack_keys(const BackwardPlan& plan, int64_t b, int64_t kv_head) {
     }
 }
 
+// The work item of all rows_per_group packed rows of (b, kv_head).
+WorkItem head_item(int64_t b, int64_t kv_head, int64_t rows_per_group) {
+    return WorkItem{b, kv_head, 0, rows_per_group, 0, 0, -1};
+}
+
+// Pass 0: the query side of (b, kv_head) into the packed query side (PackedQueries): Q, Q times
+// the Q multiplier and dO of every packed row, converted to float32.
+template <typename T>
+void pack_queries(const BackwardPlan& plan, int64_t b, int64_t kv_head) {
+    const BackwardProblem& bp = *plan.problem;
+    const AttentionProblem& p = bp.forward;
+    const int64_t G = plan.flash.group, D = plan.flash.head_dim, Dv = plan.flash.value_dim;
+    const QueryRows rows = query_rows_at(plan, head_item(b, kv_head, plan.flash.rows_per_group));
+    for (int64_t packed = 0; packed < plan.flash.rows_per_group; ++packed) {
+        const int64_t h = kv_head * G + packed % G, i = packed / G;
+        const T* q = view_row<T>(p.q, b, h, i);
+        for (int64_t d = 0; d < D; ++d) {
+            const float x = to_f32(q[d]);
+            rows.rows[packed * D + d] = x;
+            rows.scaled[packed * D + d] = x * plan.flash.q_multiplier;
+        }
+        const T* dout = view_row<T>(bp.dout, b, h, i);
+        for (int64_t c = 0; c < Dv; ++c) rows.dout[packed * Dv + c] = to_f32(dout[c]);
+    }
+}
+
 // P and scale * dS of the tile's rows against the n keys of the packed block from key_block:
 // s.scores (P) and s.grads, rows of stride kKeyBlock (as the forward's mask_block reads them), S
 // and dP by the kernels' panel products over n rounded up to kKeyPanel keys. A hidden key has
@@ -293,13 +347,14 @@ const float* tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int6
     const int64_t D = fp.head_dim, Dv = fp.value_dim;
     const int64_t n_padded = ceil_div(n, kKeyPanel) * kKeyPanel;
     const KeyBlock block = key_block_at(plan, tile.b, tile.kv_head, key_block);
+    const QueryRows queries = query_rows_at(plan, tile);
     // (a) S = (Q times the multiplier) K^T, in base 2; softcap: t = tanh(S) kept, S = t softcap log2 e.
     // dP = dO V^T into s.grads.
     const auto product = [&](const float* a, int64_t depth, const float* panel, float* out) {
         plan.kernels.panel_product(PanelProduct{a, rows, depth, panel, kBackwardKeyBlock, n_padded, out, kKeyBlock});
     };
-    product(s.q_tile.data(), D, block.key_panel, s.scores.data());
-    product(s.dout_rows.data(), Dv, block.value_panel, s.grads.data());
+    product(queries.scaled, D, block.key_panel, s.scores.data());
+    product(queries.dout, Dv, block.value_panel, s.grads.data());
     for (int64_t r = 0; r < rows; ++r) {
         float* row = s.scores.data() + r * kKeyBlock;
         for (int64_t j = n; j < n_padded; ++j) row[j] = 0.0f;
@@ -340,11 +395,32 @@ const float* tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int6
     return zeros == 0 ? nullptr : s.scores.data();
 }
 
+// Row r of the tile: query_grads[r] += dS[r, .] K, over the n keys of the block from key_block in
+// order (dS in s.grads, gated as tile_gradients returned).
+void accumulate_query_rows(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, int64_t key_block, int64_t n,
+                           const float* gate, const BackwardScratch& s, float* query_grads) {
+    const int64_t D = plan.flash.head_dim;
+    const float* keys = key_block_at(plan, tile.b, tile.kv_head, key_block).keys;
+    plan.kernels.accumulate(Accumulation{query_grads, D, rows, D, s.grads.data(), gate, 1, kKeyBlock, keys, D, n});
+}
+
+// Rounds the float32 dQ sums of the tile's rows (rows of D from query_grads) into dq.
+template <typename T>
+void store_query_rows(const BackwardPlan& plan, const WorkItem& tile, const float* query_grads) {
+    const int64_t G = plan.flash.group, D = plan.flash.head_dim;
+    for (int64_t packed = tile.row_begin; packed < tile.row_end; ++packed) {
+        store_row<T>(plan.problem->dq, tile.b, tile.kv_head * G + packed % G, packed / G,
+                     query_grads + (packed - tile.row_begin) * D, D);
+    }
+}
+
 // Pass 2: dK and dV of keys [key_block, key_block + kBackwardKeyBlock) of (b, kv_head), every query
-// tile that sees them summed in row order; keys past kv_lens[b] get 0.
+// tile that sees them summed in row order; keys past kv_lens[b] get 0. With query_grads (the
+// fused pass: the head's dQ sums, packed rows of D), also dQ += dS K of every such tile's rows,
+// over the block's keys in order.
 template <typename T>
 void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, int64_t key_block,
-                         BackwardScratch& s) {
+                         BackwardScratch& s, float* query_grads) {
     const BackwardProblem& bp = *plan.problem;
     const AttentionProblem& p = bp.forward;
     const int64_t G = plan.flash.group, D = plan.flash.head_dim, Dv = plan.flash.value_dim;
@@ -362,15 +438,18 @@ void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, i
         if (first_key >= key_block + visible || last_key <= key_block) continue;
         const WorkItem tile{b, kv_head, row_begin, row_end, key_block, key_block + visible, -1};
         const int64_t rows = row_end - row_begin;
-        load_tile<T>(plan, tile, rows, s);
+        load_tile(plan, tile, rows, s);
         const float* gate = tile_gradients(plan, tile, rows, key_block, visible, s);
         // Key j's rows: dV += P[., j]^T dO, dK += dS[., j]^T Q, over the tile's rows in order.
         const auto key_rows = [&](std::vector<float>& y, int64_t width, const std::vector<float>& coef,
-                                  const std::vector<float>& x) {
-            return Accumulation{y.data(), width, visible, width, coef.data(), gate, kKeyBlock, 1, x.data(), width, rows};
+                                  const float* x) {
+            return Accumulation{y.data(), width, visible, width, coef.data(), gate, kKeyBlock, 1, x, width, rows};
         };
-        plan.kernels.accumulate(key_rows(s.value_grad, Dv, s.scores, s.dout_rows));
-        plan.kernels.accumulate(key_rows(s.key_grad, D, s.grads, s.q_rows));
+        const QueryRows queries = query_rows_at(plan, tile);
+        plan.kernels.accumulate(key_rows(s.value_grad, Dv, s.scores, queries.dout));
+        plan.kernels.accumulate(key_rows(s.key_grad, D, s.grads, queries.rows));
+        if (query_grads != nullptr)
+            accumulate_query_rows(plan, tile, rows, key_block, visible, gate, s, query_grads + row_begin * D);
     }
     for (int64_t j = 0; j < n; ++j) {
         store_row<T>(bp.dk, b, kv_head, key_block + j, s.key_grad.data() + j * D, D);
@@ -386,7 +465,7 @@ void query_tile_gradients(const BackwardPlan& plan, const WorkItem& tile, Backwa
     const AttentionProblem& p = bp.forward;
     const int64_t G = plan.flash.group, D = plan.flash.head_dim;
     const int64_t rows = tile.row_end - tile.row_begin;
-    load_tile<T>(plan, tile, rows, s);
+    load_tile(plan, tile, rows, s);
     std::fill(s.query_grad.begin(), s.query_grad.begin() + rows * D, 0.0f);
     int64_t first_key, last_key, unused;
     flash_row_key_range(p, tile.b, G, tile.row_begin, &first_key, &unused);
@@ -395,14 +474,31 @@ void query_tile_gradients(const BackwardPlan& plan, const WorkItem& tile, Backwa
          key_block += kBackwardKeyBlock) {
         const int64_t n = std::min(kBackwardKeyBlock, last_key - key_block);
         const float* gate = tile_gradients(plan, tile, rows, key_block, n, s);
-        // Row r: dQ += dS[r, .] K, over the block's keys in order.
-        const float* keys = key_block_at(plan, tile.b, tile.kv_head, key_block).keys;
-        plan.kernels.accumulate(Accumulation{s.query_grad.data(), D, rows, D, s.grads.data(), gate, 1, kKeyBlock, keys, D, n});
+        accumulate_query_rows(plan, tile, rows, key_block, n, gate, s, s.query_grad.data());
     }
-    for (int64_t r = 0; r < rows; ++r) {
-        const int64_t packed = tile.row_begin + r;
-        store_row<T>(bp.dq, tile.b, tile.kv_head * G + packed % G, packed / G, s.query_grad.data() + r * D, D);
-    }
+    store_query_rows<T>(plan, tile, s.query_grad.data());
+}
+
+// The fused pass (2 and 3 in one item): dK and dV of every key block of (b, kv_head), blocks in
+// order, each tile's dQ summed into the head's dQ sums (s.query_grad) as it goes. Every
+// element is the same fma chain as in passes 2 and 3 (keys ascending for dQ: blocks in order,
+// each block's keys in order), so the results are the same bits; S and dP are computed once
+// instead of twice.
+template <typename T>
+void head_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, BackwardScratch& s) {
+    const int64_t D = plan.flash.head_dim;
+    float* query_grads = s.query_grad.data();
+    std::fill(query_grads, query_grads + plan.flash.rows_per_group * D, 0.0f);
+    for (int64_t key_block = 0; key_block < plan.packed.key_blocks * kBackwardKeyBlock; key_block += kBackwardKeyBlock)
+        key_block_gradients<T>(plan, b, kv_head, key_block, s, query_grads);
+    store_query_rows<T>(plan, head_item(b, kv_head, plan.flash.rows_per_group), query_grads);
+}
+
+// Whether the fused pass runs: its items are the B * Hkv heads, of five (Lq Lk D)-sized products
+// per head where passes 2 and 3 run seven, over finer items. It runs unless its busiest thread
+// (ceil(heads / threads) heads) would do more than the two passes' share (heads / threads x 7/5).
+bool fused_pass(int64_t heads, int num_threads) {
+    return 5 * ceil_div(heads, num_threads) * num_threads <= 7 * heads;
 }
 
 // Passes 2 and 3, after passes 0 and 1.
@@ -410,17 +506,22 @@ template <typename T>
 void gradient_passes(const BackwardPlan& plan, int num_threads) {
     const AttentionProblem& p = plan.problem->forward;
     const int64_t B = p.q.shape[0], D = p.q.shape[3], Hkv = p.k.shape[1], Dv = p.v.shape[3];
-    const int64_t key_blocks = plan.packed.key_blocks;
+    const int64_t key_blocks = plan.packed.key_blocks, rows_per_group = plan.flash.rows_per_group;
+    const ScratchShape tiles{D, Dv, kQTileRows};
+    if (plan.fused) {  // 2 and 3 in one, per head
+        for_each_item(B * Hkv, num_threads, ScratchShape{D, Dv, rows_per_group},
+                      [&](int64_t head, BackwardScratch& s) { head_gradients<T>(plan, head / Hkv, head % Hkv, s); });
+        return;
+    }
     // 2. dK, dV.
-    for_each_item(B * Hkv * key_blocks, num_threads, D, Dv, [&](int64_t index, BackwardScratch& s) {
+    for_each_item(B * Hkv * key_blocks, num_threads, tiles, [&](int64_t index, BackwardScratch& s) {
         const int64_t head = index / key_blocks;
-        key_block_gradients<T>(plan, head / Hkv, head % Hkv, index % key_blocks * kBackwardKeyBlock, s);
+        key_block_gradients<T>(plan, head / Hkv, head % Hkv, index % key_blocks * kBackwardKeyBlock, s, nullptr);
     });
     // 3. dQ.
-    const int64_t rows_per_group = plan.flash.rows_per_group;
-    const int64_t tiles = ceil_div(rows_per_group, kQTileRows);
-    for_each_item(B * Hkv * tiles, num_threads, D, Dv, [&](int64_t index, BackwardScratch& s) {
-        const int64_t head = index / tiles, row_begin = index % tiles * kQTileRows;
+    const int64_t query_tiles = ceil_div(rows_per_group, kQTileRows);
+    for_each_item(B * Hkv * query_tiles, num_threads, tiles, [&](int64_t index, BackwardScratch& s) {
+        const int64_t head = index / query_tiles, row_begin = index % query_tiles * kQTileRows;
         const WorkItem tile{head / Hkv, head % Hkv, row_begin, std::min(row_begin + kQTileRows, rows_per_group),
                             0, 0, -1};
         query_tile_gradients<T>(plan, tile, s);
@@ -439,21 +540,28 @@ void backward_passes(const BackwardProblem& bp, int num_threads) {
 
     // 1. Drow, then dsinks.
     std::vector<float> delta(static_cast<size_t>(B * Hq * Lq));
-    for_each_item(B * Hq, num_threads, D, Dv, [&](int64_t head, BackwardScratch& s) {
-        row_deltas<T>(bp, head / Hq, head % Hq, delta.data() + head * Lq, s.dout_rows.data());
+    const ScratchShape tiles{D, Dv, kQTileRows};
+    for_each_item(B * Hq, num_threads, tiles, [&](int64_t head, BackwardScratch& s) {
+        row_deltas<T>(bp, head / Hq, head % Hq, delta.data() + head * Lq, s.row_buffer.data());
     });
     if (bp.dsinks.data != nullptr) sink_gradients(bp, delta.data());
     if (Hkv == 0) return;  // then Hq = 0 too (check_problem): no gradient left to write
 
-    // 0. The packed keys.
+    // 0. The packed keys and query side.
     const int64_t key_blocks = ceil_div(Lk, kBackwardKeyBlock);
     const int64_t packed_keys = B * Hkv * key_blocks * kBackwardKeyBlock;
     CallerBuffers& buffers = caller_buffers();
     const PackedKeys packed{buffers.keys.ensure(packed_keys * D), buffers.key_panels.ensure(packed_keys * D),
                             buffers.value_panels.ensure(packed_keys * Dv), key_blocks};
-    const BackwardPlan plan{&bp, flash_plan(p), delta.data(), kernels, packed};
-    for_each_item(B * Hkv, num_threads, D, Dv,
-                  [&](int64_t head, BackwardScratch&) { pack_keys<T>(plan, head / Hkv, head % Hkv); });
+    const int64_t packed_rows = B * Hq * Lq;  // B * Hkv heads of rows_per_group packed rows
+    const PackedQueries queries{buffers.query_rows.ensure(packed_rows * D),
+                                buffers.query_scaled.ensure(packed_rows * D), buffers.dout_rows.ensure(packed_rows * Dv)};
+    const bool fused = fused_pass(B * Hkv, num_threads);
+    const BackwardPlan plan{&bp, flash_plan(p), delta.data(), kernels, packed, queries, fused};
+    for_each_item(B * Hkv, num_threads, tiles, [&](int64_t head, BackwardScratch&) {
+        pack_keys<T>(plan, head / Hkv, head % Hkv);
+        pack_queries<T>(plan, head / Hkv, head % Hkv);
+    });
     gradient_passes<T>(plan, num_threads);
 }
 

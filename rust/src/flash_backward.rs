@@ -13,7 +13,9 @@
 //! rows sums dK and dV over its G query heads without copying K or V.
 //!
 //!   0. K, K^T and V^T of every (b, kv_head) in float32, packed once per call (the keys a
-//!      pass reads: below kv_lens[b]) and shared read-only by every item of passes 2 and 3.
+//!      pass reads: below kv_lens[b]), and the query side, Q, Q times the Q multiplier and dO of
+//!      every packed row, in float32 once per call; shared read-only by every item of passes 2
+//!      and 3.
 //!   1. Drow = rowsum(dO * O) of every query row (float32, into a (B, Hq, Lq) buffer); dsinks.
 //!   2. dK, dV: items (b, kv_head, key block of BACKWARD_KEY_BLOCK keys), each owning its dk and
 //!      dv rows. For every query tile (Q_TILE_ROWS packed rows) that sees the block: S
@@ -23,11 +25,15 @@
 //!   3. dQ: items (b, kv_head, query tile), each owning its dq rows: for every key block the tile
 //!      sees, P and dS recomputed as in 2, dQ += scale dS K. Rounded once into dq.
 //!
+//! Passes 2 and 3 fused (head_gradients, when fused_pass says it pays): items (b, kv_head), each
+//! owning the head's dq, dk and dv: pass 2 over the head's key blocks in order, each tile's
+//! dQ += scale dS K summed into the head's float32 dQ sums as it goes, so S and dP are computed
+//! once.
+//!
 //! Determinism: every gradient element is summed by the one item that owns it, in a fixed order
 //! (query rows ascending for dK and dV, keys ascending for dQ), so the results depend neither on
-//! num_threads nor on the schedule. Chosen over per-thread dQ accumulators reduced afterwards: P
-//! is computed twice (passes 2 and 3), but nothing is allocated per thread beyond the tiles, and
-//! both passes compute each (row, key) by the same function (tile_gradients).
+//! num_threads nor on the schedule. The fused pass sums every element in the same order as passes
+//! 2 and 3 (the same bits); it trades their finer items for five products instead of seven.
 //! The inner products (S = Q K^T, dP = dO V^T, dV += P^T dO, dK += dS^T Q, dQ += dS K) are the
 //! instruction set's backward kernels (backward_kernel.rs, through dispatch.rs's table): one fma
 //! chain per element in a fixed order, so the results depend on the instruction set as the
@@ -95,6 +101,20 @@ struct PackedKeys {
     key_blocks: usize,
 }
 
+/// Pass 0's packed query side of one call, for (b, kv_head) head = b * Hkv + kv_head and its
+/// packed row r, row = head * rows_per_group + r:
+///
+/// ```text
+/// query_rows   (rows, D) at row * D     Q (dK += dS^T Q)
+/// query_scaled (rows, D) at row * D     Q times the Q multiplier (S = Q K^T)
+/// dout_rows    (rows, Dv) at row * Dv   dO (dP = dO V^T, dV += P^T dO)
+/// ```
+struct PackedQueries {
+    query_rows: *mut f32,
+    query_scaled: *mut f32,
+    dout_rows: *mut f32,
+}
+
 /// What the items of one call share.
 struct BackwardPlan<'p, 'a> {
     problem: &'p BackwardProblem<'a>,
@@ -106,6 +126,10 @@ struct BackwardPlan<'p, 'a> {
     kernels: BackwardKernels,
     /// pass 0's keys
     packed: PackedKeys,
+    /// pass 0's query side
+    queries: PackedQueries,
+    /// passes 2 and 3 run as one, per head ([`fused_pass`])
+    fused: bool,
 }
 
 // SAFETY: the plan is read-only while the items run; they write disjoint gradient rows (and
@@ -150,13 +174,42 @@ unsafe fn key_block_at(
     }
 }
 
-/// The calling thread's packed keys (thread-local: concurrent callers never share them), reused
-/// across calls so that a call does not fault its pages in again.
+/// The tile's rows in the packed query side: Q, Q times the multiplier, dO (rows of D, D, Dv).
+struct QueryRows {
+    rows: *mut f32,
+    scaled: *mut f32,
+    dout: *mut f32,
+}
+
+/// The rows of `tile` in the plan's packed query side.
+///
+/// # Safety
+/// The tile's rows are packed rows of the plan.
+#[inline(always)]
+unsafe fn query_rows_at(plan: &BackwardPlan, tile: &WorkItem) -> QueryRows {
+    let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
+    let kv_heads = plan.problem.forward.k.shape[1] as usize;
+    let row = (tile.b * kv_heads + tile.kv_head) * plan.flash.rows_per_group + tile.row_begin;
+    // SAFETY: forwarded; the packed query side holds every packed row of every head.
+    unsafe {
+        QueryRows {
+            rows: plan.queries.query_rows.add(row * head_dim),
+            scaled: plan.queries.query_scaled.add(row * head_dim),
+            dout: plan.queries.dout_rows.add(row * value_dim),
+        }
+    }
+}
+
+/// The calling thread's packed keys and query side (thread-local: concurrent callers never share
+/// them), reused across calls so that a call does not fault their pages in again.
 #[derive(Default)]
 struct CallerBuffers {
     keys: AlignedFloats,
     key_panels: AlignedFloats,
     value_panels: AlignedFloats,
+    query_rows: AlignedFloats,
+    query_scaled: AlignedFloats,
+    dout_rows: AlignedFloats,
 }
 
 thread_local! {
@@ -166,18 +219,16 @@ thread_local! {
 /// One thread's tiles (grown on demand, kept for the thread's life):
 ///
 /// ```text
-/// q_tile, q_rows (Q_TILE_ROWS, D)    Q times the Q multiplier (scores), and Q (dK)
-/// dout_rows (Q_TILE_ROWS, Dv)        dO
+/// row_buffer (2 Dv)                  one row of out and of dO (pass 1)
 /// row_delta, row_lse (Q_TILE_ROWS)   Drow and lse * log2(e) of the tile's rows
 /// row_key_begin, row_key_end         each row's visible key range
 /// scores, capped, grads (Q_TILE_ROWS, KEY_BLOCK): S then P; tanh of the softcap; scale * dS
-/// key_grad, value_grad (BACKWARD_KEY_BLOCK, D / Dv), query_grad (Q_TILE_ROWS, D): float32 sums
+/// key_grad, value_grad (BACKWARD_KEY_BLOCK, D / Dv), query_grad (query_grad_rows, D): float32
+/// sums (query_grad_rows: a tile's Q_TILE_ROWS, or a head's rows_per_group in the fused pass)
 /// ```
 #[derive(Default)]
 struct BackwardScratch {
-    q_tile: Vec<f32>,
-    q_rows: Vec<f32>,
-    dout_rows: Vec<f32>,
+    row_buffer: Vec<f32>,
     row_delta: Vec<f32>,
     row_lse: Vec<f32>,
     scores: Vec<f32>,
@@ -190,17 +241,29 @@ struct BackwardScratch {
     row_key_end: Vec<usize>,
 }
 
+/// What one thread's scratch is sized for: D, Dv and the rows of dQ sums (a tile's Q_TILE_ROWS,
+/// or a head's rows_per_group in the fused pass).
+#[derive(Clone, Copy)]
+struct ScratchShape {
+    head_dim: usize,
+    value_dim: usize,
+    query_grad_rows: usize,
+}
+
 impl BackwardScratch {
-    fn ensure(&mut self, head_dim: usize, value_dim: usize) -> Result<(), ProblemError> {
+    fn ensure(&mut self, shape: ScratchShape) -> Result<(), ProblemError> {
+        let ScratchShape {
+            head_dim,
+            value_dim,
+            query_grad_rows,
+        } = shape;
         fn grow<T: Copy + Default>(buffer: &mut Vec<T>, count: usize) -> Result<(), ProblemError> {
             if buffer.len() < count {
                 *buffer = try_filled(count, T::default())?;
             }
             Ok(())
         }
-        grow(&mut self.q_tile, Q_TILE_ROWS * head_dim)?;
-        grow(&mut self.q_rows, Q_TILE_ROWS * head_dim)?;
-        grow(&mut self.dout_rows, Q_TILE_ROWS * value_dim)?;
+        grow(&mut self.row_buffer, 2 * value_dim)?;
         grow(&mut self.row_delta, Q_TILE_ROWS)?;
         grow(&mut self.row_lse, Q_TILE_ROWS)?;
         grow(&mut self.scores, Q_TILE_ROWS * KEY_BLOCK)?;
@@ -208,7 +271,7 @@ impl BackwardScratch {
         grow(&mut self.grads, Q_TILE_ROWS * KEY_BLOCK)?;
         grow(&mut self.key_grad, BACKWARD_KEY_BLOCK * head_dim)?;
         grow(&mut self.value_grad, BACKWARD_KEY_BLOCK * value_dim)?;
-        grow(&mut self.query_grad, Q_TILE_ROWS * head_dim)?;
+        grow(&mut self.query_grad, query_grad_rows * head_dim)?;
         grow(&mut self.row_key_begin, Q_TILE_ROWS)?;
         grow(&mut self.row_key_end, Q_TILE_ROWS)
     }
@@ -219,19 +282,18 @@ thread_local! {
 }
 
 /// parallel_for over `items` (thread_pool.rs), each run as f(index, scratch) with the calling
-/// thread's scratch, sized for D and Dv; the out-of-memory error when a scratch cannot grow.
+/// thread's scratch, sized for `shape`; the out-of-memory error when a scratch cannot grow.
 fn for_each_item(
     items: usize,
     threads: usize,
-    head_dim: usize,
-    value_dim: usize,
+    shape: ScratchShape,
     f: impl Fn(usize, &mut BackwardScratch) + Sync,
 ) -> Result<(), ProblemError> {
     // C++ rethrows a worker's std::bad_alloc on the caller; here the failed item sets this flag.
     let out_of_memory = AtomicBool::new(false);
     parallel_for(items, threads, &|index, _| {
         let done = with_thread_buffers(&BACKWARD_SCRATCH, |s: &mut BackwardScratch| {
-            s.ensure(head_dim, value_dim)?;
+            s.ensure(shape)?;
             f(index, s);
             Ok::<(), ProblemError>(())
         });
@@ -368,38 +430,21 @@ unsafe fn sink_gradients(bp: &BackwardProblem, delta: &[f32]) {
     }
 }
 
-/// The tile's rows (packed rows tile.row_begin + r, r < rows): Q times the Q multiplier, Q, dO,
-/// Drow, lse * log2(e) and the visible key range.
+/// The tile's rows (packed rows tile.row_begin + r, r < rows): Drow, lse * log2(e) and the
+/// visible key range (Q and dO are pass 0's packed query side).
 ///
 /// # Safety
 /// As [`row_deltas`]; the tile's rows are packed rows of the plan.
-unsafe fn load_tile<T: Element>(
-    plan: &BackwardPlan,
-    tile: &WorkItem,
-    rows: usize,
-    s: &mut BackwardScratch,
-) {
+unsafe fn load_tile(plan: &BackwardPlan, tile: &WorkItem, rows: usize, s: &mut BackwardScratch) {
     let bp = plan.problem;
     let p = &bp.forward;
-    let (group, head_dim, value_dim) =
-        (plan.flash.group, plan.flash.head_dim, plan.flash.value_dim);
+    let group = plan.flash.group;
     let (q_heads, q_len, b) = (p.q.shape[1] as usize, p.q.shape[2] as usize, tile.b);
     for r in 0..rows {
         let packed = tile.row_begin + r;
         let (h, i) = (tile.kv_head * group + packed % group, packed / group);
-        // SAFETY: (b, h, i) is a query row (h < Hq, i < Lq), whose q and dout rows hold D and Dv
-        // elements; row_delta holds B * Hq * Lq floats.
+        // SAFETY: (b, h, i) is a query row (h < Hq, i < Lq); row_delta holds B * Hq * Lq floats.
         unsafe {
-            let q = view_row::<T>(p.q.data, &p.q.stride, b, h, i);
-            for d in 0..head_dim {
-                let x = (*q.add(d)).to_f32();
-                s.q_rows[r * head_dim + d] = x;
-                s.q_tile[r * head_dim + d] = x * plan.flash.q_multiplier;
-            }
-            let dout = view_row::<T>(bp.dout.data, &bp.dout.stride, b, h, i);
-            for c in 0..value_dim {
-                s.dout_rows[r * value_dim + c] = (*dout.add(c)).to_f32();
-            }
             s.row_delta[r] = *plan.row_delta.add((b * q_heads + h) * q_len + i);
             s.row_lse[r] = lse_at(bp, b, h, i) * LOG2_E;
         }
@@ -450,6 +495,54 @@ unsafe fn pack_keys<T: Element>(plan: &BackwardPlan, b: usize, kv_head: usize) {
     }
 }
 
+/// The work item of all rows_per_group packed rows of (b, kv_head).
+fn head_item(b: usize, kv_head: usize, rows_per_group: usize) -> WorkItem {
+    WorkItem {
+        b,
+        kv_head,
+        row_begin: 0,
+        row_end: rows_per_group,
+        key_begin: 0,
+        key_end: 0,
+        partial_slot: None,
+    }
+}
+
+/// Pass 0: the query side of (b, kv_head) into the packed query side ([`PackedQueries`]): Q, Q
+/// times the Q multiplier and dO of every packed row, converted to float32.
+///
+/// # Safety
+/// As [`row_deltas`]; no other thread touches this head's packed query side meanwhile.
+unsafe fn pack_queries<T: Element>(plan: &BackwardPlan, b: usize, kv_head: usize) {
+    let bp = plan.problem;
+    let p = &bp.forward;
+    let (group, head_dim, value_dim) =
+        (plan.flash.group, plan.flash.head_dim, plan.flash.value_dim);
+    let rows_per_group = plan.flash.rows_per_group;
+    let head = head_item(b, kv_head, rows_per_group);
+    // SAFETY: forwarded; the head's rows_per_group packed rows of D, D and Dv floats, and every
+    // (b, h, i) below is a query row, whose q and dout rows hold D and Dv elements.
+    unsafe {
+        let rows = query_rows_at(plan, &head);
+        let query_rows = std::slice::from_raw_parts_mut(rows.rows, rows_per_group * head_dim);
+        let query_scaled = std::slice::from_raw_parts_mut(rows.scaled, rows_per_group * head_dim);
+        let dout_rows = std::slice::from_raw_parts_mut(rows.dout, rows_per_group * value_dim);
+        for packed in 0..rows_per_group {
+            let (h, i) = (kv_head * group + packed % group, packed / group);
+            let q = view_row::<T>(p.q.data, &p.q.stride, b, h, i);
+            for d in 0..head_dim {
+                let x = (*q.add(d)).to_f32();
+                query_rows[packed * head_dim + d] = x;
+                query_scaled[packed * head_dim + d] = x * plan.flash.q_multiplier;
+            }
+            let dout = view_row::<T>(bp.dout.data, &bp.dout.stride, b, h, i);
+            for c in 0..value_dim {
+                dout_rows[packed * value_dim + c] = (*dout.add(c)).to_f32();
+            }
+        }
+    }
+}
+
 /// P and scale * dS of the tile's rows against the n keys of the packed block from key_block:
 /// s.scores (P) and s.grads, rows of stride KEY_BLOCK (as the forward's mask_block reads them),
 /// S and dP by the kernels' panel products over n rounded up to KEY_PANEL keys. A hidden key has
@@ -471,11 +564,16 @@ unsafe fn tile_gradients(
     let (head_dim, value_dim) = (fp.head_dim, fp.value_dim);
     let n_padded = n.div_ceil(KEY_PANEL) * KEY_PANEL;
     // SAFETY: forwarded.
-    let block = unsafe { key_block_at(plan, tile.b, tile.kv_head, key_block) };
+    let (block, queries) = unsafe {
+        (
+            key_block_at(plan, tile.b, tile.kv_head, key_block),
+            query_rows_at(plan, tile),
+        )
+    };
     // (a) S = (Q times the multiplier) K^T, in base 2; softcap: t = tanh(S) kept, S = t softcap log2 e.
-    let product = |a: &[f32], depth: usize, panel: *const f32, out: &mut [f32]| {
+    let product = |a: *const f32, depth: usize, panel: *const f32, out: &mut [f32]| {
         let product = PanelProduct {
-            a: a.as_ptr(),
+            a,
             rows,
             depth,
             panel,
@@ -489,8 +587,8 @@ unsafe fn tile_gradients(
         // kernels this CPU runs.
         unsafe { (plan.kernels.panel_product)(&product) };
     };
-    product(&s.q_tile, head_dim, block.key_panel, &mut s.scores);
-    product(&s.dout_rows, value_dim, block.value_panel, &mut s.grads);
+    product(queries.scaled, head_dim, block.key_panel, &mut s.scores);
+    product(queries.dout, value_dim, block.value_panel, &mut s.grads);
     for r in 0..rows {
         let row = &mut s.scores[r * KEY_BLOCK..(r + 1) * KEY_BLOCK];
         row[n..n_padded].fill(0.0);
@@ -571,17 +669,72 @@ unsafe fn tile_gradients(
     }
 }
 
-/// Pass 2: dK and dV of keys [key_block, key_block + BACKWARD_KEY_BLOCK) of (b, kv_head), every query
-/// tile that sees them summed in row order; keys past kv_lens[b] get 0.
+/// Row r of the tile: query_grads[r] += dS[r, .] K, over the n keys of the block from key_block
+/// in order (dS in s.grads, gated as [`tile_gradients`] returned).
 ///
 /// # Safety
-/// As [`row_deltas`]; this item owns these keys' dk and dv rows.
+/// As [`tile_gradients`], after it for these rows and keys; query_grads holds rows rows of D
+/// floats.
+#[allow(clippy::too_many_arguments)]
+unsafe fn accumulate_query_rows(
+    plan: &BackwardPlan,
+    tile: &WorkItem,
+    rows: usize,
+    key_block: usize,
+    n: usize,
+    gate: *const f32,
+    s: &BackwardScratch,
+    query_grads: *mut f32,
+) {
+    let head_dim = plan.flash.head_dim;
+    // SAFETY: forwarded; the block's n K rows of D floats, rows rows of dS of stride KEY_BLOCK.
+    unsafe {
+        let query_rows = Accumulation {
+            y: query_grads,
+            y_stride: head_dim,
+            outputs: rows,
+            n: head_dim,
+            coef: s.grads.as_ptr(),
+            gate,
+            coef_stride: 1,
+            output_stride: KEY_BLOCK,
+            x: key_block_at(plan, tile.b, tile.kv_head, key_block).keys,
+            x_stride: head_dim,
+            terms: n,
+        };
+        (plan.kernels.accumulate)(&query_rows);
+    }
+}
+
+/// Rounds the float32 dQ sums of the tile's rows (rows of D from query_grads) into dq.
+///
+/// # Safety
+/// As [`row_deltas`]; the caller owns the tile's dq rows; query_grads holds its rows.
+unsafe fn store_query_rows<T: Element>(plan: &BackwardPlan, tile: &WorkItem, query_grads: &[f32]) {
+    let (group, head_dim) = (plan.flash.group, plan.flash.head_dim);
+    for packed in tile.row_begin..tile.row_end {
+        let h = tile.kv_head * group + packed % group;
+        let src = &query_grads[(packed - tile.row_begin) * head_dim..];
+        // SAFETY: forwarded.
+        unsafe { store_row::<T>(&plan.problem.dq, tile.b, h, packed / group, src, head_dim) };
+    }
+}
+
+/// Pass 2: dK and dV of keys [key_block, key_block + BACKWARD_KEY_BLOCK) of (b, kv_head), every query
+/// tile that sees them summed in row order; keys past kv_lens[b] get 0. With query_grads (the
+/// fused pass: the head's dQ sums, packed rows of D), also dQ += dS K of every such tile's rows,
+/// over the block's keys in order.
+///
+/// # Safety
+/// As [`row_deltas`]; this item owns these keys' dk and dv rows (and, with query_grads, the
+/// head's dQ sums).
 unsafe fn key_block_gradients<T: Element>(
     plan: &BackwardPlan,
     b: usize,
     kv_head: usize,
     key_block: usize,
     s: &mut BackwardScratch,
+    query_grads: *mut f32,
 ) {
     let bp = plan.problem;
     let p = &bp.forward;
@@ -616,26 +769,32 @@ unsafe fn key_block_gradients<T: Element>(
                 partial_slot: None,
             };
             let rows = row_end - tile_begin;
-            load_tile::<T>(plan, &tile, rows, s);
+            load_tile(plan, &tile, rows, s);
             let gate = tile_gradients(plan, &tile, rows, key_block, visible, s);
             // Key j's rows: dV += P[., j]^T dO, dK += dS[., j]^T Q, over the tile's rows in order.
-            let key_rows = |y: &mut [f32], width: usize, coef: &[f32], x: &[f32]| Accumulation {
-                y: y.as_mut_ptr(),
-                y_stride: width,
-                outputs: visible,
-                n: width,
-                coef: coef.as_ptr(),
-                gate,
-                coef_stride: KEY_BLOCK,
-                output_stride: 1,
-                x: x.as_ptr(),
-                x_stride: width,
-                terms: rows,
-            };
-            let value_rows = key_rows(&mut s.value_grad, value_dim, &s.scores, &s.dout_rows);
+            let queries = query_rows_at(plan, &tile);
+            let key_rows =
+                |y: &mut [f32], width: usize, coef: &[f32], x: *const f32| Accumulation {
+                    y: y.as_mut_ptr(),
+                    y_stride: width,
+                    outputs: visible,
+                    n: width,
+                    coef: coef.as_ptr(),
+                    gate,
+                    coef_stride: KEY_BLOCK,
+                    output_stride: 1,
+                    x,
+                    x_stride: width,
+                    terms: rows,
+                };
+            let value_rows = key_rows(&mut s.value_grad, value_dim, &s.scores, queries.dout);
             (plan.kernels.accumulate)(&value_rows);
-            let key_rows = key_rows(&mut s.key_grad, head_dim, &s.grads, &s.q_rows);
+            let key_rows = key_rows(&mut s.key_grad, head_dim, &s.grads, queries.rows);
             (plan.kernels.accumulate)(&key_rows);
+            if !query_grads.is_null() {
+                let y = query_grads.add(tile_begin * head_dim);
+                accumulate_query_rows(plan, &tile, rows, key_block, visible, gate, s, y);
+            }
         }
         for j in 0..n {
             let key = key_block + j;
@@ -669,13 +828,12 @@ unsafe fn query_tile_gradients<T: Element>(
     tile: &WorkItem,
     s: &mut BackwardScratch,
 ) {
-    let bp = plan.problem;
-    let p = &bp.forward;
+    let p = &plan.problem.forward;
     let (group, head_dim) = (plan.flash.group, plan.flash.head_dim);
     let rows = tile.row_end - tile.row_begin;
     // SAFETY: forwarded.
     unsafe {
-        load_tile::<T>(plan, tile, rows, s);
+        load_tile(plan, tile, rows, s);
         s.query_grad[..rows * head_dim].fill(0.0);
         let (first_key, _) = flash_row_key_range(p, tile.b, group, tile.row_begin);
         let (_, last_key) = flash_row_key_range(p, tile.b, group, tile.row_end - 1);
@@ -683,30 +841,50 @@ unsafe fn query_tile_gradients<T: Element>(
         while key_block < last_key {
             let n = BACKWARD_KEY_BLOCK.min(last_key - key_block);
             let gate = tile_gradients(plan, tile, rows, key_block, n, s);
-            // Row r: dQ += dS[r, .] K, over the block's keys in order.
-            let query_rows = Accumulation {
-                y: s.query_grad.as_mut_ptr(),
-                y_stride: head_dim,
-                outputs: rows,
-                n: head_dim,
-                coef: s.grads.as_ptr(),
-                gate,
-                coef_stride: 1,
-                output_stride: KEY_BLOCK,
-                x: key_block_at(plan, tile.b, tile.kv_head, key_block).keys,
-                x_stride: head_dim,
-                terms: n,
-            };
-            (plan.kernels.accumulate)(&query_rows);
+            let query_grads = s.query_grad.as_mut_ptr();
+            accumulate_query_rows(plan, tile, rows, key_block, n, gate, s, query_grads);
             key_block += BACKWARD_KEY_BLOCK;
         }
-        for r in 0..rows {
-            let packed = tile.row_begin + r;
-            let h = tile.kv_head * group + packed % group;
-            let src = &s.query_grad[r * head_dim..];
-            store_row::<T>(&bp.dq, tile.b, h, packed / group, src, head_dim);
-        }
+        store_query_rows::<T>(plan, tile, &s.query_grad);
     }
+}
+
+/// The fused pass (2 and 3 in one item): dK and dV of every key block of (b, kv_head), blocks in
+/// order, each tile's dQ summed into the head's dQ sums (s.query_grad) as it goes. Every
+/// element is the same fma chain as in passes 2 and 3 (keys ascending for dQ: blocks in order,
+/// each block's keys in order), so the results are the same bits; S and dP are computed once
+/// instead of twice.
+///
+/// # Safety
+/// As [`row_deltas`]; this item owns the head's dq, dk and dv rows and its dQ sums.
+unsafe fn head_gradients<T: Element>(
+    plan: &BackwardPlan,
+    b: usize,
+    kv_head: usize,
+    s: &mut BackwardScratch,
+) {
+    let head_dim = plan.flash.head_dim;
+    let rows_per_group = plan.flash.rows_per_group;
+    s.query_grad[..rows_per_group * head_dim].fill(0.0);
+    let query_grads = s.query_grad.as_mut_ptr();
+    // SAFETY: forwarded; the scratch holds the head's rows_per_group rows of dQ sums (the fused
+    // pass's for_each_item), which key_block_gradients reaches only through query_grads.
+    unsafe {
+        for key_block in
+            (0..plan.packed.key_blocks * BACKWARD_KEY_BLOCK).step_by(BACKWARD_KEY_BLOCK)
+        {
+            key_block_gradients::<T>(plan, b, kv_head, key_block, s, query_grads);
+        }
+        let head = head_item(b, kv_head, rows_per_group);
+        store_query_rows::<T>(plan, &head, &s.query_grad);
+    }
+}
+
+/// Whether the fused pass runs: its items are the B * Hkv heads, of five (Lq Lk D)-sized products
+/// per head where passes 2 and 3 run seven, over finer items. It runs unless its busiest thread
+/// (ceil(heads / threads) heads) would do more than the two passes' share (heads / threads x 7/5).
+fn fused_pass(heads: usize, threads: usize) -> bool {
+    5 * heads.div_ceil(threads) * threads <= 7 * heads
 }
 
 /// Passes 1-3 with q, k, v, out, dout and the gradients of storage type T.
@@ -729,7 +907,12 @@ unsafe fn backward_passes<T: Element>(
     // 1. Drow, then dsinks.
     let mut delta = try_filled(batch * q_heads * q_len, 0.0f32)?;
     let (problem, delta_rows) = (Shared(bp), Shared(delta.as_mut_ptr()));
-    for_each_item(batch * q_heads, threads, head_dim, value_dim, |head, s| {
+    let tiles = ScratchShape {
+        head_dim,
+        value_dim,
+        query_grad_rows: Q_TILE_ROWS,
+    };
+    for_each_item(batch * q_heads, threads, tiles, |head, s| {
         // SAFETY: item `head` writes only its own Lq floats of delta; the problem is checked.
         unsafe {
             let delta = std::slice::from_raw_parts_mut(delta_rows.get().add(head * q_len), q_len);
@@ -738,7 +921,7 @@ unsafe fn backward_passes<T: Element>(
                 head / q_heads,
                 head % q_heads,
                 delta,
-                &mut s.dout_rows,
+                &mut s.row_buffer,
             );
         }
     })?;
@@ -750,21 +933,26 @@ unsafe fn backward_passes<T: Element>(
         return Ok(()); // then Hq = 0 too (check_problem): no gradient left to write
     }
 
-    // 0. The packed keys.
+    // 0. The packed keys and query side.
     let key_blocks = k_len.div_ceil(BACKWARD_KEY_BLOCK);
     let packed_keys = batch * kv_heads * key_blocks * BACKWARD_KEY_BLOCK;
     with_thread_buffers(&CALLER_BUFFERS, |buffers: &mut CallerBuffers| {
+        // a buffer of count floats, as a pointer
+        let floats = |buffer: &mut AlignedFloats, count: usize| -> Result<*mut f32, ProblemError> {
+            Ok(buffer.ensure(count)?.as_mut_ptr())
+        };
         let packed = PackedKeys {
-            keys: buffers.keys.ensure(packed_keys * head_dim)?.as_mut_ptr(),
-            key_panels: buffers
-                .key_panels
-                .ensure(packed_keys * head_dim)?
-                .as_mut_ptr(),
-            value_panels: buffers
-                .value_panels
-                .ensure(packed_keys * value_dim)?
-                .as_mut_ptr(),
+            keys: floats(&mut buffers.keys, packed_keys * head_dim)?,
+            key_panels: floats(&mut buffers.key_panels, packed_keys * head_dim)?,
+            value_panels: floats(&mut buffers.value_panels, packed_keys * value_dim)?,
             key_blocks,
+        };
+        // B * Hkv heads of rows_per_group packed rows
+        let packed_rows = batch * q_heads * q_len;
+        let queries = PackedQueries {
+            query_rows: floats(&mut buffers.query_rows, packed_rows * head_dim)?,
+            query_scaled: floats(&mut buffers.query_scaled, packed_rows * head_dim)?,
+            dout_rows: floats(&mut buffers.dout_rows, packed_rows * value_dim)?,
         };
         let plan = BackwardPlan {
             problem: bp,
@@ -772,10 +960,16 @@ unsafe fn backward_passes<T: Element>(
             row_delta: delta.as_ptr(),
             kernels,
             packed,
+            queries,
+            fused: fused_pass(batch * kv_heads, threads),
         };
-        for_each_item(batch * kv_heads, threads, head_dim, value_dim, |head, _| {
-            // SAFETY: item `head` packs only its own head's blocks; the problem is checked.
-            unsafe { pack_keys::<T>(&plan, head / kv_heads, head % kv_heads) }
+        for_each_item(batch * kv_heads, threads, tiles, |head, _| {
+            // SAFETY: item `head` packs only its own head's blocks and rows; the problem is
+            // checked.
+            unsafe {
+                pack_keys::<T>(&plan, head / kv_heads, head % kv_heads);
+                pack_queries::<T>(&plan, head / kv_heads, head % kv_heads);
+            }
         })?;
         // SAFETY: forwarded.
         unsafe { gradient_passes::<T>(&plan, threads) }
@@ -793,32 +987,41 @@ unsafe fn gradient_passes<T: Element>(
     let p = &plan.problem.forward;
     let [batch, _, _, head_dim] = p.q.shape.map(|n| n as usize);
     let (kv_heads, value_dim) = (p.k.shape[1] as usize, p.v.shape[3] as usize);
-    let key_blocks = plan.packed.key_blocks;
+    let (key_blocks, rows_per_group) = (plan.packed.key_blocks, plan.flash.rows_per_group);
+    let tiles = ScratchShape {
+        head_dim,
+        value_dim,
+        query_grad_rows: Q_TILE_ROWS,
+    };
+    if plan.fused {
+        // 2 and 3 in one, per head
+        let heads = ScratchShape {
+            query_grad_rows: rows_per_group,
+            ..tiles
+        };
+        return for_each_item(batch * kv_heads, threads, heads, |head, s| {
+            // SAFETY: item (b, kv_head) owns the head's dq, dk and dv rows and its dQ sums.
+            unsafe { head_gradients::<T>(plan, head / kv_heads, head % kv_heads, s) };
+        });
+    }
     // 2. dK, dV.
-    for_each_item(
-        batch * kv_heads * key_blocks,
-        threads,
-        head_dim,
-        value_dim,
-        |index, s| {
-            let head = index / key_blocks;
-            let key_block = index % key_blocks * BACKWARD_KEY_BLOCK;
-            // SAFETY: item (b, kv_head, key block) owns its keys' dk and dv rows.
-            unsafe {
-                key_block_gradients::<T>(plan, head / kv_heads, head % kv_heads, key_block, s)
-            };
-        },
-    )?;
+    for_each_item(batch * kv_heads * key_blocks, threads, tiles, |index, s| {
+        let head = index / key_blocks;
+        let key_block = index % key_blocks * BACKWARD_KEY_BLOCK;
+        // SAFETY: item (b, kv_head, key block) owns its keys' dk and dv rows.
+        unsafe {
+            let (b, kv_head) = (head / kv_heads, head % kv_heads);
+            key_block_gradients::<T>(plan, b, kv_head, key_block, s, std::ptr::null_mut())
+        };
+    })?;
     // 3. dQ.
-    let rows_per_group = plan.flash.rows_per_group;
-    let tiles = rows_per_group.div_ceil(Q_TILE_ROWS);
+    let query_tiles = rows_per_group.div_ceil(Q_TILE_ROWS);
     for_each_item(
-        batch * kv_heads * tiles,
+        batch * kv_heads * query_tiles,
         threads,
-        head_dim,
-        value_dim,
+        tiles,
         |index, s| {
-            let (head, row_begin) = (index / tiles, index % tiles * Q_TILE_ROWS);
+            let (head, row_begin) = (index / query_tiles, index % query_tiles * Q_TILE_ROWS);
             let tile = WorkItem {
                 b: head / kv_heads,
                 kv_head: head % kv_heads,

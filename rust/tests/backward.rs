@@ -433,7 +433,8 @@ fn small_problems_match_float64() {
         c.mask = 2;
     });
     // 4 heads on one KV head over 30 positions: 120 packed rows (3 query tiles); 150 keys (3 key
-    // blocks); 3 threads.
+    // blocks); 3 threads, which run passes 2 and 3 on its 2 (sequence, KV head) pairs, checked
+    // bit for bit against 1 thread, which runs the fused pass.
     add("tiles", &|c| {
         c.shape = [2, 4, 1, 30, 150, 20, 12];
         c.causal = true;
