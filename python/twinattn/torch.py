@@ -361,16 +361,6 @@ def attention(
     # An input that requires grad (grad mode on) raises _RecordsGrad there: autograd's path, the op.
     try:
         qa, ka, va = _inputs(q, k, v, backend)
-        if (out is None and q_offset is None and kv_lens is None and attn_mask is None and alibi_slopes is None and sinks is None
-                and k_scale is None and v_scale is None):
-            # The common call, no optional tensor: twinattn.attention gets only the keywords that can
-            # differ from its defaults (every keyword passed costs per call: all 18 of them added 0.9 us
-            # to the tiny case's 12.7 us)
-            common: Any = api.attention(
-                qa, ka, va, causal=causal, scale=scale, return_lse=return_lse, backend=backend, num_threads=num_threads,
-                window_size=window_size, softcap=softcap,
-            )
-            return (_tensor(common[0]), _from_numpy(common[1])) if return_lse else _tensor(common)
         attn_mask_array = None if attn_mask is None else _grad_or_array("attn_mask", attn_mask)
         slopes_array = None if alibi_slopes is None else _grad_or_array("alibi_slopes", alibi_slopes)
         sinks_array = None if sinks is None else _grad_or_array("sinks", sinks)
