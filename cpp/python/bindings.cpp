@@ -591,6 +591,7 @@ py::dict build_info() {
     constants["serial_work"] = kSerialWork;
     constants["direct_score_rows"] = kDirectScoreRows;
     constants["decode_prefetch_bytes"] = kDecodePrefetchBytes;
+    constants["decode_near_prefetch_bytes"] = kDecodeNearPrefetchBytes;
     constants["score_prefetch_bytes"] = kScorePrefetchBytes;
     constants["value_key_chunk"] = kValueKeyChunk;
     constants["backward_key_block"] = kBackwardKeyBlock;

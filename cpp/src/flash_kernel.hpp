@@ -337,40 +337,65 @@ struct Kernel {
     // ---- Prefetch (the direct split-key path, docs/kernels.md step 6) ------------------------
     // An item reads, per key block, its n K rows (scores), then its n V rows (P.V), then the next
     // block's K rows: one read order. Reading position m of it, the kernel prefetches position
-    // m + lookahead (kDecodePrefetchBytes of K rows ahead), so that memory streams while the FMAs
-    // run: the hardware prefetcher alone left the two taking turns.
+    // m + far (kDecodePrefetchBytes of K rows ahead) into L2 and position m + near
+    // (kDecodeNearPrefetchBytes) from there into L1, so that memory streams while the FMAs run:
+    // the hardware prefetcher alone left the two taking turns.
     struct ReadAhead {
         const void* const* key_rows;    // the block's n K rows, then the next block's, up to key_rows_end
         const void* const* value_rows;  // the block's n V rows
-        int64_t n, key_rows_end, lookahead, key_bytes, value_bytes;
+        int64_t n, key_rows_end, near, far, key_bytes, value_bytes;
     };
 
-    // One cache line into L1. An asm statement: GCC deletes a __builtin_prefetch (or
-    // _mm_prefetch) in a loop that it inlines into these kernels as an effect-free loop.
-    static void prefetch_line(const char* line) {
+    // One cache line into L1, or into L2 when kL2 (the read-ahead's far hint). An asm statement:
+    // GCC deletes a __builtin_prefetch (or _mm_prefetch) in a loop that it inlines into these
+    // kernels as an effect-free loop.
+    template <bool kL2>
+    static void prefetch_line_into(const char* line) {
 #if defined(__x86_64__) || defined(__i386__)
-        asm volatile("prefetcht0 (%0)" : : "r"(line));
+        if (kL2)
+            asm volatile("prefetcht2 (%0)" : : "r"(line));
+        else
+            asm volatile("prefetcht0 (%0)" : : "r"(line));
 #elif defined(__aarch64__)
-        asm volatile("prfm pldl1keep, [%0]" : : "r"(line));
+        if (kL2)
+            asm volatile("prfm pldl2keep, [%0]" : : "r"(line));
+        else
+            asm volatile("prfm pldl1keep, [%0]" : : "r"(line));
 #else
         (void)line;
 #endif
     }
 
+    static void prefetch_line(const char* line) { prefetch_line_into<false>(line); }
+
+    template <bool kL2>
     static void prefetch_row(const void* row, int64_t bytes) {
         const char* line = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63});
         const char* const end = static_cast<const char*>(row) + bytes;
-        for (; line < end; line += 64) prefetch_line(line);
+        for (; line < end; line += 64) prefetch_line_into<kL2>(line);
     }
 
     // Prefetches position m of the read order (nothing past the item's keys).
+    template <bool kL2>
     static void prefetch_position(const ReadAhead& ahead, int64_t m) {
         if (m < ahead.n)
-            prefetch_row(ahead.key_rows[m], ahead.key_bytes);
+            prefetch_row<kL2>(ahead.key_rows[m], ahead.key_bytes);
         else if (m < 2 * ahead.n)
-            prefetch_row(ahead.value_rows[m - ahead.n], ahead.value_bytes);
+            prefetch_row<kL2>(ahead.value_rows[m - ahead.n], ahead.value_bytes);
         else if (m - ahead.n < ahead.key_rows_end)
-            prefetch_row(ahead.key_rows[m - ahead.n], ahead.key_bytes);
+            prefetch_row<kL2>(ahead.key_rows[m - ahead.n], ahead.key_bytes);
+    }
+
+    // The read-ahead's distance of `bytes` bytes of K rows (key_bytes each) in rows: 1 to kKeyBlock.
+    static int64_t rows_ahead(int64_t bytes, int64_t key_bytes) {
+        const int64_t rows = key_bytes == 0 ? 1 : (bytes + key_bytes - 1) / key_bytes;
+        return rows < kKeyBlock ? rows : kKeyBlock;
+    }
+
+    // Reading position m of the read order: position m + near into L1, then m + far into L2.
+    static void read_ahead(const ReadAhead& ahead, int64_t m) {
+        prefetch_position<false>(ahead, m + ahead.near);
+        prefetch_position<true>(ahead, m + ahead.far);
     }
 
     // ---- 3a'. Direct S (split-key groups of at most kDirectScoreRows rows, docs step 6) ------
@@ -423,7 +448,7 @@ struct Kernel {
     // batch wholly past n is 0, a key past n inside a batch reuses key n - 1; both scores are
     // overwritten with -inf before the softmax. int8: each score is then acc * k_scale (one
     // multiply per (row, key); key_scales is the block's, 0 past n). ahead (the first strip
-    // only, else nullptr): each batch prefetches its four positions plus the lookahead.
+    // only, else nullptr): each batch reads ahead of its four positions (read_ahead).
     template <int R>
     static void direct_strip(const float* q, int64_t D, const void* const* k_rows, int64_t j0, int64_t n,
                              const float* key_scales, float* scores, const ReadAhead* ahead) {
@@ -440,7 +465,7 @@ struct Kernel {
 #pragma GCC unroll 4
             for (int t = 0; t < 4; ++t) k[t] = static_cast<const KV*>(k_rows[first + t < n ? first + t : n - 1]);
             if (ahead != nullptr)
-                for (int64_t t = 0; t < 4; ++t) prefetch_position(*ahead, first + t + ahead->lookahead);
+                for (int64_t t = 0; t < 4; ++t) read_ahead(*ahead, first + t);
             direct_batch<R>(q, D, k, &y[0][b], kBatches);
         }
 #pragma GCC unroll 8
@@ -478,8 +503,8 @@ struct Kernel {
     // ---- 3d. O = alpha O + P V: R (<= kMicroRows) rows x NV vectors of value columns -----------------
     // kTail: the last vector holds only `tail` columns. kSafe: a row whose p is 0 (a hidden key)
     // skips the key, so a NaN in a hidden value never enters (0 * NaN = NaN). ahead (the direct
-    // path's first strip and column block, else nullptr): key j prefetches position n + j plus
-    // the lookahead of the read order.
+    // path's first strip and column block, else nullptr): key j reads ahead of position n + j of
+    // the read order (read_ahead).
     template <int R, int NV, bool kTail, bool kSafe>
     static void value_micro(const float* probs, int64_t n, const void* const* v_rows, int64_t column,
                             float* out, int64_t out_stride, const float* rescale, bool do_rescale,
@@ -495,7 +520,7 @@ struct Kernel {
             }
         }
         for (int64_t key = 0; key < n; ++key) {
-            if (ahead != nullptr) prefetch_position(*ahead, ahead->n + key + ahead->lookahead);
+            if (ahead != nullptr) read_ahead(*ahead, ahead->n + key);
             const KV* v_row = static_cast<const KV*>(v_rows[key]) + column;
             Reg values[NV];
 #pragma GCC unroll 4
@@ -617,10 +642,10 @@ struct Kernel {
                 : plan.packed_keys + (b * p.k.shape[1] + item.kv_head) * plan.panels_per_head * D * kKeyPanel;
         // Split-key groups of few rows read K in place (3a'); the others pack K^T panels.
         const bool direct = plan.packed_keys == nullptr && rows <= kDirectScoreRows;
-        // The direct path's read-ahead: kDecodePrefetchBytes of K rows, 1 to kKeyBlock rows.
+        // The direct path's read-ahead: kDecodeNearPrefetchBytes and kDecodePrefetchBytes of K rows.
         const int64_t key_bytes = D * static_cast<int64_t>(sizeof(KV));
-        const int64_t lookahead_rows = key_bytes == 0 ? 1 : (kDecodePrefetchBytes + key_bytes - 1) / key_bytes;
-        const int64_t lookahead = lookahead_rows < kKeyBlock ? lookahead_rows : kKeyBlock;
+        const int64_t near = rows_ahead(kDecodeNearPrefetchBytes, key_bytes);
+        const int64_t far = rows_ahead(kDecodePrefetchBytes, key_bytes);
         for (int64_t key_block = item.key_begin; key_block < key_stop; key_block += kKeyBlock) {
             const int64_t n = key_stop - key_block < kKeyBlock ? key_stop - key_block : kKeyBlock;
             const int64_t n_padded = round_up(n, W);
@@ -636,11 +661,11 @@ struct Kernel {
             // block's first K rows, for its read-ahead (never past the item's last key).
             flash_key_rows(p, b, item.kv_head, key_block, n, direct ? s.key_rows : nullptr, s.value_rows,
                            kInt8 ? s.key_scales : nullptr, kInt8 ? s.value_scales : nullptr);
-            const int64_t ahead_end = key_stop - key_block < n + lookahead ? key_stop - key_block : n + lookahead;
+            const int64_t ahead_end = key_stop - key_block < n + far ? key_stop - key_block : n + far;
             if (direct && ahead_end > n)
                 flash_key_rows(p, b, item.kv_head, key_block + n, ahead_end - n, s.key_rows + n, nullptr, nullptr,
                                nullptr);
-            const ReadAhead ahead{s.key_rows, s.value_rows, n, ahead_end, lookahead, key_bytes,
+            const ReadAhead ahead{s.key_rows, s.value_rows, n, ahead_end, near, far, key_bytes,
                                   Dv * static_cast<int64_t>(sizeof(KV))};
             if (kInt8)
                 for (int64_t j = n; j < n_padded; ++j) s.key_scales[j] = s.value_scales[j] = 0.0f;

@@ -22,8 +22,9 @@
 //! checked problem; the functions are `unsafe` with that as their contract.
 
 use crate::constants::{
-    DECODE_PREFETCH_BYTES, DIRECT_SCORE_ROWS, KEY_BLOCK, KEY_PANEL, LOG2_E, MICRO_ROWS,
-    SCORE_PREFETCH_BYTES, TANH_COEFFICIENTS, TANH_DEGREE, TANH_SMALL, VALUE_KEY_CHUNK,
+    DECODE_NEAR_PREFETCH_BYTES, DECODE_PREFETCH_BYTES, DIRECT_SCORE_ROWS, KEY_BLOCK, KEY_PANEL,
+    LOG2_E, MICRO_ROWS, SCORE_PREFETCH_BYTES, TANH_COEFFICIENTS, TANH_DEGREE, TANH_SMALL,
+    VALUE_KEY_CHUNK,
 };
 use crate::element::{Element, Load};
 use crate::flash_attention::{
@@ -484,8 +485,9 @@ unsafe fn block_scores<V: Vector>(
 
 /// An item reads, per key block, its n K rows (scores), then its n V rows (P.V), then the next
 /// block's K rows: one read order. Reading position m of it, the kernel prefetches position
-/// m + lookahead (DECODE_PREFETCH_BYTES of K rows ahead), so that memory streams while the FMAs
-/// run: the hardware prefetcher alone left the two taking turns.
+/// m + far (DECODE_PREFETCH_BYTES of K rows ahead) into L2 and position m + near
+/// (DECODE_NEAR_PREFETCH_BYTES) from there into L1, so that memory streams while the FMAs run:
+/// the hardware prefetcher alone left the two taking turns.
 pub struct ReadAhead {
     /// the block's n K rows, then the next block's, up to key_rows_end
     pub key_rows: *const *const u8,
@@ -495,37 +497,52 @@ pub struct ReadAhead {
     pub n: usize,
     /// key rows filled: n plus the next block's first ones
     pub key_rows_end: usize,
-    /// positions between a read and its prefetch
-    pub lookahead: usize,
+    /// positions between a read and its prefetch into L1, and into L2
+    pub near: usize,
+    pub far: usize,
     /// bytes of a K row and of a V row
     pub key_bytes: usize,
     pub value_bytes: usize,
 }
 
-/// One cache line into L1 (C++ uses an asm statement: GCC deletes its prefetch builtin in these
-/// inlined loops; LLVM keeps the intrinsic).
+/// One cache line into L1, or into L2 when L2 (the read-ahead's far hint). (C++ uses an asm
+/// statement: GCC deletes its prefetch builtin in these inlined loops; LLVM keeps the intrinsic.)
 #[inline(always)]
-fn prefetch_line(line: *const u8) {
+fn prefetch_line_into<const L2: bool>(line: *const u8) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch never faults and reads nothing the program sees.
     unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(line.cast());
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T2};
+        if L2 {
+            _mm_prefetch::<_MM_HINT_T2>(line.cast());
+        } else {
+            _mm_prefetch::<_MM_HINT_T0>(line.cast());
+        }
     }
     #[cfg(target_arch = "aarch64")]
     // SAFETY: as above; the instruction only hints the cache.
     unsafe {
-        std::arch::asm!("prfm pldl1keep, [{0}]", in(reg) line, options(nostack, readonly, preserves_flags));
+        if L2 {
+            std::arch::asm!("prfm pldl2keep, [{0}]", in(reg) line, options(nostack, readonly, preserves_flags));
+        } else {
+            std::arch::asm!("prfm pldl1keep, [{0}]", in(reg) line, options(nostack, readonly, preserves_flags));
+        }
     }
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = line;
 }
 
 #[inline(always)]
-fn prefetch_row(row: *const u8, bytes: usize) {
+fn prefetch_line(line: *const u8) {
+    prefetch_line_into::<false>(line);
+}
+
+#[inline(always)]
+fn prefetch_row<const L2: bool>(row: *const u8, bytes: usize) {
     let end = row as usize + bytes;
     let mut line = row as usize & !63;
     while line < end {
-        prefetch_line(line as *const u8);
+        prefetch_line_into::<L2>(line as *const u8);
         line += 64;
     }
 }
@@ -535,16 +552,35 @@ fn prefetch_row(row: *const u8, bytes: usize) {
 /// # Safety
 /// `ahead`'s row pointers are valid for the indices its counts give.
 #[inline(always)]
-unsafe fn prefetch_position(ahead: &ReadAhead, m: usize) {
+unsafe fn prefetch_position<const L2: bool>(ahead: &ReadAhead, m: usize) {
     // SAFETY: every index is checked against the counts filled.
     unsafe {
         if m < ahead.n {
-            prefetch_row(*ahead.key_rows.add(m), ahead.key_bytes);
+            prefetch_row::<L2>(*ahead.key_rows.add(m), ahead.key_bytes);
         } else if m < 2 * ahead.n {
-            prefetch_row(*ahead.value_rows.add(m - ahead.n), ahead.value_bytes);
+            prefetch_row::<L2>(*ahead.value_rows.add(m - ahead.n), ahead.value_bytes);
         } else if m - ahead.n < ahead.key_rows_end {
-            prefetch_row(*ahead.key_rows.add(m - ahead.n), ahead.key_bytes);
+            prefetch_row::<L2>(*ahead.key_rows.add(m - ahead.n), ahead.key_bytes);
         }
+    }
+}
+
+/// The read-ahead's distance of `bytes` bytes of K rows (key_bytes each) in rows: 1 to
+/// KEY_BLOCK.
+fn rows_ahead(bytes: usize, key_bytes: usize) -> usize {
+    bytes.div_ceil(key_bytes.max(1)).clamp(1, KEY_BLOCK)
+}
+
+/// Reading position m of the read order: position m + near into L1, then m + far into L2.
+///
+/// # Safety
+/// As prefetch_position.
+#[inline(always)]
+unsafe fn read_ahead(ahead: &ReadAhead, m: usize) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        prefetch_position::<false>(ahead, m + ahead.near);
+        prefetch_position::<true>(ahead, m + ahead.far);
     }
 }
 
@@ -634,7 +670,7 @@ unsafe fn direct_strip<V: Vector, T: Load, const R: usize>(
                 std::array::from_fn(|t| (*k_rows.add((first + t).min(n - 1))).cast::<T>());
             if let Some(ahead) = ahead {
                 for t in 0..4 {
-                    prefetch_position(ahead, first + t + ahead.lookahead);
+                    read_ahead(ahead, first + t);
                 }
             }
             direct_batch::<V, T, R>(q, d_len, &k, &mut y, batch);
@@ -729,7 +765,7 @@ unsafe fn value_micro<
         }
         for key in 0..n {
             if let Some(ahead) = ahead {
-                prefetch_position(ahead, ahead.n + key + ahead.lookahead);
+                read_ahead(ahead, ahead.n + key);
             }
             let v_row = (*v_rows.add(key)).cast::<T>().add(column);
             let mut values = [V::zero(); NV];
@@ -945,11 +981,11 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
         };
         // Split-key groups of few rows read K in place (3a'); the others pack K^T panels.
         let direct = plan.packed_keys.is_null() && rows <= DIRECT_SCORE_ROWS;
-        // The direct path's read-ahead: DECODE_PREFETCH_BYTES of K rows, 1 to KEY_BLOCK rows.
+        // The direct path's read-ahead: DECODE_NEAR_PREFETCH_BYTES and DECODE_PREFETCH_BYTES of
+        // K rows.
         let key_bytes = d_len * size_of::<KV>();
-        let lookahead = DECODE_PREFETCH_BYTES
-            .div_ceil(key_bytes.max(1))
-            .clamp(1, KEY_BLOCK);
+        let near = rows_ahead(DECODE_NEAR_PREFETCH_BYTES, key_bytes);
+        let far = rows_ahead(DECODE_PREFETCH_BYTES, key_bytes);
         let mut key_block = item.key_begin;
         while key_block < key_stop {
             let n = (key_stop - key_block).min(KEY_BLOCK);
@@ -979,7 +1015,7 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
                 scales(s.key_scales),
                 scales(s.value_scales),
             );
-            let ahead_end = (key_stop - key_block).min(n + lookahead);
+            let ahead_end = (key_stop - key_block).min(n + far);
             if direct && ahead_end > n {
                 flash_key_rows(
                     p,
@@ -998,7 +1034,8 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
                 value_rows: s.value_rows,
                 n,
                 key_rows_end: ahead_end,
-                lookahead,
+                near,
+                far,
                 key_bytes,
                 value_bytes: value_dim * size_of::<KV>(),
             };

@@ -1090,6 +1090,7 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     constants.set_item("serial_work", SERIAL_WORK)?;
     constants.set_item("direct_score_rows", DIRECT_SCORE_ROWS)?;
     constants.set_item("decode_prefetch_bytes", DECODE_PREFETCH_BYTES)?;
+    constants.set_item("decode_near_prefetch_bytes", DECODE_NEAR_PREFETCH_BYTES)?;
     constants.set_item("score_prefetch_bytes", SCORE_PREFETCH_BYTES)?;
     constants.set_item("value_key_chunk", VALUE_KEY_CHUNK)?;
     constants.set_item("backward_key_block", BACKWARD_KEY_BLOCK)?;

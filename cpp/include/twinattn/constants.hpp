@@ -34,11 +34,17 @@ constexpr int64_t kDirectScoreRows = 24;
 
 // How far ahead of its reads the direct split-key path prefetches (docs/kernels.md, step 6): an
 // item reads each key block's K rows, then its V rows, then the next block's K rows, and while it
-// reads one row it prefetches the row this many bytes of K rows ahead in that order (at least one
-// row, at most kKeyBlock). Measured (decode, 32k keys, G = 4, D = 128, one thread, loaded machine,
-// time over a plain read of the same bytes): no prefetch 60% (float32) / 47% (bfloat16) / 34%
-// (int8); 1024 bytes 75 / 55 / 43; 2048 bytes 70-71 / 59-61 / 43; 4096 bytes 66-68 / 55-56 / 44.
-constexpr int64_t kDecodePrefetchBytes = 2048;
+// reads one row it prefetches the row kDecodePrefetchBytes of K rows ahead in that order into L2
+// (prefetcht2) and the row kDecodeNearPrefetchBytes ahead from there into L1 (prefetcht0); each
+// at least one row, at most kKeyBlock. Measured (decode, 32k keys, G = 4, D = 128, two threads,
+// CPU time on a loaded machine, alternating in one process; float32 / bfloat16 / float16 / int8
+// GB/s, a plain read of 1 GiB 30-31): one prefetcht0 2048 bytes ahead (before) 21.1-22.6 /
+// 18.5-19.5 / 17.7-18.9 / 14.6; prefetcht2 alone 2048 bytes ahead 23.7 / 20.2 / 20.3, 3072
+// bytes 23.2-24.6 / 19.6-20.3 / 20.1-20.2 / 15.0, 16384 bytes 23.2 / 17.7; prefetcht2 3072
+// and prefetcht0 512 bytes ahead 23.2-24.6 / 20.5-20.8 / 20.8 / 15.9.
+constexpr int64_t kDecodePrefetchBytes = 3072;
+// The read-ahead's distance into L1 (see kDecodePrefetchBytes).
+constexpr int64_t kDecodeNearPrefetchBytes = 512;
 
 // How far ahead in the packed K^T panels the S micro-kernel prefetches (docs/kernels.md, "What
 // bounds prefill"): a strip of Q rows reads the block's panels as one stream from L2, and
@@ -63,6 +69,7 @@ constexpr int64_t kBackwardKeyBlock = 64;
 static_assert(kQTileRows % kMicroRows == 0, "tiles are whole micro-kernel strips");
 static_assert(kKeyBlock % kKeyPanel == 0, "key blocks are whole panels");
 static_assert(kSplitKeyChunk % kKeyBlock == 0, "split-key chunks are whole key blocks");
+static_assert(kDecodeNearPrefetchBytes <= kDecodePrefetchBytes, "key_rows holds the far read-ahead's rows");
 static_assert(kBackwardKeyBlock <= kKeyBlock, "a backward key block fits the forward's score rows");
 
 // ---- Threads ----------------------------------------------------------------------------------
