@@ -136,7 +136,7 @@ def _backward64(inputs: dict[str, np.ndarray], out: np.ndarray, kw: dict[str, An
         grads["dsinks"] = -(sink_probs * delta).sum(axis=(0, 2))
         bounds["dsinks"] = 4.0 * UNIT_ROUNDOFF * (np.sqrt(delta.shape[0] * delta.shape[2]) + size) * (
             sink_probs * np.abs(delta)).sum(axis=(0, 2))
-    return {"grads": grads, "bounds": bounds}
+    return {"grads": grads, "bounds": bounds, "magnitudes": magnitudes}
 
 
 def _run(module: ModuleType, inputs: dict[str, np.ndarray], out: np.ndarray, lse: np.ndarray,
@@ -326,6 +326,113 @@ def test_no_query_rows_zero_key_gradients(ports: dict[str, ModuleType]) -> None:
         assert grads["dq"].size == 0
         for name in ("dk", "dv", "dsinks"):
             assert np.array_equal(grads[name], np.zeros_like(grads[name])), name
+
+
+# ---- The bfloat16 tile path (amxbf16) ---------------------------------------------------------
+# bfloat16 with D a multiple of 32 on amxbf16: the five products on AMX tiles, P and scale dS
+# rounded to bfloat16 (docs/kernels.md, "Backward"). Each term then carries up to one bfloat16
+# rounding (2^-8 of itself) on top of float32's error, so an element is within 2^-8 of its sum of
+# absolute terms beyond the float32 bound, plus the dtype's one rounding of the result.
+BF16_ROUNDOFF = 2.0**-8
+
+TILE_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("causal", dict(causal=True, q_offset=np.array([80, 0], np.int64))),
+    ("everything", dict(causal=True, q_offset=np.array([70, 40], np.int64), kv_lens=np.array([150, 111], np.int64),
+                        window_left=90, softcap=6.0, alibi_slopes=np.full((2, 8), 0.02, np.float32),
+                        sinks=np.linspace(-1, 1, 8).astype(np.float32))),
+    ("bool_mask", dict(mask=np.random.default_rng(10).random((2, 8, 70, 150)) < 0.8,
+                       kv_lens=np.array([150, 0], np.int64))),
+    ("float_mask", dict(mask=np.broadcast_to(np.where(
+        np.random.default_rng(11).random((2, 1, 70, 150)) < 0.3, -np.inf,
+        np.random.default_rng(12).standard_normal((2, 1, 70, 150))).astype(np.float32), (2, 8, 70, 150)))),
+]
+
+
+def _tile_problem(seed: int) -> dict[str, np.ndarray]:
+    """GQA 8/2 over 70 positions: 280 packed rows, query tiles of 96 (the last one 88 rows, not a
+    whole pair chunk); 150 keys: key blocks of 64 (the last one 22 keys); D = 64, Dv = 32;
+    strided, as transformers' layout gives them."""
+    return _problem(seed, 2, 8, 2, 70, 150, 64, 32, dtype=BF16, strided=True)
+
+
+def _tile_check(ports: dict[str, ModuleType], inputs: dict[str, np.ndarray], kw: dict[str, Any],
+                reference: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """Both ports on amxbf16, 1 and 3 threads: the same bits everywhere, every element written
+    and finite, within the tile path's bound of the float64 backward (of `reference`'s inputs
+    when given: the same function)."""
+    with forced_isa("cpp", "amxbf16"), forced_isa("rust", "amxbf16"):
+        out, lse = _forward(ports, reference or inputs, kw)
+        got = {(port, threads): _run(module, inputs, out, lse, kw, threads)
+               for port, module in ports.items() for threads in (1, 3)}
+    first = got["cpp", 1]
+    for key, grads in got.items():
+        for name in first:
+            assert np.array_equal(_bits(grads[name]), _bits(first[name])), (key, name)
+    want = _backward64(reference or inputs, out, kw)
+    for name, grad in first.items():
+        assert np.isfinite(grad).all(), name
+        reference_grad = want["grads"][name]
+        bound = (want["bounds"][name] + HALF_ULP[BF16] * np.abs(reference_grad)
+                 + np.finfo(BF16).smallest_subnormal)
+        if name in want["magnitudes"]:
+            bound = bound + BF16_ROUNDOFF * want["magnitudes"][name]
+        error = np.abs(grad.astype(np.float64) - reference_grad)
+        assert (error <= bound).all(), (name, float((error / bound).max()))
+    return first
+
+
+@pytest.mark.parametrize(("case", "kw"), TILE_CASES, ids=[case for case, _ in TILE_CASES])
+def test_bf16_tile_path_agrees_bitwise_across_ports_and_threads(ports: dict[str, ModuleType], case: str,
+                                                                kw: dict[str, Any]) -> None:
+    grads = _tile_check(ports, _tile_problem(13), {"scale": 0.125, **kw})
+    if case == "bool_mask":  # sequence 1 has no key: zero gradients
+        assert not grads["dq"][1].any() and not grads["dk"][1].any() and not grads["dv"][1].any()
+
+
+def test_bf16_tile_path_pads_value_columns(ports: dict[str, ModuleType]) -> None:
+    """Dv = 33 (as twinattn.core.backward's extra value column makes it): V and dO padded to 64
+    columns of zeros on the tiles, the same rules."""
+    inputs = _problem(17, 2, 8, 2, 70, 150, 64, 33, dtype=BF16, strided=True)
+    _tile_check(ports, inputs, dict(scale=0.125, causal=True, q_offset=np.array([80, 0], np.int64),
+                                    kv_lens=np.array([150, 120], np.int64)))
+
+
+def test_bf16_tile_path_taken_where_documented(ports: dict[str, ModuleType]) -> None:
+    """amxbf16 runs bfloat16 with D a multiple of 32 on its tiles (bits unlike avx512bf16's
+    float32 products), and anything else as avx512bf16 does (the same bits)."""
+    kw = dict(scale=0.125, causal=True, q_offset=np.array([80, 0], np.int64))
+    problems = {"tiles": _tile_problem(14),
+                "d_40": _problem(14, 2, 8, 2, 70, 150, 40, 32, dtype=BF16),
+                "float32": _problem(14, 2, 8, 2, 70, 150, 64, 32)}
+    for name, inputs in problems.items():
+        for port, module in ports.items():
+            grads = {}
+            for isa in ("amxbf16", "avx512bf16"):
+                with forced_isa(port, isa):
+                    out, lse = _forward(ports, inputs, kw)
+                    grads[isa] = _run(module, inputs, out, lse, kw)
+            same = all(np.array_equal(_bits(grads["amxbf16"][g]), _bits(grads["avx512bf16"][g])) for g in grads["amxbf16"])
+            assert same == (name != "tiles"), (name, port)
+
+
+def test_bf16_tile_path_never_reads_hidden_keys(ports: dict[str, ModuleType]) -> None:
+    """NaN in K and V rows that no query row sees (a bool mask hides them from every row; causal
+    hides the last keys below kv_lens) gives finite gradients within the bound of the clean
+    problem's, and those keys' dk and dv are 0."""
+    clean = _tile_problem(15)
+    mask = np.random.default_rng(16).random((2, 1, 70, 150)) < 0.8
+    hidden = np.zeros(150, bool)
+    hidden[[3, 64, 65, 100]] = True
+    mask[:, :, :, hidden] = False
+    kw = dict(scale=0.125, causal=True, q_offset=np.array([60, 70], np.int64),
+              mask=np.broadcast_to(mask, (2, 8, 70, 150)))
+    poisoned = {name: array.copy() for name, array in clean.items()}
+    for name in ("k", "v"):
+        poisoned[name][:, :, hidden] = np.nan
+        poisoned[name][0, :, 131:] = np.inf  # past sequence 0's last position (60 + 69)
+    grads = _tile_check(ports, poisoned, kw, reference=clean)
+    assert not grads["dk"][:, :, hidden].any() and not grads["dv"][:, :, hidden].any()
+    assert not grads["dk"][0, :, 131:].any() and not grads["dv"][0, :, 131:].any()
 
 
 # ---- Bad input: the same exception and message from both ports ---------------------------------

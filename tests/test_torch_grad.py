@@ -26,7 +26,7 @@ torch = import_optional("torch", "twinattn.torch needs it: pip install torch")
 tt = import_optional("twinattn.torch", "the torch integration")
 
 from grad_helpers import CASES, LK, LQ, dense_mask, math_attention, problem  # noqa: E402
-from helpers import BFLOAT16, FLOAT32_ERROR_FACTOR, FLOOR_ULPS, UNIT_ROUNDOFF, half_ulp  # noqa: E402
+from helpers import BFLOAT16, FLOAT32_ERROR_FACTOR, FLOOR_ULPS, UNIT_ROUNDOFF, forced_isa, half_ulp  # noqa: E402
 
 NAMES = ("dq", "dk", "dv", "dsinks")
 HALF_DTYPES = {"float16": (torch.float16, np.dtype(np.float16)), "bfloat16": (torch.bfloat16, BFLOAT16)}
@@ -132,6 +132,34 @@ def test_half_gradients_no_worse_than_twice_sdpa(backend: str, case: str, dtype:
         half = float(half_ulp(np.array([float(w.abs().max())]), np_dtype)[0])
         tol = 2 * _error(s, w) + half
         assert _error(g, w) <= tol, f"{backend} {case} {dtype} {name}: error {_error(g, w):.3g} > {tol:.3g}"
+
+
+# amxbf16's bfloat16 tile path (D a multiple of 32; docs/kernels.md, "Backward") under the same
+# rule, on problems of several query tiles and key blocks
+TILE_CASES = {
+    "causal": lambda rng: {"causal": True},
+    "window-causal-kv_lens": lambda rng: {"causal": True, "window_size": (50, 0), "kv_lens": np.array([140, 97]),
+                                          "q_offset": np.array([80, 37])},
+    "alibi": lambda rng: {"alibi_slopes": rng.uniform(0.01, 0.1, 8).astype(np.float32)},
+}
+
+
+@pytest.mark.parametrize("case", list(TILE_CASES))
+def test_bf16_tile_path_no_worse_than_twice_sdpa(native_backend: str, case: str) -> None:
+    rng = np.random.default_rng(31)
+    shapes = ((2, 8, 60, 64), (2, 2, 140, 64), (2, 2, 140, 64))
+    leaves = [torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(torch.bfloat16).requires_grad_()
+              for shape in shapes]
+    kwargs = {n: torch.from_numpy(a) if isinstance(a, np.ndarray) else a for n, a in TILE_CASES[case](rng).items()}
+    dout = torch.from_numpy(rng.standard_normal((2, 8, 60, 64))).to(torch.bfloat16)
+    with forced_isa(native_backend, "amxbf16"):
+        got = _grads(lambda q, k, v, **kw: tt.attention(q, k, v, backend=native_backend, **kw), leaves, kwargs, dout)
+    want = _reference_grads(leaves, kwargs, dout.double())
+    sdpa = _grads(_sdpa, leaves, kwargs, dout)
+    for name, g, w, s in zip(NAMES, got, want, sdpa):
+        half = float(half_ulp(np.array([float(w.abs().max())]), BFLOAT16)[0])
+        tol = 2 * _error(s, w) + half
+        assert _error(g, w) <= tol, f"{native_backend} {case} {name}: error {_error(g, w):.3g} > {tol:.3g}"
 
 
 @pytest.mark.parametrize("case", ["everything", "empty-rows-sinks", "float-mask"])

@@ -595,6 +595,8 @@ py::dict build_info() {
     constants["score_prefetch_bytes"] = kScorePrefetchBytes;
     constants["value_key_chunk"] = kValueKeyChunk;
     constants["backward_key_block"] = kBackwardKeyBlock;
+    constants["backward_tile_rows"] = kBackwardTileRows;
+    constants["backward_tile_group"] = kBackwardTileGroup;
     constants["avx512_score_vectors"] = kAvx512ScoreVectors;
     constants["avx512_value_vectors"] = kAvx512ValueVectors;
     constants["avx2_score_vectors"] = kAvx2ScoreVectors;

@@ -61,10 +61,57 @@ using PanelProductFn = void (*)(const PanelProduct&);
 using AccumulateFn = void (*)(const Accumulation&);
 using RowGradientsFn = void (*)(const RowGradients&);
 
+// One tile product of bfloat16 pairs (the bfloat16 tile path of flash_backward.cpp, amxbf16):
+// C (float32) = A B, or C += A B when accumulate, over `rows` rows of A (rounded up to 16) and
+// `columns` column tiles of 16 floats: A rows of `chunks` x 16 pairs (a pair: two bfloat16 of
+// the summed axis, the lower index in the low half), B rows of pairs, one per 16-pair chunk row
+// (chunks x 16 of them), C rows of floats. Strides in bytes. The tiles' order and rounding are
+// flash_amx.cpp's (the same in Rust).
+struct TileProduct {
+    const void* a;
+    int64_t a_stride, rows;
+    const void* b;
+    int64_t b_stride, columns, chunks;
+    void* c;
+    int64_t c_stride;
+    bool accumulate;
+};
+
+// One query tile's P or scale dS (src: rows of src_stride floats, n floats each, n a multiple of
+// 16) rounded to bfloat16 (nearest even, VCVTNE2PS2BF16, as the forward's P), rows past `rows`
+// up to rows_padded (even) as 0:
+//   pairs (B of dV^T += dO^T P and dK^T += Q^T dS): pairs[(r / 2) * stride + j] = (src[r][j],
+//     src[r + 1][j]), the lower row in the low half;
+//   rows, when not null (A of dQ += dS K): rows[r * stride + j] = src[r][j] (so its consecutive
+//     pairs are pairs of keys).
+struct TileRounding {
+    const float* src;
+    int64_t src_stride, rows, rows_padded, n;
+    uint32_t* pairs;
+    uint16_t* rows_out;
+    int64_t stride;
+};
+
+// The tile products of the backward's bfloat16 tile path: begin() before a work item's
+// products on the calling thread (the tile configuration), end() after them; round() the
+// roundings of P and dS. All null on every instruction set but amxbf16 (flash_amx.cpp).
+using TileBeginFn = void (*)();
+using TileProductFn = void (*)(const TileProduct&);
+using TileRoundFn = void (*)(const TileRounding&);
+using TileEndFn = void (*)();
+
+struct BackwardTiles {
+    TileBeginFn begin;
+    TileProductFn product;
+    TileRoundFn round;
+    TileEndFn end;
+};
+
 struct BackwardKernels {
     PanelProductFn panel_product;
     AccumulateFn accumulate;
     RowGradientsFn row_gradients;
+    BackwardTiles tiles;
 };
 
 namespace backward {
@@ -275,7 +322,7 @@ struct Ops {
 
 template <class V>
 BackwardKernels make_backward_kernels() {
-    return BackwardKernels{Ops<V>::panel_product, Ops<V>::accumulate, Ops<V>::row_gradients};
+    return BackwardKernels{Ops<V>::panel_product, Ops<V>::accumulate, Ops<V>::row_gradients, BackwardTiles{}};
 }
 
 }  // namespace backward

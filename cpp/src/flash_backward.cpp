@@ -24,6 +24,16 @@
 // owning the head's dq, dk and dv: pass 2 over the head's key blocks in order, each tile's
 // dQ += scale dS K summed into the head's float32 dQ sums as it goes, so S and dP are computed
 // once.
+// The bfloat16 tile path (amxbf16, bfloat16, D a multiple of 32: tile_path): always the fused
+// pass, query tiles of kBackwardTileRows rows, the five products on tiles of bfloat16 pairs with
+// float32 sums (BackwardTiles, flash_amx.cpp): S = Q K^T and dP = dO V^T from the inputs' own
+// bits (then S times the Q multiplier, as the forward's tiles), dQ += dS K, and per group of
+// tiles dV^T += dO^T P and dK^T += Q^T dS, with P and scale dS rounded to bfloat16. Pass 0 packs
+// bfloat16 pairs instead of float32 (PackedPairs, Dv padded to a multiple of 32 with zeros); the
+// per-score float32 work is the same code as above.
+// A tile and key block where a hidden key (P = 0) meets a non-finite Q, dO or K row run the
+// three accumulations in float32 on the kernels' gated accumulate instead (exact_accumulations),
+// so a value that is never visible is never read.
 // Determinism: every gradient element is summed by the one item that owns it, in a fixed order
 // (query rows ascending for dK and dV, keys ascending for dQ), so the results depend neither on
 // num_threads nor on the schedule. The fused pass sums every element in the same order as passes
@@ -39,6 +49,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "dispatch.hpp"
@@ -97,6 +108,43 @@ struct PackedQueries {
     float* dout_rows;
 };
 
+// Pass 0's bfloat16 pairs of one call (the tile path), as 16-bit elements (a pair: two
+// consecutive ones). Per key block, block = head * key_blocks + kb:
+//   key_panels   at block * kBackwardKeyBlock * D: kBackwardKeyBlock / kKeyPanel panels of
+//                (D / 2, kKeyPanel) pairs (d, key)       S = Q K^T, B
+//   value_panels at block * kBackwardKeyBlock * Dv: the same of V   dP = dO V^T, B
+//   key_rows     at block * kBackwardKeyBlock * D: (kBackwardKeyBlock / 2, D) pairs (key, d)
+//                                                        dQ += dS K, B
+//   key_finite   at block * kBackwardKeyBlock: 1 where the key's K row is finite
+// Per packed row r of a head, row = head * head_rows + r (head_rows: rows_per_group rounded up
+// to 32; the pad rows are 0):
+//   query_pairs at row * D, dout_pairs at row * Dv: the rows themselves (pairs (d))   S, dP: A
+//   row_finite at row: 1 where the row's Q and dO are finite
+// Per head, its packed rows transposed, rows up to head_tiles * kBackwardTileRows (0 past
+// rows_per_group), each of row_stride elements (a multiple of 32 plus 32: no two rows 4096
+// bytes apart, where the L1 cache would put a tile load's rows in one set):
+//   query_t at head * D * row_stride: Q^T, (D, row_stride), so pairs (d, rows 2 i and 2 i + 1)
+//                                                        dK^T += Q^T dS: A
+//   dout_t at head * Dv * row_stride: dO^T, the same      dV^T += dO^T P: A
+// Keys at or past kv_lens[b] are 0 (never read from k or v), finite. Every width Dv above is
+// value_width (Dv rounded up to 32; the columns past Dv are 0).
+struct PackedPairs {
+    uint16_t* key_panels;
+    uint16_t* value_panels;
+    uint16_t* key_rows;
+    unsigned char* key_finite;
+    uint16_t* query_pairs;
+    uint16_t* dout_pairs;
+    unsigned char* row_finite;
+    uint16_t* query_t;
+    uint16_t* dout_t;
+    int64_t head_rows, head_tiles, row_stride;
+    int64_t value_width;  // Dv rounded up to 32: the V and dO pairs' width (0 past Dv)
+};
+
+// No pairs (the float32 path).
+PackedPairs no_pairs() { return PackedPairs{}; }
+
 // What the items of one call share.
 struct BackwardPlan {
     const BackwardProblem* problem;
@@ -106,6 +154,8 @@ struct BackwardPlan {
     PackedKeys packed;        // pass 0's keys
     PackedQueries queries;    // pass 0's query side
     bool fused;               // passes 2 and 3 run as one, per head (fused_pass)
+    bool tiled;               // the bfloat16 tile path (tile_path); then pairs, not packed and queries
+    PackedPairs pairs;        // pass 0's pairs (the tile path)
 };
 
 // One key block of the packed keys: its K rows, K^T and V^T.
@@ -141,17 +191,29 @@ QueryRows query_rows_at(const BackwardPlan& plan, const WorkItem& tile) {
 // them), reused across calls so that a call does not fault their pages in again.
 struct CallerBuffers {
     AlignedFloats keys, key_panels, value_panels, query_rows, query_scaled, dout_rows;
+    std::vector<uint16_t> pair_key_panels, pair_value_panels, pair_key_rows, pair_query_pairs, pair_dout_pairs,
+        pair_query_t, pair_dout_t;
+    std::vector<unsigned char> key_finite, row_finite;
 };
+
+// buffer grown to at least count elements, its data.
+template <typename E>
+E* grown(std::vector<E>& buffer, int64_t count) {
+    if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(static_cast<size_t>(count));
+    return buffer.data();
+}
 
 CallerBuffers& caller_buffers() {
     thread_local CallerBuffers buffers;
     return buffers;
 }
 
-// What one thread's scratch is sized for: D, Dv and the rows of dQ sums (a tile's kQTileRows,
-// or a head's rows_per_group in the fused pass).
+// What one thread's scratch is sized for: D, Dv, the rows of dQ sums (a tile's kQTileRows,
+// or a head's rows_per_group in the fused pass, rounded up to 32 on the tile path), and whether
+// the tile path runs (its rows per tile are kBackwardTileRows).
 struct ScratchShape {
     int64_t head_dim, value_dim, query_grad_rows;
+    bool tiled = false;
 };
 
 // One thread's tiles (grown on demand, kept for the thread's life):
@@ -161,28 +223,44 @@ struct ScratchShape {
 //   scores, capped, grads (kQTileRows, kKeyBlock): S then P; tanh of the softcap; scale * dS
 //   key_grad, value_grad (kBackwardKeyBlock, D / Dv), query_grad (query_grad_rows, D): float32
 //   sums (query_grad_rows: a tile's kQTileRows, or a head's rows_per_group in the fused pass)
+// and on the tile path (tiles of kBackwardTileRows rows, so the rows above are that many; key_grad
+// and value_grad hold dK^T and dV^T, (D / Dv, kBackwardKeyBlock)):
+//   probs_pairs, grads_pairs (kBackwardTileGroup kBackwardTileRows / 2, kBackwardKeyBlock) pairs
+//   of rows: P and scale dS of a group of tiles rounded to bfloat16 (B of dV^T and dK^T);
+//   grads_rows (kBackwardTileRows, kBackwardKeyBlock) bfloat16: scale dS of a tile (A of dQ);
+//   key_sums (kBackwardKeyBlock, max(D, Dv)): dK or dV sums key by key (stores, exact_accumulations);
+//   exact_queries, exact_dout (kBackwardTileRows, D / Dv), exact_keys (kBackwardKeyBlock, D):
+//   float32 operands of exact_accumulations
 struct BackwardScratch {
     std::vector<float> row_buffer, row_delta, row_lse, scores, capped, grads, key_grad, value_grad, query_grad;
     std::vector<int64_t> row_key_begin, row_key_end;
+    std::vector<uint32_t> probs_pairs, grads_pairs;
+    std::vector<uint16_t> grads_rows;
+    std::vector<float> key_sums, exact_queries, exact_dout, exact_keys;
 
     void ensure(const ScratchShape& shape) {
         const int64_t D = shape.head_dim, Dv = shape.value_dim;
-        const auto grow = [](std::vector<float>& buffer, int64_t count) {
-            if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(static_cast<size_t>(count));
-        };
+        const int64_t tile_rows = shape.tiled ? kBackwardTileRows : kQTileRows;
+        const auto grow = [](auto& buffer, int64_t count) { grown(buffer, count); };
         grow(row_buffer, 2 * Dv);
-        grow(row_delta, kQTileRows);
-        grow(row_lse, kQTileRows);
-        grow(scores, kQTileRows * kKeyBlock);
-        grow(capped, kQTileRows * kKeyBlock);
-        grow(grads, kQTileRows * kKeyBlock);
+        grow(row_delta, tile_rows);
+        grow(row_lse, tile_rows);
+        grow(scores, tile_rows * kKeyBlock);
+        grow(capped, tile_rows * kKeyBlock);
+        grow(grads, tile_rows * kKeyBlock);
         grow(key_grad, kBackwardKeyBlock * D);
         grow(value_grad, kBackwardKeyBlock * Dv);
         grow(query_grad, shape.query_grad_rows * D);
-        if (static_cast<int64_t>(row_key_end.size()) < kQTileRows) {
-            row_key_begin.resize(kQTileRows);
-            row_key_end.resize(kQTileRows);
-        }
+        grow(row_key_begin, tile_rows);
+        grow(row_key_end, tile_rows);
+        if (!shape.tiled) return;
+        grow(probs_pairs, kBackwardTileGroup * kBackwardTileRows / 2 * kBackwardKeyBlock);
+        grow(grads_pairs, kBackwardTileGroup * kBackwardTileRows / 2 * kBackwardKeyBlock);
+        grow(grads_rows, kBackwardTileRows * kBackwardKeyBlock);
+        grow(key_sums, kBackwardKeyBlock * std::max(D, Dv));
+        grow(exact_queries, kBackwardTileRows * D);
+        grow(exact_dout, kBackwardTileRows * Dv);
+        grow(exact_keys, kBackwardKeyBlock * D);
     }
 };
 
@@ -335,6 +413,141 @@ void pack_queries(const BackwardPlan& plan, int64_t b, int64_t kv_head) {
     }
 }
 
+// ---- The bfloat16 tile path (amxbf16) ---------------------------------------------------------
+
+// Whether the call takes the tile path: the instruction set has the backward's tile products
+// (amxbf16), the dtype is bfloat16, and D fills whole tiles (a multiple of 32; Dv is padded to
+// one with zeros: the Python layer's backward adds a column to V).
+bool tile_path(const BackwardKernels& kernels, const AttentionProblem& p) {
+    const int64_t D = p.q.shape[3], Dv = p.v.shape[3];
+    return kernels.tiles.product != nullptr && p.dtype == ElementType::BFloat16 && D > 0 && D % 32 == 0 && Dv > 0;
+}
+
+// A bfloat16's bits are finite unless its exponent is all ones.
+bool finite_bits(uint16_t bits) { return (bits & 0x7f80u) != 0x7f80u; }
+
+// Row i of head h of sequence b of a bfloat16 (B, H, L, n) view, as its bits.
+template <typename View>
+const uint16_t* bf16_row(const View& view, int64_t b, int64_t h, int64_t i) {
+    return &view_row<const BFloat16>(view, b, h, i)->bits;
+}
+
+// n bfloat16 bits from src (0 when src is null) to dst; returns how many are not finite (counted,
+// not tested: the loops vectorise).
+int64_t copy_row(const uint16_t* src, int64_t n, uint16_t* dst) {
+    if (src == nullptr) {
+        std::fill(dst, dst + n, uint16_t{0});
+        return 0;
+    }
+    int64_t non_finite = 0;
+    for (int64_t i = 0; i < n; ++i) non_finite += finite_bits(src[i]) ? 0 : 1;
+    std::copy(src, src + n, dst);
+    return non_finite;
+}
+
+// Pass 0 (tile path): the keys of (b, kv_head) into the pairs (PackedPairs).
+void pack_key_pairs(const BackwardPlan& plan, int64_t b, int64_t kv_head) {
+    const AttentionProblem& p = plan.problem->forward;
+    const PackedPairs& pairs = plan.pairs;
+    const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim, Hkv = p.k.shape[1];
+    const int64_t value_width = pairs.value_width;
+    for (int64_t kb = 0; kb < plan.packed.key_blocks; ++kb) {
+        const int64_t block = (b * Hkv + kv_head) * plan.packed.key_blocks + kb, key_block = kb * kBackwardKeyBlock;
+        const int64_t n = std::max<int64_t>(0, std::min(kBackwardKeyBlock, p.kv_lens[b] - key_block));
+        uint16_t* key_panels = pairs.key_panels + block * kBackwardKeyBlock * D;
+        uint16_t* value_panels = pairs.value_panels + block * kBackwardKeyBlock * value_width;
+        uint16_t* key_rows = pairs.key_rows + block * kBackwardKeyBlock * D;
+        unsigned char* key_finite = pairs.key_finite + block * kBackwardKeyBlock;
+        for (int64_t j = 0; j < kBackwardKeyBlock; ++j) {
+            const uint16_t* k = j < n ? bf16_row(p.k, b, kv_head, key_block + j) : nullptr;
+            const uint16_t* v = j < n ? bf16_row(p.v, b, kv_head, key_block + j) : nullptr;
+            // pair (d / 2, j) of panel j / kKeyPanel, element d % 2; pair (j / 2, d), element j % 2
+            const int64_t panel = j / kKeyPanel, column = j % kKeyPanel;
+            bool finite = true;
+            for (int64_t d = 0; d < D; ++d) {
+                const uint16_t bits = k != nullptr ? k[d] : 0;
+                finite = finite && finite_bits(bits);
+                key_panels[((panel * D / 2 + d / 2) * kKeyPanel + column) * 2 + d % 2] = bits;
+                key_rows[(j / 2 * D + d) * 2 + j % 2] = bits;
+            }
+            for (int64_t c = 0; c < value_width; ++c)
+                value_panels[((panel * value_width / 2 + c / 2) * kKeyPanel + column) * 2 + c % 2] =
+                    v != nullptr && c < Dv ? v[c] : 0;
+            key_finite[j] = finite ? 1 : 0;
+        }
+    }
+}
+
+// Pass 0 (tile path): the query side of (b, kv_head) into the pairs (PackedPairs): row by row,
+// then transposed a tile of rows at a time (their rows stay in L1 while every column is written).
+void pack_query_pairs(const BackwardPlan& plan, int64_t b, int64_t kv_head) {
+    const BackwardProblem& bp = *plan.problem;
+    const AttentionProblem& p = bp.forward;
+    const PackedPairs& pairs = plan.pairs;
+    const int64_t G = plan.flash.group, D = plan.flash.head_dim, Dv = plan.flash.value_dim, Hkv = p.k.shape[1];
+    const int64_t head = b * Hkv + kv_head, rows_per_group = plan.flash.rows_per_group;
+    const uint16_t* q_rows[kBackwardTileRows];
+    const uint16_t* dout_rows[kBackwardTileRows];
+    for (int64_t tile_begin = 0; tile_begin < pairs.head_tiles * kBackwardTileRows; tile_begin += kBackwardTileRows) {
+        for (int64_t local = 0; local < kBackwardTileRows; ++local) {
+            const int64_t packed = tile_begin + local, row = head * pairs.head_rows + packed;
+            const int64_t h = kv_head * G + packed % G, i = packed / G;
+            q_rows[local] = packed < rows_per_group ? bf16_row(p.q, b, h, i) : nullptr;
+            dout_rows[local] = packed < rows_per_group ? bf16_row(bp.dout, b, h, i) : nullptr;
+            if (packed >= pairs.head_rows) continue;
+            uint16_t* dout = pairs.dout_pairs + row * pairs.value_width;
+            const int64_t non_finite =
+                copy_row(q_rows[local], D, pairs.query_pairs + row * D) + copy_row(dout_rows[local], Dv, dout);
+            std::fill(dout + Dv, dout + pairs.value_width, uint16_t{0});
+            pairs.row_finite[row] = non_finite == 0 ? 1 : 0;
+        }
+        // (width rows of the transpose, the first `real` from the rows, the rest 0)
+        const auto transpose_tile = [&](const uint16_t* const* rows, int64_t real, int64_t width, uint16_t* dst) {
+            for (int64_t d = 0; d < width; ++d)
+                for (int64_t local = 0; local < kBackwardTileRows; ++local)
+                    dst[d * pairs.row_stride + tile_begin + local] =
+                        rows[local] != nullptr && d < real ? rows[local][d] : 0;
+        };
+        transpose_tile(q_rows, D, D, pairs.query_t + head * D * pairs.row_stride);
+        transpose_tile(dout_rows, Dv, pairs.value_width, pairs.dout_t + head * pairs.value_width * pairs.row_stride);
+    }
+}
+
+// The tile's first packed row in the pairs (even: tiles start at multiples of kBackwardTileRows).
+int64_t pair_row_at(const BackwardPlan& plan, const WorkItem& tile) {
+    return (tile.b * plan.problem->forward.k.shape[1] + tile.kv_head) * plan.pairs.head_rows + tile.row_begin;
+}
+
+// The key block's index in the pairs.
+int64_t pair_block_at(const BackwardPlan& plan, const WorkItem& tile, int64_t key_block) {
+    return (tile.b * plan.problem->forward.k.shape[1] + tile.kv_head) * plan.packed.key_blocks +
+           key_block / kBackwardKeyBlock;
+}
+
+// The tile path's products (on the tile path only, between the tiles' begin and end).
+void tile_product(const BackwardPlan& plan, const TileProduct& product) { plan.kernels.tiles.product(product); }
+
+// (a) of tile_gradients on tiles: S (times the Q multiplier, as the forward's tiles) into
+// s.scores and dP into s.grads, over n_padded keys (whole panels) and the tile's rows rounded up
+// to 16 (the pad rows' pairs are 0; their scores are scratch).
+void tile_scores(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, int64_t key_block, int64_t n_padded,
+                 BackwardScratch& s) {
+    const PackedPairs& pairs = plan.pairs;
+    const int64_t D = plan.flash.head_dim, Dv = pairs.value_width;
+    const int64_t row = pair_row_at(plan, tile), block = pair_block_at(plan, tile, key_block);
+    const auto product = [&](const uint16_t* a, int64_t depth, const uint16_t* panels, float* out) {
+        for (int64_t panel = 0; panel < n_padded / kKeyPanel; ++panel)
+            tile_product(plan, TileProduct{a + row * depth, depth * 2, rows,
+                                           panels + block * kBackwardKeyBlock * depth + panel * depth * kKeyPanel,
+                                           kKeyPanel * 4, kKeyPanel / 16, depth / 32, out + panel * kKeyPanel,
+                                           kKeyBlock * 4, false});
+    };
+    product(pairs.query_pairs, D, pairs.key_panels, s.scores.data());
+    product(pairs.dout_pairs, Dv, pairs.value_panels, s.grads.data());
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < n_padded; ++j) s.scores[r * kKeyBlock + j] *= plan.flash.q_multiplier;
+}
+
 // P and scale * dS of the tile's rows against the n keys of the packed block from key_block:
 // s.scores (P) and s.grads, rows of stride kKeyBlock (as the forward's mask_block reads them), S
 // and dP by the kernels' panel products over n rounded up to kKeyPanel keys. A hidden key has
@@ -346,15 +559,20 @@ const float* tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int6
     const FlashPlan& fp = plan.flash;
     const int64_t D = fp.head_dim, Dv = fp.value_dim;
     const int64_t n_padded = ceil_div(n, kKeyPanel) * kKeyPanel;
-    const KeyBlock block = key_block_at(plan, tile.b, tile.kv_head, key_block);
-    const QueryRows queries = query_rows_at(plan, tile);
     // (a) S = (Q times the multiplier) K^T, in base 2; softcap: t = tanh(S) kept, S = t softcap log2 e.
-    // dP = dO V^T into s.grads.
-    const auto product = [&](const float* a, int64_t depth, const float* panel, float* out) {
-        plan.kernels.panel_product(PanelProduct{a, rows, depth, panel, kBackwardKeyBlock, n_padded, out, kKeyBlock});
-    };
-    product(queries.scaled, D, block.key_panel, s.scores.data());
-    product(queries.dout, Dv, block.value_panel, s.grads.data());
+    // dP = dO V^T into s.grads. (The tile path: tile_scores.)
+    if (plan.tiled) {
+        tile_scores(plan, tile, rows, key_block, n_padded, s);
+    } else {
+        const KeyBlock block = key_block_at(plan, tile.b, tile.kv_head, key_block);
+        const QueryRows queries = query_rows_at(plan, tile);
+        const auto product = [&](const float* a, int64_t depth, const float* panel, float* out) {
+            plan.kernels.panel_product(
+                PanelProduct{a, rows, depth, panel, kBackwardKeyBlock, n_padded, out, kKeyBlock});
+        };
+        product(queries.scaled, D, block.key_panel, s.scores.data());
+        product(queries.dout, Dv, block.value_panel, s.grads.data());
+    }
     for (int64_t r = 0; r < rows; ++r) {
         float* row = s.scores.data() + r * kKeyBlock;
         for (int64_t j = n; j < n_padded; ++j) row[j] = 0.0f;
@@ -395,13 +613,35 @@ const float* tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int6
     return zeros == 0 ? nullptr : s.scores.data();
 }
 
+// The query tile of packed rows [row_begin, row_begin + tile_rows) (up to rows_per_group) of
+// `keys`' (b, kv_head) against its keys [key_begin, key_end) into *tile; false when none of its
+// rows sees one of them (rows are ordered by position, and so are their visible ranges: a tile
+// whose first row starts past the keys or whose last row ends before them sees none).
+bool block_tile(const BackwardPlan& plan, const WorkItem& keys, int64_t row_begin, int64_t tile_rows, WorkItem* tile) {
+    const int64_t row_end = std::min(row_begin + tile_rows, plan.flash.rows_per_group);
+    int64_t first_key, last_key, unused;
+    flash_row_key_range(plan.problem->forward, keys.b, plan.flash.group, row_begin, &first_key, &unused);
+    flash_row_key_range(plan.problem->forward, keys.b, plan.flash.group, row_end - 1, &unused, &last_key);
+    *tile = keys;
+    tile->row_begin = row_begin;
+    tile->row_end = row_end;
+    return first_key < keys.key_end && last_key > keys.key_begin;
+}
+
+// query_grads[r] += dS[r, .] K for the tile's rows r, over n K rows of D floats from keys in order
+// (dS in s.grads, gated as tile_gradients returned).
+void accumulate_query_keys(const BackwardPlan& plan, int64_t rows, int64_t n, const float* gate,
+                           const BackwardScratch& s, const float* keys, float* query_grads) {
+    const int64_t D = plan.flash.head_dim;
+    plan.kernels.accumulate(Accumulation{query_grads, D, rows, D, s.grads.data(), gate, 1, kKeyBlock, keys, D, n});
+}
+
 // Row r of the tile: query_grads[r] += dS[r, .] K, over the n keys of the block from key_block in
 // order (dS in s.grads, gated as tile_gradients returned).
 void accumulate_query_rows(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, int64_t key_block, int64_t n,
                            const float* gate, const BackwardScratch& s, float* query_grads) {
-    const int64_t D = plan.flash.head_dim;
     const float* keys = key_block_at(plan, tile.b, tile.kv_head, key_block).keys;
-    plan.kernels.accumulate(Accumulation{query_grads, D, rows, D, s.grads.data(), gate, 1, kKeyBlock, keys, D, n});
+    accumulate_query_keys(plan, rows, n, gate, s, keys, query_grads);
 }
 
 // Rounds the float32 dQ sums of the tile's rows (rows of D from query_grads) into dq.
@@ -414,30 +654,172 @@ void store_query_rows(const BackwardPlan& plan, const WorkItem& tile, const floa
     }
 }
 
+// Whether a hidden key can meet a non-finite value in the tile's accumulations: some P of the
+// tile's rows x its keys [key_begin, key_end) is 0 (gate not null) and a Q or dO row of the tile
+// or a K row of those keys is not finite (a tile product would multiply it by 0).
+bool tile_needs_exact(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, const float* gate) {
+    if (gate == nullptr) return false;
+    const int64_t n = tile.key_end - tile.key_begin;
+    const unsigned char* row_finite = plan.pairs.row_finite + pair_row_at(plan, tile);
+    const unsigned char* key_finite =
+        plan.pairs.key_finite + pair_block_at(plan, tile, tile.key_begin) * kBackwardKeyBlock;
+    for (int64_t r = 0; r < rows; ++r)
+        if (row_finite[r] == 0) return true;
+    for (int64_t j = 0; j < n; ++j)
+        if (key_finite[j] == 0) return true;
+    return false;
+}
+
+// to[c * rows + r] = from[r * columns + c] for r < rows, c < columns.
+void transpose(const float* from, int64_t rows, int64_t columns, float* to) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < columns; ++c) to[c * rows + r] = from[r * columns + c];
+}
+
+// The tile path's three accumulations in float32 with the kernels' gated accumulate (as the
+// float32 path's, from P and scale dS unrounded), for a tile where tile_needs_exact: Q and dO of
+// the tile's rows and K of its n keys from key_begin widened from the pairs; dK and dV summed key
+// by key (their sums transposed there and back).
+void exact_accumulations(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, const float* gate,
+                         BackwardScratch& s, float* query_grads) {
+    const int64_t key_block = tile.key_begin, n = tile.key_end - tile.key_begin;
+    const PackedPairs& pairs = plan.pairs;
+    const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim;
+    const int64_t row = pair_row_at(plan, tile), block = pair_block_at(plan, tile, key_block);
+    const auto widen = [](uint16_t bits) { return to_f32(BFloat16{bits}); };
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t d = 0; d < D; ++d) s.exact_queries[r * D + d] = widen(pairs.query_pairs[(row + r) * D + d]);
+        for (int64_t c = 0; c < Dv; ++c)
+            s.exact_dout[r * Dv + c] = widen(pairs.dout_pairs[(row + r) * pairs.value_width + c]);
+    }
+    const uint16_t* key_rows = pairs.key_rows + block * kBackwardKeyBlock * D;
+    for (int64_t j = 0; j < n; ++j)
+        for (int64_t d = 0; d < D; ++d) s.exact_keys[j * D + d] = widen(key_rows[(j / 2 * D + d) * 2 + j % 2]);
+    // dV and dK key by key (s.key_sums, rows of `rows_t` floats, the first `width` summed), from
+    // and back to dV^T and dK^T.
+    const auto sum_key_rows = [&](std::vector<float>& y_t, int64_t rows_t, int64_t width,
+                                  const std::vector<float>& coef, const std::vector<float>& x) {
+        transpose(y_t.data(), rows_t, kBackwardKeyBlock, s.key_sums.data());
+        plan.kernels.accumulate(
+            Accumulation{s.key_sums.data(), rows_t, n, width, coef.data(), gate, kKeyBlock, 1, x.data(), width, rows});
+        transpose(s.key_sums.data(), kBackwardKeyBlock, rows_t, y_t.data());
+    };
+    sum_key_rows(s.value_grad, pairs.value_width, Dv, s.scores, s.exact_dout);
+    sum_key_rows(s.key_grad, D, D, s.grads, s.exact_queries);
+    accumulate_query_keys(plan, rows, n, gate, s, s.exact_keys.data(), query_grads);
+}
+
+// The tile path's accumulations of one tile on tiles: P and scale dS of the tile's rows against
+// the block's n_padded keys rounded to bfloat16 (rows rounded up to 32 with zeros; TileRounding)
+// into the group's pairs from row pair group_pairs, and dQ += dS K into query_grads (the tile's
+// rows rounded up to 16; the pad rows are scratch). dV and dK wait for the group (group_sums).
+void tile_accumulations(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, int64_t key_block,
+                        int64_t n_padded, int64_t group_pairs, BackwardScratch& s, float* query_grads) {
+    const BackwardTiles& tiles = plan.kernels.tiles;
+    const int64_t D = plan.flash.head_dim;
+    const int64_t rows_padded = ceil_div(rows, 32) * 32;
+    const int64_t block = pair_block_at(plan, tile, key_block);
+    uint32_t* probs = s.probs_pairs.data() + group_pairs * kBackwardKeyBlock;
+    uint32_t* grads = s.grads_pairs.data() + group_pairs * kBackwardKeyBlock;
+    tiles.round(TileRounding{s.scores.data(), kKeyBlock, rows, rows_padded, n_padded, probs, nullptr, kBackwardKeyBlock});
+    tiles.round(TileRounding{s.grads.data(), kKeyBlock, rows, rows_padded, n_padded, grads, s.grads_rows.data(),
+                             kBackwardKeyBlock});
+    tile_product(plan, TileProduct{s.grads_rows.data(), kBackwardKeyBlock * 2, rows,
+                                   plan.pairs.key_rows + block * kBackwardKeyBlock * D, D * 4, D / 16, n_padded / 32,
+                                   query_grads, D * 4, true});
+}
+
+// A group's dV^T += dO^T P and dK^T += Q^T dS on tiles: the rows [row_begin, row_begin + 2 pairs)
+// of (b, kv_head) (pairs: the group's row pairs, a multiple of 16) against n_padded keys, into
+// s.value_grad and s.key_grad.
+void group_sums(const BackwardPlan& plan, int64_t b, int64_t kv_head, int64_t row_begin, int64_t pairs,
+                int64_t n_padded, BackwardScratch& s) {
+    const PackedPairs& packed = plan.pairs;
+    const int64_t head = b * plan.problem->forward.k.shape[1] + kv_head;
+    const auto transposed_sums = [&](std::vector<float>& y, int64_t width, const uint16_t* x_t,
+                                     const std::vector<uint32_t>& coef) {
+        return TileProduct{x_t + head * width * packed.row_stride + row_begin, packed.row_stride * 2, width,
+                           coef.data(), kBackwardKeyBlock * 4, n_padded / 16, pairs / 16, y.data(),
+                           kBackwardKeyBlock * 4, true};
+    };
+    tile_product(plan, transposed_sums(s.value_grad, packed.value_width, packed.dout_t, s.probs_pairs));
+    tile_product(plan, transposed_sums(s.key_grad, plan.flash.head_dim, packed.query_t, s.grads_pairs));
+}
+
+// Pass 2 fused with 3 on the tile path (key_block_gradients' n keys from keys.key_begin of
+// (keys.b, keys.kv_head), those below keys.key_end visible, the rest past kv_lens[b]): query tiles of kBackwardTileRows rows, the products on tiles
+// (tile_scores, tile_accumulations, and group_sums over up to kBackwardTileGroup consecutive
+// tiles) unless tile_needs_exact, dK and dV summed transposed. Keys past kv_lens[b] get 0.
+template <typename T>
+void key_block_tiles(const BackwardPlan& plan, const WorkItem& keys, int64_t n, BackwardScratch& s,
+                     float* query_grads) {
+    const BackwardProblem& bp = *plan.problem;
+    const int64_t b = keys.b, kv_head = keys.kv_head, key_block = keys.key_begin, visible = keys.key_end - key_block;
+    const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim;
+    const int64_t visible_padded = ceil_div(visible, kKeyPanel) * kKeyPanel;
+    std::fill(s.key_grad.begin(), s.key_grad.begin() + kBackwardKeyBlock * D, 0.0f);
+    std::fill(s.value_grad.begin(), s.value_grad.begin() + kBackwardKeyBlock * plan.pairs.value_width, 0.0f);
+    // The group: tiles in order from group_begin, their P and dS pairs from row pair 0 on, summed
+    // into dV^T and dK^T when it is full, before an exact tile, and at the end.
+    int64_t group_begin = 0, group_pairs = 0;
+    const auto flush = [&]() {
+        if (group_pairs > 0) group_sums(plan, b, kv_head, group_begin, group_pairs, visible_padded, s);
+        group_pairs = 0;
+    };
+    for (int64_t row_begin = 0; visible > 0 && row_begin < plan.flash.rows_per_group; row_begin += kBackwardTileRows) {
+        WorkItem tile;
+        if (!block_tile(plan, keys, row_begin, kBackwardTileRows, &tile)) {
+            flush();
+            continue;
+        }
+        const int64_t rows = tile.row_end - row_begin;
+        load_tile(plan, tile, rows, s);
+        const float* gate = tile_gradients(plan, tile, rows, key_block, visible, s);
+        if (tile_needs_exact(plan, tile, rows, gate)) {
+            flush();
+            exact_accumulations(plan, tile, rows, gate, s, query_grads + row_begin * D);
+            continue;
+        }
+        if (group_pairs == 0) group_begin = row_begin;
+        tile_accumulations(plan, tile, rows, key_block, visible_padded, group_pairs, s, query_grads + row_begin * D);
+        group_pairs += ceil_div(rows, 32) * 16;
+        if (group_pairs == kBackwardTileGroup * kBackwardTileRows / 2) flush();
+    }
+    flush();
+    // Key by key; keys past visible: 0 (the tile products' columns there are scratch: 0 times a Q
+    // or dO row).
+    // (sums_t: rows_t rows, the first `width` stored)
+    const auto store_keys = [&](const std::vector<float>& sums_t, int64_t rows_t, int64_t width,
+                                const MutTensorView4& gradient) {
+        transpose(sums_t.data(), rows_t, kBackwardKeyBlock, s.key_sums.data());
+        std::fill(s.key_sums.begin() + visible * rows_t, s.key_sums.begin() + n * rows_t, 0.0f);
+        for (int64_t j = 0; j < n; ++j)
+            store_row<T>(gradient, b, kv_head, key_block + j, s.key_sums.data() + j * rows_t, width);
+    };
+    store_keys(s.key_grad, D, D, bp.dk);
+    store_keys(s.value_grad, plan.pairs.value_width, Dv, bp.dv);
+}
+
 // Pass 2: dK and dV of keys [key_block, key_block + kBackwardKeyBlock) of (b, kv_head), every query
 // tile that sees them summed in row order; keys past kv_lens[b] get 0. With query_grads (the
 // fused pass: the head's dQ sums, packed rows of D), also dQ += dS K of every such tile's rows,
-// over the block's keys in order.
+// over the block's keys in order. On the tile path, key_block_tiles.
 template <typename T>
 void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, int64_t key_block,
                          BackwardScratch& s, float* query_grads) {
     const BackwardProblem& bp = *plan.problem;
     const AttentionProblem& p = bp.forward;
-    const int64_t G = plan.flash.group, D = plan.flash.head_dim, Dv = plan.flash.value_dim;
+    const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim;
     const int64_t n = std::min(kBackwardKeyBlock, p.k.shape[2] - key_block);
     const int64_t visible = std::max<int64_t>(0, std::min(n, p.kv_lens[b] - key_block));
+    const WorkItem keys{b, kv_head, 0, 0, key_block, key_block + visible, -1};  // the query rows to come
+    if (plan.tiled) return key_block_tiles<T>(plan, keys, n, s, query_grads);
     std::fill(s.key_grad.begin(), s.key_grad.begin() + n * D, 0.0f);
     std::fill(s.value_grad.begin(), s.value_grad.begin() + n * Dv, 0.0f);
     for (int64_t row_begin = 0; visible > 0 && row_begin < plan.flash.rows_per_group; row_begin += kQTileRows) {
-        const int64_t row_end = std::min(row_begin + kQTileRows, plan.flash.rows_per_group);
-        // Rows are ordered by position, and so are their visible ranges: a tile whose first row
-        // starts past the block or whose last row ends before it sees none of its keys.
-        int64_t first_key, last_key, unused;
-        flash_row_key_range(p, b, G, row_begin, &first_key, &unused);
-        flash_row_key_range(p, b, G, row_end - 1, &unused, &last_key);
-        if (first_key >= key_block + visible || last_key <= key_block) continue;
-        const WorkItem tile{b, kv_head, row_begin, row_end, key_block, key_block + visible, -1};
-        const int64_t rows = row_end - row_begin;
+        WorkItem tile;
+        if (!block_tile(plan, keys, row_begin, kQTileRows, &tile)) continue;
+        const int64_t rows = tile.row_end - row_begin;
         load_tile(plan, tile, rows, s);
         const float* gate = tile_gradients(plan, tile, rows, key_block, visible, s);
         // Key j's rows: dV += P[., j]^T dO, dK += dS[., j]^T Q, over the tile's rows in order.
@@ -484,13 +866,16 @@ void query_tile_gradients(const BackwardPlan& plan, const WorkItem& tile, Backwa
 // element is the same fma chain as in passes 2 and 3 (keys ascending for dQ: blocks in order,
 // each block's keys in order), so the results are the same bits; S and dP are computed once
 // instead of twice.
+// On the tile path, between the tile configuration's begin and end.
 template <typename T>
 void head_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, BackwardScratch& s) {
     const int64_t D = plan.flash.head_dim;
     float* query_grads = s.query_grad.data();
     std::fill(query_grads, query_grads + plan.flash.rows_per_group * D, 0.0f);
+    if (plan.tiled) plan.kernels.tiles.begin();
     for (int64_t key_block = 0; key_block < plan.packed.key_blocks * kBackwardKeyBlock; key_block += kBackwardKeyBlock)
         key_block_gradients<T>(plan, b, kv_head, key_block, s, query_grads);
+    if (plan.tiled) plan.kernels.tiles.end();
     store_query_rows<T>(plan, head_item(b, kv_head, plan.flash.rows_per_group), query_grads);
 }
 
@@ -508,8 +893,10 @@ void gradient_passes(const BackwardPlan& plan, int num_threads) {
     const int64_t B = p.q.shape[0], D = p.q.shape[3], Hkv = p.k.shape[1], Dv = p.v.shape[3];
     const int64_t key_blocks = plan.packed.key_blocks, rows_per_group = plan.flash.rows_per_group;
     const ScratchShape tiles{D, Dv, kQTileRows};
-    if (plan.fused) {  // 2 and 3 in one, per head
-        for_each_item(B * Hkv, num_threads, ScratchShape{D, Dv, rows_per_group},
+    if (plan.fused) {  // 2 and 3 in one, per head (the tile path: its rows rounded up to 32)
+        const ScratchShape heads = plan.tiled ? ScratchShape{D, plan.pairs.value_width, plan.pairs.head_rows, true}
+                                              : ScratchShape{D, Dv, rows_per_group};
+        for_each_item(B * Hkv, num_threads, heads,
                       [&](int64_t head, BackwardScratch& s) { head_gradients<T>(plan, head / Hkv, head % Hkv, s); });
         return;
     }
@@ -547,17 +934,44 @@ void backward_passes(const BackwardProblem& bp, int num_threads) {
     if (bp.dsinks.data != nullptr) sink_gradients(bp, delta.data());
     if (Hkv == 0) return;  // then Hq = 0 too (check_problem): no gradient left to write
 
-    // 0. The packed keys and query side.
+    // 0. The packed keys and query side (the tile path: their pairs).
     const int64_t key_blocks = ceil_div(Lk, kBackwardKeyBlock);
     const int64_t packed_keys = B * Hkv * key_blocks * kBackwardKeyBlock;
     CallerBuffers& buffers = caller_buffers();
+    if (std::is_same_v<T, BFloat16> && tile_path(kernels, p)) {
+        const int64_t head_rows = ceil_div(Hq / Hkv * Lq, 32) * 32, pair_rows = B * Hkv * head_rows;
+        const int64_t head_tiles = ceil_div(Hq / Hkv * Lq, kBackwardTileRows);
+        const int64_t row_stride = head_tiles * kBackwardTileRows + 32, transposed = B * Hkv * row_stride;
+        const int64_t value_width = ceil_div(Dv, 32) * 32;
+        const PackedPairs pairs{grown(buffers.pair_key_panels, packed_keys * D),
+                                grown(buffers.pair_value_panels, packed_keys * value_width),
+                                grown(buffers.pair_key_rows, packed_keys * D),
+                                grown(buffers.key_finite, packed_keys),
+                                grown(buffers.pair_query_pairs, pair_rows * D),
+                                grown(buffers.pair_dout_pairs, pair_rows * value_width),
+                                grown(buffers.row_finite, pair_rows),
+                                grown(buffers.pair_query_t, transposed * D),
+                                grown(buffers.pair_dout_t, transposed * value_width),
+                                head_rows,
+                                head_tiles,
+                                row_stride,
+                                value_width};
+        const PackedKeys packed{nullptr, nullptr, nullptr, key_blocks};
+        const BackwardPlan plan{&bp, flash_plan(p), delta.data(), kernels, packed, PackedQueries{}, true, true, pairs};
+        for_each_item(B * Hkv, num_threads, tiles, [&](int64_t head, BackwardScratch&) {
+            pack_key_pairs(plan, head / Hkv, head % Hkv);
+            pack_query_pairs(plan, head / Hkv, head % Hkv);
+        });
+        gradient_passes<T>(plan, num_threads);
+        return;
+    }
     const PackedKeys packed{buffers.keys.ensure(packed_keys * D), buffers.key_panels.ensure(packed_keys * D),
                             buffers.value_panels.ensure(packed_keys * Dv), key_blocks};
     const int64_t packed_rows = B * Hq * Lq;  // B * Hkv heads of rows_per_group packed rows
     const PackedQueries queries{buffers.query_rows.ensure(packed_rows * D),
                                 buffers.query_scaled.ensure(packed_rows * D), buffers.dout_rows.ensure(packed_rows * Dv)};
     const bool fused = fused_pass(B * Hkv, num_threads);
-    const BackwardPlan plan{&bp, flash_plan(p), delta.data(), kernels, packed, queries, fused};
+    const BackwardPlan plan{&bp, flash_plan(p), delta.data(), kernels, packed, queries, fused, false, no_pairs()};
     for_each_item(B * Hkv, num_threads, tiles, [&](int64_t head, BackwardScratch&) {
         pack_keys<T>(plan, head / Hkv, head % Hkv);
         pack_queries<T>(plan, head / Hkv, head % Hkv);

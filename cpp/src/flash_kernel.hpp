@@ -137,6 +137,7 @@ FlashKernels flash_kernels_avx2();
 FlashKernels flash_kernels_avx512();
 FlashKernels flash_kernels_avx512bf16();  // flash_avx512bf16.cpp
 FlashKernels flash_kernels_amxbf16();     // flash_amx.cpp
+BackwardTiles backward_tiles_amxbf16();  // flash_amx.cpp: the backward's tile products
 // Whether the CPU has AMX-TILE and AMX-BF16 and the OS grants the tile data (flash_amx.cpp).
 bool amx_bf16_usable();
 FlashKernels flash_kernels_neon();  // flash_neon.cpp, only when built for AArch64

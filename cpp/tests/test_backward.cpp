@@ -22,6 +22,7 @@
 
 #include "case_options.hpp"
 #include "check.hpp"
+#include "element.hpp"
 #include "twinattn/flash_attention.hpp"
 #include "twinattn/flash_backward.hpp"
 #include "twinattn/problem.hpp"
@@ -332,12 +333,96 @@ void test_bad_input() {
 
 }  // namespace
 
+// The bfloat16 tile path (amxbf16: bfloat16 with D and Dv multiples of 32, products on tiles, P
+// and dS rounded to bfloat16; docs/kernels.md, "Backward"), on a case of 3 query tiles and 3 key
+// blocks: 1 and 3 threads give the same bits; the result is not avx512bf16's (float32 products)
+// but within bfloat16's rounding of it (2^-5 of each gradient's largest element: P and dS carry
+// 2^-8 each, the result's rounding 2^-9); NaN in the keys no row sees (past sequence 0's last
+// position, below its kv_len) gives finite gradients as close, and 0 for those keys.
+struct Bf16Grads {
+    std::vector<BFloat16> dq, dk, dv;
+};
+
+void test_bf16_tile_path() {
+    Case c;
+    c.name = "bf16_tiles";
+    c.Hq = 8; c.Hkv = 2; c.Lq = 70; c.Lk = 150; c.D = 64; c.Dv = 32; c.causal = true; c.q_offset = {60, 0};
+    c.kv_lens = {150, 111}; c.softcap = 5.0f; c.sinks = true;
+    Data x(c);
+    const auto rounded = [](const std::vector<float>& values) {
+        std::vector<BFloat16> out(values.size());
+        for (size_t i = 0; i < values.size(); ++i) from_f32(values[i], &out[i]);
+        return out;
+    };
+    std::vector<BFloat16> q = rounded(x.q), k = rounded(x.k), v = rounded(x.v), dout = rounded(x.dout);
+    std::vector<BFloat16> out(x.out.size());
+    const auto problem = [&](Bf16Grads& g) {
+        g = Bf16Grads{std::vector<BFloat16>(q.size()), std::vector<BFloat16>(k.size()), std::vector<BFloat16>(v.size())};
+        BackwardProblem bp = x.backward();
+        bp.forward.dtype = ElementType::BFloat16;
+        bp.forward.q.data = q.data();
+        bp.forward.k.data = k.data();
+        bp.forward.v.data = v.data();
+        bp.forward.out.data = out.data();
+        bp.dout.data = dout.data();
+        bp.dq.data = g.dq.data();
+        bp.dk.data = g.dk.data();
+        bp.dv.data = g.dv.data();
+        return bp;
+    };
+    const auto bits = [](const std::vector<BFloat16>& values) {
+        std::vector<uint16_t> out;
+        for (const BFloat16& value : values) out.push_back(value.bits);
+        return out;
+    };
+    // max |a - b| <= 2^-5 max |b| per gradient, every element finite; returns whether a != b
+    const auto close = [](const std::vector<BFloat16>& a, const std::vector<BFloat16>& b) {
+        double largest = 0.0, error = 0.0;
+        bool differ = false;
+        for (size_t i = 0; i < a.size(); ++i) {
+            CHECK(std::isfinite(to_f32(a[i])));
+            largest = std::max(largest, std::fabs(static_cast<double>(to_f32(b[i]))));
+            error = std::max(error, std::fabs(static_cast<double>(to_f32(a[i])) - to_f32(b[i])));
+            differ = differ || a[i].bits != b[i].bits;
+        }
+        CHECK(error <= largest / 32.0);
+        return differ;
+    };
+    Bf16Grads tiles, threads, floats, poisoned;
+    set_isa("amxbf16");
+    BackwardProblem bp = problem(tiles);
+    attention_forward(bp.forward, 1);
+    attention_backward(bp, 1);
+    attention_backward(problem(threads), 3);
+    CHECK(bits(tiles.dq) == bits(threads.dq) && bits(tiles.dk) == bits(threads.dk) && bits(tiles.dv) == bits(threads.dv));
+    set_isa("avx512bf16");
+    attention_backward(problem(floats), 1);
+    CHECK(close(tiles.dq, floats.dq) & close(tiles.dk, floats.dk) & close(tiles.dv, floats.dv));
+    set_isa("amxbf16");
+    for (int64_t kv_head = 0; kv_head < c.Hkv; ++kv_head)
+        for (int64_t key = 130; key < c.Lk; ++key) {  // sequence 0's positions end at 60 + 69
+            for (int64_t d = 0; d < c.D; ++d) k[(kv_head * c.Lk + key) * c.D + d] = BFloat16{0x7fc0};
+            for (int64_t e = 0; e < c.Dv; ++e) v[(kv_head * c.Lk + key) * c.Dv + e] = BFloat16{0x7fc0};
+        }
+    attention_backward(problem(poisoned), 1);
+    close(poisoned.dq, tiles.dq);
+    close(poisoned.dk, tiles.dk);
+    close(poisoned.dv, tiles.dv);
+    for (int64_t kv_head = 0; kv_head < c.Hkv; ++kv_head)
+        for (int64_t key = 130; key < c.Lk; ++key) {
+            for (int64_t d = 0; d < c.D; ++d) CHECK(to_f32(poisoned.dk[(kv_head * c.Lk + key) * c.D + d]) == 0.0f);
+            for (int64_t e = 0; e < c.Dv; ++e) CHECK(to_f32(poisoned.dv[(kv_head * c.Lk + key) * c.Dv + e]) == 0.0f);
+        }
+}
+
 int main() {
     // Every instruction set: the backward's inner products are each one's own kernels.
-    for (const std::string& isa : available_isas()) {
+    const std::vector<std::string> isas = available_isas();
+    for (const std::string& isa : isas) {
         set_isa(isa);
         for (const Case& c : cases()) test_case(c);
     }
+    if (std::find(isas.begin(), isas.end(), "amxbf16") != isas.end()) test_bf16_tile_path();
     test_bad_input();
     if (twinattn_test::failures != 0) std::fprintf(stderr, "%d check(s) failed\n", twinattn_test::failures);
     else std::printf("test_backward: all checks passed\n");

@@ -67,12 +67,67 @@ pub type PanelProductFn = unsafe fn(&PanelProduct);
 pub type AccumulateFn = unsafe fn(&Accumulation);
 pub type RowGradientsFn = unsafe fn(&RowGradients);
 
+/// One tile product of bfloat16 pairs (the bfloat16 tile path of flash_backward.rs, amxbf16):
+/// C (float32) = A B, or C += A B when accumulate, over `rows` rows of A (rounded up to 16) and
+/// `columns` column tiles of 16 floats: A rows of `chunks` x 16 pairs (a pair: two bfloat16 of
+/// the summed axis, the lower index in the low half), B rows of pairs, one per 16-pair chunk row
+/// (chunks x 16 of them), C rows of floats. Strides in bytes. The tiles' order and rounding are
+/// flash_amx.rs's (the same in C++).
+pub struct TileProduct {
+    pub a: *const u8,
+    pub a_stride: usize,
+    pub rows: usize,
+    pub b: *const u8,
+    pub b_stride: usize,
+    pub columns: usize,
+    pub chunks: usize,
+    pub c: *mut u8,
+    pub c_stride: usize,
+    pub accumulate: bool,
+}
+
+/// One query tile's P or scale dS (src: rows of src_stride floats, n floats each, n a multiple
+/// of 16) rounded to bfloat16 (nearest even, VCVTNE2PS2BF16, as the forward's P), rows past
+/// `rows` up to rows_padded (even) as 0:
+///
+/// - pairs (B of dV^T += dO^T P and dK^T += Q^T dS): pairs[(r / 2) * stride + j] = (src[r][j],
+///   src[r + 1][j]), the lower row in the low half;
+/// - rows_out, when not null (A of dQ += dS K): rows_out[r * stride + j] = src[r][j] (so its
+///   consecutive pairs are pairs of keys).
+pub struct TileRounding {
+    pub src: *const f32,
+    pub src_stride: usize,
+    pub rows: usize,
+    pub rows_padded: usize,
+    pub n: usize,
+    pub pairs: *mut u32,
+    pub rows_out: *mut u16,
+    pub stride: usize,
+}
+
+/// The tile products of the backward's bfloat16 tile path: begin() before a work item's
+/// products on the calling thread (the tile configuration), end() after them; round() the
+/// roundings of P and dS. None on every instruction set but amxbf16 (flash_amx.rs).
+pub type TileBeginFn = unsafe fn();
+pub type TileProductFn = unsafe fn(&TileProduct);
+pub type TileRoundFn = unsafe fn(&TileRounding);
+pub type TileEndFn = unsafe fn();
+
+#[derive(Clone, Copy)]
+pub struct BackwardTiles {
+    pub begin: TileBeginFn,
+    pub product: TileProductFn,
+    pub round: TileRoundFn,
+    pub end: TileEndFn,
+}
+
 /// The backward kernels of one instruction set.
 #[derive(Clone, Copy)]
 pub struct BackwardKernels {
     pub panel_product: PanelProductFn,
     pub accumulate: AccumulateFn,
     pub row_gradients: RowGradientsFn,
+    pub tiles: Option<BackwardTiles>,
 }
 
 /// Register blocks, rows x vectors of accumulators: 6 x 4 (24 of AVX-512's 32 registers), 6 x 2

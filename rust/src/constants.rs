@@ -61,6 +61,15 @@ pub const VALUE_KEY_CHUNK: usize = 64;
 /// the keys each query tile recomputes P against at a time. Query tiles are Q_TILE_ROWS packed
 /// rows, as the forward's.
 pub const BACKWARD_KEY_BLOCK: usize = 64;
+/// Packed query rows per query tile of the backward's bfloat16 tile path (amxbf16,
+/// flash_backward.rs): dV += P^T dO and dK += dS^T Q sum over a tile's rows in chunks of 32 (16
+/// pairs of rows, one tile step), so this many rows load and store the float32 dK and dV tiles
+/// once per 3 steps.
+pub const BACKWARD_TILE_ROWS: usize = 96;
+/// Query tiles whose dV += P^T dO and dK += dS^T Q the tile path sums at once (their P and dS
+/// pairs kept, up to BACKWARD_TILE_GROUP BACKWARD_TILE_ROWS BACKWARD_KEY_BLOCK x 4 bytes each),
+/// so the float32 dK and dV tiles are loaded and stored once per 3 BACKWARD_TILE_GROUP steps.
+pub const BACKWARD_TILE_GROUP: usize = 8;
 
 const _: () = assert!(
     Q_TILE_ROWS.is_multiple_of(MICRO_ROWS),
@@ -81,6 +90,14 @@ const _: () = assert!(
 const _: () = assert!(
     BACKWARD_KEY_BLOCK <= KEY_BLOCK,
     "a backward key block fits the forward's score rows"
+);
+const _: () = assert!(
+    BACKWARD_TILE_ROWS.is_multiple_of(32),
+    "backward tiles are whole pair chunks of rows"
+);
+const _: () = assert!(
+    BACKWARD_KEY_BLOCK.is_multiple_of(32),
+    "backward key blocks are whole pair chunks of keys"
 );
 
 // ---- Threads ---------------------------------------------------------------------------------

@@ -30,6 +30,16 @@
 //! dQ += scale dS K summed into the head's float32 dQ sums as it goes, so S and dP are computed
 //! once.
 //!
+//! The bfloat16 tile path (amxbf16, bfloat16, D a multiple of 32: [`tile_path`]): always the
+//! fused pass, query tiles of BACKWARD_TILE_ROWS rows, the five products on tiles of bfloat16
+//! pairs with float32 sums (BackwardTiles, flash_amx.rs): S = Q K^T and dP = dO V^T from the
+//! inputs' own bits (then S times the Q multiplier, as the forward's tiles), dQ += dS K, and per
+//! group of tiles dV^T += dO^T P and dK^T += Q^T dS, with P and scale dS rounded to bfloat16.
+//! Pass 0 packs bfloat16 pairs instead of float32 ([`PackedPairs`], Dv padded to a multiple of
+//! 32 with zeros); the per-score float32 work is the same code as above. A tile and key block where a hidden key (P = 0) meets a non-finite Q, dO
+//! or K row run the three accumulations in float32 on the kernels' gated accumulate instead
+//! ([`exact_accumulations`]), so a value that is never visible is never read.
+//!
 //! Determinism: every gradient element is summed by the one item that owns it, in a fixed order
 //! (query rows ascending for dK and dV, keys ascending for dQ), so the results depend neither on
 //! num_threads nor on the schedule. The fused pass sums every element in the same order as passes
@@ -44,12 +54,15 @@
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::backward_kernel::{Accumulation, BackwardKernels, PanelProduct, RowGradients};
+use crate::backward_kernel::{
+    Accumulation, BackwardKernels, PanelProduct, RowGradients, TileProduct, TileRounding,
+};
 use crate::constants::{
-    BACKWARD_KEY_BLOCK, KEY_BLOCK, KEY_PANEL, LOG2_E, Q_TILE_ROWS, SERIAL_WORK,
+    BACKWARD_KEY_BLOCK, BACKWARD_TILE_GROUP, BACKWARD_TILE_ROWS, KEY_BLOCK, KEY_PANEL, LOG2_E,
+    Q_TILE_ROWS, SERIAL_WORK,
 };
 use crate::dispatch::current_kernels;
-use crate::element::{BFloat16, Element, Float16};
+use crate::element::{bf16_to_f32, BFloat16, Element, Float16};
 use crate::flash_attention::{
     flash_plan, flash_row_key_range, problem_work, with_thread_buffers, Shared,
 };
@@ -115,6 +128,75 @@ struct PackedQueries {
     dout_rows: *mut f32,
 }
 
+/// Pass 0's bfloat16 pairs of one call (the tile path), as 16-bit elements (a pair: two
+/// consecutive ones). Per key block, block = head * key_blocks + kb:
+///
+/// ```text
+/// key_panels   at block * BACKWARD_KEY_BLOCK * D: BACKWARD_KEY_BLOCK / KEY_PANEL panels of
+///              (D / 2, KEY_PANEL) pairs (d, key)       S = Q K^T, B
+/// value_panels at block * BACKWARD_KEY_BLOCK * Dv: the same of V   dP = dO V^T, B
+/// key_rows     at block * BACKWARD_KEY_BLOCK * D: (BACKWARD_KEY_BLOCK / 2, D) pairs (key, d)
+///                                                      dQ += dS K, B
+/// key_finite   at block * BACKWARD_KEY_BLOCK: 1 where the key's K row is finite
+/// ```
+///
+/// Per packed row r of a head, row = head * head_rows + r (head_rows: rows_per_group rounded up
+/// to 32; the pad rows are 0):
+///
+/// ```text
+/// query_pairs at row * D, dout_pairs at row * Dv: the rows themselves (pairs (d))   S, dP: A
+/// row_finite at row: 1 where the row's Q and dO are finite
+/// ```
+///
+/// Per head, its packed rows transposed, rows up to head_tiles * BACKWARD_TILE_ROWS (0 past
+/// rows_per_group), each of row_stride elements (a multiple of 32 plus 32: no two rows 4096
+/// bytes apart, where the L1 cache would put a tile load's rows in one set):
+///
+/// ```text
+/// query_t at head * D * row_stride: Q^T, (D, row_stride), so pairs (d, rows 2 i and 2 i + 1)
+///                                                      dK^T += Q^T dS: A
+/// dout_t at head * Dv * row_stride: dO^T, the same     dV^T += dO^T P: A
+/// ```
+///
+/// Keys at or past kv_lens[b] are 0 (never read from k or v), finite. Every width Dv above is
+/// value_width (Dv rounded up to 32; the columns past Dv are 0).
+struct PackedPairs {
+    key_panels: *mut u16,
+    value_panels: *mut u16,
+    key_rows: *mut u16,
+    key_finite: *mut u8,
+    query_pairs: *mut u16,
+    dout_pairs: *mut u16,
+    row_finite: *mut u8,
+    query_t: *mut u16,
+    dout_t: *mut u16,
+    head_rows: usize,
+    head_tiles: usize,
+    row_stride: usize,
+    /// Dv rounded up to 32: the V and dO pairs' width (0 past Dv)
+    value_width: usize,
+}
+
+/// No pairs (the float32 path).
+fn no_pairs() -> PackedPairs {
+    let null = std::ptr::null_mut();
+    PackedPairs {
+        key_panels: null,
+        value_panels: null,
+        key_rows: null,
+        key_finite: std::ptr::null_mut(),
+        query_pairs: null,
+        dout_pairs: null,
+        row_finite: std::ptr::null_mut(),
+        query_t: null,
+        dout_t: null,
+        head_rows: 0,
+        head_tiles: 0,
+        row_stride: 0,
+        value_width: 0,
+    }
+}
+
 /// What the items of one call share.
 struct BackwardPlan<'p, 'a> {
     problem: &'p BackwardProblem<'a>,
@@ -130,6 +212,10 @@ struct BackwardPlan<'p, 'a> {
     queries: PackedQueries,
     /// passes 2 and 3 run as one, per head ([`fused_pass`])
     fused: bool,
+    /// the bfloat16 tile path ([`tile_path`]); then pairs, not packed and queries
+    tiled: bool,
+    /// pass 0's pairs (the tile path)
+    pairs: PackedPairs,
 }
 
 // SAFETY: the plan is read-only while the items run; they write disjoint gradient rows (and
@@ -210,6 +296,23 @@ struct CallerBuffers {
     query_rows: AlignedFloats,
     query_scaled: AlignedFloats,
     dout_rows: AlignedFloats,
+    pair_key_panels: Vec<u16>,
+    pair_value_panels: Vec<u16>,
+    pair_key_rows: Vec<u16>,
+    pair_query_pairs: Vec<u16>,
+    pair_dout_pairs: Vec<u16>,
+    pair_query_t: Vec<u16>,
+    pair_dout_t: Vec<u16>,
+    key_finite: Vec<u8>,
+    row_finite: Vec<u8>,
+}
+
+/// buffer grown to at least count elements, its data.
+fn grown<T: Copy + Default>(buffer: &mut Vec<T>, count: usize) -> Result<*mut T, ProblemError> {
+    if buffer.len() < count {
+        *buffer = try_filled(count, T::default())?;
+    }
+    Ok(buffer.as_mut_ptr())
 }
 
 thread_local! {
@@ -226,6 +329,19 @@ thread_local! {
 /// key_grad, value_grad (BACKWARD_KEY_BLOCK, D / Dv), query_grad (query_grad_rows, D): float32
 /// sums (query_grad_rows: a tile's Q_TILE_ROWS, or a head's rows_per_group in the fused pass)
 /// ```
+///
+/// and on the tile path (tiles of BACKWARD_TILE_ROWS rows, so the rows above are that many;
+/// key_grad and value_grad hold dK^T and dV^T, (D / Dv, BACKWARD_KEY_BLOCK)):
+///
+/// ```text
+/// probs_pairs, grads_pairs (BACKWARD_TILE_GROUP BACKWARD_TILE_ROWS / 2, BACKWARD_KEY_BLOCK)
+/// pairs of rows: P and scale dS of a group of tiles rounded to bfloat16 (B of dV^T and dK^T);
+/// grads_rows (BACKWARD_TILE_ROWS, BACKWARD_KEY_BLOCK) bfloat16: scale dS of a tile (A of dQ);
+/// key_sums (BACKWARD_KEY_BLOCK, max(D, Dv)): dK or dV sums key by key (stores,
+/// exact_accumulations);
+/// exact_queries, exact_dout (BACKWARD_TILE_ROWS, D / Dv), exact_keys (BACKWARD_KEY_BLOCK, D):
+/// float32 operands of exact_accumulations
+/// ```
 #[derive(Default)]
 struct BackwardScratch {
     row_buffer: Vec<f32>,
@@ -239,15 +355,24 @@ struct BackwardScratch {
     query_grad: Vec<f32>,
     row_key_begin: Vec<usize>,
     row_key_end: Vec<usize>,
+    probs_pairs: Vec<u32>,
+    grads_pairs: Vec<u32>,
+    grads_rows: Vec<u16>,
+    key_sums: Vec<f32>,
+    exact_queries: Vec<f32>,
+    exact_dout: Vec<f32>,
+    exact_keys: Vec<f32>,
 }
 
-/// What one thread's scratch is sized for: D, Dv and the rows of dQ sums (a tile's Q_TILE_ROWS,
-/// or a head's rows_per_group in the fused pass).
+/// What one thread's scratch is sized for: D, Dv, the rows of dQ sums (a tile's Q_TILE_ROWS,
+/// or a head's rows_per_group in the fused pass, rounded up to 32 on the tile path), and
+/// whether the tile path runs (its rows per tile are BACKWARD_TILE_ROWS).
 #[derive(Clone, Copy)]
 struct ScratchShape {
     head_dim: usize,
     value_dim: usize,
     query_grad_rows: usize,
+    tiled: bool,
 }
 
 impl BackwardScratch {
@@ -256,24 +381,44 @@ impl BackwardScratch {
             head_dim,
             value_dim,
             query_grad_rows,
+            tiled,
         } = shape;
+        let tile_rows = if tiled {
+            BACKWARD_TILE_ROWS
+        } else {
+            Q_TILE_ROWS
+        };
         fn grow<T: Copy + Default>(buffer: &mut Vec<T>, count: usize) -> Result<(), ProblemError> {
-            if buffer.len() < count {
-                *buffer = try_filled(count, T::default())?;
-            }
-            Ok(())
+            grown(buffer, count).map(|_| ())
         }
         grow(&mut self.row_buffer, 2 * value_dim)?;
-        grow(&mut self.row_delta, Q_TILE_ROWS)?;
-        grow(&mut self.row_lse, Q_TILE_ROWS)?;
-        grow(&mut self.scores, Q_TILE_ROWS * KEY_BLOCK)?;
-        grow(&mut self.capped, Q_TILE_ROWS * KEY_BLOCK)?;
-        grow(&mut self.grads, Q_TILE_ROWS * KEY_BLOCK)?;
+        grow(&mut self.row_delta, tile_rows)?;
+        grow(&mut self.row_lse, tile_rows)?;
+        grow(&mut self.scores, tile_rows * KEY_BLOCK)?;
+        grow(&mut self.capped, tile_rows * KEY_BLOCK)?;
+        grow(&mut self.grads, tile_rows * KEY_BLOCK)?;
         grow(&mut self.key_grad, BACKWARD_KEY_BLOCK * head_dim)?;
         grow(&mut self.value_grad, BACKWARD_KEY_BLOCK * value_dim)?;
         grow(&mut self.query_grad, query_grad_rows * head_dim)?;
-        grow(&mut self.row_key_begin, Q_TILE_ROWS)?;
-        grow(&mut self.row_key_end, Q_TILE_ROWS)
+        grow(&mut self.row_key_begin, tile_rows)?;
+        grow(&mut self.row_key_end, tile_rows)?;
+        if !tiled {
+            return Ok(());
+        }
+        let group_pairs = BACKWARD_TILE_GROUP * BACKWARD_TILE_ROWS / 2;
+        grow(&mut self.probs_pairs, group_pairs * BACKWARD_KEY_BLOCK)?;
+        grow(&mut self.grads_pairs, group_pairs * BACKWARD_KEY_BLOCK)?;
+        grow(
+            &mut self.grads_rows,
+            BACKWARD_TILE_ROWS * BACKWARD_KEY_BLOCK,
+        )?;
+        grow(
+            &mut self.key_sums,
+            BACKWARD_KEY_BLOCK * head_dim.max(value_dim),
+        )?;
+        grow(&mut self.exact_queries, BACKWARD_TILE_ROWS * head_dim)?;
+        grow(&mut self.exact_dout, BACKWARD_TILE_ROWS * value_dim)?;
+        grow(&mut self.exact_keys, BACKWARD_KEY_BLOCK * head_dim)
     }
 }
 
@@ -543,6 +688,637 @@ unsafe fn pack_queries<T: Element>(plan: &BackwardPlan, b: usize, kv_head: usize
     }
 }
 
+// ---- The bfloat16 tile path (amxbf16) -------------------------------------------------------
+
+/// Whether the call takes the tile path: the instruction set has the backward's tile products
+/// (amxbf16), the dtype is bfloat16, and D fills whole tiles (a multiple of 32; Dv is padded to
+/// one with zeros: the Python layer's backward adds a column to V).
+fn tile_path(kernels: &BackwardKernels, p: &crate::problem::AttentionProblem) -> bool {
+    let (head_dim, value_dim) = (p.q.shape[3], p.v.shape[3]);
+    kernels.tiles.is_some()
+        && p.dtype == ElementType::BFloat16
+        && head_dim > 0
+        && head_dim % 32 == 0
+        && value_dim > 0
+}
+
+/// A bfloat16's bits are finite unless its exponent is all ones.
+#[inline(always)]
+fn finite_bits(bits: u16) -> bool {
+    bits & 0x7f80 != 0x7f80
+}
+
+/// Row i of head h of sequence b of a bfloat16 (B, H, L, n) view with data `data` and strides
+/// `stride`, as its bits.
+///
+/// # Safety
+/// The index is inside the view.
+#[inline(always)]
+unsafe fn bf16_row(data: *const u8, stride: &[i64; 4], b: usize, h: usize, i: usize) -> *const u16 {
+    // SAFETY: forwarded.
+    unsafe { view_row::<u16>(data, stride, b, h, i).cast_const() }
+}
+
+/// Pass 0 (tile path): the keys of (b, kv_head) into the pairs ([`PackedPairs`]).
+///
+/// # Safety
+/// As [`row_deltas`], on the tile path (bfloat16 k and v); no other thread touches this head's
+/// pairs meanwhile.
+unsafe fn pack_key_pairs(plan: &BackwardPlan, b: usize, kv_head: usize) {
+    let p = &plan.problem.forward;
+    let pairs = &plan.pairs;
+    let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
+    let value_width = pairs.value_width;
+    let kv_heads = p.k.shape[1] as usize;
+    const KB: usize = BACKWARD_KEY_BLOCK;
+    for kb in 0..plan.packed.key_blocks {
+        let block = (b * kv_heads + kv_head) * plan.packed.key_blocks + kb;
+        let key_block = kb * KB;
+        let n = (p.kv_lens[b] as usize).saturating_sub(key_block).min(KB);
+        // SAFETY: forwarded; the block's parts hold KB * D, KB * value_width, KB * D and KB
+        // elements, and the keys below kv_lens[b] <= Lk are inside k and v, whose rows hold D and
+        // Dv elements.
+        unsafe {
+            let key_panels = std::slice::from_raw_parts_mut(
+                pairs.key_panels.add(block * KB * head_dim),
+                KB * head_dim,
+            );
+            let value_panels = std::slice::from_raw_parts_mut(
+                pairs.value_panels.add(block * KB * value_width),
+                KB * value_width,
+            );
+            let key_rows = std::slice::from_raw_parts_mut(
+                pairs.key_rows.add(block * KB * head_dim),
+                KB * head_dim,
+            );
+            let key_finite = std::slice::from_raw_parts_mut(pairs.key_finite.add(block * KB), KB);
+            for j in 0..KB {
+                let (k, v) = match j < n {
+                    true => (
+                        bf16_row(p.k.data, &p.k.stride, b, kv_head, key_block + j),
+                        bf16_row(p.v.data, &p.v.stride, b, kv_head, key_block + j),
+                    ),
+                    false => (std::ptr::null(), std::ptr::null()),
+                };
+                // pair (d / 2, j) of panel j / KEY_PANEL, element d % 2; pair (j / 2, d), element j % 2
+                let (panel, column) = (j / KEY_PANEL, j % KEY_PANEL);
+                let mut finite = true;
+                for d in 0..head_dim {
+                    let bits = if k.is_null() { 0 } else { *k.add(d) };
+                    finite = finite && finite_bits(bits);
+                    key_panels[((panel * head_dim / 2 + d / 2) * KEY_PANEL + column) * 2 + d % 2] =
+                        bits;
+                    key_rows[(j / 2 * head_dim + d) * 2 + j % 2] = bits;
+                }
+                for c in 0..value_width {
+                    value_panels
+                        [((panel * value_width / 2 + c / 2) * KEY_PANEL + column) * 2 + c % 2] =
+                        if v.is_null() || c >= value_dim {
+                            0
+                        } else {
+                            *v.add(c)
+                        };
+                }
+                key_finite[j] = u8::from(finite);
+            }
+        }
+    }
+}
+
+/// n bfloat16 bits from src (0 when src is null) to dst; returns how many are not finite
+/// (counted, not tested: the loops vectorise).
+///
+/// # Safety
+/// src (when not null) holds n elements, dst n writable ones.
+unsafe fn copy_row(src: *const u16, n: usize, dst: *mut u16) -> usize {
+    // SAFETY: forwarded.
+    let dst = unsafe { std::slice::from_raw_parts_mut(dst, n) };
+    if src.is_null() {
+        dst.fill(0);
+        return 0;
+    }
+    // SAFETY: forwarded.
+    let src = unsafe { std::slice::from_raw_parts(src, n) };
+    let non_finite = src
+        .iter()
+        .map(|&bits| usize::from(!finite_bits(bits)))
+        .sum();
+    dst.copy_from_slice(src);
+    non_finite
+}
+
+/// Pass 0 (tile path): the query side of (b, kv_head) into the pairs ([`PackedPairs`]): row by
+/// row, then transposed a tile of rows at a time (their rows stay in L1 while every column is
+/// written).
+///
+/// # Safety
+/// As [`pack_key_pairs`] (bfloat16 q and dout).
+unsafe fn pack_query_pairs(plan: &BackwardPlan, b: usize, kv_head: usize) {
+    let bp = plan.problem;
+    let p = &bp.forward;
+    let pairs = &plan.pairs;
+    let (group, head_dim, value_dim) =
+        (plan.flash.group, plan.flash.head_dim, plan.flash.value_dim);
+    let head = b * p.k.shape[1] as usize + kv_head;
+    let rows_per_group = plan.flash.rows_per_group;
+    let mut q_rows = [std::ptr::null::<u16>(); BACKWARD_TILE_ROWS];
+    let mut dout_rows = [std::ptr::null::<u16>(); BACKWARD_TILE_ROWS];
+    for tile_begin in (0..pairs.head_tiles * BACKWARD_TILE_ROWS).step_by(BACKWARD_TILE_ROWS) {
+        for local in 0..BACKWARD_TILE_ROWS {
+            let packed = tile_begin + local;
+            let row = head * pairs.head_rows + packed;
+            let (h, i) = (kv_head * group + packed % group, packed / group);
+            // SAFETY: forwarded; (b, h, i) is a query row for packed < rows_per_group, whose q
+            // and dout rows hold D and Dv elements; the pairs hold the head's head_rows rows.
+            unsafe {
+                (q_rows[local], dout_rows[local]) = match packed < rows_per_group {
+                    true => (
+                        bf16_row(p.q.data, &p.q.stride, b, h, i),
+                        bf16_row(bp.dout.data, &bp.dout.stride, b, h, i),
+                    ),
+                    false => (std::ptr::null(), std::ptr::null()),
+                };
+                if packed >= pairs.head_rows {
+                    continue;
+                }
+                let dout = pairs.dout_pairs.add(row * pairs.value_width);
+                let non_finite = copy_row(
+                    q_rows[local],
+                    head_dim,
+                    pairs.query_pairs.add(row * head_dim),
+                ) + copy_row(dout_rows[local], value_dim, dout);
+                std::slice::from_raw_parts_mut(dout, pairs.value_width)[value_dim..].fill(0);
+                *pairs.row_finite.add(row) = u8::from(non_finite == 0);
+            }
+        }
+        // (width rows of the transpose, the first `real` from the rows, the rest 0)
+        let transpose_tile =
+            |rows: &[*const u16; BACKWARD_TILE_ROWS], real: usize, width: usize, dst: *mut u16| {
+                for d in 0..width {
+                    for (local, &row) in rows.iter().enumerate() {
+                        // SAFETY: forwarded; the head's transposed rows hold head_tiles *
+                        // BACKWARD_TILE_ROWS <= row_stride elements each.
+                        unsafe {
+                            *dst.add(d * pairs.row_stride + tile_begin + local) =
+                                if row.is_null() || d >= real {
+                                    0
+                                } else {
+                                    *row.add(d)
+                                };
+                        }
+                    }
+                }
+            };
+        // SAFETY: forwarded; the head's D and value_width transposed rows.
+        unsafe {
+            transpose_tile(
+                &q_rows,
+                head_dim,
+                head_dim,
+                pairs.query_t.add(head * head_dim * pairs.row_stride),
+            );
+            transpose_tile(
+                &dout_rows,
+                value_dim,
+                pairs.value_width,
+                pairs
+                    .dout_t
+                    .add(head * pairs.value_width * pairs.row_stride),
+            );
+        }
+    }
+}
+
+/// The tile's first packed row in the pairs (even: tiles start at multiples of
+/// BACKWARD_TILE_ROWS).
+fn pair_row_at(plan: &BackwardPlan, tile: &WorkItem) -> usize {
+    let kv_heads = plan.problem.forward.k.shape[1] as usize;
+    (tile.b * kv_heads + tile.kv_head) * plan.pairs.head_rows + tile.row_begin
+}
+
+/// The key block's index in the pairs.
+fn pair_block_at(plan: &BackwardPlan, tile: &WorkItem, key_block: usize) -> usize {
+    let kv_heads = plan.problem.forward.k.shape[1] as usize;
+    (tile.b * kv_heads + tile.kv_head) * plan.packed.key_blocks + key_block / BACKWARD_KEY_BLOCK
+}
+
+/// The tile path's products.
+///
+/// # Safety
+/// On the tile path, between the tiles' begin and end on this thread; every tile read or written
+/// lies in its buffer.
+#[inline(always)]
+unsafe fn tile_product(plan: &BackwardPlan, product: &TileProduct) {
+    // SAFETY: forwarded; the tile path runs only where the table has the tiles.
+    unsafe { (plan.kernels.tiles.unwrap_unchecked().product)(product) };
+}
+
+/// (a) of tile_gradients on tiles: S (times the Q multiplier, as the forward's tiles) into
+/// s.scores and dP into s.grads, over n_padded keys (whole panels) and the tile's rows rounded
+/// up to 16 (the pad rows' pairs are 0; their scores are scratch).
+///
+/// # Safety
+/// As [`tile_gradients`], on the tile path.
+unsafe fn tile_scores(
+    plan: &BackwardPlan,
+    tile: &WorkItem,
+    rows: usize,
+    key_block: usize,
+    n_padded: usize,
+    s: &mut BackwardScratch,
+) {
+    let pairs = &plan.pairs;
+    let (head_dim, value_dim) = (plan.flash.head_dim, pairs.value_width);
+    let (row, block) = (
+        pair_row_at(plan, tile),
+        pair_block_at(plan, tile, key_block),
+    );
+    let product = |a: *const u16, depth: usize, panels: *const u16, out: &mut [f32]| {
+        for panel in 0..n_padded / KEY_PANEL {
+            // SAFETY: forwarded; the tile's rows (rounded up to 16, within the head's rows) of
+            // depth elements, the block's panels, rows of out of KEY_BLOCK floats (the scratch
+            // holds BACKWARD_TILE_ROWS).
+            unsafe {
+                let product = TileProduct {
+                    a: a.add(row * depth).cast(),
+                    a_stride: depth * 2,
+                    rows,
+                    b: panels
+                        .add(block * BACKWARD_KEY_BLOCK * depth + panel * depth * KEY_PANEL)
+                        .cast(),
+                    b_stride: KEY_PANEL * 4,
+                    columns: KEY_PANEL / 16,
+                    chunks: depth / 32,
+                    c: out.as_mut_ptr().add(panel * KEY_PANEL).cast(),
+                    c_stride: KEY_BLOCK * 4,
+                    accumulate: false,
+                };
+                tile_product(plan, &product);
+            }
+        }
+    };
+    product(pairs.query_pairs, head_dim, pairs.key_panels, &mut s.scores);
+    product(
+        pairs.dout_pairs,
+        value_dim,
+        pairs.value_panels,
+        &mut s.grads,
+    );
+    for r in 0..rows {
+        for score in &mut s.scores[r * KEY_BLOCK..r * KEY_BLOCK + n_padded] {
+            *score *= plan.flash.q_multiplier;
+        }
+    }
+}
+
+/// Whether a hidden key can meet a non-finite value in the tile's accumulations: some P of the
+/// tile's rows x its keys [key_begin, key_end) is 0 (gate not null) and a Q or dO row of the tile
+/// or a K row of those keys is not finite (a tile product would multiply it by 0).
+///
+/// # Safety
+/// As [`tile_scores`].
+unsafe fn tile_needs_exact(
+    plan: &BackwardPlan,
+    tile: &WorkItem,
+    rows: usize,
+    gate: *const f32,
+) -> bool {
+    if gate.is_null() {
+        return false;
+    }
+    // SAFETY: forwarded; the tile's rows and the block's keys have flags.
+    unsafe {
+        let row_finite =
+            std::slice::from_raw_parts(plan.pairs.row_finite.add(pair_row_at(plan, tile)), rows);
+        let block = pair_block_at(plan, tile, tile.key_begin);
+        let n = tile.key_end - tile.key_begin;
+        let key_finite =
+            std::slice::from_raw_parts(plan.pairs.key_finite.add(block * BACKWARD_KEY_BLOCK), n);
+        row_finite.contains(&0) || key_finite.contains(&0)
+    }
+}
+
+/// to[c * rows + r] = from[r * columns + c] for r < rows, c < columns.
+fn transpose(from: &[f32], rows: usize, columns: usize, to: &mut [f32]) {
+    for r in 0..rows {
+        for c in 0..columns {
+            to[c * rows + r] = from[r * columns + c];
+        }
+    }
+}
+
+/// The tile path's three accumulations in float32 with the kernels' gated accumulate (as the
+/// float32 path's, from P and scale dS unrounded), for a tile where [`tile_needs_exact`]: Q and
+/// dO of the tile's rows and K of its n keys from key_begin widened from the pairs; dK and dV
+/// summed key by key (their sums transposed there and back).
+///
+/// # Safety
+/// As [`tile_scores`], after tile_gradients; query_grads holds the tile's rows of D floats.
+#[allow(clippy::too_many_arguments)]
+unsafe fn exact_accumulations(
+    plan: &BackwardPlan,
+    tile: &WorkItem,
+    rows: usize,
+    gate: *const f32,
+    s: &mut BackwardScratch,
+    query_grads: *mut f32,
+) {
+    let (key_block, n) = (tile.key_begin, tile.key_end - tile.key_begin);
+    let pairs = &plan.pairs;
+    let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
+    let (row, block) = (
+        pair_row_at(plan, tile),
+        pair_block_at(plan, tile, key_block),
+    );
+    // SAFETY: forwarded; the pairs hold the tile's rows and the block's keys.
+    unsafe {
+        for r in 0..rows {
+            for d in 0..head_dim {
+                s.exact_queries[r * head_dim + d] =
+                    bf16_to_f32(*pairs.query_pairs.add((row + r) * head_dim + d));
+            }
+            for c in 0..value_dim {
+                s.exact_dout[r * value_dim + c] =
+                    bf16_to_f32(*pairs.dout_pairs.add((row + r) * pairs.value_width + c));
+            }
+        }
+        let key_rows = pairs.key_rows.add(block * BACKWARD_KEY_BLOCK * head_dim);
+        for j in 0..n {
+            for d in 0..head_dim {
+                s.exact_keys[j * head_dim + d] =
+                    bf16_to_f32(*key_rows.add((j / 2 * head_dim + d) * 2 + j % 2));
+            }
+        }
+    }
+    // dV and dK key by key (s.key_sums, rows of `rows_t` floats, the first `width` summed), from
+    // and back to dV^T and dK^T.
+    let sum_key_rows = |y_t: &mut [f32],
+                        rows_t: usize,
+                        width: usize,
+                        coef: &[f32],
+                        x: &[f32],
+                        sums: &mut [f32]| {
+        transpose(y_t, rows_t, BACKWARD_KEY_BLOCK, sums);
+        let key_rows = Accumulation {
+            y: sums.as_mut_ptr(),
+            y_stride: rows_t,
+            outputs: n,
+            n: width,
+            coef: coef.as_ptr(),
+            gate,
+            coef_stride: KEY_BLOCK,
+            output_stride: 1,
+            x: x.as_ptr(),
+            x_stride: width,
+            terms: rows,
+        };
+        // SAFETY: the scratch's rows x n of P or dS (stride KEY_BLOCK), n key rows of sums, rows
+        // rows of the float32 operand; the dispatcher hands out only kernels this CPU runs.
+        unsafe { (plan.kernels.accumulate)(&key_rows) };
+        transpose(sums, BACKWARD_KEY_BLOCK, rows_t, y_t);
+    };
+    let value_width = pairs.value_width;
+    sum_key_rows(
+        &mut s.value_grad,
+        value_width,
+        value_dim,
+        &s.scores,
+        &s.exact_dout,
+        &mut s.key_sums,
+    );
+    sum_key_rows(
+        &mut s.key_grad,
+        head_dim,
+        head_dim,
+        &s.grads,
+        &s.exact_queries,
+        &mut s.key_sums,
+    );
+    // SAFETY: forwarded; the scratch's n K rows.
+    unsafe { accumulate_query_keys(plan, rows, n, gate, s, s.exact_keys.as_ptr(), query_grads) };
+}
+
+/// The tile path's accumulations of one tile on tiles: P and scale dS of the tile's rows against
+/// the block's n_padded keys rounded to bfloat16 (rows rounded up to 32 with zeros;
+/// [`TileRounding`]) into the group's pairs from row pair group_pairs, and dQ += dS K into
+/// query_grads (the tile's rows rounded up to 16; the pad rows are scratch). dV and dK wait for
+/// the group ([`group_sums`]).
+///
+/// # Safety
+/// As [`tile_scores`], after tile_gradients; query_grads holds the tile's rows rounded up to 16
+/// of D floats; the group's pairs hold group_pairs + the tile's pairs rows.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_accumulations(
+    plan: &BackwardPlan,
+    tile: &WorkItem,
+    rows: usize,
+    key_block: usize,
+    n_padded: usize,
+    group_pairs: usize,
+    s: &mut BackwardScratch,
+    query_grads: *mut f32,
+) {
+    // SAFETY: the tile path runs only where the table has the tiles.
+    let tiles = unsafe { plan.kernels.tiles.unwrap_unchecked() };
+    let head_dim = plan.flash.head_dim;
+    let rows_padded = rows.div_ceil(32) * 32;
+    let block = pair_block_at(plan, tile, key_block);
+    let rounding = |src: &[f32], pairs: &mut [u32], rows_out: *mut u16| TileRounding {
+        src: src.as_ptr(),
+        src_stride: KEY_BLOCK,
+        rows,
+        rows_padded,
+        n: n_padded,
+        pairs: pairs[group_pairs * BACKWARD_KEY_BLOCK..].as_mut_ptr(),
+        rows_out,
+        stride: BACKWARD_KEY_BLOCK,
+    };
+    let probs = rounding(&s.scores, &mut s.probs_pairs, std::ptr::null_mut());
+    let grads = rounding(&s.grads, &mut s.grads_pairs, s.grads_rows.as_mut_ptr());
+    // SAFETY: forwarded; the scores hold rows_padded <= BACKWARD_TILE_ROWS rows of n_padded <=
+    // BACKWARD_KEY_BLOCK floats, the group's pairs and grads_rows the rounded rows; dQ as above.
+    unsafe {
+        (tiles.round)(&probs);
+        (tiles.round)(&grads);
+        let query_rows = TileProduct {
+            a: s.grads_rows.as_ptr().cast(),
+            a_stride: BACKWARD_KEY_BLOCK * 2,
+            rows,
+            b: plan
+                .pairs
+                .key_rows
+                .add(block * BACKWARD_KEY_BLOCK * head_dim)
+                .cast(),
+            b_stride: head_dim * 4,
+            columns: head_dim / 16,
+            chunks: n_padded / 32,
+            c: query_grads.cast(),
+            c_stride: head_dim * 4,
+            accumulate: true,
+        };
+        tile_product(plan, &query_rows);
+    }
+}
+
+/// A group's dV^T += dO^T P and dK^T += Q^T dS on tiles: the rows [row_begin, row_begin + 2
+/// pairs) of (b, kv_head) (pairs: the group's row pairs, a multiple of 16) against n_padded keys,
+/// into s.value_grad and s.key_grad.
+///
+/// # Safety
+/// As [`tile_scores`], after the group's tile_accumulations.
+unsafe fn group_sums(
+    plan: &BackwardPlan,
+    b: usize,
+    kv_head: usize,
+    row_begin: usize,
+    pairs: usize,
+    n_padded: usize,
+    s: &mut BackwardScratch,
+) {
+    let packed = &plan.pairs;
+    let head = b * plan.problem.forward.k.shape[1] as usize + kv_head;
+    let transposed_sums =
+        |y: &mut [f32], width: usize, x_t: *const u16, coef: &[u32]| TileProduct {
+            // SAFETY: the head's transposed rows hold the group's rows.
+            a: unsafe { x_t.add(head * width * packed.row_stride + row_begin) }.cast(),
+            a_stride: packed.row_stride * 2,
+            rows: width,
+            b: coef.as_ptr().cast(),
+            b_stride: BACKWARD_KEY_BLOCK * 4,
+            columns: n_padded / 16,
+            chunks: pairs / 16,
+            c: y.as_mut_ptr().cast(),
+            c_stride: BACKWARD_KEY_BLOCK * 4,
+            accumulate: true,
+        };
+    let (head_dim, value_width) = (plan.flash.head_dim, packed.value_width);
+    let value_rows = transposed_sums(
+        &mut s.value_grad,
+        value_width,
+        packed.dout_t,
+        &s.probs_pairs,
+    );
+    let key_rows = transposed_sums(&mut s.key_grad, head_dim, packed.query_t, &s.grads_pairs);
+    // SAFETY: forwarded; dV^T and dK^T hold Dv and D rows of BACKWARD_KEY_BLOCK floats.
+    unsafe {
+        tile_product(plan, &value_rows);
+        tile_product(plan, &key_rows);
+    }
+}
+
+/// Pass 2 fused with 3 on the tile path ([`key_block_gradients`]' n keys from keys.key_begin of
+/// (keys.b, keys.kv_head), those below keys.key_end visible, the rest past kv_lens[b]): query tiles of BACKWARD_TILE_ROWS rows, the
+/// products on tiles ([`tile_scores`], [`tile_accumulations`], and [`group_sums`] over up to
+/// BACKWARD_TILE_GROUP consecutive tiles) unless [`tile_needs_exact`], dK and dV summed
+/// transposed. Keys past kv_lens[b] get 0.
+///
+/// # Safety
+/// As [`key_block_gradients`], on the tile path, between the tiles' begin and end; query_grads
+/// holds the head's head_rows rows of dQ sums.
+#[allow(clippy::too_many_arguments)]
+unsafe fn key_block_tiles<T: Element>(
+    plan: &BackwardPlan,
+    keys: &WorkItem,
+    n: usize,
+    s: &mut BackwardScratch,
+    query_grads: *mut f32,
+) {
+    let bp = plan.problem;
+    let (b, kv_head, key_block) = (keys.b, keys.kv_head, keys.key_begin);
+    let visible = keys.key_end - key_block;
+    let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
+    let visible_padded = visible.div_ceil(KEY_PANEL) * KEY_PANEL;
+    s.key_grad[..BACKWARD_KEY_BLOCK * head_dim].fill(0.0);
+    s.value_grad[..BACKWARD_KEY_BLOCK * plan.pairs.value_width].fill(0.0);
+    // SAFETY: forwarded.
+    unsafe {
+        let rows_per_group = plan.flash.rows_per_group;
+        // The group: tiles in order from group_begin, their P and dS pairs from row pair 0 on,
+        // summed into dV^T and dK^T when it is full, before an exact tile, and at the end.
+        let (mut group_begin, mut group_pairs) = (0, 0);
+        let flush = |s: &mut BackwardScratch, group_begin: usize, group_pairs: &mut usize| {
+            if *group_pairs > 0 {
+                group_sums(
+                    plan,
+                    b,
+                    kv_head,
+                    group_begin,
+                    *group_pairs,
+                    visible_padded,
+                    s,
+                );
+            }
+            *group_pairs = 0;
+        };
+        let mut row_begin = 0;
+        while visible > 0 && row_begin < rows_per_group {
+            let tile_begin = row_begin;
+            row_begin = (row_begin + BACKWARD_TILE_ROWS).min(rows_per_group);
+            let Some(tile) = block_tile(plan, keys, tile_begin, BACKWARD_TILE_ROWS) else {
+                flush(s, group_begin, &mut group_pairs);
+                continue;
+            };
+            let rows = tile.row_end - tile_begin;
+            load_tile(plan, &tile, rows, s);
+            let gate = tile_gradients(plan, &tile, rows, key_block, visible, s);
+            let y = query_grads.add(tile_begin * head_dim);
+            if tile_needs_exact(plan, &tile, rows, gate) {
+                flush(s, group_begin, &mut group_pairs);
+                exact_accumulations(plan, &tile, rows, gate, s, y);
+                continue;
+            }
+            if group_pairs == 0 {
+                group_begin = tile_begin;
+            }
+            tile_accumulations(
+                plan,
+                &tile,
+                rows,
+                key_block,
+                visible_padded,
+                group_pairs,
+                s,
+                y,
+            );
+            group_pairs += rows.div_ceil(32) * 16;
+            if group_pairs == BACKWARD_TILE_GROUP * BACKWARD_TILE_ROWS / 2 {
+                flush(s, group_begin, &mut group_pairs);
+            }
+        }
+        flush(s, group_begin, &mut group_pairs);
+        // Key by key; keys past visible: 0 (the tile products' columns there are scratch: 0
+        // times a Q or dO row).
+        // (sums_t: rows_t rows, the first `width` stored)
+        let store_keys = |sums_t: &[f32],
+                          rows_t: usize,
+                          width: usize,
+                          gradient: &MutTensorView4,
+                          sums: &mut [f32]| {
+            transpose(sums_t, rows_t, BACKWARD_KEY_BLOCK, sums);
+            sums[visible * rows_t..n * rows_t].fill(0.0);
+            for j in 0..n {
+                store_row::<T>(
+                    gradient,
+                    b,
+                    kv_head,
+                    key_block + j,
+                    &sums[j * rows_t..],
+                    width,
+                );
+            }
+        };
+        store_keys(&s.key_grad, head_dim, head_dim, &bp.dk, &mut s.key_sums);
+        let value_width = plan.pairs.value_width;
+        store_keys(
+            &s.value_grad,
+            value_width,
+            value_dim,
+            &bp.dv,
+            &mut s.key_sums,
+        );
+    }
+}
+
 /// P and scale * dS of the tile's rows against the n keys of the packed block from key_block:
 /// s.scores (P) and s.grads, rows of stride KEY_BLOCK (as the forward's mask_block reads them),
 /// S and dP by the kernels' panel products over n rounded up to KEY_PANEL keys. A hidden key has
@@ -563,32 +1339,38 @@ unsafe fn tile_gradients(
     let fp = &plan.flash;
     let (head_dim, value_dim) = (fp.head_dim, fp.value_dim);
     let n_padded = n.div_ceil(KEY_PANEL) * KEY_PANEL;
-    // SAFETY: forwarded.
-    let (block, queries) = unsafe {
-        (
-            key_block_at(plan, tile.b, tile.kv_head, key_block),
-            query_rows_at(plan, tile),
-        )
-    };
     // (a) S = (Q times the multiplier) K^T, in base 2; softcap: t = tanh(S) kept, S = t softcap log2 e.
-    let product = |a: *const f32, depth: usize, panel: *const f32, out: &mut [f32]| {
-        let product = PanelProduct {
-            a,
-            rows,
-            depth,
-            panel,
-            panel_stride: BACKWARD_KEY_BLOCK,
-            n: n_padded,
-            out: out.as_mut_ptr(),
-            out_stride: KEY_BLOCK,
+    // dP = dO V^T into s.grads. (The tile path: tile_scores.)
+    if plan.tiled {
+        // SAFETY: forwarded.
+        unsafe { tile_scores(plan, tile, rows, key_block, n_padded, s) };
+    } else {
+        // SAFETY: forwarded.
+        let (block, queries) = unsafe {
+            (
+                key_block_at(plan, tile.b, tile.kv_head, key_block),
+                query_rows_at(plan, tile),
+            )
         };
-        // SAFETY: the tile's rows x depth floats of a, depth panel rows of BACKWARD_KEY_BLOCK >=
-        // n_padded floats, rows out rows of KEY_BLOCK floats; the dispatcher hands out only
-        // kernels this CPU runs.
-        unsafe { (plan.kernels.panel_product)(&product) };
-    };
-    product(queries.scaled, head_dim, block.key_panel, &mut s.scores);
-    product(queries.dout, value_dim, block.value_panel, &mut s.grads);
+        let product = |a: *const f32, depth: usize, panel: *const f32, out: &mut [f32]| {
+            let product = PanelProduct {
+                a,
+                rows,
+                depth,
+                panel,
+                panel_stride: BACKWARD_KEY_BLOCK,
+                n: n_padded,
+                out: out.as_mut_ptr(),
+                out_stride: KEY_BLOCK,
+            };
+            // SAFETY: the tile's rows x depth floats of a, depth panel rows of BACKWARD_KEY_BLOCK
+            // >= n_padded floats, rows out rows of KEY_BLOCK floats; the dispatcher hands out
+            // only kernels this CPU runs.
+            unsafe { (plan.kernels.panel_product)(&product) };
+        };
+        product(queries.scaled, head_dim, block.key_panel, &mut s.scores);
+        product(queries.dout, value_dim, block.value_panel, &mut s.grads);
+    }
     for r in 0..rows {
         let row = &mut s.scores[r * KEY_BLOCK..(r + 1) * KEY_BLOCK];
         row[n..n_padded].fill(0.0);
@@ -669,6 +1451,28 @@ unsafe fn tile_gradients(
     }
 }
 
+/// The query tile of packed rows [row_begin, row_begin + tile_rows) (up to rows_per_group) of
+/// `keys`' (b, kv_head) against its keys [key_begin, key_end); None when none of its rows sees
+/// one of them (rows are ordered by position, and so are their visible ranges: a tile whose first
+/// row starts past the keys or whose last row ends before them sees none).
+fn block_tile(
+    plan: &BackwardPlan,
+    keys: &WorkItem,
+    row_begin: usize,
+    tile_rows: usize,
+) -> Option<WorkItem> {
+    let (p, group) = (&plan.problem.forward, plan.flash.group);
+    let row_end = (row_begin + tile_rows).min(plan.flash.rows_per_group);
+    let (first_key, _) = flash_row_key_range(p, keys.b, group, row_begin);
+    let (_, last_key) = flash_row_key_range(p, keys.b, group, row_end - 1);
+    let tile = WorkItem {
+        row_begin,
+        row_end,
+        ..*keys
+    };
+    (first_key < keys.key_end && last_key > keys.key_begin).then_some(tile)
+}
+
 /// Row r of the tile: query_grads[r] += dS[r, .] K, over the n keys of the block from key_block
 /// in order (dS in s.grads, gated as [`tile_gradients`] returned).
 ///
@@ -686,24 +1490,44 @@ unsafe fn accumulate_query_rows(
     s: &BackwardScratch,
     query_grads: *mut f32,
 ) {
-    let head_dim = plan.flash.head_dim;
-    // SAFETY: forwarded; the block's n K rows of D floats, rows rows of dS of stride KEY_BLOCK.
+    // SAFETY: forwarded; the block's n K rows of D floats.
     unsafe {
-        let query_rows = Accumulation {
-            y: query_grads,
-            y_stride: head_dim,
-            outputs: rows,
-            n: head_dim,
-            coef: s.grads.as_ptr(),
-            gate,
-            coef_stride: 1,
-            output_stride: KEY_BLOCK,
-            x: key_block_at(plan, tile.b, tile.kv_head, key_block).keys,
-            x_stride: head_dim,
-            terms: n,
-        };
-        (plan.kernels.accumulate)(&query_rows);
+        let keys = key_block_at(plan, tile.b, tile.kv_head, key_block).keys;
+        accumulate_query_keys(plan, rows, n, gate, s, keys, query_grads);
     }
+}
+
+/// query_grads[r] += dS[r, .] K for the tile's rows r, over n K rows of D floats from keys in
+/// order (dS in s.grads, gated as [`tile_gradients`] returned).
+///
+/// # Safety
+/// As [`accumulate_query_rows`]; keys holds n rows of D floats.
+unsafe fn accumulate_query_keys(
+    plan: &BackwardPlan,
+    rows: usize,
+    n: usize,
+    gate: *const f32,
+    s: &BackwardScratch,
+    keys: *const f32,
+    query_grads: *mut f32,
+) {
+    let head_dim = plan.flash.head_dim;
+    let query_rows = Accumulation {
+        y: query_grads,
+        y_stride: head_dim,
+        outputs: rows,
+        n: head_dim,
+        coef: s.grads.as_ptr(),
+        gate,
+        coef_stride: 1,
+        output_stride: KEY_BLOCK,
+        x: keys,
+        x_stride: head_dim,
+        terms: n,
+    };
+    // SAFETY: forwarded; rows rows of dS of stride KEY_BLOCK; the dispatcher hands out only
+    // kernels this CPU runs.
+    unsafe { (plan.kernels.accumulate)(&query_rows) };
 }
 
 /// Rounds the float32 dQ sums of the tile's rows (rows of D from query_grads) into dq.
@@ -723,11 +1547,11 @@ unsafe fn store_query_rows<T: Element>(plan: &BackwardPlan, tile: &WorkItem, que
 /// Pass 2: dK and dV of keys [key_block, key_block + BACKWARD_KEY_BLOCK) of (b, kv_head), every query
 /// tile that sees them summed in row order; keys past kv_lens[b] get 0. With query_grads (the
 /// fused pass: the head's dQ sums, packed rows of D), also dQ += dS K of every such tile's rows,
-/// over the block's keys in order.
+/// over the block's keys in order. On the tile path, [`key_block_tiles`].
 ///
 /// # Safety
 /// As [`row_deltas`]; this item owns these keys' dk and dv rows (and, with query_grads, the
-/// head's dQ sums).
+/// head's dQ sums); on the tile path, between the tiles' begin and end.
 unsafe fn key_block_gradients<T: Element>(
     plan: &BackwardPlan,
     b: usize,
@@ -738,10 +1562,23 @@ unsafe fn key_block_gradients<T: Element>(
 ) {
     let bp = plan.problem;
     let p = &bp.forward;
-    let (group, head_dim, value_dim) =
-        (plan.flash.group, plan.flash.head_dim, plan.flash.value_dim);
+    let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
     let n = BACKWARD_KEY_BLOCK.min(p.k.shape[2] as usize - key_block);
     let visible = (p.kv_lens[b] as usize).saturating_sub(key_block).min(n);
+    // (b, kv_head) and the block's visible keys, the query rows to come
+    let keys = WorkItem {
+        b,
+        kv_head,
+        row_begin: 0,
+        row_end: 0,
+        key_begin: key_block,
+        key_end: key_block + visible,
+        partial_slot: None,
+    };
+    if plan.tiled {
+        // SAFETY: forwarded.
+        return unsafe { key_block_tiles::<T>(plan, &keys, n, s, query_grads) };
+    }
     s.key_grad[..n * head_dim].fill(0.0);
     s.value_grad[..n * value_dim].fill(0.0);
     // SAFETY: forwarded.
@@ -749,26 +1586,12 @@ unsafe fn key_block_gradients<T: Element>(
         let rows_per_group = plan.flash.rows_per_group;
         let mut row_begin = 0;
         while visible > 0 && row_begin < rows_per_group {
-            let row_end = (row_begin + Q_TILE_ROWS).min(rows_per_group);
             let tile_begin = row_begin;
-            row_begin = row_end;
-            // Rows are ordered by position, and so are their visible ranges: a tile whose first
-            // row starts past the block or whose last row ends before it sees none of its keys.
-            let (first_key, _) = flash_row_key_range(p, b, group, tile_begin);
-            let (_, last_key) = flash_row_key_range(p, b, group, row_end - 1);
-            if first_key >= key_block + visible || last_key <= key_block {
+            row_begin = (row_begin + Q_TILE_ROWS).min(rows_per_group);
+            let Some(tile) = block_tile(plan, &keys, tile_begin, Q_TILE_ROWS) else {
                 continue;
-            }
-            let tile = WorkItem {
-                b,
-                kv_head,
-                row_begin: tile_begin,
-                row_end,
-                key_begin: key_block,
-                key_end: key_block + visible,
-                partial_slot: None,
             };
-            let rows = row_end - tile_begin;
+            let rows = tile.row_end - tile_begin;
             load_tile(plan, &tile, rows, s);
             let gate = tile_gradients(plan, &tile, rows, key_block, visible, s);
             // Key j's rows: dV += P[., j]^T dO, dK += dS[., j]^T Q, over the tile's rows in order.
@@ -853,7 +1676,7 @@ unsafe fn query_tile_gradients<T: Element>(
 /// order, each tile's dQ summed into the head's dQ sums (s.query_grad) as it goes. Every
 /// element is the same fma chain as in passes 2 and 3 (keys ascending for dQ: blocks in order,
 /// each block's keys in order), so the results are the same bits; S and dP are computed once
-/// instead of twice.
+/// instead of twice. On the tile path, between the tile configuration's begin and end.
 ///
 /// # Safety
 /// As [`row_deltas`]; this item owns the head's dq, dk and dv rows and its dQ sums.
@@ -867,13 +1690,21 @@ unsafe fn head_gradients<T: Element>(
     let rows_per_group = plan.flash.rows_per_group;
     s.query_grad[..rows_per_group * head_dim].fill(0.0);
     let query_grads = s.query_grad.as_mut_ptr();
+    let tiles = plan.kernels.tiles.filter(|_| plan.tiled);
     // SAFETY: forwarded; the scratch holds the head's rows_per_group rows of dQ sums (the fused
-    // pass's for_each_item), which key_block_gradients reaches only through query_grads.
+    // pass's for_each_item; head_rows on the tile path), which key_block_gradients reaches only
+    // through query_grads.
     unsafe {
+        if let Some(tiles) = tiles {
+            (tiles.begin)();
+        }
         for key_block in
             (0..plan.packed.key_blocks * BACKWARD_KEY_BLOCK).step_by(BACKWARD_KEY_BLOCK)
         {
             key_block_gradients::<T>(plan, b, kv_head, key_block, s, query_grads);
+        }
+        if let Some(tiles) = tiles {
+            (tiles.end)();
         }
         let head = head_item(b, kv_head, rows_per_group);
         store_query_rows::<T>(plan, &head, &s.query_grad);
@@ -911,6 +1742,7 @@ unsafe fn backward_passes<T: Element>(
         head_dim,
         value_dim,
         query_grad_rows: Q_TILE_ROWS,
+        tiled: false,
     };
     for_each_item(batch * q_heads, threads, tiles, |head, s| {
         // SAFETY: item `head` writes only its own Lq floats of delta; the problem is checked.
@@ -933,10 +1765,64 @@ unsafe fn backward_passes<T: Element>(
         return Ok(()); // then Hq = 0 too (check_problem): no gradient left to write
     }
 
-    // 0. The packed keys and query side.
+    // 0. The packed keys and query side (the tile path: their pairs).
     let key_blocks = k_len.div_ceil(BACKWARD_KEY_BLOCK);
     let packed_keys = batch * kv_heads * key_blocks * BACKWARD_KEY_BLOCK;
     with_thread_buffers(&CALLER_BUFFERS, |buffers: &mut CallerBuffers| {
+        if tile_path(&kernels, p) {
+            let head_rows = (q_heads / kv_heads * q_len).div_ceil(32) * 32;
+            let pair_rows = batch * kv_heads * head_rows;
+            let head_tiles = (q_heads / kv_heads * q_len).div_ceil(BACKWARD_TILE_ROWS);
+            let row_stride = head_tiles * BACKWARD_TILE_ROWS + 32;
+            let transposed = batch * kv_heads * row_stride;
+            let value_width = value_dim.div_ceil(32) * 32;
+            let pairs = PackedPairs {
+                key_panels: grown(&mut buffers.pair_key_panels, packed_keys * head_dim)?,
+                value_panels: grown(&mut buffers.pair_value_panels, packed_keys * value_width)?,
+                key_rows: grown(&mut buffers.pair_key_rows, packed_keys * head_dim)?,
+                key_finite: grown(&mut buffers.key_finite, packed_keys)?,
+                query_pairs: grown(&mut buffers.pair_query_pairs, pair_rows * head_dim)?,
+                dout_pairs: grown(&mut buffers.pair_dout_pairs, pair_rows * value_width)?,
+                row_finite: grown(&mut buffers.row_finite, pair_rows)?,
+                query_t: grown(&mut buffers.pair_query_t, transposed * head_dim)?,
+                dout_t: grown(&mut buffers.pair_dout_t, transposed * value_width)?,
+                head_rows,
+                head_tiles,
+                row_stride,
+                value_width,
+            };
+            let null = std::ptr::null_mut();
+            let plan = BackwardPlan {
+                problem: bp,
+                flash: flash_plan(p),
+                row_delta: delta.as_ptr(),
+                kernels,
+                packed: PackedKeys {
+                    keys: null,
+                    key_panels: null,
+                    value_panels: null,
+                    key_blocks,
+                },
+                queries: PackedQueries {
+                    query_rows: null,
+                    query_scaled: null,
+                    dout_rows: null,
+                },
+                fused: true,
+                tiled: true,
+                pairs,
+            };
+            for_each_item(batch * kv_heads, threads, tiles, |head, _| {
+                // SAFETY: item `head` packs only its own head's pairs; the problem is checked
+                // and bfloat16 (tile_path).
+                unsafe {
+                    pack_key_pairs(&plan, head / kv_heads, head % kv_heads);
+                    pack_query_pairs(&plan, head / kv_heads, head % kv_heads);
+                }
+            })?;
+            // SAFETY: forwarded.
+            return unsafe { gradient_passes::<T>(&plan, threads) };
+        }
         // a buffer of count floats, as a pointer
         let floats = |buffer: &mut AlignedFloats, count: usize| -> Result<*mut f32, ProblemError> {
             Ok(buffer.ensure(count)?.as_mut_ptr())
@@ -962,6 +1848,8 @@ unsafe fn backward_passes<T: Element>(
             packed,
             queries,
             fused: fused_pass(batch * kv_heads, threads),
+            tiled: false,
+            pairs: no_pairs(),
         };
         for_each_item(batch * kv_heads, threads, tiles, |head, _| {
             // SAFETY: item `head` packs only its own head's blocks and rows; the problem is
@@ -992,12 +1880,21 @@ unsafe fn gradient_passes<T: Element>(
         head_dim,
         value_dim,
         query_grad_rows: Q_TILE_ROWS,
+        tiled: false,
     };
     if plan.fused {
-        // 2 and 3 in one, per head
-        let heads = ScratchShape {
-            query_grad_rows: rows_per_group,
-            ..tiles
+        // 2 and 3 in one, per head (the tile path: its rows rounded up to 32)
+        let heads = match plan.tiled {
+            true => ScratchShape {
+                value_dim: plan.pairs.value_width,
+                query_grad_rows: plan.pairs.head_rows,
+                tiled: true,
+                ..tiles
+            },
+            false => ScratchShape {
+                query_grad_rows: rows_per_group,
+                ..tiles
+            },
         };
         return for_each_item(batch * kv_heads, threads, heads, |head, s| {
             // SAFETY: item (b, kv_head) owns the head's dq, dk and dv rows and its dQ sums.
@@ -1043,7 +1940,8 @@ unsafe fn gradient_passes<T: Element>(
 /// unspecified); an error naming the instruction sets when TWINATTN_ISA names one this CPU
 /// cannot run (as attention_forward). float32 arithmetic on the instruction set in use (dispatch.rs);
 /// the results do not depend on num_threads (each gradient element is summed by one thread in a
-/// fixed order).
+/// fixed order). On amxbf16, bfloat16 with D a multiple of 32 multiplies on AMX tiles, P and dS
+/// rounded to bfloat16 (the tile path, above).
 ///
 /// # Safety
 /// As [`crate::flash_attention::attention_forward`]: every view describes memory valid for its

@@ -1518,6 +1518,7 @@ macro_rules! make_kernels {
                     panel_product: backward_panel_product,
                     accumulate: backward_accumulate,
                     row_gradients: backward_row_gradients,
+                    tiles: None,
                 },
             }
         }

@@ -15,6 +15,7 @@ use crate::common;
 
 use common::Rng;
 use twinattn::dispatch::{available_isas, set_isa};
+use twinattn::element::{bf16_to_f32, f32_to_bf16};
 use twinattn::flash_attention::attention_forward;
 use twinattn::flash_backward::attention_backward;
 use twinattn::problem::{
@@ -451,6 +452,106 @@ fn small_problems_match_float64() {
         for c in &cases {
             run_case(c);
         }
+    }
+}
+
+/// The bfloat16 tile path (amxbf16: bfloat16 with D and Dv multiples of 32, products on tiles, P
+/// and dS rounded to bfloat16; docs/kernels.md, "Backward"), on a case of 3 query tiles and 3 key
+/// blocks: 1 and 3 threads give the same bits; the result is not avx512bf16's (float32
+/// products) but within bfloat16's rounding of it (2^-5 of each gradient's largest element: P
+/// and dS carry 2^-8 each, the result's rounding 2^-9); NaN in the keys no row sees (past
+/// sequence 0's last position, below its kv_len) gives finite gradients as close, and 0 for
+/// those keys. Twin of test_bf16_tile_path in cpp/tests/test_backward.cpp.
+#[test]
+#[cfg_attr(
+    not(twinattn_cpu_amxbf16),
+    ignore = "avx512bf16 + AMX-TILE/AMX-BF16 (and the OS's permission) is not available on this CPU"
+)]
+fn bf16_tile_path() {
+    let mut c = Case::new("bf16_tiles");
+    c.shape = [2, 8, 2, 70, 150, 64, 32];
+    c.causal = true;
+    c.q_offset = vec![60, 0];
+    c.kv_lens = vec![150, 111];
+    c.softcap = 5.0;
+    c.sinks = true;
+    let [_, _, hkv, _, lk, d, dv] = c.shape.map(|n| n as usize);
+    let mut x = Data::new(&c);
+    let rounded = |values: &[f32]| values.iter().map(|&v| f32_to_bf16(v)).collect::<Vec<u16>>();
+    let (q, mut k, mut v, dout) = (
+        rounded(&x.q),
+        rounded(&x.k),
+        rounded(&x.v),
+        rounded(&x.dout),
+    );
+    let mut out = vec![0u16; x.out.len()];
+    // dq, dk, dv of one call on the instruction set in use
+    let mut run = |k: &[u16], v: &[u16], threads: usize, forward: bool| {
+        let mut grads = [
+            vec![0u16; q.len()],
+            vec![0u16; k.len()],
+            vec![0u16; v.len()],
+        ];
+        let mut bp = x.backward();
+        bp.forward.dtype = ElementType::BFloat16;
+        bp.forward.q.data = q.as_ptr().cast();
+        bp.forward.k.data = k.as_ptr().cast();
+        bp.forward.v.data = v.as_ptr().cast();
+        bp.forward.out.data = out.as_mut_ptr().cast();
+        bp.dout.data = dout.as_ptr().cast();
+        bp.dq.data = grads[0].as_mut_ptr().cast();
+        bp.dk.data = grads[1].as_mut_ptr().cast();
+        bp.dv.data = grads[2].as_mut_ptr().cast();
+        // SAFETY: every view covers its vector, alive for the call, of the dtype's elements.
+        unsafe {
+            if forward {
+                attention_forward(&bp.forward, 1).unwrap();
+            }
+            attention_backward(&bp, threads).unwrap();
+        }
+        grads
+    };
+    // max |a - b| <= 2^-5 max |b| per gradient, every element finite; returns whether a != b
+    let close = |a: &[Vec<u16>; 3], b: &[Vec<u16>; 3]| {
+        let mut differ = true;
+        for (a, b) in a.iter().zip(b) {
+            let largest = b
+                .iter()
+                .fold(0.0f64, |m, &x| m.max(f64::from(bf16_to_f32(x)).abs()));
+            let mut error = 0.0f64;
+            for (&x, &y) in a.iter().zip(b) {
+                assert!(bf16_to_f32(x).is_finite());
+                error = error.max((f64::from(bf16_to_f32(x)) - f64::from(bf16_to_f32(y))).abs());
+            }
+            assert!(error <= largest / 32.0, "{error} > {largest} / 32");
+            differ = differ && a != b;
+        }
+        differ
+    };
+    set_isa("amxbf16").unwrap();
+    let tiles = run(&k, &v, 1, true);
+    assert_eq!(run(&k, &v, 3, false), tiles);
+    set_isa("avx512bf16").unwrap();
+    let floats = run(&k, &v, 1, false);
+    assert!(close(&tiles, &floats));
+    set_isa("amxbf16").unwrap();
+    for kv_head in 0..hkv {
+        for key in 130..lk {
+            // sequence 0's positions end at 60 + 69
+            k[(kv_head * lk + key) * d..(kv_head * lk + key + 1) * d].fill(0x7fc0);
+            v[(kv_head * lk + key) * dv..(kv_head * lk + key + 1) * dv].fill(0x7fc0);
+        }
+    }
+    let poisoned = run(&k, &v, 1, false);
+    close(&poisoned, &tiles);
+    for kv_head in 0..hkv {
+        let keys = kv_head * lk + 130..(kv_head + 1) * lk;
+        assert!(poisoned[1][keys.start * d..keys.end * d]
+            .iter()
+            .all(|&x| bf16_to_f32(x) == 0.0));
+        assert!(poisoned[2][keys.start * dv..keys.end * dv]
+            .iter()
+            .all(|&x| bf16_to_f32(x) == 0.0));
     }
 }
 

@@ -65,12 +65,23 @@ constexpr int64_t kValueKeyChunk = 64;
 // the keys each query tile recomputes P against at a time. Query tiles are kQTileRows packed
 // rows, as the forward's.
 constexpr int64_t kBackwardKeyBlock = 64;
+// Packed query rows per query tile of the backward's bfloat16 tile path (amxbf16,
+// flash_backward.cpp): dV += P^T dO and dK += dS^T Q sum over a tile's rows in chunks of 32 (16
+// pairs of rows, one tile step), so this many rows load and store the float32 dK and dV tiles
+// once per 3 steps.
+constexpr int64_t kBackwardTileRows = 96;
+// Query tiles whose dV += P^T dO and dK += dS^T Q the tile path sums at once (their P and dS
+// pairs kept, up to kBackwardTileGroup kBackwardTileRows kBackwardKeyBlock x 4 bytes each), so
+// the float32 dK and dV tiles are loaded and stored once per 3 kBackwardTileGroup steps.
+constexpr int64_t kBackwardTileGroup = 8;
 
 static_assert(kQTileRows % kMicroRows == 0, "tiles are whole micro-kernel strips");
 static_assert(kKeyBlock % kKeyPanel == 0, "key blocks are whole panels");
 static_assert(kSplitKeyChunk % kKeyBlock == 0, "split-key chunks are whole key blocks");
 static_assert(kDecodeNearPrefetchBytes <= kDecodePrefetchBytes, "key_rows holds the far read-ahead's rows");
 static_assert(kBackwardKeyBlock <= kKeyBlock, "a backward key block fits the forward's score rows");
+static_assert(kBackwardTileRows % 32 == 0, "backward tiles are whole pair chunks of rows");
+static_assert(kBackwardKeyBlock % 32 == 0, "backward key blocks are whole pair chunks of keys");
 
 // ---- Threads ----------------------------------------------------------------------------------
 // How long a pool thread spins (checking for its next job, or the caller for the workers'

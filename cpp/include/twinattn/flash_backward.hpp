@@ -12,7 +12,9 @@ namespace twinattn {
 // buffers cannot be allocated; std::invalid_argument naming the instruction sets when TWINATTN_ISA
 // names one this CPU cannot run (as attention_forward). float32 arithmetic on the instruction set
 // in use (dispatch.hpp); the results do not depend on num_threads (each gradient element is summed
-// by one thread in a fixed order). Safe to call concurrently from several threads.
+// by one thread in a fixed order). On amxbf16, bfloat16 with D a multiple of 32 multiplies on
+// AMX tiles, P and dS rounded to bfloat16 (flash_backward.cpp). Safe to call concurrently from
+// several threads.
 void attention_backward(const BackwardProblem& problem, int num_threads);
 
 }  // namespace twinattn
