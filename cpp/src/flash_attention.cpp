@@ -211,10 +211,16 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // a > b ? a : b, and NaN when either is NaN (as flash_kernel.hpp's max_nan).
 float max_nan(float a, float b) { return a != a || a > b ? a : b; }
 
+// Items are taken in the order of their run's cost (run_cost), most expensive first, a run's
+// items one after another, most expensive first. A run is the tiles of one (sequence, KV head) of
+// a prefill plan, which read the same K and V panels: taken in a row, each core finds the panels
+// of its last tile still in its L2 (docs/kernels.md, "What bounds prefill"). A split-key item is
+// a run of its own.
 struct CostedItem {
     const FlashPlan* plan;
     WorkItem item;
-    int64_t cost;  // visible keys times rows: items are taken most expensive first
+    int64_t cost;      // visible keys times rows
+    int64_t run_cost;  // the cost of its run's most expensive item
 };
 
 // 8. A problem's part in a cascade (attention_paged's shared prefixes): a shared prefix
@@ -246,8 +252,13 @@ struct PlanLayout {
 };
 
 void run_items(const FlashKernels& kernels, std::vector<CostedItem>& items, int num_threads) {
-    std::stable_sort(items.begin(), items.end(),
-                     [](const CostedItem& a, const CostedItem& b) { return a.cost > b.cost; });
+    std::stable_sort(items.begin(), items.end(), [](const CostedItem& a, const CostedItem& b) {
+        if (a.run_cost != b.run_cost) return a.run_cost > b.run_cost;
+        if (a.plan != b.plan) return a.plan < b.plan;  // plans lie in one vector, in call order
+        if (a.item.b != b.item.b) return a.item.b < b.item.b;
+        if (a.item.kv_head != b.item.kv_head) return a.item.kv_head < b.item.kv_head;
+        return a.cost > b.cost;
+    });
     parallel_for(static_cast<int64_t>(items.size()), num_threads, [&](int64_t index, int) {
         const CostedItem& costed = items[static_cast<size_t>(index)];
         const FlashPlan& plan = *costed.plan;
@@ -297,7 +308,8 @@ void prefill_items(const FlashPlan& plan, std::vector<CostedItem>& items) {
     const int64_t B = p.q.shape[0], Hkv = p.k.shape[1];
     const int64_t tiles = ceil_div(plan.rows_per_group, kQTileRows);
     for (int64_t b = 0; b < B; ++b)
-        for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head)
+        for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head) {
+            const size_t run_begin = items.size();
             for (int64_t tile = 0; tile < tiles; ++tile) {
                 const int64_t row_begin = tile * kQTileRows;
                 const int64_t row_end = std::min(row_begin + kQTileRows, plan.rows_per_group);
@@ -308,9 +320,14 @@ void prefill_items(const FlashPlan& plan, std::vector<CostedItem>& items) {
                 flash_row_key_range(p, b, plan.group, row_end - 1, &unused, &last_key);
                 first_key = first_key / kKeyPanel * kKeyPanel;
                 last_key = std::max(last_key, first_key);
+                const int64_t cost = (last_key - first_key + kKeyBlock) * (row_end - row_begin);
                 items.push_back(CostedItem{&plan, WorkItem{b, kv_head, row_begin, row_end, first_key, last_key, -1},
-                                           (last_key - first_key + kKeyBlock) * (row_end - row_begin)});
+                                           cost, cost});
             }
+            int64_t run_cost = 0;
+            for (size_t i = run_begin; i < items.size(); ++i) run_cost = std::max(run_cost, items[i].cost);
+            for (size_t i = run_begin; i < items.size(); ++i) items[i].run_cost = run_cost;
+        }
 }
 
 // Chunks first_slot .. first_slot + chunks of a plan's partials, for the rows of a group that start
@@ -405,9 +422,10 @@ void split_key_items(const FlashPlan& plan, PlanLayout& layout, std::vector<Cost
                     const int64_t key_begin = key_begin0 + chunk * kSplitKeyChunk;
                     const int64_t chunk_end = std::min(key_begin + kSplitKeyChunk, key_end);
                     const int64_t slot = partial ? layout.slot_base[b] + kv_head * chunks + chunk : -1;
+                    const int64_t cost = (chunk_end - key_begin + kKeyBlock) * (row_end - row_begin);
                     items->push_back(CostedItem{
                         &plan, WorkItem{b, kv_head, row_begin, row_end, key_begin, partial ? chunk_end : key_end, slot},
-                        (chunk_end - key_begin + kKeyBlock) * (row_end - row_begin)});
+                        cost, cost});
                 }
     }
 }

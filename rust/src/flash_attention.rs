@@ -615,12 +615,18 @@ pub(crate) fn problem_work(p: &AttentionProblem) -> f64 {
     extents.iter().map(|&n| n as f64).product()
 }
 
-/// A work item of one of the call's plans and its cost (visible keys times rows): items are
-/// taken most expensive first.
+/// A work item of one of the call's plans and its cost. Items are taken in the order of their
+/// run's cost (run_cost), most expensive first, a run's items one after another, most expensive
+/// first. A run is the tiles of one (sequence, KV head) of a prefill plan, which read the same K
+/// and V panels: taken in a row, each core finds the panels of its last tile still in its L2
+/// (docs/kernels.md, "What bounds prefill"). A split-key item is a run of its own.
 struct CostedItem {
     plan: usize,
     item: WorkItem,
+    /// visible keys times rows
     cost: usize,
+    /// the cost of its run's most expensive item
+    run_cost: usize,
 }
 
 /// Step 8, a problem's part in a cascade (attention_paged's shared prefixes): a shared prefix
@@ -678,7 +684,16 @@ fn run_items(
     items: &mut [CostedItem],
     threads: usize,
 ) -> Result<(), ProblemError> {
-    items.sort_by_key(|costed| std::cmp::Reverse(costed.cost)); // stable, as in C++
+    // stable, as in C++ (plans in call order)
+    items.sort_by_key(|costed| {
+        (
+            std::cmp::Reverse(costed.run_cost),
+            costed.plan,
+            costed.item.b,
+            costed.item.kv_head,
+            std::cmp::Reverse(costed.cost),
+        )
+    });
     let items = &*items;
     // C++ rethrows a worker's std::bad_alloc on the caller; here the failed item sets this flag.
     let out_of_memory = AtomicBool::new(false);
@@ -796,6 +811,7 @@ fn prefill_items(
         .map_err(|_| ProblemError::out_of_memory())?;
     for b in 0..batch {
         for kv_head in 0..kv_heads {
+            let run_begin = items.len();
             for tile in 0..tiles {
                 let row_begin = tile * Q_TILE_ROWS;
                 let row_end = (row_begin + Q_TILE_ROWS).min(plan.rows_per_group);
@@ -805,6 +821,7 @@ fn prefill_items(
                 let (_, last_key) = flash_row_key_range(p, b, plan.group, row_end - 1);
                 let first_key = first_key / KEY_PANEL * KEY_PANEL;
                 let last_key = last_key.max(first_key);
+                let cost = (last_key - first_key + KEY_BLOCK) * (row_end - row_begin);
                 items.push(CostedItem {
                     plan: index,
                     item: WorkItem {
@@ -816,8 +833,14 @@ fn prefill_items(
                         key_end: last_key,
                         partial_slot: None,
                     },
-                    cost: (last_key - first_key + KEY_BLOCK) * (row_end - row_begin),
+                    cost,
+                    run_cost: cost,
                 });
+            }
+            let run = &mut items[run_begin..];
+            let run_cost = run.iter().map(|costed| costed.cost).max().unwrap_or(0);
+            for costed in run {
+                costed.run_cost = run_cost;
             }
         }
     }
@@ -864,6 +887,8 @@ fn split_key_items(
                     let row_end = (row_begin + Q_TILE_ROWS).min(rows);
                     let key_begin = key_begin0 + chunk * SPLIT_KEY_CHUNK;
                     let chunk_end = (key_begin + SPLIT_KEY_CHUNK).min(key_end);
+                    let cost =
+                        (chunk_end.saturating_sub(key_begin) + KEY_BLOCK) * (row_end - row_begin);
                     items.push(CostedItem {
                         plan: index,
                         item: WorkItem {
@@ -876,8 +901,8 @@ fn split_key_items(
                             partial_slot: partial
                                 .then(|| layout.slot_base[b] + kv_head * chunks + chunk),
                         },
-                        cost: (chunk_end.saturating_sub(key_begin) + KEY_BLOCK)
-                            * (row_end - row_begin),
+                        cost,
+                        run_cost: cost,
                     });
                 }
             }
