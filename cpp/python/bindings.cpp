@@ -593,6 +593,7 @@ py::dict build_info() {
     constants["decode_prefetch_bytes"] = kDecodePrefetchBytes;
     constants["score_prefetch_bytes"] = kScorePrefetchBytes;
     constants["value_key_chunk"] = kValueKeyChunk;
+    constants["value_panel"] = kValuePanel;
     constants["backward_key_block"] = kBackwardKeyBlock;
     constants["avx512_score_vectors"] = kAvx512ScoreVectors;
     constants["avx512_value_vectors"] = kAvx512ValueVectors;

@@ -197,6 +197,7 @@ ScratchBuffers& thread_scratch() {
 // Buffers owned by the calling thread for the length of one call.
 struct CallerBuffers {
     AlignedBuffer<float> packed_keys, partial_out, partial_max, partial_sum;
+    AlignedBuffer<float> value_panels;
     AlignedBuffer<uint32_t> packed_values;
     AlignedBuffer<unsigned char> value_finite;
 };
@@ -244,6 +245,8 @@ struct PlanLayout {
     int64_t keys_per_head;           // panels_per_head * kKeyPanel
     int64_t packed_at, values_at, finite_at;  // offsets of its parts of the prefill buffers
     float* packed;                   // its part of them (plan.packed_keys, writeable)
+    int64_t value_panels_at;         // the float32 V panels (not the pair path): offset, its part
+    float* value_panels;
     uint32_t* packed_values;
     unsigned char* value_finite;
     std::vector<int64_t> slot_base;  // split-key: first slot of (b, kv_head 0), B + 1 entries
@@ -279,6 +282,7 @@ void layout_prefill(FlashPlan& plan, const FlashKernels& kernels, PlanLayout& la
     layout.pairs = kernels.pack_pairs != nullptr && p.dtype == ElementType::BFloat16 && !p.kv_int8;
     layout.panel_size = (layout.pairs ? ceil_div(plan.head_dim, 2) : plan.head_dim) * kKeyPanel;
     layout.keys_per_head = plan.panels_per_head * kKeyPanel;
+    plan.value_head_floats = layout.pairs ? 0 : ceil_div(plan.value_dim, kValuePanel) * layout.keys_per_head * kValuePanel;
 }
 
 // Packs the panels of (b, kv_head) that some row may see: from the first row's window start
@@ -301,6 +305,10 @@ void pack_head(const FlashPlan& plan, const FlashKernels& kernels, const PlanLay
     else
         (p.kv_int8 ? kernels.pack_keys_int8 : kernels.pack_keys[static_cast<int>(p.dtype)])(p, b, kv_head, first_key,
                                                                                             key_end, packed);
+    if (!layout.pairs)
+        (p.kv_int8 ? kernels.pack_values_int8 : kernels.pack_values[static_cast<int>(p.dtype)])(
+            p, b, kv_head, first_key, key_end, layout.value_panels + head * plan.value_head_floats + first_key * kValuePanel,
+            layout.keys_per_head * kValuePanel);
 }
 
 void prefill_items(const FlashPlan& plan, std::vector<CostedItem>& items) {
@@ -451,6 +459,7 @@ void run_problems(const std::vector<AttentionProblem>& problems, const std::vect
 
     // Buffers: every plan's part of the packed K (and V pairs), of the partials.
     int64_t packed_floats = 0, value_pairs = 0, finite_flags = 0, partial_rows = 0, partial_floats = 0;
+    int64_t value_panel_floats = 0;
     for (size_t i = 0; i < plans.size(); ++i) {
         FlashPlan& plan = plans[i];
         PlanLayout& layout = layouts[i];
@@ -463,6 +472,8 @@ void run_problems(const std::vector<AttentionProblem>& problems, const std::vect
             packed_floats += heads * plan.panels_per_head * layout.panel_size;
             layout.values_at = value_pairs;
             layout.finite_at = finite_flags;
+            layout.value_panels_at = value_panel_floats;
+            value_panel_floats += heads * plan.value_head_floats;
             if (layout.pairs) {
                 value_pairs += heads * layout.keys_per_head / 2 * plan.value_stride;
                 finite_flags += heads * layout.keys_per_head;
@@ -478,6 +489,7 @@ void run_problems(const std::vector<AttentionProblem>& problems, const std::vect
     // (at least one element each: a prefill plan's packed_keys is never null, even with Lk = 0)
     float* packed = buffers.packed_keys.ensure(std::max<int64_t>(packed_floats, 1));
     uint32_t* packed_values = buffers.packed_values.ensure(std::max<int64_t>(value_pairs, 1));
+    float* value_panels = buffers.value_panels.ensure(std::max<int64_t>(value_panel_floats, 1));
     unsigned char* value_finite = buffers.value_finite.ensure(std::max<int64_t>(finite_flags, 1));
     float* partial_out = partial_rows > 0 ? buffers.partial_out.ensure(std::max<int64_t>(partial_floats, 1)) : nullptr;
     float* partial_max = partial_rows > 0 ? buffers.partial_max.ensure(partial_rows) : nullptr;
@@ -491,6 +503,10 @@ void run_problems(const std::vector<AttentionProblem>& problems, const std::vect
         if (layout.prefill) {
             layout.packed = packed + layout.packed_at;
             plan.packed_keys = layout.packed;
+            if (!layout.pairs) {
+                layout.value_panels = value_panels + layout.value_panels_at;
+                plan.value_panels = layout.value_panels;
+            }
             if (layout.pairs) {
                 layout.packed_values = packed_values + layout.values_at;
                 layout.value_finite = value_finite + layout.finite_at;

@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::LocalKey;
 
 use crate::constants::{
-    KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, Q_TILE_ROWS, SERIAL_WORK, SPLIT_KEY_CHUNK,
+    KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, Q_TILE_ROWS, SERIAL_WORK, SPLIT_KEY_CHUNK, VALUE_PANEL,
 };
 use crate::dispatch::current_kernels;
 use crate::element::{BFloat16, Element, Float16};
@@ -196,6 +196,8 @@ pub fn flash_plan<'p, 'a>(p: &'p AttentionProblem<'a>) -> FlashPlan<'p, 'a> {
         has_sinks: !p.sinks.data.is_null(),
         packed_keys: std::ptr::null(),
         panels_per_head: 0,
+        value_panels: std::ptr::null(),
+        value_head_floats: 0,
         packed_values: std::ptr::null(),
         value_finite: std::ptr::null(),
         partial_out: std::ptr::null_mut(),
@@ -336,6 +338,8 @@ thread_local! {
 struct CallerBuffers {
     packed_keys: AlignedBuffer,
     partials: AlignedBuffer,
+    /// the float32 V panels of the prefill plans (not the pair path)
+    value_panels: AlignedBuffer,
     /// the bfloat16 dot-product path: V pair rows (a pair in a float's slot), finite flags
     packed_values: AlignedBuffer,
     value_finite: Vec<u8>,
@@ -656,6 +660,9 @@ struct PlanLayout {
     values_at: usize,
     finite_at: usize,
     packed: *mut f32,
+    /// the float32 V panels (not the pair path): offset, its part
+    value_panels_at: usize,
+    value_panels: *mut f32,
     packed_values: *mut u32,
     value_finite: *mut u8,
     /// split-key: first slot of (b, kv_head 0), B + 1 entries
@@ -742,6 +749,10 @@ fn layout_prefill(plan: &mut FlashPlan, kernels: FlashKernels, layout: &mut Plan
         plan.head_dim
     } * KEY_PANEL;
     layout.keys_per_head = plan.panels_per_head * KEY_PANEL;
+    plan.value_head_floats = match layout.pairs {
+        Some(_) => 0,
+        None => plan.value_dim.div_ceil(VALUE_PANEL) * layout.keys_per_head * VALUE_PANEL,
+    };
 }
 
 /// Packs the panels of (b, kv_head) that some row may see: from the first row's window start
@@ -793,6 +804,18 @@ unsafe fn pack_head(
             None => {
                 (kernels.pack_keys[p.dtype as usize])(p, b, kv_head, first_key, key_end, key_dst)
             }
+        }
+        if layout.pairs.is_none() {
+            let pack_values = if p.kv_int8 {
+                kernels.pack_values_int8
+            } else {
+                kernels.pack_values[p.dtype as usize]
+            };
+            let value_dst = layout
+                .value_panels
+                .add(head * plan.value_head_floats + first_key * VALUE_PANEL);
+            let panel_floats = layout.keys_per_head * VALUE_PANEL;
+            pack_values(p, b, kv_head, first_key..key_end, value_dst, panel_floats);
         }
     }
 }
@@ -941,6 +964,7 @@ unsafe fn run_problems(
 
     // Buffers: every plan's part of the packed K (and V pairs), of the partials.
     let (mut packed_floats, mut value_pairs, mut finite_flags) = (0usize, 0usize, 0usize);
+    let mut value_panel_floats = 0usize;
     let (mut partial_rows, mut partial_floats) = (0usize, 0usize);
     for index in 0..plans.len() {
         let heads = (plans[index].problem.q.shape[0] * plans[index].problem.k.shape[1]) as usize;
@@ -954,6 +978,8 @@ unsafe fn run_problems(
             values_at: 0,
             finite_at: 0,
             packed: std::ptr::null_mut(),
+            value_panels_at: 0,
+            value_panels: std::ptr::null_mut(),
             packed_values: std::ptr::null_mut(),
             value_finite: std::ptr::null_mut(),
             slot_base: Vec::new(),
@@ -971,6 +997,11 @@ unsafe fn run_problems(
                 .ok_or_else(ProblemError::out_of_memory)?;
             layout.values_at = value_pairs;
             layout.finite_at = finite_flags;
+            layout.value_panels_at = value_panel_floats;
+            value_panel_floats = heads
+                .checked_mul(plan.value_head_floats)
+                .and_then(|floats| floats.checked_add(value_panel_floats))
+                .ok_or_else(ProblemError::out_of_memory)?;
             if layout.pairs.is_some() {
                 value_pairs += heads * layout.keys_per_head / 2 * plan.value_stride;
                 finite_flags += heads * layout.keys_per_head;
@@ -990,6 +1021,7 @@ unsafe fn run_problems(
         // (at least one element each: a prefill plan's packed_keys is never null, even with
         // Lk = 0)
         let packed = buffers.packed_keys.ensure(packed_floats.max(1))?;
+        let value_panels = buffers.value_panels.ensure(value_panel_floats.max(1))?;
         let packed_values = buffers
             .packed_values
             .ensure(value_pairs.max(1))?
@@ -1021,6 +1053,10 @@ unsafe fn run_problems(
             if layout.prefill {
                 layout.packed = packed.wrapping_add(layout.packed_at);
                 plan.packed_keys = layout.packed;
+                if layout.pairs.is_none() {
+                    layout.value_panels = value_panels.wrapping_add(layout.value_panels_at);
+                    plan.value_panels = layout.value_panels;
+                }
                 if layout.pairs.is_some() {
                     layout.packed_values = packed_values.wrapping_add(layout.values_at);
                     layout.value_finite = value_finite.wrapping_add(layout.finite_at);

@@ -1092,6 +1092,7 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     constants.set_item("decode_prefetch_bytes", DECODE_PREFETCH_BYTES)?;
     constants.set_item("score_prefetch_bytes", SCORE_PREFETCH_BYTES)?;
     constants.set_item("value_key_chunk", VALUE_KEY_CHUNK)?;
+    constants.set_item("value_panel", VALUE_PANEL)?;
     constants.set_item("backward_key_block", BACKWARD_KEY_BLOCK)?;
     constants.set_item("avx512_score_vectors", AVX512_SCORE_VECTORS)?;
     constants.set_item("avx512_value_vectors", AVX512_VALUE_VECTORS)?;
