@@ -64,9 +64,9 @@ pub struct FlashPlan<'p, 'a> {
     /// Prefill, except the pair path: the V panels of every (b, kv_head), float32 (converted
     /// exactly; int8 unscaled: v_scale multiplies P), ceil(Dv / VALUE_PANEL) panels of
     /// panels_per_head * KEY_PANEL keys x VALUE_PANEL columns each, key j, column c of
-    /// (b, kv_head) at value_panels + (b * Hkv + kv_head) * value_head_floats + (c / VALUE_PANEL)
-    /// * panels_per_head * KEY_PANEL * VALUE_PANEL + j * VALUE_PANEL + c % VALUE_PANEL. Null
-    /// elsewhere (P.V reads V rows in place).
+    /// (b, kv_head) at value_panels + (b * Hkv + kv_head) * value_head_floats +
+    /// (c / VALUE_PANEL) * panels_per_head * KEY_PANEL * VALUE_PANEL + j * VALUE_PANEL +
+    /// c % VALUE_PANEL. Null elsewhere (P.V reads V rows in place).
     pub value_panels: *const f32,
     pub value_head_floats: usize,
     /// The bfloat16 dot-product path (avx512bf16, prefill; flash_avx512bf16.rs), else null:
@@ -824,10 +824,8 @@ impl<T: Load> Values for ValueRows<T> {
     #[inline(always)]
     unsafe fn keys_from(&self, key: usize) -> Self {
         // SAFETY: forwarded: rows holds the key's row pointer.
-        ValueRows {
-            rows: unsafe { self.rows.add(key) },
-            ..*self
-        }
+        let rows = unsafe { self.rows.add(key) };
+        ValueRows { rows, ..*self }
     }
     #[inline(always)]
     unsafe fn columns_from(&self, column: usize) -> Self {
@@ -856,19 +854,15 @@ impl Values for ValuePanels {
     #[inline(always)]
     unsafe fn keys_from(&self, key: usize) -> Self {
         // SAFETY: forwarded: the key's row lies in the panel.
-        ValuePanels {
-            first: unsafe { self.first.add(key * VALUE_PANEL) },
-            ..*self
-        }
+        let first = unsafe { self.first.add(key * VALUE_PANEL) };
+        ValuePanels { first, ..*self }
     }
     #[inline(always)]
     unsafe fn columns_from(&self, column: usize) -> Self {
         let offset = column / VALUE_PANEL * self.panel_floats + column % VALUE_PANEL;
         // SAFETY: forwarded: the column lies in one of the panels.
-        ValuePanels {
-            first: unsafe { self.first.add(offset) },
-            ..*self
-        }
+        let first = unsafe { self.first.add(offset) };
+        ValuePanels { first, ..*self }
     }
 }
 
