@@ -110,6 +110,9 @@ FORCED: dict[str, dict[str, str]] = {
         "MAX_WIDTH": "stable Rust cannot size an array by a generic parameter's constant",
         "at": "strided offsets need usize -> i64 -> isize casts in Rust; C++ multiplies inline",
         "match_strip_rows": "a const generic from a run-time strip height (C++: a switch at the call)",
+        "Values": _TRAIT, "Elem": _TRAIT,
+        "ValueRows.element": "Rust: a generic struct must use its type parameter (PhantomData)",
+        "new": "Rust: ValueRows's constructor fills its PhantomData (C++: ValueRows{rows, 0})",
     },
     "cpp/src/flash_avx512bf16.cpp": {
         "Convert": _CLASS, "DotKernel": _CLASS, "PairKernel": _CLASS, "PairProducts": _TRAIT,

@@ -594,6 +594,7 @@ py::dict build_info() {
     constants["decode_near_prefetch_bytes"] = kDecodeNearPrefetchBytes;
     constants["score_prefetch_bytes"] = kScorePrefetchBytes;
     constants["value_key_chunk"] = kValueKeyChunk;
+    constants["value_panel"] = kValuePanel;
     constants["backward_key_block"] = kBackwardKeyBlock;
     constants["backward_tile_rows"] = kBackwardTileRows;
     constants["backward_tile_group"] = kBackwardTileGroup;

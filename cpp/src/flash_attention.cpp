@@ -197,6 +197,7 @@ ScratchBuffers& thread_scratch() {
 // Buffers owned by the calling thread for the length of one call.
 struct CallerBuffers {
     AlignedBuffer<float> packed_keys, partial_out, partial_max, partial_sum;
+    AlignedBuffer<float> value_panels;
     AlignedBuffer<uint32_t> packed_values;
     AlignedBuffer<unsigned char> value_finite;
 };
@@ -211,10 +212,16 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // a > b ? a : b, and NaN when either is NaN (as flash_kernel.hpp's max_nan).
 float max_nan(float a, float b) { return a != a || a > b ? a : b; }
 
+// Items are taken in the order of their run's cost (run_cost), most expensive first, a run's
+// items one after another, most expensive first. A run is the tiles of one (sequence, KV head) of
+// a prefill plan, which read the same K and V panels: taken in a row, each core finds the panels
+// of its last tile still in its L2 (docs/kernels.md, "What bounds prefill"). A split-key item is
+// a run of its own.
 struct CostedItem {
     const FlashPlan* plan;
     WorkItem item;
-    int64_t cost;  // visible keys times rows: items are taken most expensive first
+    int64_t cost;      // visible keys times rows
+    int64_t run_cost;  // the cost of its run's most expensive item
 };
 
 // 8. A problem's part in a cascade (attention_paged's shared prefixes): a shared prefix
@@ -238,6 +245,8 @@ struct PlanLayout {
     int64_t keys_per_head;           // panels_per_head * kKeyPanel
     int64_t packed_at, values_at, finite_at;  // offsets of its parts of the prefill buffers
     float* packed;                   // its part of them (plan.packed_keys, writeable)
+    int64_t value_panels_at;         // the float32 V panels (not the pair path): offset, its part
+    float* value_panels;
     uint32_t* packed_values;
     unsigned char* value_finite;
     std::vector<int64_t> slot_base;  // split-key: first slot of (b, kv_head 0), B + 1 entries
@@ -246,8 +255,13 @@ struct PlanLayout {
 };
 
 void run_items(const FlashKernels& kernels, std::vector<CostedItem>& items, int num_threads) {
-    std::stable_sort(items.begin(), items.end(),
-                     [](const CostedItem& a, const CostedItem& b) { return a.cost > b.cost; });
+    std::stable_sort(items.begin(), items.end(), [](const CostedItem& a, const CostedItem& b) {
+        if (a.run_cost != b.run_cost) return a.run_cost > b.run_cost;
+        if (a.plan != b.plan) return a.plan < b.plan;  // plans lie in one vector, in call order
+        if (a.item.b != b.item.b) return a.item.b < b.item.b;
+        if (a.item.kv_head != b.item.kv_head) return a.item.kv_head < b.item.kv_head;
+        return a.cost > b.cost;
+    });
     parallel_for(static_cast<int64_t>(items.size()), num_threads, [&](int64_t index, int) {
         const CostedItem& costed = items[static_cast<size_t>(index)];
         const FlashPlan& plan = *costed.plan;
@@ -268,6 +282,7 @@ void layout_prefill(FlashPlan& plan, const FlashKernels& kernels, PlanLayout& la
     layout.pairs = kernels.pack_pairs != nullptr && p.dtype == ElementType::BFloat16 && !p.kv_int8;
     layout.panel_size = (layout.pairs ? ceil_div(plan.head_dim, 2) : plan.head_dim) * kKeyPanel;
     layout.keys_per_head = plan.panels_per_head * kKeyPanel;
+    plan.value_head_floats = layout.pairs ? 0 : ceil_div(plan.value_dim, kValuePanel) * layout.keys_per_head * kValuePanel;
 }
 
 // Packs the panels of (b, kv_head) that some row may see: from the first row's window start
@@ -290,6 +305,10 @@ void pack_head(const FlashPlan& plan, const FlashKernels& kernels, const PlanLay
     else
         (p.kv_int8 ? kernels.pack_keys_int8 : kernels.pack_keys[static_cast<int>(p.dtype)])(p, b, kv_head, first_key,
                                                                                             key_end, packed);
+    if (!layout.pairs)
+        (p.kv_int8 ? kernels.pack_values_int8 : kernels.pack_values[static_cast<int>(p.dtype)])(
+            p, b, kv_head, first_key, key_end, layout.value_panels + head * plan.value_head_floats + first_key * kValuePanel,
+            layout.keys_per_head * kValuePanel);
 }
 
 void prefill_items(const FlashPlan& plan, std::vector<CostedItem>& items) {
@@ -297,7 +316,8 @@ void prefill_items(const FlashPlan& plan, std::vector<CostedItem>& items) {
     const int64_t B = p.q.shape[0], Hkv = p.k.shape[1];
     const int64_t tiles = ceil_div(plan.rows_per_group, kQTileRows);
     for (int64_t b = 0; b < B; ++b)
-        for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head)
+        for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head) {
+            const size_t run_begin = items.size();
             for (int64_t tile = 0; tile < tiles; ++tile) {
                 const int64_t row_begin = tile * kQTileRows;
                 const int64_t row_end = std::min(row_begin + kQTileRows, plan.rows_per_group);
@@ -308,9 +328,14 @@ void prefill_items(const FlashPlan& plan, std::vector<CostedItem>& items) {
                 flash_row_key_range(p, b, plan.group, row_end - 1, &unused, &last_key);
                 first_key = first_key / kKeyPanel * kKeyPanel;
                 last_key = std::max(last_key, first_key);
+                const int64_t cost = (last_key - first_key + kKeyBlock) * (row_end - row_begin);
                 items.push_back(CostedItem{&plan, WorkItem{b, kv_head, row_begin, row_end, first_key, last_key, -1},
-                                           (last_key - first_key + kKeyBlock) * (row_end - row_begin)});
+                                           cost, cost});
             }
+            int64_t run_cost = 0;
+            for (size_t i = run_begin; i < items.size(); ++i) run_cost = std::max(run_cost, items[i].cost);
+            for (size_t i = run_begin; i < items.size(); ++i) items[i].run_cost = run_cost;
+        }
 }
 
 // Chunks first_slot .. first_slot + chunks of a plan's partials, for the rows of a group that start
@@ -405,9 +430,10 @@ void split_key_items(const FlashPlan& plan, PlanLayout& layout, std::vector<Cost
                     const int64_t key_begin = key_begin0 + chunk * kSplitKeyChunk;
                     const int64_t chunk_end = std::min(key_begin + kSplitKeyChunk, key_end);
                     const int64_t slot = partial ? layout.slot_base[b] + kv_head * chunks + chunk : -1;
+                    const int64_t cost = (chunk_end - key_begin + kKeyBlock) * (row_end - row_begin);
                     items->push_back(CostedItem{
                         &plan, WorkItem{b, kv_head, row_begin, row_end, key_begin, partial ? chunk_end : key_end, slot},
-                        (chunk_end - key_begin + kKeyBlock) * (row_end - row_begin)});
+                        cost, cost});
                 }
     }
 }
@@ -433,6 +459,7 @@ void run_problems(const std::vector<AttentionProblem>& problems, const std::vect
 
     // Buffers: every plan's part of the packed K (and V pairs), of the partials.
     int64_t packed_floats = 0, value_pairs = 0, finite_flags = 0, partial_rows = 0, partial_floats = 0;
+    int64_t value_panel_floats = 0;
     for (size_t i = 0; i < plans.size(); ++i) {
         FlashPlan& plan = plans[i];
         PlanLayout& layout = layouts[i];
@@ -445,6 +472,8 @@ void run_problems(const std::vector<AttentionProblem>& problems, const std::vect
             packed_floats += heads * plan.panels_per_head * layout.panel_size;
             layout.values_at = value_pairs;
             layout.finite_at = finite_flags;
+            layout.value_panels_at = value_panel_floats;
+            value_panel_floats += heads * plan.value_head_floats;
             if (layout.pairs) {
                 value_pairs += heads * layout.keys_per_head / 2 * plan.value_stride;
                 finite_flags += heads * layout.keys_per_head;
@@ -460,6 +489,7 @@ void run_problems(const std::vector<AttentionProblem>& problems, const std::vect
     // (at least one element each: a prefill plan's packed_keys is never null, even with Lk = 0)
     float* packed = buffers.packed_keys.ensure(std::max<int64_t>(packed_floats, 1));
     uint32_t* packed_values = buffers.packed_values.ensure(std::max<int64_t>(value_pairs, 1));
+    float* value_panels = buffers.value_panels.ensure(std::max<int64_t>(value_panel_floats, 1));
     unsigned char* value_finite = buffers.value_finite.ensure(std::max<int64_t>(finite_flags, 1));
     float* partial_out = partial_rows > 0 ? buffers.partial_out.ensure(std::max<int64_t>(partial_floats, 1)) : nullptr;
     float* partial_max = partial_rows > 0 ? buffers.partial_max.ensure(partial_rows) : nullptr;
@@ -473,6 +503,10 @@ void run_problems(const std::vector<AttentionProblem>& problems, const std::vect
         if (layout.prefill) {
             layout.packed = packed + layout.packed_at;
             plan.packed_keys = layout.packed;
+            if (!layout.pairs) {
+                layout.value_panels = value_panels + layout.value_panels_at;
+                plan.value_panels = layout.value_panels;
+            }
             if (layout.pairs) {
                 layout.packed_values = packed_values + layout.values_at;
                 layout.value_finite = value_finite + layout.finite_at;

@@ -149,7 +149,8 @@ struct PairKernel : flash::Kernel<V, BFloat16> {
                 for (int64_t j = 0; j < n_read; ++j) values_finite &= v_head_finite[key_block + j] != 0;
             if (!values_finite) {
                 flash_key_rows(p, b, item.kv_head, key_block, n, nullptr, s.value_rows, nullptr, nullptr);
-                Convert::template block_values<true>(s.scores, rows, n, s.value_rows, s.out_acc, value_stride, Dv, s.rescale);
+                const typename Convert::ValueRows values{s.value_rows, 0};
+                Convert::template block_values<true>(s.scores, rows, n, values, s.out_acc, value_stride, Dv, s.rescale);
                 continue;
             }
             round_probs(s.scores, rows, n_padded, s.probs_pairs);

@@ -54,6 +54,14 @@ struct FlashPlan {
     // nullptr on the split-key path (each item packs its own blocks).
     const float* packed_keys;
     int64_t panels_per_head;
+    // Prefill, except the pair path: the V panels of every (b, kv_head), float32 (converted
+    // exactly; int8 unscaled: v_scale multiplies P), ceil(Dv / kValuePanel) panels of
+    // panels_per_head * kKeyPanel keys x kValuePanel columns each, key j, column c of (b, kv_head)
+    // at value_panels + (b * Hkv + kv_head) * value_head_floats + (c / kValuePanel) *
+    // panels_per_head * kKeyPanel * kValuePanel + j * kValuePanel + c % kValuePanel. nullptr
+    // elsewhere (P.V reads V rows in place).
+    const float* value_panels;
+    int64_t value_head_floats;
     // The bfloat16 dot-product path (avx512bf16, prefill; docs/kernels.md, "Reduced precision"),
     // else nullptr: packed_keys then holds K pair panels, (b, kv_head) at
     // ((b * Hkv + kv_head) * panels_per_head) * ceil(D / 2) * kKeyPanel pairs; packed_values the V
@@ -111,6 +119,11 @@ using PackPairsFn = void (*)(const AttentionProblem& problem, int64_t b, int64_t
                              int64_t key_begin, int64_t key_end, uint32_t* key_dst,
                              uint32_t* value_dst, unsigned char* finite_dst, int64_t value_stride);
 
+// Packs V of keys [key_begin, key_end) of one (b, kv_head) into V panels at dst (the row of
+// key_begin in the first panel), panel_floats apart (FlashPlan::value_panels).
+using PackValuesFn = void (*)(const AttentionProblem& problem, int64_t b, int64_t kv_head,
+                              int64_t key_begin, int64_t key_end, float* dst, int64_t panel_floats);
+
 // Indexed by ElementType: [Float32], [Float16], [BFloat16].
 constexpr int kElementTypes = 3;
 
@@ -128,6 +141,9 @@ struct FlashKernels {
     PackKeysFn pack_keys_int8;
     // The backward pass's inner products (backward_kernel.hpp).
     BackwardKernels backward;
+    // The prefill's V panels, indexed by ElementType; int8 K/V.
+    PackValuesFn pack_values[kElementTypes];
+    PackValuesFn pack_values_int8;
 };
 
 // Defined in flash_{scalar,avx2,avx512}.cpp (the last two only when built for x86-64), each
@@ -229,6 +245,15 @@ struct Kernel {
     }
 
     // ---- 2. Packing ---------------------------------------------------------------------------
+    // The rows of keys [first, first + keys) of (b, kv_head), keys <= kKeyPanel (flash_key_rows):
+    // their K rows, or their V rows when `values`, and the int8 scales of the same (k_scale or
+    // v_scale) at scales unless it is nullptr.
+    static void panel_rows(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t first, int64_t keys,
+                           bool values, const void** rows, float* scales) {
+        flash_key_rows(p, b, kv_head, first, keys, values ? nullptr : rows, values ? rows : nullptr,
+                       values ? nullptr : scales, values ? scales : nullptr);
+    }
+
     static void pack_keys(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_begin,
                           int64_t key_end, float* dst) {
         const int64_t D = p.k.shape[3];
@@ -238,7 +263,7 @@ struct Kernel {
         float k_scale[kKeyPanel];
         for (int64_t panel_begin = key_begin; panel_begin < key_end; panel_begin += kKeyPanel) {
             const int64_t keys = key_end - panel_begin < kKeyPanel ? key_end - panel_begin : kKeyPanel;
-            flash_key_rows(p, b, kv_head, panel_begin, keys, k_rows, nullptr, kInt8 ? k_scale : nullptr, nullptr);
+            panel_rows(p, b, kv_head, panel_begin, keys, false, k_rows, kInt8 ? k_scale : nullptr);
             int64_t d_done = 0;
             if (keys == kKeyPanel) {  // whole panel: W x W blocks transposed in registers
                 for (; d_done + W <= D; d_done += W)
@@ -264,6 +289,30 @@ struct Kernel {
             for (int64_t j = keys; j < kKeyPanel; ++j)
                 for (int64_t d = 0; d < D; ++d) dst[d * kKeyPanel + j] = 0.0f;
             dst += D * kKeyPanel;
+        }
+    }
+
+    // V rows converted to float32 (int8: unscaled), kValuePanel columns per panel, the last
+    // panel's columns past Dv zero (FlashPlan::value_panels).
+    static void pack_values(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_begin,
+                            int64_t key_end, float* dst, int64_t panel_floats) {
+        const int64_t Dv = p.v.shape[3];
+        const void* v_rows[kKeyPanel];
+        for (int64_t first = key_begin; first < key_end; first += kKeyPanel) {
+            const int64_t keys = key_end - first < kKeyPanel ? key_end - first : kKeyPanel;
+            panel_rows(p, b, kv_head, first, keys, true, v_rows, nullptr);
+            for (int64_t j = 0; j < keys; ++j) {
+                const KV* v_row = static_cast<const KV*>(v_rows[j]);
+                for (int64_t column = 0; column < Dv; column += kValuePanel) {
+                    float* panel_row = dst + column / kValuePanel * panel_floats + j * kValuePanel;
+                    const int64_t width = Dv - column < kValuePanel ? Dv - column : kValuePanel;
+                    int64_t c = 0;
+                    for (; c + W <= width; c += W) V::store(panel_row + c, V::load_as_f32(v_row + column + c));
+                    if (c < width) V::store_tail(panel_row + c, V::load_tail_as_f32(v_row + column + c, width - c), width - c);
+                    for (c = width; c < kValuePanel; ++c) panel_row[c] = 0.0f;
+                }
+            }
+            dst += kKeyPanel * kValuePanel;
         }
     }
 
@@ -502,14 +551,37 @@ struct Kernel {
     }
 
     // ---- 3d. O = alpha O + P V: R (<= kMicroRows) rows x NV vectors of value columns -----------------
+    // Where P.V reads V: row(key) is the key's value at the current column, for keys counted from
+    // the current chunk's first key. keys_from(j) moves that first key on by j, columns_from(c) the
+    // column by c (within one V panel: a column block never straddles two).
+    // ValueRows: the rows in place, one pointer per key (split-key items, the pair path).
+    struct ValueRows {
+        const void* const* rows;
+        int64_t column;
+        const KV* row(int64_t key) const { return static_cast<const KV*>(rows[key]) + column; }
+        ValueRows keys_from(int64_t key) const { return ValueRows{rows + key, column}; }
+        ValueRows columns_from(int64_t c) const { return ValueRows{rows, column + c}; }
+    };
+    // ValuePanels: the prefill's packed V panels (FlashPlan::value_panels), float32, one
+    // kValuePanel-float row per key; panel_floats from one panel to the next.
+    struct ValuePanels {
+        const float* first;
+        int64_t panel_floats;
+        const float* row(int64_t key) const { return first + key * kValuePanel; }
+        ValuePanels keys_from(int64_t key) const { return ValuePanels{first + key * kValuePanel, panel_floats}; }
+        ValuePanels columns_from(int64_t c) const {
+            return ValuePanels{first + c / kValuePanel * panel_floats + c % kValuePanel, panel_floats};
+        }
+    };
+
     // kTail: the last vector holds only `tail` columns. kSafe: a row whose p is 0 (a hidden key)
     // skips the key, so a NaN in a hidden value never enters (0 * NaN = NaN). ahead (the direct
     // path's first strip and column block, else nullptr): key j reads ahead of position n + j of
     // the read order (read_ahead).
-    template <int R, int NV, bool kTail, bool kSafe>
-    static void value_micro(const float* probs, int64_t n, const void* const* v_rows, int64_t column,
-                            float* out, int64_t out_stride, const float* rescale, bool do_rescale,
-                            int64_t tail, const ReadAhead* ahead) {
+    template <int R, int NV, bool kTail, bool kSafe, class Values>
+    static void value_micro(const float* probs, int64_t n, const Values& values, float* out,
+                            int64_t out_stride, const float* rescale, bool do_rescale, int64_t tail,
+                            const ReadAhead* ahead) {
         Reg acc[R][NV] = {};  // (= {}: silences a false -Wuninitialized)
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
@@ -522,12 +594,12 @@ struct Kernel {
         }
         for (int64_t key = 0; key < n; ++key) {
             if (ahead != nullptr) read_ahead(*ahead, ahead->n + key);
-            const KV* v_row = static_cast<const KV*>(v_rows[key]) + column;
-            Reg values[NV];
+            const auto* v_row = values.row(key);
+            Reg value[NV];
 #pragma GCC unroll 4
             for (int v = 0; v < NV; ++v)
-                values[v] = (kTail && v == NV - 1) ? V::load_tail_as_f32(v_row + v * W, tail)
-                                                    : V::load_as_f32(v_row + v * W);
+                value[v] = (kTail && v == NV - 1) ? V::load_tail_as_f32(v_row + v * W, tail)
+                                                   : V::load_as_f32(v_row + v * W);
             if (kSafe) {
                 bool all_visible = true;
 #pragma GCC unroll 8
@@ -538,7 +610,7 @@ struct Kernel {
                         if (p == 0.0f) continue;
                         const Reg p_r = V::broadcast(p);
 #pragma GCC unroll 4
-                        for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(p_r, values[v], acc[r][v]);
+                        for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(p_r, value[v], acc[r][v]);
                     }
                     continue;
                 }
@@ -547,7 +619,7 @@ struct Kernel {
             for (int r = 0; r < R; ++r) {
                 const Reg p_r = V::broadcast(probs[r * kKeyBlock + key]);
 #pragma GCC unroll 4
-                for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(p_r, values[v], acc[r][v]);
+                for (int v = 0; v < NV; ++v) acc[r][v] = V::fma(p_r, value[v], acc[r][v]);
             }
         }
 #pragma GCC unroll 8
@@ -558,21 +630,21 @@ struct Kernel {
 
     // O for one strip of R rows: column blocks of kValueVectors vectors, then single vectors,
     // then the masked tail.
-    template <int R, bool kSafe>
-    static void strip_values(const float* probs, int64_t n, const void* const* v_rows, float* out,
+    template <int R, bool kSafe, class Values>
+    static void strip_values(const float* probs, int64_t n, const Values& values, float* out,
                              int64_t out_stride, int64_t Dv, const float* rescale, const ReadAhead* ahead) {
         constexpr int NV = V::kValueVectors;
         bool do_rescale = false;
         for (int s = 0; s < R; ++s) do_rescale |= rescale[s] != 1.0f;
         int64_t c = 0;
         for (; c + NV * W <= Dv; c += NV * W)
-            value_micro<R, NV, false, kSafe>(probs, n, v_rows, c, out + c, out_stride,
+            value_micro<R, NV, false, kSafe>(probs, n, values.columns_from(c), out + c, out_stride,
                                              rescale, do_rescale, 0, c == 0 ? ahead : nullptr);
         for (; c + W <= Dv; c += W)
-            value_micro<R, 1, false, kSafe>(probs, n, v_rows, c, out + c, out_stride,
+            value_micro<R, 1, false, kSafe>(probs, n, values.columns_from(c), out + c, out_stride,
                                             rescale, do_rescale, 0, c == 0 ? ahead : nullptr);
         if (c < Dv)
-            value_micro<R, 1, true, kSafe>(probs, n, v_rows, c, out + c, out_stride,
+            value_micro<R, 1, true, kSafe>(probs, n, values.columns_from(c), out + c, out_stride,
                                            rescale, do_rescale, Dv - c, c == 0 ? ahead : nullptr);
     }
 
@@ -581,8 +653,8 @@ struct Kernel {
     // every strip reads them; alpha is applied with the first chunk. Each O element still sums
     // its keys in key order, so the chunks change no bit. ahead: the direct path's read order
     // (nullptr elsewhere), prefetched by the first strip; that path reads the block in one chunk.
-    template <bool kSafe>
-    static void block_values(const float* scores, int64_t rows, int64_t n, const void* const* v_rows,
+    template <bool kSafe, class Values>
+    static void block_values(const float* scores, int64_t rows, int64_t n, const Values& values,
                              float* out_acc, int64_t out_stride, int64_t Dv, const float* rescale,
                              const ReadAhead* ahead = nullptr) {
         static_assert(kMicroRows == 6, "kNoRescale and the switch below list kMicroRows strips");
@@ -591,19 +663,19 @@ struct Kernel {
         int64_t chunk_begin = 0;
         do {  // at least once: n = 0 still rescales O
             const int64_t keys = n - chunk_begin < chunk ? n - chunk_begin : chunk;
-            const void* const* chunk_rows = v_rows + chunk_begin;
+            const Values chunk_values = values.keys_from(chunk_begin);
             for (int64_t r = 0; r < rows; r += kMicroRows) {
                 const float* probs = scores + r * kKeyBlock + chunk_begin;
                 float* out = out_acc + r * out_stride;
                 const float* alpha = chunk_begin == 0 ? rescale + r : kNoRescale;
                 const ReadAhead* first_strip = r == 0 ? ahead : nullptr;
                 switch (rows - r < kMicroRows ? rows - r : kMicroRows) {
-                    case 1: strip_values<1, kSafe>(probs, keys, chunk_rows, out, out_stride, Dv, alpha, first_strip); break;
-                    case 2: strip_values<2, kSafe>(probs, keys, chunk_rows, out, out_stride, Dv, alpha, first_strip); break;
-                    case 3: strip_values<3, kSafe>(probs, keys, chunk_rows, out, out_stride, Dv, alpha, first_strip); break;
-                    case 4: strip_values<4, kSafe>(probs, keys, chunk_rows, out, out_stride, Dv, alpha, first_strip); break;
-                    case 5: strip_values<5, kSafe>(probs, keys, chunk_rows, out, out_stride, Dv, alpha, first_strip); break;
-                    default: strip_values<6, kSafe>(probs, keys, chunk_rows, out, out_stride, Dv, alpha, first_strip); break;
+                    case 1: strip_values<1, kSafe>(probs, keys, chunk_values, out, out_stride, Dv, alpha, first_strip); break;
+                    case 2: strip_values<2, kSafe>(probs, keys, chunk_values, out, out_stride, Dv, alpha, first_strip); break;
+                    case 3: strip_values<3, kSafe>(probs, keys, chunk_values, out, out_stride, Dv, alpha, first_strip); break;
+                    case 4: strip_values<4, kSafe>(probs, keys, chunk_values, out, out_stride, Dv, alpha, first_strip); break;
+                    case 5: strip_values<5, kSafe>(probs, keys, chunk_values, out, out_stride, Dv, alpha, first_strip); break;
+                    default: strip_values<6, kSafe>(probs, keys, chunk_values, out, out_stride, Dv, alpha, first_strip); break;
                 }
             }
             chunk_begin += chunk;
@@ -657,10 +729,12 @@ struct Kernel {
                 pack_keys(p, b, item.kv_head, key_block, key_block + n, s.key_panels);
                 panels = s.key_panels;
             }
-            // The block's K rows (read in place by the direct path only), V rows and int8 scales,
-            // 0 past n (those scores become -inf below); the direct path also takes the next
-            // block's first K rows, for its read-ahead (never past the item's last key).
-            flash_key_rows(p, b, item.kv_head, key_block, n, direct ? s.key_rows : nullptr, s.value_rows,
+            // The block's K rows (read in place by the direct path only), V rows (not with V
+            // panels) and int8 scales, 0 past n (those scores become -inf below); the direct path
+            // also takes the next block's first K rows, for its read-ahead (never past the item's
+            // last key).
+            flash_key_rows(p, b, item.kv_head, key_block, n, direct ? s.key_rows : nullptr,
+                           plan.value_panels == nullptr ? s.value_rows : nullptr,
                            kInt8 ? s.key_scales : nullptr, kInt8 ? s.value_scales : nullptr);
             const int64_t ahead_end = key_stop - key_block < n + far ? key_stop - key_block : n + far;
             if (direct && ahead_end > n)
@@ -690,12 +764,24 @@ struct Kernel {
                         probs[j] = probs[j] == 0.0f ? 0.0f : scaled;
                     }
                 }
-            // (d) O = alpha O + P V.
-            const ReadAhead* value_ahead = direct ? &ahead : nullptr;
-            if (masked)
-                block_values<true>(s.scores, rows, n, s.value_rows, s.out_acc, out_stride, Dv, s.rescale, value_ahead);
-            else
-                block_values<false>(s.scores, rows, n, s.value_rows, s.out_acc, out_stride, Dv, s.rescale, value_ahead);
+            // (d) O = alpha O + P V: from the V panels one panel of columns at a time (prefill), else
+            // from the V rows in place; kSafe when the block was masked.
+            const auto value_block = [&](const auto& values, float* out, int64_t width, const ReadAhead* value_ahead) {
+                if (masked)
+                    block_values<true>(s.scores, rows, n, values, out, out_stride, width, s.rescale, value_ahead);
+                else
+                    block_values<false>(s.scores, rows, n, values, out, out_stride, width, s.rescale, value_ahead);
+            };
+            if (plan.value_panels != nullptr) {
+                const ValuePanels values{plan.value_panels + (b * p.k.shape[1] + item.kv_head) * plan.value_head_floats +
+                                             key_block * kValuePanel,
+                                         plan.panels_per_head * kKeyPanel * kValuePanel};
+                for (int64_t column = 0; column < Dv; column += kValuePanel)
+                    value_block(values.columns_from(column), s.out_acc + column,
+                                Dv - column < kValuePanel ? Dv - column : kValuePanel, nullptr);
+            } else {
+                value_block(ValueRows{s.value_rows, 0}, s.out_acc, Dv, direct ? &ahead : nullptr);
+            }
         }
 
         // 4. Finish: out = O / l and lse, or the partial (m, l, O) of this key range.
@@ -873,7 +959,10 @@ FlashKernels make_kernels() {
                         {Kernel<V, float, int8_t>::attend_rows, Kernel<V, Float16, int8_t>::attend_rows,
                          Kernel<V, BFloat16, int8_t>::attend_rows},
                         Kernel<V, float, int8_t>::pack_keys,
-                        backward::make_backward_kernels<V>()};
+                        backward::make_backward_kernels<V>(),
+                        {Kernel<V, float>::pack_values, Kernel<V, Float16>::pack_values,
+                         Kernel<V, BFloat16>::pack_values},
+                        Kernel<V, float, int8_t>::pack_values};
 }
 
 }  // namespace flash

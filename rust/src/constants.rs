@@ -17,6 +17,10 @@ pub const KEY_BLOCK: usize = 256;
 /// A multiple of every vector width (16 floats for AVX-512, 8 for AVX2, NEON and the scalar
 /// type).
 pub const KEY_PANEL: usize = 32;
+/// Value columns per packed V panel (prefill): panel[key][column], VALUE_PANEL columns wide, one
+/// row per key, zero-padded past Dv. A multiple of every P.V micro-kernel's columns (64 for
+/// AVX-512, 16 for AVX2, NEON and the scalar type), so a column block never straddles two panels.
+pub const VALUE_PANEL: usize = 64;
 /// Keys per split-key work item (decode and short chunks).
 pub const SPLIT_KEY_CHUNK: usize = 1024;
 

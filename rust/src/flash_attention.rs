@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::LocalKey;
 
 use crate::constants::{
-    KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, Q_TILE_ROWS, SERIAL_WORK, SPLIT_KEY_CHUNK,
+    KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, Q_TILE_ROWS, SERIAL_WORK, SPLIT_KEY_CHUNK, VALUE_PANEL,
 };
 use crate::dispatch::current_kernels;
 use crate::element::{BFloat16, Element, Float16};
@@ -196,6 +196,8 @@ pub fn flash_plan<'p, 'a>(p: &'p AttentionProblem<'a>) -> FlashPlan<'p, 'a> {
         has_sinks: !p.sinks.data.is_null(),
         packed_keys: std::ptr::null(),
         panels_per_head: 0,
+        value_panels: std::ptr::null(),
+        value_head_floats: 0,
         packed_values: std::ptr::null(),
         value_finite: std::ptr::null(),
         partial_out: std::ptr::null_mut(),
@@ -336,6 +338,8 @@ thread_local! {
 struct CallerBuffers {
     packed_keys: AlignedBuffer,
     partials: AlignedBuffer,
+    /// the float32 V panels of the prefill plans (not the pair path)
+    value_panels: AlignedBuffer,
     /// the bfloat16 dot-product path: V pair rows (a pair in a float's slot), finite flags
     packed_values: AlignedBuffer,
     value_finite: Vec<u8>,
@@ -615,12 +619,18 @@ pub(crate) fn problem_work(p: &AttentionProblem) -> f64 {
     extents.iter().map(|&n| n as f64).product()
 }
 
-/// A work item of one of the call's plans and its cost (visible keys times rows): items are
-/// taken most expensive first.
+/// A work item of one of the call's plans and its cost. Items are taken in the order of their
+/// run's cost (run_cost), most expensive first, a run's items one after another, most expensive
+/// first. A run is the tiles of one (sequence, KV head) of a prefill plan, which read the same K
+/// and V panels: taken in a row, each core finds the panels of its last tile still in its L2
+/// (docs/kernels.md, "What bounds prefill"). A split-key item is a run of its own.
 struct CostedItem {
     plan: usize,
     item: WorkItem,
+    /// visible keys times rows
     cost: usize,
+    /// the cost of its run's most expensive item
+    run_cost: usize,
 }
 
 /// Step 8, a problem's part in a cascade (attention_paged's shared prefixes): a shared prefix
@@ -650,6 +660,9 @@ struct PlanLayout {
     values_at: usize,
     finite_at: usize,
     packed: *mut f32,
+    /// the float32 V panels (not the pair path): offset, its part
+    value_panels_at: usize,
+    value_panels: *mut f32,
     packed_values: *mut u32,
     value_finite: *mut u8,
     /// split-key: first slot of (b, kv_head 0), B + 1 entries
@@ -678,7 +691,16 @@ fn run_items(
     items: &mut [CostedItem],
     threads: usize,
 ) -> Result<(), ProblemError> {
-    items.sort_by_key(|costed| std::cmp::Reverse(costed.cost)); // stable, as in C++
+    // stable, as in C++ (plans in call order)
+    items.sort_by_key(|costed| {
+        (
+            std::cmp::Reverse(costed.run_cost),
+            costed.plan,
+            costed.item.b,
+            costed.item.kv_head,
+            std::cmp::Reverse(costed.cost),
+        )
+    });
     let items = &*items;
     // C++ rethrows a worker's std::bad_alloc on the caller; here the failed item sets this flag.
     let out_of_memory = AtomicBool::new(false);
@@ -727,6 +749,10 @@ fn layout_prefill(plan: &mut FlashPlan, kernels: FlashKernels, layout: &mut Plan
         plan.head_dim
     } * KEY_PANEL;
     layout.keys_per_head = plan.panels_per_head * KEY_PANEL;
+    plan.value_head_floats = match layout.pairs {
+        Some(_) => 0,
+        None => plan.value_dim.div_ceil(VALUE_PANEL) * layout.keys_per_head * VALUE_PANEL,
+    };
 }
 
 /// Packs the panels of (b, kv_head) that some row may see: from the first row's window start
@@ -779,6 +805,18 @@ unsafe fn pack_head(
                 (kernels.pack_keys[p.dtype as usize])(p, b, kv_head, first_key, key_end, key_dst)
             }
         }
+        if layout.pairs.is_none() {
+            let pack_values = if p.kv_int8 {
+                kernels.pack_values_int8
+            } else {
+                kernels.pack_values[p.dtype as usize]
+            };
+            let value_dst = layout
+                .value_panels
+                .add(head * plan.value_head_floats + first_key * VALUE_PANEL);
+            let panel_floats = layout.keys_per_head * VALUE_PANEL;
+            pack_values(p, b, kv_head, first_key..key_end, value_dst, panel_floats);
+        }
     }
 }
 
@@ -796,6 +834,7 @@ fn prefill_items(
         .map_err(|_| ProblemError::out_of_memory())?;
     for b in 0..batch {
         for kv_head in 0..kv_heads {
+            let run_begin = items.len();
             for tile in 0..tiles {
                 let row_begin = tile * Q_TILE_ROWS;
                 let row_end = (row_begin + Q_TILE_ROWS).min(plan.rows_per_group);
@@ -805,6 +844,7 @@ fn prefill_items(
                 let (_, last_key) = flash_row_key_range(p, b, plan.group, row_end - 1);
                 let first_key = first_key / KEY_PANEL * KEY_PANEL;
                 let last_key = last_key.max(first_key);
+                let cost = (last_key - first_key + KEY_BLOCK) * (row_end - row_begin);
                 items.push(CostedItem {
                     plan: index,
                     item: WorkItem {
@@ -816,8 +856,14 @@ fn prefill_items(
                         key_end: last_key,
                         partial_slot: None,
                     },
-                    cost: (last_key - first_key + KEY_BLOCK) * (row_end - row_begin),
+                    cost,
+                    run_cost: cost,
                 });
+            }
+            let run = &mut items[run_begin..];
+            let run_cost = run.iter().map(|costed| costed.cost).max().unwrap_or(0);
+            for costed in run {
+                costed.run_cost = run_cost;
             }
         }
     }
@@ -864,6 +910,8 @@ fn split_key_items(
                     let row_end = (row_begin + Q_TILE_ROWS).min(rows);
                     let key_begin = key_begin0 + chunk * SPLIT_KEY_CHUNK;
                     let chunk_end = (key_begin + SPLIT_KEY_CHUNK).min(key_end);
+                    let cost =
+                        (chunk_end.saturating_sub(key_begin) + KEY_BLOCK) * (row_end - row_begin);
                     items.push(CostedItem {
                         plan: index,
                         item: WorkItem {
@@ -876,8 +924,8 @@ fn split_key_items(
                             partial_slot: partial
                                 .then(|| layout.slot_base[b] + kv_head * chunks + chunk),
                         },
-                        cost: (chunk_end.saturating_sub(key_begin) + KEY_BLOCK)
-                            * (row_end - row_begin),
+                        cost,
+                        run_cost: cost,
                     });
                 }
             }
@@ -916,6 +964,7 @@ unsafe fn run_problems(
 
     // Buffers: every plan's part of the packed K (and V pairs), of the partials.
     let (mut packed_floats, mut value_pairs, mut finite_flags) = (0usize, 0usize, 0usize);
+    let mut value_panel_floats = 0usize;
     let (mut partial_rows, mut partial_floats) = (0usize, 0usize);
     for index in 0..plans.len() {
         let heads = (plans[index].problem.q.shape[0] * plans[index].problem.k.shape[1]) as usize;
@@ -929,6 +978,8 @@ unsafe fn run_problems(
             values_at: 0,
             finite_at: 0,
             packed: std::ptr::null_mut(),
+            value_panels_at: 0,
+            value_panels: std::ptr::null_mut(),
             packed_values: std::ptr::null_mut(),
             value_finite: std::ptr::null_mut(),
             slot_base: Vec::new(),
@@ -946,6 +997,11 @@ unsafe fn run_problems(
                 .ok_or_else(ProblemError::out_of_memory)?;
             layout.values_at = value_pairs;
             layout.finite_at = finite_flags;
+            layout.value_panels_at = value_panel_floats;
+            value_panel_floats = heads
+                .checked_mul(plan.value_head_floats)
+                .and_then(|floats| floats.checked_add(value_panel_floats))
+                .ok_or_else(ProblemError::out_of_memory)?;
             if layout.pairs.is_some() {
                 value_pairs += heads * layout.keys_per_head / 2 * plan.value_stride;
                 finite_flags += heads * layout.keys_per_head;
@@ -965,6 +1021,7 @@ unsafe fn run_problems(
         // (at least one element each: a prefill plan's packed_keys is never null, even with
         // Lk = 0)
         let packed = buffers.packed_keys.ensure(packed_floats.max(1))?;
+        let value_panels = buffers.value_panels.ensure(value_panel_floats.max(1))?;
         let packed_values = buffers
             .packed_values
             .ensure(value_pairs.max(1))?
@@ -996,6 +1053,10 @@ unsafe fn run_problems(
             if layout.prefill {
                 layout.packed = packed.wrapping_add(layout.packed_at);
                 plan.packed_keys = layout.packed;
+                if layout.pairs.is_none() {
+                    layout.value_panels = value_panels.wrapping_add(layout.value_panels_at);
+                    plan.value_panels = layout.value_panels;
+                }
                 if layout.pairs.is_some() {
                     layout.packed_values = packed_values.wrapping_add(layout.values_at);
                     layout.value_finite = value_finite.wrapping_add(layout.finite_at);

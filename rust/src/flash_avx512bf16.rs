@@ -39,7 +39,7 @@ use crate::element::BFloat16;
 use crate::flash_attention::flash_key_rows;
 use crate::flash_kernel::{
     at, block_probabilities, block_values, finish_row, match_strip_rows, round_up, start_row,
-    FlashKernels, FlashPlan, ThreadScratch, WorkItem,
+    FlashKernels, FlashPlan, ThreadScratch, ValueRows, WorkItem,
 };
 use crate::measure_peak::run_peak_loop;
 use crate::problem::AttentionProblem;
@@ -579,11 +579,11 @@ pub(crate) unsafe fn attend_rows<P: PairProducts>(
                     none.cast(),
                     none.cast(),
                 );
-                block_values::<VecAvx512, BFloat16, true>(
+                block_values::<VecAvx512, _, true>(
                     s.scores,
                     rows,
                     n,
-                    s.value_rows,
+                    ValueRows::<BFloat16>::new(s.value_rows),
                     s.out_acc,
                     value_stride,
                     value_dim,

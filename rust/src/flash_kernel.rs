@@ -24,7 +24,7 @@
 use crate::constants::{
     DECODE_NEAR_PREFETCH_BYTES, DECODE_PREFETCH_BYTES, DIRECT_SCORE_ROWS, KEY_BLOCK, KEY_PANEL,
     LOG2_E, MICRO_ROWS, SCORE_PREFETCH_BYTES, TANH_COEFFICIENTS, TANH_DEGREE, TANH_SMALL,
-    VALUE_KEY_CHUNK,
+    VALUE_KEY_CHUNK, VALUE_PANEL,
 };
 use crate::element::{Element, Load};
 use crate::flash_attention::{
@@ -62,6 +62,14 @@ pub struct FlashPlan<'p, 'a> {
     /// Null on the split-key path (each item packs its own blocks).
     pub packed_keys: *const f32,
     pub panels_per_head: usize,
+    /// Prefill, except the pair path: the V panels of every (b, kv_head), float32 (converted
+    /// exactly; int8 unscaled: v_scale multiplies P), ceil(Dv / VALUE_PANEL) panels of
+    /// panels_per_head * KEY_PANEL keys x VALUE_PANEL columns each, key j, column c of
+    /// (b, kv_head) at value_panels + (b * Hkv + kv_head) * value_head_floats +
+    /// (c / VALUE_PANEL) * panels_per_head * KEY_PANEL * VALUE_PANEL + j * VALUE_PANEL +
+    /// c % VALUE_PANEL. Null elsewhere (P.V reads V rows in place).
+    pub value_panels: *const f32,
+    pub value_head_floats: usize,
     /// The bfloat16 dot-product path (avx512bf16, prefill; flash_avx512bf16.rs), else null:
     /// packed_keys then holds K pair panels, (b, kv_head) at ((b * Hkv + kv_head) *
     /// panels_per_head) * ceil(D / 2) * KEY_PANEL pairs; packed_values the V pair rows, key pair
@@ -132,6 +140,12 @@ pub type PackKeysFn = unsafe fn(&AttentionProblem, usize, usize, usize, usize, *
 /// the last argument is value_stride. # Safety: see flash_avx512bf16.rs, `pack_pairs`.
 pub type PackPairsFn =
     unsafe fn(&AttentionProblem, usize, usize, usize, usize, *mut u32, *mut u32, *mut u8, usize);
+/// Packs V of keys [key_begin, key_end) of one (b, kv_head) into V panels at dst (the row of
+/// key_begin in the first panel), the last argument (panel_floats) apart
+/// ([`FlashPlan::value_panels`]). (C++ passes the range as key_begin, key_end.)
+/// # Safety: see [`pack_values`].
+pub type PackValuesFn =
+    unsafe fn(&AttentionProblem, usize, usize, std::ops::Range<usize>, *mut f32, usize);
 /// values = tanh(values) with the vectorised tanh (constants.rs, "tanh"); the length a multiple
 /// of the vector width (tests call it on whole vectors).
 /// # Safety: the CPU supports the kernels' instruction set (as for every entry of FlashKernels).
@@ -159,6 +173,9 @@ pub struct FlashKernels {
     pub pack_keys_int8: PackKeysFn,
     /// The backward pass's inner products (backward_kernel.rs).
     pub backward: crate::backward_kernel::BackwardKernels,
+    /// The prefill's V panels, indexed by ElementType; int8 K/V.
+    pub pack_values: [PackValuesFn; ELEMENT_TYPES],
+    pub pack_values_int8: PackValuesFn,
 }
 
 pub(crate) fn round_up(n: usize, m: usize) -> usize {
@@ -252,6 +269,41 @@ pub(crate) unsafe fn softcap_block<V: Vector>(
 
 // ---- 2. Packing ------------------------------------------------------------------------------
 
+/// The rows of keys [first, first + keys) of (b, kv_head), keys <= KEY_PANEL ([`flash_key_rows`]):
+/// their K rows, or their V rows when `values`, and the int8 scales of the same (k_scale or
+/// v_scale) at `scales` unless it is null.
+///
+/// # Safety
+/// As [`flash_key_rows`]; `scales` null or valid for writing `keys` floats.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn panel_rows(
+    p: &AttentionProblem,
+    b: usize,
+    kv_head: usize,
+    first: usize,
+    keys: usize,
+    values: bool,
+    rows: &mut [*const u8; KEY_PANEL],
+    scales: *mut f32,
+) {
+    let none = std::ptr::null_mut();
+    let (k_rows, v_rows) = match values {
+        true => (none, rows.as_mut_ptr()),
+        false => (rows.as_mut_ptr(), none),
+    };
+    let (k_scales, v_scales) = match values {
+        true => (std::ptr::null_mut(), scales),
+        false => (scales, std::ptr::null_mut()),
+    };
+    // SAFETY: forwarded from this function's contract; rows holds KEY_PANEL >= keys pointers.
+    unsafe {
+        flash_key_rows(
+            p, b, kv_head, first, keys, k_rows, v_rows, k_scales, v_scales,
+        )
+    }
+}
+
 /// # Safety
 /// `p` is a checked problem whose views are valid; b < B, kv_head < Hkv, key_end <= kv_lens[b];
 /// `dst` is valid for writing ceil((key_end - key_begin) / KEY_PANEL) * D * KEY_PANEL floats.
@@ -276,21 +328,12 @@ pub unsafe fn pack_keys<V: Vector, T: Load>(
         let mut panel_begin = key_begin;
         while panel_begin < key_end {
             let keys = (key_end - panel_begin).min(KEY_PANEL);
-            flash_key_rows(
-                p,
-                b,
-                kv_head,
-                panel_begin,
-                keys,
-                k_rows.as_mut_ptr(),
-                std::ptr::null_mut(),
-                if T::SCALED {
-                    k_scale.as_mut_ptr()
-                } else {
-                    std::ptr::null_mut()
-                },
-                std::ptr::null_mut(),
-            );
+            let scales = if T::SCALED {
+                k_scale.as_mut_ptr()
+            } else {
+                std::ptr::null_mut()
+            };
+            panel_rows(p, b, kv_head, panel_begin, keys, false, &mut k_rows, scales);
             let mut d_done = 0;
             if keys == KEY_PANEL {
                 // whole panel: WIDTH x WIDTH blocks transposed in registers
@@ -332,6 +375,56 @@ pub unsafe fn pack_keys<V: Vector, T: Load>(
             }
             dst = dst.add(d_len * KEY_PANEL);
             panel_begin += KEY_PANEL;
+        }
+    }
+}
+
+/// V rows converted to float32 (int8: unscaled), VALUE_PANEL columns per panel, the last panel's
+/// columns past Dv zero ([`FlashPlan::value_panels`]).
+///
+/// # Safety
+/// `p` is a checked problem whose views are valid; b < B, kv_head < Hkv, keys.end <= kv_lens[b];
+/// `dst` is valid for writing keys.len() rows (rounded up to KEY_PANEL) of VALUE_PANEL floats in
+/// each of the ceil(Dv / VALUE_PANEL) panels, `panel_floats` apart.
+#[inline(always)]
+pub unsafe fn pack_values<V: Vector, T: Load>(
+    p: &AttentionProblem,
+    b: usize,
+    kv_head: usize,
+    keys: std::ops::Range<usize>,
+    mut dst: *mut f32,
+    panel_floats: usize,
+) {
+    let value_dim = p.v.shape[3] as usize;
+    let w = V::WIDTH;
+    // SAFETY: forwarded from this function's contract: every V row read is < kv_lens[b], every
+    // write lies inside dst's panels.
+    unsafe {
+        let mut v_rows = [std::ptr::null::<u8>(); KEY_PANEL];
+        let none = std::ptr::null_mut();
+        for first in keys.clone().step_by(KEY_PANEL) {
+            let panel_keys = (keys.end - first).min(KEY_PANEL);
+            panel_rows(p, b, kv_head, first, panel_keys, true, &mut v_rows, none);
+            for (j, &row) in v_rows.iter().enumerate().take(panel_keys) {
+                let v_row = row.cast::<T>();
+                for column in (0..value_dim).step_by(VALUE_PANEL) {
+                    let panel_row = dst.add(column / VALUE_PANEL * panel_floats + j * VALUE_PANEL);
+                    let width = (value_dim - column).min(VALUE_PANEL);
+                    let mut c = 0;
+                    while c + w <= width {
+                        T::load::<V>(v_row.add(column + c)).store(panel_row.add(c));
+                        c += w;
+                    }
+                    if c < width {
+                        T::load_tail::<V>(v_row.add(column + c), width - c)
+                            .store_tail(panel_row.add(c), width - c);
+                    }
+                    for c in width..VALUE_PANEL {
+                        *panel_row.add(c) = 0.0;
+                    }
+                }
+            }
+            dst = dst.add(KEY_PANEL * VALUE_PANEL);
         }
     }
 }
@@ -641,7 +734,7 @@ unsafe fn direct_batch<V: Vector, T: Load, const R: usize>(
 /// never read: a batch wholly past n is 0, a key past n inside a batch reuses key n - 1; both
 /// scores are overwritten with -inf before the softmax. int8: each score is then acc * k_scale
 /// (one multiply per (row, key); key_scales holds the block's, 0 past n). ahead (the first strip
-/// only, else None): each batch prefetches its four positions plus the lookahead.
+/// only, else None): each batch reads ahead of its four positions ([`read_ahead`]).
 ///
 /// # Safety
 /// V's instruction set is available; q: R rows of d_len floats; k_rows: n row pointers, d_len
@@ -720,20 +813,109 @@ unsafe fn direct_block_scores<V: Vector, T: Load>(
 
 // ---- 3d. O = alpha O + P V: R (<= MICRO_ROWS) rows x NV vectors of value columns -------------
 
+/// Where P.V reads V: `row(key)` is the key's value at the current column, for keys counted from
+/// the current chunk's first key; `keys_from(j)` moves that first key on by j, `columns_from(c)`
+/// the column by c (within one V panel: a column block never straddles two). (C++'s ValueRows
+/// and ValuePanels are duck-typed; Rust states their operations as this trait.)
+pub(crate) trait Values: Copy {
+    /// The storage type of the values read.
+    type Elem: Load;
+    /// # Safety
+    /// `key` is one of the keys this source covers.
+    unsafe fn row(&self, key: usize) -> *const Self::Elem;
+    /// # Safety
+    /// The source covers the key `key`.
+    unsafe fn keys_from(&self, key: usize) -> Self;
+    /// # Safety
+    /// The source covers the column `column`.
+    unsafe fn columns_from(&self, column: usize) -> Self;
+}
+
+/// The rows in place, one pointer per key (split-key items, the pair path's fallback).
+#[derive(Clone, Copy)]
+pub struct ValueRows<T> {
+    pub rows: *const *const u8,
+    pub column: usize,
+    /// The rows' storage type (a raw u8 pointer per row, as flash_key_rows gives them).
+    pub element: std::marker::PhantomData<T>,
+}
+
+impl<T: Load> ValueRows<T> {
+    pub(crate) fn new(rows: *const *const u8) -> Self {
+        ValueRows {
+            rows,
+            column: 0,
+            element: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<T: Load> Values for ValueRows<T> {
+    type Elem = T;
+    #[inline(always)]
+    unsafe fn row(&self, key: usize) -> *const T {
+        // SAFETY: forwarded: rows holds the key's row pointer.
+        unsafe { (*self.rows.add(key)).cast::<T>().add(self.column) }
+    }
+    #[inline(always)]
+    unsafe fn keys_from(&self, key: usize) -> Self {
+        // SAFETY: forwarded: rows holds the key's row pointer.
+        let rows = unsafe { self.rows.add(key) };
+        ValueRows { rows, ..*self }
+    }
+    #[inline(always)]
+    unsafe fn columns_from(&self, column: usize) -> Self {
+        ValueRows {
+            column: self.column + column,
+            ..*self
+        }
+    }
+}
+
+/// The prefill's packed V panels ([`FlashPlan::value_panels`]), float32, one VALUE_PANEL-float
+/// row per key; panel_floats from one panel to the next.
+#[derive(Clone, Copy)]
+pub struct ValuePanels {
+    pub first: *const f32,
+    pub panel_floats: usize,
+}
+
+impl Values for ValuePanels {
+    type Elem = f32;
+    #[inline(always)]
+    unsafe fn row(&self, key: usize) -> *const f32 {
+        // SAFETY: forwarded: the key's row lies in the panel.
+        unsafe { self.first.add(key * VALUE_PANEL) }
+    }
+    #[inline(always)]
+    unsafe fn keys_from(&self, key: usize) -> Self {
+        // SAFETY: forwarded: the key's row lies in the panel.
+        let first = unsafe { self.first.add(key * VALUE_PANEL) };
+        ValuePanels { first, ..*self }
+    }
+    #[inline(always)]
+    unsafe fn columns_from(&self, column: usize) -> Self {
+        let offset = column / VALUE_PANEL * self.panel_floats + column % VALUE_PANEL;
+        // SAFETY: forwarded: the column lies in one of the panels.
+        let first = unsafe { self.first.add(offset) };
+        ValuePanels { first, ..*self }
+    }
+}
+
 /// TAIL: the last vector holds only `tail` columns. SAFE: a row whose p is 0 (a hidden key)
 /// skips the key, so a NaN in a hidden value never enters (0 * NaN = NaN). ahead (the direct
-/// path's first strip and column block, else None): key j prefetches position n + j plus the
-/// lookahead of the read order.
+/// path's first strip and column block, else None): key j reads ahead of position n + j of the
+/// read order ([`read_ahead`]).
 ///
 /// # Safety
 /// V's instruction set is available; probs: R rows of stride KEY_BLOCK, n keys;
-/// v_rows: n value row pointers, each row readable from `column` for the columns used; out:
-/// R rows of stride out_stride, NV * WIDTH floats each; rescale: R floats.
+/// values: n keys, each readable for the columns used; out: R rows of stride out_stride,
+/// NV * WIDTH floats each; rescale: R floats.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn value_micro<
     V: Vector,
-    T: Load,
+    S: Values,
     const R: usize,
     const NV: usize,
     const TAIL: bool,
@@ -741,8 +923,7 @@ unsafe fn value_micro<
 >(
     probs: *const f32,
     n: usize,
-    v_rows: *const *const u8,
-    column: usize,
+    values: S,
     out: *mut f32,
     out_stride: usize,
     rescale: *const f32,
@@ -767,13 +948,13 @@ unsafe fn value_micro<
             if let Some(ahead) = ahead {
                 read_ahead(ahead, ahead.n + key);
             }
-            let v_row = (*v_rows.add(key)).cast::<T>().add(column);
-            let mut values = [V::zero(); NV];
-            for (v, value) in values.iter_mut().enumerate() {
-                *value = if TAIL && v == NV - 1 {
-                    T::load_tail::<V>(v_row.add(v * w), tail)
+            let v_row = values.row(key);
+            let mut value = [V::zero(); NV];
+            for (v, value_v) in value.iter_mut().enumerate() {
+                *value_v = if TAIL && v == NV - 1 {
+                    S::Elem::load_tail::<V>(v_row.add(v * w), tail)
                 } else {
-                    T::load::<V>(v_row.add(v * w))
+                    S::Elem::load::<V>(v_row.add(v * w))
                 };
             }
             if SAFE {
@@ -787,7 +968,7 @@ unsafe fn value_micro<
                     }
                     let p_r = V::broadcast(p);
                     for v in 0..NV {
-                        acc_r[v] = V::fma(p_r, values[v], acc_r[v]);
+                        acc_r[v] = V::fma(p_r, value[v], acc_r[v]);
                     }
                 }
                 continue;
@@ -795,7 +976,7 @@ unsafe fn value_micro<
             for (r, acc_r) in acc.iter_mut().enumerate() {
                 let p_r = V::broadcast(*probs.add(r * KEY_BLOCK + key));
                 for v in 0..NV {
-                    acc_r[v] = V::fma(p_r, values[v], acc_r[v]);
+                    acc_r[v] = V::fma(p_r, value[v], acc_r[v]);
                 }
             }
         }
@@ -814,10 +995,10 @@ unsafe fn value_micro<
 /// As [`value_micro`], for R rows and Dv columns.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn strip_values<V: Vector, T: Load, const R: usize, const SAFE: bool>(
+unsafe fn strip_values<V: Vector, S: Values, const R: usize, const SAFE: bool>(
     probs: *const f32,
     n: usize,
-    v_rows: *const *const u8,
+    values: S,
     out: *mut f32,
     out_stride: usize,
     value_dim: usize,
@@ -835,11 +1016,10 @@ unsafe fn strip_values<V: Vector, T: Load, const R: usize, const SAFE: bool>(
         // value_micro with NV vectors (TAIL: the last one `tail` columns) from column c
         macro_rules! micro {
             ($nv:literal, $tail:literal, $c:expr, $tail_columns:expr) => {
-                value_micro::<V, T, R, $nv, $tail, SAFE>(
+                value_micro::<V, S, R, $nv, $tail, SAFE>(
                     probs,
                     n,
-                    v_rows,
-                    $c,
+                    values.columns_from($c),
                     out.add($c),
                     out_stride,
                     rescale,
@@ -880,11 +1060,11 @@ unsafe fn strip_values<V: Vector, T: Load, const R: usize, const SAFE: bool>(
 /// As [`value_micro`], for every strip: rows rows, Dv columns.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(crate) unsafe fn block_values<V: Vector, T: Load, const SAFE: bool>(
+pub(crate) unsafe fn block_values<V: Vector, S: Values, const SAFE: bool>(
     scores: *const f32,
     rows: usize,
     n: usize,
-    v_rows: *const *const u8,
+    values: S,
     out_acc: *mut f32,
     out_stride: usize,
     value_dim: usize,
@@ -899,7 +1079,7 @@ pub(crate) unsafe fn block_values<V: Vector, T: Load, const SAFE: bool>(
         loop {
             // at least once: n = 0 still rescales O
             let keys = (n - chunk_begin).min(chunk);
-            let chunk_rows = v_rows.add(chunk_begin);
+            let chunk_values = values.keys_from(chunk_begin);
             for r in (0..rows).step_by(MICRO_ROWS) {
                 let probs = scores.add(r * KEY_BLOCK + chunk_begin);
                 let out = out_acc.add(r * out_stride);
@@ -910,8 +1090,8 @@ pub(crate) unsafe fn block_values<V: Vector, T: Load, const SAFE: bool>(
                 };
                 let first_strip = if r == 0 { ahead } else { None };
                 match_strip_rows!((rows - r).min(MICRO_ROWS), R => {
-                    strip_values::<V, T, R, SAFE>(
-                        probs, keys, chunk_rows, out, out_stride, value_dim, alpha, first_strip,
+                    strip_values::<V, S, R, SAFE>(
+                        probs, keys, chunk_values, out, out_stride, value_dim, alpha, first_strip,
                     )
                 });
             }
@@ -1011,7 +1191,11 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
                 } else {
                     std::ptr::null_mut()
                 },
-                s.value_rows,
+                if plan.value_panels.is_null() {
+                    s.value_rows
+                } else {
+                    std::ptr::null_mut()
+                },
                 scales(s.key_scales),
                 scales(s.value_scales),
             );
@@ -1083,29 +1267,48 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
                     }
                 }
             }
-            // (d) O = alpha O + P V.
-            let v_rows = s.value_rows;
-            let value_ahead = if direct { Some(&ahead) } else { None };
-            // one argument list for both SAFE instantiations
-            macro_rules! values {
-                ($safe:literal) => {
-                    block_values::<V, KV, $safe>(
-                        s.scores,
-                        rows,
-                        n,
-                        v_rows,
-                        s.out_acc,
-                        out_stride,
-                        value_dim,
-                        s.rescale,
-                        value_ahead,
-                    )
+            // (d) O = alpha O + P V: from the V panels one panel of columns at a time (prefill),
+            // else from the V rows in place; SAFE when the block was masked.
+            macro_rules! value_block {
+                ($values:expr, $out:expr, $value_dim:expr, $ahead:expr) => {
+                    if masked {
+                        block_values::<V, _, true>(
+                            s.scores, rows, n, $values, $out, out_stride, $value_dim, s.rescale,
+                            $ahead,
+                        )
+                    } else {
+                        block_values::<V, _, false>(
+                            s.scores, rows, n, $values, $out, out_stride, $value_dim, s.rescale,
+                            $ahead,
+                        )
+                    }
                 };
             }
-            if masked {
-                values!(true);
+            if !plan.value_panels.is_null() {
+                let values = ValuePanels {
+                    first: plan.value_panels.add(
+                        (b * p.k.shape[1] as usize + item.kv_head) * plan.value_head_floats
+                            + key_block * VALUE_PANEL,
+                    ),
+                    panel_floats: plan.panels_per_head * KEY_PANEL * VALUE_PANEL,
+                };
+                for column in (0..value_dim).step_by(VALUE_PANEL) {
+                    let width = (value_dim - column).min(VALUE_PANEL);
+                    value_block!(
+                        values.columns_from(column),
+                        s.out_acc.add(column),
+                        width,
+                        None
+                    );
+                }
             } else {
-                values!(false);
+                let ahead = if direct { Some(&ahead) } else { None };
+                value_block!(
+                    ValueRows::<KV>::new(s.value_rows),
+                    s.out_acc,
+                    value_dim,
+                    ahead
+                );
             }
             key_block += KEY_BLOCK;
         }
@@ -1451,6 +1654,23 @@ macro_rules! make_kernels {
             }
         }
 
+        /// # Safety
+        /// The CPU supports this instruction set; otherwise as flash_kernel.rs's pack_values.
+        $(#[target_feature(enable = $feature)])?
+        pub unsafe fn pack_values<T: Load>(
+            p: &AttentionProblem,
+            b: usize,
+            kv_head: usize,
+            keys: std::ops::Range<usize>,
+            dst: *mut f32,
+            panel_floats: usize,
+        ) {
+            // SAFETY: forwarded, as in attend_rows.
+            unsafe {
+                $crate::flash_kernel::pack_values::<$vector, T>(p, b, kv_head, keys, dst, panel_floats)
+            }
+        }
+
         /// The vectorised tanh on `values` (whole vectors; a tail past them is left alone).
         ///
         /// # Safety
@@ -1520,6 +1740,12 @@ macro_rules! make_kernels {
                     row_gradients: backward_row_gradients,
                     tiles: None,
                 },
+                pack_values: [
+                    pack_values::<f32>,
+                    pack_values::<Float16>,
+                    pack_values::<BFloat16>,
+                ],
+                pack_values_int8: pack_values::<i8>,
             }
         }
     };

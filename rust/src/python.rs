@@ -1093,6 +1093,7 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     constants.set_item("decode_near_prefetch_bytes", DECODE_NEAR_PREFETCH_BYTES)?;
     constants.set_item("score_prefetch_bytes", SCORE_PREFETCH_BYTES)?;
     constants.set_item("value_key_chunk", VALUE_KEY_CHUNK)?;
+    constants.set_item("value_panel", VALUE_PANEL)?;
     constants.set_item("backward_key_block", BACKWARD_KEY_BLOCK)?;
     constants.set_item("backward_tile_rows", BACKWARD_TILE_ROWS)?;
     constants.set_item("backward_tile_group", BACKWARD_TILE_GROUP)?;

@@ -21,6 +21,10 @@ constexpr int64_t kKeyBlock = 256;
 // Keys per packed K^T panel: panel[d][key], kKeyPanel keys wide, D deep, zero-padded.
 // A multiple of every vector width (16 floats for AVX-512, 8 for AVX2, NEON and the scalar type).
 constexpr int64_t kKeyPanel = 32;
+// Value columns per packed V panel (prefill): panel[key][column], kValuePanel columns wide, one
+// row per key, zero-padded past Dv. A multiple of every P.V micro-kernel's columns (64 for
+// AVX-512, 16 for AVX2, NEON and the scalar type), so a column block never straddles two panels.
+constexpr int64_t kValuePanel = 64;
 // Keys per split-key work item (decode and short chunks).
 constexpr int64_t kSplitKeyChunk = 1024;
 
