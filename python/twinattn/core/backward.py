@@ -100,8 +100,10 @@ def attention_backward(
                 q4.astype(FLOAT32), k4.astype(FLOAT32), v4.astype(FLOAT32), out32, num_threads=problem.num_threads,
                 **options,
             )
-            dout64 = dout4.astype(np.float64)
-            drift = np.sum(dout64 * out32, axis=-1) - np.sum(dout64 * out4.astype(np.float64), axis=-1)
+            # rowsum(dout * (out32 - out)) in float32: the difference is exact where the two are
+            # within a factor of 2 of each other, and the sum's own rounding (~1e-7 of the drift)
+            # is far below the correction's rounding to q's dtype; the float64 form took 3x longer
+            drift = np.einsum("...j,...j->...", dout4.astype(FLOAT32), out32 - out4.astype(FLOAT32))
             correction = drift if correction is None else correction + drift
         if correction is not None:
             v4 = _with_column(v4, np.zeros(v4.shape[:3], v4.dtype))
