@@ -32,10 +32,12 @@ section "C++ unit tests (ctest, built by the wheel build)"
 ctest --test-dir "$WHEEL_BUILD/cpp" --output-on-failure
 
 # cargo with the wheel build's environment: its dependencies and library are reused, only the
-# test binaries are compiled (with the binding's feature on, as in the wheel)
+# test binary is compiled (with the binding's feature on, as in the wheel). Only the one test
+# binary, tests/main.rs: the library's own test harness (src/, which holds only the NEON lane
+# tests, run by scripts/aarch64.sh) would be one more whole-program optimised build of the crate.
 cargo_env_of_wheel_build
 section "Rust unit tests (cargo test)"
-(cd rust && cargo test --release --locked --features python -j "$JOBS")
+(cd rust && cargo test --release --locked --features python --test kernels -j "$JOBS")
 
 section "Rust lints (cargo fmt --check, cargo clippy -D warnings, with and without the binding)"
 if cargo clippy --version >/dev/null 2>&1 && cargo fmt --version >/dev/null 2>&1; then

@@ -359,7 +359,7 @@ fn shape_string(shape: &[i64]) -> String {
 /// The address range `[lowest, highest + item)` that a strided view touches, or None when it
 /// has no element. Used to tell whether two views may share memory (the same test as NumPy's
 /// `may_share_memory`: bounds only, so interleaved views are conservatively reported).
-fn byte_extent(data: usize, shape: &[i64], stride: &[i64], item: i64) -> Option<(i128, i128)> {
+pub fn byte_extent(data: usize, shape: &[i64], stride: &[i64], item: i64) -> Option<(i128, i128)> {
     if shape.iter().any(|&n| n <= 0) {
         return None;
     }
@@ -376,7 +376,8 @@ fn byte_extent(data: usize, shape: &[i64], stride: &[i64], item: i64) -> Option<
     Some((lowest, highest + item as i128))
 }
 
-fn extents_overlap(a: Option<(i128, i128)>, b: Option<(i128, i128)>) -> bool {
+/// Whether two address ranges from `byte_extent` share a byte (an empty view shares none).
+pub fn extents_overlap(a: Option<(i128, i128)>, b: Option<(i128, i128)>) -> bool {
     match (a, b) {
         (Some((a0, a1)), Some((b0, b1))) => a0 < b1 && b0 < a1,
         _ => false,
@@ -386,7 +387,7 @@ fn extents_overlap(a: Option<(i128, i128)>, b: Option<(i128, i128)>) -> bool {
 /// Whether two distinct indices of a view may address the same element. Sufficient test:
 /// sorted by |stride|, each axis of length > 1 must step past everything the smaller axes reach.
 /// Exotic interleaved layouts that do not overlap may be reported too; outputs never need them.
-fn may_overlap_itself(shape: &[i64], stride: &[i64]) -> bool {
+pub fn may_overlap_itself(shape: &[i64], stride: &[i64]) -> bool {
     if shape.iter().any(|&n| n <= 0) {
         return false;
     }
@@ -1607,28 +1608,4 @@ pub fn paged_sequences<'a>(
         sequences.push(s);
     }
     Ok(sequences)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn self_overlap() {
-        assert!(!may_overlap_itself(&[2, 3, 4, 5], &[60, 20, 5, 1]));
-        assert!(!may_overlap_itself(&[2, 3, 4, 5], &[5, 40, 10, -1]));
-        assert!(may_overlap_itself(&[2, 3, 4, 5], &[60, 0, 5, 1]));
-        assert!(may_overlap_itself(&[2, 3, 4, 5], &[60, 20, 4, 1]));
-        assert!(!may_overlap_itself(&[2, 1, 4, 5], &[20, 0, 5, 1]));
-        assert!(!may_overlap_itself(&[0, 3, 4, 5], &[0, 0, 0, 0]));
-    }
-
-    #[test]
-    fn extents() {
-        assert_eq!(byte_extent(100, &[2, 3], &[3, 1], 4), Some((100, 124)));
-        assert_eq!(byte_extent(100, &[2, 3], &[-3, 1], 4), Some((88, 112)));
-        assert_eq!(byte_extent(100, &[2, 0], &[3, 1], 4), None);
-        assert!(extents_overlap(Some((0, 8)), Some((4, 12))));
-        assert!(!extents_overlap(Some((0, 8)), Some((8, 12))));
-    }
 }

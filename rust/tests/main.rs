@@ -10,6 +10,7 @@
 //! | int8 | int8 K/V on every instruction set |
 //! | backward | the backward pass against a naive float64 backward |
 //! | paged | packed and paged batches |
+//! | problem | the checks' memory-overlap helpers on hand-made layouts |
 
 // The library is named `_rust` after the Python module it builds; the tests call it by the
 // package's name.
@@ -25,4 +26,5 @@ mod dtypes;
 mod flash_kernel;
 mod int8;
 mod paged;
+mod problem;
 mod reference_kernel;
