@@ -447,12 +447,14 @@ fn small_problems_match_float64() {
         c.threads = 3;
     });
     // Every instruction set: the backward's inner products are each one's own kernels.
+    let _isa = common::isa_switch();
     for isa in available_isas() {
         set_isa(isa).unwrap();
         for c in &cases {
             run_case(c);
         }
     }
+    set_isa(available_isas()[0]).unwrap();
 }
 
 /// The bfloat16 tile path (amxbf16: bfloat16 with D and Dv multiples of 32, products on tiles, P
@@ -468,6 +470,7 @@ fn small_problems_match_float64() {
     ignore = "avx512bf16 + AMX-TILE/AMX-BF16 (and the OS's permission) is not available on this CPU"
 )]
 fn bf16_tile_path() {
+    let _isa = common::isa_switch();
     let mut c = Case::new("bf16_tiles");
     c.shape = [2, 8, 2, 70, 150, 64, 32];
     c.causal = true;
@@ -553,6 +556,7 @@ fn bf16_tile_path() {
             .iter()
             .all(|&x| bf16_to_f32(x) == 0.0));
     }
+    set_isa(available_isas()[0]).unwrap();
 }
 
 #[test]

@@ -24,8 +24,6 @@ use twinattn::reference_kernel::attention_reference;
 
 const TOLERANCE: f64 = 1e-4;
 
-/// The tests that switch the instruction set (set_isa is process-wide) run one at a time.
-static ISA_SWITCH: std::sync::Mutex<()> = std::sync::Mutex::new(());
 const HQ: i64 = 4;
 const HKV: i64 = 2;
 const D: i64 = 12;
@@ -289,9 +287,7 @@ fn varlen_problem<'a>(
 
 #[test]
 fn every_isa() {
-    let _isa = ISA_SWITCH
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _isa = common::isa_switch();
     let mut rng = Rng::new(3);
     let p = make_packed(&mut rng, &ROWS, &KEYS);
     let total_q = p.cu_q[ROWS.len()];
@@ -321,9 +317,7 @@ fn every_isa() {
 /// sequence's own keys, merged, against the reference on the sequence's keys.
 #[test]
 fn cascade() {
-    let _isa = ISA_SWITCH
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _isa = common::isa_switch();
     let mut rng = Rng::new(7);
     let mut p = make_packed(&mut rng, &[1, 2, 1], &[300, 310, 340]);
     let prefix = 18 * 16;

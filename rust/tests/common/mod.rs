@@ -3,6 +3,7 @@
 #![allow(dead_code)] // each test file uses its own subset
 
 use std::cell::Cell;
+use std::sync::{Mutex, MutexGuard};
 use twinattn::element::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 use twinattn::problem::ElementType;
 use twinattn::problem::{
@@ -36,6 +37,16 @@ pub fn with_kernel(kernel: Kernel, test: fn()) {
     }
     KERNEL.with(|k| k.set(kernel));
     test();
+}
+
+/// Held by each test that switches the process-wide instruction set (`dispatch::set_isa`, which
+/// the backward and the packed / paged entry points follow), so such tests run one at a time; each
+/// restores the default before it lets go.
+pub fn isa_switch() -> MutexGuard<'static, ()> {
+    static ISA_SWITCH: Mutex<()> = Mutex::new(());
+    ISA_SWITCH
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// Runs `case` with `kernel` (whose instruction set must be available), then restores this
