@@ -316,29 +316,38 @@ struct Kernel {
         }
     }
 
-    // ---- 3a. S = Q K^T: R (<= kMicroRows) rows x kScoreVectors vectors of keys ---------------
-    // q: R rows of D; panel: (D, kKeyPanel) already offset to the first key column;
-    // scores: R rows of stride kKeyBlock. While it reads panel row d it prefetches the same
-    // columns kScorePrefetchBytes further on in the panels (a strip reads them as one stream,
-    // panel after panel; past the last panel the hint reads nothing the program sees).
-    template <int R>
+    // ---- 3a. S = Q K^T: R (<= kMicroRows) rows x SV vectors of keys ---------------------------
+    // q: R rows of D; panel: (D, kKeyPanel) already offset to the first key column; vector v
+    // reads panel v / kPanelVectors after it (D * kKeyPanel floats apart: the micro-kernel may
+    // span panels); scores: R rows of stride kKeyBlock. While it reads panel row d it prefetches
+    // the same columns kScorePrefetchBytes further on in each panel it reads (a strip reads the
+    // panels as one stream, panel after panel; past the last panel the hint reads nothing the
+    // program sees).
+    template <int R, int SV>
     static void score_micro(const float* q, int64_t D, const float* panel, float* scores) {
-        constexpr int SV = V::kScoreVectors;
-        constexpr int64_t kMicroLines = (SV * W * static_cast<int64_t>(sizeof(float)) + 63) / 64;
+        constexpr int kPanelVectors = kKeyPanel / W < SV ? kKeyPanel / W : SV;  // vectors per panel read
+        constexpr int kPanels = SV / kPanelVectors;
+        constexpr int64_t kMicroLines = (kPanelVectors * W * static_cast<int64_t>(sizeof(float)) + 63) / 64;
+        static_assert(SV % kPanelVectors == 0, "a micro-kernel reads whole panel rows, or part of one");
         Reg acc[R][SV];
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
             for (int v = 0; v < SV; ++v) acc[r][v] = V::zero();
         for (int64_t d = 0; d < D; ++d) {
-            // an address, not a pointer into the panels: it may lie past them (a prefetch never faults)
-            const uintptr_t ahead = reinterpret_cast<uintptr_t>(panel + d * kKeyPanel) + kScorePrefetchBytes;
+#pragma GCC unroll 4
+            for (int pp = 0; pp < kPanels; ++pp) {
+                // an address, not a pointer into the panels: it may lie past them (a prefetch never faults)
+                const uintptr_t ahead =
+                    reinterpret_cast<uintptr_t>(panel + pp * D * kKeyPanel + d * kKeyPanel) + kScorePrefetchBytes;
 #pragma GCC unroll 2
-            for (int64_t line = 0; line < kMicroLines; ++line)
-                prefetch_line(reinterpret_cast<const char*>(ahead + line * 64));
+                for (int64_t line = 0; line < kMicroLines; ++line)
+                    prefetch_line(reinterpret_cast<const char*>(ahead + line * 64));
+            }
             Reg keys[SV];
 #pragma GCC unroll 4
-            for (int v = 0; v < SV; ++v) keys[v] = V::load(panel + d * kKeyPanel + v * W);
+            for (int v = 0; v < SV; ++v)
+                keys[v] = V::load(panel + v / kPanelVectors * D * kKeyPanel + d * kKeyPanel + v % kPanelVectors * W);
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
                 const Reg q_rd = V::broadcast(q[r * D + d]);
@@ -352,15 +361,25 @@ struct Kernel {
             for (int v = 0; v < SV; ++v) V::store(scores + r * kKeyBlock + v * W, acc[r][v]);
     }
 
-    // S for one strip of R rows against every panel of the block (n keys).
+    // S for one strip of R rows against every panel of the block (n keys): micro-kernels of
+    // kScoreVectors vectors from key 0 on; where fewer keys than that remain in the block's panels
+    // (kScoreVectors * W > kKeyPanel: the last panel), one panel's width, so no panel past the
+    // block's is read.
     template <int R>
     static void strip_scores(const float* q, int64_t D, const float* panels, int64_t n, float* scores) {
-        constexpr int64_t keys_per_micro = V::kScoreVectors * W;
-        for (int64_t panel = 0; panel * kKeyPanel < n; ++panel) {
-            for (int64_t column = 0; column < kKeyPanel && panel * kKeyPanel + column < n;
-                 column += keys_per_micro)
-                score_micro<R>(q, D, panels + panel * D * kKeyPanel + column,
-                               scores + panel * kKeyPanel + column);
+        constexpr int SV = V::kScoreVectors;
+        constexpr int64_t keys_per_micro = SV * W;
+        constexpr int kPanelVectors = kKeyPanel / W < SV ? kKeyPanel / W : SV;
+        const int64_t panel_keys = round_up(n, kKeyPanel);
+        for (int64_t j = 0; j < n;) {
+            const float* panel = panels + j / kKeyPanel * D * kKeyPanel + j % kKeyPanel;
+            if (j + keys_per_micro <= panel_keys) {
+                score_micro<R, SV>(q, D, panel, scores + j);
+                j += keys_per_micro;
+            } else {
+                score_micro<R, kPanelVectors>(q, D, panel, scores + j);
+                j += kPanelVectors * W;
+            }
         }
     }
 

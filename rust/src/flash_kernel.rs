@@ -467,10 +467,12 @@ const MAX_VECTORS: usize = 4;
 /// The widest vector type's WIDTH (AVX-512: 16 floats): the transpose block of [`pack_keys`].
 const MAX_WIDTH: usize = 16;
 
-/// q: R rows of D; panel: (D, KEY_PANEL) already offset to the first key column;
-/// scores: R rows of stride KEY_BLOCK. While it reads panel row d it prefetches the same columns
-/// SCORE_PREFETCH_BYTES further on in the panels (a strip reads them as one stream, panel after
-/// panel; past the last panel the hint reads nothing the program sees).
+/// q: R rows of D; panel: (D, KEY_PANEL) already offset to the first key column; vector v of
+/// the sv reads panel v / panel_vectors after it (D * KEY_PANEL floats apart: the micro-kernel
+/// may span panels); scores: R rows of stride KEY_BLOCK. While it reads panel row d it
+/// prefetches the same columns SCORE_PREFETCH_BYTES further on in each panel it reads (a strip
+/// reads the panels as one stream, panel after panel; past the last panel the hint reads nothing
+/// the program sees). sv is a constant after inlining (C++: a template parameter).
 ///
 /// # Safety
 /// V's instruction set is available; the pointers cover what is described above.
@@ -480,25 +482,32 @@ unsafe fn score_micro<V: Vector, const R: usize>(
     d_len: usize,
     panel: *const f32,
     scores: *mut f32,
+    sv: usize,
 ) {
-    let sv = V::SCORE_VECTORS;
     let w = V::WIDTH;
-    let micro_lines = (sv * w * size_of::<f32>()).div_ceil(64);
+    // vectors per panel read, and the panels read
+    let panel_vectors = (KEY_PANEL / w).min(sv);
+    let panels = sv / panel_vectors;
+    let micro_lines = (panel_vectors * w * size_of::<f32>()).div_ceil(64);
     // SAFETY: forwarded from this function's contract.
     unsafe {
         let mut acc = [[V::zero(); MAX_VECTORS]; R];
         for d in 0..d_len {
-            // wrapping: the address may lie past the panels (a prefetch never faults)
-            let ahead = panel
-                .add(d * KEY_PANEL)
-                .cast::<u8>()
-                .wrapping_add(SCORE_PREFETCH_BYTES);
-            for line in 0..micro_lines {
-                prefetch_line(ahead.wrapping_add(line * 64));
+            for pp in 0..panels {
+                // wrapping: the address may lie past the panels (a prefetch never faults)
+                let ahead = panel
+                    .add(pp * d_len * KEY_PANEL + d * KEY_PANEL)
+                    .cast::<u8>()
+                    .wrapping_add(SCORE_PREFETCH_BYTES);
+                for line in 0..micro_lines {
+                    prefetch_line(ahead.wrapping_add(line * 64));
+                }
             }
             let mut keys = [V::zero(); MAX_VECTORS];
             for (v, key) in keys.iter_mut().enumerate().take(sv) {
-                *key = V::load(panel.add(d * KEY_PANEL + v * w));
+                *key = V::load(panel.add(
+                    v / panel_vectors * d_len * KEY_PANEL + d * KEY_PANEL + v % panel_vectors * w,
+                ));
             }
             for (r, acc_r) in acc.iter_mut().enumerate() {
                 let q_rd = V::broadcast(*q.add(r * d_len + d));
@@ -515,7 +524,10 @@ unsafe fn score_micro<V: Vector, const R: usize>(
     }
 }
 
-/// S for one strip of R rows against every panel of the block (n keys).
+/// S for one strip of R rows against every panel of the block (n keys): micro-kernels of
+/// SCORE_VECTORS vectors from key 0 on; where fewer keys than that remain in the block's panels
+/// (SCORE_VECTORS * WIDTH > KEY_PANEL: the last panel), one panel's width, so no panel past the
+/// block's is read.
 ///
 /// # Safety
 /// As [`score_micro`], for every micro tile of the strip.
@@ -527,23 +539,23 @@ unsafe fn strip_scores<V: Vector, const R: usize>(
     n: usize,
     scores: *mut f32,
 ) {
-    let keys_per_micro = V::SCORE_VECTORS * V::WIDTH;
-    let mut panel = 0;
-    while panel * KEY_PANEL < n {
-        let mut column = 0;
-        while column < KEY_PANEL && panel * KEY_PANEL + column < n {
-            // SAFETY: forwarded from this function's contract.
-            unsafe {
-                score_micro::<V, R>(
-                    q,
-                    d_len,
-                    panels.add(panel * d_len * KEY_PANEL + column),
-                    scores.add(panel * KEY_PANEL + column),
-                );
+    let sv = V::SCORE_VECTORS;
+    let keys_per_micro = sv * V::WIDTH;
+    let panel_vectors = (KEY_PANEL / V::WIDTH).min(sv);
+    let panel_keys = round_up(n, KEY_PANEL);
+    let mut j = 0;
+    while j < n {
+        // SAFETY: forwarded from this function's contract.
+        unsafe {
+            let panel = panels.add(j / KEY_PANEL * d_len * KEY_PANEL + j % KEY_PANEL);
+            if j + keys_per_micro <= panel_keys {
+                score_micro::<V, R>(q, d_len, panel, scores.add(j), sv);
+                j += keys_per_micro;
+            } else {
+                score_micro::<V, R>(q, d_len, panel, scores.add(j), panel_vectors);
+                j += panel_vectors * V::WIDTH;
             }
-            column += keys_per_micro;
         }
-        panel += 1;
     }
 }
 

@@ -106,12 +106,15 @@ constexpr int64_t kSerialWork = 1 << 19;
 // ---- Register blocking per instruction set (vectors per micro-kernel row) ----------------------
 // S micro-kernel: kMicroRows rows x (ScoreVectors x width) keys; P.V micro-kernel: kMicroRows
 // rows x (ValueVectors x width) value columns.
-//   AVX-512 (16 floats, 32 registers): 6 x 32 keys (12 accumulators), 6 x 64 columns (24).
+//   AVX-512 (16 floats, 32 registers): 6 x 64 keys (24 accumulators; the 64 keys span two K^T
+//   panels), 6 x 64 columns (24). S at 6 x 64 reads 10 vectors per 24 FMAs against 16 at 6 x 32:
+//   causal prefill N = 2048, one thread, C++ alternating in one process, loaded machine: 263-276
+//   ms against 278-293 (docs/kernels.md, "What bounds prefill").
 //   AVX2 (8 floats, 16 registers):     6 x 16 keys (12 accumulators), 6 x 16 columns (12).
 //   NEON (AArch64, 32 128-bit registers): a width-8 vector is two of them, so AVX2's blocking
 //   fits: 6 x 16 keys = 24 accumulator registers + 4 for the keys + 1 broadcast; as AVX2.
 //   scalar (a plain array of 8 floats, auto-vectorised where the compiler can): as AVX2.
-constexpr int kAvx512ScoreVectors = 2;
+constexpr int kAvx512ScoreVectors = 4;
 constexpr int kAvx512ValueVectors = 4;
 constexpr int kAvx2ScoreVectors = 2;
 constexpr int kAvx2ValueVectors = 2;
