@@ -20,7 +20,8 @@ import pytest
 
 import twinattn
 from grad_helpers import B, CASES, DV, HKV, HQ, LK, LQ, problem as _problem
-from twinattn.core.backward import attention_backward
+from helpers import BFLOAT16
+from twinattn.core.backward import attention_backward, attention_for_training
 
 UNIT_ROUNDOFF = 2.0**-24  # float32
 FD_STEP = 1e-6
@@ -146,6 +147,35 @@ def test_backward_refuses_int8_keys(backend: str) -> None:
     out, lse = twinattn.attention(q, k8, v8, k_scale=k_scale, v_scale=v_scale, backend=backend, return_lse=True)
     with pytest.raises(ValueError, match="int8 keys and values carry no gradient"):
         attention_backward(q, k8, v8, out, out, lse, k_scale=k_scale, v_scale=v_scale, backend=backend)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BFLOAT16], ids=["float32", "bfloat16"])
+def test_attention_for_training_returns_out_lse_and_out32(backend: str, dtype: Any) -> None:
+    """out and lse as twinattn.attention's (the same bits); out32: out itself for float32, else
+    float32 (out widened on NumPy's reference, the output before its rounding on the native ports,
+    within out's rounding and P's); attention_backward takes it as out."""
+    q, k, v, kwargs = _problem("everything", seed=4, dtype=np.float32)
+    q, k, v = q.astype(dtype), k.astype(dtype), v.astype(dtype)
+    out, lse, out32 = attention_for_training(q, k, v, backend=backend, **kwargs)
+    want_out, want_lse = twinattn.attention(q, k, v, backend=backend, return_lse=True, **kwargs)
+    assert np.array_equal(out.view(np.uint8), want_out.view(np.uint8)) and np.array_equal(lse, want_lse)
+    if dtype == np.float32:
+        assert out32 is out
+    else:
+        assert out32.dtype == np.float32
+        apart = np.abs(out32.astype(np.float64) - out.astype(np.float64))
+        assert (apart <= 2.0**-9 * np.abs(out.astype(np.float64)) + 2.0**-9 * np.abs(v.astype(np.float64)).max()).all()
+    dout = np.ones_like(out)
+    grads = attention_backward(q, k, v, out32, dout, lse, backend=backend, **kwargs)
+    assert grads.dq.dtype == dtype and grads.dq.shape == q.shape
+
+
+def test_backward_names_out32_in_a_half_out_dtype_error(backend: str) -> None:
+    q, k, v, _ = _problem("plain", dtype=np.float32)
+    q, k, v = q.astype(BFLOAT16), k.astype(BFLOAT16), v.astype(BFLOAT16)
+    out, lse = twinattn.attention(q, k, v, backend=backend, return_lse=True)
+    with pytest.raises(TypeError, match=r"out: expected dtype bfloat16 or float32 \(the forward's out32\), got float16"):
+        attention_backward(q, k, v, out.astype(np.float16), out, lse, backend=backend)
 
 
 @pytest.mark.parametrize(

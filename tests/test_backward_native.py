@@ -501,3 +501,161 @@ def test_bad_backward_call_same_error_in_both_ports(ports: dict[str, ModuleType]
         with pytest.raises(error) as raised:
             module.attention_backward(**args)
         assert str(raised.value) == message
+
+
+# ---- A training step's float32 out (out32) and lse's gradient (dlse) ---------------------------
+# attention_forward(..., out32=) writes out before its rounding beside out (float16 / bfloat16);
+# attention_backward takes it as out (Drow from it) and folds dlse into Drow natively
+# (docs/native_api.md).
+
+def _forward_out32(module: ModuleType, inputs: dict[str, np.ndarray], kw: dict[str, Any], num_threads: int = 1,
+                   kernel: str = "attention_forward") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """out, lse and out32 of one port's forward (or reference kernel), from NaN-filled arrays."""
+    q, v = inputs["q"], inputs["v"]
+    out = np.full((*q.shape[:3], v.shape[3]), np.nan, q.dtype)
+    out32 = np.full(out.shape, np.nan, np.float32)
+    lse = np.full(q.shape[:3], np.nan, np.float32)
+    getattr(module, kernel)(q, inputs["k"], v, out, lse=lse, out32=out32, num_threads=num_threads, **kw)
+    return out, lse, out32
+
+
+# prefill (packed rows past one query tile: the pair paths on avx512bf16 and amxbf16, D = 64 and
+# D = 40 for the tiles and the dot products), decode (one row against many keys, split across
+# threads and merged) and a small problem with the variants
+OUT32_CASES: list[tuple[str, tuple[int, ...], dict[str, Any]]] = [
+    ("prefill_causal", (2, 8, 2, 70, 150, 64, 32), dict(causal=True, q_offset=np.array([80, 0], np.int64))),
+    ("prefill_d40_window", (2, 8, 2, 70, 150, 40, 24), dict(causal=True, window_left=5, q_offset=np.array([80, 3], np.int64))),
+    ("decode", (2, 8, 2, 1, 3000, 64, 32), dict(kv_lens=np.array([3000, 1700], np.int64))),
+    ("small_everything", (B, HQ, HKV, LQ, LK, D, DV), SMALL_CASES[-1][1]),
+]
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize(("case", "shape", "kw"), OUT32_CASES, ids=[case[0] for case in OUT32_CASES])
+def test_forward_out32_is_out_before_rounding(ports: dict[str, ModuleType], dtype: Any, case: str,
+                                              shape: tuple[int, ...], kw: dict[str, Any]) -> None:
+    """out and lse keep their bits with out32 requested; out32 rounds to out (float16), or stays
+    within out's own P rounding of it (bfloat16: the pair paths add P.V's remainder pairs to out32
+    only); both ports and the reference kernel write it (the same bits between the ports), within
+    float32's error of the float64 output."""
+    inputs = _problem(21, *shape, dtype=dtype)
+    kw = {"scale": 0.2, **kw}
+    plain_out, plain_lse = _forward(ports, inputs, {**kw, "num_threads": 2})
+    got = {port: _forward_out32(module, inputs, kw, num_threads=2) for port, module in ports.items()}
+    for port, (out, lse, out32) in got.items():
+        assert np.array_equal(_bits(out), _bits(plain_out)) and np.array_equal(_bits(lse), _bits(plain_lse)), port
+        if dtype == np.float16:
+            assert np.array_equal(_bits(out32.astype(dtype)), _bits(out)), port
+        apart = np.abs(out32.astype(np.float64) - out.astype(np.float64))
+        bound = HALF_ULP[np.dtype(dtype)] * np.abs(out.astype(np.float64)) + 2.0**-9 * np.abs(inputs["v"]).max()
+        assert (apart <= bound).all(), port
+    assert np.array_equal(_bits(got["cpp"][2]), _bits(got["rust"][2]))
+    out32 = got["cpp"][2]
+    assert not np.array_equal(out32, plain_out.astype(np.float32))  # more than out widened
+    q, k, v = (inputs[name].astype(np.float32) for name in ("q", "k", "v"))
+    exact = np.zeros(out32.shape, np.float32)
+    ports["cpp"].attention_reference(q, k, v, exact, **kw)
+    values = np.abs(v).max()
+    assert np.abs(out32 - exact).max() <= 2.0**-14 * values, float(np.abs(out32 - exact).max())
+    for port, module in ports.items():
+        ref_out, _, ref_out32 = _forward_out32(module, inputs, kw, kernel="attention_reference")
+        assert np.array_equal(_bits(ref_out32.astype(dtype)), _bits(ref_out)), port
+        assert np.abs(ref_out32 - exact).max() <= 2.0**-20 * values, port
+
+
+def _with_column(a: np.ndarray, column: np.ndarray) -> np.ndarray:
+    return np.concatenate([a, column[..., None].astype(a.dtype)], axis=-1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["float32", "bfloat16"])
+def test_dlse_folded_natively_equals_the_value_column(ports: dict[str, ModuleType], dtype: Any) -> None:
+    """dlse folded into Drow natively: the same bits in both ports, and within float32's error of
+    the same gradients by one more value column (0 in v, 1 in dout, -dlse in out), which moves
+    Drow alike; dlse = 0 gives the bits of no dlse. For bfloat16, out is the forward's out32."""
+    kw = dict(scale=0.2, causal=True, q_offset=np.array([80, 0], np.int64), sinks=np.linspace(-1, 1, 8).astype(np.float32))
+    inputs = _problem(22, 2, 8, 2, 70, 150, 64, 32, dtype=dtype)
+    if dtype == np.float32:
+        out, lse = _forward(ports, inputs, kw)
+    else:
+        _, lse, out = _forward_out32(ports["cpp"], inputs, kw)
+    dlse = np.random.default_rng(23).standard_normal(lse.shape).astype(np.float32)
+    got = {}
+    for port, module in ports.items():
+        q, k, v = inputs["q"], inputs["k"], inputs["v"]
+        grads = {"dq": np.full(q.shape, np.nan, q.dtype), "dk": np.full(k.shape, np.nan, q.dtype),
+                 "dv": np.full(v.shape, np.nan, q.dtype), "dsinks": np.full(8, np.nan, np.float32)}
+        module.attention_backward(q, k, v, out, inputs["dout"], lse, grads["dq"], grads["dk"], grads["dv"],
+                                  dsinks=grads["dsinks"], dlse=dlse, **kw)
+        got[port] = grads
+        zero = _run(module, inputs, out, lse, {**kw, "dlse": np.zeros_like(dlse)})
+        plain = _run(module, inputs, out, lse, kw)
+        for name in plain:
+            assert np.array_equal(_bits(zero[name]), _bits(plain[name])), (port, name)
+    for name in got["cpp"]:
+        assert np.array_equal(_bits(got["cpp"][name]), _bits(got["rust"][name])), name
+    columns = {"q": inputs["q"], "k": inputs["k"], "v": _with_column(inputs["v"], np.zeros(inputs["v"].shape[:3])),
+               "dout": _with_column(inputs["dout"], np.ones(inputs["dout"].shape[:3]))}
+    column = _run(ports["cpp"], columns, _with_column(out, -dlse), lse, kw)
+    column["dv"] = column["dv"][..., :-1]
+    want = _backward64(inputs, out, kw)
+    for name, grad in got["cpp"].items():
+        reference = column[name].astype(np.float64)
+        bound = (want["bounds"].get(name, 0.0) + 2 * HALF_ULP[np.dtype(dtype)] * np.abs(reference)
+                 + 2.0**-20 * np.abs(reference).max())
+        assert (np.abs(grad.astype(np.float64) - reference) <= bound).all(), name
+
+
+_HALF_IN = _problem(4, B, HQ, HKV, LQ, LK, D, DV, dtype=BF16)
+_big = np.zeros(B * HQ * LQ * DV, np.float32)
+
+OUT32_BAD_CALLS: list[tuple[str, str, dict[str, Any], type[Exception], str]] = [
+    ("out32_float32_problem", "attention_forward", dict(out32=np.zeros((B, HQ, LQ, DV), np.float32)), ValueError,
+     "out32: expected None for a float32 problem (out is float32 already), got an array"),
+    ("out32_shape", "attention_forward", dict(q=_HALF_IN["q"], k=_HALF_IN["k"], v=_HALF_IN["v"],
+                                              out=np.zeros((B, HQ, LQ, DV), BF16),
+                                              out32=np.zeros((B, HQ, LQ, DV + 1), np.float32)), ValueError,
+     "out32: expected shape (B=2, Hq=4, Lq=5, Dv=6), got (2, 4, 5, 7)"),
+    ("out32_dtype", "attention_forward", dict(q=_HALF_IN["q"], k=_HALF_IN["k"], v=_HALF_IN["v"],
+                                              out=np.zeros((B, HQ, LQ, DV), BF16),
+                                              out32=np.zeros((B, HQ, LQ, DV), np.float16)), TypeError,
+     "out32: expected dtype float32, got float16"),
+    ("out32_read_only", "attention_forward", dict(q=_HALF_IN["q"], k=_HALF_IN["k"], v=_HALF_IN["v"],
+                                                  out=np.zeros((B, HQ, LQ, DV), BF16),
+                                                  out32=np.zeros((B, HQ, LQ, DV), np.float32)), ValueError,
+     "out32: expected a writeable array, got a read-only one"),
+    ("out32_over_lse", "attention_forward", dict(q=_HALF_IN["q"], k=_HALF_IN["k"], v=_HALF_IN["v"],
+                                                 out=np.zeros((B, HQ, LQ, DV), BF16), out32=_big.reshape(B, HQ, LQ, DV),
+                                                 lse=_big[:B * HQ * LQ].reshape(B, HQ, LQ)), ValueError,
+     "out32: expected memory disjoint from lse, got arrays that overlap"),
+    ("out_dtype_half", "attention_backward", dict(q=_HALF_IN["q"], k=_HALF_IN["k"], v=_HALF_IN["v"],
+                                                  out=np.zeros((B, HQ, LQ, DV), np.float16), dout=_HALF_IN["dout"],
+                                                  dq=np.zeros((B, HQ, LQ, D), BF16), dk=np.zeros((B, HKV, LK, D), BF16),
+                                                  dv=np.zeros((B, HKV, LK, DV), BF16)), TypeError,
+     "out: expected dtype bfloat16 (q's dtype) or float32 (the forward's out32), got float16"),
+    ("out_dtype_float32_problem", "attention_backward", dict(out=np.zeros((B, HQ, LQ, DV), np.float64)), TypeError,
+     "out: expected dtype float32 (q's dtype), got float64"),
+    ("dlse_shape", "attention_backward", dict(dlse=np.zeros((B, HQ, LQ + 1), np.float32)), ValueError,
+     "dlse: expected shape (B=2, Hq=4, Lq=5), got (2, 4, 6)"),
+    ("dlse_dtype", "attention_backward", dict(dlse=np.zeros((B, HQ, LQ), np.float64)), TypeError,
+     "dlse: expected dtype float32, got float64"),
+    ("dq_over_dlse", "attention_backward", dict(dlse=None), ValueError,
+     "dq: expected memory disjoint from dlse, got arrays that overlap"),
+]
+
+
+@pytest.mark.parametrize(("entry", "overrides", "error", "message"), [case[1:] for case in OUT32_BAD_CALLS],
+                         ids=[case[0] for case in OUT32_BAD_CALLS])
+def test_bad_out32_or_dlse_same_error_in_both_ports(ports: dict[str, ModuleType], entry: str, overrides: dict[str, Any],
+                                                    error: type[Exception], message: str) -> None:
+    for module in ports.values():
+        args = _bad_args(**overrides)
+        if entry == "attention_forward":
+            for name in ("dout", "dq", "dk", "dv"):
+                del args[name]
+        if "dlse" in overrides and overrides["dlse"] is None:  # dlse over dq's memory
+            args["dlse"] = args["dq"].reshape(-1)[:B * HQ * LQ].reshape(B, HQ, LQ)
+        if message.endswith("read-only one"):
+            args["out32"].flags.writeable = False
+        with pytest.raises(error) as raised:
+            getattr(module, entry)(**args)
+        assert str(raised.value) == message

@@ -27,6 +27,7 @@ tt = import_optional("twinattn.torch", "the torch integration")
 
 from grad_helpers import CASES, LK, LQ, dense_mask, math_attention, problem  # noqa: E402
 from helpers import BFLOAT16, FLOAT32_ERROR_FACTOR, FLOOR_ULPS, UNIT_ROUNDOFF, forced_isa, half_ulp  # noqa: E402
+from twinattn.core.backward import attention_backward, attention_for_training  # noqa: E402
 
 NAMES = ("dq", "dk", "dv", "dsinks")
 HALF_DTYPES = {"float16": (torch.float16, np.dtype(np.float16)), "bfloat16": (torch.bfloat16, BFLOAT16)}
@@ -160,6 +161,36 @@ def test_bf16_tile_path_no_worse_than_twice_sdpa(native_backend: str, case: str)
         half = float(half_ulp(np.array([float(w.abs().max())]), BFLOAT16)[0])
         tol = 2 * _error(s, w) + half
         assert _error(g, w) <= tol, f"{native_backend} {case} {name}: error {_error(g, w):.3g} > {tol:.3g}"
+
+
+@pytest.mark.parametrize("dtype", list(HALF_DTYPES))
+@pytest.mark.parametrize("case", list(TILE_CASES))
+def test_half_training_step_keeps_out32_no_worse_than_twice_sdpa(native_backend: str, case: str, dtype: str) -> None:
+    """A float16 / bfloat16 step on this machine's instruction set (the bfloat16 pair paths round
+    P for P.V: out32 adds the remainder's pairs): autograd's forward keeps out32, which the backward
+    reads as out (the same bits as attention_backward given out32 from attention_for_training),
+    within the rule above."""
+    torch_dtype, np_dtype = HALF_DTYPES[dtype]
+    rng = np.random.default_rng(32)
+    shapes = ((2, 8, 60, 64), (2, 2, 140, 64), (2, 2, 140, 64))
+    leaves = [torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(torch_dtype).requires_grad_()
+              for shape in shapes]
+    kwargs = {n: torch.from_numpy(a) if isinstance(a, np.ndarray) else a for n, a in TILE_CASES[case](rng).items()}
+    dout = torch.from_numpy(rng.standard_normal((2, 8, 60, 64))).to(torch_dtype)
+    got = _grads(lambda q, k, v, **kw: tt.attention(q, k, v, backend=native_backend, **kw), leaves, kwargs, dout)
+    arrays = [leaf.detach().float().numpy().astype(np_dtype) for leaf in leaves]
+    np_kwargs = _numpy_kwargs(kwargs)
+    _, lse, out32 = attention_for_training(*arrays, backend=native_backend, **np_kwargs)
+    assert out32.dtype == np.float32
+    direct = attention_backward(*arrays, out32, dout.float().numpy().astype(np_dtype), lse, backend=native_backend,
+                                **np_kwargs)
+    want = _reference_grads(leaves, kwargs, dout.double())
+    sdpa = _grads(_sdpa, leaves, kwargs, dout)
+    for name, g, w, s, d in zip(NAMES, got, want, sdpa, direct):
+        assert np.array_equal(g.float().numpy(), d.astype(np.float32)), name
+        half = float(half_ulp(np.array([float(w.abs().max())]), np_dtype)[0])
+        tol = 2 * _error(s, w) + half
+        assert _error(g, w) <= tol, f"{native_backend} {case} {dtype} {name}: error {_error(g, w):.3g} > {tol:.3g}"
 
 
 @pytest.mark.parametrize("case", ["everything", "empty-rows-sinks", "float-mask"])

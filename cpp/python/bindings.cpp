@@ -41,8 +41,10 @@ std::string tuple_string(const py::ssize_t* values, py::ssize_t count) {
 }
 
 // Element: float32, float16 or bfloat16 (q); Like: like's dtype (v and out take q's);
-// LikeOrInt8: like's dtype or int8 (k); Int8: int8 (v when k is int8, "k's dtype").
-enum class Dtype { Float32, Int64, BoolOrFloat32, Element, Like, LikeOrInt8, Int8 };
+// LikeOrInt8: like's dtype or int8 (k); Int8: int8 (v when k is int8, "k's dtype");
+// LikeOrFloat32: like's dtype, or float32 when like's is float16 / bfloat16 (the backward's out:
+// the forward's out32).
+enum class Dtype { Float32, Int64, BoolOrFloat32, Element, Like, LikeOrInt8, Int8, LikeOrFloat32 };
 
 std::string dtype_string(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
 
@@ -85,7 +87,11 @@ py::array as_array(const py::handle& object, const char* name, Dtype dtype, py::
         if (!element_type_of(a.dtype(), &type))
             throw py::type_error(std::string(name) + ": expected dtype float32, float16 or bfloat16, got " +
                                  dtype_string(a));
-    } else if (dtype == Dtype::Like) {
+    } else if (dtype == Dtype::LikeOrFloat32 && !like->dtype().equal(py::dtype::of<float>())) {
+        if (!a.dtype().equal(like->dtype()) && !a.dtype().equal(py::dtype::of<float>()))
+            throw py::type_error(std::string(name) + ": expected dtype " + dtype_string(*like) +
+                                 " (q's dtype) or float32 (the forward's out32), got " + dtype_string(a));
+    } else if (dtype == Dtype::Like || dtype == Dtype::LikeOrFloat32) {
         if (!a.dtype().equal(like->dtype()))
             throw py::type_error(std::string(name) + ": expected dtype " + dtype_string(*like) +
                                  " (q's dtype), got " + dtype_string(a));
@@ -237,7 +243,7 @@ void convert_problem(ConvertedProblem& converted, bool outputs, const py::handle
     const bool kv_int8 = k.dtype().equal(py::dtype::of<int8_t>());
     const py::array v = kv_int8 ? as_array(v_obj, "v", Dtype::Int8, 4, "(B, Hkv, Lk, Dv)")
                                 : as_array(v_obj, "v", Dtype::Like, 4, "(B, Hkv, Lk, Dv)", &q);
-    const py::array out = as_array(out_obj, "out", Dtype::Like, 4, "(B, Hq, Lq, Dv)", &q);
+    const py::array out = as_array(out_obj, "out", outputs ? Dtype::Like : Dtype::LikeOrFloat32, 4, "(B, Hq, Lq, Dv)", &q);
     if (outputs) require_writeable(out, "out");
     AttentionProblem& problem = converted.problem;
     element_type_of(q.dtype(), &problem.dtype);
@@ -279,6 +285,16 @@ void convert_problem(ConvertedProblem& converted, bool outputs, const py::handle
     problem.v_scale = param_view<ParamView3, 3>(v_scale_obj, "v_scale", "(B, Hkv, Lk)");
 }
 
+// out32 (attention_forward, attention_reference): float32 (B, Hq, Lq, Dv), writeable, into
+// problem.out32 (the core checks it against the problem); None: not requested.
+void convert_out32(AttentionProblem& problem, const py::handle& out32_obj) {
+    if (out32_obj.is_none()) return;
+    py::array out32 = as_array(out32_obj, "out32", Dtype::Float32, 4, "(B, Hq, Lq, Dv)");
+    require_writeable(out32, "out32");
+    problem.out32 = MutTensorView4{out32.mutable_data(), {}, {}};
+    fill_shape_strides<MutTensorView4, 4>(out32, problem.out32);
+}
+
 // Runs `compute` (which calls a kernel) without the GIL; the kernel checks its problem first,
 // once per call. std::invalid_argument is ValueError, std::bad_alloc MemoryError.
 template <typename Compute>
@@ -306,11 +322,12 @@ void run_kernel(Kernel kernel, const py::handle& q_obj, const py::handle& k_obj,
                 const py::handle& window_left_obj, const py::handle& window_right_obj,
                 const py::handle& softcap_obj, const py::handle& alibi_slopes_obj,
                 const py::handle& sinks_obj, const py::handle& k_scale_obj,
-                const py::handle& v_scale_obj) {
+                const py::handle& v_scale_obj, const py::handle& out32_obj) {
     ConvertedProblem converted;
     convert_problem(converted, true, q_obj, k_obj, v_obj, out_obj, scale_obj, lse_obj, q_offset_obj,
                     kv_lens_obj, mask_obj, causal_obj, num_threads_obj, window_left_obj,
                     window_right_obj, softcap_obj, alibi_slopes_obj, sinks_obj, k_scale_obj, v_scale_obj);
+    convert_out32(converted.problem, out32_obj);
     run_without_gil(converted.num_threads, [&](int threads) { kernel(converted.problem, threads); });
 }
 
@@ -324,15 +341,16 @@ void attention_py(const py::object& q, const py::object& k, const py::object& v,
                   const py::object& num_threads, const py::object& window_left,
                   const py::object& window_right, const py::object& softcap,
                   const py::object& alibi_slopes, const py::object& sinks, const py::object& k_scale,
-                  const py::object& v_scale) {
+                  const py::object& v_scale, const py::object& out32) {
     run_kernel(kernel, q, k, v, out, scale, lse, q_offset, kv_lens, mask, causal, num_threads, window_left,
-               window_right, softcap, alibi_slopes, sinks, k_scale, v_scale);
+               window_right, softcap, alibi_slopes, sinks, k_scale, v_scale, out32);
 }
 
 // attention_backward (docs/native_api.md): the forward's arguments (its out and lse now inputs,
-// lse required), dout, and the gradients dq, dk, dv (q's dtype) and dsinks (float32, (Hq,)),
-// written in place. Conversion order: the forward's arguments as the forward converts them, then
-// dout, dq, dk, dv and dsinks; then the core's checks (check_backward).
+// lse required; out of q's dtype, or float32 for float16 / bfloat16: the forward's out32), dout,
+// the gradients dq, dk, dv (q's dtype) and dsinks (float32, (Hq,)), written in place, and dlse
+// (float32, (B, Hq, Lq)). Conversion order: the forward's arguments as the forward converts them,
+// then dout, dq, dk, dv, dsinks and dlse; then the core's checks (check_backward).
 void attention_backward_py(const py::object& q, const py::object& k, const py::object& v,
                            const py::object& out, const py::object& dout_obj, const py::object& lse,
                            const py::object& dq_obj, const py::object& dk_obj, const py::object& dv_obj,
@@ -340,7 +358,7 @@ void attention_backward_py(const py::object& q, const py::object& k, const py::o
                            const py::object& mask, const py::object& causal, const py::object& num_threads,
                            const py::object& window_left, const py::object& window_right,
                            const py::object& softcap, const py::object& alibi_slopes,
-                           const py::object& sinks, const py::object& dsinks_obj) {
+                           const py::object& sinks, const py::object& dsinks_obj, const py::object& dlse_obj) {
     ConvertedProblem converted;
     convert_problem(converted, false, q, k, v, out, scale, lse, q_offset, kv_lens, mask, causal, num_threads,
                     window_left, window_right, softcap, alibi_slopes, sinks, py::none(), py::none());
@@ -364,6 +382,9 @@ void attention_backward_py(const py::object& q, const py::object& k, const py::o
         problem.dsinks = MutParamView1{static_cast<float*>(dsinks.mutable_data()), {}, {}};
         fill_shape_strides<MutParamView1, 1>(dsinks, problem.dsinks);
     }
+    problem.out_float32 = problem.forward.dtype != ElementType::Float32 &&
+                          py::reinterpret_borrow<py::array>(out).dtype().equal(py::dtype::of<float>());
+    problem.dlse = param_view<ParamView3, 3>(dlse_obj, "dlse", "(B, Hq, Lq)");
     run_without_gil(converted.num_threads, [&](int threads) { attention_backward(problem, threads); });
 }
 
@@ -640,7 +661,7 @@ PYBIND11_MODULE(_cpp, m) {
     // attention_forward and attention_reference: the same arguments (attention_py), another kernel.
     // q, k, v and out positional, the rest keyword-only; every keyword but scale defaults to None
     // (its default: no lse, q_offset 0, kv_lens Lk, no mask, not causal, one thread, no window,
-    // no softcap, no ALiBi, no sinks, no scales).
+    // no softcap, no ALiBi, no sinks, no scales, no out32).
     const auto def_attention = [&m](const char* name, auto function, const char* doc) {
         m.def(name, function, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::kw_only(),
               py::arg("scale"), py::arg("lse") = py::none(), py::arg("q_offset") = py::none(),
@@ -648,7 +669,7 @@ PYBIND11_MODULE(_cpp, m) {
               py::arg("num_threads") = py::none(), py::arg("window_left") = py::none(),
               py::arg("window_right") = py::none(), py::arg("softcap") = py::none(),
               py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(),
-              py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), doc);
+              py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("out32") = py::none(), doc);
     };
     def_attention("attention_forward", &attention_py<&twinattn::attention_forward>,
                   "Exact scaled-dot-product attention into out (and lse) with the fast kernel and the "
@@ -661,7 +682,7 @@ PYBIND11_MODULE(_cpp, m) {
           py::arg("mask") = py::none(), py::arg("causal") = py::none(), py::arg("num_threads") = py::none(),
           py::arg("window_left") = py::none(), py::arg("window_right") = py::none(),
           py::arg("softcap") = py::none(), py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(),
-          py::arg("dsinks") = py::none(),
+          py::arg("dsinks") = py::none(), py::arg("dlse") = py::none(),
           "The gradients of attention_forward with respect to q, k, v (and sinks: dsinks) from dout, "
           "the forward's out and lse, written into dq, dk, dv (and dsinks); see docs/native_api.md.");
     // attention_varlen and attention_paged: packed query rows, keys packed alike or in pages.

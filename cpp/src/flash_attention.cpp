@@ -168,8 +168,9 @@ struct ScratchBuffers {
     AlignedBuffer<int64_t> row_key_begin, row_key_end;
     AlignedBuffer<uint32_t> probs_pairs;
     AlignedBuffer<const void*> key_rows, value_rows;
+    AlignedBuffer<float> out_acc_lo;
 
-    ThreadScratch view(int64_t D, int64_t value_stride, bool split_key, bool bf16_pairs) {
+    ThreadScratch view(int64_t D, int64_t value_stride, bool split_key, bool bf16_pairs, bool out32) {
         ThreadScratch s;
         s.q_tile = q_tile.ensure(kQTileRows * std::max<int64_t>(D, 1));
         s.scores = scores.ensure(kQTileRows * kKeyBlock);
@@ -181,6 +182,7 @@ struct ScratchBuffers {
         s.row_key_end = row_key_end.ensure(kQTileRows);
         s.key_panels = split_key ? key_panels.ensure(kKeyBlock * std::max<int64_t>(D, 1)) : nullptr;
         s.probs_pairs = bf16_pairs ? probs_pairs.ensure(kQTileRows * kKeyBlock / 2) : nullptr;
+        s.out_acc_lo = bf16_pairs && out32 ? out_acc_lo.ensure(kQTileRows * std::max<int64_t>(value_stride, 1)) : nullptr;
         s.key_scales = key_scales.ensure(kKeyBlock);
         s.value_scales = value_scales.ensure(kKeyBlock);
         s.key_rows = key_rows.ensure(2 * kKeyBlock);  // the block's, then the next block's (read-ahead)
@@ -266,7 +268,8 @@ void run_items(const FlashKernels& kernels, std::vector<CostedItem>& items, int 
         const CostedItem& costed = items[static_cast<size_t>(index)];
         const FlashPlan& plan = *costed.plan;
         const ThreadScratch scratch = thread_scratch().view(plan.head_dim, plan.value_stride, plan.packed_keys == nullptr,
-                                                            plan.packed_values != nullptr);
+                                                            plan.packed_values != nullptr,
+                                                            plan.problem->out32.data != nullptr);
         const int dtype = static_cast<int>(plan.problem->dtype);
         const AttendRowsFn attend = plan.problem->kv_int8 ? kernels.attend_rows_int8[dtype] : kernels.attend_rows[dtype];
         attend(plan, costed.item, scratch);
@@ -355,9 +358,9 @@ struct PartialChunks {
 // softmax_row), so m* (NaN-propagating) and the weights carry it into out and lse
 // (flash_row_lse); a chunk that saw nothing has l_c = 0. A sink s (base 2) counts here once: m*
 // starts at s and l* at 2^(s - m*). The row is summed in float32 (in out itself for float32, in
-// row_buffer, Dv floats of this thread's, for the halves), then rounded to T once. The chunks
-// come from `sources` in order: a cascade's shared prefix first (its plan's rows from first_row
-// on), then the group's own.
+// row_buffer, Dv floats of this thread's, for the halves), then rounded to T once (and copied into
+// out32 when given). The chunks come from `sources` in order: a cascade's shared prefix first (its
+// plan's rows from first_row on), then the group's own.
 template <typename T>
 void merge_partials(const FlashPlan& plan, int64_t b, int64_t kv_head, const PartialChunks* sources, int count,
                     float* row_buffer) {
@@ -395,6 +398,11 @@ void merge_partials(const FlashPlan& plan, int64_t b, int64_t kv_head, const Par
         }
         if (!std::is_same<T, float>::value)
             for (int64_t d = 0; d < Dv; ++d) from_f32(dst[d], &out_row[d]);
+        if (!std::is_same<T, float>::value && p.out32.data != nullptr) {
+            float* out32_row = static_cast<float*>(p.out32.data) + b * p.out32.stride[0] + h * p.out32.stride[1] +
+                               i * p.out32.stride[2];
+            for (int64_t d = 0; d < Dv; ++d) out32_row[d] = dst[d];
+        }
         if (p.lse.data != nullptr)
             p.lse.data[b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2]] = flash_row_lse(m_star, l_star);
     }

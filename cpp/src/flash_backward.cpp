@@ -11,7 +11,8 @@
 //      pass reads: below kv_lens[b]), and the query side, Q, Q times the Q multiplier and dO of
 //      every packed row, in float32 once per call; shared read-only by every item of passes 2
 //      and 3.
-//   1. Drow = rowsum(dO * O) of every query row (float32, into a (B, Hq, Lq) buffer); dsinks.
+//   1. Drow = rowsum(dO * O) - dlse of every query row (float32, into a (B, Hq, Lq) buffer; O in
+//      float32 when the caller passes the forward's out32, dlse when given); dsinks.
 //   2. dK, dV: items (b, kv_head, key block of kBackwardKeyBlock keys), each owning its dk and
 //      dv rows. For every query tile (kQTileRows packed rows) that sees the block: S recomputed
 //      as the forward scores it (scale, softcap, ALiBi, mask, visibility: the forward's plan and
@@ -310,21 +311,24 @@ float lse_at(const BackwardProblem& bp, int64_t b, int64_t h, int64_t i) {
     return lse.data[b * lse.stride[0] + h * lse.stride[1] + i * lse.stride[2]];
 }
 
-// Pass 1: Drow of the Lq rows of (b, h) into delta; row_buffer holds 2 Dv floats.
-template <typename T>
+// Pass 1: Drow of the Lq rows of (b, h) into delta, from out of storage type O (T, or float32
+// when bp.out_float32), minus dlse when given; row_buffer holds 2 Dv floats.
+template <typename T, typename O>
 void row_deltas(const BackwardProblem& bp, int64_t b, int64_t h, float* delta, float* row_buffer) {
     const AttentionProblem& p = bp.forward;
     const int64_t Lq = p.q.shape[2], Dv = p.v.shape[3];
+    const ParamView3& dlse = bp.dlse;
     float* out_row = row_buffer;
     float* dout_row = row_buffer + Dv;
     for (int64_t i = 0; i < Lq; ++i) {
-        const T* out = view_row<T>(p.out, b, h, i);
+        const O* out = view_row<O>(p.out, b, h, i);
         const T* dout = view_row<T>(bp.dout, b, h, i);
         for (int64_t c = 0; c < Dv; ++c) {
             out_row[c] = to_f32(out[c]);
             dout_row[c] = to_f32(dout[c]);
         }
         delta[i] = dot(dout_row, out_row, Dv);
+        if (dlse.data != nullptr) delta[i] = delta[i] - dlse.data[b * dlse.stride[0] + h * dlse.stride[1] + i * dlse.stride[2]];
     }
 }
 
@@ -929,7 +933,10 @@ void backward_passes(const BackwardProblem& bp, int num_threads) {
     std::vector<float> delta(static_cast<size_t>(B * Hq * Lq));
     const ScratchShape tiles{D, Dv, kQTileRows};
     for_each_item(B * Hq, num_threads, tiles, [&](int64_t head, BackwardScratch& s) {
-        row_deltas<T>(bp, head / Hq, head % Hq, delta.data() + head * Lq, s.row_buffer.data());
+        if (bp.out_float32)
+            row_deltas<T, float>(bp, head / Hq, head % Hq, delta.data() + head * Lq, s.row_buffer.data());
+        else
+            row_deltas<T, T>(bp, head / Hq, head % Hq, delta.data() + head * Lq, s.row_buffer.data());
     });
     if (bp.dsinks.data != nullptr) sink_gradients(bp, delta.data());
     if (Hkv == 0) return;  // then Hq = 0 too (check_problem): no gradient left to write

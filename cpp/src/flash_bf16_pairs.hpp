@@ -10,6 +10,10 @@
 //   block_values(probs_pairs, rows, pairs, v_pairs, value_stride, out_acc, rescale):
 //     O = alpha O + P V over `pairs` key pairs;
 //   begin_item() / end_item(): around a work item's key blocks (the tiles' configuration).
+// With out32 requested, P.V runs twice: P's bfloat16 pairs into out_acc (out's bits unchanged),
+// then the pairs of P's remainder, P - bfloat16(P) rounded, into out_acc_lo, which out32 adds
+// (P rounded once costs out32 up to 2^-9 of each term, which the backward's D would carry into
+// the few-key rows' dq and dk; the remainder's pairs leave about 2^-17).
 // Included by those two units only, each with its own target flags: hence internal linkage here,
 // and each unit's own vector type V for the convert path's kernel (ODR note, flash_kernel.hpp).
 #pragma once
@@ -85,17 +89,44 @@ struct PairKernel : flash::Kernel<V, BFloat16> {
     }
 
     // P of each row (n_padded floats, 0 past n) rounded to bfloat16 pairs, 32 keys at a time.
+    // With kRemainder, P - bfloat16(P) instead, bfloat16(P) read from the pairs that `pairs` holds
+    // (P's own, rounded before): out32's remainder pairs.
+    template <bool kRemainder>
     static void round_probs(const float* scores, int64_t rows, int64_t n_padded, uint32_t* pairs) {
         for (int64_t r = 0; r < rows; ++r) {
             const float* row = scores + r * kKeyBlock;
             uint32_t* dst = pairs + r * kPairsPerBlock;
             for (int64_t j = 0; j < n_padded; j += 32) {
-                const __m512 low = _mm512_loadu_ps(row + j);
-                const __m512 high = j + 16 < n_padded ? _mm512_loadu_ps(row + j + 16) : _mm512_setzero_ps();
+                __m512 low = _mm512_loadu_ps(row + j);
+                __m512 high = j + 16 < n_padded ? _mm512_loadu_ps(row + j + 16) : _mm512_setzero_ps();
+                if (kRemainder) {
+                    const __m512i rounded = _mm512_loadu_si512(dst + j / 2);
+                    low = _mm512_sub_ps(low, widen_bf16(_mm512_castsi512_si256(rounded)));
+                    high = _mm512_sub_ps(high, widen_bf16(_mm512_extracti64x4_epi64(rounded, 1)));
+                }
                 const __m512bh rounded = _mm512_cvtne2ps_pbh(high, low);  // keys j .. j + 31 in order
                 _mm512_storeu_si512(dst + j / 2, reinterpret_cast<__m512i>(rounded));
             }
         }
+    }
+
+    // 16 bfloat16 values as float32, exactly (their bits in a float's high half).
+    static __m512 widen_bf16(__m256i half) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    }
+
+    // out32 += out_acc_lo / l for row r (after finish_row: out32 holds out_acc / l).
+    static void add_remainders(const FlashPlan& plan, const WorkItem& item, const ThreadScratch& s, int64_t r) {
+        const AttentionProblem& p = *plan.problem;
+        const float l = s.row_sum[r];
+        if (l == 0.0f) return;  // no legal key: out32 stays 0
+        const int64_t packed = item.row_begin + r;
+        const int64_t h = item.kv_head * plan.group + packed % plan.group, i = packed / plan.group;
+        float* dst = static_cast<float*>(p.out32.data) + item.b * p.out32.stride[0] + h * p.out32.stride[1] +
+                     i * p.out32.stride[2];
+        const float inverse = 1.0f / l;
+        const float* lo = s.out_acc_lo + r * plan.value_stride;
+        for (int64_t c = 0; c < plan.value_dim; ++c) dst[c] = dst[c] + lo[c] * inverse;
     }
 
     // ---- The work item (steps 2-4 of flash_kernel.hpp's attend_rows, with the pair layouts) --
@@ -120,6 +151,8 @@ struct PairKernel : flash::Kernel<V, BFloat16> {
             }
             start_row(plan, item, s, r);
         }
+        float* const lo = s.out_acc_lo;  // out32's remainders (header), when requested
+        for (int64_t c = 0; lo != nullptr && c < rows * value_stride; ++c) lo[c] = 0.0f;
         // (pad rows up to a multiple of Products::kRowGranule: zero, read by whole-tile products)
         for (int64_t r = rows; r < round_up(rows, Products::kRowGranule); ++r)
             for (int64_t d2 = 0; d2 < D2; ++d2) q_pairs[r * D2 + d2] = 0;
@@ -151,16 +184,27 @@ struct PairKernel : flash::Kernel<V, BFloat16> {
                 flash_key_rows(p, b, item.kv_head, key_block, n, nullptr, s.value_rows, nullptr, nullptr);
                 const typename Convert::ValueRows values{s.value_rows, 0};
                 Convert::template block_values<true>(s.scores, rows, n, values, s.out_acc, value_stride, Dv, s.rescale);
+                for (int64_t r = 0; lo != nullptr && r < rows; ++r)  // P exact here: the remainders only rescale
+                    for (int64_t c = 0; c < value_stride; ++c) lo[r * value_stride + c] *= s.rescale[r];
                 continue;
             }
-            round_probs(s.scores, rows, n_padded, s.probs_pairs);
-            Products::block_values(s.probs_pairs, rows, n_read / 2, v_head_pairs + key_block / 2 * value_stride, value_stride,
-                         s.out_acc, s.rescale);
+            // P's pairs into out_acc; with out32, the remainder's into lo (header)
+            const uint32_t* v_block = v_head_pairs + key_block / 2 * value_stride;
+            float* const accumulators[2] = {s.out_acc, lo};
+            for (int pass = 0; pass < 2 && accumulators[pass] != nullptr; ++pass) {
+                if (pass == 0)
+                    round_probs<false>(s.scores, rows, n_padded, s.probs_pairs);
+                else
+                    round_probs<true>(s.scores, rows, n_padded, s.probs_pairs);
+                Products::block_values(s.probs_pairs, rows, n_read / 2, v_block, value_stride, accumulators[pass],
+                                       s.rescale);
+            }
         }
 
         Products::end_item();
         // 4. Finish: out = O / l rounded to bfloat16, and lse (prefill items never write partials).
         for (int64_t r = 0; r < rows; ++r) finish_row(plan, item, s, r);
+        for (int64_t r = 0; lo != nullptr && r < rows; ++r) add_remainders(plan, item, s, r);
     }
 };
 

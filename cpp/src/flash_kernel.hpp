@@ -94,6 +94,9 @@ struct ThreadScratch {
     int64_t* row_key_end;
     float* key_panels;
     uint32_t* probs_pairs;  // (rows, kKeyBlock / 2) bfloat16 pairs of P: the dot-product path
+    // (rows, value_stride): the pair paths' P.V of P's low bfloat16 parts, only when out32 is
+    // requested (flash_bf16_pairs.hpp); else nullptr
+    float* out_acc_lo;
     // int8 K/V: the current block's k_scale and v_scale (kKeyBlock each; 0 past the block's keys).
     float* key_scales;
     float* value_scales;
@@ -869,10 +872,21 @@ struct Kernel {
         int64_t c = 0;
         for (; c + W <= Dv; c += W) V::store_from_f32(dst + c, V::mul(V::load(o + c), inverse));
         if (c < Dv) V::store_tail_from_f32(dst + c, V::mul(V::load(o + c), inverse), Dv - c);
+        if (!std::is_same<T, float>::value && p.out32.data != nullptr) store_out32(p, b, h, i, o, inverse, Dv);
         if (p.lse.data != nullptr) {
             float* lse = p.lse.data + b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2];
             *lse = flash_row_lse(s.row_max[r], l);
         }
+    }
+
+    // 4, out32 (float16 / bfloat16, when given): the same O / l as out, stored before rounding.
+    static void store_out32(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, const float* o, Reg inverse,
+                            int64_t Dv) {
+        float* dst = static_cast<float*>(p.out32.data) + b * p.out32.stride[0] + h * p.out32.stride[1] +
+                     i * p.out32.stride[2];
+        int64_t c = 0;
+        for (; c + W <= Dv; c += W) V::store_from_f32(dst + c, V::mul(V::load(o + c), inverse));
+        if (c < Dv) V::store_tail_from_f32(dst + c, V::mul(V::load(o + c), inverse), Dv - c);
     }
 
     // 3b. -inf outside each row's visible range [begin, end) (index arithmetic: window start,

@@ -326,6 +326,20 @@ void check_problem(const AttentionProblem& p) {
     const std::array<std::pair<const char*, Extent>, kProblemInputs> inputs = problem_extents(p);
     const Extent out = byte_extent(p.out.data, p.out.shape, p.out.stride, 4, element_size(p.dtype));
     check_outputs_disjoint(out, inputs[kProblemInputs - 1].second, inputs.data(), inputs.size());
+
+    // 8. out32 (float16 / bfloat16 only): out's shape, unit last stride, every element written
+    // once, disjoint from every input, out and lse.
+    if (p.out32.data == nullptr) return;
+    if (p.dtype == ElementType::Float32)
+        reject("out32: expected None for a float32 problem (out is float32 already), got an array");
+    check_shape("out32", p.out32.shape, out_dims, 4);
+    check_unit_last_stride("out32", "Dv", p.out32.shape, p.out32.stride);
+    check_distinct_elements("out32", p.out32.shape, p.out32.stride, 4);
+    const Extent out32 = byte_extent(p.out32.data, p.out32.shape, p.out32.stride, 4, 4);
+    for (const auto& input : inputs)
+        if (extents_overlap(out32, input.second))
+            reject(std::string("out32: expected memory disjoint from ") + input.first + ", got arrays that overlap");
+    if (extents_overlap(out32, out)) reject("out32: expected memory disjoint from out, got arrays that overlap");
 }
 
 // The order of the checks is the same in problem.rs.
@@ -357,13 +371,17 @@ void check_backward(const BackwardProblem& bp) {
     check_unit_last_stride("dk", "D", bp.dk.shape, bp.dk.stride);
     check_unit_last_stride("dv", "Dv", bp.dv.shape, bp.dv.stride);
 
-    // 4. dsinks: the sinks' gradient, (Hq,), only with sinks.
+    // 4. dsinks: the sinks' gradient, (Hq,), only with sinks; dlse (B, Hq, Lq).
     const bool has_dsinks = bp.dsinks.data != nullptr;
     if (has_dsinks && p.sinks.data == nullptr)
         reject("dsinks: expected None without sinks (it is the sinks' gradient), got an array");
     if (has_dsinks) {
         const Dim dsink_dims[1] = {hq};
         check_shape("dsinks", bp.dsinks.shape, dsink_dims, 1);
+    }
+    if (bp.dlse.data != nullptr) {
+        const Dim dlse_dims[3] = {b, hq, lq};
+        check_shape("dlse", bp.dlse.shape, dlse_dims, 3);
     }
 
     // 5. Gradients: every element written once, by one thread, never read as input.
@@ -374,7 +392,9 @@ void check_backward(const BackwardProblem& bp) {
     const int64_t item = element_size(p.dtype);
     const std::array<std::pair<const char*, Extent>, kProblemInputs> forward_inputs = problem_extents(p);
     std::vector<std::pair<const char*, Extent>> inputs(forward_inputs.begin(), forward_inputs.end());
-    inputs.push_back({"out", byte_extent(p.out.data, p.out.shape, p.out.stride, 4, item)});
+    inputs.push_back({"out", byte_extent(p.out.data, p.out.shape, p.out.stride, 4, bp.out_float32 ? 4 : item)});
+    if (bp.dlse.data != nullptr)
+        inputs.push_back({"dlse", byte_extent(bp.dlse.data, bp.dlse.shape, bp.dlse.stride, 3, 4)});
     inputs.push_back({"dout", byte_extent(bp.dout.data, bp.dout.shape, bp.dout.stride, 4, item)});
     const std::pair<const char*, Extent> outputs[] = {
         {"dq", byte_extent(bp.dq.data, bp.dq.shape, bp.dq.stride, 4, item)},

@@ -90,6 +90,10 @@ void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowS
     const float* k_scale = int8 ? p.k_scale.data + b * p.k_scale.stride[0] + kv_head * p.k_scale.stride[1] : nullptr;
     const float* v_scale = int8 ? p.v_scale.data + b * p.v_scale.stride[0] + kv_head * p.v_scale.stride[1] : nullptr;
     T* out_row = static_cast<T*>(p.out.data) + b * p.out.stride[0] + h * p.out.stride[1] + i * p.out.stride[2];
+    // out32 (float16 / bfloat16, when given): out before its rounding to T
+    float* out32_row = p.out32.data == nullptr ? nullptr
+                                               : static_cast<float*>(p.out32.data) + b * p.out32.stride[0] +
+                                                     h * p.out32.stride[1] + i * p.out32.stride[2];
     const int64_t mask_row = b * p.mask.stride[0] + h * p.mask.stride[1] + i * p.mask.stride[2];
 
     // 1. Select the visible keys and score them.
@@ -136,6 +140,7 @@ void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowS
                      : p.lse.data + b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2];
     if (visible.empty()) {
         for (int64_t d = 0; d < value_dim; ++d) from_f32(0.0f, &out_row[d]);
+        for (int64_t d = 0; out32_row != nullptr && d < value_dim; ++d) out32_row[d] = 0.0f;
         if (lse != nullptr) *lse = static_cast<float>(sink);  // -inf without sinks
         return;
     }
@@ -167,6 +172,7 @@ void attend_row(const AttentionProblem& p, int64_t b, int64_t h, int64_t i, RowS
         }
     }
     for (int64_t d = 0; d < value_dim; ++d) from_f32(static_cast<float>(out_acc[d]), &out_row[d]);
+    for (int64_t d = 0; out32_row != nullptr && d < value_dim; ++d) out32_row[d] = static_cast<float>(out_acc[d]);
     if (lse != nullptr)  // a +inf score: log(sum) = +inf, though the weights are inf / inf
         *lse = row_max == -kNegInf ? std::numeric_limits<float>::infinity()
                                    : static_cast<float>(row_max + std::log(row_sum));

@@ -47,12 +47,13 @@ def attention_forward(
     sinks: F32 | None = None,
     k_scale: F32 | None = None,
     v_scale: F32 | None = None,
+    out32: F32 | None = None,
 ) -> None:
     """Exact attention into out (and lse) with the fast kernel and the ISA in use (set_isa).
 
     None (or leaving a keyword out) means its default: no lse, q_offset 0 and kv_lens Lk for
     every sequence, no mask, causal False, one thread, no window (-1, -1), softcap 0, no ALiBi,
-    no sinks, no int8 scales."""
+    no sinks, no int8 scales, no out32 (float16 / bfloat16 only: the output in float32, before its rounding)."""
 
 def attention_backward(
     q: Data,
@@ -77,9 +78,11 @@ def attention_backward(
     alibi_slopes: F32 | None = None,
     sinks: F32 | None = None,
     dsinks: F32 | None = None,
+    dlse: F32 | None = None,
 ) -> None:
     """The gradients of attention_forward with respect to q, k, v (and sinks) from dout and the
-    forward's out and lse (required), written into dq, dk, dv (q's dtype) and dsinks (float32).
+    forward's out (q's dtype, or for float16 / bfloat16 its float32 out32) and lse (required),
+    written into dq, dk, dv (q's dtype) and dsinks (float32); dlse (B, Hq, Lq), lse's gradient.
 
     The keywords are the forward's, with the same defaults; dsinks only together with sinks."""
 

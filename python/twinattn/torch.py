@@ -23,8 +23,10 @@ times that of the tiny problems it exists for.
 Gradients: when grad mode is on and q, k, v or sinks requires grad, `attention` goes through the
 op `twinattn::attention`, whose backward (`twinattn::attention_backward`, registered with
 torch.library.register_autograd) gives dq, dk, dv and dsinks in the inputs' dtypes: autograd,
-torch.compile training graphs and torch.autograd.gradcheck (float64 on backend="numpy") work. The
-mask and alibi_slopes get no gradient; int8 keys and values carry none (asking raises).
+torch.compile training graphs and torch.autograd.gradcheck (float64 on backend="numpy") work. In
+float16 and bfloat16 the op is `twinattn::attention_for_training` instead, which also returns the
+output before its rounding (float32), saved for the backward's row sums. The mask and
+alibi_slopes get no gradient; int8 keys and values carry none (asking raises).
 """
 
 from __future__ import annotations
@@ -215,7 +217,11 @@ def _through_op(
     offsets = _as_index_tensor("q_offset", q_offset)
     lens = _as_index_tensor("kv_lens", kv_lens)
     variants = (*_checks.window_size(window_size), _checks.softcap(softcap), alibi_slopes, sinks, k_scale, v_scale)
-    if out is None:
+    if out is None and _keeps_out32(q, k, v, sinks):
+        out, lse, _ = torch.ops.twinattn.attention_for_training(
+            q, k, v, causal, offsets, lens, attn_mask, scale, backend, num_threads, *variants
+        )
+    elif out is None:
         out, lse = torch.ops.twinattn.attention(q, k, v, causal, offsets, lens, attn_mask, scale, backend, num_threads, *variants)
     else:
         if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, sinks)):
@@ -236,6 +242,19 @@ def _attention_backward_impl(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv (q's dtype) and dsinks (float32; float64 for a float64 problem; empty without
     sinks) by twinattn.core.backward, on the tensors' NumPy views."""
+    qa, ka, va, keywords = _numpy_problem(q, k, v, options)
+    grads = _backward.attention_backward(
+        qa, ka, va, _array("out", out), _array("dout", dout), _array("lse", lse),
+        dlse=None if dlse is None else _array("dlse", dlse), **keywords,
+    )
+    sinks = keywords["sinks"]
+    dsinks = _dsinks_fake(q, sinks) if grads.dsinks is None else _from_numpy(grads.dsinks)
+    return _tensor(grads.dq), _tensor(grads.dk), _tensor(grads.dv), dsinks
+
+
+def _numpy_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """The NumPy views of q, k, v and the schema's options as twinattn.attention's keywords (the
+    training ops' implementations)."""
     options += _OPTION_DEFAULTS[len(options):]
     causal, q_offset, kv_lens, attn_mask, scale, backend, num_threads, left, right, softcap, slopes, sinks, k_scale, v_scale = options
     if isinstance(q_offset, torch.Tensor):
@@ -243,16 +262,14 @@ def _attention_backward_impl(
         q_offset = int(q_offset) if q_offset.ndim == 0 else q_offset
     with torch.no_grad():  # saved leaves that require grad are read as they are (no double backward)
         qa, ka, va = _inputs(q, k, v, backend)
-    grads = _backward.attention_backward(
-        qa, ka, va, _array("out", out), _array("dout", dout), _array("lse", lse),
-        dlse=None if dlse is None else _array("dlse", dlse), causal=causal, q_offset=q_offset,
-        kv_lens=_optional_array("kv_lens", kv_lens), attn_mask=_optional_array("attn_mask", attn_mask), scale=scale,
-        backend=backend, num_threads=num_threads, window_size=_window(left, right), softcap=softcap,
-        alibi_slopes=_optional_array("alibi_slopes", slopes), sinks=_optional_array("sinks", sinks),
-        k_scale=_optional_array("k_scale", k_scale), v_scale=_optional_array("v_scale", v_scale),
+    keywords = dict(
+        causal=causal, q_offset=q_offset, kv_lens=_optional_array("kv_lens", kv_lens),
+        attn_mask=_optional_array("attn_mask", attn_mask), scale=scale, backend=backend, num_threads=num_threads,
+        window_size=_window(left, right), softcap=softcap, alibi_slopes=_optional_array("alibi_slopes", slopes),
+        sinks=_optional_array("sinks", sinks), k_scale=_optional_array("k_scale", k_scale),
+        v_scale=_optional_array("v_scale", v_scale),
     )
-    dsinks = _dsinks_fake(q, sinks) if grads.dsinks is None else _from_numpy(grads.dsinks)
-    return _tensor(grads.dq), _tensor(grads.dk), _tensor(grads.dv), dsinks
+    return qa, ka, va, keywords
 
 
 def _attention_backward_fake(
@@ -295,7 +312,7 @@ def _attention_backward(ctx: Any, dout: Optional[torch.Tensor], dlse: Optional[t
     q, k, v, out, lse, *saved = ctx.saved_tensors
     options = tuple(t if t is not None else o for t, o in zip(saved, ctx.options))
     if dout is None:
-        dout = torch.zeros_like(out)
+        dout = torch.zeros_like(out, dtype=q.dtype)  # out: q's dtype, or float32 (out32)
     dq, dk, dv, dsinks = torch.ops.twinattn.attention_backward(dout, dlse, q, k, v, out, lse, *options)
     # one gradient per input of the op: q, k, v, then the options (only sinks has one)
     option_grads: list[Any] = [None] * len(options)
@@ -305,6 +322,61 @@ def _attention_backward(ctx: Any, dout: Optional[torch.Tensor], dlse: Optional[t
 
 
 _attention_op.register_autograd(_attention_backward, setup_context=_setup_context)
+
+
+# ---- a float16 / bfloat16 call whose gradient autograd records: the forward keeps out32 -----------
+# (out before its rounding, float32) for the backward's D = rowsum(dout * out), which then needs no
+# float32 forward of its own (twinattn.core.backward.attention_for_training)
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _keeps_out32(q: Any, k: Any, v: Any, sinks: Any) -> bool:
+    """Whether _through_op runs attention_for_training: a float16 / bfloat16 call (float keys)
+    whose gradient autograd records."""
+    dtype = getattr(q, "dtype", None)
+    return (
+        dtype in _HALF_DTYPES and getattr(k, "dtype", None) is dtype and torch.is_grad_enabled()
+        and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, sinks))
+    )
+
+
+def _attention_for_training_impl(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *options: Any
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qa, ka, va, keywords = _numpy_problem(q, k, v, options)
+    out, lse, out32 = _backward.attention_for_training(qa, ka, va, **keywords)
+    return _tensor(out), _from_numpy(lse), _tensor(out32)
+
+
+def _attention_for_training_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *options: Any
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out, lse = _attention_fake(q, k, v)
+    return out, lse, out.new_empty(out.shape, dtype=torch.float32)
+
+
+def _for_training_setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[torch.Tensor, ...]) -> None:
+    """_setup_context with out32 saved as the backward's out."""
+    _, lse, out32 = output
+    ctx.mark_non_differentiable(out32)
+    _setup_context(ctx, inputs, (out32, lse))
+
+
+def _attention_for_training_backward(
+    ctx: Any, dout: Optional[torch.Tensor], dlse: Optional[torch.Tensor], _dout32: Optional[torch.Tensor]
+) -> Tuple[Any, ...]:
+    return _attention_backward(ctx, dout, dlse)
+
+
+_attention_for_training_op = torch.library.custom_op(
+    "twinattn::attention_for_training", _attention_for_training_impl, mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, {_OPTIONS_SCHEMA}) -> (Tensor, Tensor, Tensor)",
+)
+_attention_for_training_op.register_fake(_attention_for_training_fake)
+_attention_for_training_op.register_autograd(
+    _attention_for_training_backward, setup_context=_for_training_setup_context
+)
 
 
 # ---- the public functions -------------------------------------------------------------------------

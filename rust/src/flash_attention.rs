@@ -271,6 +271,7 @@ struct ScratchBuffers {
     row_key_end: Vec<usize>,
     key_panels: AlignedBuffer,
     probs_pairs: AlignedBuffer,
+    out_acc_lo: AlignedBuffer,
     key_scales: AlignedBuffer,
     value_scales: AlignedBuffer,
     /// the key rows of a block: KEY_BLOCK K rows, KEY_BLOCK V rows
@@ -285,6 +286,7 @@ impl ScratchBuffers {
         value_stride: usize,
         split_key: bool,
         bf16_pairs: bool,
+        out32: bool,
     ) -> Result<ThreadScratch, ProblemError> {
         let rows = self.rows.ensure(3 * Q_TILE_ROWS)?;
         if self.row_key_end.len() < Q_TILE_ROWS {
@@ -317,6 +319,11 @@ impl ScratchBuffers {
                 self.probs_pairs
                     .ensure(Q_TILE_ROWS * KEY_BLOCK / 2)?
                     .cast::<u32>()
+            } else {
+                std::ptr::null_mut()
+            },
+            out_acc_lo: if bf16_pairs && out32 {
+                self.out_acc_lo.ensure(Q_TILE_ROWS * value_stride)?
             } else {
                 std::ptr::null_mut()
             },
@@ -369,10 +376,11 @@ fn with_scratch(
     value_stride: usize,
     split_key: bool,
     bf16_pairs: bool,
+    out32: bool,
     f: impl FnOnce(&ThreadScratch),
 ) -> Result<(), ProblemError> {
     with_thread_buffers(&SCRATCH, |buffers| {
-        f(&buffers.view(head_dim, value_stride, split_key, bf16_pairs)?);
+        f(&buffers.view(head_dim, value_stride, split_key, bf16_pairs, out32)?);
         Ok(())
     })
 }
@@ -717,6 +725,7 @@ fn run_items(
             plan.value_stride,
             plan.packed_keys.is_null(),
             !plan.packed_values.is_null(),
+            !plan.problem.out32.data.is_null(),
             |scratch| {
                 // SAFETY: the plan was built from a checked problem whose memory is valid
                 // (attention_forward's contract), the item is one of its own, the scratch is this
@@ -1206,9 +1215,9 @@ impl PartialChunks<'_, '_, '_> {
 /// +inf and l_c = NaN (flash_kernel.rs, softmax_row), so m* (NaN-propagating) and the weights
 /// carry it into out and lse ([`flash_row_lse`]); a chunk that saw nothing has l_c = 0. A sink s
 /// (base 2) counts here once: m* starts at s and l* at 2^(s - m*). The row is summed in float32
-/// (in out itself for float32, in a row buffer for the halves), then rounded to T once. The
-/// chunks come from `sources` in order: a cascade's shared prefix first (its plan's rows from
-/// first_row on), then the group's own.
+/// (in out itself for float32, in a row buffer for the halves), then rounded to T once (and
+/// copied into out32 when given). The chunks come from `sources` in order: a cascade's shared
+/// prefix first (its plan's rows from first_row on), then the group's own.
 ///
 /// # Safety
 /// Each source's partial slots hold this group's rows; the views of the plan's problem are
@@ -1280,6 +1289,14 @@ unsafe fn merge_partials<T: Element>(
                 for d in 0..value_dim {
                     *out_row.add(d) = T::from_f32(*dst.add(d));
                 }
+            }
+            if T::DTYPE != ElementType::Float32 && !p.out32.data.is_null() {
+                let out32_row = p.out32.data.cast::<f32>().offset(
+                    b as isize * p.out32.stride[0] as isize
+                        + h as isize * p.out32.stride[1] as isize
+                        + i as isize * p.out32.stride[2] as isize,
+                );
+                std::ptr::copy_nonoverlapping(dst, out32_row, value_dim);
             }
             if p.lse.is_requested() {
                 let lse = p.lse.data.offset(

@@ -29,6 +29,10 @@
 //!   (b) a V value of the keys [key_block, key_block + n rounded up to even) is non-finite,
 //!       decided from value_finite (one flag per key, recorded while packing; the zero pad key
 //!       of an odd packed range counts as finite).
+//! With out32 requested, P.V runs twice: P's bfloat16 pairs into out_acc (out's bits unchanged),
+//! then the pairs of P's remainder, P - bfloat16(P) rounded, into out_acc_lo, which out32 adds
+//! (P rounded once costs out32 up to 2^-9 of each term, which the backward's D would carry into
+//! the few-key rows' dq and dk; the remainder's pairs leave about 2^-17).
 //! VDPBF16PS treats bfloat16 subnormal inputs as zero and flushes subnormal results to zero (the
 //! instruction's fixed behaviour, MXCSR notwithstanding): accepted, and the same in both ports.
 
@@ -237,24 +241,36 @@ unsafe fn strip_scores<const R: usize>(
 
 // ---- 3d. O = alpha O + P V by bfloat16 pair dot products -------------------------------------
 
-/// P of each row (n_padded floats, 0 past n) rounded to bfloat16 pairs, 32 keys at a time.
+/// P of each row (n_padded floats, 0 past n) rounded to bfloat16 pairs, 32 keys at a time; with
+/// REMAINDER, P - bfloat16(P) instead, bfloat16(P) read from the pairs that `pairs` holds (P's own,
+/// rounded before): out32's remainder pairs.
 ///
 /// # Safety
 /// AVX512_BF16; scores: rows rows of stride KEY_BLOCK; pairs: rows rows of PAIRS_PER_BLOCK.
 #[inline(always)]
-unsafe fn round_probs(scores: *const f32, rows: usize, n_padded: usize, pairs: *mut u32) {
+unsafe fn round_probs<const REMAINDER: bool>(
+    scores: *const f32,
+    rows: usize,
+    n_padded: usize,
+    pairs: *mut u32,
+) {
     // SAFETY: forwarded from this function's contract.
     unsafe {
         for r in 0..rows {
             let row = scores.add(r * KEY_BLOCK);
             let dst = pairs.add(r * PAIRS_PER_BLOCK);
             for j in (0..n_padded).step_by(32) {
-                let low = _mm512_loadu_ps(row.add(j));
-                let high = if j + 16 < n_padded {
+                let mut low = _mm512_loadu_ps(row.add(j));
+                let mut high = if j + 16 < n_padded {
                     _mm512_loadu_ps(row.add(j + 16))
                 } else {
                     _mm512_setzero_ps()
                 };
+                if REMAINDER {
+                    let rounded = _mm512_loadu_si512(dst.add(j / 2).cast());
+                    low = _mm512_sub_ps(low, widen_bf16(_mm512_castsi512_si256(rounded)));
+                    high = _mm512_sub_ps(high, widen_bf16(_mm512_extracti64x4_epi64::<1>(rounded)));
+                }
                 // keys j .. j + 31 in order (the second operand gives the low half)
                 let rounded = _mm512_cvtne2ps_pbh(high, low);
                 _mm512_storeu_si512(
@@ -262,6 +278,46 @@ unsafe fn round_probs(scores: *const f32, rows: usize, n_padded: usize, pairs: *
                     std::mem::transmute::<__m512bh, __m512i>(rounded),
                 );
             }
+        }
+    }
+}
+
+/// 16 bfloat16 values as float32, exactly (their bits in a float's high half).
+///
+/// # Safety
+/// AVX-512F.
+#[inline(always)]
+unsafe fn widen_bf16(half: __m256i) -> __m512 {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(half))) }
+}
+
+/// out32 += out_acc_lo / l for row r (after finish_row: out32 holds out_acc / l).
+///
+/// # Safety
+/// As [`attend_rows`], for a row r of the item, with out32 requested.
+#[inline(always)]
+unsafe fn add_remainders(plan: &FlashPlan, item: &WorkItem, s: &ThreadScratch, r: usize) {
+    let p = plan.problem;
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let l = *s.row_sum.add(r);
+        if l == 0.0 {
+            return; // no legal key: out32 stays 0
+        }
+        let packed = item.row_begin + r;
+        let (h, i) = (
+            item.kv_head * plan.group + packed % plan.group,
+            packed / plan.group,
+        );
+        let dst = p.out32.data.cast::<f32>().offset(at(
+            [item.b, h, i],
+            &[p.out32.stride[0], p.out32.stride[1], p.out32.stride[2]],
+        ));
+        let inverse = 1.0 / l;
+        let lo = s.out_acc_lo.add(r * plan.value_stride);
+        for c in 0..plan.value_dim {
+            *dst.add(c) += *lo.add(c) * inverse;
         }
     }
 }
@@ -520,6 +576,10 @@ pub(crate) unsafe fn attend_rows<P: PairProducts>(
             }
             start_row(plan, item, s, r);
         }
+        let lo = s.out_acc_lo; // out32's remainders (module documentation), when requested
+        if !lo.is_null() {
+            std::ptr::write_bytes(lo, 0, rows * value_stride);
+        }
         // (pad rows up to a multiple of P::ROW_GRANULE: zero, read by whole-tile products)
         for r in rows..round_up(rows, P::ROW_GRANULE) {
             for d2 in 0..d2_len {
@@ -590,17 +650,34 @@ pub(crate) unsafe fn attend_rows<P: PairProducts>(
                     s.rescale,
                     None,
                 );
+                // P exact here: the remainders only rescale
+                for r in (0..rows).filter(|_| !lo.is_null()) {
+                    for c in 0..value_stride {
+                        *lo.add(r * value_stride + c) *= *s.rescale.add(r);
+                    }
+                }
             } else {
-                round_probs(s.scores, rows, n_padded, s.probs_pairs);
-                P::block_values(
-                    s.probs_pairs,
-                    rows,
-                    n_read / 2,
-                    v_head_pairs.add(key_block / 2 * value_stride),
-                    value_stride,
-                    s.out_acc,
-                    s.rescale,
-                );
+                // P's pairs into out_acc; with out32, the remainder's into lo (module documentation)
+                let v_block = v_head_pairs.add(key_block / 2 * value_stride);
+                for (pass, acc) in [s.out_acc, lo].into_iter().enumerate() {
+                    if acc.is_null() {
+                        break;
+                    }
+                    if pass == 0 {
+                        round_probs::<false>(s.scores, rows, n_padded, s.probs_pairs);
+                    } else {
+                        round_probs::<true>(s.scores, rows, n_padded, s.probs_pairs);
+                    }
+                    P::block_values(
+                        s.probs_pairs,
+                        rows,
+                        n_read / 2,
+                        v_block,
+                        value_stride,
+                        acc,
+                        s.rescale,
+                    );
+                }
             }
             key_block += KEY_BLOCK;
         }
@@ -609,6 +686,9 @@ pub(crate) unsafe fn attend_rows<P: PairProducts>(
         // 4. Finish: out = O / l rounded to bfloat16, and lse (prefill never writes partials).
         for r in 0..rows {
             finish_row::<VecAvx512, BFloat16>(plan, item, s, r);
+        }
+        for r in (0..rows).filter(|_| !lo.is_null()) {
+            add_remainders(plan, item, s, r);
         }
     }
 }

@@ -16,7 +16,8 @@
 //!      pass reads: below kv_lens[b]), and the query side, Q, Q times the Q multiplier and dO of
 //!      every packed row, in float32 once per call; shared read-only by every item of passes 2
 //!      and 3.
-//!   1. Drow = rowsum(dO * O) of every query row (float32, into a (B, Hq, Lq) buffer); dsinks.
+//!   1. Drow = rowsum(dO * O) - dlse of every query row (float32, into a (B, Hq, Lq) buffer; O
+//!      in float32 when the caller passes the forward's out32, dlse when given); dsinks.
 //!   2. dK, dV: items (b, kv_head, key block of BACKWARD_KEY_BLOCK keys), each owning its dk and
 //!      dv rows. For every query tile (Q_TILE_ROWS packed rows) that sees the block: S
 //!      recomputed as the forward scores it (scale, softcap, ALiBi, mask, visibility: the
@@ -62,7 +63,7 @@ use crate::constants::{
     Q_TILE_ROWS, SERIAL_WORK,
 };
 use crate::dispatch::current_kernels;
-use crate::element::{bf16_to_f32, BFloat16, Element, Float16};
+use crate::element::{bf16_to_f32, BFloat16, Element, Float16, Load};
 use crate::flash_attention::{
     flash_plan, flash_row_key_range, problem_work, with_thread_buffers, Shared,
 };
@@ -522,11 +523,12 @@ unsafe fn lse_at(bp: &BackwardProblem, b: usize, h: usize, i: usize) -> f32 {
     unsafe { *lse.data.offset(offset as isize) }
 }
 
-/// Pass 1: Drow of the Lq rows of (b, h) into delta; row_buffer holds 2 Dv floats.
+/// Pass 1: Drow of the Lq rows of (b, h) into delta, from out of storage type O (T, or float32
+/// when bp.out_float32), minus dlse when given; row_buffer holds 2 Dv floats.
 ///
 /// # Safety
 /// The problem is checked and its memory valid (attention_backward's contract).
-unsafe fn row_deltas<T: Element>(
+unsafe fn row_deltas<T: Element, O: Load>(
     bp: &BackwardProblem,
     b: usize,
     h: usize,
@@ -534,12 +536,13 @@ unsafe fn row_deltas<T: Element>(
     row_buffer: &mut [f32],
 ) {
     let p = &bp.forward;
+    let dlse = &bp.dlse;
     let value_dim = p.v.shape[3] as usize;
     let (out_row, dout_row) = row_buffer[..2 * value_dim].split_at_mut(value_dim);
     for (i, delta_i) in delta.iter_mut().enumerate() {
         // SAFETY: (b, h, i) is inside out and dout, whose rows hold Dv elements.
         unsafe {
-            let out = view_row::<T>(p.out.data.cast_const(), &p.out.stride, b, h, i);
+            let out = view_row::<O>(p.out.data.cast_const(), &p.out.stride, b, h, i);
             let dout = view_row::<T>(bp.dout.data, &bp.dout.stride, b, h, i);
             for c in 0..value_dim {
                 out_row[c] = (*out.add(c)).to_f32();
@@ -547,6 +550,12 @@ unsafe fn row_deltas<T: Element>(
             }
         }
         *delta_i = dot(dout_row, out_row, value_dim);
+        if !dlse.data.is_null() {
+            let at =
+                b as i64 * dlse.stride[0] + h as i64 * dlse.stride[1] + i as i64 * dlse.stride[2];
+            // SAFETY: (b, h, i) is inside dlse (checked shape).
+            *delta_i -= unsafe { *dlse.data.offset(at as isize) };
+        }
     }
 }
 
@@ -1399,6 +1408,7 @@ unsafe fn tile_gradients(
         row_key_end: s.row_key_end.as_mut_ptr(),
         key_panels: std::ptr::null_mut(),
         probs_pairs: std::ptr::null_mut(),
+        out_acc_lo: std::ptr::null_mut(),
         key_scales: std::ptr::null_mut(),
         value_scales: std::ptr::null_mut(),
         key_rows: std::ptr::null_mut(),
@@ -1748,13 +1758,12 @@ unsafe fn backward_passes<T: Element>(
         // SAFETY: item `head` writes only its own Lq floats of delta; the problem is checked.
         unsafe {
             let delta = std::slice::from_raw_parts_mut(delta_rows.get().add(head * q_len), q_len);
-            row_deltas::<T>(
-                problem.get(),
-                head / q_heads,
-                head % q_heads,
-                delta,
-                &mut s.row_buffer,
-            );
+            let (bp, b, h) = (problem.get(), head / q_heads, head % q_heads);
+            if bp.out_float32 {
+                row_deltas::<T, f32>(bp, b, h, delta, &mut s.row_buffer);
+            } else {
+                row_deltas::<T, T>(bp, b, h, delta, &mut s.row_buffer);
+            }
         }
     })?;
     if !bp.dsinks.data.is_null() {

@@ -30,7 +30,7 @@ use crate::element::{Element, Load};
 use crate::flash_attention::{
     flash_key_rows, flash_row_key_range, flash_row_lse, flash_row_position,
 };
-use crate::problem::{AttentionProblem, MaskKind};
+use crate::problem::{AttentionProblem, ElementType, MaskKind};
 use crate::simd::Vector;
 
 /// What every work item of one call shares (built by flash_attention.rs).
@@ -117,6 +117,9 @@ pub struct ThreadScratch {
     pub key_panels: *mut f32,
     /// (rows, KEY_BLOCK / 2) bfloat16 pairs of P: the dot-product path only, else null
     pub probs_pairs: *mut u32,
+    /// (rows, value_stride): the pair paths' P.V of P's low bfloat16 parts, only when out32 is
+    /// requested (flash_avx512bf16.rs); else null
+    pub out_acc_lo: *mut f32,
     /// int8 K/V: the current block's k_scale and v_scale (KEY_BLOCK each; 0 past the block's
     /// keys)
     pub key_scales: *mut f32,
@@ -1455,9 +1458,41 @@ pub(crate) unsafe fn finish_row<V: Vector, T: Element>(
                 value_dim - c,
             );
         }
+        if T::DTYPE != ElementType::Float32 && !p.out32.data.is_null() {
+            store_out32::<V>(p, [item.b, h, i], o, inverse, value_dim);
+        }
         if p.lse.is_requested() {
             let lse = p.lse.data.offset(at([item.b, h, i], &p.lse.stride));
             *lse = flash_row_lse(*s.row_max.add(r), l);
+        }
+    }
+}
+
+/// 4, out32 (float16 / bfloat16, when given): the same O / l as out, stored before rounding.
+///
+/// # Safety
+/// p.out32 is a checked view holding row (b, h, i); o holds value_dim floats.
+#[inline(always)]
+unsafe fn store_out32<V: Vector>(
+    p: &AttentionProblem,
+    row: [usize; 3],
+    o: *const f32,
+    inverse: V,
+    value_dim: usize,
+) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let dst = p.out32.data.cast::<f32>().offset(at(
+            row,
+            &[p.out32.stride[0], p.out32.stride[1], p.out32.stride[2]],
+        ));
+        let mut c = 0;
+        while c + V::WIDTH <= value_dim {
+            V::mul(V::load(o.add(c)), inverse).store(dst.add(c));
+            c += V::WIDTH;
+        }
+        if c < value_dim {
+            V::mul(V::load(o.add(c)), inverse).store_tail(dst.add(c), value_dim - c);
         }
     }
 }

@@ -65,6 +65,15 @@ pub struct MutTensorView4 {
     pub stride: [i64; 4],
 }
 
+impl MutTensorView4 {
+    /// Not given (an optional output: out32).
+    pub const NONE: MutTensorView4 = MutTensorView4 {
+        data: std::ptr::null_mut(),
+        shape: [0; 4],
+        stride: [0; 4],
+    };
+}
+
 /// The optional (B, Hq, Lq) output of log-sum-exp values. A null `data` means "not requested".
 #[derive(Clone, Copy, Debug)]
 pub struct LseView {
@@ -234,6 +243,10 @@ pub struct AttentionProblem<'a> {
     pub v_scale: ParamView3,
     /// Paged K/V ([`KeyPages`]): set by attention_paged for its per-sequence problems only.
     pub pages: KeyPages,
+    /// float16 / bfloat16 only, optional (null `data`: none): float32 (B, Hq, Lq, Dv), the output
+    /// before its rounding to `dtype`, which the forward writes beside out (for the backward's D;
+    /// on the bfloat16 pair paths with P.V's remainder added, flash_avx512bf16.rs).
+    pub out32: MutTensorView4,
 }
 
 // ---- The backward pass (attention_backward, flash_backward.rs) ----------------------------------
@@ -273,6 +286,13 @@ pub struct BackwardProblem<'a> {
     pub dk: MutTensorView4,
     pub dv: MutTensorView4,
     pub dsinks: MutParamView1,
+    /// forward.out holds float32 (the forward's out32) instead of forward.dtype: D = rowsum(dout *
+    /// out) is then taken from the output before its rounding (for a float32 problem it changes
+    /// nothing).
+    pub out_float32: bool,
+    /// Optional (null `data`: none): float32 (B, Hq, Lq), the loss's gradient with respect to lse,
+    /// folded into the row term: dS = P (dP - (D - dlse)).
+    pub dlse: ParamView3,
 }
 
 /// Row-major (contiguous) views over shape (d0, d1, d2, d3) of float32 elements; a convenience
@@ -714,7 +734,33 @@ pub fn check_problem(p: &AttentionProblem) -> Result<(), ProblemError> {
         p.dtype.size() as i64,
     );
     let lse_extent = inputs[PROBLEM_INPUTS - 1].1;
-    check_outputs_disjoint(out_extent, lse_extent, &inputs)
+    check_outputs_disjoint(out_extent, lse_extent, &inputs)?;
+
+    // 8. out32 (float16 / bfloat16 only): out's shape, unit last stride, every element written
+    // once, disjoint from every input, out and lse.
+    if p.out32.data.is_null() {
+        return Ok(());
+    }
+    if p.dtype == ElementType::Float32 {
+        reject!(
+            "out32: expected None for a float32 problem (out is float32 already), got an array"
+        );
+    }
+    check_shape(
+        "out32",
+        || format!("(B={batch}, Hq={q_heads}, Lq={q_len}, Dv={value_dim})"),
+        &p.out32.shape,
+        p.out32.shape == [batch, q_heads, q_len, value_dim],
+    )?;
+    check_unit_last_stride("out32", "Dv", &p.out32.shape, &p.out32.stride)?;
+    check_distinct_elements("out32", &p.out32.shape, &p.out32.stride)?;
+    let out32_extent = byte_extent(p.out32.data as usize, &p.out32.shape, &p.out32.stride, 4);
+    for &(input, input_extent) in inputs.iter().chain([("out", out_extent)].iter()) {
+        if extents_overlap(out32_extent, input_extent) {
+            reject!("out32: expected memory disjoint from {input}, got arrays that overlap");
+        }
+    }
+    Ok(())
 }
 
 /// Step 2 of every problem: query head h reads KV head h / (Hq / Hkv).
@@ -811,7 +857,7 @@ fn check_outputs_disjoint(
 }
 
 /// check_problem's checks on the forward part (lse required, k and v not int8), then dout, dq,
-/// dk, dv and dsinks: shapes, data, unit last strides, dsinks only with sinks, and the gradients
+/// dk, dv, dsinks, out_float32 and dlse: shapes, data, unit last strides, dsinks only with sinks, and the gradients
 /// written once each (no element twice, no overlap with each other or any input). Twin of C++'s
 /// check_backward: the same checks in the same order.
 pub fn check_backward(bp: &BackwardProblem) -> Result<(), ProblemError> {
@@ -861,7 +907,7 @@ pub fn check_backward(bp: &BackwardProblem) -> Result<(), ProblemError> {
     check_unit_last_stride("dk", "D", &bp.dk.shape, &bp.dk.stride)?;
     check_unit_last_stride("dv", "Dv", &bp.dv.shape, &bp.dv.stride)?;
 
-    // 4. dsinks: the sinks' gradient, (Hq,), only with sinks.
+    // 4. dsinks: the sinks' gradient, (Hq,), only with sinks; dlse (B, Hq, Lq).
     let has_dsinks = !bp.dsinks.data.is_null();
     if has_dsinks && p.sinks.data.is_null() {
         reject!("dsinks: expected None without sinks (it is the sinks' gradient), got an array");
@@ -872,6 +918,14 @@ pub fn check_backward(bp: &BackwardProblem) -> Result<(), ProblemError> {
             || format!("(Hq={q_heads},)"),
             &bp.dsinks.shape,
             bp.dsinks.shape == [q_heads],
+        )?;
+    }
+    if !bp.dlse.data.is_null() {
+        check_shape(
+            "dlse",
+            || format!("(B={batch}, Hq={q_heads}, Lq={q_len})"),
+            &bp.dlse.shape,
+            bp.dlse.shape == [batch, q_heads, q_len],
         )?;
     }
 
@@ -886,10 +940,17 @@ pub fn check_backward(bp: &BackwardProblem) -> Result<(), ProblemError> {
     let extent =
         |data: usize, shape: &[i64; 4], stride: &[i64; 4]| byte_extent(data, shape, stride, item);
     let mut inputs = problem_extents(p).to_vec();
+    let out_item = if bp.out_float32 { 4 } else { item };
     inputs.push((
         "out",
-        extent(p.out.data as usize, &p.out.shape, &p.out.stride),
+        byte_extent(p.out.data as usize, &p.out.shape, &p.out.stride, out_item),
     ));
+    if !bp.dlse.data.is_null() {
+        inputs.push((
+            "dlse",
+            byte_extent(bp.dlse.data as usize, &bp.dlse.shape, &bp.dlse.stride, 4),
+        ));
+    }
     inputs.push((
         "dout",
         extent(bp.dout.data as usize, &bp.dout.shape, &bp.dout.stride),
@@ -1283,6 +1344,7 @@ fn sequence_problem<'a>(
         k_scale: ParamView3::NONE,
         v_scale: ParamView3::NONE,
         pages: KeyPages::NONE,
+        out32: MutTensorView4::NONE,
     }
 }
 

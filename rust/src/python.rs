@@ -58,6 +58,9 @@ enum Dtype {
     LikeOrInt8(ElementType, &'static str),
     /// v when k is int8
     Int8,
+    /// the backward's out: q's element type (its NumPy name given), or float32 when that is
+    /// float16 / bfloat16 (the forward's out32)
+    LikeOrFloat32(ElementType, &'static str),
 }
 
 /// The element type of a float32, float16 (NumPy's) or bfloat16 (ml_dtypes') array of native
@@ -113,6 +116,7 @@ fn as_array<'a, 'py>(
             element_type_of(&given) == Some(element) || given.is_equiv_to(&dtype::<i8>(py))
         }
         Dtype::Int8 => given.is_equiv_to(&dtype::<i8>(py)),
+        Dtype::LikeOrFloat32(element, _) => element_type_of(&given) == Some(element) || is_float32,
     };
     if !ok {
         let expected = match expected {
@@ -123,6 +127,10 @@ fn as_array<'a, 'py>(
             Dtype::Like(_, name) => format!("{name} (q's dtype)"),
             Dtype::LikeOrInt8(_, name) => format!("{name} (q's dtype) or int8"),
             Dtype::Int8 => "int8 (k's dtype)".to_owned(),
+            Dtype::LikeOrFloat32(ElementType::Float32, name) => format!("{name} (q's dtype)"),
+            Dtype::LikeOrFloat32(_, name) => {
+                format!("{name} (q's dtype) or float32 (the forward's out32)")
+            }
         };
         return Err(PyTypeError::new_err(format!(
             "{name}: expected dtype {expected}, got {given}"
@@ -351,7 +359,7 @@ macro_rules! attention_py {
     ($(#[$doc:meta])* $name:ident, $kernel:expr) => {
         $(#[$doc])*
         #[pyfunction]
-        #[pyo3(signature = (q, k, v, out, *, scale, lse=None, q_offset=None, kv_lens=None, mask=None, causal=None, num_threads=None, window_left=None, window_right=None, softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None))]
+        #[pyo3(signature = (q, k, v, out, *, scale, lse=None, q_offset=None, kv_lens=None, mask=None, causal=None, num_threads=None, window_left=None, window_right=None, softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None, out32=None))]
         #[allow(clippy::too_many_arguments)]
         fn $name<'py>(
             q: &Bound<'py, PyAny>,
@@ -372,6 +380,7 @@ macro_rules! attention_py {
             sinks: Option<&Bound<'py, PyAny>>,
             k_scale: Option<&Bound<'py, PyAny>>,
             v_scale: Option<&Bound<'py, PyAny>>,
+            out32: Option<&Bound<'py, PyAny>>,
         ) -> PyResult<()> {
             run_kernel(
                 $kernel,
@@ -391,6 +400,7 @@ macro_rules! attention_py {
                     k_scale,
                     v_scale,
                 ],
+                out32,
             )
         }
     };
@@ -399,10 +409,10 @@ macro_rules! attention_py {
 attention_py!(
     /// attention_forward(q, k, v, out, *, scale, lse=None, q_offset=None, kv_lens=None,
     ///     mask=None, causal=None, num_threads=None, window_left=None, window_right=None,
-    ///     softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None)
+    ///     softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None, out32=None)
     /// --
     ///
-    /// Computes out (and lse when given) in place with the fast kernel and the instruction set in
+    /// Computes out (and lse, out32 when given) in place with the fast kernel and the instruction set in
     /// use (set_isa). None means a keyword's default. See docs/native_api.md.
     attention_forward,
     Kernel::Fast
@@ -411,7 +421,7 @@ attention_py!(
 attention_py!(
     /// attention_reference(q, k, v, out, *, scale, lse=None, q_offset=None, kv_lens=None,
     ///     mask=None, causal=None, num_threads=None, window_left=None, window_right=None,
-    ///     softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None)
+    ///     softcap=None, alibi_slopes=None, sinks=None, k_scale=None, v_scale=None, out32=None)
     /// --
     ///
     /// As attention_forward, with the plain reference kernel (the scalar twin every fast path is
@@ -468,7 +478,12 @@ fn convert_problem(
     let kv_int8 = k.dtype().is_equiv_to(&dtype::<i8>(k.py()));
     let v_dtype = if kv_int8 { Dtype::Int8 } else { like };
     let v = as_array(v, "v", v_dtype, 4, "(B, Hkv, Lk, Dv)")?;
-    let out = as_array(out, "out", like, 4, "(B, Hq, Lq, Dv)")?;
+    let out_dtype = if outputs {
+        like
+    } else {
+        Dtype::LikeOrFloat32(element, element.name())
+    };
+    let out = as_array(out, "out", out_dtype, 4, "(B, Hq, Lq, Dv)")?;
     if outputs {
         require_writeable(out, "out")?;
     }
@@ -546,6 +561,7 @@ fn convert_problem(
         k_scale,
         v_scale,
         pages: KeyPages::NONE,
+        out32: MutTensorView4::NONE,
     };
 
     Ok(ConvertedProblem {
@@ -567,6 +583,21 @@ fn run_without_gil(
     py.detach(move || compute(threads)).map_err(raise)
 }
 
+/// out32 (attention_forward, attention_reference): float32 (B, Hq, Lq, Dv), writeable (the core
+/// checks it against the problem); None: not requested.
+fn convert_out32(out32: Option<&Bound<'_, PyAny>>) -> PyResult<MutTensorView4> {
+    let Some(out32) = out32 else {
+        return Ok(MutTensorView4::NONE);
+    };
+    let array = as_array(out32, "out32", Dtype::Float32, 4, "(B, Hq, Lq, Dv)")?;
+    require_writeable(array, "out32")?;
+    Ok(MutTensorView4 {
+        data: data_of(array),
+        shape: shape_of(array),
+        stride: strides_of(array),
+    })
+}
+
 /// Converts the arguments into an AttentionProblem and runs `kernel` without the GIL; the
 /// kernel checks the problem first (check_problem: shapes against each other, lengths, ranges,
 /// scales required or not, overlaps), once per call.
@@ -574,9 +605,14 @@ fn run_kernel(
     kernel: Kernel,
     required: [&Bound<'_, PyAny>; 5],
     keywords: [Option<&Bound<'_, PyAny>>; 13],
+    out32: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
     let converted = convert_problem(true, required, keywords)?;
-    let job = DetachedProblem(converted.problem());
+    let problem = AttentionProblem {
+        out32: convert_out32(out32)?,
+        ..converted.problem()
+    };
+    let job = DetachedProblem(problem);
     run_without_gil(required[0].py(), converted.num_threads, move |threads| {
         job.run(threads, kernel)
     })
@@ -584,16 +620,17 @@ fn run_kernel(
 
 /// attention_backward(q, k, v, out, dout, lse, dq, dk, dv, *, scale, q_offset=None,
 ///     kv_lens=None, mask=None, causal=None, num_threads=None, window_left=None,
-///     window_right=None, softcap=None, alibi_slopes=None, sinks=None, dsinks=None)
+///     window_right=None, softcap=None, alibi_slopes=None, sinks=None, dsinks=None, dlse=None)
 /// --
 ///
 /// The gradients of attention_forward with respect to q, k, v (and sinks: dsinks) from dout,
-/// the forward's out and lse, written into dq, dk, dv (and dsinks). Conversion order: the
-/// forward's arguments as the forward converts them, then dout, dq, dk, dv and dsinks; then the
-/// core's checks (check_backward). See docs/native_api.md.
+/// the forward's out (q's dtype, or float32 for float16 / bfloat16: the forward's out32) and lse,
+/// written into dq, dk, dv (and dsinks); dlse, lse's gradient, when given. Conversion order: the
+/// forward's arguments as the forward converts them, then dout, dq, dk, dv, dsinks and dlse; then
+/// the core's checks (check_backward). See docs/native_api.md.
 #[pyfunction]
 #[pyo3(name = "attention_backward")]
-#[pyo3(signature = (q, k, v, out, dout, lse, dq, dk, dv, *, scale, q_offset=None, kv_lens=None, mask=None, causal=None, num_threads=None, window_left=None, window_right=None, softcap=None, alibi_slopes=None, sinks=None, dsinks=None))]
+#[pyo3(signature = (q, k, v, out, dout, lse, dq, dk, dv, *, scale, q_offset=None, kv_lens=None, mask=None, causal=None, num_threads=None, window_left=None, window_right=None, softcap=None, alibi_slopes=None, sinks=None, dsinks=None, dlse=None))]
 #[allow(clippy::too_many_arguments)]
 fn attention_backward_py<'py>(
     q: &Bound<'py, PyAny>,
@@ -617,6 +654,7 @@ fn attention_backward_py<'py>(
     alibi_slopes: Option<&Bound<'py, PyAny>>,
     sinks: Option<&Bound<'py, PyAny>>,
     dsinks: Option<&Bound<'py, PyAny>>,
+    dlse: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<()> {
     // lse is positional but may be None, as in C++: then the core says it is required.
     let converted = convert_problem(
@@ -673,6 +711,11 @@ fn attention_backward_py<'py>(
             }
         }
     };
+    let out_float32 = element != ElementType::Float32
+        && out
+            .cast::<PyUntypedArray>()
+            .is_ok_and(|out| out.dtype().is_equiv_to(&dtype::<f32>(out.py())));
+    let dlse = param_view!(ParamView3, dlse, "dlse", "(B, Hq, Lq)");
     let [dq, dk, dv] = gradients;
     let job = DetachedBackward(BackwardProblem {
         forward,
@@ -681,6 +724,8 @@ fn attention_backward_py<'py>(
         dk,
         dv,
         dsinks,
+        out_float32,
+        dlse,
     });
     run_without_gil(q.py(), converted.num_threads, move |threads| {
         job.run(threads)

@@ -213,6 +213,15 @@ unsafe fn attend_row<T: Element, KV: Load>(
             .data
             .cast::<T>()
             .offset(at([b, h, i, 0], &p.out.stride));
+        // out32 (float16 / bfloat16, when given): out before its rounding to T
+        let out32_row = if p.out32.data.is_null() {
+            std::ptr::null_mut()
+        } else {
+            p.out32
+                .data
+                .cast::<f32>()
+                .offset(at([b, h, i, 0], &p.out32.stride))
+        };
         let mask_row = at([b, h, i, 0], &p.mask.stride);
 
         // 1. Select the visible keys and score them.
@@ -291,6 +300,9 @@ unsafe fn attend_row<T: Element, KV: Load>(
             for d in 0..value_dim {
                 *out_row.add(d) = T::from_f32(0.0);
             }
+            for d in (0..value_dim).filter(|_| !out32_row.is_null()) {
+                *out32_row.add(d) = 0.0;
+            }
             if !lse.is_null() {
                 *lse = sink as f32; // -inf without sinks
             }
@@ -343,6 +355,9 @@ unsafe fn attend_row<T: Element, KV: Load>(
         }
         for (d, &acc) in out_acc.iter().enumerate() {
             *out_row.add(d) = T::from_f32(acc as f32);
+        }
+        for (d, &acc) in out_acc.iter().enumerate().filter(|_| !out32_row.is_null()) {
+            *out32_row.add(d) = acc as f32;
         }
         if !lse.is_null() {
             // a +inf score: ln(sum) = +inf, though the weights are inf / inf

@@ -184,6 +184,7 @@ impl Data {
             k_scale: ParamView3::NONE,
             v_scale: ParamView3::NONE,
             pages: KeyPages::NONE,
+            out32: twinattn::problem::MutTensorView4::NONE,
         }
     }
 
@@ -208,6 +209,8 @@ impl Data {
             dk,
             dv: dv_view,
             dsinks,
+            out_float32: false,
+            dlse: twinattn::problem::ParamView3::NONE,
         }
     }
 }

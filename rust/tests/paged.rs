@@ -135,6 +135,7 @@ fn check_against_reference(p: &Packed, out: &[f32], lse: &[f32], o: &PackedOptio
             k_scale: ParamView3::NONE,
             v_scale: ParamView3::NONE,
             pages: KeyPages::NONE,
+            out32: twinattn::problem::MutTensorView4::NONE,
         };
         // SAFETY: every view covers its vector.
         unsafe { attention_reference(&problem, 1) }.unwrap();

@@ -143,6 +143,10 @@ struct AttentionProblem {
     ParamView3 v_scale = {nullptr, {0, 0, 0}, {0, 0, 0}};
     // Paged K/V (KeyPages): set by attention_paged for its per-sequence problems only.
     KeyPages pages;
+    // float16 / bfloat16 only, optional (data == nullptr: none): float32 (B, Hq, Lq, Dv), the
+    // output before its rounding to dtype, which the forward writes beside out (for the backward's
+    // D; on the bfloat16 pair paths with P.V's remainder added, flash_bf16_pairs.hpp).
+    MutTensorView4 out32 = {nullptr, {0, 0, 0, 0}, {0, 0, 0, 0}};
 };
 
 // ---- Packed (varlen) and paged batches (docs/native_api.md, attention_varlen / attention_paged)
@@ -252,10 +256,16 @@ struct BackwardProblem {
     TensorView4 dout;
     MutTensorView4 dq, dk, dv;
     MutParamView1 dsinks = {nullptr, {0}, {0}};
+    // forward.out holds float32 (the forward's out32) instead of forward.dtype: D = rowsum(dout * out)
+    // is then taken from the output before its rounding (for a float32 problem it changes nothing).
+    bool out_float32 = false;
+    // Optional (data == nullptr: none): float32 (B, Hq, Lq), the loss's gradient with respect to
+    // lse, folded into the row term: dS = P (dP - (D - dlse)).
+    ParamView3 dlse = {nullptr, {0, 0, 0}, {0, 0, 0}};
 };
 
 // check_problem's checks on the forward part (lse required, k and v not int8), then dout, dq,
-// dk, dv and dsinks: shapes, data, unit last strides, dsinks only with sinks, and the gradients
+// dk, dv, dsinks, out_float32 and dlse: shapes, data, unit last strides, dsinks only with sinks, and the gradients
 // written once each (no element twice, no overlap with each other or any input). Throws
 // std::invalid_argument as check_problem does; the same checks in the same order as Rust's
 // check_backward.

@@ -169,9 +169,9 @@ class TwinattnRunner(Runner):
         return [Part(call, lambda: out)]
 
     def _train_parts(self, problem: TrainProblem, threads: int) -> list[Part]:
-        """The forward (with lse) and the backward (twinattn.core.backward), as a training step
-        calls them; the output checked is dq."""
-        from ..core.backward import attention_backward
+        """The forward (with lse, and out32 in float16 / bfloat16) and the backward
+        (twinattn.core.backward), as a training step calls them; the output checked is dq."""
+        from ..core.backward import attention_backward, attention_for_training
 
         case, name, dout = problem.case, self.name, problem.dout
         assert dout is not None
@@ -180,11 +180,11 @@ class TwinattnRunner(Runner):
         result: dict[str, Any] = {}
 
         def call() -> object:
-            out, lse = twinattn.attention(
-                q, k, v, causal=case.causal, kv_lens=lens, return_lse=True, backend=name, num_threads=threads, **variants
+            _, lse, out32 = attention_for_training(
+                q, k, v, causal=case.causal, kv_lens=lens, backend=name, num_threads=threads, **variants
             )
             result["grads"] = attention_backward(
-                q, k, v, out, dout, lse, causal=case.causal, kv_lens=lens, backend=name, num_threads=threads, **variants
+                q, k, v, out32, dout, lse, causal=case.causal, kv_lens=lens, backend=name, num_threads=threads, **variants
             )
             return result["grads"]
 

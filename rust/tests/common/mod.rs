@@ -794,6 +794,7 @@ impl Case {
                 },
             },
             pages: twinattn::problem::KeyPages::NONE,
+            out32: twinattn::problem::MutTensorView4::NONE,
         };
         let result = f(&mut problem);
         if let Some(buffer) = out_halves {

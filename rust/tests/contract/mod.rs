@@ -598,6 +598,7 @@ pub fn check_problem_rejects_overlapping_outputs_and_bad_lse() {
         k_scale: twinattn::problem::ParamView3::NONE,
         v_scale: twinattn::problem::ParamView3::NONE,
         pages: twinattn::problem::KeyPages::NONE,
+        out32: twinattn::problem::MutTensorView4::NONE,
     };
     let lse_at = |at: usize, n: i64| LseView {
         data: base.wrapping_add(at),
