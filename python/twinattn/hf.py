@@ -475,33 +475,8 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         owner = self._owner
         if owner.kv is None:
             self.lazy_initialization(key_states, value_states)
-        # the common case, every step of every layer: the new tokens written at this layer's
-        # length into its buffers, views of the stored prefix back, and their NumPy views handed
-        # to attention_forward (a few microseconds; KVCache.update's general checks and
-        # per-sequence lengths cost several times that)
-        stores = owner._stores
-        if stores is not None and key_states.dtype is owner._dtype and value_states.dtype is owner._dtype:
-            if not (key_states.requires_grad or value_states.requires_grad):
-                new_keys, new_values = array("key_states", key_states), array("value_states", value_states)
-                layer = self._layer_idx
-                keys, values = stores[layer]
-                start = owner._lengths[layer]
-                shape, stored = new_keys.shape, keys.shape
-                end = start + shape[2]
-                if (
-                    end <= owner.max_cache_len and shape[0] == stored[0] and shape[1] == stored[1] and shape[3] == stored[3]
-                    and new_values.shape == shape
-                ):
-                    self.is_initialized = True
-                    keys[:, :, start:end] = new_keys
-                    values[:, :, start:end] = new_values
-                    owner._set_length(layer, end)
-                    keys, values = keys[:, :, :end], values[:, :, :end]
-                    self.keys, self.values = key_tensor, value_tensor = tensor(keys), tensor(values)
-                    views = _cache_views  # (_hand_over, inline)
-                    views.keys, views.values, views.arrays, views.scales = key_tensor, value_tensor, (keys, values), None
-                    return key_tensor, value_tensor
-        return self._update_checked(key_states, value_states)
+        appended = owner._append(self._layer_idx, key_states, value_states)
+        return self._update_checked(key_states, value_states) if appended is None else appended
 
     def _update_checked(self, key_states: Any, value_states: Any) -> tuple[Any, Any]:
         """update through KVCache.update: int8 caches, and whatever the fast path does not take,
@@ -604,19 +579,62 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         self.kv_dtype = kv_dtype
         self.kv: Optional[KVCache] = None
         # once allocated (not int8): per layer, the KVCache's whole key and value buffers
-        # (B, Hkv, max_cache_len, D), which update writes into; and per layer the
+        # (B, Hkv, max_cache_len, D), which _append writes into, and the layer; and per layer the
         # stored length (every sequence of a generate batch has the same one, left padding
         # included), kept equal to the KVCache's
-        self._stores: Optional[list[tuple[Any, Any]]] = None
+        self._stores: Optional[list[tuple[Any, Any, _TwinattnLayer]]] = None
+        self._kv_lens: Any = None
         self._dtype: Any = None  # the model's torch dtype, once allocated
         self._lengths = [0] * num_layers
         super().__init__(layers=[_TwinattnLayer(self, i) for i in range(num_layers)])
 
     def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        """Cache.update: the layer's update (a TwinattnCache has all its layers from the start and
-        never offloads them, the two things Cache.update checks for on each call first)."""
+        """Cache.update: _append for the common case, else the layer's update (a TwinattnCache has all
+        its layers from the start and never offloads them, the two things Cache.update checks for on
+        each call first)."""
+        appended = self._append(layer_idx, key_states, value_states)
+        if appended is not None:
+            return appended
         keys, values = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
         return keys, values
+
+    def _append(self, layer_idx: int, key_states: Any, value_states: Any) -> Optional[tuple[Any, Any]]:
+        """The common case of an update, every step of every layer, once allocated (not int8): the
+        new tokens written at the layer's length into its buffers, views of the stored prefix back
+        (also the layer's keys and values), and their NumPy views handed to attention_forward
+        (_CacheViews); None for anything else, which the layer's _update_checked takes
+        (KVCache.update's general checks and per-sequence lengths cost several times this).
+
+        update calls it itself, not through the layer's update: in a real decode step this runs
+        with the processor's caches cold (each layer's weights have just streamed through them),
+        where every Python call and lookup it saves costs several times what it costs in a loop."""
+        stores, dtype = self._stores, self._dtype
+        if (
+            stores is None or key_states.dtype is not dtype or value_states.dtype is not dtype
+            or key_states.requires_grad or value_states.requires_grad
+        ):
+            return None
+        new_keys, new_values = array("key_states", key_states), array("value_states", value_states)
+        keys, values, layer = stores[layer_idx]
+        start = self._lengths[layer_idx]
+        shape, stored = new_keys.shape, keys.shape
+        end = start + shape[2]
+        if (
+            end > self.max_cache_len or shape[0] != stored[0] or shape[1] != stored[1] or shape[3] != stored[3]
+            or new_values.shape != shape
+        ):
+            return None
+        layer.is_initialized = True
+        keys[:, :, start:end] = new_keys
+        values[:, :, start:end] = new_values
+        # every sequence of the layer now holds `end` tokens: here and in the KVCache
+        self._lengths[layer_idx] = end
+        self._kv_lens[layer_idx] = end
+        keys, values = keys[:, :, :end], values[:, :, :end]
+        layer.keys, layer.values = key_tensor, value_tensor = tensor(keys), tensor(values)
+        views = _cache_views  # (_hand_over, inline)
+        views.keys, views.values, views.arrays, views.scales = key_tensor, value_tensor, (keys, values), None
+        return key_tensor, value_tensor
 
     def _allocate(self, key_states: Any, value_states: Any) -> None:
         if self.kv is not None:
@@ -642,14 +660,10 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         self.kv = KVCache(self.num_layers, batch, kv_heads, head_dim, self.max_cache_len, dtype=stored)
         self._dtype = key_states.dtype
         if stored != "int8":
-            # the buffers themselves (KVCache's keys() and values() end at the stored length)
-            self._stores = [(self.kv._keys[i], self.kv._values[i]) for i in range(self.num_layers)]
-
-    def _set_length(self, layer_idx: int, length: int) -> None:
-        """The fast path's append: every sequence of layer layer_idx now holds `length` tokens."""
-        assert self.kv is not None
-        self._lengths[layer_idx] = length
-        self.kv._lens[layer_idx] = length
+            # the buffers themselves (KVCache's keys() and values() end at the stored length), with
+            # the layer they belong to, and the KVCache's lengths (which it only ever writes in place)
+            self._stores = [(self.kv._keys[i], self.kv._values[i], self.layers[i]) for i in range(self.num_layers)]
+            self._kv_lens = self.kv._lens
 
     def _sync_lengths(self, layer_idx: Optional[int] = None) -> None:
         """_lengths from the KVCache, after an edit that went through it (all layers, or one)."""
