@@ -189,6 +189,9 @@ class _LastPadding(threading.local):
     mask: Any = None
     k_len = -1
     answer: Any = None
+    # a decode step's left padding: the answer's mask and its broadcast NumPy view (_left_padding_mask)
+    broadcast_of: Any = None
+    broadcast: Any = None
 
 
 _last_padding = _LastPadding()
@@ -256,10 +259,11 @@ def attention_forward(
             cu_seq_lens_k=kwargs["cu_seq_lens_k"], causal=causal, sliding_window=sliding_window, softcap=softcap,
             s_aux=sinks, pages=kwargs.get(PAGES),
         )
-    if attention_mask is None and causal and not softcap and sinks is None:
+    if causal and not softcap and sinks is None and (attention_mask is None or attention_mask.dim() == 2):
         # every layer of every decode step over a TwinattnCache (or the DynamicCache a twinattn
-        # model's forward makes): the native call itself when that is what twinattn.attention would make
-        step = _decode_step(query, key, value, scaling, sliding_window)
+        # model's forward makes), without padding or with a generate batch's left padding: the
+        # native call itself when that is what twinattn.attention would make
+        step = _decode_step(query, key, value, scaling, sliding_window, attention_mask)
         if step is not None:
             return step, None
     batch, q_heads, q_len, _ = query.shape
@@ -345,10 +349,12 @@ def attention_forward(
     return (result.transpose(1, 2) if out is None else out), None
 
 
-def _decode_step(query: Any, key: Any, value: Any, scaling: Any, sliding_window: Any) -> Any:
-    """attention_forward of one decode step, causal, without a mask, softcap or sinks, over the key
-    and value views a cache layer has just handed over (_CacheViews), in eager mode without
-    gradients: query (B, Hq, 1, D) -> (B, 1, Hq, Dv); else None (nothing handed over then).
+def _decode_step(query: Any, key: Any, value: Any, scaling: Any, sliding_window: Any, padding: Any = None) -> Any:
+    """attention_forward of one decode step, causal, without softcap or sinks, over the key and
+    value views a cache layer has just handed over (_CacheViews), in eager mode without
+    gradients, without a mask or with a left-padded (B, >= Lk) padding mask (`padding`, as
+    mask_function returns it for generate's batches): query (B, Hq, 1, D) -> (B, 1, Hq, Dv);
+    else None (nothing handed over then).
 
     Bit for bit twinattn.attention on the handed-over arrays as attention_forward calls it (first
     native port, same threads), without its Python checks, which cost more than such a step's
@@ -391,6 +397,9 @@ def _decode_step(query: Any, key: Any, value: Any, scaling: Any, sliding_window:
             break
     else:
         return None
+    mask = None if padding is None else _left_padding_mask(padding, batch, q_heads, k_len)
+    if padding is not None and mask is None:
+        return None
     views.keys = views.values = views.arrays = None  # handed over once
     # attention_forward's threads (threads_for), the same work counted the same way
     num_threads = threads_for(q_heads * k_len * (head_dim + value_dim), beside_spinning_threads=q.dtype != _FLOAT32)
@@ -399,11 +408,15 @@ def _decode_step(query: Any, key: Any, value: Any, scaling: Any, sliding_window:
     # twinattn.attention's arguments, less those it passes at their defaults (None, 0); a causal
     # window is (sliding_window - 1, 0), its right side capped at 0 as twinattn.attention caps it
     threads = get_num_threads() if num_threads is None else num_threads
-    if sliding_window is None:
+    if sliding_window is None and mask is None:
         module.attention_forward(q, keys, values, out, scale=scale, q_offset=offsets, kv_lens=lens, causal=True, num_threads=threads)
+    elif sliding_window is None:
+        module.attention_forward(
+            q, keys, values, out, scale=scale, q_offset=offsets, kv_lens=lens, mask=mask, causal=True, num_threads=threads
+        )
     else:
         module.attention_forward(
-            q, keys, values, out, scale=scale, q_offset=offsets, kv_lens=lens, causal=True, num_threads=threads,
+            q, keys, values, out, scale=scale, q_offset=offsets, kv_lens=lens, mask=mask, causal=True, num_threads=threads,
             window_left=sliding_window - 1, window_right=0,
         )
     # (B, Hq, 1, Dv) is (B, 1, Hq, Dv) in memory: the model's layout
@@ -411,6 +424,23 @@ def _decode_step(query: Any, key: Any, value: Any, scaling: Any, sliding_window:
 
 
 _FLOAT32 = np.dtype(np.float32)
+
+
+def _left_padding_mask(padding: Any, batch: int, q_heads: int, k_len: int) -> Any:
+    """The mask twinattn.attention hands the native call for the (B, 1, 1, Lk) bool mask that
+    _padding_of makes of a left-padded (B, >= k_len) padding mask: that mask broadcast to
+    (B, Hq, 1, k_len), made once per forward (every layer gets the same mask object); None for
+    anything else (right padding, which is kv_lens, or a mask twinattn.attention would refuse),
+    which attention_forward's checked call takes."""
+    if padding.shape[-1] < k_len:
+        return None
+    kv_lens, attn_mask = _padding_of(padding, k_len)
+    if kv_lens is not None or attn_mask is None or attn_mask.dtype is not torch.bool or attn_mask.shape[0] != batch:
+        return None
+    last = _last_padding
+    if last.broadcast_of is not attn_mask or last.broadcast.shape[1] != q_heads:
+        last.broadcast_of, last.broadcast = attn_mask, np.broadcast_to(array("attention_mask", attn_mask), (batch, q_heads, 1, k_len))
+    return last.broadcast
 
 
 class _CacheViews(threading.local):
