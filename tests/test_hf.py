@@ -315,29 +315,37 @@ def _decode_views(make: str, dtype: Any, rng: Any) -> tuple[Any, Any, Any, Any]:
 @pytest.mark.parametrize("make", ["TwinattnCache", "_AppendingLayer"])
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("padding", [None, "left"])
 def test_a_decode_step_over_the_caches_views_is_the_native_call_bit_for_bit(
-    monkeypatch: pytest.MonkeyPatch, make: str, window: int | None, dtype: str
+    monkeypatch: pytest.MonkeyPatch, make: str, window: int | None, dtype: str, padding: str | None
 ) -> None:
     # a decode step over the views a cache layer just handed over skips twinattn.attention's
-    # checks (hf._decode_step), and gives exactly what twinattn.attention gives on the same arrays
+    # checks (hf._decode_step), and gives exactly what twinattn.attention gives on the same arrays;
+    # with a left-padded (B, Lk) padding mask too, as generate passes for a batch of prompts
     query, keys, values, arrays = _decode_views(make, getattr(torch, dtype), np.random.default_rng(5))
+    mask = None
+    if padding is not None:
+        mask = torch.ones(2, 8, dtype=torch.bool)
+        mask[1, :3] = False
     want = twinattn.attention(
-        numpy_view("query", query), *arrays, causal=True, scale=0.3, **({} if window is None else {"window_size": (window - 1, 0)})
+        numpy_view("query", query), *arrays, causal=True, scale=0.3,
+        attn_mask=None if mask is None else mask.numpy()[:, None, None, :],
+        **({} if window is None else {"window_size": (window - 1, 0)}),
     )
     calls: list[Any] = []
     checked = hf.api.attention
     monkeypatch.setattr(hf.api, "attention", lambda *args, **kwargs: calls.append(args) or checked(*args, **kwargs))
     variants = {} if window is None else {"sliding_window": window}
-    got, _ = hf.attention_forward(torch.nn.Module(), query, keys, values, None, scaling=0.3, **variants)
+    got, _ = hf.attention_forward(torch.nn.Module(), query, keys, values, mask, scaling=0.3, **variants)
     assert calls == [] and got.shape == (2, 1, 6, 8) and got.dtype == query.dtype and keys.shape[2] == 8
     assert np.array_equal(numpy_view("out", got.transpose(1, 2)).view(np.uint8), want.view(np.uint8))
     # handed over once: the same views again are read through the checked call
-    hf.attention_forward(torch.nn.Module(), query, keys, values, None, scaling=0.3, **variants)
+    hf.attention_forward(torch.nn.Module(), query, keys, values, mask, scaling=0.3, **variants)
     assert len(calls) == 1
 
 
 @pytest.mark.parametrize(
-    "case", ["scale not a float", "query with a non-unit last stride", "grad", "dtype", "padding mask", "bidirectional"]
+    "case", ["scale not a float", "query with a non-unit last stride", "grad", "dtype", "right padding mask", "bidirectional"]
 )
 def test_a_decode_step_the_fast_path_does_not_take_goes_through_the_checked_call(case: str) -> None:
     # what _decode_step does not check itself goes where it went before: twinattn.attention (or,
@@ -354,9 +362,9 @@ def test_a_decode_step_the_fast_path_does_not_take_goes_through_the_checked_call
         query = query.clone().requires_grad_(True)
     elif case == "dtype":
         query, want_error = query.double(), TypeError
-    elif case == "padding mask":
+    elif case == "right padding mask":  # kv_lens (a left-padded one is the fast path's)
         mask = torch.ones(2, 8, dtype=torch.bool)
-        mask[1, :2] = False
+        mask[1, 6:] = False
     else:
         is_causal = False
     if want_error is not None:

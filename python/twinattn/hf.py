@@ -189,6 +189,9 @@ class _LastPadding(threading.local):
     mask: Any = None
     k_len = -1
     answer: Any = None
+    # a decode step's left padding: the answer's mask and its broadcast NumPy view (_left_padding_mask)
+    broadcast_of: Any = None
+    broadcast: Any = None
 
 
 _last_padding = _LastPadding()
@@ -256,10 +259,11 @@ def attention_forward(
             cu_seq_lens_k=kwargs["cu_seq_lens_k"], causal=causal, sliding_window=sliding_window, softcap=softcap,
             s_aux=sinks, pages=kwargs.get(PAGES),
         )
-    if attention_mask is None and causal and not softcap and sinks is None:
+    if causal and not softcap and sinks is None and (attention_mask is None or attention_mask.dim() == 2):
         # every layer of every decode step over a TwinattnCache (or the DynamicCache a twinattn
-        # model's forward makes): the native call itself when that is what twinattn.attention would make
-        step = _decode_step(query, key, value, scaling, sliding_window)
+        # model's forward makes), without padding or with a generate batch's left padding: the
+        # native call itself when that is what twinattn.attention would make
+        step = _decode_step(query, key, value, scaling, sliding_window, attention_mask)
         if step is not None:
             return step, None
     batch, q_heads, q_len, _ = query.shape
@@ -345,10 +349,12 @@ def attention_forward(
     return (result.transpose(1, 2) if out is None else out), None
 
 
-def _decode_step(query: Any, key: Any, value: Any, scaling: Any, sliding_window: Any) -> Any:
-    """attention_forward of one decode step, causal, without a mask, softcap or sinks, over the key
-    and value views a cache layer has just handed over (_CacheViews), in eager mode without
-    gradients: query (B, Hq, 1, D) -> (B, 1, Hq, Dv); else None (nothing handed over then).
+def _decode_step(query: Any, key: Any, value: Any, scaling: Any, sliding_window: Any, padding: Any = None) -> Any:
+    """attention_forward of one decode step, causal, without softcap or sinks, over the key and
+    value views a cache layer has just handed over (_CacheViews), in eager mode without
+    gradients, without a mask or with a left-padded (B, >= Lk) padding mask (`padding`, as
+    mask_function returns it for generate's batches): query (B, Hq, 1, D) -> (B, 1, Hq, Dv);
+    else None (nothing handed over then).
 
     Bit for bit twinattn.attention on the handed-over arrays as attention_forward calls it (first
     native port, same threads), without its Python checks, which cost more than such a step's
@@ -391,6 +397,9 @@ def _decode_step(query: Any, key: Any, value: Any, scaling: Any, sliding_window:
             break
     else:
         return None
+    mask = None if padding is None else _left_padding_mask(padding, batch, q_heads, k_len)
+    if padding is not None and mask is None:
+        return None
     views.keys = views.values = views.arrays = None  # handed over once
     # attention_forward's threads (threads_for), the same work counted the same way
     num_threads = threads_for(q_heads * k_len * (head_dim + value_dim), beside_spinning_threads=q.dtype != _FLOAT32)
@@ -399,11 +408,15 @@ def _decode_step(query: Any, key: Any, value: Any, scaling: Any, sliding_window:
     # twinattn.attention's arguments, less those it passes at their defaults (None, 0); a causal
     # window is (sliding_window - 1, 0), its right side capped at 0 as twinattn.attention caps it
     threads = get_num_threads() if num_threads is None else num_threads
-    if sliding_window is None:
+    if sliding_window is None and mask is None:
         module.attention_forward(q, keys, values, out, scale=scale, q_offset=offsets, kv_lens=lens, causal=True, num_threads=threads)
+    elif sliding_window is None:
+        module.attention_forward(
+            q, keys, values, out, scale=scale, q_offset=offsets, kv_lens=lens, mask=mask, causal=True, num_threads=threads
+        )
     else:
         module.attention_forward(
-            q, keys, values, out, scale=scale, q_offset=offsets, kv_lens=lens, causal=True, num_threads=threads,
+            q, keys, values, out, scale=scale, q_offset=offsets, kv_lens=lens, mask=mask, causal=True, num_threads=threads,
             window_left=sliding_window - 1, window_right=0,
         )
     # (B, Hq, 1, Dv) is (B, 1, Hq, Dv) in memory: the model's layout
@@ -411,6 +424,23 @@ def _decode_step(query: Any, key: Any, value: Any, scaling: Any, sliding_window:
 
 
 _FLOAT32 = np.dtype(np.float32)
+
+
+def _left_padding_mask(padding: Any, batch: int, q_heads: int, k_len: int) -> Any:
+    """The mask twinattn.attention hands the native call for the (B, 1, 1, Lk) bool mask that
+    _padding_of makes of a left-padded (B, >= k_len) padding mask: that mask broadcast to
+    (B, Hq, 1, k_len), made once per forward (every layer gets the same mask object); None for
+    anything else (right padding, which is kv_lens, or a mask twinattn.attention would refuse),
+    which attention_forward's checked call takes."""
+    if padding.shape[-1] < k_len:
+        return None
+    kv_lens, attn_mask = _padding_of(padding, k_len)
+    if kv_lens is not None or attn_mask is None or attn_mask.dtype is not torch.bool or attn_mask.shape[0] != batch:
+        return None
+    last = _last_padding
+    if last.broadcast_of is not attn_mask or last.broadcast.shape[1] != q_heads:
+        last.broadcast_of, last.broadcast = attn_mask, np.broadcast_to(array("attention_mask", attn_mask), (batch, q_heads, 1, k_len))
+    return last.broadcast
 
 
 class _CacheViews(threading.local):
@@ -475,33 +505,8 @@ class _TwinattnLayer(CacheLayerMixin):  # type: ignore[misc]
         owner = self._owner
         if owner.kv is None:
             self.lazy_initialization(key_states, value_states)
-        # the common case, every step of every layer: the new tokens written at this layer's
-        # length into its buffers, views of the stored prefix back, and their NumPy views handed
-        # to attention_forward (a few microseconds; KVCache.update's general checks and
-        # per-sequence lengths cost several times that)
-        stores = owner._stores
-        if stores is not None and key_states.dtype is owner._dtype and value_states.dtype is owner._dtype:
-            if not (key_states.requires_grad or value_states.requires_grad):
-                new_keys, new_values = array("key_states", key_states), array("value_states", value_states)
-                layer = self._layer_idx
-                keys, values = stores[layer]
-                start = owner._lengths[layer]
-                shape, stored = new_keys.shape, keys.shape
-                end = start + shape[2]
-                if (
-                    end <= owner.max_cache_len and shape[0] == stored[0] and shape[1] == stored[1] and shape[3] == stored[3]
-                    and new_values.shape == shape
-                ):
-                    self.is_initialized = True
-                    keys[:, :, start:end] = new_keys
-                    values[:, :, start:end] = new_values
-                    owner._set_length(layer, end)
-                    keys, values = keys[:, :, :end], values[:, :, :end]
-                    self.keys, self.values = key_tensor, value_tensor = tensor(keys), tensor(values)
-                    views = _cache_views  # (_hand_over, inline)
-                    views.keys, views.values, views.arrays, views.scales = key_tensor, value_tensor, (keys, values), None
-                    return key_tensor, value_tensor
-        return self._update_checked(key_states, value_states)
+        appended = owner._append(self._layer_idx, key_states, value_states)
+        return self._update_checked(key_states, value_states) if appended is None else appended
 
     def _update_checked(self, key_states: Any, value_states: Any) -> tuple[Any, Any]:
         """update through KVCache.update: int8 caches, and whatever the fast path does not take,
@@ -604,19 +609,62 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         self.kv_dtype = kv_dtype
         self.kv: Optional[KVCache] = None
         # once allocated (not int8): per layer, the KVCache's whole key and value buffers
-        # (B, Hkv, max_cache_len, D), which update writes into; and per layer the
+        # (B, Hkv, max_cache_len, D), which _append writes into, and the layer; and per layer the
         # stored length (every sequence of a generate batch has the same one, left padding
         # included), kept equal to the KVCache's
-        self._stores: Optional[list[tuple[Any, Any]]] = None
+        self._stores: Optional[list[tuple[Any, Any, _TwinattnLayer]]] = None
+        self._kv_lens: Any = None
         self._dtype: Any = None  # the model's torch dtype, once allocated
         self._lengths = [0] * num_layers
         super().__init__(layers=[_TwinattnLayer(self, i) for i in range(num_layers)])
 
     def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        """Cache.update: the layer's update (a TwinattnCache has all its layers from the start and
-        never offloads them, the two things Cache.update checks for on each call first)."""
+        """Cache.update: _append for the common case, else the layer's update (a TwinattnCache has all
+        its layers from the start and never offloads them, the two things Cache.update checks for on
+        each call first)."""
+        appended = self._append(layer_idx, key_states, value_states)
+        if appended is not None:
+            return appended
         keys, values = self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
         return keys, values
+
+    def _append(self, layer_idx: int, key_states: Any, value_states: Any) -> Optional[tuple[Any, Any]]:
+        """The common case of an update, every step of every layer, once allocated (not int8): the
+        new tokens written at the layer's length into its buffers, views of the stored prefix back
+        (also the layer's keys and values), and their NumPy views handed to attention_forward
+        (_CacheViews); None for anything else, which the layer's _update_checked takes
+        (KVCache.update's general checks and per-sequence lengths cost several times this).
+
+        update calls it itself, not through the layer's update: in a real decode step this runs
+        with the processor's caches cold (each layer's weights have just streamed through them),
+        where every Python call and lookup it saves costs several times what it costs in a loop."""
+        stores, dtype = self._stores, self._dtype
+        if (
+            stores is None or key_states.dtype is not dtype or value_states.dtype is not dtype
+            or key_states.requires_grad or value_states.requires_grad
+        ):
+            return None
+        new_keys, new_values = array("key_states", key_states), array("value_states", value_states)
+        keys, values, layer = stores[layer_idx]
+        start = self._lengths[layer_idx]
+        shape, stored = new_keys.shape, keys.shape
+        end = start + shape[2]
+        if (
+            end > self.max_cache_len or shape[0] != stored[0] or shape[1] != stored[1] or shape[3] != stored[3]
+            or new_values.shape != shape
+        ):
+            return None
+        layer.is_initialized = True
+        keys[:, :, start:end] = new_keys
+        values[:, :, start:end] = new_values
+        # every sequence of the layer now holds `end` tokens: here and in the KVCache
+        self._lengths[layer_idx] = end
+        self._kv_lens[layer_idx] = end
+        keys, values = keys[:, :, :end], values[:, :, :end]
+        layer.keys, layer.values = key_tensor, value_tensor = tensor(keys), tensor(values)
+        views = _cache_views  # (_hand_over, inline)
+        views.keys, views.values, views.arrays, views.scales = key_tensor, value_tensor, (keys, values), None
+        return key_tensor, value_tensor
 
     def _allocate(self, key_states: Any, value_states: Any) -> None:
         if self.kv is not None:
@@ -642,14 +690,10 @@ class TwinattnCache(Cache):  # type: ignore[misc]
         self.kv = KVCache(self.num_layers, batch, kv_heads, head_dim, self.max_cache_len, dtype=stored)
         self._dtype = key_states.dtype
         if stored != "int8":
-            # the buffers themselves (KVCache's keys() and values() end at the stored length)
-            self._stores = [(self.kv._keys[i], self.kv._values[i]) for i in range(self.num_layers)]
-
-    def _set_length(self, layer_idx: int, length: int) -> None:
-        """The fast path's append: every sequence of layer layer_idx now holds `length` tokens."""
-        assert self.kv is not None
-        self._lengths[layer_idx] = length
-        self.kv._lens[layer_idx] = length
+            # the buffers themselves (KVCache's keys() and values() end at the stored length), with
+            # the layer they belong to, and the KVCache's lengths (which it only ever writes in place)
+            self._stores = [(self.kv._keys[i], self.kv._values[i], self.layers[i]) for i in range(self.num_layers)]
+            self._kv_lens = self.kv._lens
 
     def _sync_lengths(self, layer_idx: Optional[int] = None) -> None:
         """_lengths from the KVCache, after an edit that went through it (all layers, or one)."""
