@@ -18,7 +18,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import reference
-from ._backends import native_module, resolve_backend
+from ._backends import BackendUnavailableError, native_module, resolve_backend
 from . import _checks
 from ._checks import (
     ATTENTION_DTYPES, ATTENTION_DTYPES_TEXT, FLOAT32, FLOAT64, INT8, count, dtype_in_code, elements_overlap, shape_str,
@@ -624,6 +624,6 @@ def plain_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: object,
             q, k, v, out, scale=scale, lse=lse, q_offset=_filled(batch, kv_shape[2] - q_len) if causal else None,
             causal=causal, num_threads=threads,
         )
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, BackendUnavailableError):
         return None
     return out if lse is None else (out, lse)
