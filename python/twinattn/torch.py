@@ -18,7 +18,10 @@ The same computation is registered as the torch custom ops `twinattn::attention`
 lse) and `twinattn::attention_out` (writes a given out, returns lse), each with a fake
 implementation, so torch.compile(fullgraph=True) and torch.export see one opaque op. In eager mode
 `attention` calls the implementation directly: the dispatcher's per-call cost would be several
-times that of the tiny problems it exists for.
+times that of the tiny problems it exists for. For the same reason a call that gives no option but
+causal, scale and return_lse goes to the native port itself (twinattn.core.api.plain_attention),
+without twinattn.attention's keyword handling and checks, which the native call repeats; whatever
+it refuses goes through twinattn.attention, for its message.
 
 Gradients: when grad mode is on and q, k, v or sinks requires grad, `attention` goes through the
 op `twinattn::attention`, whose backward (`twinattn::attention_backward`, registered with
