@@ -333,15 +333,18 @@ def test_a_decode_step_over_the_caches_views_is_the_native_call_bit_for_bit(
         **({} if window is None else {"window_size": (window - 1, 0)}),
     )
     calls: list[Any] = []
-    checked = hf.api.attention
+    general_calls: list[Any] = []
+    checked, general = hf.api.attention, hf.attention
     monkeypatch.setattr(hf.api, "attention", lambda *args, **kwargs: calls.append(args) or checked(*args, **kwargs))
+    # twinattn.torch.attention: the general call (whose plain case skips twinattn.attention too)
+    monkeypatch.setattr(hf, "attention", lambda *args, **kwargs: general_calls.append(args) or general(*args, **kwargs))
     variants = {} if window is None else {"sliding_window": window}
     got, _ = hf.attention_forward(torch.nn.Module(), query, keys, values, mask, scaling=0.3, **variants)
-    assert calls == [] and got.shape == (2, 1, 6, 8) and got.dtype == query.dtype and keys.shape[2] == 8
+    assert calls == general_calls == [] and got.shape == (2, 1, 6, 8) and got.dtype == query.dtype and keys.shape[2] == 8
     assert np.array_equal(numpy_view("out", got.transpose(1, 2)).view(np.uint8), want.view(np.uint8))
-    # handed over once: the same views again are read through the checked call
+    # handed over once: the same views again are read through the general call
     hf.attention_forward(torch.nn.Module(), query, keys, values, mask, scaling=0.3, **variants)
-    assert len(calls) == 1
+    assert len(general_calls) == 1
 
 
 @pytest.mark.parametrize(

@@ -379,3 +379,68 @@ def test_import_twinattn_does_not_import_torch() -> None:
     code = "import sys, twinattn; twinattn.attention; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+# ---- the plain eager call: twinattn.attention's native call without its keyword handling -------
+
+PLAIN_CASES = [
+    # (id, shapes (B, Hq, Hkv, Lq, Lk, D, Dv), keywords): causal, scale and return_lse only
+    ("tiny-causal", (1, 1, 1, 16, 16, 64, 64), {"causal": True}),
+    ("gqa-decode", (2, 6, 2, 1, 37, 32, 32), {"causal": True}),
+    ("prefill-after-cache", (2, 4, 2, 5, 19, 16, 24), {"causal": True, "scale": 0.3}),
+    ("bidirectional-more-queries", (1, 3, 1, 9, 4, 8, 8), {}),
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize(("case", "shapes", "kwargs"), PLAIN_CASES, ids=[c[0] for c in PLAIN_CASES])
+def test_plain_call_skips_the_numpy_api_and_matches_it_bit_for_bit(
+    native_backend: str, dtype: str, case: str, shapes: tuple[int, ...], kwargs: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # causal, scale and return_lse with every other keyword at its default: the native call itself
+    # (twinattn.core.api.plain_attention), never twinattn.attention, with its result bit for bit
+    q, k, v = (x.astype(DTYPES[dtype][1]) for x in _tensors(41, *shapes))
+    want, want_lse = twinattn.attention(q, k, v, return_lse=True, backend=native_backend, **kwargs)
+    tensors = [_as_tensor(x) for x in (q, k, v)]
+
+    def numpy_api(*args: Any, **keywords: Any) -> Any:
+        raise AssertionError("twinattn.attention called for a plain call")
+
+    monkeypatch.setattr(twinattn.core.api, "attention", numpy_api)
+    got, lse = tt.attention(*tensors, return_lse=True, backend=native_backend, **kwargs)
+    alone = tt.attention(*tensors, backend=native_backend, **kwargs)
+    assert got.dtype == alone.dtype == DTYPES[dtype][0] and lse.dtype == torch.float32
+    np.testing.assert_array_equal(_as_array(got).view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(_as_array(alone).view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(lse.numpy(), want_lse)
+    assert float(np.abs(want.astype(np.float32)).max()) > 0  # a result that could differ
+
+
+def test_plain_call_leaves_what_needs_checking_to_the_numpy_api(native_backend: str) -> None:
+    # what the native call refuses, or the plain call does not take, goes through twinattn.attention:
+    # its messages, or its result where it accepts the call (a copy of a non-contiguous last axis)
+    q, k, v = (torch.from_numpy(a) for a in _tensors(43, 1, 4, 2, 6, 5, 8, 8))
+    with pytest.raises(ValueError, match=r"^q_offset: the default bottom-right alignment puts the queries at kv_len - Lq = \[-1\]"):
+        tt.attention(q, k, v, causal=True, backend=native_backend)
+    with pytest.raises(ValueError, match=r"^scale: expected a finite float, got inf$"):
+        tt.attention(q, k, v, scale=float("inf"), backend=native_backend)
+    with pytest.raises(ValueError, match=r"^scale: expected a finite float, got 1e\+200, which is inf in float32$"):
+        tt.attention(q, k, v, scale=1e200, backend=native_backend)
+    with pytest.raises(TypeError, match=r"^causal: expected bool, got int$"):
+        tt.attention(q, k, v, causal=1, backend=native_backend)
+    with pytest.raises(ValueError, match=r"^q, k: the query heads Hq=4 must be a multiple of the key/value heads Hkv=3"):
+        tt.attention(q, torch.zeros(1, 3, 5, 8), torch.zeros(1, 3, 5, 8), backend=native_backend)
+    with pytest.raises(ValueError, match=r"^v: expected shape \(B=1, Hkv=2, Lk=5, Dv\), got \(1, 2, 4, 8\)"):
+        tt.attention(q, k, v[:, :, :4], backend=native_backend)
+    with pytest.raises(ValueError, match=r"^backend: expected one of"):
+        tt.attention(q, k, v, backend="cuda")
+    # the last axis read with a stride: twinattn.attention copies it, the result is the contiguous one's
+    wide = torch.from_numpy(_tensors(47, 1, 4, 2, 6, 5, 16, 8)[0])
+    strided_q = wide[..., ::2]
+    assert strided_q.stride(-1) == 2
+    want = twinattn.attention(strided_q.contiguous().numpy(), k.numpy(), v.numpy(), backend=native_backend)
+    np.testing.assert_array_equal(tt.attention(strided_q, k, v, backend=native_backend).numpy(), want)
+    # an integer scale is twinattn.attention's to convert: the same result as the float
+    np.testing.assert_array_equal(
+        tt.attention(q, k, v, scale=1, backend=native_backend).numpy(), tt.attention(q, k, v, scale=1.0, backend=native_backend).numpy()
+    )

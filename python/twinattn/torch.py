@@ -18,7 +18,10 @@ The same computation is registered as the torch custom ops `twinattn::attention`
 lse) and `twinattn::attention_out` (writes a given out, returns lse), each with a fake
 implementation, so torch.compile(fullgraph=True) and torch.export see one opaque op. In eager mode
 `attention` calls the implementation directly: the dispatcher's per-call cost would be several
-times that of the tiny problems it exists for.
+times that of the tiny problems it exists for. For the same reason a call that gives no option but
+causal, scale and return_lse goes to the native port itself (twinattn.core.api.plain_attention),
+without twinattn.attention's keyword handling and checks, which the native call repeats; whatever
+it refuses goes through twinattn.attention, for its message.
 
 Gradients: when grad mode is on and q, k, v or sinks requires grad, `attention` goes through the
 op `twinattn::attention`, whose backward (`twinattn::attention_backward`, registered with
@@ -60,11 +63,10 @@ _DTYPES = _FAST_DTYPES | {torch.float64}
 _DTYPES_TEXT = "torch.float32, torch.float16 or torch.bfloat16"
 
 
-def _inputs(q: Any, k: Any, v: Any, backend: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The NumPy views of q, k and v, one dtype for the three (float32, float16 or bfloat16;
-    float64 too, for backend="numpy"). The common case reads each dtype once and converts the three
-    the same way; anything else takes the checked path, whose messages name the argument and the
-    conversion in torch's terms."""
+def _views(q: Any, k: Any, v: Any) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The NumPy views of q, k and v in the common case: three CPU tensors of one dtype, float32,
+    float16 or bfloat16, that take part in no autograd graph; each dtype read once, the three
+    converted the same way. None for anything else (nothing raised)."""
     try:
         dtype = q.dtype
         if k.dtype is dtype and v.dtype is dtype and dtype in _FAST_DTYPES:
@@ -79,6 +81,16 @@ def _inputs(q: Any, k: Any, v: Any, backend: str) -> Tuple[np.ndarray, np.ndarra
                 )
     except (AttributeError, TypeError, RuntimeError):
         pass
+    return None
+
+
+def _inputs(q: Any, k: Any, v: Any, backend: str) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The NumPy views of q, k and v, one dtype for the three (float32, float16 or bfloat16;
+    float64 too, for backend="numpy"): _views in the common case; anything else takes the checked
+    path, whose messages name the argument and the conversion in torch's terms."""
+    views = _views(q, k, v)
+    if views is not None:
+        return views
     # q's dtype first, then k's and v's, then what Tensor.numpy refused (device, grad, layout)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -429,10 +441,21 @@ def attention(
 
     # Eager (and the custom ops' implementation): twinattn.attention on the tensors' NumPy views,
     # called directly (the dispatcher would cost several times the tiny problems this exists for).
-    # Every step here is per call: q, k and v share one dtype read and one conversion (_inputs).
-    # An input that requires grad (grad mode on) raises _RecordsGrad there: autograd's path, the op.
+    # Every step here is per call: q, k and v share one dtype read and one conversion (_views).
+    views = _views(q, k, v)
+    if views is not None and (
+        # (a chain of `is`: all of them None) every other option at its default: twinattn.attention's
+        # plain call without its keyword handling and the checks of options not given, which cost
+        # more than the tiny problems this exists for; None for what needs those checks
+        q_offset is kv_lens is attn_mask is out is num_threads is alibi_slopes is sinks is k_scale is v_scale is None
+        and window_size is _NO_WINDOW and type(softcap) is float and softcap == 0.0
+    ):
+        plain: Any = api.plain_attention(*views, causal, scale, return_lse, backend)
+        if plain is not None:
+            return (_tensor(plain[0]), _from_numpy(plain[1])) if return_lse else _tensor(plain)
+    # An input that requires grad (grad mode on) raises _RecordsGrad in _inputs: autograd's path, the op.
     try:
-        qa, ka, va = _inputs(q, k, v, backend)
+        qa, ka, va = _inputs(q, k, v, backend) if views is None else views
         attn_mask_array = None if attn_mask is None else _grad_or_array("attn_mask", attn_mask)
         slopes_array = None if alibi_slopes is None else _grad_or_array("alibi_slopes", alibi_slopes)
         sinks_array = None if sinks is None else _grad_or_array("sinks", sinks)

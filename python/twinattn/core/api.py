@@ -18,7 +18,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from . import reference
-from ._backends import native_module, resolve_backend
+from ._backends import BackendUnavailableError, native_module, resolve_backend
 from . import _checks
 from ._checks import (
     ATTENTION_DTYPES, ATTENTION_DTYPES_TEXT, FLOAT32, FLOAT64, INT8, count, dtype_in_code, elements_overlap, shape_str,
@@ -587,3 +587,43 @@ def attention(
         return result
     assert lse is not None
     return result, lse.reshape(q.shape[:-1])
+
+
+# ---- the plain call without attention()'s keyword handling: twinattn.torch's eager calls ---------
+
+
+def plain_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: object, scale: object, return_lse: object,
+                    backend: object) -> Result | None:
+    """attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse, backend=backend), bit
+    for bit, for 4-D NumPy q, k and v on a native port: the same native call without attention()'s
+    keyword handling and checks, for twinattn.torch's eager calls, whose tiny problems cost less
+    than those. None where attention() has something to say (the numpy backend, a causal or
+    return_lse that is not a bool, a scale that is not a float, another rank, and whatever the
+    native call refuses: the native ports check everything attention() checks of such a call, a
+    default causal offset that comes out negative included): attention() then checks the call
+    and says what is wrong in its own words."""
+    port = _resolve(backend)
+    if (
+        port == "numpy" or (causal is not True and causal is not False) or (return_lse is not True and return_lse is not False)
+        or (scale is not None and type(scale) is not float)
+    ):
+        return None
+    shape, kv_shape, value_shape = q.shape, k.shape, v.shape
+    if len(shape) != 4 or len(kv_shape) != 4 or len(value_shape) != 4:
+        return None
+    batch, q_heads, q_len, head_dim = shape
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    out = np.empty((batch, q_heads, q_len, value_shape[3]), q.dtype)
+    lse = np.empty((batch, q_heads, q_len), dtype=FLOAT32) if return_lse else None
+    threads = get_num_threads()
+    try:
+        # attention()'s q_offset (bottom-right, Lk - Lq) and kv_lens (Lk): the native call's own
+        # defaults, 0 and Lk, where they are the same
+        native_module(port).attention_forward(
+            q, k, v, out, scale=scale, lse=lse, q_offset=_filled(batch, kv_shape[2] - q_len) if causal else None,
+            causal=causal, num_threads=threads,
+        )
+    except (ValueError, TypeError, BackendUnavailableError):
+        return None
+    return out if lse is None else (out, lse)
