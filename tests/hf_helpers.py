@@ -17,6 +17,7 @@ import torch
 
 import twinattn
 from helpers import UNIT_ROUNDOFF
+from twinattn.core._threads import configured_num_threads
 
 FACTOR = 4.0
 FLOOR_ULPS = 16.0
@@ -32,7 +33,9 @@ def tolerance(gap: float, want: Any, roundoff: float = UNIT_ROUNDOFF, floor_ulps
 def one_thread() -> Iterator[None]:
     # two threads on a machine shared with other jobs make torch's OpenMP pool spin; the
     # comparisons do not depend on the thread count
-    torch_threads, ours = torch.get_num_threads(), twinattn.get_num_threads()
+    # (configured_num_threads: None when unset, so the default comes back after the module rather
+    # than the count it resolved to, which would pin it for the modules after this one)
+    torch_threads, ours = torch.get_num_threads(), configured_num_threads()
     torch.set_num_threads(1)
     twinattn.set_num_threads(1)
     yield

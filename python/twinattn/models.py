@@ -25,7 +25,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -132,9 +131,13 @@ def _convert(name: str, target: Path, progress: Optional[TextIO]) -> None:
         staged = Path(work) / "model"
         loaded.save_pretrained(staged)
         tokenizer.save_pretrained(staged)
-        if target.exists():  # another process converted it meanwhile
-            shutil.rmtree(target)
-        staged.rename(target)
+        try:
+            staged.rename(target)
+        except OSError:
+            # another process (a parallel test worker, a second notebook) finished the same
+            # conversion first and may be reading it now: keep its copy, drop this one
+            if not (target / "config.json").exists():
+                raise
     if progress is not None:
         print(f"[twinattn.models] {model.title}: converted in {time.perf_counter() - start:.0f} s",
               file=progress, flush=True)
