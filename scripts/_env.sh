@@ -15,7 +15,7 @@ pyproject_list() {
   "$VENV_PY" - "$1" <<'PY'
 import re, sys
 text = open("pyproject.toml").read()
-match = re.search(r"^%s\s*=\s*\[([^\]]*)\]" % re.escape(sys.argv[1]), text, re.M)
+match = re.search(r"^%s\s*=\s*\[(.*)\]\s*(#.*)?$" % re.escape(sys.argv[1]), text, re.M)
 if not match:
     sys.exit(f"pyproject.toml: no one-line list {sys.argv[1]!r}")
 print(" ".join(re.findall(r'"([^"]+)"', match.group(1))))
@@ -106,29 +106,22 @@ install_twinattn() {
 # The requirements of twinattn's dependencies and of the given extras (comma-separated), an
 # extra's reference to another of twinattn's extras (hf's twinattn[torch]) expanded in place.
 extras_requirements() {
-  "$VENV_PY" - "$1" <<'PY'
-import re, sys
-text = open("pyproject.toml").read()
-
-def listed(name):
-    match = re.search(r"^%s\s*=\s*\[(.*)\]\s*$" % re.escape(name), text, re.M)
-    if not match:
-        sys.exit(f"pyproject.toml: no one-line list {name!r}")
-    return re.findall(r'"([^"]+)"', match.group(1))
-
-requirements, extras, seen = listed("dependencies"), sys.argv[1].split(","), set()
-while extras:
-    extra = extras.pop(0)
-    if extra not in seen:
-        seen.add(extra)
-        for requirement in listed(extra):
-            own = re.fullmatch(r"twinattn\[([^\]]+)\]", requirement)
-            if own:
-                extras += own.group(1).split(",")
-            else:
-                requirements.append(requirement)
-print(" ".join(dict.fromkeys(requirements)))
-PY
+  local todo=${1//,/ } seen=" " requirements extra requirement own
+  requirements=$(pyproject_list dependencies)
+  while read -r extra todo <<<"$todo" && [ -n "$extra" ]; do
+    case "$seen" in *" $extra "*) continue ;; esac
+    seen="$seen$extra "
+    for requirement in $(pyproject_list "$extra"); do
+      case "$requirement" in
+        "twinattn["*"]")
+          own=${requirement#twinattn[}
+          own=${own%]}
+          todo="$todo ${own//,/ }" ;;
+        *) requirements="$requirements $requirement" ;;
+      esac
+    done
+  done
+  echo "$requirements"
 }
 
 # The environment CMakeLists.txt gives cargo for the wheel build (same target folder, same

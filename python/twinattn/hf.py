@@ -56,7 +56,6 @@ those very views: attention over the dequantized keys and values, read in place.
 from __future__ import annotations
 
 import inspect
-import math
 import threading
 from typing import Any, Optional
 
@@ -385,7 +384,7 @@ def _decode_step(query: Any, key: Any, value: Any, scaling: Any, sliding_window:
     ):
         return None
     if scaling is None:
-        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+        scale = api.default_scale(head_dim)
     elif type(scaling) is float and abs(scaling) < api._FLOAT32_OVERFLOW:
         scale = scaling  # a finite float, which twinattn.attention takes as it is
     else:

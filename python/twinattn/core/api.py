@@ -152,6 +152,11 @@ def _resolve(backend: object) -> str:
 _resolved: dict[str, str] = {"cpp": "cpp", "rust": "rust", "numpy": "numpy"}
 
 
+def default_scale(head_dim: int) -> float:
+    """scale=None's factor: 1 / sqrt(D) (1 for D = 0, where no product has a term)."""
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
 def _filled(batch: int, value: int) -> np.ndarray:
     """A read-only int64 (B,) array of one value, cached: the common call allocates nothing here."""
     key = (batch, value)
@@ -541,7 +546,7 @@ def attention(
     # Mask, scale, output.
     mask = None if attn_mask is None else _prepare_mask(attn_mask, dtype, (batch, q_heads, q_len, k_len))
     if scale is None:
-        scale_value = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+        scale_value = default_scale(head_dim)
     elif type(scale) is float and abs(scale) < _FLOAT32_OVERFLOW:
         scale_value = scale  # a finite Python float (what callers pass): nothing more to check
     else:
@@ -613,7 +618,7 @@ def plain_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: object,
         return None
     batch, q_heads, q_len, head_dim = shape
     if scale is None:
-        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+        scale = default_scale(head_dim)
     out = np.empty((batch, q_heads, q_len, value_shape[3]), q.dtype)
     lse = np.empty((batch, q_heads, q_len), dtype=FLOAT32) if return_lse else None
     threads = get_num_threads()
