@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 namespace twinattn {
 
@@ -46,20 +47,22 @@ struct Accumulation {
 };
 
 // P and scale dS of one row's n keys (n a multiple of the vector width), in place: probs holds S
-// (base 2) and becomes P = V::exp2(S - lse); grads holds dP and becomes P (dP - delta), times
-// 1 - t^2 (t = capped[j]) when capped is not null, times scale; 0 where P is 0 (a hidden key: its
-// dP is never used).
+// (base 2) and becomes P = V::exp2(S multiplier - lse) (multiplier 1 where S is already scaled:
+// the same bits as without it); grads holds dP and becomes P (dP - delta), times 1 - t^2
+// (t = capped[j]) when capped is not null, times scale; 0 where P is 0 (a hidden key: its dP is
+// never used). Returns how many of the first `counted` (<= n) P are 0.
 struct RowGradients {
     float* probs;
     float* grads;
     const float* capped;
     int64_t n;
-    float lse, delta, scale;
+    float lse, delta, scale, multiplier;
+    int64_t counted;
 };
 
 using PanelProductFn = void (*)(const PanelProduct&);
 using AccumulateFn = void (*)(const Accumulation&);
-using RowGradientsFn = void (*)(const RowGradients&);
+using RowGradientsFn = int64_t (*)(const RowGradients&);
 
 // One tile product of bfloat16 pairs (the bfloat16 tile path of flash_backward.cpp, amxbf16):
 // C (float32) = A B, or C += A B when accumulate, over `rows` rows of A (rounded up to 16) and
@@ -303,11 +306,16 @@ struct Ops {
             accumulate_outputs<true>(a);
     }
 
-    static void row_gradients(const RowGradients& g) {
+    static int64_t row_gradients(const RowGradients& g) {
         const Reg row_lse = V::broadcast(g.lse), row_delta = V::broadcast(g.delta), factor = V::broadcast(g.scale);
+        const Reg multiplier = V::broadcast(g.multiplier);
         const Reg one = V::broadcast(1.0f), zero = V::zero();
+        // P < the smallest subnormal: P is 0 (P >= 0; a NaN P is not counted, as P == 0 says)
+        const Reg smallest = V::broadcast(std::numeric_limits<float>::denorm_min());
+        const int64_t whole = g.counted / W * W;  // the counted keys of whole vectors
+        Reg zeros = V::zero();
         for (int64_t j = 0; j < g.n; j += W) {
-            const Reg prob = V::exp2(V::sub(V::load(g.probs + j), row_lse));
+            const Reg prob = V::exp2(V::sub(V::mul(V::load(g.probs + j), multiplier), row_lse));
             Reg ds = V::mul(prob, V::sub(V::load(g.grads + j), row_delta));
             if (g.capped != nullptr) {
                 const Reg t = V::load(g.capped + j);
@@ -316,7 +324,11 @@ struct Ops {
             V::store(g.probs + j, prob);
             // 0 < P ? scale dS : P (0, or a NaN P's NaN)
             V::store(g.grads + j, V::select_less(zero, prob, V::mul(ds, factor), prob));
+            if (j < whole) zeros = V::add(zeros, V::select_less(prob, smallest, one, zero));
         }
+        int64_t count = static_cast<int64_t>(V::reduce_sum(zeros));  // whole numbers below 2^24: exact
+        for (int64_t j = whole; j < g.counted; ++j) count += g.probs[j] == 0.0f ? 1 : 0;
+        return count;
     }
 };
 

@@ -48,6 +48,7 @@
 #include "twinattn/flash_backward.hpp"
 
 #include <algorithm>
+#include <new>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -84,6 +85,26 @@ public:
 private:
     std::vector<float> buffer_;
 };
+
+// Storage whose data starts a 64-byte line: the tile path's operands and float32 sums are read
+// and written a tile row (64 bytes) at a time, and a row that straddles two lines costs a tile
+// load about 3.5 times as much (std::vector's own storage is 16-byte aligned).
+template <typename T>
+struct LineAllocator {
+    using value_type = T;
+    LineAllocator() = default;
+    template <typename U>
+    LineAllocator(const LineAllocator<U>&) noexcept {}
+    T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{64})); }
+    void deallocate(T* p, size_t) noexcept { ::operator delete(p, std::align_val_t{64}); }
+    template <typename U>
+    bool operator==(const LineAllocator<U>&) const noexcept { return true; }
+    template <typename U>
+    bool operator!=(const LineAllocator<U>&) const noexcept { return false; }
+};
+
+template <typename T>
+using LineVector = std::vector<T, LineAllocator<T>>;
 
 // Pass 0's packed keys of one call, for (b, kv_head) head = b * Hkv + kv_head and its key block
 // kb (kBackwardKeyBlock keys from kb * kBackwardKeyBlock), block = head * key_blocks + kb:
@@ -192,14 +213,14 @@ QueryRows query_rows_at(const BackwardPlan& plan, const WorkItem& tile) {
 // them), reused across calls so that a call does not fault their pages in again.
 struct CallerBuffers {
     AlignedFloats keys, key_panels, value_panels, query_rows, query_scaled, dout_rows;
-    std::vector<uint16_t> pair_key_panels, pair_value_panels, pair_key_rows, pair_query_pairs, pair_dout_pairs,
+    LineVector<uint16_t> pair_key_panels, pair_value_panels, pair_key_rows, pair_query_pairs, pair_dout_pairs,
         pair_query_t, pair_dout_t;
     std::vector<unsigned char> key_finite, row_finite;
 };
 
 // buffer grown to at least count elements, its data.
-template <typename E>
-E* grown(std::vector<E>& buffer, int64_t count) {
+template <typename E, typename A>
+E* grown(std::vector<E, A>& buffer, int64_t count) {
     if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(static_cast<size_t>(count));
     return buffer.data();
 }
@@ -215,6 +236,7 @@ CallerBuffers& caller_buffers() {
 struct ScratchShape {
     int64_t head_dim, value_dim, query_grad_rows;
     bool tiled = false;
+    int64_t key_blocks = 1;  // the tile path: a head's key blocks (key_grad, value_grad hold each's sums)
 };
 
 // One thread's tiles (grown on demand, kept for the thread's life):
@@ -225,7 +247,8 @@ struct ScratchShape {
 //   key_grad, value_grad (kBackwardKeyBlock, D / Dv), query_grad (query_grad_rows, D): float32
 //   sums (query_grad_rows: a tile's kQTileRows, or a head's rows_per_group in the fused pass)
 // and on the tile path (tiles of kBackwardTileRows rows, so the rows above are that many; key_grad
-// and value_grad hold dK^T and dV^T, (D / Dv, kBackwardKeyBlock)):
+// and value_grad hold dK^T and dV^T of each of the head's key blocks, (D / Dv, kBackwardKeyBlock)
+// per block):
 //   probs_pairs, grads_pairs (kBackwardTileGroup kBackwardTileRows / 2, kBackwardKeyBlock) pairs
 //   of rows: P and scale dS of a group of tiles rounded to bfloat16 (B of dV^T and dK^T);
 //   grads_rows (kBackwardTileRows, kBackwardKeyBlock) bfloat16: scale dS of a tile (A of dQ);
@@ -233,11 +256,11 @@ struct ScratchShape {
 //   exact_queries, exact_dout (kBackwardTileRows, D / Dv), exact_keys (kBackwardKeyBlock, D):
 //   float32 operands of exact_accumulations
 struct BackwardScratch {
-    std::vector<float> row_buffer, row_delta, row_lse, scores, capped, grads, key_grad, value_grad, query_grad;
+    LineVector<float> row_buffer, row_delta, row_lse, scores, capped, grads, key_grad, value_grad, query_grad;
     std::vector<int64_t> row_key_begin, row_key_end;
-    std::vector<uint32_t> probs_pairs, grads_pairs;
-    std::vector<uint16_t> grads_rows;
-    std::vector<float> key_sums, exact_queries, exact_dout, exact_keys;
+    LineVector<uint32_t> probs_pairs, grads_pairs;
+    LineVector<uint16_t> grads_rows;
+    LineVector<float> key_sums, exact_queries, exact_dout, exact_keys;
 
     void ensure(const ScratchShape& shape) {
         const int64_t D = shape.head_dim, Dv = shape.value_dim;
@@ -249,8 +272,8 @@ struct BackwardScratch {
         grow(scores, tile_rows * kKeyBlock);
         grow(capped, tile_rows * kKeyBlock);
         grow(grads, tile_rows * kKeyBlock);
-        grow(key_grad, kBackwardKeyBlock * D);
-        grow(value_grad, kBackwardKeyBlock * Dv);
+        grow(key_grad, shape.key_blocks * kBackwardKeyBlock * D);
+        grow(value_grad, shape.key_blocks * kBackwardKeyBlock * Dv);
         grow(query_grad, shape.query_grad_rows * D);
         grow(row_key_begin, tile_rows);
         grow(row_key_end, tile_rows);
@@ -492,6 +515,7 @@ void pack_query_pairs(const BackwardPlan& plan, int64_t b, int64_t kv_head) {
     const int64_t head = b * Hkv + kv_head, rows_per_group = plan.flash.rows_per_group;
     const uint16_t* q_rows[kBackwardTileRows];
     const uint16_t* dout_rows[kBackwardTileRows];
+    const std::vector<uint16_t> zeros(std::max(D, Dv), uint16_t{0});
     for (int64_t tile_begin = 0; tile_begin < pairs.head_tiles * kBackwardTileRows; tile_begin += kBackwardTileRows) {
         for (int64_t local = 0; local < kBackwardTileRows; ++local) {
             const int64_t packed = tile_begin + local, row = head * pairs.head_rows + packed;
@@ -505,12 +529,20 @@ void pack_query_pairs(const BackwardPlan& plan, int64_t b, int64_t kv_head) {
             std::fill(dout + Dv, dout + pairs.value_width, uint16_t{0});
             pairs.row_finite[row] = non_finite == 0 ? 1 : 0;
         }
-        // (width rows of the transpose, the first `real` from the rows, the rest 0)
+        // (width rows of the transpose, the first `real` from the rows, the rest 0; a missing row
+        // read as `zeros`, so the inner loop has no test)
         const auto transpose_tile = [&](const uint16_t* const* rows, int64_t real, int64_t width, uint16_t* dst) {
-            for (int64_t d = 0; d < width; ++d)
-                for (int64_t local = 0; local < kBackwardTileRows; ++local)
-                    dst[d * pairs.row_stride + tile_begin + local] =
-                        rows[local] != nullptr && d < real ? rows[local][d] : 0;
+            const uint16_t* sources[kBackwardTileRows];
+            for (int64_t local = 0; local < kBackwardTileRows; ++local)
+                sources[local] = rows[local] != nullptr ? rows[local] : zeros.data();
+            for (int64_t d = 0; d < width; ++d) {
+                uint16_t* column = dst + d * pairs.row_stride + tile_begin;
+                if (d >= real) {
+                    std::fill(column, column + kBackwardTileRows, uint16_t{0});
+                    continue;
+                }
+                for (int64_t local = 0; local < kBackwardTileRows; ++local) column[local] = sources[local][d];
+            }
         };
         transpose_tile(q_rows, D, D, pairs.query_t + head * D * pairs.row_stride);
         transpose_tile(dout_rows, Dv, pairs.value_width, pairs.dout_t + head * pairs.value_width * pairs.row_stride);
@@ -531,11 +563,12 @@ int64_t pair_block_at(const BackwardPlan& plan, const WorkItem& tile, int64_t ke
 // The tile path's products (on the tile path only, between the tiles' begin and end).
 void tile_product(const BackwardPlan& plan, const TileProduct& product) { plan.kernels.tiles.product(product); }
 
-// (a) of tile_gradients on tiles: S (times the Q multiplier, as the forward's tiles) into
-// s.scores and dP into s.grads, over n_padded keys (whole panels) and the tile's rows rounded up
-// to 16 (the pad rows' pairs are 0; their scores are scratch).
+// (a) of tile_gradients on tiles: S into s.scores and dP into s.grads, over n_padded keys (whole
+// panels) and the tile's rows rounded up to 16 (the pad rows' pairs are 0; their scores are
+// scratch). S times the Q multiplier (as the forward's tiles) when `scaled`; else row_gradients
+// multiplies (the same product, after mask_block's -inf, which it keeps).
 void tile_scores(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, int64_t key_block, int64_t n_padded,
-                 BackwardScratch& s) {
+                 bool scaled, BackwardScratch& s) {
     const PackedPairs& pairs = plan.pairs;
     const int64_t D = plan.flash.head_dim, Dv = pairs.value_width;
     const int64_t row = pair_row_at(plan, tile), block = pair_block_at(plan, tile, key_block);
@@ -548,6 +581,7 @@ void tile_scores(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, i
     };
     product(pairs.query_pairs, D, pairs.key_panels, s.scores.data());
     product(pairs.dout_pairs, Dv, pairs.value_panels, s.grads.data());
+    if (!scaled) return;
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < n_padded; ++j) s.scores[r * kKeyBlock + j] *= plan.flash.q_multiplier;
 }
@@ -564,9 +598,11 @@ const float* tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int6
     const int64_t D = fp.head_dim, Dv = fp.value_dim;
     const int64_t n_padded = ceil_div(n, kKeyPanel) * kKeyPanel;
     // (a) S = (Q times the multiplier) K^T, in base 2; softcap: t = tanh(S) kept, S = t softcap log2 e.
-    // dP = dO V^T into s.grads. (The tile path: tile_scores.)
+    // dP = dO V^T into s.grads. (The tile path: tile_scores, which leaves the multiplier to
+    // row_gradients unless the softcap, ALiBi or a mask needs S scaled before P.)
+    const bool scaled = !plan.tiled || fp.has_softcap || fp.has_alibi || fp.has_mask;
     if (plan.tiled) {
-        tile_scores(plan, tile, rows, key_block, n_padded, s);
+        tile_scores(plan, tile, rows, key_block, n_padded, scaled, s);
     } else {
         const KeyBlock block = key_block_at(plan, tile.b, tile.kv_head, key_block);
         const QueryRows queries = query_rows_at(plan, tile);
@@ -599,8 +635,8 @@ const float* tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int6
         std::fill(s.scores.begin() + r * kKeyBlock + n, s.scores.begin() + r * kKeyBlock + n_padded, kNegInf);
     // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale (the
     // kernels' row_gradients, over the n_padded keys).
-    const float scale = plan.problem->forward.scale;
-    int64_t zeros = 0;  // P of the rows x n that are 0 (counted, not tested: the loop vectorises)
+    const float scale = plan.problem->forward.scale, multiplier = scaled ? 1.0f : fp.q_multiplier;
+    int64_t zeros = 0;  // P of the rows x n that are 0 (counted by row_gradients, not tested)
     for (int64_t r = 0; r < rows; ++r) {
         float* probs = s.scores.data() + r * kKeyBlock;
         float* grads = s.grads.data() + r * kKeyBlock;
@@ -611,8 +647,8 @@ const float* tile_gradients(const BackwardPlan& plan, const WorkItem& tile, int6
             continue;
         }
         const float* capped = fp.has_softcap ? s.capped.data() + r * kKeyBlock : nullptr;
-        plan.kernels.row_gradients(RowGradients{probs, grads, capped, n_padded, s.row_lse[r], s.row_delta[r], scale});
-        for (int64_t j = 0; j < n; ++j) zeros += probs[j] == 0.0f ? 1 : 0;
+        zeros += plan.kernels.row_gradients(
+            RowGradients{probs, grads, capped, n_padded, s.row_lse[r], s.row_delta[r], scale, multiplier, n});
     }
     return zeros == 0 ? nullptr : s.scores.data();
 }
@@ -680,12 +716,19 @@ void transpose(const float* from, int64_t rows, int64_t columns, float* to) {
         for (int64_t c = 0; c < columns; ++c) to[c * rows + r] = from[r * columns + c];
 }
 
+// A key block's dK^T and dV^T sums on the tile path: (D, kBackwardKeyBlock) and (value_width,
+// kBackwardKeyBlock) floats.
+struct KeyBlockSums {
+    float* key_grad_t;
+    float* value_grad_t;
+};
+
 // The tile path's three accumulations in float32 with the kernels' gated accumulate (as the
 // float32 path's, from P and scale dS unrounded), for a tile where tile_needs_exact: Q and dO of
 // the tile's rows and K of its n keys from key_begin widened from the pairs; dK and dV summed key
 // by key (their sums transposed there and back).
 void exact_accumulations(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, const float* gate,
-                         BackwardScratch& s, float* query_grads) {
+                         const KeyBlockSums& sums, BackwardScratch& s, float* query_grads) {
     const int64_t key_block = tile.key_begin, n = tile.key_end - tile.key_begin;
     const PackedPairs& pairs = plan.pairs;
     const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim;
@@ -701,15 +744,15 @@ void exact_accumulations(const BackwardPlan& plan, const WorkItem& tile, int64_t
         for (int64_t d = 0; d < D; ++d) s.exact_keys[j * D + d] = widen(key_rows[(j / 2 * D + d) * 2 + j % 2]);
     // dV and dK key by key (s.key_sums, rows of `rows_t` floats, the first `width` summed), from
     // and back to dV^T and dK^T.
-    const auto sum_key_rows = [&](std::vector<float>& y_t, int64_t rows_t, int64_t width,
-                                  const std::vector<float>& coef, const std::vector<float>& x) {
-        transpose(y_t.data(), rows_t, kBackwardKeyBlock, s.key_sums.data());
+    const auto sum_key_rows = [&](float* y_t, int64_t rows_t, int64_t width, const LineVector<float>& coef,
+                                  const LineVector<float>& x) {
+        transpose(y_t, rows_t, kBackwardKeyBlock, s.key_sums.data());
         plan.kernels.accumulate(
             Accumulation{s.key_sums.data(), rows_t, n, width, coef.data(), gate, kKeyBlock, 1, x.data(), width, rows});
-        transpose(s.key_sums.data(), kBackwardKeyBlock, rows_t, y_t.data());
+        transpose(s.key_sums.data(), kBackwardKeyBlock, rows_t, y_t);
     };
-    sum_key_rows(s.value_grad, pairs.value_width, Dv, s.scores, s.exact_dout);
-    sum_key_rows(s.key_grad, D, D, s.grads, s.exact_queries);
+    sum_key_rows(sums.value_grad_t, pairs.value_width, Dv, s.scores, s.exact_dout);
+    sum_key_rows(sums.key_grad_t, D, D, s.grads, s.exact_queries);
     accumulate_query_keys(plan, rows, n, gate, s, s.exact_keys.data(), query_grads);
 }
 
@@ -735,42 +778,39 @@ void tile_accumulations(const BackwardPlan& plan, const WorkItem& tile, int64_t 
 
 // A group's dV^T += dO^T P and dK^T += Q^T dS on tiles: the rows [row_begin, row_begin + 2 pairs)
 // of (b, kv_head) (pairs: the group's row pairs, a multiple of 16) against n_padded keys, into
-// s.value_grad and s.key_grad.
+// the block's sums.
 void group_sums(const BackwardPlan& plan, int64_t b, int64_t kv_head, int64_t row_begin, int64_t pairs,
-                int64_t n_padded, BackwardScratch& s) {
+                int64_t n_padded, const KeyBlockSums& sums, const BackwardScratch& s) {
     const PackedPairs& packed = plan.pairs;
     const int64_t head = b * plan.problem->forward.k.shape[1] + kv_head;
-    const auto transposed_sums = [&](std::vector<float>& y, int64_t width, const uint16_t* x_t,
-                                     const std::vector<uint32_t>& coef) {
+    const auto transposed_sums = [&](float* y, int64_t width, const uint16_t* x_t, const LineVector<uint32_t>& coef) {
         return TileProduct{x_t + head * width * packed.row_stride + row_begin, packed.row_stride * 2, width,
-                           coef.data(), kBackwardKeyBlock * 4, n_padded / 16, pairs / 16, y.data(),
+                           coef.data(), kBackwardKeyBlock * 4, n_padded / 16, pairs / 16, y,
                            kBackwardKeyBlock * 4, true};
     };
-    tile_product(plan, transposed_sums(s.value_grad, packed.value_width, packed.dout_t, s.probs_pairs));
-    tile_product(plan, transposed_sums(s.key_grad, plan.flash.head_dim, packed.query_t, s.grads_pairs));
+    tile_product(plan, transposed_sums(sums.value_grad_t, packed.value_width, packed.dout_t, s.probs_pairs));
+    tile_product(plan, transposed_sums(sums.key_grad_t, plan.flash.head_dim, packed.query_t, s.grads_pairs));
 }
 
-// Pass 2 fused with 3 on the tile path (key_block_gradients' n keys from keys.key_begin of
-// (keys.b, keys.kv_head), those below keys.key_end visible, the rest past kv_lens[b]): query tiles of kBackwardTileRows rows, the products on tiles
-// (tile_scores, tile_accumulations, and group_sums over up to kBackwardTileGroup consecutive
-// tiles) unless tile_needs_exact, dK and dV summed transposed. Keys past kv_lens[b] get 0.
-template <typename T>
-void key_block_tiles(const BackwardPlan& plan, const WorkItem& keys, int64_t n, BackwardScratch& s,
-                     float* query_grads) {
-    const BackwardProblem& bp = *plan.problem;
+// Pass 2 fused with 3 on the tile path, for the query rows [rows_begin, rows_end) of a head
+// (tile_rows_begin, a multiple of kBackwardTileRows) against a key block (keys.key_begin of
+// (keys.b, keys.kv_head), those below keys.key_end visible): query tiles of kBackwardTileRows
+// rows, the products on tiles (tile_scores, tile_accumulations, and group_sums over up to
+// kBackwardTileGroup consecutive tiles) unless tile_needs_exact; dK^T and dV^T summed into the
+// block's sums, dQ into query_grads (the head's).
+void key_block_tiles(const BackwardPlan& plan, const WorkItem& keys, int64_t rows_begin, int64_t rows_end,
+                     const KeyBlockSums& sums, BackwardScratch& s, float* query_grads) {
     const int64_t b = keys.b, kv_head = keys.kv_head, key_block = keys.key_begin, visible = keys.key_end - key_block;
-    const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim;
+    const int64_t D = plan.flash.head_dim;
     const int64_t visible_padded = ceil_div(visible, kKeyPanel) * kKeyPanel;
-    std::fill(s.key_grad.begin(), s.key_grad.begin() + kBackwardKeyBlock * D, 0.0f);
-    std::fill(s.value_grad.begin(), s.value_grad.begin() + kBackwardKeyBlock * plan.pairs.value_width, 0.0f);
     // The group: tiles in order from group_begin, their P and dS pairs from row pair 0 on, summed
     // into dV^T and dK^T when it is full, before an exact tile, and at the end.
     int64_t group_begin = 0, group_pairs = 0;
     const auto flush = [&]() {
-        if (group_pairs > 0) group_sums(plan, b, kv_head, group_begin, group_pairs, visible_padded, s);
+        if (group_pairs > 0) group_sums(plan, b, kv_head, group_begin, group_pairs, visible_padded, sums, s);
         group_pairs = 0;
     };
-    for (int64_t row_begin = 0; visible > 0 && row_begin < plan.flash.rows_per_group; row_begin += kBackwardTileRows) {
+    for (int64_t row_begin = rows_begin; visible > 0 && row_begin < rows_end; row_begin += kBackwardTileRows) {
         WorkItem tile;
         if (!block_tile(plan, keys, row_begin, kBackwardTileRows, &tile)) {
             flush();
@@ -781,7 +821,7 @@ void key_block_tiles(const BackwardPlan& plan, const WorkItem& keys, int64_t n, 
         const float* gate = tile_gradients(plan, tile, rows, key_block, visible, s);
         if (tile_needs_exact(plan, tile, rows, gate)) {
             flush();
-            exact_accumulations(plan, tile, rows, gate, s, query_grads + row_begin * D);
+            exact_accumulations(plan, tile, rows, gate, sums, s, query_grads + row_begin * D);
             continue;
         }
         if (group_pairs == 0) group_begin = row_begin;
@@ -790,24 +830,65 @@ void key_block_tiles(const BackwardPlan& plan, const WorkItem& keys, int64_t n, 
         if (group_pairs == kBackwardTileGroup * kBackwardTileRows / 2) flush();
     }
     flush();
-    // Key by key; keys past visible: 0 (the tile products' columns there are scratch: 0 times a Q
-    // or dO row).
-    // (sums_t: rows_t rows, the first `width` stored)
-    const auto store_keys = [&](const std::vector<float>& sums_t, int64_t rows_t, int64_t width,
-                                const MutTensorView4& gradient) {
-        transpose(sums_t.data(), rows_t, kBackwardKeyBlock, s.key_sums.data());
-        std::fill(s.key_sums.begin() + visible * rows_t, s.key_sums.begin() + n * rows_t, 0.0f);
-        for (int64_t j = 0; j < n; ++j)
-            store_row<T>(gradient, b, kv_head, key_block + j, s.key_sums.data() + j * rows_t, width);
+}
+
+// The fused pass on the tile path (head_gradients): the head's rows a chunk of
+// kBackwardTileGroup query tiles at a time, each chunk against every key block in order, so that
+// the chunk's query side (Q, dO, their transposes, its dQ sums) stays in the L2 cache while the
+// key blocks stream past, instead of the whole head's rows streaming past each key block. dK^T
+// and dV^T are summed per key block across the chunks (s.key_grad, s.value_grad: every block's),
+// then stored key by key; keys past kv_lens[b] get 0. Each element's sum runs in the same order as
+// key block by key block (a block's tiles in row order, a tile's blocks in key order), so the
+// bits are the same.
+template <typename T>
+void head_tiles(const BackwardPlan& plan, int64_t b, int64_t kv_head, BackwardScratch& s, float* query_grads) {
+    const BackwardProblem& bp = *plan.problem;
+    const AttentionProblem& p = bp.forward;
+    const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim, width = plan.pairs.value_width;
+    const int64_t blocks = plan.packed.key_blocks, rows_per_group = plan.flash.rows_per_group;
+    std::fill(s.key_grad.begin(), s.key_grad.begin() + blocks * kBackwardKeyBlock * D, 0.0f);
+    std::fill(s.value_grad.begin(), s.value_grad.begin() + blocks * kBackwardKeyBlock * width, 0.0f);
+    const auto block_keys = [&](int64_t kb, int64_t* n) {
+        const int64_t key_block = kb * kBackwardKeyBlock;
+        *n = std::min(kBackwardKeyBlock, p.k.shape[2] - key_block);
+        const int64_t visible = std::max<int64_t>(0, std::min(*n, p.kv_lens[b] - key_block));
+        return WorkItem{b, kv_head, 0, 0, key_block, key_block + visible, -1};  // the query rows to come
     };
-    store_keys(s.key_grad, D, D, bp.dk);
-    store_keys(s.value_grad, plan.pairs.value_width, Dv, bp.dv);
+    const auto sums_of = [&](int64_t kb) {
+        return KeyBlockSums{s.key_grad.data() + kb * kBackwardKeyBlock * D,
+                            s.value_grad.data() + kb * kBackwardKeyBlock * width};
+    };
+    constexpr int64_t kChunkRows = kBackwardTileGroup * kBackwardTileRows;
+    for (int64_t chunk = 0; chunk < rows_per_group; chunk += kChunkRows)
+        for (int64_t kb = 0; kb < blocks; ++kb) {
+            int64_t n;
+            const WorkItem keys = block_keys(kb, &n);
+            key_block_tiles(plan, keys, chunk, std::min(chunk + kChunkRows, rows_per_group), sums_of(kb), s,
+                            query_grads);
+        }
+    // Key by key; keys past visible: 0 (the tile products' columns there are scratch: 0 times a Q
+    // or dO row). (sums_t: rows_t rows, the first `width` stored)
+    for (int64_t kb = 0; kb < blocks; ++kb) {
+        int64_t n;
+        const WorkItem keys = block_keys(kb, &n);
+        const int64_t visible = keys.key_end - keys.key_begin;
+        const auto store_keys = [&](const float* sums_t, int64_t rows_t, int64_t columns,
+                                    const MutTensorView4& gradient) {
+            transpose(sums_t, rows_t, kBackwardKeyBlock, s.key_sums.data());
+            std::fill(s.key_sums.begin() + visible * rows_t, s.key_sums.begin() + n * rows_t, 0.0f);
+            for (int64_t j = 0; j < n; ++j)
+                store_row<T>(gradient, b, kv_head, keys.key_begin + j, s.key_sums.data() + j * rows_t, columns);
+        };
+        const KeyBlockSums sums = sums_of(kb);
+        store_keys(sums.key_grad_t, D, D, bp.dk);
+        store_keys(sums.value_grad_t, width, Dv, bp.dv);
+    }
 }
 
 // Pass 2: dK and dV of keys [key_block, key_block + kBackwardKeyBlock) of (b, kv_head), every query
 // tile that sees them summed in row order; keys past kv_lens[b] get 0. With query_grads (the
 // fused pass: the head's dQ sums, packed rows of D), also dQ += dS K of every such tile's rows,
-// over the block's keys in order. On the tile path, key_block_tiles.
+// over the block's keys in order. Not on the tile path (head_tiles).
 template <typename T>
 void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, int64_t key_block,
                          BackwardScratch& s, float* query_grads) {
@@ -817,7 +898,6 @@ void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, i
     const int64_t n = std::min(kBackwardKeyBlock, p.k.shape[2] - key_block);
     const int64_t visible = std::max<int64_t>(0, std::min(n, p.kv_lens[b] - key_block));
     const WorkItem keys{b, kv_head, 0, 0, key_block, key_block + visible, -1};  // the query rows to come
-    if (plan.tiled) return key_block_tiles<T>(plan, keys, n, s, query_grads);
     std::fill(s.key_grad.begin(), s.key_grad.begin() + n * D, 0.0f);
     std::fill(s.value_grad.begin(), s.value_grad.begin() + n * Dv, 0.0f);
     for (int64_t row_begin = 0; visible > 0 && row_begin < plan.flash.rows_per_group; row_begin += kQTileRows) {
@@ -827,7 +907,7 @@ void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, i
         load_tile(plan, tile, rows, s);
         const float* gate = tile_gradients(plan, tile, rows, key_block, visible, s);
         // Key j's rows: dV += P[., j]^T dO, dK += dS[., j]^T Q, over the tile's rows in order.
-        const auto key_rows = [&](std::vector<float>& y, int64_t width, const std::vector<float>& coef,
+        const auto key_rows = [&](LineVector<float>& y, int64_t width, const LineVector<float>& coef,
                                   const float* x) {
             return Accumulation{y.data(), width, visible, width, coef.data(), gate, kKeyBlock, 1, x, width, rows};
         };
@@ -876,10 +956,15 @@ void head_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, Backwa
     const int64_t D = plan.flash.head_dim;
     float* query_grads = s.query_grad.data();
     std::fill(query_grads, query_grads + plan.flash.rows_per_group * D, 0.0f);
-    if (plan.tiled) plan.kernels.tiles.begin();
-    for (int64_t key_block = 0; key_block < plan.packed.key_blocks * kBackwardKeyBlock; key_block += kBackwardKeyBlock)
-        key_block_gradients<T>(plan, b, kv_head, key_block, s, query_grads);
-    if (plan.tiled) plan.kernels.tiles.end();
+    if (plan.tiled) {
+        plan.kernels.tiles.begin();
+        head_tiles<T>(plan, b, kv_head, s, query_grads);
+        plan.kernels.tiles.end();
+    } else {
+        for (int64_t key_block = 0; key_block < plan.packed.key_blocks * kBackwardKeyBlock;
+             key_block += kBackwardKeyBlock)
+            key_block_gradients<T>(plan, b, kv_head, key_block, s, query_grads);
+    }
     store_query_rows<T>(plan, head_item(b, kv_head, plan.flash.rows_per_group), query_grads);
 }
 
@@ -898,8 +983,9 @@ void gradient_passes(const BackwardPlan& plan, int num_threads) {
     const int64_t key_blocks = plan.packed.key_blocks, rows_per_group = plan.flash.rows_per_group;
     const ScratchShape tiles{D, Dv, kQTileRows};
     if (plan.fused) {  // 2 and 3 in one, per head (the tile path: its rows rounded up to 32)
-        const ScratchShape heads = plan.tiled ? ScratchShape{D, plan.pairs.value_width, plan.pairs.head_rows, true}
-                                              : ScratchShape{D, Dv, rows_per_group};
+        const ScratchShape heads = plan.tiled
+                                       ? ScratchShape{D, plan.pairs.value_width, plan.pairs.head_rows, true, key_blocks}
+                                       : ScratchShape{D, Dv, rows_per_group};
         for_each_item(B * Hkv, num_threads, heads,
                       [&](int64_t head, BackwardScratch& s) { head_gradients<T>(plan, head / Hkv, head % Hkv, s); });
         return;

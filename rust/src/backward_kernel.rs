@@ -50,9 +50,10 @@ pub struct Accumulation {
 }
 
 /// P and scale dS of one row's n keys (n a multiple of the vector width), in place: probs holds
-/// S (base 2) and becomes P = V::exp2(S - lse); grads holds dP and becomes P (dP - delta), times
-/// 1 - t^2 (t = capped[j]) when capped is not null, times scale; 0 where P is 0 (a hidden key: its
-/// dP is never used).
+/// S (base 2) and becomes P = V::exp2(S multiplier - lse) (multiplier 1 where S is already
+/// scaled: the same bits as without it); grads holds dP and becomes P (dP - delta), times 1 - t^2
+/// (t = capped[j]) when capped is not null, times scale; 0 where P is 0 (a hidden key: its dP is
+/// never used). Returns how many of the first `counted` (<= n) P are 0.
 pub struct RowGradients {
     pub probs: *mut f32,
     pub grads: *mut f32,
@@ -61,11 +62,13 @@ pub struct RowGradients {
     pub lse: f32,
     pub delta: f32,
     pub scale: f32,
+    pub multiplier: f32,
+    pub counted: usize,
 }
 
 pub type PanelProductFn = unsafe fn(&PanelProduct);
 pub type AccumulateFn = unsafe fn(&Accumulation);
-pub type RowGradientsFn = unsafe fn(&RowGradients);
+pub type RowGradientsFn = unsafe fn(&RowGradients) -> usize;
 
 /// One tile product of bfloat16 pairs (the bfloat16 tile path of flash_backward.rs, amxbf16):
 /// C (float32) = A B, or C += A B when accumulate, over `rows` rows of A (rounded up to 16) and
@@ -416,17 +419,22 @@ pub unsafe fn accumulate<V: Vector>(a: &Accumulation) {
 /// # Safety
 /// The CPU supports V's instruction set; probs, grads and (when not null) capped hold n floats.
 #[inline(always)]
-pub unsafe fn row_gradients<V: Vector>(g: &RowGradients) {
-    // SAFETY: forwarded; j + WIDTH <= n.
+pub unsafe fn row_gradients<V: Vector>(g: &RowGradients) -> usize {
+    // SAFETY: forwarded; j + WIDTH <= n, and counted <= n.
     unsafe {
-        let (row_lse, row_delta, factor) = (
+        let (row_lse, row_delta, factor, multiplier) = (
             V::broadcast(g.lse),
             V::broadcast(g.delta),
             V::broadcast(g.scale),
+            V::broadcast(g.multiplier),
         );
         let (one, zero) = (V::broadcast(1.0), V::zero());
+        // P < the smallest subnormal: P is 0 (P >= 0; a NaN P is not counted, as P == 0 says)
+        let smallest = V::broadcast(f32::from_bits(1));
+        let whole = g.counted / V::WIDTH * V::WIDTH; // the counted keys of whole vectors
+        let mut zeros = V::zero();
         for j in (0..g.n).step_by(V::WIDTH) {
-            let prob = V::exp2(V::sub(V::load(g.probs.add(j)), row_lse));
+            let prob = V::exp2(V::sub(V::mul(V::load(g.probs.add(j)), multiplier), row_lse));
             let mut ds = V::mul(prob, V::sub(V::load(g.grads.add(j)), row_delta));
             if !g.capped.is_null() {
                 let t = V::load(g.capped.add(j));
@@ -435,6 +443,15 @@ pub unsafe fn row_gradients<V: Vector>(g: &RowGradients) {
             prob.store(g.probs.add(j));
             // 0 < P ? scale dS : P (0, or a NaN P's NaN)
             V::select_less(zero, prob, V::mul(ds, factor), prob).store(g.grads.add(j));
+            if j < whole {
+                zeros = V::add(zeros, V::select_less(prob, smallest, one, zero));
+            }
         }
+        // whole numbers below 2^24: exact
+        let mut count = V::reduce_sum(zeros) as usize;
+        for j in whole..g.counted {
+            count += usize::from(*g.probs.add(j) == 0.0);
+        }
+        count
     }
 }

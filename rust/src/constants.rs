@@ -72,8 +72,10 @@ pub const BACKWARD_KEY_BLOCK: usize = 64;
 pub const BACKWARD_TILE_ROWS: usize = 96;
 /// Query tiles whose dV += P^T dO and dK += dS^T Q the tile path sums at once (their P and dS
 /// pairs kept, up to BACKWARD_TILE_GROUP BACKWARD_TILE_ROWS BACKWARD_KEY_BLOCK x 4 bytes each),
-/// so the float32 dK and dV tiles are loaded and stored once per 3 BACKWARD_TILE_GROUP steps.
-pub const BACKWARD_TILE_GROUP: usize = 8;
+/// so the float32 dK and dV tiles are loaded and stored once per 3 BACKWARD_TILE_GROUP steps;
+/// also the chunk of a head's rows that meets every key block in turn (its query side stays in
+/// L2).
+pub const BACKWARD_TILE_GROUP: usize = 4;
 
 const _: () = assert!(
     Q_TILE_ROWS.is_multiple_of(MICRO_ROWS),

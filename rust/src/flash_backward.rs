@@ -52,7 +52,9 @@
 //! element, the softcap's tanh) is portable code over the scalar vector type (simd_scalar.rs),
 //! the same on every instruction set and, operation for operation, in C++.
 
+use std::alloc::{alloc, dealloc, Layout};
 use std::cell::RefCell;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::backward_kernel::{
@@ -94,6 +96,93 @@ impl AlignedFloats {
         }
         let offset = self.buffer.as_ptr().align_offset(64);
         Ok(&mut self.buffer[offset..offset + count])
+    }
+}
+
+/// Storage whose data starts a 64-byte line, grown on demand and kept for its owner's life (C++'s
+/// LineVector): the tile path's operands and float32 sums are read and written a tile row (64
+/// bytes) at a time, and a row that straddles two lines costs a tile load about 3.5 times as
+/// much (a Vec's storage is only as aligned as its element). Dereferences to its elements.
+struct LineVec<T: Copy + Default> {
+    data: NonNull<T>,
+    len: usize,
+}
+
+impl<T: Copy + Default> Default for LineVec<T> {
+    fn default() -> Self {
+        LineVec {
+            data: NonNull::dangling(),
+            len: 0,
+        }
+    }
+}
+
+impl<T: Copy + Default> LineVec<T> {
+    fn layout(len: usize) -> Option<Layout> {
+        Layout::from_size_align(len.checked_mul(std::mem::size_of::<T>())?.max(64), 64).ok()
+    }
+
+    fn release(&mut self) {
+        if let Some(layout) = Self::layout(self.len).filter(|_| self.len > 0) {
+            // SAFETY: data was allocated by Grow::grown with this very layout.
+            unsafe { dealloc(self.data.as_ptr().cast::<u8>(), layout) };
+        }
+        self.data = NonNull::dangling();
+        self.len = 0;
+    }
+}
+
+impl<T: Copy + Default> Drop for LineVec<T> {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+impl<T: Copy + Default> std::ops::Deref for LineVec<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: data holds len initialised elements (dangling and aligned for T when len is 0).
+        unsafe { std::slice::from_raw_parts(self.data.as_ptr(), self.len) }
+    }
+}
+
+impl<T: Copy + Default> std::ops::DerefMut for LineVec<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as deref; &mut self is the only borrow.
+        unsafe { std::slice::from_raw_parts_mut(self.data.as_ptr(), self.len) }
+    }
+}
+
+/// A buffer grown to at least count elements (T::default() when it grows), its data.
+trait Grow<T> {
+    fn grown(&mut self, count: usize) -> Result<*mut T, ProblemError>;
+}
+
+impl<T: Copy + Default> Grow<T> for Vec<T> {
+    fn grown(&mut self, count: usize) -> Result<*mut T, ProblemError> {
+        if self.len() < count {
+            *self = try_filled(count, T::default())?;
+        }
+        Ok(self.as_mut_ptr())
+    }
+}
+
+impl<T: Copy + Default> Grow<T> for LineVec<T> {
+    fn grown(&mut self, count: usize) -> Result<*mut T, ProblemError> {
+        if self.len < count {
+            let layout = Self::layout(count).ok_or_else(ProblemError::out_of_memory)?;
+            // SAFETY: the layout has a non-zero size.
+            let data = NonNull::new(unsafe { alloc(layout) }.cast::<T>())
+                .ok_or_else(ProblemError::out_of_memory)?;
+            for i in 0..count {
+                // SAFETY: the allocation holds count elements of T, 64-byte aligned.
+                unsafe { data.as_ptr().add(i).write(T::default()) };
+            }
+            self.release();
+            self.data = data;
+            self.len = count;
+        }
+        Ok(self.data.as_ptr())
     }
 }
 
@@ -297,23 +386,20 @@ struct CallerBuffers {
     query_rows: AlignedFloats,
     query_scaled: AlignedFloats,
     dout_rows: AlignedFloats,
-    pair_key_panels: Vec<u16>,
-    pair_value_panels: Vec<u16>,
-    pair_key_rows: Vec<u16>,
-    pair_query_pairs: Vec<u16>,
-    pair_dout_pairs: Vec<u16>,
-    pair_query_t: Vec<u16>,
-    pair_dout_t: Vec<u16>,
+    pair_key_panels: LineVec<u16>,
+    pair_value_panels: LineVec<u16>,
+    pair_key_rows: LineVec<u16>,
+    pair_query_pairs: LineVec<u16>,
+    pair_dout_pairs: LineVec<u16>,
+    pair_query_t: LineVec<u16>,
+    pair_dout_t: LineVec<u16>,
     key_finite: Vec<u8>,
     row_finite: Vec<u8>,
 }
 
 /// buffer grown to at least count elements, its data.
-fn grown<T: Copy + Default>(buffer: &mut Vec<T>, count: usize) -> Result<*mut T, ProblemError> {
-    if buffer.len() < count {
-        *buffer = try_filled(count, T::default())?;
-    }
-    Ok(buffer.as_mut_ptr())
+fn grown<T>(buffer: &mut impl Grow<T>, count: usize) -> Result<*mut T, ProblemError> {
+    buffer.grown(count)
 }
 
 thread_local! {
@@ -345,24 +431,24 @@ thread_local! {
 /// ```
 #[derive(Default)]
 struct BackwardScratch {
-    row_buffer: Vec<f32>,
-    row_delta: Vec<f32>,
-    row_lse: Vec<f32>,
-    scores: Vec<f32>,
-    capped: Vec<f32>,
-    grads: Vec<f32>,
-    key_grad: Vec<f32>,
-    value_grad: Vec<f32>,
-    query_grad: Vec<f32>,
+    row_buffer: LineVec<f32>,
+    row_delta: LineVec<f32>,
+    row_lse: LineVec<f32>,
+    scores: LineVec<f32>,
+    capped: LineVec<f32>,
+    grads: LineVec<f32>,
+    key_grad: LineVec<f32>,
+    value_grad: LineVec<f32>,
+    query_grad: LineVec<f32>,
     row_key_begin: Vec<usize>,
     row_key_end: Vec<usize>,
-    probs_pairs: Vec<u32>,
-    grads_pairs: Vec<u32>,
-    grads_rows: Vec<u16>,
-    key_sums: Vec<f32>,
-    exact_queries: Vec<f32>,
-    exact_dout: Vec<f32>,
-    exact_keys: Vec<f32>,
+    probs_pairs: LineVec<u32>,
+    grads_pairs: LineVec<u32>,
+    grads_rows: LineVec<u16>,
+    key_sums: LineVec<f32>,
+    exact_queries: LineVec<f32>,
+    exact_dout: LineVec<f32>,
+    exact_keys: LineVec<f32>,
 }
 
 /// What one thread's scratch is sized for: D, Dv, the rows of dQ sums (a tile's Q_TILE_ROWS,
@@ -374,6 +460,8 @@ struct ScratchShape {
     value_dim: usize,
     query_grad_rows: usize,
     tiled: bool,
+    /// the tile path: a head's key blocks (key_grad, value_grad hold each's sums)
+    key_blocks: usize,
 }
 
 impl BackwardScratch {
@@ -383,14 +471,15 @@ impl BackwardScratch {
             value_dim,
             query_grad_rows,
             tiled,
+            key_blocks,
         } = shape;
         let tile_rows = if tiled {
             BACKWARD_TILE_ROWS
         } else {
             Q_TILE_ROWS
         };
-        fn grow<T: Copy + Default>(buffer: &mut Vec<T>, count: usize) -> Result<(), ProblemError> {
-            grown(buffer, count).map(|_| ())
+        fn grow<T>(buffer: &mut impl Grow<T>, count: usize) -> Result<(), ProblemError> {
+            buffer.grown(count).map(|_| ())
         }
         grow(&mut self.row_buffer, 2 * value_dim)?;
         grow(&mut self.row_delta, tile_rows)?;
@@ -398,8 +487,14 @@ impl BackwardScratch {
         grow(&mut self.scores, tile_rows * KEY_BLOCK)?;
         grow(&mut self.capped, tile_rows * KEY_BLOCK)?;
         grow(&mut self.grads, tile_rows * KEY_BLOCK)?;
-        grow(&mut self.key_grad, BACKWARD_KEY_BLOCK * head_dim)?;
-        grow(&mut self.value_grad, BACKWARD_KEY_BLOCK * value_dim)?;
+        grow(
+            &mut self.key_grad,
+            key_blocks * BACKWARD_KEY_BLOCK * head_dim,
+        )?;
+        grow(
+            &mut self.value_grad,
+            key_blocks * BACKWARD_KEY_BLOCK * value_dim,
+        )?;
         grow(&mut self.query_grad, query_grad_rows * head_dim)?;
         grow(&mut self.row_key_begin, tile_rows)?;
         grow(&mut self.row_key_end, tile_rows)?;
@@ -832,6 +927,7 @@ unsafe fn pack_query_pairs(plan: &BackwardPlan, b: usize, kv_head: usize) {
     let rows_per_group = plan.flash.rows_per_group;
     let mut q_rows = [std::ptr::null::<u16>(); BACKWARD_TILE_ROWS];
     let mut dout_rows = [std::ptr::null::<u16>(); BACKWARD_TILE_ROWS];
+    let zeros = vec![0u16; head_dim.max(value_dim)];
     for tile_begin in (0..pairs.head_tiles * BACKWARD_TILE_ROWS).step_by(BACKWARD_TILE_ROWS) {
         for local in 0..BACKWARD_TILE_ROWS {
             let packed = tile_begin + local;
@@ -860,21 +956,30 @@ unsafe fn pack_query_pairs(plan: &BackwardPlan, b: usize, kv_head: usize) {
                 *pairs.row_finite.add(row) = u8::from(non_finite == 0);
             }
         }
-        // (width rows of the transpose, the first `real` from the rows, the rest 0)
+        // (width rows of the transpose, the first `real` from the rows, the rest 0; a missing row
+        // read as `zeros`, so the inner loop has no test)
         let transpose_tile =
             |rows: &[*const u16; BACKWARD_TILE_ROWS], real: usize, width: usize, dst: *mut u16| {
+                let sources = rows.map(|row| match row.is_null() {
+                    true => zeros.as_ptr(),
+                    false => row,
+                });
                 for d in 0..width {
-                    for (local, &row) in rows.iter().enumerate() {
-                        // SAFETY: forwarded; the head's transposed rows hold head_tiles *
-                        // BACKWARD_TILE_ROWS <= row_stride elements each.
-                        unsafe {
-                            *dst.add(d * pairs.row_stride + tile_begin + local) =
-                                if row.is_null() || d >= real {
-                                    0
-                                } else {
-                                    *row.add(d)
-                                };
-                        }
+                    // SAFETY: forwarded; the head's transposed rows hold head_tiles *
+                    // BACKWARD_TILE_ROWS <= row_stride elements each.
+                    let column = unsafe {
+                        std::slice::from_raw_parts_mut(
+                            dst.add(d * pairs.row_stride + tile_begin),
+                            BACKWARD_TILE_ROWS,
+                        )
+                    };
+                    if d >= real {
+                        column.fill(0);
+                        continue;
+                    }
+                    for (element, &source) in column.iter_mut().zip(&sources) {
+                        // SAFETY: a row holds real elements (zeros: D and Dv).
+                        *element = unsafe { *source.add(d) };
                     }
                 }
             };
@@ -922,9 +1027,10 @@ unsafe fn tile_product(plan: &BackwardPlan, product: &TileProduct) {
     unsafe { (plan.kernels.tiles.unwrap_unchecked().product)(product) };
 }
 
-/// (a) of tile_gradients on tiles: S (times the Q multiplier, as the forward's tiles) into
-/// s.scores and dP into s.grads, over n_padded keys (whole panels) and the tile's rows rounded
-/// up to 16 (the pad rows' pairs are 0; their scores are scratch).
+/// (a) of tile_gradients on tiles: S into s.scores and dP into s.grads, over n_padded keys
+/// (whole panels) and the tile's rows rounded up to 16 (the pad rows' pairs are 0; their scores
+/// are scratch). S times the Q multiplier (as the forward's tiles) when `scaled`; else
+/// row_gradients multiplies (the same product, after mask_block's -inf, which it keeps).
 ///
 /// # Safety
 /// As [`tile_gradients`], on the tile path.
@@ -934,6 +1040,7 @@ unsafe fn tile_scores(
     rows: usize,
     key_block: usize,
     n_padded: usize,
+    scaled: bool,
     s: &mut BackwardScratch,
 ) {
     let pairs = &plan.pairs;
@@ -973,6 +1080,9 @@ unsafe fn tile_scores(
         pairs.value_panels,
         &mut s.grads,
     );
+    if !scaled {
+        return;
+    }
     for r in 0..rows {
         for score in &mut s.scores[r * KEY_BLOCK..r * KEY_BLOCK + n_padded] {
             *score *= plan.flash.q_multiplier;
@@ -1016,6 +1126,14 @@ fn transpose(from: &[f32], rows: usize, columns: usize, to: &mut [f32]) {
     }
 }
 
+/// A key block's dK^T and dV^T sums on the tile path: where they start in s.key_grad (D rows of
+/// BACKWARD_KEY_BLOCK floats) and s.value_grad (value_width rows of them).
+#[derive(Clone, Copy)]
+struct KeyBlockSums {
+    key_grad_t: usize,
+    value_grad_t: usize,
+}
+
 /// The tile path's three accumulations in float32 with the kernels' gated accumulate (as the
 /// float32 path's, from P and scale dS unrounded), for a tile where [`tile_needs_exact`]: Q and
 /// dO of the tile's rows and K of its n keys from key_begin widened from the pairs; dK and dV
@@ -1029,6 +1147,7 @@ unsafe fn exact_accumulations(
     tile: &WorkItem,
     rows: usize,
     gate: *const f32,
+    sums: KeyBlockSums,
     s: &mut BackwardScratch,
     query_grads: *mut f32,
 ) {
@@ -1088,7 +1207,7 @@ unsafe fn exact_accumulations(
     };
     let value_width = pairs.value_width;
     sum_key_rows(
-        &mut s.value_grad,
+        &mut s.value_grad[sums.value_grad_t..sums.value_grad_t + BACKWARD_KEY_BLOCK * value_width],
         value_width,
         value_dim,
         &s.scores,
@@ -1096,7 +1215,7 @@ unsafe fn exact_accumulations(
         &mut s.key_sums,
     );
     sum_key_rows(
-        &mut s.key_grad,
+        &mut s.key_grad[sums.key_grad_t..sums.key_grad_t + BACKWARD_KEY_BLOCK * head_dim],
         head_dim,
         head_dim,
         &s.grads,
@@ -1171,10 +1290,11 @@ unsafe fn tile_accumulations(
 
 /// A group's dV^T += dO^T P and dK^T += Q^T dS on tiles: the rows [row_begin, row_begin + 2
 /// pairs) of (b, kv_head) (pairs: the group's row pairs, a multiple of 16) against n_padded keys,
-/// into s.value_grad and s.key_grad.
+/// into the block's sums.
 ///
 /// # Safety
 /// As [`tile_scores`], after the group's tile_accumulations.
+#[allow(clippy::too_many_arguments)]
 unsafe fn group_sums(
     plan: &BackwardPlan,
     b: usize,
@@ -1182,6 +1302,7 @@ unsafe fn group_sums(
     row_begin: usize,
     pairs: usize,
     n_padded: usize,
+    sums: KeyBlockSums,
     s: &mut BackwardScratch,
 ) {
     let packed = &plan.pairs;
@@ -1202,12 +1323,17 @@ unsafe fn group_sums(
         };
     let (head_dim, value_width) = (plan.flash.head_dim, packed.value_width);
     let value_rows = transposed_sums(
-        &mut s.value_grad,
+        &mut s.value_grad[sums.value_grad_t..],
         value_width,
         packed.dout_t,
         &s.probs_pairs,
     );
-    let key_rows = transposed_sums(&mut s.key_grad, head_dim, packed.query_t, &s.grads_pairs);
+    let key_rows = transposed_sums(
+        &mut s.key_grad[sums.key_grad_t..],
+        head_dim,
+        packed.query_t,
+        &s.grads_pairs,
+    );
     // SAFETY: forwarded; dV^T and dK^T hold Dv and D rows of BACKWARD_KEY_BLOCK floats.
     unsafe {
         tile_product(plan, &value_rows);
@@ -1215,33 +1341,32 @@ unsafe fn group_sums(
     }
 }
 
-/// Pass 2 fused with 3 on the tile path ([`key_block_gradients`]' n keys from keys.key_begin of
-/// (keys.b, keys.kv_head), those below keys.key_end visible, the rest past kv_lens[b]): query tiles of BACKWARD_TILE_ROWS rows, the
+/// Pass 2 fused with 3 on the tile path, for the query rows [rows_begin, rows_end) of a head
+/// (rows_begin a multiple of BACKWARD_TILE_ROWS) against a key block (keys.key_begin of (keys.b,
+/// keys.kv_head), those below keys.key_end visible): query tiles of BACKWARD_TILE_ROWS rows, the
 /// products on tiles ([`tile_scores`], [`tile_accumulations`], and [`group_sums`] over up to
-/// BACKWARD_TILE_GROUP consecutive tiles) unless [`tile_needs_exact`], dK and dV summed
-/// transposed. Keys past kv_lens[b] get 0.
+/// BACKWARD_TILE_GROUP consecutive tiles) unless [`tile_needs_exact`]; dK^T and dV^T summed into
+/// the block's sums, dQ into query_grads (the head's).
 ///
 /// # Safety
 /// As [`key_block_gradients`], on the tile path, between the tiles' begin and end; query_grads
 /// holds the head's head_rows rows of dQ sums.
 #[allow(clippy::too_many_arguments)]
-unsafe fn key_block_tiles<T: Element>(
+unsafe fn key_block_tiles(
     plan: &BackwardPlan,
     keys: &WorkItem,
-    n: usize,
+    rows_begin: usize,
+    rows_end: usize,
+    sums: KeyBlockSums,
     s: &mut BackwardScratch,
     query_grads: *mut f32,
 ) {
-    let bp = plan.problem;
     let (b, kv_head, key_block) = (keys.b, keys.kv_head, keys.key_begin);
     let visible = keys.key_end - key_block;
-    let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
+    let head_dim = plan.flash.head_dim;
     let visible_padded = visible.div_ceil(KEY_PANEL) * KEY_PANEL;
-    s.key_grad[..BACKWARD_KEY_BLOCK * head_dim].fill(0.0);
-    s.value_grad[..BACKWARD_KEY_BLOCK * plan.pairs.value_width].fill(0.0);
     // SAFETY: forwarded.
     unsafe {
-        let rows_per_group = plan.flash.rows_per_group;
         // The group: tiles in order from group_begin, their P and dS pairs from row pair 0 on,
         // summed into dV^T and dK^T when it is full, before an exact tile, and at the end.
         let (mut group_begin, mut group_pairs) = (0, 0);
@@ -1254,15 +1379,16 @@ unsafe fn key_block_tiles<T: Element>(
                     group_begin,
                     *group_pairs,
                     visible_padded,
+                    sums,
                     s,
                 );
             }
             *group_pairs = 0;
         };
-        let mut row_begin = 0;
-        while visible > 0 && row_begin < rows_per_group {
+        let mut row_begin = rows_begin;
+        while visible > 0 && row_begin < rows_end {
             let tile_begin = row_begin;
-            row_begin = (row_begin + BACKWARD_TILE_ROWS).min(rows_per_group);
+            row_begin = (row_begin + BACKWARD_TILE_ROWS).min(rows_end);
             let Some(tile) = block_tile(plan, keys, tile_begin, BACKWARD_TILE_ROWS) else {
                 flush(s, group_begin, &mut group_pairs);
                 continue;
@@ -1273,7 +1399,7 @@ unsafe fn key_block_tiles<T: Element>(
             let y = query_grads.add(tile_begin * head_dim);
             if tile_needs_exact(plan, &tile, rows, gate) {
                 flush(s, group_begin, &mut group_pairs);
-                exact_accumulations(plan, &tile, rows, gate, s, y);
+                exact_accumulations(plan, &tile, rows, gate, sums, s, y);
                 continue;
             }
             if group_pairs == 0 {
@@ -1295,32 +1421,101 @@ unsafe fn key_block_tiles<T: Element>(
             }
         }
         flush(s, group_begin, &mut group_pairs);
-        // Key by key; keys past visible: 0 (the tile products' columns there are scratch: 0
-        // times a Q or dO row).
-        // (sums_t: rows_t rows, the first `width` stored)
+    }
+}
+
+/// The fused pass on the tile path ([`head_gradients`]): the head's rows a chunk of
+/// BACKWARD_TILE_GROUP query tiles at a time, each chunk against every key block in order, so
+/// that the chunk's query side (Q, dO, their transposes, its dQ sums) stays in the L2 cache while
+/// the key blocks stream past, instead of the whole head's rows streaming past each key block.
+/// dK^T and dV^T are summed per key block across the chunks (s.key_grad, s.value_grad: every
+/// block's), then stored key by key; keys past kv_lens[b] get 0. Each element's sum runs in the
+/// same order as key block by key block (a block's tiles in row order, a tile's blocks in key
+/// order), so the bits are the same.
+///
+/// # Safety
+/// As [`key_block_tiles`], for every key block of the head; this item owns the head's dk and dv
+/// rows.
+unsafe fn head_tiles<T: Element>(
+    plan: &BackwardPlan,
+    b: usize,
+    kv_head: usize,
+    s: &mut BackwardScratch,
+    query_grads: *mut f32,
+) {
+    let bp = plan.problem;
+    let p = &bp.forward;
+    let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
+    let (width, blocks) = (plan.pairs.value_width, plan.packed.key_blocks);
+    let rows_per_group = plan.flash.rows_per_group;
+    s.key_grad[..blocks * BACKWARD_KEY_BLOCK * head_dim].fill(0.0);
+    s.value_grad[..blocks * BACKWARD_KEY_BLOCK * width].fill(0.0);
+    // key block kb's keys (b, kv_head and its visible keys, the query rows to come) and n
+    let block_keys = |kb: usize| {
+        let key_block = kb * BACKWARD_KEY_BLOCK;
+        let n = BACKWARD_KEY_BLOCK.min(p.k.shape[2] as usize - key_block);
+        let visible = (p.kv_lens[b] as usize).saturating_sub(key_block).min(n);
+        let keys = WorkItem {
+            b,
+            kv_head,
+            row_begin: 0,
+            row_end: 0,
+            key_begin: key_block,
+            key_end: key_block + visible,
+            partial_slot: None,
+        };
+        (keys, n)
+    };
+    let sums_of = |kb: usize| KeyBlockSums {
+        key_grad_t: kb * BACKWARD_KEY_BLOCK * head_dim,
+        value_grad_t: kb * BACKWARD_KEY_BLOCK * width,
+    };
+    let chunk_rows = BACKWARD_TILE_GROUP * BACKWARD_TILE_ROWS;
+    for chunk in (0..rows_per_group).step_by(chunk_rows) {
+        for kb in 0..blocks {
+            let (keys, _) = block_keys(kb);
+            let rows_end = (chunk + chunk_rows).min(rows_per_group);
+            // SAFETY: forwarded.
+            unsafe { key_block_tiles(plan, &keys, chunk, rows_end, sums_of(kb), s, query_grads) };
+        }
+    }
+    // Key by key; keys past visible: 0 (the tile products' columns there are scratch: 0 times a
+    // Q or dO row). (sums_t: rows_t rows, the first `columns` stored)
+    for kb in 0..blocks {
+        let (keys, n) = block_keys(kb);
+        let visible = keys.key_end - keys.key_begin;
         let store_keys = |sums_t: &[f32],
                           rows_t: usize,
-                          width: usize,
+                          columns: usize,
                           gradient: &MutTensorView4,
                           sums: &mut [f32]| {
             transpose(sums_t, rows_t, BACKWARD_KEY_BLOCK, sums);
             sums[visible * rows_t..n * rows_t].fill(0.0);
             for j in 0..n {
-                store_row::<T>(
-                    gradient,
-                    b,
-                    kv_head,
-                    key_block + j,
-                    &sums[j * rows_t..],
-                    width,
-                );
+                // SAFETY: forwarded; key keys.key_begin + j of (b, kv_head) is this item's.
+                unsafe {
+                    store_row::<T>(
+                        gradient,
+                        b,
+                        kv_head,
+                        keys.key_begin + j,
+                        &sums[j * rows_t..],
+                        columns,
+                    )
+                };
             }
         };
-        store_keys(&s.key_grad, head_dim, head_dim, &bp.dk, &mut s.key_sums);
-        let value_width = plan.pairs.value_width;
+        let sums = sums_of(kb);
         store_keys(
-            &s.value_grad,
-            value_width,
+            &s.key_grad[sums.key_grad_t..],
+            head_dim,
+            head_dim,
+            &bp.dk,
+            &mut s.key_sums,
+        );
+        store_keys(
+            &s.value_grad[sums.value_grad_t..],
+            width,
             value_dim,
             &bp.dv,
             &mut s.key_sums,
@@ -1349,10 +1544,12 @@ unsafe fn tile_gradients(
     let (head_dim, value_dim) = (fp.head_dim, fp.value_dim);
     let n_padded = n.div_ceil(KEY_PANEL) * KEY_PANEL;
     // (a) S = (Q times the multiplier) K^T, in base 2; softcap: t = tanh(S) kept, S = t softcap log2 e.
-    // dP = dO V^T into s.grads. (The tile path: tile_scores.)
+    // dP = dO V^T into s.grads. (The tile path: tile_scores, which leaves the multiplier to
+    // row_gradients unless the softcap, ALiBi or a mask needs S scaled before P.)
+    let scaled = !plan.tiled || fp.has_softcap || fp.has_alibi || fp.has_mask;
     if plan.tiled {
         // SAFETY: forwarded.
-        unsafe { tile_scores(plan, tile, rows, key_block, n_padded, s) };
+        unsafe { tile_scores(plan, tile, rows, key_block, n_padded, scaled, s) };
     } else {
         // SAFETY: forwarded.
         let (block, queries) = unsafe {
@@ -1424,7 +1621,8 @@ unsafe fn tile_gradients(
     // (c) P = 2^(S - lse log2 e); dS = P (dP - Drow), softcap: times 1 - t^2; times scale (the
     // kernels' row_gradients, over the n_padded keys).
     let scale = plan.problem.forward.scale;
-    // P of the rows x n that are 0 (counted, not tested: the loop vectorises)
+    let multiplier = if scaled { 1.0 } else { fp.q_multiplier };
+    // P of the rows x n that are 0 (counted by row_gradients, not tested)
     let mut zeros = 0usize;
     for r in 0..rows {
         let row = r * KEY_BLOCK..r * KEY_BLOCK + n_padded;
@@ -1447,13 +1645,12 @@ unsafe fn tile_gradients(
             lse: s.row_lse[r],
             delta: s.row_delta[r],
             scale,
+            multiplier,
+            counted: n,
         };
-        // SAFETY: n_padded <= KEY_BLOCK floats of the row in scores, grads and capped; the
+        // SAFETY: n <= n_padded <= KEY_BLOCK floats of the row in scores, grads and capped; the
         // dispatcher hands out only kernels this CPU runs.
-        unsafe { (plan.kernels.row_gradients)(&gradients) };
-        for &prob in &s.scores[row.start..row.start + n] {
-            zeros += usize::from(prob == 0.0);
-        }
+        zeros += unsafe { (plan.kernels.row_gradients)(&gradients) };
     }
     match zeros {
         0 => std::ptr::null(),
@@ -1557,7 +1754,7 @@ unsafe fn store_query_rows<T: Element>(plan: &BackwardPlan, tile: &WorkItem, que
 /// Pass 2: dK and dV of keys [key_block, key_block + BACKWARD_KEY_BLOCK) of (b, kv_head), every query
 /// tile that sees them summed in row order; keys past kv_lens[b] get 0. With query_grads (the
 /// fused pass: the head's dQ sums, packed rows of D), also dQ += dS K of every such tile's rows,
-/// over the block's keys in order. On the tile path, [`key_block_tiles`].
+/// over the block's keys in order. Not on the tile path ([`head_tiles`]).
 ///
 /// # Safety
 /// As [`row_deltas`]; this item owns these keys' dk and dv rows (and, with query_grads, the
@@ -1585,10 +1782,6 @@ unsafe fn key_block_gradients<T: Element>(
         key_end: key_block + visible,
         partial_slot: None,
     };
-    if plan.tiled {
-        // SAFETY: forwarded.
-        return unsafe { key_block_tiles::<T>(plan, &keys, n, s, query_grads) };
-    }
     s.key_grad[..n * head_dim].fill(0.0);
     s.value_grad[..n * value_dim].fill(0.0);
     // SAFETY: forwarded.
@@ -1707,14 +1900,14 @@ unsafe fn head_gradients<T: Element>(
     unsafe {
         if let Some(tiles) = tiles {
             (tiles.begin)();
-        }
-        for key_block in
-            (0..plan.packed.key_blocks * BACKWARD_KEY_BLOCK).step_by(BACKWARD_KEY_BLOCK)
-        {
-            key_block_gradients::<T>(plan, b, kv_head, key_block, s, query_grads);
-        }
-        if let Some(tiles) = tiles {
+            head_tiles::<T>(plan, b, kv_head, s, query_grads);
             (tiles.end)();
+        } else {
+            for key_block in
+                (0..plan.packed.key_blocks * BACKWARD_KEY_BLOCK).step_by(BACKWARD_KEY_BLOCK)
+            {
+                key_block_gradients::<T>(plan, b, kv_head, key_block, s, query_grads);
+            }
         }
         let head = head_item(b, kv_head, rows_per_group);
         store_query_rows::<T>(plan, &head, &s.query_grad);
@@ -1753,6 +1946,7 @@ unsafe fn backward_passes<T: Element>(
         value_dim,
         query_grad_rows: Q_TILE_ROWS,
         tiled: false,
+        key_blocks: 1,
     };
     for_each_item(batch * q_heads, threads, tiles, |head, s| {
         // SAFETY: item `head` writes only its own Lq floats of delta; the problem is checked.
@@ -1890,6 +2084,7 @@ unsafe fn gradient_passes<T: Element>(
         value_dim,
         query_grad_rows: Q_TILE_ROWS,
         tiled: false,
+        key_blocks: 1,
     };
     if plan.fused {
         // 2 and 3 in one, per head (the tile path: its rows rounded up to 32)
@@ -1898,6 +2093,7 @@ unsafe fn gradient_passes<T: Element>(
                 value_dim: plan.pairs.value_width,
                 query_grad_rows: plan.pairs.head_rows,
                 tiled: true,
+                key_blocks,
                 ..tiles
             },
             false => ScratchShape {

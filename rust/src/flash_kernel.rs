@@ -1753,7 +1753,7 @@ macro_rules! make_kernels {
         /// # Safety
         /// The CPU supports this instruction set; otherwise as backward_kernel.rs's.
         $(#[target_feature(enable = $feature)])?
-        pub unsafe fn backward_row_gradients(g: &$crate::backward_kernel::RowGradients) {
+        pub unsafe fn backward_row_gradients(g: &$crate::backward_kernel::RowGradients) -> usize {
             // SAFETY: forwarded, as in attend_rows.
             unsafe { $crate::backward_kernel::row_gradients::<$vector>(g) }
         }

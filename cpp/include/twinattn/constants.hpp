@@ -76,8 +76,9 @@ constexpr int64_t kBackwardKeyBlock = 64;
 constexpr int64_t kBackwardTileRows = 96;
 // Query tiles whose dV += P^T dO and dK += dS^T Q the tile path sums at once (their P and dS
 // pairs kept, up to kBackwardTileGroup kBackwardTileRows kBackwardKeyBlock x 4 bytes each), so
-// the float32 dK and dV tiles are loaded and stored once per 3 kBackwardTileGroup steps.
-constexpr int64_t kBackwardTileGroup = 8;
+// the float32 dK and dV tiles are loaded and stored once per 3 kBackwardTileGroup steps; also the
+// chunk of a head's rows that meets every key block in turn (its query side stays in L2).
+constexpr int64_t kBackwardTileGroup = 4;
 
 static_assert(kQTileRows % kMicroRows == 0, "tiles are whole micro-kernel strips");
 static_assert(kKeyBlock % kKeyPanel == 0, "key blocks are whole panels");
