@@ -638,12 +638,18 @@ class TrainProblem(Problem):
     def expected(self) -> tuple[list[tuple[int, int, int]], np.ndarray]:
         """The checked rows and their dq in float64 (len(rows), D): for row i,
         dq_i = scale sum_j P_ij (dout_i . v_j - dout_i . out_i) k_j over the keys it sees."""
+        return self._reference[:2]
+
+    @functools.cached_property
+    def _reference(self) -> tuple[list[tuple[int, int, int]], np.ndarray, np.ndarray]:
+        """expected's rows and dq, and beside dq the sums of its terms' magnitudes,
+        scale sum_j |dS_ij| |k_j| (len(rows), D)."""
         case, rows = self.case, check_rows(self.case)
         assert self.dout is not None
         first, end = visible_key_range(case)
         group = case.q_heads // case.kv_heads
         keys, values = self.values64("k"), self.values64("v")
-        result = np.zeros((len(rows), case.head_dim))
+        result, magnitudes = np.zeros((len(rows), case.head_dim)), np.zeros((len(rows), case.head_dim))
         for n, (b, h, i) in enumerate(rows):
             seen = slice(int(first[b, i]), int(end[b, i]))
             k, v = keys[b, h // group, seen], values[b, h // group, seen]
@@ -658,14 +664,23 @@ class TrainProblem(Problem):
             if case.softcap:
                 dscores = dscores * (1 - (scores / case.softcap) ** 2)
             result[n] = self.scale * (dscores @ k)
-        return rows, result
+            magnitudes[n] = self.scale * (np.abs(dscores) @ np.abs(k))
+        return rows, result, magnitudes
 
     @functools.cached_property
     def rounding(self) -> float:
-        """dq rounded to a narrower dtype: u x |dq| at its largest (0 for float32)."""
+        """What a narrower dtype's rounding may add to a dq element's error, beyond float32
+        arithmetic: dq rounded to the dtype, u x |dq|; for bfloat16 also dS rounded to bfloat16
+        before dS K (as the bfloat16 tile products, twinattn's and torch's, take it), u x
+        scale sum_j |dS_ij| |k_j| per element (the backward's counterpart of the forward's P
+        rounded before P.V). Both at their largest over the checked rows; 0 for float32."""
         if self.case.dtype == "float32":
             return 0.0
-        return UNIT_ROUNDOFF[self.case.dtype] * float(np.max(np.abs(self.expected[1]), initial=0.0))
+        u = UNIT_ROUNDOFF[self.case.dtype]
+        bound = u * float(np.max(np.abs(self.expected[1]), initial=0.0))
+        if self.case.dtype == "bfloat16":
+            bound += u * float(np.max(self._reference[2], initial=0.0))
+        return bound
 
     def check(self, out: object, part: int = 0) -> Check:
         """dq against the reference on the checked rows, its dtype the case's, every element finite."""
