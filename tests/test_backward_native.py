@@ -328,12 +328,14 @@ def test_no_query_rows_zero_key_gradients(ports: dict[str, ModuleType]) -> None:
             assert np.array_equal(grads[name], np.zeros_like(grads[name])), name
 
 
-# ---- The bfloat16 tile path (amxbf16) ---------------------------------------------------------
-# bfloat16 with D a multiple of 32 on amxbf16: the five products on AMX tiles, P and scale dS
-# rounded to bfloat16 (docs/kernels.md, "Backward"). Each term then carries up to one bfloat16
-# rounding (2^-8 of itself) on top of float32's error, so an element is within 2^-8 of its sum of
-# absolute terms beyond the float32 bound, plus the dtype's one rounding of the result.
+# ---- The bfloat16 tile path (avx512bf16, amxbf16) ---------------------------------------------
+# bfloat16 with D a multiple of 32 on avx512bf16 and amxbf16: the five products on bfloat16 pairs
+# (VDPBF16PS, or AMX tiles), P and scale dS rounded to bfloat16 (docs/kernels.md, "Backward").
+# Each term then carries up to one bfloat16 rounding (2^-8 of itself) on top of float32's error,
+# so an element is within 2^-8 of its sum of absolute terms beyond the float32 bound, plus the
+# dtype's one rounding of the result.
 BF16_ROUNDOFF = 2.0**-8
+TILE_ISAS = ("avx512bf16", "amxbf16")
 
 TILE_CASES: list[tuple[str, dict[str, Any]]] = [
     ("causal", dict(causal=True, q_offset=np.array([80, 0], np.int64))),
@@ -355,12 +357,12 @@ def _tile_problem(seed: int) -> dict[str, np.ndarray]:
     return _problem(seed, 2, 8, 2, 70, 150, 64, 32, dtype=BF16, strided=True)
 
 
-def _tile_check(ports: dict[str, ModuleType], inputs: dict[str, np.ndarray], kw: dict[str, Any],
+def _tile_check(ports: dict[str, ModuleType], isa: str, inputs: dict[str, np.ndarray], kw: dict[str, Any],
                 reference: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
-    """Both ports on amxbf16, 1 and 3 threads: the same bits everywhere, every element written
-    and finite, within the tile path's bound of the float64 backward (of `reference`'s inputs
-    when given: the same function)."""
-    with forced_isa("cpp", "amxbf16"), forced_isa("rust", "amxbf16"):
+    """Both ports on isa (a tile path's), 1 and 3 threads: the same bits everywhere, every
+    element written and finite, within the tile path's bound of the float64 backward (of
+    `reference`'s inputs when given: the same function)."""
+    with forced_isa("cpp", isa), forced_isa("rust", isa):
         out, lse = _forward(ports, reference or inputs, kw)
         got = {(port, threads): _run(module, inputs, out, lse, kw, threads)
                for port, module in ports.items() for threads in (1, 3)}
@@ -381,41 +383,46 @@ def _tile_check(ports: dict[str, ModuleType], inputs: dict[str, np.ndarray], kw:
     return first
 
 
+@pytest.mark.parametrize("isa", TILE_ISAS)
 @pytest.mark.parametrize(("case", "kw"), TILE_CASES, ids=[case for case, _ in TILE_CASES])
 def test_bf16_tile_path_agrees_bitwise_across_ports_and_threads(ports: dict[str, ModuleType], case: str,
-                                                                kw: dict[str, Any]) -> None:
-    grads = _tile_check(ports, _tile_problem(13), {"scale": 0.125, **kw})
+                                                                kw: dict[str, Any], isa: str) -> None:
+    grads = _tile_check(ports, isa, _tile_problem(13), {"scale": 0.125, **kw})
     if case == "bool_mask":  # sequence 1 has no key: zero gradients
         assert not grads["dq"][1].any() and not grads["dk"][1].any() and not grads["dv"][1].any()
 
 
-def test_bf16_tile_path_pads_value_columns(ports: dict[str, ModuleType]) -> None:
-    """Dv = 33 (as twinattn.core.backward's extra value column makes it): V and dO padded to 64
-    columns of zeros on the tiles, the same rules."""
+@pytest.mark.parametrize("isa", TILE_ISAS)
+def test_bf16_tile_path_pads_value_columns(ports: dict[str, ModuleType], isa: str) -> None:
+    """Dv = 33: V and dO padded to 64 columns of zeros on the pairs, the same rules."""
     inputs = _problem(17, 2, 8, 2, 70, 150, 64, 33, dtype=BF16, strided=True)
-    _tile_check(ports, inputs, dict(scale=0.125, causal=True, q_offset=np.array([80, 0], np.int64),
+    _tile_check(ports, isa, inputs, dict(scale=0.125, causal=True, q_offset=np.array([80, 0], np.int64),
                                     kv_lens=np.array([150, 120], np.int64)))
 
 
-def test_bf16_tile_path_taken_where_documented(ports: dict[str, ModuleType]) -> None:
-    """amxbf16 runs bfloat16 with D a multiple of 32 on its tiles (bits unlike avx512bf16's
-    float32 products), and anything else as avx512bf16 does (the same bits)."""
+@pytest.mark.parametrize("isa", TILE_ISAS)
+def test_bf16_tile_path_taken_where_documented(ports: dict[str, ModuleType], isa: str) -> None:
+    """A tile path's instruction set runs bfloat16 with D a multiple of 32 on bfloat16 pairs
+    (bits unlike avx512's float32 products), and anything else as avx512 does (the same bits:
+    the backward alone, from one forward's out and lse)."""
     kw = dict(scale=0.125, causal=True, q_offset=np.array([80, 0], np.int64))
     problems = {"tiles": _tile_problem(14),
                 "d_40": _problem(14, 2, 8, 2, 70, 150, 40, 32, dtype=BF16),
                 "float32": _problem(14, 2, 8, 2, 70, 150, 64, 32)}
     for name, inputs in problems.items():
         for port, module in ports.items():
+            with forced_isa("cpp", "avx512"):
+                out, lse = _forward(ports, inputs, kw)
             grads = {}
-            for isa in ("amxbf16", "avx512bf16"):
-                with forced_isa(port, isa):
-                    out, lse = _forward(ports, inputs, kw)
-                    grads[isa] = _run(module, inputs, out, lse, kw)
-            same = all(np.array_equal(_bits(grads["amxbf16"][g]), _bits(grads["avx512bf16"][g])) for g in grads["amxbf16"])
+            for run_isa in (isa, "avx512"):
+                with forced_isa(port, run_isa):
+                    grads[run_isa] = _run(module, inputs, out, lse, kw)
+            same = all(np.array_equal(_bits(grads[isa][g]), _bits(grads["avx512"][g])) for g in grads[isa])
             assert same == (name != "tiles"), (name, port)
 
 
-def test_bf16_tile_path_never_reads_hidden_keys(ports: dict[str, ModuleType]) -> None:
+@pytest.mark.parametrize("isa", TILE_ISAS)
+def test_bf16_tile_path_never_reads_hidden_keys(ports: dict[str, ModuleType], isa: str) -> None:
     """NaN in K and V rows that no query row sees (a bool mask hides them from every row; causal
     hides the last keys below kv_lens) gives finite gradients within the bound of the clean
     problem's, and those keys' dk and dv are 0."""
@@ -430,7 +437,7 @@ def test_bf16_tile_path_never_reads_hidden_keys(ports: dict[str, ModuleType]) ->
     for name in ("k", "v"):
         poisoned[name][:, :, hidden] = np.nan
         poisoned[name][0, :, 131:] = np.inf  # past sequence 0's last position (60 + 69)
-    grads = _tile_check(ports, poisoned, kw, reference=clean)
+    grads = _tile_check(ports, isa, poisoned, kw, reference=clean)
     assert not grads["dk"][:, :, hidden].any() and not grads["dv"][:, :, hidden].any()
     assert not grads["dk"][0, :, 131:].any() and not grads["dv"][0, :, 131:].any()
 

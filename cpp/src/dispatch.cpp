@@ -73,8 +73,9 @@ FlashKernels kernels_for(int isa) {
         for (int type = 0; type < kElementTypes; ++type) kernels.attend_rows_int8[type] = avx512.attend_rows_int8[type];
         kernels.pack_keys_int8 = avx512.pack_keys_int8;
         kernels.backward = avx512.backward;
-        // bfloat16 backward products on tiles (flash_backward.cpp's tile path).
-        if (isa == kAmxBf16) kernels.backward.tiles = backward_tiles_amxbf16();
+        // bfloat16 backward products on bfloat16 pairs (flash_backward.cpp's tile path): AMX tiles,
+        // or VDPBF16PS.
+        kernels.backward.tiles = isa == kAmxBf16 ? backward_tiles_amxbf16() : backward_tiles_avx512bf16();
         return kernels;
     }
     if (isa == kAvx2) return flash_kernels_avx2();

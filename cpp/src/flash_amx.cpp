@@ -179,36 +179,12 @@ void backward_tile_product(const TileProduct& t) {
     tile_products(t.a, t.a_stride, t.rows, t.b, t.b_stride, t.columns, t.chunks, t.c, t.c_stride, t.accumulate);
 }
 
-// TileRounding (backward_kernel.hpp): per pair of rows and 16 keys, one VCVTNE2PS2BF16 (the even
-// row's 16 in the low half), then the halves interleaved into pairs (VPERMW).
-void backward_round_tile(const TileRounding& t) {
-    alignas(64) static constexpr uint16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
-                                                             21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
-                                                             11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i interleave = _mm512_load_si512(kInterleave);
-    for (int64_t r = 0; r < t.rows_padded; r += 2) {
-        const float* even = t.src + r * t.src_stride;
-        const float* odd = even + t.src_stride;
-        for (int64_t j = 0; j < t.n; j += 16) {
-            const __m512 low = r < t.rows ? _mm512_loadu_ps(even + j) : _mm512_setzero_ps();
-            const __m512 high = r + 1 < t.rows ? _mm512_loadu_ps(odd + j) : _mm512_setzero_ps();
-            const __m512i rounded = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
-            _mm512_storeu_si512(t.pairs + r / 2 * t.stride + j, _mm512_permutexvar_epi16(interleave, rounded));
-            if (t.rows_out == nullptr) continue;
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.rows_out + r * t.stride + j),
-                                _mm512_castsi512_si256(rounded));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(t.rows_out + (r + 1) * t.stride + j),
-                                _mm512_extracti64x4_epi64(rounded, 1));
-        }
-    }
-}
-
 }  // namespace
 
 // The backward's bfloat16 tile products and roundings (backward_kernel.hpp, BackwardTiles):
 // tile_products, as prefill runs them.
 BackwardTiles backward_tiles_amxbf16() {
-    return BackwardTiles{begin_tiles, backward_tile_product, backward_round_tile, end_tiles};
+    return BackwardTiles{begin_tiles, backward_tile_product, backward_round_pairs, end_tiles};
 }
 
 // avx512bf16's kernels, with bfloat16 prefill on tiles (dispatch.cpp copies the rest of the table

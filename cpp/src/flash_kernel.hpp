@@ -157,6 +157,8 @@ FlashKernels flash_kernels_avx512();
 FlashKernels flash_kernels_avx512bf16();  // flash_avx512bf16.cpp
 FlashKernels flash_kernels_amxbf16();     // flash_amx.cpp
 BackwardTiles backward_tiles_amxbf16();  // flash_amx.cpp: the backward's tile products
+BackwardTiles backward_tiles_avx512bf16();  // flash_avx512bf16.cpp: the same products on VDPBF16PS
+void backward_round_pairs(const TileRounding& t);  // flash_avx512bf16.cpp: P and dS to bfloat16 pairs
 // Whether the CPU has AMX-TILE and AMX-BF16 and the OS grants the tile data (flash_amx.cpp).
 bool amx_bf16_usable();
 FlashKernels flash_kernels_neon();  // flash_neon.cpp, only when built for AArch64

@@ -333,17 +333,17 @@ void test_bad_input() {
 
 }  // namespace
 
-// The bfloat16 tile path (amxbf16: bfloat16 with D and Dv multiples of 32, products on tiles, P
-// and dS rounded to bfloat16; docs/kernels.md, "Backward"), on a case of 3 query tiles and 3 key
-// blocks: 1 and 3 threads give the same bits; the result is not avx512bf16's (float32 products)
-// but within bfloat16's rounding of it (2^-5 of each gradient's largest element: P and dS carry
+// The bfloat16 tile path (avx512bf16 and amxbf16: bfloat16 with D a multiple of 32, products on
+// bfloat16 pairs, VDPBF16PS or AMX tiles, P and dS rounded to bfloat16; docs/kernels.md,
+// "Backward"), on a case of 3 query tiles and 3 key blocks: 1 and 3 threads give the same bits;
+// the result is not avx512's (float32 products) but within bfloat16's rounding of it (2^-5 of each gradient's largest element: P and dS carry
 // 2^-8 each, the result's rounding 2^-9); NaN in the keys no row sees (past sequence 0's last
 // position, below its kv_len) gives finite gradients as close, and 0 for those keys.
 struct Bf16Grads {
     std::vector<BFloat16> dq, dk, dv;
 };
 
-void test_bf16_tile_path() {
+void test_bf16_tile_path(const std::string& isa) {
     Case c;
     c.name = "bf16_tiles";
     c.Hq = 8; c.Hkv = 2; c.Lq = 70; c.Lk = 150; c.D = 64; c.Dv = 32; c.causal = true; c.q_offset = {60, 0};
@@ -389,16 +389,16 @@ void test_bf16_tile_path() {
         return differ;
     };
     Bf16Grads tiles, threads, floats, poisoned;
-    set_isa("amxbf16");
+    set_isa(isa);
     BackwardProblem bp = problem(tiles);
     attention_forward(bp.forward, 1);
     attention_backward(bp, 1);
     attention_backward(problem(threads), 3);
     CHECK(bits(tiles.dq) == bits(threads.dq) && bits(tiles.dk) == bits(threads.dk) && bits(tiles.dv) == bits(threads.dv));
-    set_isa("avx512bf16");
+    set_isa("avx512");
     attention_backward(problem(floats), 1);
     CHECK(close(tiles.dq, floats.dq) & close(tiles.dk, floats.dk) & close(tiles.dv, floats.dv));
-    set_isa("amxbf16");
+    set_isa(isa);
     for (int64_t kv_head = 0; kv_head < c.Hkv; ++kv_head)
         for (int64_t key = 130; key < c.Lk; ++key) {  // sequence 0's positions end at 60 + 69
             for (int64_t d = 0; d < c.D; ++d) k[(kv_head * c.Lk + key) * c.D + d] = BFloat16{0x7fc0};
@@ -422,7 +422,8 @@ int main() {
         set_isa(isa);
         for (const Case& c : cases()) test_case(c);
     }
-    if (std::find(isas.begin(), isas.end(), "amxbf16") != isas.end()) test_bf16_tile_path();
+    for (const char* isa : {"avx512bf16", "amxbf16"})
+        if (std::find(isas.begin(), isas.end(), isa) != isas.end()) test_bf16_tile_path(isa);
     test_bad_input();
     if (twinattn_test::failures != 0) std::fprintf(stderr, "%d check(s) failed\n", twinattn_test::failures);
     else std::printf("test_backward: all checks passed\n");

@@ -32,10 +32,11 @@
 use std::arch::asm;
 use std::arch::x86_64::*;
 
-use crate::backward_kernel::{BackwardTiles, TileProduct, TileRounding};
+use crate::backward_kernel::{BackwardTiles, TileProduct};
 use crate::constants::{KEY_BLOCK, KEY_PANEL};
 use crate::flash_avx512bf16::{
-    attend_rows as attend_pairs, pack_pairs, DotProducts, PairProducts, PAIRS_PER_BLOCK,
+    attend_rows as attend_pairs, backward_round_pairs, pack_pairs, DotProducts, PairProducts,
+    PAIRS_PER_BLOCK,
 };
 use crate::flash_kernel::{FlashKernels, FlashPlan, ThreadScratch, WorkItem};
 
@@ -289,60 +290,6 @@ unsafe fn backward_tile_product(t: &TileProduct) {
     }
 }
 
-/// [`TileRounding`]: per pair of rows and 16 keys, one VCVTNE2PS2BF16 (the even row's 16 in
-/// the low half), then the halves interleaved into pairs (VPERMW).
-///
-/// # Safety
-/// AVX512_BF16 and AVX512BW available; src holds rows rows of n floats (stride src_stride), pairs
-/// rows_padded / 2 rows of n pairs and rows_out (when not null) rows_padded rows of n elements
-/// (stride `stride`).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
-unsafe fn backward_round_tile(t: &TileRounding) {
-    #[repr(C, align(64))]
-    struct Indices([u16; 32]);
-    const INTERLEAVE: Indices = Indices([
-        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27, 12,
-        28, 13, 29, 14, 30, 15, 31,
-    ]);
-    // SAFETY: forwarded from this function's contract.
-    unsafe {
-        let interleave = _mm512_load_si512(INTERLEAVE.0.as_ptr().cast());
-        for r in (0..t.rows_padded).step_by(2) {
-            let even = t.src.add(r * t.src_stride);
-            let odd = even.add(t.src_stride);
-            for j in (0..t.n).step_by(16) {
-                let low = if r < t.rows {
-                    _mm512_loadu_ps(even.add(j))
-                } else {
-                    _mm512_setzero_ps()
-                };
-                let high = if r + 1 < t.rows {
-                    _mm512_loadu_ps(odd.add(j))
-                } else {
-                    _mm512_setzero_ps()
-                };
-                let rounded =
-                    std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(high, low));
-                _mm512_storeu_si512(
-                    t.pairs.add(r / 2 * t.stride + j).cast(),
-                    _mm512_permutexvar_epi16(interleave, rounded),
-                );
-                if t.rows_out.is_null() {
-                    continue;
-                }
-                _mm256_storeu_si256(
-                    t.rows_out.add(r * t.stride + j).cast(),
-                    _mm512_castsi512_si256(rounded),
-                );
-                _mm256_storeu_si256(
-                    t.rows_out.add((r + 1) * t.stride + j).cast(),
-                    _mm512_extracti64x4_epi64::<1>(rounded),
-                );
-            }
-        }
-    }
-}
-
 /// The tile path's products (flash_avx512bf16.rs's [`PairProducts`]).
 struct AmxProducts;
 
@@ -471,7 +418,7 @@ pub const fn backward_tiles_amxbf16() -> BackwardTiles {
     BackwardTiles {
         begin: begin_tiles,
         product: backward_tile_product,
-        round: backward_round_tile,
+        round: backward_round_pairs,
         end: end_tiles,
     }
 }

@@ -38,6 +38,7 @@
 
 use std::arch::x86_64::*;
 
+use crate::backward_kernel::{BackwardTiles, TileProduct, TileRounding};
 use crate::constants::{AVX512_VALUE_VECTORS, KEY_BLOCK, KEY_PANEL, MICRO_ROWS};
 use crate::element::BFloat16;
 use crate::flash_attention::flash_key_rows;
@@ -693,14 +694,202 @@ pub(crate) unsafe fn attend_rows<P: PairProducts>(
     }
 }
 
+// ---- The backward's bfloat16 pair products on VDPBF16PS (backward_kernel.rs, TileProduct) ----
+// The tile path of flash_backward.rs without tiles: the same operands, each C element one
+// float32 chain, acc = C (accumulate) or 0, then acc = vdpbf16ps(acc, A pair (r, k), B pair (k,
+// column)) for k = 0 .. 16 chunks - 1 in order. Register blocks of R rows x CV vectors of 16
+// columns (6 x 4: 24 accumulators), per pair step CV loads of B and R broadcasts of A; the
+// blocking is invisible in the results (each element's chain is the same). Twin of
+// flash_avx512bf16.cpp's dot_block.
+
+/// C (R rows x CV vectors) (+)= A (R rows of `steps` pairs) B (`steps` rows of CV x 16 pairs).
+/// Strides in bytes.
+///
+/// # Safety
+/// AVX512_BF16; every row read or written lies in its buffer.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn dot_block<const R: usize, const CV: usize>(
+    a: *const u8,
+    a_stride: usize,
+    b: *const u8,
+    b_stride: usize,
+    steps: usize,
+    c: *mut u8,
+    c_stride: usize,
+    accumulate: bool,
+) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); CV]; R];
+        if accumulate {
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                for (v, x) in acc_r.iter_mut().enumerate() {
+                    *x = _mm512_loadu_ps(c.add(r * c_stride + v * 64).cast());
+                }
+            }
+        }
+        for k in 0..steps {
+            let b_row = b.add(k * b_stride);
+            let mut pairs = [as_pairs(_mm512_setzero_si512()); CV];
+            for (v, pair) in pairs.iter_mut().enumerate() {
+                *pair = as_pairs(_mm512_loadu_si512(b_row.add(v * 64).cast()));
+            }
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let a_pair = as_pairs(_mm512_set1_epi32(
+                    a.add(r * a_stride + k * 4).cast::<i32>().read_unaligned(),
+                ));
+                for v in 0..CV {
+                    acc_r[v] = _mm512_dpbf16_ps(acc_r[v], a_pair, pairs[v]);
+                }
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            for (v, &x) in acc_r.iter().enumerate() {
+                _mm512_storeu_ps(c.add(r * c_stride + v * 64).cast(), x);
+            }
+        }
+    }
+}
+
+/// R rows of C, `columns` vectors of 16: blocks of 4 vectors, then the rest in one.
+///
+/// # Safety
+/// As [`dot_block`], for `columns` vectors.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn dot_strip<const R: usize>(
+    a: *const u8,
+    a_stride: usize,
+    b: *const u8,
+    b_stride: usize,
+    columns: usize,
+    steps: usize,
+    c: *mut u8,
+    c_stride: usize,
+    accumulate: bool,
+) {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let mut u = 0;
+        while u + 4 <= columns {
+            let (b_u, c_u) = (b.add(u * 64), c.add(u * 64));
+            dot_block::<R, 4>(a, a_stride, b_u, b_stride, steps, c_u, c_stride, accumulate);
+            u += 4;
+        }
+        let (b_u, c_u) = (b.add(u * 64), c.add(u * 64));
+        match columns - u {
+            1 => dot_block::<R, 1>(a, a_stride, b_u, b_stride, steps, c_u, c_stride, accumulate),
+            2 => dot_block::<R, 2>(a, a_stride, b_u, b_stride, steps, c_u, c_stride, accumulate),
+            3 => dot_block::<R, 3>(a, a_stride, b_u, b_stride, steps, c_u, c_stride, accumulate),
+            _ => {}
+        }
+    }
+}
+
+/// [`TileProduct`] on VDPBF16PS: the rows rounded up to 16 (as the tiles compute them), in
+/// strips of MICRO_ROWS.
+///
+/// # Safety
+/// AVX512_BF16 available; every row read or written (rows rounded up to 16) lies in its buffer.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+unsafe fn backward_dot_product(t: &TileProduct) {
+    let (a, b, c) = (t.a.cast::<u8>(), t.b.cast::<u8>(), t.c.cast::<u8>());
+    let rows = t.rows.div_ceil(16) * 16;
+    let steps = t.chunks * 16;
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        for r in (0..rows).step_by(MICRO_ROWS) {
+            let (a_rows, c_rows) = (a.add(r * t.a_stride), c.add(r * t.c_stride));
+            match_strip_rows!((rows - r).min(MICRO_ROWS), R => dot_strip::<R>(
+                a_rows, t.a_stride, b, t.b_stride, t.columns, steps, c_rows, t.c_stride, t.accumulate
+            ));
+        }
+    }
+}
+
+/// [`TileRounding`]: per pair of rows and 16 keys, one VCVTNE2PS2BF16 (the even row's 16 in
+/// the low half), then the halves interleaved into pairs (VPERMW). Shared by the dot products
+/// here and amxbf16's tiles.
+///
+/// # Safety
+/// AVX512_BF16 and AVX512BW available; src holds rows rows of n floats (stride src_stride), pairs
+/// rows_padded / 2 rows of n pairs and rows_out (when not null) rows_padded rows of n elements
+/// (stride `stride`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")]
+pub(crate) unsafe fn backward_round_pairs(t: &TileRounding) {
+    #[repr(C, align(64))]
+    struct Indices([u16; 32]);
+    const INTERLEAVE: Indices = Indices([
+        0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24, 9, 25, 10, 26, 11, 27, 12,
+        28, 13, 29, 14, 30, 15, 31,
+    ]);
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        let interleave = _mm512_load_si512(INTERLEAVE.0.as_ptr().cast());
+        for r in (0..t.rows_padded).step_by(2) {
+            let even = t.src.add(r * t.src_stride);
+            let odd = even.add(t.src_stride);
+            for j in (0..t.n).step_by(16) {
+                let low = if r < t.rows {
+                    _mm512_loadu_ps(even.add(j))
+                } else {
+                    _mm512_setzero_ps()
+                };
+                let high = if r + 1 < t.rows {
+                    _mm512_loadu_ps(odd.add(j))
+                } else {
+                    _mm512_setzero_ps()
+                };
+                let rounded =
+                    std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(high, low));
+                _mm512_storeu_si512(
+                    t.pairs.add(r / 2 * t.stride + j).cast(),
+                    _mm512_permutexvar_epi16(interleave, rounded),
+                );
+                if t.rows_out.is_null() {
+                    continue;
+                }
+                _mm256_storeu_si256(
+                    t.rows_out.add(r * t.stride + j).cast(),
+                    _mm512_castsi512_si256(rounded),
+                );
+                _mm256_storeu_si256(
+                    t.rows_out.add((r + 1) * t.stride + j).cast(),
+                    _mm512_extracti64x4_epi64::<1>(rounded),
+                );
+            }
+        }
+    }
+}
+
+/// No tile state to set up or release.
+///
+/// # Safety
+/// None (unsafe only for the table's type).
+unsafe fn no_tiles() {}
+
+/// The backward's bfloat16 pair products and roundings on avx512bf16: flash_backward.rs's tile
+/// path with VDPBF16PS for TDPBF16PS.
+pub const fn backward_tiles_avx512bf16() -> BackwardTiles {
+    BackwardTiles {
+        begin: no_tiles,
+        product: backward_dot_product,
+        round: backward_round_pairs,
+        end: no_tiles,
+    }
+}
+
 /// The avx512bf16 table: the avx512 kernels, with bfloat16's attend_rows and pack_pairs of this
-/// unit (dot products for prefill, the convert path otherwise).
+/// unit (dot products for prefill, the convert path otherwise), and the backward's bfloat16
+/// pair products on VDPBF16PS (flash_backward.rs's tile path).
 pub const fn flash_kernels_avx512bf16() -> FlashKernels {
     let mut kernels = crate::flash_avx512::flash_kernels_avx512();
     kernels.isa = "avx512bf16";
     kernels.attend_rows[crate::problem::ElementType::BFloat16 as usize] =
         attend_rows::<DotProducts>;
     kernels.pack_pairs = Some(pack_pairs::<DotProducts>);
+    kernels.backward.tiles = Some(backward_tiles_avx512bf16());
     kernels
 }
 

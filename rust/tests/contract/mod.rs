@@ -907,6 +907,7 @@ macro_rules! contract_tests {
             );
         }
         #[test]
+        $(#[$attr])*
         fn non_finite_inputs_propagate() {
             crate::common::with_kernel($kernel, crate::contract::non_finite_inputs_propagate);
         }
