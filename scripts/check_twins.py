@@ -145,6 +145,14 @@ FORCED: dict[str, dict[str, str]] = {
     },
     "cpp/include/twinattn/flash_backward.hpp": {
         "NEG_INF": _STD, "ceil_div": _STD,
+        **{name: "C++ aligns std::vector's storage to 64 bytes through an allocator (the Allocator "
+                 "interface); stable Rust's Vec takes no allocator"
+           for name in ("LineAllocator", "LineAllocator.operator", "LineVector", "allocate", "deallocate",
+                        "value_type")},
+        **{name: "Rust owns a 64-byte aligned allocation (std::alloc) and derefs it to a slice, and one "
+                 "trait grows it and Vec alike (C++: one std::vector type with an allocator)"
+           for name in ("LineVec", "LineVec.data", "LineVec.len", "Target", "deref", "deref_mut", "layout",
+                        "release", "Grow")},
         "ScalarKernel": _CLASS,
         "backward_scratch": "C++ thread_local function statics; Rust thread_local! with RefCell borrows",
         "caller_buffers": "C++ thread_local function statics; Rust thread_local! with RefCell borrows",
