@@ -832,6 +832,14 @@ void key_block_tiles(const BackwardPlan& plan, const WorkItem& keys, int64_t row
     flush();
 }
 
+// The key block from key_block of (b, kv_head) as a work item (its keys below kv_lens[b]: key_end;
+// the query rows to come), and in *n its keys (kBackwardKeyBlock, fewer at the end).
+WorkItem block_keys(const AttentionProblem& p, int64_t b, int64_t kv_head, int64_t key_block, int64_t* n) {
+    *n = std::min(kBackwardKeyBlock, p.k.shape[2] - key_block);
+    const int64_t visible = std::max<int64_t>(0, std::min(*n, p.kv_lens[b] - key_block));
+    return WorkItem{b, kv_head, 0, 0, key_block, key_block + visible, -1};
+}
+
 // The fused pass on the tile path (head_gradients): the head's rows a chunk of
 // kBackwardTileGroup query tiles at a time, each chunk against every key block in order, so that
 // the chunk's query side (Q, dO, their transposes, its dQ sums) stays in the L2 cache while the
@@ -848,12 +856,6 @@ void head_tiles(const BackwardPlan& plan, int64_t b, int64_t kv_head, BackwardSc
     const int64_t blocks = plan.packed.key_blocks, rows_per_group = plan.flash.rows_per_group;
     std::fill(s.key_grad.begin(), s.key_grad.begin() + blocks * kBackwardKeyBlock * D, 0.0f);
     std::fill(s.value_grad.begin(), s.value_grad.begin() + blocks * kBackwardKeyBlock * width, 0.0f);
-    const auto block_keys = [&](int64_t kb, int64_t* n) {
-        const int64_t key_block = kb * kBackwardKeyBlock;
-        *n = std::min(kBackwardKeyBlock, p.k.shape[2] - key_block);
-        const int64_t visible = std::max<int64_t>(0, std::min(*n, p.kv_lens[b] - key_block));
-        return WorkItem{b, kv_head, 0, 0, key_block, key_block + visible, -1};  // the query rows to come
-    };
     const auto sums_of = [&](int64_t kb) {
         return KeyBlockSums{s.key_grad.data() + kb * kBackwardKeyBlock * D,
                             s.value_grad.data() + kb * kBackwardKeyBlock * width};
@@ -862,7 +864,7 @@ void head_tiles(const BackwardPlan& plan, int64_t b, int64_t kv_head, BackwardSc
     for (int64_t chunk = 0; chunk < rows_per_group; chunk += kChunkRows)
         for (int64_t kb = 0; kb < blocks; ++kb) {
             int64_t n;
-            const WorkItem keys = block_keys(kb, &n);
+            const WorkItem keys = block_keys(p, b, kv_head, kb * kBackwardKeyBlock, &n);
             key_block_tiles(plan, keys, chunk, std::min(chunk + kChunkRows, rows_per_group), sums_of(kb), s,
                             query_grads);
         }
@@ -870,7 +872,7 @@ void head_tiles(const BackwardPlan& plan, int64_t b, int64_t kv_head, BackwardSc
     // or dO row). (sums_t: rows_t rows, the first `width` stored)
     for (int64_t kb = 0; kb < blocks; ++kb) {
         int64_t n;
-        const WorkItem keys = block_keys(kb, &n);
+        const WorkItem keys = block_keys(p, b, kv_head, kb * kBackwardKeyBlock, &n);
         const int64_t visible = keys.key_end - keys.key_begin;
         const auto store_keys = [&](const float* sums_t, int64_t rows_t, int64_t columns,
                                     const MutTensorView4& gradient) {
@@ -895,9 +897,9 @@ void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, i
     const BackwardProblem& bp = *plan.problem;
     const AttentionProblem& p = bp.forward;
     const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim;
-    const int64_t n = std::min(kBackwardKeyBlock, p.k.shape[2] - key_block);
-    const int64_t visible = std::max<int64_t>(0, std::min(n, p.kv_lens[b] - key_block));
-    const WorkItem keys{b, kv_head, 0, 0, key_block, key_block + visible, -1};  // the query rows to come
+    int64_t n;
+    const WorkItem keys = block_keys(p, b, kv_head, key_block, &n);
+    const int64_t visible = keys.key_end - keys.key_begin;
     std::fill(s.key_grad.begin(), s.key_grad.begin() + n * D, 0.0f);
     std::fill(s.value_grad.begin(), s.value_grad.begin() + n * Dv, 0.0f);
     for (int64_t row_begin = 0; visible > 0 && row_begin < plan.flash.rows_per_group; row_begin += kQTileRows) {

@@ -71,8 +71,8 @@ use crate::flash_attention::{
 };
 use crate::flash_kernel::{mask_block, tanh, FlashPlan, ThreadScratch, WorkItem};
 use crate::problem::{
-    check_backward, check_num_threads, try_filled, BackwardProblem, ElementType, MutTensorView4,
-    ProblemError,
+    check_backward, check_num_threads, try_filled, AttentionProblem, BackwardProblem, ElementType,
+    MutTensorView4, ProblemError,
 };
 use crate::simd::Vector;
 use crate::simd_scalar::{exp2_lane, VecScalar};
@@ -797,7 +797,7 @@ unsafe fn pack_queries<T: Element>(plan: &BackwardPlan, b: usize, kv_head: usize
 /// Whether the call takes the tile path: the instruction set has the backward's tile products
 /// (amxbf16), the dtype is bfloat16, and D fills whole tiles (a multiple of 32; Dv is padded to
 /// one with zeros: the Python layer's backward adds a column to V).
-fn tile_path(kernels: &BackwardKernels, p: &crate::problem::AttentionProblem) -> bool {
+fn tile_path(kernels: &BackwardKernels, p: &AttentionProblem) -> bool {
     let (head_dim, value_dim) = (p.q.shape[3], p.v.shape[3]);
     kernels.tiles.is_some()
         && p.dtype == ElementType::BFloat16
@@ -1424,6 +1424,28 @@ unsafe fn key_block_tiles(
     }
 }
 
+/// The key block from key_block of (b, kv_head) as a work item (its keys below kv_lens[b]:
+/// key_end; the query rows to come), and its keys (BACKWARD_KEY_BLOCK, fewer at the end).
+fn block_keys(
+    p: &AttentionProblem,
+    b: usize,
+    kv_head: usize,
+    key_block: usize,
+) -> (WorkItem, usize) {
+    let n = BACKWARD_KEY_BLOCK.min(p.k.shape[2] as usize - key_block);
+    let visible = (p.kv_lens[b] as usize).saturating_sub(key_block).min(n);
+    let keys = WorkItem {
+        b,
+        kv_head,
+        row_begin: 0,
+        row_end: 0,
+        key_begin: key_block,
+        key_end: key_block + visible,
+        partial_slot: None,
+    };
+    (keys, n)
+}
+
 /// The fused pass on the tile path ([`head_gradients`]): the head's rows a chunk of
 /// BACKWARD_TILE_GROUP query tiles at a time, each chunk against every key block in order, so
 /// that the chunk's query side (Q, dO, their transposes, its dQ sums) stays in the L2 cache while
@@ -1450,22 +1472,6 @@ unsafe fn head_tiles<T: Element>(
     let rows_per_group = plan.flash.rows_per_group;
     s.key_grad[..blocks * BACKWARD_KEY_BLOCK * head_dim].fill(0.0);
     s.value_grad[..blocks * BACKWARD_KEY_BLOCK * width].fill(0.0);
-    // key block kb's keys (b, kv_head and its visible keys, the query rows to come) and n
-    let block_keys = |kb: usize| {
-        let key_block = kb * BACKWARD_KEY_BLOCK;
-        let n = BACKWARD_KEY_BLOCK.min(p.k.shape[2] as usize - key_block);
-        let visible = (p.kv_lens[b] as usize).saturating_sub(key_block).min(n);
-        let keys = WorkItem {
-            b,
-            kv_head,
-            row_begin: 0,
-            row_end: 0,
-            key_begin: key_block,
-            key_end: key_block + visible,
-            partial_slot: None,
-        };
-        (keys, n)
-    };
     let sums_of = |kb: usize| KeyBlockSums {
         key_grad_t: kb * BACKWARD_KEY_BLOCK * head_dim,
         value_grad_t: kb * BACKWARD_KEY_BLOCK * width,
@@ -1473,7 +1479,7 @@ unsafe fn head_tiles<T: Element>(
     let chunk_rows = BACKWARD_TILE_GROUP * BACKWARD_TILE_ROWS;
     for chunk in (0..rows_per_group).step_by(chunk_rows) {
         for kb in 0..blocks {
-            let (keys, _) = block_keys(kb);
+            let (keys, _) = block_keys(p, b, kv_head, kb * BACKWARD_KEY_BLOCK);
             let rows_end = (chunk + chunk_rows).min(rows_per_group);
             // SAFETY: forwarded.
             unsafe { key_block_tiles(plan, &keys, chunk, rows_end, sums_of(kb), s, query_grads) };
@@ -1482,7 +1488,7 @@ unsafe fn head_tiles<T: Element>(
     // Key by key; keys past visible: 0 (the tile products' columns there are scratch: 0 times a
     // Q or dO row). (sums_t: rows_t rows, the first `columns` stored)
     for kb in 0..blocks {
-        let (keys, n) = block_keys(kb);
+        let (keys, n) = block_keys(p, b, kv_head, kb * BACKWARD_KEY_BLOCK);
         let visible = keys.key_end - keys.key_begin;
         let store_keys = |sums_t: &[f32],
                           rows_t: usize,
@@ -1770,18 +1776,8 @@ unsafe fn key_block_gradients<T: Element>(
     let bp = plan.problem;
     let p = &bp.forward;
     let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
-    let n = BACKWARD_KEY_BLOCK.min(p.k.shape[2] as usize - key_block);
-    let visible = (p.kv_lens[b] as usize).saturating_sub(key_block).min(n);
-    // (b, kv_head) and the block's visible keys, the query rows to come
-    let keys = WorkItem {
-        b,
-        kv_head,
-        row_begin: 0,
-        row_end: 0,
-        key_begin: key_block,
-        key_end: key_block + visible,
-        partial_slot: None,
-    };
+    let (keys, n) = block_keys(p, b, kv_head, key_block);
+    let visible = keys.key_end - keys.key_begin;
     s.key_grad[..n * head_dim].fill(0.0);
     s.value_grad[..n * value_dim].fill(0.0);
     // SAFETY: forwarded.
