@@ -89,3 +89,28 @@ def test_compile_fullgraph_sees_one_op_each(backend: str) -> None:
     got = compiled(*arguments)
     torch.testing.assert_close(got, block(*arguments), rtol=0, atol=0)
     assert sum(1 for t in seen if "twinattn" in str(t)) == 2, seen
+
+
+@pytest.mark.parametrize("call", ["varlen", "paged"])
+def test_an_input_that_requires_grad_is_refused_by_name(call: str) -> None:
+    """These calls have no backward: under grad mode an input that requires grad raises a clear
+    error naming it (not the eager path's internal signal); under torch.no_grad() the call runs."""
+    rng = np.random.default_rng(5)
+    packed = random_packed(rng, [2, 3], [4, 5])
+    k, v, cu_k, _ = packed.packed_kv()
+    paged = to_paged(rng, packed, 2)
+    q = torch.from_numpy(packed.q)
+    if call == "varlen":
+        keys, values = torch.from_numpy(k).requires_grad_(), torch.from_numpy(v)
+        run = lambda: tt.attention_varlen(q, keys, values, torch.from_numpy(packed.cu_q),  # noqa: E731
+                                          torch.from_numpy(cu_k.astype(np.int32)), causal=True)
+        name = "k"
+    else:
+        keys, values = torch.from_numpy(paged.k_cache), torch.from_numpy(paged.v_cache).requires_grad_()
+        run = lambda: tt.attention_paged(q, keys, values, torch.from_numpy(paged.block_table),  # noqa: E731
+                                         torch.from_numpy(paged.seq_lens), cu_seqlens_q=torch.from_numpy(packed.cu_q))
+        name = "v_cache"
+    with pytest.raises(RuntimeError, match=rf"^{name}: requires grad, but this call computes the forward pass only"):
+        run()
+    with torch.no_grad():
+        assert run().shape == (packed.q.shape[0], packed.q.shape[1], values.shape[-1])

@@ -51,8 +51,9 @@ def checked_array(name: str, t: Any) -> np.ndarray:
         )
     if t.requires_grad and torch.is_grad_enabled():
         raise RuntimeError(
-            f"{name}: requires grad, but twinattn computes the forward pass only (no backward); "
-            "call it under torch.no_grad() or torch.inference_mode(), or pass a detached tensor"
+            f"{name}: requires grad, but this call computes the forward pass only (no backward; "
+            "twinattn.torch.attention is the differentiable call); call it under torch.no_grad() or "
+            "torch.inference_mode(), or pass a detached tensor"
         )
     if t.layout != torch.strided:
         raise TypeError(f"{name}: expected a dense strided tensor, got layout {t.layout}")

@@ -548,8 +548,13 @@ _PACKED_OPTIONS = (
 
 
 def _packed_views(names: Tuple[str, ...], tensors: Tuple[Any, ...], backend: str) -> list[Any]:
-    """q, the keys and values (one dtype, as attention's _inputs), and the other tensors' NumPy views."""
-    views = list(_inputs(tensors[0], tensors[1], tensors[2], backend))
+    """q, the keys and values (one dtype, as attention's _inputs), and the other tensors' NumPy views.
+    These calls have no backward: an input that requires grad (grad mode on) gets _checked_array's
+    error, naming it."""
+    try:
+        views = list(_inputs(tensors[0], tensors[1], tensors[2], backend))
+    except _RecordsGrad:
+        views = [_checked_array(name, t) for name, t in zip(names[:3], tensors[:3])]  # raises for the first
     return views + [_optional_array(name, t) for name, t in zip(names[3:], tensors[3:])]
 
 
