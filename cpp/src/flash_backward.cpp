@@ -71,24 +71,11 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// float32 storage grown on demand whose data starts a 64-byte line (so no vector load of a
-// panel straddles two), kept for its owner's life.
-class AlignedFloats {
-public:
-    float* ensure(int64_t count) {
-        constexpr int64_t kLine = 64 / sizeof(float);
-        if (static_cast<int64_t>(buffer_.size()) < count + kLine) buffer_.resize(static_cast<size_t>(count + kLine));
-        const auto misaligned = static_cast<int64_t>(reinterpret_cast<uintptr_t>(buffer_.data()) % 64);
-        return buffer_.data() + (64 - misaligned) % 64 / static_cast<int64_t>(sizeof(float));
-    }
-
-private:
-    std::vector<float> buffer_;
-};
-
-// Storage whose data starts a 64-byte line: the tile path's operands and float32 sums are read
-// and written a tile row (64 bytes) at a time, and a row that straddles two lines costs a tile
-// load about 3.5 times as much (std::vector's own storage is 16-byte aligned).
+// Storage whose data starts a 64-byte line, for every buffer of the backward that the kernels
+// read a vector or a tile row at a time: no vector load of a panel straddles two lines, and on
+// the tile path, where the operands and float32 sums are read and written a tile row (64 bytes)
+// at a time, a row that straddles two lines costs a tile load about 3.5 times as much
+// (std::vector's own storage is 16-byte aligned).
 template <typename T>
 struct LineAllocator {
     using value_type = T;
@@ -212,7 +199,7 @@ QueryRows query_rows_at(const BackwardPlan& plan, const WorkItem& tile) {
 // The calling thread's packed keys and query side (thread_local: concurrent callers never share
 // them), reused across calls so that a call does not fault their pages in again.
 struct CallerBuffers {
-    AlignedFloats keys, key_panels, value_panels, query_rows, query_scaled, dout_rows;
+    LineVector<float> keys, key_panels, value_panels, query_rows, query_scaled, dout_rows;
     LineVector<uint16_t> pair_key_panels, pair_value_panels, pair_key_rows, pair_query_pairs, pair_dout_pairs,
         pair_query_t, pair_dout_t;
     std::vector<unsigned char> key_finite, row_finite;
@@ -1060,11 +1047,11 @@ void backward_passes(const BackwardProblem& bp, int num_threads) {
         gradient_passes<T>(plan, num_threads);
         return;
     }
-    const PackedKeys packed{buffers.keys.ensure(packed_keys * D), buffers.key_panels.ensure(packed_keys * D),
-                            buffers.value_panels.ensure(packed_keys * Dv), key_blocks};
+    const PackedKeys packed{grown(buffers.keys, packed_keys * D), grown(buffers.key_panels, packed_keys * D),
+                            grown(buffers.value_panels, packed_keys * Dv), key_blocks};
     const int64_t packed_rows = B * Hq * Lq;  // B * Hkv heads of rows_per_group packed rows
-    const PackedQueries queries{buffers.query_rows.ensure(packed_rows * D),
-                                buffers.query_scaled.ensure(packed_rows * D), buffers.dout_rows.ensure(packed_rows * Dv)};
+    const PackedQueries queries{grown(buffers.query_rows, packed_rows * D), grown(buffers.query_scaled, packed_rows * D),
+                                grown(buffers.dout_rows, packed_rows * Dv)};
     const bool fused = fused_pass(B * Hkv, num_threads);
     const BackwardPlan plan{&bp, flash_plan(p), delta.data(), kernels, packed, queries, fused, false, no_pairs()};
     for_each_item(B * Hkv, num_threads, tiles, [&](int64_t head, BackwardScratch&) {

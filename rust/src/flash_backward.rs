@@ -81,28 +81,12 @@ use crate::thread_pool::parallel_for;
 type V = VecScalar;
 const W: usize = V::WIDTH;
 
-/// float32 storage grown on demand whose slice starts a 64-byte line (so no vector load of a
-/// panel straddles two), kept for its owner's life.
-#[derive(Default)]
-struct AlignedFloats {
-    buffer: Vec<f32>,
-}
-
-impl AlignedFloats {
-    fn ensure(&mut self, count: usize) -> Result<&mut [f32], ProblemError> {
-        const LINE: usize = 64 / std::mem::size_of::<f32>();
-        if self.buffer.len() < count + LINE {
-            self.buffer = try_filled(count + LINE, 0.0f32)?;
-        }
-        let offset = self.buffer.as_ptr().align_offset(64);
-        Ok(&mut self.buffer[offset..offset + count])
-    }
-}
-
 /// Storage whose data starts a 64-byte line, grown on demand and kept for its owner's life (C++'s
-/// LineVector): the tile path's operands and float32 sums are read and written a tile row (64
-/// bytes) at a time, and a row that straddles two lines costs a tile load about 3.5 times as
-/// much (a Vec's storage is only as aligned as its element). Dereferences to its elements.
+/// LineVector), for every buffer of the backward that the kernels read a vector or a tile row at
+/// a time: no vector load of a panel straddles two lines, and on the tile path, where the
+/// operands and float32 sums are read and written a tile row (64 bytes) at a time, a row that
+/// straddles two lines costs a tile load about 3.5 times as much (a Vec's storage is only as
+/// aligned as its element). Dereferences to its elements.
 struct LineVec<T: Copy + Default> {
     data: NonNull<T>,
     len: usize,
@@ -380,12 +364,12 @@ unsafe fn query_rows_at(plan: &BackwardPlan, tile: &WorkItem) -> QueryRows {
 /// them), reused across calls so that a call does not fault their pages in again.
 #[derive(Default)]
 struct CallerBuffers {
-    keys: AlignedFloats,
-    key_panels: AlignedFloats,
-    value_panels: AlignedFloats,
-    query_rows: AlignedFloats,
-    query_scaled: AlignedFloats,
-    dout_rows: AlignedFloats,
+    keys: LineVec<f32>,
+    key_panels: LineVec<f32>,
+    value_panels: LineVec<f32>,
+    query_rows: LineVec<f32>,
+    query_scaled: LineVec<f32>,
+    dout_rows: LineVec<f32>,
     pair_key_panels: LineVec<u16>,
     pair_value_panels: LineVec<u16>,
     pair_key_rows: LineVec<u16>,
@@ -2022,22 +2006,18 @@ unsafe fn backward_passes<T: Element>(
             // SAFETY: forwarded.
             return unsafe { gradient_passes::<T>(&plan, threads) };
         }
-        // a buffer of count floats, as a pointer
-        let floats = |buffer: &mut AlignedFloats, count: usize| -> Result<*mut f32, ProblemError> {
-            Ok(buffer.ensure(count)?.as_mut_ptr())
-        };
         let packed = PackedKeys {
-            keys: floats(&mut buffers.keys, packed_keys * head_dim)?,
-            key_panels: floats(&mut buffers.key_panels, packed_keys * head_dim)?,
-            value_panels: floats(&mut buffers.value_panels, packed_keys * value_dim)?,
+            keys: grown(&mut buffers.keys, packed_keys * head_dim)?,
+            key_panels: grown(&mut buffers.key_panels, packed_keys * head_dim)?,
+            value_panels: grown(&mut buffers.value_panels, packed_keys * value_dim)?,
             key_blocks,
         };
         // B * Hkv heads of rows_per_group packed rows
         let packed_rows = batch * q_heads * q_len;
         let queries = PackedQueries {
-            query_rows: floats(&mut buffers.query_rows, packed_rows * head_dim)?,
-            query_scaled: floats(&mut buffers.query_scaled, packed_rows * head_dim)?,
-            dout_rows: floats(&mut buffers.dout_rows, packed_rows * value_dim)?,
+            query_rows: grown(&mut buffers.query_rows, packed_rows * head_dim)?,
+            query_scaled: grown(&mut buffers.query_scaled, packed_rows * head_dim)?,
+            dout_rows: grown(&mut buffers.dout_rows, packed_rows * value_dim)?,
         };
         let plan = BackwardPlan {
             problem: bp,
