@@ -1542,6 +1542,42 @@ def test_train_case_is_checked_and_timed(backend: str, dtype: str) -> None:
     assert outcome.status == "ok", outcome.note
     assert outcome.times is not None and len(outcome.times) == 3
     assert outcome.check is not None and outcome.check.ok
+    # the backward alone, from one forward made before timing: timed as often, its dq checked too
+    assert outcome.kernel_times is not None and len(outcome.kernel_times) == 3
+    assert outcome.kernel_check is not None and outcome.kernel_check.ok
+
+
+def test_train_row_rates_the_backward_alone_against_the_peak() -> None:
+    """A train row's backward_gflops counts the backward's 2.5 of the case's 3.5 forwards of FLOPs,
+    over the backward alone's median; its %peak is against the row's own peak; other kinds get none."""
+    case = tiny_train()
+    ceiling = {"peaks": {"fma32": {"gflops": 10.0}}}
+    outcome = timing.Outcome("ok", times=[4.0, 2.0, 3.0], kernel_times=[1.0, 3.0, 2.0])
+    row = bench_report.result_row(case, "cpp", 1, outcome, ceiling, [])
+    flops = work(case).flops
+    assert row["gflops"] == pytest.approx(flops / 3.0 / 1e9)
+    assert row["backward_s"] == 2.0
+    assert row["backward_gflops"] == pytest.approx(flops * 2.5 / 3.5 / 2.0 / 1e9)
+    assert row["backward_peak_fraction"] == pytest.approx(row["backward_gflops"] / 10.0)
+    # measured against a peak raised later (set_peak_fractions), both fractions follow it
+    bench_report.set_peak_fractions([row], {"by_threads": {"1": {"peaks": {"fma32": {"gflops": 20.0}}}}})
+    assert row["backward_peak_fraction"] == pytest.approx(row["backward_gflops"] / 20.0)
+    assert row["peak_fraction"] == pytest.approx(row["gflops"] / 20.0)
+    prefill = bench_report.result_row(tiny_case(), "cpp", 1, timing.Outcome("ok", times=[1.0]), ceiling, [])
+    assert prefill["backward_s"] is None and prefill["backward_gflops"] is None and prefill["backward_peak_fraction"] is None
+
+
+def test_training_targets_table() -> None:
+    def row(backend: str, dtype: str, **fields: Any) -> dict[str, Any]:
+        return {"case": "train-causal/N=2048", "dtype": dtype, "backend": backend, "status": "ok", **fields}
+
+    rows = [row("cpp", "float32", speedup_vs_torch=2.2, backward_peak_fraction=0.5),
+            row("rust", "bfloat16", speedup_vs_torch=1.9), row("torch", "float32", speedup_vs_torch=1.0)]
+    lines = bench_report.targets_table(rows, bench_report.TRAIN_TARGETS).splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith("train-causal/N=2048 float32") and "2.20x" in lines[0] and lines[0].endswith(": met")
+    assert "rust" in lines[1] and lines[1].endswith("missed by 5%")
+    assert "backward alone of peak" in lines[2] and "50%" in lines[2] and lines[2].endswith("missed by 9%")
 
 
 def test_train_case_is_not_timed_where_there_is_no_backward() -> None:

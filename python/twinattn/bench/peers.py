@@ -72,7 +72,8 @@ class Part:
 
 @dataclass
 class Prepared:
-    parts: list[Part]  # a kernel case: the call; the layer case: the step, then the kernel alone
+    parts: list[Part]  # a kernel case: the call; the layer case: the step, then the kernel alone; a
+    # train case: forward and backward, then the backward alone
     close: Callable[[], None] = _nothing
     notes: list[str] = field(default_factory=list)
 
@@ -170,25 +171,28 @@ class TwinattnRunner(Runner):
 
     def _train_parts(self, problem: TrainProblem, threads: int) -> list[Part]:
         """The forward (with lse, and out32 in float16 / bfloat16) and the backward
-        (twinattn.core.backward), as a training step calls them; the output checked is dq."""
+        (twinattn.core.backward), as a training step calls them; then the backward alone, from one
+        such forward made here (untimed). The output checked is dq, of each."""
         from ..core.backward import attention_backward, attention_for_training
 
         case, name, dout = problem.case, self.name, problem.dout
         assert dout is not None
         q, k, v, lens = problem.q, problem.k, problem.v, problem.kv_lens
-        variants = case.variant_kwargs
+        keywords = {"causal": case.causal, "kv_lens": lens, "backend": name, "num_threads": threads, **case.variant_kwargs}
         result: dict[str, Any] = {}
 
         def call() -> object:
-            _, lse, out32 = attention_for_training(
-                q, k, v, causal=case.causal, kv_lens=lens, backend=name, num_threads=threads, **variants
-            )
-            result["grads"] = attention_backward(
-                q, k, v, out32, dout, lse, causal=case.causal, kv_lens=lens, backend=name, num_threads=threads, **variants
-            )
+            _, lse, out32 = attention_for_training(q, k, v, **keywords)
+            result["grads"] = attention_backward(q, k, v, out32, dout, lse, **keywords)
             return result["grads"]
 
-        return [Part(call, lambda: result["grads"].dq)]
+        forward = attention_for_training(q, k, v, **keywords)
+
+        def backward() -> object:
+            result["backward"] = attention_backward(q, k, v, forward.out32, dout, forward.lse, **keywords)
+            return result["backward"]
+
+        return [Part(call, lambda: result["grads"].dq), Part(backward, lambda: result["backward"].dq)]
 
     def _layer_parts(self, problem: LayerProblem) -> list[Part]:
         case, name, cached, hidden = problem.case, self.name, problem.cached, problem.hidden
@@ -322,15 +326,18 @@ class TorchRunner(Runner):
                 result["out"] = F.scaled_dot_product_attention(q, k, v, **kwargs)
             return result["out"]
 
+        parts = [Part(call, lambda: from_torch(result["out"]))]
         if isinstance(problem, TrainProblem):
-            call = self._train_call(problem, q, k, v, kwargs, result)
-        return Prepared(
-            [Part(call, lambda: from_torch(result["out"]))], lambda: torch.set_num_threads(previous_threads), notes
-        )
+            parts = self._train_parts(problem, q, k, v, kwargs, result)
+        return Prepared(parts, lambda: torch.set_num_threads(previous_threads), notes)
 
     @staticmethod
-    def _train_call(problem: TrainProblem, q: Any, k: Any, v: Any, kwargs: dict[str, Any], result: dict[str, Any]) -> Any:
-        """SDPA forward and backward (autograd) of sum(out * dout); result["out"] becomes dq."""
+    def _train_parts(
+        problem: TrainProblem, q: Any, k: Any, v: Any, kwargs: dict[str, Any], result: dict[str, Any]
+    ) -> list[Part]:
+        """SDPA forward and backward (autograd) of sum(out * dout), result["out"] its dq; then the
+        backward alone (torch.autograd.grad through one forward's graph, kept), result["backward"]
+        its dq."""
         import torch
         import torch.nn.functional as F
 
@@ -346,7 +353,14 @@ class TorchRunner(Runner):
             result["out"] = leaves[0].grad
             return result["out"]
 
-        return call
+        with torch.enable_grad():
+            out = F.scaled_dot_product_attention(*leaves, **kwargs)
+
+        def backward() -> object:
+            result["backward"] = torch.autograd.grad(out, leaves, dout, retain_graph=True)[0]
+            return result["backward"]
+
+        return [Part(call, lambda: from_torch(result["out"])), Part(backward, lambda: from_torch(result["backward"]))]
 
 
 def _forward_kernel_only(case: Case) -> Optional[str]:

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 from . import e2e
 from .machine import BFLOAT16_PEAKS, PEAK_KINDS, bfloat16_path, peak_for
 from .peers import PEERS, PORTS
-from .suite import DECODE, LAYER, Case, Outcome, work
+from .suite import BACKWARD_FLOPS_FACTOR, DECODE, LAYER, TRAIN, Case, Outcome, work
 
 
 class Progress:
@@ -64,6 +64,12 @@ def result_row(
     # time would mix in the projections, so none is given
     gflops = w.flops / median / 1e9 if median and not layer else None
     gbps = w.kv_bytes / median / 1e9 if median and case.kind == DECODE else None
+    # a train case: the backward alone (timed after forward and backward), its FLOPs the
+    # backward's share of the case's (BACKWARD_FLOPS_FACTOR times the forward's)
+    backward = outcome.kernel_median_s if case.kind == TRAIN and median is not None else None
+    backward_gflops = (
+        w.flops * BACKWARD_FLOPS_FACTOR / (1 + BACKWARD_FLOPS_FACTOR) / backward / 1e9 if backward else None
+    )
     row: dict[str, Any] = {
         "case": case.name,
         "dtype": case.dtype,
@@ -95,6 +101,11 @@ def result_row(
         "kernel_repeats": len(outcome.kernel_times) if layer and outcome.kernel_times else 0,
         "kernel_max_abs_err": kernel_check.max_abs_err if kernel_check else None,
         "cache_cropped": "before every step, untimed" if layer and median is not None else None,
+        # train case only (None elsewhere): the backward alone, median, GFLOP/s and over the peak
+        "backward_s": backward,
+        "backward_gflops": backward_gflops,
+        "backward_peak_fraction": backward_gflops / peak_gflops if backward_gflops and peak_gflops else None,
+        "backward_max_abs_err": kernel_check.max_abs_err if backward is not None and kernel_check else None,
         "shape": {
             **{k: getattr(case, k) for k in ("batch", "q_heads", "kv_heads", "q_len", "k_len", "head_dim", "value_dim")},
             "causal": case.causal,
@@ -233,6 +244,12 @@ def _cells(row: dict[str, Any]) -> list[str]:
             f"overhead {fmt_time(row.get('overhead_s'))} ({_pct(row.get('overhead_fraction'))})"
         )
         note = f"{layer}; {note}" if note else layer
+    if ok and row.get("backward_s") is not None:
+        alone = (
+            f"backward alone {fmt_time(row['backward_s'])}, {_num(row.get('backward_gflops'), '.1f')} GFLOP/s, "
+            f"{_pct(row.get('backward_peak_fraction'))} of peak"
+        )
+        note = f"{alone}; {note}" if note else alone
     cells.append(note)
     return cells
 
@@ -263,6 +280,8 @@ def set_peak_fractions(rows: Sequence[dict[str, Any]], ceilings: dict[str, Any])
         kind, peak = peak_for(row["dtype"], ceilings["by_threads"].get(str(row["threads"]), {}), row.get("bfloat16_path"))
         row["peak_kind"] = kind
         row["peak_fraction"] = row["gflops"] / peak if row.get("gflops") and peak else None
+        backward = row.get("backward_gflops")
+        row["backward_peak_fraction"] = backward / peak if backward and peak else None
 
 
 def port_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -335,6 +354,13 @@ INT8_TARGETS = (
     ("decode-batch", "int8", "speedup_vs_float32", 2.5, "vs its float32"),
 )
 PORT_GAP = 0.10  # C++ and Rust within 10% of each other on every int8 case
+# the training targets: forward and backward against torch's SDPA forward and backward, and the
+# backward alone against the float32 FMA peak
+TRAIN_TARGETS = (
+    ("train-causal/N=2048", "float32", "speedup_vs_torch", 2.0, "fwd+bwd vs torch"),
+    ("train-causal/N=2048", "bfloat16", "speedup_vs_torch", 2.0, "fwd+bwd vs torch"),
+    ("train-causal/N=2048", "float32", "backward_peak_fraction", 0.55, "backward alone of peak"),
+)
 
 
 def targets_table(rows: Sequence[dict[str, Any]], targets: Sequence[tuple[str, str, str, float, str]] = TARGETS) -> str:
@@ -448,6 +474,9 @@ def text(document: dict[str, Any]) -> str:
             "int8 K/V targets (ratios within this run; bytes = int8 payload + float32 scales; "
             f"torch has no int8 attention, so no peer):\n{int8_targets}"
         )
+    train_targets = targets_table(rows, TRAIN_TARGETS)
+    if train_targets:
+        parts.append(f"training targets (ratios within this run; %peak: the backward alone):\n{train_targets}")
     layers = layer_table(rows)
     if layers:
         heading = (

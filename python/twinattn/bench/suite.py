@@ -42,7 +42,9 @@ autograd through scaled_dot_product_attention for the peer). Its FLOPs count the
 backward's, the backward as 2.5 times the forward (FlashAttention-2's count: the five matrix
 products dV, dP, dQ, dK and the recomputed S, where the forward has two):
     FLOPs = 2 x pairs x (D + Dv) x (1 + 2.5)
-Its check is dq on the checked rows against float64 (dq of row i needs only row i's weights).
+Beside that, the backward alone is timed from one forward made before timing (its GFLOP/s count
+the backward's 2.5 parts of those). Its check, of both, is dq on the checked rows against float64
+(dq of row i needs only row i's weights).
 
 Every result is compared with a float64 reference computed by twinattn's NumPy backend.
 """
@@ -346,7 +348,8 @@ class Outcome:
     warmup: int = 0
     first_call_s: Optional[float] = None
     check: Optional[Check] = None
-    # the layer case: the attention kernel alone, timed after the step (times are the steps')
+    # the layer case: the attention kernel alone, timed after the step (times are the steps'); a
+    # train case: the backward alone, timed after forward and backward
     kernel_times: Optional[list[float]] = None
     kernel_check: Optional[Check] = None
 

@@ -273,10 +273,14 @@ def run_suite(
                 beside.append(bandwidth.measure(case_threads)["gbps"])
             ceiling = ceilings["by_threads"].get(str(case_threads), {})
             row = report.result_row(case, backend, case_threads, outcome, ceiling, beside)
-            if (row["peak_fraction"] or 0.0) > 1.0:
+            # the row's fastest rate against the peak (a train case's backward alone runs faster than its
+            # forward and backward together)
+            fraction, gflops = max((row["peak_fraction"] or 0.0, row["gflops"]),
+                                   (row["backward_peak_fraction"] or 0.0, row["backward_gflops"]), key=lambda pair: pair[0])
+            if fraction > 1.0:
                 progress.show(f"{label} on {backend}: faster than the {row['peak_kind']} peak, measuring it again")
                 machine.raise_peak(ceiling, row["peak_kind"], case_threads, machine.peak_seconds(quick=False),
-                                   row["gflops"], f"{label} on {backend}")
+                                   gflops, f"{label} on {backend}")
             case_rows.append(row)
             progress.step()
         ran = {r["backend"] for r in case_rows if r["status"] == "ok"}
