@@ -619,6 +619,7 @@ py::dict build_info() {
     constants["backward_key_block"] = kBackwardKeyBlock;
     constants["backward_tile_rows"] = kBackwardTileRows;
     constants["backward_tile_group"] = kBackwardTileGroup;
+    constants["backward_chunk_tiles"] = kBackwardChunkTiles;
     constants["avx512_score_vectors"] = kAvx512ScoreVectors;
     constants["avx512_value_vectors"] = kAvx512ValueVectors;
     constants["avx2_score_vectors"] = kAvx2ScoreVectors;

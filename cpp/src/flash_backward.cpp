@@ -223,7 +223,7 @@ CallerBuffers& caller_buffers() {
 struct ScratchShape {
     int64_t head_dim, value_dim, query_grad_rows;
     bool tiled = false;
-    int64_t key_blocks = 1;  // the tile path: a head's key blocks (key_grad, value_grad hold each's sums)
+    int64_t key_blocks = 1;  // the fused pass: a head's key blocks (key_grad, value_grad hold each's sums)
 };
 
 // One thread's tiles (grown on demand, kept for the thread's life):
@@ -231,8 +231,9 @@ struct ScratchShape {
 //   row_delta, row_lse (kQTileRows)   Drow and lse * log2(e) of the tile's rows
 //   row_key_begin, row_key_end        each row's visible key range
 //   scores, capped, grads (kQTileRows, kKeyBlock): S then P; tanh of the softcap; scale * dS
-//   key_grad, value_grad (kBackwardKeyBlock, D / Dv), query_grad (query_grad_rows, D): float32
-//   sums (query_grad_rows: a tile's kQTileRows, or a head's rows_per_group in the fused pass)
+//   key_grad, value_grad (kBackwardKeyBlock, D / Dv) per key block (one, or in the fused pass
+//   each of the head's), query_grad (query_grad_rows, D): float32 sums (query_grad_rows: a
+//   tile's kQTileRows, or a head's rows_per_group in the fused pass)
 // and on the tile path (tiles of kBackwardTileRows rows, so the rows above are that many; key_grad
 // and value_grad hold dK^T and dV^T of each of the head's key blocks, (D / Dv, kBackwardKeyBlock)
 // per block):
@@ -874,41 +875,92 @@ void head_tiles(const BackwardPlan& plan, int64_t b, int64_t kv_head, BackwardSc
     }
 }
 
-// Pass 2: dK and dV of keys [key_block, key_block + kBackwardKeyBlock) of (b, kv_head), every query
-// tile that sees them summed in row order; keys past kv_lens[b] get 0. With query_grads (the
-// fused pass: the head's dQ sums, packed rows of D), also dQ += dS K of every such tile's rows,
-// over the block's keys in order. Not on the tile path (head_tiles).
-template <typename T>
-void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, int64_t key_block,
-                         BackwardScratch& s, float* query_grads) {
-    const BackwardProblem& bp = *plan.problem;
-    const AttentionProblem& p = bp.forward;
+// dV += P^T dO and dK += scale dS^T Q of the key block `keys` (block_keys, from key_block: its
+// visible keys) over the query tiles of packed rows [rows_begin, rows_end) that see them
+// (rows_begin a multiple of kQTileRows: the tiles are those of the whole head's rows), in row
+// order, into the block's float32 sums key_grad (rows of D) and value_grad (rows of Dv). With
+// query_grads (the fused pass: the head's dQ sums, packed rows of D), also dQ += dS K of every
+// such tile's rows, over the block's keys in order. Not on the tile path (key_block_tiles).
+void key_block_rows(const BackwardPlan& plan, const WorkItem& keys, int64_t key_block, int64_t rows_begin,
+                    int64_t rows_end, float* key_grad, float* value_grad, BackwardScratch& s, float* query_grads) {
     const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim;
-    int64_t n;
-    const WorkItem keys = block_keys(p, b, kv_head, key_block, &n);
     const int64_t visible = keys.key_end - keys.key_begin;
-    std::fill(s.key_grad.begin(), s.key_grad.begin() + n * D, 0.0f);
-    std::fill(s.value_grad.begin(), s.value_grad.begin() + n * Dv, 0.0f);
-    for (int64_t row_begin = 0; visible > 0 && row_begin < plan.flash.rows_per_group; row_begin += kQTileRows) {
+    for (int64_t row_begin = rows_begin; visible > 0 && row_begin < rows_end; row_begin += kQTileRows) {
         WorkItem tile;
         if (!block_tile(plan, keys, row_begin, kQTileRows, &tile)) continue;
         const int64_t rows = tile.row_end - row_begin;
         load_tile(plan, tile, rows, s);
         const float* gate = tile_gradients(plan, tile, rows, key_block, visible, s);
         // Key j's rows: dV += P[., j]^T dO, dK += dS[., j]^T Q, over the tile's rows in order.
-        const auto key_rows = [&](LineVector<float>& y, int64_t width, const LineVector<float>& coef,
-                                  const float* x) {
-            return Accumulation{y.data(), width, visible, width, coef.data(), gate, kKeyBlock, 1, x, width, rows};
+        const auto key_rows = [&](float* y, int64_t width, const LineVector<float>& coef, const float* x) {
+            return Accumulation{y, width, visible, width, coef.data(), gate, kKeyBlock, 1, x, width, rows};
         };
         const QueryRows queries = query_rows_at(plan, tile);
-        plan.kernels.accumulate(key_rows(s.value_grad, Dv, s.scores, queries.dout));
-        plan.kernels.accumulate(key_rows(s.key_grad, D, s.grads, queries.rows));
+        plan.kernels.accumulate(key_rows(value_grad, Dv, s.scores, queries.dout));
+        plan.kernels.accumulate(key_rows(key_grad, D, s.grads, queries.rows));
         if (query_grads != nullptr)
             accumulate_query_rows(plan, tile, rows, key_block, visible, gate, s, query_grads + row_begin * D);
     }
+}
+
+// Rounds the dK and dV sums of the n keys of the block `keys` (block_keys; rows of D and Dv from
+// key_grad and value_grad, 0 past its visible keys) into dk and dv.
+template <typename T>
+void store_key_block(const BackwardPlan& plan, const WorkItem& keys, int64_t n, const float* key_grad,
+                     const float* value_grad) {
+    const BackwardProblem& bp = *plan.problem;
+    const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim;
     for (int64_t j = 0; j < n; ++j) {
-        store_row<T>(bp.dk, b, kv_head, key_block + j, s.key_grad.data() + j * D, D);
-        store_row<T>(bp.dv, b, kv_head, key_block + j, s.value_grad.data() + j * Dv, Dv);
+        store_row<T>(bp.dk, keys.b, keys.kv_head, keys.key_begin + j, key_grad + j * D, D);
+        store_row<T>(bp.dv, keys.b, keys.kv_head, keys.key_begin + j, value_grad + j * Dv, Dv);
+    }
+}
+
+// Pass 2: dK and dV of keys [key_block, key_block + kBackwardKeyBlock) of (b, kv_head), every query
+// tile that sees them summed in row order; keys past kv_lens[b] get 0. Not on the tile path.
+template <typename T>
+void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, int64_t key_block,
+                         BackwardScratch& s) {
+    const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim;
+    int64_t n;
+    const WorkItem keys = block_keys(plan.problem->forward, b, kv_head, key_block, &n);
+    std::fill(s.key_grad.begin(), s.key_grad.begin() + n * D, 0.0f);
+    std::fill(s.value_grad.begin(), s.value_grad.begin() + n * Dv, 0.0f);
+    key_block_rows(plan, keys, key_block, 0, plan.flash.rows_per_group, s.key_grad.data(), s.value_grad.data(), s,
+                   nullptr);
+    store_key_block<T>(plan, keys, n, s.key_grad.data(), s.value_grad.data());
+}
+
+// The fused pass off the tile path (head_gradients), as head_tiles: the head's rows a chunk of
+// kBackwardChunkTiles query tiles at a time, each chunk against every key block in order, so
+// that the chunk's query side (Q, Q times the multiplier, dO and their dQ sums: 2 KB per packed
+// row at D = Dv = 128) stays in the L2 cache while the key blocks stream past, instead of the
+// whole head's rows streaming past each key block (at N = 2048, 8192 packed rows: 16 MB per head,
+// from the L3 cache or memory for every key block). dK and dV are summed per key block across
+// the chunks (s.key_grad, s.value_grad: every block's), then stored. Each element's sum runs in
+// the same order as key block by key block (a block's tiles in row order, a tile's blocks in key
+// order), so the bits are the same.
+template <typename T>
+void head_blocks(const BackwardPlan& plan, int64_t b, int64_t kv_head, BackwardScratch& s, float* query_grads) {
+    const AttentionProblem& p = plan.problem->forward;
+    const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim;
+    const int64_t blocks = plan.packed.key_blocks, rows_per_group = plan.flash.rows_per_group;
+    std::fill(s.key_grad.begin(), s.key_grad.begin() + blocks * kBackwardKeyBlock * D, 0.0f);
+    std::fill(s.value_grad.begin(), s.value_grad.begin() + blocks * kBackwardKeyBlock * Dv, 0.0f);
+    constexpr int64_t chunk_rows = kBackwardChunkTiles * kQTileRows;
+    for (int64_t chunk = 0; chunk < rows_per_group; chunk += chunk_rows)
+        for (int64_t kb = 0; kb < blocks; ++kb) {
+            int64_t n;
+            const WorkItem keys = block_keys(p, b, kv_head, kb * kBackwardKeyBlock, &n);
+            key_block_rows(plan, keys, kb * kBackwardKeyBlock, chunk, std::min(chunk + chunk_rows, rows_per_group),
+                           s.key_grad.data() + kb * kBackwardKeyBlock * D,
+                           s.value_grad.data() + kb * kBackwardKeyBlock * Dv, s, query_grads);
+        }
+    for (int64_t kb = 0; kb < blocks; ++kb) {
+        int64_t n;
+        const WorkItem keys = block_keys(p, b, kv_head, kb * kBackwardKeyBlock, &n);
+        store_key_block<T>(plan, keys, n, s.key_grad.data() + kb * kBackwardKeyBlock * D,
+                           s.value_grad.data() + kb * kBackwardKeyBlock * Dv);
     }
 }
 
@@ -950,9 +1002,7 @@ void head_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, Backwa
         head_tiles<T>(plan, b, kv_head, s, query_grads);
         plan.kernels.tiles.end();
     } else {
-        for (int64_t key_block = 0; key_block < plan.packed.key_blocks * kBackwardKeyBlock;
-             key_block += kBackwardKeyBlock)
-            key_block_gradients<T>(plan, b, kv_head, key_block, s, query_grads);
+        head_blocks<T>(plan, b, kv_head, s, query_grads);
     }
     store_query_rows<T>(plan, head_item(b, kv_head, plan.flash.rows_per_group), query_grads);
 }
@@ -974,7 +1024,7 @@ void gradient_passes(const BackwardPlan& plan, int num_threads) {
     if (plan.fused) {  // 2 and 3 in one, per head (the tile path: its rows rounded up to 32)
         const ScratchShape heads = plan.tiled
                                        ? ScratchShape{D, plan.pairs.value_width, plan.pairs.head_rows, true, key_blocks}
-                                       : ScratchShape{D, Dv, rows_per_group};
+                                       : ScratchShape{D, Dv, rows_per_group, false, key_blocks};
         for_each_item(B * Hkv, num_threads, heads,
                       [&](int64_t head, BackwardScratch& s) { head_gradients<T>(plan, head / Hkv, head % Hkv, s); });
         return;
@@ -982,7 +1032,7 @@ void gradient_passes(const BackwardPlan& plan, int num_threads) {
     // 2. dK, dV.
     for_each_item(B * Hkv * key_blocks, num_threads, tiles, [&](int64_t index, BackwardScratch& s) {
         const int64_t head = index / key_blocks;
-        key_block_gradients<T>(plan, head / Hkv, head % Hkv, index % key_blocks * kBackwardKeyBlock, s, nullptr);
+        key_block_gradients<T>(plan, head / Hkv, head % Hkv, index % key_blocks * kBackwardKeyBlock, s);
     });
     // 3. dQ.
     const int64_t query_tiles = ceil_div(rows_per_group, kQTileRows);

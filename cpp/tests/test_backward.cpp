@@ -271,11 +271,11 @@ std::vector<Case> cases() {
         c.causal = true; c.q_offset = {2, 1}; c.kv_lens = {6, 5}; c.window_left = 3; c.softcap = 4.0f;
         c.alibi = true; c.sinks = true; c.float_mask = true;
     });
-    // 4 heads on one KV head over 30 positions: 120 packed rows (3 query tiles); 150 keys (3 key
-    // blocks); 3 threads, which run passes 2 and 3 on its 2 (sequence, KV head) pairs, checked
-    // bit for bit against 1 thread, which runs the fused pass.
+    // 4 heads on one KV head over 60 positions: 240 packed rows (5 query tiles, two chunks of the
+    // fused pass); 150 keys (3 key blocks); 3 threads, which run passes 2 and 3 on its 2
+    // (sequence, KV head) pairs, checked bit for bit against 1 thread, which runs the fused pass.
     add("tiles", [](Case& c) {
-        c.Hq = 4; c.Hkv = 1; c.Lq = 30; c.Lk = 150; c.D = 20; c.Dv = 12; c.causal = true; c.q_offset = {120, 40};
+        c.Hq = 4; c.Hkv = 1; c.Lq = 60; c.Lk = 150; c.D = 20; c.Dv = 12; c.causal = true; c.q_offset = {120, 40};
         c.kv_lens = {150, 101}; c.window_left = 90; c.softcap = 5.0f; c.sinks = true; c.threads = 3;
     });
     return list;

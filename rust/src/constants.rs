@@ -76,6 +76,12 @@ pub const BACKWARD_TILE_ROWS: usize = 96;
 /// also the chunk of a head's rows that meets every key block in turn (its query side stays in
 /// L2).
 pub const BACKWARD_TILE_GROUP: usize = 4;
+/// Query tiles (Q_TILE_ROWS packed rows each) per chunk of a head's rows in the backward's fused
+/// float32 pass (flash_backward.rs, head_blocks): each chunk meets every key block in turn, its
+/// query side (2 KB per row at D = Dv = 128: 384 KB) kept in L2. float32 backward alone, N = 2048,
+/// 2 threads, Zen 5 (C++, best of 5 calls, each chunk size in its own process, two runs): chunks
+/// of 2 tiles 219-224 ms, 4 223-226, 6 232-236, 8 238-260, the whole head per key block 267-338.
+pub const BACKWARD_CHUNK_TILES: usize = 4;
 
 const _: () = assert!(
     Q_TILE_ROWS.is_multiple_of(MICRO_ROWS),

@@ -61,8 +61,8 @@ use crate::backward_kernel::{
     Accumulation, BackwardKernels, PanelProduct, RowGradients, TileProduct, TileRounding,
 };
 use crate::constants::{
-    BACKWARD_KEY_BLOCK, BACKWARD_TILE_GROUP, BACKWARD_TILE_ROWS, KEY_BLOCK, KEY_PANEL, LOG2_E,
-    Q_TILE_ROWS, SERIAL_WORK,
+    BACKWARD_CHUNK_TILES, BACKWARD_KEY_BLOCK, BACKWARD_TILE_GROUP, BACKWARD_TILE_ROWS, KEY_BLOCK,
+    KEY_PANEL, LOG2_E, Q_TILE_ROWS, SERIAL_WORK,
 };
 use crate::dispatch::current_kernels;
 use crate::element::{bf16_to_f32, BFloat16, Element, Float16, Load};
@@ -397,8 +397,9 @@ thread_local! {
 /// row_delta, row_lse (Q_TILE_ROWS)   Drow and lse * log2(e) of the tile's rows
 /// row_key_begin, row_key_end         each row's visible key range
 /// scores, capped, grads (Q_TILE_ROWS, KEY_BLOCK): S then P; tanh of the softcap; scale * dS
-/// key_grad, value_grad (BACKWARD_KEY_BLOCK, D / Dv), query_grad (query_grad_rows, D): float32
-/// sums (query_grad_rows: a tile's Q_TILE_ROWS, or a head's rows_per_group in the fused pass)
+/// key_grad, value_grad (BACKWARD_KEY_BLOCK, D / Dv) per key block (one, or in the fused pass
+/// each of the head's), query_grad (query_grad_rows, D): float32 sums (query_grad_rows: a
+/// tile's Q_TILE_ROWS, or a head's rows_per_group in the fused pass)
 /// ```
 ///
 /// and on the tile path (tiles of BACKWARD_TILE_ROWS rows, so the rows above are that many;
@@ -444,7 +445,7 @@ struct ScratchShape {
     value_dim: usize,
     query_grad_rows: usize,
     tiled: bool,
-    /// the tile path: a head's key blocks (key_grad, value_grad hold each's sums)
+    /// the fused pass: a head's key blocks (key_grad, value_grad hold each's sums)
     key_blocks: usize,
 }
 
@@ -1333,7 +1334,7 @@ unsafe fn group_sums(
 /// the block's sums, dQ into query_grads (the head's).
 ///
 /// # Safety
-/// As [`key_block_gradients`], on the tile path, between the tiles' begin and end; query_grads
+/// As [`row_deltas`], on the tile path, between the tiles' begin and end; query_grads
 /// holds the head's head_rows rows of dQ sums.
 #[allow(clippy::too_many_arguments)]
 unsafe fn key_block_tiles(
@@ -1741,37 +1742,37 @@ unsafe fn store_query_rows<T: Element>(plan: &BackwardPlan, tile: &WorkItem, que
     }
 }
 
-/// Pass 2: dK and dV of keys [key_block, key_block + BACKWARD_KEY_BLOCK) of (b, kv_head), every query
-/// tile that sees them summed in row order; keys past kv_lens[b] get 0. With query_grads (the
-/// fused pass: the head's dQ sums, packed rows of D), also dQ += dS K of every such tile's rows,
-/// over the block's keys in order. Not on the tile path ([`head_tiles`]).
+/// dV += P^T dO and dK += scale dS^T Q of the key block `keys` ([`block_keys`], from key_block:
+/// its visible keys) over the query tiles of packed rows [rows_begin, rows_end) that see them
+/// (rows_begin a multiple of Q_TILE_ROWS: the tiles are those of the whole head's rows), in row
+/// order, into the block's float32 sums key_grad (rows of D) and value_grad (rows of Dv). With
+/// query_grads (the fused pass: the head's dQ sums, packed rows of D), also dQ += dS K of every
+/// such tile's rows, over the block's keys in order. Not on the tile path ([`key_block_tiles`]).
 ///
 /// # Safety
-/// As [`row_deltas`]; this item owns these keys' dk and dv rows (and, with query_grads, the
-/// head's dQ sums); on the tile path, between the tiles' begin and end.
-unsafe fn key_block_gradients<T: Element>(
+/// As [`row_deltas`]; this item owns these keys' sums (key_grad and value_grad: the block's n
+/// rows, outside the scratch) and, with query_grads, the head's dQ sums.
+#[allow(clippy::too_many_arguments)]
+unsafe fn key_block_rows(
     plan: &BackwardPlan,
-    b: usize,
-    kv_head: usize,
+    keys: &WorkItem,
     key_block: usize,
+    rows_begin: usize,
+    rows_end: usize,
+    key_grad: *mut f32,
+    value_grad: *mut f32,
     s: &mut BackwardScratch,
     query_grads: *mut f32,
 ) {
-    let bp = plan.problem;
-    let p = &bp.forward;
     let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
-    let (keys, n) = block_keys(p, b, kv_head, key_block);
     let visible = keys.key_end - keys.key_begin;
-    s.key_grad[..n * head_dim].fill(0.0);
-    s.value_grad[..n * value_dim].fill(0.0);
     // SAFETY: forwarded.
     unsafe {
-        let rows_per_group = plan.flash.rows_per_group;
-        let mut row_begin = 0;
-        while visible > 0 && row_begin < rows_per_group {
+        let mut row_begin = rows_begin;
+        while visible > 0 && row_begin < rows_end {
             let tile_begin = row_begin;
-            row_begin = (row_begin + Q_TILE_ROWS).min(rows_per_group);
-            let Some(tile) = block_tile(plan, &keys, tile_begin, Q_TILE_ROWS) else {
+            row_begin += Q_TILE_ROWS;
+            let Some(tile) = block_tile(plan, keys, tile_begin, Q_TILE_ROWS) else {
                 continue;
             };
             let rows = tile.row_end - tile_begin;
@@ -1779,48 +1780,153 @@ unsafe fn key_block_gradients<T: Element>(
             let gate = tile_gradients(plan, &tile, rows, key_block, visible, s);
             // Key j's rows: dV += P[., j]^T dO, dK += dS[., j]^T Q, over the tile's rows in order.
             let queries = query_rows_at(plan, &tile);
-            let key_rows =
-                |y: &mut [f32], width: usize, coef: &[f32], x: *const f32| Accumulation {
-                    y: y.as_mut_ptr(),
-                    y_stride: width,
-                    outputs: visible,
-                    n: width,
-                    coef: coef.as_ptr(),
-                    gate,
-                    coef_stride: KEY_BLOCK,
-                    output_stride: 1,
-                    x,
-                    x_stride: width,
-                    terms: rows,
-                };
-            let value_rows = key_rows(&mut s.value_grad, value_dim, &s.scores, queries.dout);
-            (plan.kernels.accumulate)(&value_rows);
-            let key_rows = key_rows(&mut s.key_grad, head_dim, &s.grads, queries.rows);
-            (plan.kernels.accumulate)(&key_rows);
+            let key_rows = |y: *mut f32, width: usize, coef: &[f32], x: *const f32| Accumulation {
+                y,
+                y_stride: width,
+                outputs: visible,
+                n: width,
+                coef: coef.as_ptr(),
+                gate,
+                coef_stride: KEY_BLOCK,
+                output_stride: 1,
+                x,
+                x_stride: width,
+                terms: rows,
+            };
+            (plan.kernels.accumulate)(&key_rows(value_grad, value_dim, &s.scores, queries.dout));
+            (plan.kernels.accumulate)(&key_rows(key_grad, head_dim, &s.grads, queries.rows));
             if !query_grads.is_null() {
                 let y = query_grads.add(tile_begin * head_dim);
                 accumulate_query_rows(plan, &tile, rows, key_block, visible, gate, s, y);
             }
         }
-        for j in 0..n {
-            let key = key_block + j;
-            store_row::<T>(
-                &bp.dk,
-                b,
-                kv_head,
-                key,
-                &s.key_grad[j * head_dim..],
-                head_dim,
-            );
-            store_row::<T>(
-                &bp.dv,
-                b,
-                kv_head,
-                key,
-                &s.value_grad[j * value_dim..],
-                value_dim,
-            );
+    }
+}
+
+/// Rounds the dK and dV sums of the n keys of the block `keys` ([`block_keys`]; rows of D and Dv
+/// from key_grad and value_grad, 0 past its visible keys) into dk and dv.
+///
+/// # Safety
+/// As [`row_deltas`]; this item owns these keys' dk and dv rows.
+unsafe fn store_key_block<T: Element>(
+    plan: &BackwardPlan,
+    keys: &WorkItem,
+    n: usize,
+    key_grad: &[f32],
+    value_grad: &[f32],
+) {
+    let bp = plan.problem;
+    let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
+    for j in 0..n {
+        let key = keys.key_begin + j;
+        let (dk, dv) = (&key_grad[j * head_dim..], &value_grad[j * value_dim..]);
+        // SAFETY: forwarded.
+        unsafe {
+            store_row::<T>(&bp.dk, keys.b, keys.kv_head, key, dk, head_dim);
+            store_row::<T>(&bp.dv, keys.b, keys.kv_head, key, dv, value_dim);
         }
+    }
+}
+
+/// Pass 2: dK and dV of keys [key_block, key_block + BACKWARD_KEY_BLOCK) of (b, kv_head), every query
+/// tile that sees them summed in row order; keys past kv_lens[b] get 0. Not on the tile path.
+///
+/// # Safety
+/// As [`row_deltas`]; this item owns these keys' dk and dv rows.
+unsafe fn key_block_gradients<T: Element>(
+    plan: &BackwardPlan,
+    b: usize,
+    kv_head: usize,
+    key_block: usize,
+    s: &mut BackwardScratch,
+) {
+    let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
+    let (keys, n) = block_keys(&plan.problem.forward, b, kv_head, key_block);
+    s.key_grad[..n * head_dim].fill(0.0);
+    s.value_grad[..n * value_dim].fill(0.0);
+    let (key_grad, value_grad) = (s.key_grad.as_mut_ptr(), s.value_grad.as_mut_ptr());
+    let rows_per_group = plan.flash.rows_per_group;
+    // SAFETY: forwarded; the sums are the scratch's own buffers, which key_block_rows reaches only
+    // through these pointers.
+    unsafe {
+        let null = std::ptr::null_mut();
+        key_block_rows(
+            plan,
+            &keys,
+            key_block,
+            0,
+            rows_per_group,
+            key_grad,
+            value_grad,
+            s,
+            null,
+        );
+        store_key_block::<T>(plan, &keys, n, &s.key_grad, &s.value_grad);
+    }
+}
+
+/// The fused pass off the tile path ([`head_gradients`]), as [`head_tiles`]: the head's rows a
+/// chunk of BACKWARD_CHUNK_TILES query tiles at a time, each chunk against every key block in
+/// order, so that the chunk's query side (Q, Q times the multiplier, dO and their dQ sums: 2 KB
+/// per packed row at D = Dv = 128) stays in the L2 cache while the key blocks stream past, instead
+/// of the whole head's rows streaming past each key block (at N = 2048, 8192 packed rows: 16 MB
+/// per head, from the L3 cache or memory for every key block). dK and dV are summed per key
+/// block across the chunks (s.key_grad, s.value_grad: every block's), then stored. Each element's
+/// sum runs in the same order as key block by key block (a block's tiles in row order, a tile's
+/// blocks in key order), so the bits are the same.
+///
+/// # Safety
+/// As [`row_deltas`]; this item owns the head's dk and dv rows and its dQ sums (query_grads:
+/// rows_per_group rows of D, outside s.key_grad and s.value_grad).
+unsafe fn head_blocks<T: Element>(
+    plan: &BackwardPlan,
+    b: usize,
+    kv_head: usize,
+    s: &mut BackwardScratch,
+    query_grads: *mut f32,
+) {
+    let p = &plan.problem.forward;
+    let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
+    let (blocks, rows_per_group) = (plan.packed.key_blocks, plan.flash.rows_per_group);
+    s.key_grad[..blocks * BACKWARD_KEY_BLOCK * head_dim].fill(0.0);
+    s.value_grad[..blocks * BACKWARD_KEY_BLOCK * value_dim].fill(0.0);
+    let chunk_rows = BACKWARD_CHUNK_TILES * Q_TILE_ROWS;
+    for chunk in (0..rows_per_group).step_by(chunk_rows) {
+        let rows_end = (chunk + chunk_rows).min(rows_per_group);
+        for kb in 0..blocks {
+            let (keys, _) = block_keys(p, b, kv_head, kb * BACKWARD_KEY_BLOCK);
+            // SAFETY: forwarded; block kb's sums lie in the scratch's sums for every block, which
+            // key_block_rows reaches only through these pointers.
+            unsafe {
+                let key_grad = s
+                    .key_grad
+                    .as_mut_ptr()
+                    .add(kb * BACKWARD_KEY_BLOCK * head_dim);
+                let value_grad = s
+                    .value_grad
+                    .as_mut_ptr()
+                    .add(kb * BACKWARD_KEY_BLOCK * value_dim);
+                let key_block = kb * BACKWARD_KEY_BLOCK;
+                key_block_rows(
+                    plan,
+                    &keys,
+                    key_block,
+                    chunk,
+                    rows_end,
+                    key_grad,
+                    value_grad,
+                    s,
+                    query_grads,
+                );
+            }
+        }
+    }
+    for kb in 0..blocks {
+        let (keys, n) = block_keys(p, b, kv_head, kb * BACKWARD_KEY_BLOCK);
+        let key_grad = &s.key_grad[kb * BACKWARD_KEY_BLOCK * head_dim..];
+        let value_grad = &s.value_grad[kb * BACKWARD_KEY_BLOCK * value_dim..];
+        // SAFETY: forwarded.
+        unsafe { store_key_block::<T>(plan, &keys, n, key_grad, value_grad) };
     }
 }
 
@@ -1883,11 +1989,7 @@ unsafe fn head_gradients<T: Element>(
             head_tiles::<T>(plan, b, kv_head, s, query_grads);
             (tiles.end)();
         } else {
-            for key_block in
-                (0..plan.packed.key_blocks * BACKWARD_KEY_BLOCK).step_by(BACKWARD_KEY_BLOCK)
-            {
-                key_block_gradients::<T>(plan, b, kv_head, key_block, s, query_grads);
-            }
+            head_blocks::<T>(plan, b, kv_head, s, query_grads);
         }
         let head = head_item(b, kv_head, rows_per_group);
         store_query_rows::<T>(plan, &head, &s.query_grad);
@@ -2074,6 +2176,7 @@ unsafe fn gradient_passes<T: Element>(
             },
             false => ScratchShape {
                 query_grad_rows: rows_per_group,
+                key_blocks,
                 ..tiles
             },
         };
@@ -2089,7 +2192,7 @@ unsafe fn gradient_passes<T: Element>(
         // SAFETY: item (b, kv_head, key block) owns its keys' dk and dv rows.
         unsafe {
             let (b, kv_head) = (head / kv_heads, head % kv_heads);
-            key_block_gradients::<T>(plan, b, kv_head, key_block, s, std::ptr::null_mut())
+            key_block_gradients::<T>(plan, b, kv_head, key_block, s)
         };
     })?;
     // 3. dQ.

@@ -1142,6 +1142,7 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     constants.set_item("backward_key_block", BACKWARD_KEY_BLOCK)?;
     constants.set_item("backward_tile_rows", BACKWARD_TILE_ROWS)?;
     constants.set_item("backward_tile_group", BACKWARD_TILE_GROUP)?;
+    constants.set_item("backward_chunk_tiles", BACKWARD_CHUNK_TILES)?;
     constants.set_item("avx512_score_vectors", AVX512_SCORE_VECTORS)?;
     constants.set_item("avx512_value_vectors", AVX512_VALUE_VECTORS)?;
     constants.set_item("avx2_score_vectors", AVX2_SCORE_VECTORS)?;

@@ -436,11 +436,11 @@ fn small_problems_match_float64() {
         c.sinks = true;
         c.mask = 2;
     });
-    // 4 heads on one KV head over 30 positions: 120 packed rows (3 query tiles); 150 keys (3 key
-    // blocks); 3 threads, which run passes 2 and 3 on its 2 (sequence, KV head) pairs, checked
-    // bit for bit against 1 thread, which runs the fused pass.
+    // 4 heads on one KV head over 60 positions: 240 packed rows (5 query tiles, two chunks of the
+    // fused pass); 150 keys (3 key blocks); 3 threads, which run passes 2 and 3 on its 2
+    // (sequence, KV head) pairs, checked bit for bit against 1 thread, which runs the fused pass.
     add("tiles", &|c| {
-        c.shape = [2, 4, 1, 30, 150, 20, 12];
+        c.shape = [2, 4, 1, 60, 150, 20, 12];
         c.causal = true;
         c.q_offset = vec![120, 40];
         c.kv_lens = vec![150, 101];

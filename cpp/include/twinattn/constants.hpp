@@ -79,6 +79,12 @@ constexpr int64_t kBackwardTileRows = 96;
 // the float32 dK and dV tiles are loaded and stored once per 3 kBackwardTileGroup steps; also the
 // chunk of a head's rows that meets every key block in turn (its query side stays in L2).
 constexpr int64_t kBackwardTileGroup = 4;
+// Query tiles (kQTileRows packed rows each) per chunk of a head's rows in the backward's fused
+// float32 pass (flash_backward.cpp, head_blocks): each chunk meets every key block in turn, its
+// query side (2 KB per row at D = Dv = 128: 384 KB) kept in L2. float32 backward alone, N = 2048,
+// 2 threads, Zen 5 (C++, best of 5 calls, each chunk size in its own process, two runs): chunks
+// of 2 tiles 219-224 ms, 4 223-226, 6 232-236, 8 238-260, the whole head per key block 267-338.
+constexpr int64_t kBackwardChunkTiles = 4;
 
 static_assert(kQTileRows % kMicroRows == 0, "tiles are whole micro-kernel strips");
 static_assert(kKeyBlock % kKeyPanel == 0, "key blocks are whole panels");
