@@ -1567,6 +1567,30 @@ def test_train_row_rates_the_backward_alone_against_the_peak() -> None:
     assert prefill["backward_s"] is None and prefill["backward_gflops"] is None and prefill["backward_peak_fraction"] is None
 
 
+def test_port_gap_line_names_the_cases_where_the_ports_differ_by_more_than_10_percent() -> None:
+    def row(case: str, backend: str, median: float, paired: Optional[float] = None, dtype: str = "float32") -> dict[str, Any]:
+        return {"case": case, "dtype": dtype, "backend": backend, "status": "ok", "median_s": median,
+                "paired_median_s": paired}
+
+    rows = [row("a", "cpp", 1.0), row("a", "rust", 1.09),
+            row("b", "cpp", 2.0, paired=1.0), row("b", "rust", 1.0, paired=1.2),  # the alternate timing decides
+            row("c", "cpp", 1.0, dtype="bfloat16"), row("c", "rust", 1.25, dtype="bfloat16"),
+            row("d", "cpp", 1.0)]  # one port only: not counted
+    last = bench_report.port_table(rows).splitlines()[-1]
+    assert last == "ports within 10% of each other on every case timed by both (3): missed on b 20%, c bfloat16 25%"
+    assert bench_report.port_table(rows[:2]).splitlines()[-1].endswith("(1): met")
+
+
+def test_machine_targets_table() -> None:
+    rows = [{"case": "prefill-causal/N=2048", "dtype": "float32", "backend": "cpp", "status": "ok", "peak_fraction": 0.82},
+            {"case": "decode/N=32768", "dtype": "int8", "backend": "rust", "status": "ok", "read_fraction": 0.63},
+            {"case": "decode/N=32768", "dtype": "float16", "backend": "torch", "status": "ok", "read_fraction": 0.2}]
+    lines = bench_report.targets_table(rows, bench_report.MACHINE_TARGETS).splitlines()
+    assert len(lines) == 2
+    assert "of the FMA peak" in lines[0] and "82%" in lines[0] and lines[0].endswith(": met")
+    assert "int8" in lines[1] and "63%" in lines[1] and "(>= 70%)" in lines[1] and lines[1].endswith("missed by 10%")
+
+
 def test_training_targets_table() -> None:
     def row(backend: str, dtype: str, **fields: Any) -> dict[str, Any]:
         return {"case": "train-causal/N=2048", "dtype": dtype, "backend": backend, "status": "ok", **fields}
