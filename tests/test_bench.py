@@ -1602,6 +1602,9 @@ def test_training_targets_table() -> None:
     assert lines[0].startswith("train-causal/N=2048 float32") and "2.20x" in lines[0] and lines[0].endswith(": met")
     assert "rust" in lines[1] and lines[1].endswith("missed by 5%")
     assert "backward alone of peak" in lines[2] and "50%" in lines[2] and lines[2].endswith("missed by 9%")
+    # a run without torch (or without the backward alone) has nothing to compare with: not measured, and why
+    alone = bench_report.targets_table([row("cpp", "float32")], bench_report.TRAIN_TARGETS).splitlines()
+    assert len(alone) == 2 and all(line.endswith("not measured (no figure to compare with in this run)") for line in alone)
 
 
 def test_train_case_is_not_timed_where_there_is_no_backward() -> None:

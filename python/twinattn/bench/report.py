@@ -399,7 +399,8 @@ def targets_table(rows: Sequence[dict[str, Any]], targets: Sequence[tuple[str, s
             shown = "-" if value is None else (_pct(value) if fraction else f"{value:.2f}x")
             wanted = _pct(minimum) if fraction else f"{minimum:g}x"
             verdict = (
-                f"not measured ({row['status']})" if value is None
+                f"not measured ({row['status'] if row['status'] != 'ok' else 'no figure to compare with in this run'})"
+                if value is None
                 else "met" if value >= minimum else f"missed by {100 * (1 - value / minimum):.0f}%"
             )
             lines.append(f"{case + ' ' + dtype:<31} {row['backend']:<5} {what:<22} {shown:>6}  (>= {wanted}): {verdict}")
