@@ -98,12 +98,14 @@ using LineVector = std::vector<T, LineAllocator<T>>;
 //   keys         (kBackwardKeyBlock, D) at block * kBackwardKeyBlock * D     K rows (dQ += dS K)
 //   key_panels   (D, kBackwardKeyBlock) at block * D * kBackwardKeyBlock     K^T (S = Q K^T)
 //   value_panels (Dv, kBackwardKeyBlock) at block * Dv * kBackwardKeyBlock   V^T (dP = dO V^T)
-// Keys at or past kv_lens[b] are 0 (never read from k or v).
+// Keys at or past kv_lens[b] are 0 (never read from k or v). The fused float32 pass packs one
+// head at a time into its thread's scratch: there head counts from first_head (0 for the call's).
 struct PackedKeys {
     float* keys;
     float* key_panels;
     float* value_panels;
     int64_t key_blocks;  // per head: Lk / kBackwardKeyBlock rounded up
+    int64_t first_head = 0;
 };
 
 // Pass 0's packed query side of one call, for (b, kv_head) head = b * Hkv + kv_head and its
@@ -111,10 +113,13 @@ struct PackedKeys {
 //   query_rows   (rows, D) at row * D     Q (dK += dS^T Q)
 //   query_scaled (rows, D) at row * D     Q times the Q multiplier (S = Q K^T)
 //   dout_rows    (rows, Dv) at row * Dv   dO (dP = dO V^T, dV += P^T dO)
+// The fused float32 pass packs a chunk of a head's rows at a time into its thread's scratch: there
+// row counts from first_row (0 for the call's).
 struct PackedQueries {
     float* query_rows;
     float* query_scaled;
     float* dout_rows;
+    int64_t first_row = 0;
 };
 
 // Pass 0's bfloat16 pairs of one call (the tile path), as 16-bit elements (a pair: two
@@ -151,6 +156,13 @@ struct PackedPairs {
     int64_t value_width;  // Dv rounded up to 32: the V and dO pairs' width (0 past Dv)
 };
 
+// No packed keys (the tile path, and the fused float32 pass, whose items pack their own), of
+// key_blocks blocks per head.
+PackedKeys no_keys(int64_t key_blocks) { return PackedKeys{nullptr, nullptr, nullptr, key_blocks}; }
+
+// No packed query side (the tile path, and the fused float32 pass).
+PackedQueries no_queries() { return PackedQueries{nullptr, nullptr, nullptr}; }
+
 // No pairs (the float32 path).
 PackedPairs no_pairs() { return PackedPairs{}; }
 
@@ -177,7 +189,8 @@ struct KeyBlock {
 // Key block key_block (a multiple of kBackwardKeyBlock) of (b, kv_head) in the packed keys.
 KeyBlock key_block_at(const BackwardPlan& plan, int64_t b, int64_t kv_head, int64_t key_block) {
     const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim, Hkv = plan.problem->forward.k.shape[1];
-    const int64_t block = (b * Hkv + kv_head) * plan.packed.key_blocks + key_block / kBackwardKeyBlock;
+    const int64_t block =
+        (b * Hkv + kv_head - plan.packed.first_head) * plan.packed.key_blocks + key_block / kBackwardKeyBlock;
     return KeyBlock{plan.packed.keys + block * kBackwardKeyBlock * D, plan.packed.key_panels + block * D * kBackwardKeyBlock,
                     plan.packed.value_panels + block * Dv * kBackwardKeyBlock};
 }
@@ -191,7 +204,7 @@ struct QueryRows {
 
 QueryRows query_rows_at(const BackwardPlan& plan, const WorkItem& tile) {
     const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim, Hkv = plan.problem->forward.k.shape[1];
-    const int64_t row = (tile.b * Hkv + tile.kv_head) * plan.flash.rows_per_group + tile.row_begin;
+    const int64_t row = (tile.b * Hkv + tile.kv_head) * plan.flash.rows_per_group + tile.row_begin - plan.queries.first_row;
     return QueryRows{plan.queries.query_rows + row * D, plan.queries.query_scaled + row * D,
                      plan.queries.dout_rows + row * Dv};
 }
@@ -224,6 +237,7 @@ struct ScratchShape {
     int64_t head_dim, value_dim, query_grad_rows;
     bool tiled = false;
     int64_t key_blocks = 1;  // the fused pass: a head's key blocks (key_grad, value_grad hold each's sums)
+    bool packs = false;      // the fused float32 pass: the thread packs its head's keys and a chunk's rows
 };
 
 // One thread's tiles (grown on demand, kept for the thread's life):
@@ -249,6 +263,7 @@ struct BackwardScratch {
     LineVector<uint32_t> probs_pairs, grads_pairs;
     LineVector<uint16_t> grads_rows;
     LineVector<float> key_sums, exact_queries, exact_dout, exact_keys;
+    LineVector<float> head_keys, head_key_panels, head_value_panels, chunk_rows, chunk_scaled, chunk_dout;
 
     void ensure(const ScratchShape& shape) {
         const int64_t D = shape.head_dim, Dv = shape.value_dim;
@@ -265,6 +280,14 @@ struct BackwardScratch {
         grow(query_grad, shape.query_grad_rows * D);
         grow(row_key_begin, tile_rows);
         grow(row_key_end, tile_rows);
+        if (shape.packs) {
+            grow(head_keys, shape.key_blocks * kBackwardKeyBlock * D);
+            grow(head_key_panels, shape.key_blocks * kBackwardKeyBlock * D);
+            grow(head_value_panels, shape.key_blocks * kBackwardKeyBlock * Dv);
+            grow(chunk_rows, shape.query_grad_rows * D);
+            grow(chunk_scaled, shape.query_grad_rows * D);
+            grow(chunk_dout, shape.query_grad_rows * Dv);
+        }
         if (!shape.tiled) return;
         grow(probs_pairs, kBackwardTileGroup * kBackwardTileRows / 2 * kBackwardKeyBlock);
         grow(grads_pairs, kBackwardTileGroup * kBackwardTileRows / 2 * kBackwardKeyBlock);
@@ -407,24 +430,24 @@ WorkItem head_item(int64_t b, int64_t kv_head, int64_t rows_per_group) {
     return WorkItem{b, kv_head, 0, rows_per_group, 0, 0, -1};
 }
 
-// Pass 0: the query side of (b, kv_head) into the packed query side (PackedQueries): Q, Q times
-// the Q multiplier and dO of every packed row, converted to float32.
+// Pass 0: the query side of packed rows [row_begin, row_end) of (b, kv_head) into the packed
+// query side (PackedQueries): Q, Q times the Q multiplier and dO of each, converted to float32.
 template <typename T>
-void pack_queries(const BackwardPlan& plan, int64_t b, int64_t kv_head) {
+void pack_queries(const BackwardPlan& plan, int64_t b, int64_t kv_head, int64_t row_begin, int64_t row_end) {
     const BackwardProblem& bp = *plan.problem;
     const AttentionProblem& p = bp.forward;
     const int64_t G = plan.flash.group, D = plan.flash.head_dim, Dv = plan.flash.value_dim;
-    const QueryRows rows = query_rows_at(plan, head_item(b, kv_head, plan.flash.rows_per_group));
-    for (int64_t packed = 0; packed < plan.flash.rows_per_group; ++packed) {
-        const int64_t h = kv_head * G + packed % G, i = packed / G;
+    const QueryRows rows = query_rows_at(plan, WorkItem{b, kv_head, row_begin, row_end, 0, 0, -1});
+    for (int64_t packed = row_begin; packed < row_end; ++packed) {
+        const int64_t h = kv_head * G + packed % G, i = packed / G, r = packed - row_begin;
         const T* q = view_row<T>(p.q, b, h, i);
         for (int64_t d = 0; d < D; ++d) {
             const float x = to_f32(q[d]);
-            rows.rows[packed * D + d] = x;
-            rows.scaled[packed * D + d] = x * plan.flash.q_multiplier;
+            rows.rows[r * D + d] = x;
+            rows.scaled[r * D + d] = x * plan.flash.q_multiplier;
         }
         const T* dout = view_row<T>(bp.dout, b, h, i);
-        for (int64_t c = 0; c < Dv; ++c) rows.dout[packed * Dv + c] = to_f32(dout[c]);
+        for (int64_t c = 0; c < Dv; ++c) rows.dout[r * Dv + c] = to_f32(dout[c]);
     }
 }
 
@@ -879,10 +902,12 @@ void head_tiles(const BackwardPlan& plan, int64_t b, int64_t kv_head, BackwardSc
 // visible keys) over the query tiles of packed rows [rows_begin, rows_end) that see them
 // (rows_begin a multiple of kQTileRows: the tiles are those of the whole head's rows), in row
 // order, into the block's float32 sums key_grad (rows of D) and value_grad (rows of Dv). With
-// query_grads (the fused pass: the head's dQ sums, packed rows of D), also dQ += dS K of every
-// such tile's rows, over the block's keys in order. Not on the tile path (key_block_tiles).
+// query_grads (the fused pass: the dQ sums of packed rows from rows_base, rows of D), also
+// dQ += dS K of every such tile's rows, over the block's keys in order. Not on the tile path
+// (key_block_tiles).
 void key_block_rows(const BackwardPlan& plan, const WorkItem& keys, int64_t key_block, int64_t rows_begin,
-                    int64_t rows_end, float* key_grad, float* value_grad, BackwardScratch& s, float* query_grads) {
+                    int64_t rows_end, float* key_grad, float* value_grad, BackwardScratch& s, float* query_grads,
+                    int64_t rows_base) {
     const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim;
     const int64_t visible = keys.key_end - keys.key_begin;
     for (int64_t row_begin = rows_begin; visible > 0 && row_begin < rows_end; row_begin += kQTileRows) {
@@ -899,7 +924,8 @@ void key_block_rows(const BackwardPlan& plan, const WorkItem& keys, int64_t key_
         plan.kernels.accumulate(key_rows(value_grad, Dv, s.scores, queries.dout));
         plan.kernels.accumulate(key_rows(key_grad, D, s.grads, queries.rows));
         if (query_grads != nullptr)
-            accumulate_query_rows(plan, tile, rows, key_block, visible, gate, s, query_grads + row_begin * D);
+            accumulate_query_rows(plan, tile, rows, key_block, visible, gate, s,
+                                  query_grads + (row_begin - rows_base) * D);
     }
 }
 
@@ -927,7 +953,7 @@ void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, i
     std::fill(s.key_grad.begin(), s.key_grad.begin() + n * D, 0.0f);
     std::fill(s.value_grad.begin(), s.value_grad.begin() + n * Dv, 0.0f);
     key_block_rows(plan, keys, key_block, 0, plan.flash.rows_per_group, s.key_grad.data(), s.value_grad.data(), s,
-                   nullptr);
+                   nullptr, 0);
     store_key_block<T>(plan, keys, n, s.key_grad.data(), s.value_grad.data());
 }
 
@@ -940,26 +966,43 @@ void key_block_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, i
 // the chunks (s.key_grad, s.value_grad: every block's), then stored. Each element's sum runs in
 // the same order as key block by key block (a block's tiles in row order, a tile's blocks in key
 // order), so the bits are the same.
+// Pass 0 runs here, into the thread's scratch: the head's keys once, and each chunk's query side
+// as the chunk starts, whose dQ is whole once the chunk has met every key block (stored then). So
+// the pass keeps, per thread, one head's keys and dK, dV sums and one chunk's rows, not float32
+// copies of the call's every K, V, Q and dO (at N = 8192, 32 query heads on 8 KV heads, D = 128:
+// about 20 MB a thread against 480 MB a call).
 template <typename T>
-void head_blocks(const BackwardPlan& plan, int64_t b, int64_t kv_head, BackwardScratch& s, float* query_grads) {
+void head_blocks(const BackwardPlan& plan, int64_t b, int64_t kv_head, BackwardScratch& s) {
     const AttentionProblem& p = plan.problem->forward;
-    const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim;
+    const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim, Hkv = p.k.shape[1];
     const int64_t blocks = plan.packed.key_blocks, rows_per_group = plan.flash.rows_per_group;
+    const int64_t head = b * Hkv + kv_head;
+    BackwardPlan own = plan;  // this head's packed keys and chunk: the thread's scratch
+    own.packed = PackedKeys{s.head_keys.data(), s.head_key_panels.data(), s.head_value_panels.data(), blocks, head};
+    pack_keys<T>(own, b, kv_head);
     std::fill(s.key_grad.begin(), s.key_grad.begin() + blocks * kBackwardKeyBlock * D, 0.0f);
     std::fill(s.value_grad.begin(), s.value_grad.begin() + blocks * kBackwardKeyBlock * Dv, 0.0f);
+    float* query_grads = s.query_grad.data();
     constexpr int64_t chunk_rows = kBackwardChunkTiles * kQTileRows;
-    for (int64_t chunk = 0; chunk < rows_per_group; chunk += chunk_rows)
+    for (int64_t chunk = 0; chunk < rows_per_group; chunk += chunk_rows) {
+        const int64_t chunk_end = std::min(chunk + chunk_rows, rows_per_group);
+        own.queries = PackedQueries{s.chunk_rows.data(), s.chunk_scaled.data(), s.chunk_dout.data(),
+                                    head * rows_per_group + chunk};
+        pack_queries<T>(own, b, kv_head, chunk, chunk_end);
+        std::fill(query_grads, query_grads + (chunk_end - chunk) * D, 0.0f);
         for (int64_t kb = 0; kb < blocks; ++kb) {
             int64_t n;
             const WorkItem keys = block_keys(p, b, kv_head, kb * kBackwardKeyBlock, &n);
-            key_block_rows(plan, keys, kb * kBackwardKeyBlock, chunk, std::min(chunk + chunk_rows, rows_per_group),
+            key_block_rows(own, keys, kb * kBackwardKeyBlock, chunk, chunk_end,
                            s.key_grad.data() + kb * kBackwardKeyBlock * D,
-                           s.value_grad.data() + kb * kBackwardKeyBlock * Dv, s, query_grads);
+                           s.value_grad.data() + kb * kBackwardKeyBlock * Dv, s, query_grads, chunk);
         }
+        store_query_rows<T>(own, WorkItem{b, kv_head, chunk, chunk_end, 0, 0, -1}, query_grads);
+    }
     for (int64_t kb = 0; kb < blocks; ++kb) {
         int64_t n;
         const WorkItem keys = block_keys(p, b, kv_head, kb * kBackwardKeyBlock, &n);
-        store_key_block<T>(plan, keys, n, s.key_grad.data() + kb * kBackwardKeyBlock * D,
+        store_key_block<T>(own, keys, n, s.key_grad.data() + kb * kBackwardKeyBlock * D,
                            s.value_grad.data() + kb * kBackwardKeyBlock * Dv);
     }
 }
@@ -994,16 +1037,16 @@ void query_tile_gradients(const BackwardPlan& plan, const WorkItem& tile, Backwa
 // On the tile path, between the tile configuration's begin and end.
 template <typename T>
 void head_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, BackwardScratch& s) {
+    if (!plan.tiled) {
+        head_blocks<T>(plan, b, kv_head, s);
+        return;
+    }
     const int64_t D = plan.flash.head_dim;
     float* query_grads = s.query_grad.data();
     std::fill(query_grads, query_grads + plan.flash.rows_per_group * D, 0.0f);
-    if (plan.tiled) {
-        plan.kernels.tiles.begin();
-        head_tiles<T>(plan, b, kv_head, s, query_grads);
-        plan.kernels.tiles.end();
-    } else {
-        head_blocks<T>(plan, b, kv_head, s, query_grads);
-    }
+    plan.kernels.tiles.begin();
+    head_tiles<T>(plan, b, kv_head, s, query_grads);
+    plan.kernels.tiles.end();
     store_query_rows<T>(plan, head_item(b, kv_head, plan.flash.rows_per_group), query_grads);
 }
 
@@ -1024,7 +1067,7 @@ void gradient_passes(const BackwardPlan& plan, int num_threads) {
     if (plan.fused) {  // 2 and 3 in one, per head (the tile path: its rows rounded up to 32)
         const ScratchShape heads = plan.tiled
                                        ? ScratchShape{D, plan.pairs.value_width, plan.pairs.head_rows, true, key_blocks}
-                                       : ScratchShape{D, Dv, rows_per_group, false, key_blocks};
+                                       : ScratchShape{D, Dv, kBackwardChunkTiles * kQTileRows, false, key_blocks, true};
         for_each_item(B * Hkv, num_threads, heads,
                       [&](int64_t head, BackwardScratch& s) { head_gradients<T>(plan, head / Hkv, head % Hkv, s); });
         return;
@@ -1088,12 +1131,18 @@ void backward_passes(const BackwardProblem& bp, int num_threads) {
                                 head_tiles,
                                 row_stride,
                                 value_width};
-        const PackedKeys packed{nullptr, nullptr, nullptr, key_blocks};
-        const BackwardPlan plan{&bp, flash_plan(p), delta.data(), kernels, packed, PackedQueries{}, true, true, pairs};
+        const BackwardPlan plan{&bp, flash_plan(p), delta.data(), kernels, no_keys(key_blocks), no_queries(), true, true,
+                                pairs};
         for_each_item(B * Hkv, num_threads, tiles, [&](int64_t head, BackwardScratch&) {
             pack_key_pairs(plan, head / Hkv, head % Hkv);
             pack_query_pairs(plan, head / Hkv, head % Hkv);
         });
+        gradient_passes<T>(plan, num_threads);
+        return;
+    }
+    if (fused_pass(B * Hkv, num_threads)) {  // pass 0 inside each head's item (head_blocks)
+        const BackwardPlan plan{&bp, flash_plan(p), delta.data(), kernels, no_keys(key_blocks), no_queries(), true, false,
+                                no_pairs()};
         gradient_passes<T>(plan, num_threads);
         return;
     }
@@ -1102,11 +1151,11 @@ void backward_passes(const BackwardProblem& bp, int num_threads) {
     const int64_t packed_rows = B * Hq * Lq;  // B * Hkv heads of rows_per_group packed rows
     const PackedQueries queries{grown(buffers.query_rows, packed_rows * D), grown(buffers.query_scaled, packed_rows * D),
                                 grown(buffers.dout_rows, packed_rows * Dv)};
-    const bool fused = fused_pass(B * Hkv, num_threads);
-    const BackwardPlan plan{&bp, flash_plan(p), delta.data(), kernels, packed, queries, fused, false, no_pairs()};
+    const BackwardPlan plan{&bp, flash_plan(p), delta.data(), kernels, packed, queries, false, false, no_pairs()};
+    const int64_t rows_per_group = Hq / Hkv * Lq;
     for_each_item(B * Hkv, num_threads, tiles, [&](int64_t head, BackwardScratch&) {
         pack_keys<T>(plan, head / Hkv, head % Hkv);
-        pack_queries<T>(plan, head / Hkv, head % Hkv);
+        pack_queries<T>(plan, head / Hkv, head % Hkv, 0, rows_per_group);
     });
     gradient_passes<T>(plan, num_threads);
 }

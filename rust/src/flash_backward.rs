@@ -179,13 +179,16 @@ impl<T: Copy + Default> Grow<T> for LineVec<T> {
 /// value_panels (Dv, BACKWARD_KEY_BLOCK) at block * Dv * BACKWARD_KEY_BLOCK   V^T (dP = dO V^T)
 /// ```
 ///
-/// Keys at or past kv_lens[b] are 0 (never read from k or v).
+/// Keys at or past kv_lens[b] are 0 (never read from k or v). The fused float32 pass packs one
+/// head at a time into its thread's scratch: there head counts from first_head (0 for the call's).
+#[derive(Clone, Copy)]
 struct PackedKeys {
     keys: *mut f32,
     key_panels: *mut f32,
     value_panels: *mut f32,
     /// per head: Lk / BACKWARD_KEY_BLOCK rounded up
     key_blocks: usize,
+    first_head: usize,
 }
 
 /// Pass 0's packed query side of one call, for (b, kv_head) head = b * Hkv + kv_head and its
@@ -196,10 +199,15 @@ struct PackedKeys {
 /// query_scaled (rows, D) at row * D     Q times the Q multiplier (S = Q K^T)
 /// dout_rows    (rows, Dv) at row * Dv   dO (dP = dO V^T, dV += P^T dO)
 /// ```
+///
+/// The fused float32 pass packs a chunk of a head's rows at a time into its thread's scratch:
+/// there row counts from first_row (0 for the call's).
+#[derive(Clone, Copy)]
 struct PackedQueries {
     query_rows: *mut f32,
     query_scaled: *mut f32,
     dout_rows: *mut f32,
+    first_row: usize,
 }
 
 /// Pass 0's bfloat16 pairs of one call (the tile path), as 16-bit elements (a pair: two
@@ -234,6 +242,7 @@ struct PackedQueries {
 ///
 /// Keys at or past kv_lens[b] are 0 (never read from k or v), finite. Every width Dv above is
 /// value_width (Dv rounded up to 32; the columns past Dv are 0).
+#[derive(Clone, Copy)]
 struct PackedPairs {
     key_panels: *mut u16,
     value_panels: *mut u16,
@@ -249,6 +258,30 @@ struct PackedPairs {
     row_stride: usize,
     /// Dv rounded up to 32: the V and dO pairs' width (0 past Dv)
     value_width: usize,
+}
+
+/// No packed keys (the tile path, and the fused float32 pass, whose items pack their own), of
+/// key_blocks blocks per head.
+fn no_keys(key_blocks: usize) -> PackedKeys {
+    let null = std::ptr::null_mut();
+    PackedKeys {
+        keys: null,
+        key_panels: null,
+        value_panels: null,
+        key_blocks,
+        first_head: 0,
+    }
+}
+
+/// No packed query side (the tile path, and the fused float32 pass).
+fn no_queries() -> PackedQueries {
+    let null = std::ptr::null_mut();
+    PackedQueries {
+        query_rows: null,
+        query_scaled: null,
+        dout_rows: null,
+        first_row: 0,
+    }
 }
 
 /// No pairs (the float32 path).
@@ -272,6 +305,7 @@ fn no_pairs() -> PackedPairs {
 }
 
 /// What the items of one call share.
+#[derive(Clone, Copy)]
 struct BackwardPlan<'p, 'a> {
     problem: &'p BackwardProblem<'a>,
     /// the forward's plan: group, shapes, Q multiplier, variants' flags
@@ -317,7 +351,8 @@ unsafe fn key_block_at(
 ) -> KeyBlock {
     let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
     let kv_heads = plan.problem.forward.k.shape[1] as usize;
-    let block = (b * kv_heads + kv_head) * plan.packed.key_blocks + key_block / BACKWARD_KEY_BLOCK;
+    let block = (b * kv_heads + kv_head - plan.packed.first_head) * plan.packed.key_blocks
+        + key_block / BACKWARD_KEY_BLOCK;
     // SAFETY: forwarded; the packed keys hold every block of every head.
     unsafe {
         KeyBlock {
@@ -349,7 +384,8 @@ struct QueryRows {
 unsafe fn query_rows_at(plan: &BackwardPlan, tile: &WorkItem) -> QueryRows {
     let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
     let kv_heads = plan.problem.forward.k.shape[1] as usize;
-    let row = (tile.b * kv_heads + tile.kv_head) * plan.flash.rows_per_group + tile.row_begin;
+    let row = (tile.b * kv_heads + tile.kv_head) * plan.flash.rows_per_group + tile.row_begin
+        - plan.queries.first_row;
     // SAFETY: forwarded; the packed query side holds every packed row of every head.
     unsafe {
         QueryRows {
@@ -434,6 +470,12 @@ struct BackwardScratch {
     exact_queries: LineVec<f32>,
     exact_dout: LineVec<f32>,
     exact_keys: LineVec<f32>,
+    head_keys: LineVec<f32>,
+    head_key_panels: LineVec<f32>,
+    head_value_panels: LineVec<f32>,
+    chunk_rows: LineVec<f32>,
+    chunk_scaled: LineVec<f32>,
+    chunk_dout: LineVec<f32>,
 }
 
 /// What one thread's scratch is sized for: D, Dv, the rows of dQ sums (a tile's Q_TILE_ROWS,
@@ -447,6 +489,8 @@ struct ScratchShape {
     tiled: bool,
     /// the fused pass: a head's key blocks (key_grad, value_grad hold each's sums)
     key_blocks: usize,
+    /// the fused float32 pass: the thread packs its head's keys and a chunk's rows
+    packs: bool,
 }
 
 impl BackwardScratch {
@@ -457,6 +501,7 @@ impl BackwardScratch {
             query_grad_rows,
             tiled,
             key_blocks,
+            packs,
         } = shape;
         let tile_rows = if tiled {
             BACKWARD_TILE_ROWS
@@ -483,6 +528,15 @@ impl BackwardScratch {
         grow(&mut self.query_grad, query_grad_rows * head_dim)?;
         grow(&mut self.row_key_begin, tile_rows)?;
         grow(&mut self.row_key_end, tile_rows)?;
+        if packs {
+            let keys = key_blocks * BACKWARD_KEY_BLOCK;
+            grow(&mut self.head_keys, keys * head_dim)?;
+            grow(&mut self.head_key_panels, keys * head_dim)?;
+            grow(&mut self.head_value_panels, keys * value_dim)?;
+            grow(&mut self.chunk_rows, query_grad_rows * head_dim)?;
+            grow(&mut self.chunk_scaled, query_grad_rows * head_dim)?;
+            grow(&mut self.chunk_dout, query_grad_rows * value_dim)?;
+        }
         if !tiled {
             return Ok(());
         }
@@ -742,36 +796,51 @@ fn head_item(b: usize, kv_head: usize, rows_per_group: usize) -> WorkItem {
     }
 }
 
-/// Pass 0: the query side of (b, kv_head) into the packed query side ([`PackedQueries`]): Q, Q
-/// times the Q multiplier and dO of every packed row, converted to float32.
+/// Pass 0: the query side of packed rows [row_begin, row_end) of (b, kv_head) into the packed
+/// query side ([`PackedQueries`]): Q, Q times the Q multiplier and dO of each, converted to
+/// float32.
 ///
 /// # Safety
-/// As [`row_deltas`]; no other thread touches this head's packed query side meanwhile.
-unsafe fn pack_queries<T: Element>(plan: &BackwardPlan, b: usize, kv_head: usize) {
+/// As [`row_deltas`]; no other thread touches these rows of the packed query side meanwhile.
+unsafe fn pack_queries<T: Element>(
+    plan: &BackwardPlan,
+    b: usize,
+    kv_head: usize,
+    row_begin: usize,
+    row_end: usize,
+) {
     let bp = plan.problem;
     let p = &bp.forward;
     let (group, head_dim, value_dim) =
         (plan.flash.group, plan.flash.head_dim, plan.flash.value_dim);
-    let rows_per_group = plan.flash.rows_per_group;
-    let head = head_item(b, kv_head, rows_per_group);
-    // SAFETY: forwarded; the head's rows_per_group packed rows of D, D and Dv floats, and every
-    // (b, h, i) below is a query row, whose q and dout rows hold D and Dv elements.
+    let count = row_end - row_begin;
+    let first = WorkItem {
+        row_begin,
+        row_end,
+        ..head_item(b, kv_head, row_end)
+    };
+    // SAFETY: forwarded; the rows' count packed rows of D, D and Dv floats, and every (b, h, i)
+    // below is a query row, whose q and dout rows hold D and Dv elements.
     unsafe {
-        let rows = query_rows_at(plan, &head);
-        let query_rows = std::slice::from_raw_parts_mut(rows.rows, rows_per_group * head_dim);
-        let query_scaled = std::slice::from_raw_parts_mut(rows.scaled, rows_per_group * head_dim);
-        let dout_rows = std::slice::from_raw_parts_mut(rows.dout, rows_per_group * value_dim);
-        for packed in 0..rows_per_group {
-            let (h, i) = (kv_head * group + packed % group, packed / group);
+        let rows = query_rows_at(plan, &first);
+        let query_rows = std::slice::from_raw_parts_mut(rows.rows, count * head_dim);
+        let query_scaled = std::slice::from_raw_parts_mut(rows.scaled, count * head_dim);
+        let dout_rows = std::slice::from_raw_parts_mut(rows.dout, count * value_dim);
+        for packed in row_begin..row_end {
+            let (h, i, r) = (
+                kv_head * group + packed % group,
+                packed / group,
+                packed - row_begin,
+            );
             let q = view_row::<T>(p.q.data, &p.q.stride, b, h, i);
             for d in 0..head_dim {
                 let x = (*q.add(d)).to_f32();
-                query_rows[packed * head_dim + d] = x;
-                query_scaled[packed * head_dim + d] = x * plan.flash.q_multiplier;
+                query_rows[r * head_dim + d] = x;
+                query_scaled[r * head_dim + d] = x * plan.flash.q_multiplier;
             }
             let dout = view_row::<T>(bp.dout.data, &bp.dout.stride, b, h, i);
             for c in 0..value_dim {
-                dout_rows[packed * value_dim + c] = (*dout.add(c)).to_f32();
+                dout_rows[r * value_dim + c] = (*dout.add(c)).to_f32();
             }
         }
     }
@@ -1746,8 +1815,9 @@ unsafe fn store_query_rows<T: Element>(plan: &BackwardPlan, tile: &WorkItem, que
 /// its visible keys) over the query tiles of packed rows [rows_begin, rows_end) that see them
 /// (rows_begin a multiple of Q_TILE_ROWS: the tiles are those of the whole head's rows), in row
 /// order, into the block's float32 sums key_grad (rows of D) and value_grad (rows of Dv). With
-/// query_grads (the fused pass: the head's dQ sums, packed rows of D), also dQ += dS K of every
-/// such tile's rows, over the block's keys in order. Not on the tile path ([`key_block_tiles`]).
+/// query_grads (the fused pass: the dQ sums of packed rows from rows_base, rows of D), also
+/// dQ += dS K of every such tile's rows, over the block's keys in order. Not on the tile path
+/// ([`key_block_tiles`]).
 ///
 /// # Safety
 /// As [`row_deltas`]; this item owns these keys' sums (key_grad and value_grad: the block's n
@@ -1763,6 +1833,7 @@ unsafe fn key_block_rows(
     value_grad: *mut f32,
     s: &mut BackwardScratch,
     query_grads: *mut f32,
+    rows_base: usize,
 ) {
     let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
     let visible = keys.key_end - keys.key_begin;
@@ -1796,7 +1867,7 @@ unsafe fn key_block_rows(
             (plan.kernels.accumulate)(&key_rows(value_grad, value_dim, &s.scores, queries.dout));
             (plan.kernels.accumulate)(&key_rows(key_grad, head_dim, &s.grads, queries.rows));
             if !query_grads.is_null() {
-                let y = query_grads.add(tile_begin * head_dim);
+                let y = query_grads.add((tile_begin - rows_base) * head_dim);
                 accumulate_query_rows(plan, &tile, rows, key_block, visible, gate, s, y);
             }
         }
@@ -1860,6 +1931,7 @@ unsafe fn key_block_gradients<T: Element>(
             value_grad,
             s,
             null,
+            0,
         );
         store_key_block::<T>(plan, &keys, n, &s.key_grad, &s.value_grad);
     }
@@ -1875,24 +1947,56 @@ unsafe fn key_block_gradients<T: Element>(
 /// sum runs in the same order as key block by key block (a block's tiles in row order, a tile's
 /// blocks in key order), so the bits are the same.
 ///
+/// Pass 0 runs here, into the thread's scratch: the head's keys once, and each chunk's query
+/// side as the chunk starts, whose dQ is whole once the chunk has met every key block (stored
+/// then). So the pass keeps, per thread, one head's keys and dK, dV sums and one chunk's rows,
+/// not float32 copies of the call's every K, V, Q and dO (at N = 8192, 32 query heads on 8 KV
+/// heads, D = 128: about 20 MB a thread against 480 MB a call).
+///
 /// # Safety
-/// As [`row_deltas`]; this item owns the head's dk and dv rows and its dQ sums (query_grads:
-/// rows_per_group rows of D, outside s.key_grad and s.value_grad).
+/// As [`row_deltas`]; this item owns the head's dq, dk and dv rows; the scratch is sized for the
+/// fused float32 pass (packs).
 unsafe fn head_blocks<T: Element>(
     plan: &BackwardPlan,
     b: usize,
     kv_head: usize,
     s: &mut BackwardScratch,
-    query_grads: *mut f32,
 ) {
     let p = &plan.problem.forward;
     let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
     let (blocks, rows_per_group) = (plan.packed.key_blocks, plan.flash.rows_per_group);
+    let head = b * p.k.shape[1] as usize + kv_head;
+    // this head's packed keys and chunk: the thread's scratch, which the calls below reach only
+    // through the plan's pointers
+    let mut own = BackwardPlan {
+        packed: PackedKeys {
+            keys: s.head_keys.as_mut_ptr(),
+            key_panels: s.head_key_panels.as_mut_ptr(),
+            value_panels: s.head_value_panels.as_mut_ptr(),
+            key_blocks: blocks,
+            first_head: head,
+        },
+        ..*plan
+    };
+    // SAFETY: forwarded; the scratch holds the head's packed keys.
+    unsafe { pack_keys::<T>(&own, b, kv_head) };
     s.key_grad[..blocks * BACKWARD_KEY_BLOCK * head_dim].fill(0.0);
     s.value_grad[..blocks * BACKWARD_KEY_BLOCK * value_dim].fill(0.0);
+    let query_grads = s.query_grad.as_mut_ptr();
     let chunk_rows = BACKWARD_CHUNK_TILES * Q_TILE_ROWS;
     for chunk in (0..rows_per_group).step_by(chunk_rows) {
-        let rows_end = (chunk + chunk_rows).min(rows_per_group);
+        let chunk_end = (chunk + chunk_rows).min(rows_per_group);
+        own.queries = PackedQueries {
+            query_rows: s.chunk_rows.as_mut_ptr(),
+            query_scaled: s.chunk_scaled.as_mut_ptr(),
+            dout_rows: s.chunk_dout.as_mut_ptr(),
+            first_row: head * rows_per_group + chunk,
+        };
+        // SAFETY: forwarded; the scratch holds a chunk's packed rows and dQ sums.
+        unsafe {
+            pack_queries::<T>(&own, b, kv_head, chunk, chunk_end);
+            std::slice::from_raw_parts_mut(query_grads, (chunk_end - chunk) * head_dim).fill(0.0);
+        }
         for kb in 0..blocks {
             let (keys, _) = block_keys(p, b, kv_head, kb * BACKWARD_KEY_BLOCK);
             // SAFETY: forwarded; block kb's sums lie in the scratch's sums for every block, which
@@ -1906,27 +2010,34 @@ unsafe fn head_blocks<T: Element>(
                     .value_grad
                     .as_mut_ptr()
                     .add(kb * BACKWARD_KEY_BLOCK * value_dim);
-                let key_block = kb * BACKWARD_KEY_BLOCK;
                 key_block_rows(
-                    plan,
+                    &own,
                     &keys,
-                    key_block,
+                    kb * BACKWARD_KEY_BLOCK,
                     chunk,
-                    rows_end,
+                    chunk_end,
                     key_grad,
                     value_grad,
                     s,
                     query_grads,
+                    chunk,
                 );
             }
         }
+        let rows = WorkItem {
+            row_begin: chunk,
+            row_end: chunk_end,
+            ..head_item(b, kv_head, rows_per_group)
+        };
+        // SAFETY: forwarded; this item owns the chunk's dq rows.
+        unsafe { store_query_rows::<T>(&own, &rows, &s.query_grad) };
     }
     for kb in 0..blocks {
         let (keys, n) = block_keys(p, b, kv_head, kb * BACKWARD_KEY_BLOCK);
         let key_grad = &s.key_grad[kb * BACKWARD_KEY_BLOCK * head_dim..];
         let value_grad = &s.value_grad[kb * BACKWARD_KEY_BLOCK * value_dim..];
         // SAFETY: forwarded.
-        unsafe { store_key_block::<T>(plan, &keys, n, key_grad, value_grad) };
+        unsafe { store_key_block::<T>(&own, &keys, n, key_grad, value_grad) };
     }
 }
 
@@ -1975,22 +2086,20 @@ unsafe fn head_gradients<T: Element>(
     kv_head: usize,
     s: &mut BackwardScratch,
 ) {
+    let Some(tiles) = plan.kernels.tiles.filter(|_| plan.tiled) else {
+        // SAFETY: forwarded.
+        return unsafe { head_blocks::<T>(plan, b, kv_head, s) };
+    };
     let head_dim = plan.flash.head_dim;
     let rows_per_group = plan.flash.rows_per_group;
     s.query_grad[..rows_per_group * head_dim].fill(0.0);
     let query_grads = s.query_grad.as_mut_ptr();
-    let tiles = plan.kernels.tiles.filter(|_| plan.tiled);
-    // SAFETY: forwarded; the scratch holds the head's rows_per_group rows of dQ sums (the fused
-    // pass's for_each_item; head_rows on the tile path), which key_block_gradients reaches only
-    // through query_grads.
+    // SAFETY: forwarded; the scratch holds the head's head_rows rows of dQ sums (the fused pass's
+    // for_each_item), which head_tiles reaches only through query_grads.
     unsafe {
-        if let Some(tiles) = tiles {
-            (tiles.begin)();
-            head_tiles::<T>(plan, b, kv_head, s, query_grads);
-            (tiles.end)();
-        } else {
-            head_blocks::<T>(plan, b, kv_head, s, query_grads);
-        }
+        (tiles.begin)();
+        head_tiles::<T>(plan, b, kv_head, s, query_grads);
+        (tiles.end)();
         let head = head_item(b, kv_head, rows_per_group);
         store_query_rows::<T>(plan, &head, &s.query_grad);
     }
@@ -2029,6 +2138,7 @@ unsafe fn backward_passes<T: Element>(
         query_grad_rows: Q_TILE_ROWS,
         tiled: false,
         key_blocks: 1,
+        packs: false,
     };
     for_each_item(batch * q_heads, threads, tiles, |head, s| {
         // SAFETY: item `head` writes only its own Lq floats of delta; the problem is checked.
@@ -2076,23 +2186,13 @@ unsafe fn backward_passes<T: Element>(
                 row_stride,
                 value_width,
             };
-            let null = std::ptr::null_mut();
             let plan = BackwardPlan {
                 problem: bp,
                 flash: flash_plan(p),
                 row_delta: delta.as_ptr(),
                 kernels,
-                packed: PackedKeys {
-                    keys: null,
-                    key_panels: null,
-                    value_panels: null,
-                    key_blocks,
-                },
-                queries: PackedQueries {
-                    query_rows: null,
-                    query_scaled: null,
-                    dout_rows: null,
-                },
+                packed: no_keys(key_blocks),
+                queries: no_queries(),
                 fused: true,
                 tiled: true,
                 pairs,
@@ -2108,11 +2208,28 @@ unsafe fn backward_passes<T: Element>(
             // SAFETY: forwarded.
             return unsafe { gradient_passes::<T>(&plan, threads) };
         }
+        if fused_pass(batch * kv_heads, threads) {
+            // pass 0 inside each head's item (head_blocks)
+            let plan = BackwardPlan {
+                problem: bp,
+                flash: flash_plan(p),
+                row_delta: delta.as_ptr(),
+                kernels,
+                packed: no_keys(key_blocks),
+                queries: no_queries(),
+                fused: true,
+                tiled: false,
+                pairs: no_pairs(),
+            };
+            // SAFETY: forwarded.
+            return unsafe { gradient_passes::<T>(&plan, threads) };
+        }
         let packed = PackedKeys {
             keys: grown(&mut buffers.keys, packed_keys * head_dim)?,
             key_panels: grown(&mut buffers.key_panels, packed_keys * head_dim)?,
             value_panels: grown(&mut buffers.value_panels, packed_keys * value_dim)?,
             key_blocks,
+            first_head: 0,
         };
         // B * Hkv heads of rows_per_group packed rows
         let packed_rows = batch * q_heads * q_len;
@@ -2120,6 +2237,7 @@ unsafe fn backward_passes<T: Element>(
             query_rows: grown(&mut buffers.query_rows, packed_rows * head_dim)?,
             query_scaled: grown(&mut buffers.query_scaled, packed_rows * head_dim)?,
             dout_rows: grown(&mut buffers.dout_rows, packed_rows * value_dim)?,
+            first_row: 0,
         };
         let plan = BackwardPlan {
             problem: bp,
@@ -2128,16 +2246,17 @@ unsafe fn backward_passes<T: Element>(
             kernels,
             packed,
             queries,
-            fused: fused_pass(batch * kv_heads, threads),
+            fused: false,
             tiled: false,
             pairs: no_pairs(),
         };
+        let rows_per_group = q_heads / kv_heads * q_len;
         for_each_item(batch * kv_heads, threads, tiles, |head, _| {
             // SAFETY: item `head` packs only its own head's blocks and rows; the problem is
             // checked.
             unsafe {
                 pack_keys::<T>(&plan, head / kv_heads, head % kv_heads);
-                pack_queries::<T>(&plan, head / kv_heads, head % kv_heads);
+                pack_queries::<T>(&plan, head / kv_heads, head % kv_heads, 0, rows_per_group);
             }
         })?;
         // SAFETY: forwarded.
@@ -2163,6 +2282,7 @@ unsafe fn gradient_passes<T: Element>(
         query_grad_rows: Q_TILE_ROWS,
         tiled: false,
         key_blocks: 1,
+        packs: false,
     };
     if plan.fused {
         // 2 and 3 in one, per head (the tile path: its rows rounded up to 32)
@@ -2175,8 +2295,9 @@ unsafe fn gradient_passes<T: Element>(
                 ..tiles
             },
             false => ScratchShape {
-                query_grad_rows: rows_per_group,
+                query_grad_rows: BACKWARD_CHUNK_TILES * Q_TILE_ROWS,
                 key_blocks,
+                packs: true,
                 ..tiles
             },
         };

@@ -34,6 +34,7 @@ use crate::problem::{AttentionProblem, ElementType, MaskKind};
 use crate::simd::Vector;
 
 /// What every work item of one call shares (built by flash_attention.rs).
+#[derive(Clone, Copy)]
 pub struct FlashPlan<'p, 'a> {
     pub problem: &'p AttentionProblem<'a>,
     /// G = Hq / Hkv
