@@ -1583,12 +1583,12 @@ def test_port_gap_line_names_the_cases_where_the_ports_differ_by_more_than_10_pe
 
 def test_machine_targets_table() -> None:
     rows = [{"case": "prefill-causal/N=2048", "dtype": "float32", "backend": "cpp", "status": "ok", "peak_fraction": 0.82},
-            {"case": "decode/N=32768", "dtype": "int8", "backend": "rust", "status": "ok", "read_fraction": 0.63},
+            {"case": "decode/N=32768", "dtype": "bfloat16", "backend": "rust", "status": "ok", "read_fraction": 0.765},
             {"case": "decode/N=32768", "dtype": "float16", "backend": "torch", "status": "ok", "read_fraction": 0.2}]
     lines = bench_report.targets_table(rows, bench_report.MACHINE_TARGETS).splitlines()
     assert len(lines) == 2
     assert "of the FMA peak" in lines[0] and "82%" in lines[0] and lines[0].endswith(": met")
-    assert "int8" in lines[1] and "63%" in lines[1] and "(>= 70%)" in lines[1] and lines[1].endswith("missed by 10%")
+    assert "bfloat16" in lines[1] and "76%" in lines[1] and "(>= 85%)" in lines[1] and lines[1].endswith("missed by 10%")
 
 
 def test_training_targets_table() -> None:

@@ -230,9 +230,10 @@ CallerBuffers& caller_buffers() {
     return buffers;
 }
 
-// What one thread's scratch is sized for: D, Dv, the rows of dQ sums (a tile's kQTileRows,
-// or a head's rows_per_group in the fused pass, rounded up to 32 on the tile path), and whether
-// the tile path runs (its rows per tile are kBackwardTileRows).
+// What one thread's scratch is sized for: D, Dv, the rows of dQ sums (a tile's kQTileRows; in
+// the fused pass a chunk's kBackwardChunkTiles kQTileRows, or on the tile path a head's
+// rows_per_group rounded up to 32), and whether the tile path runs (its rows per tile are
+// kBackwardTileRows).
 struct ScratchShape {
     int64_t head_dim, value_dim, query_grad_rows;
     bool tiled = false;
@@ -246,8 +247,11 @@ struct ScratchShape {
 //   row_key_begin, row_key_end        each row's visible key range
 //   scores, capped, grads (kQTileRows, kKeyBlock): S then P; tanh of the softcap; scale * dS
 //   key_grad, value_grad (kBackwardKeyBlock, D / Dv) per key block (one, or in the fused pass
-//   each of the head's), query_grad (query_grad_rows, D): float32 sums (query_grad_rows: a
-//   tile's kQTileRows, or a head's rows_per_group in the fused pass)
+//   each of the head's), query_grad (query_grad_rows, D): float32 sums (ScratchShape)
+// and in the fused float32 pass (packs), pass 0's copies of one head's keys and one chunk's rows
+// (PackedKeys, PackedQueries, from first_head and first_row):
+//   head_keys, head_key_panels, head_value_panels   the head's K rows, K^T, V^T
+//   chunk_rows, chunk_scaled, chunk_dout            the chunk's Q, Q times the multiplier, dO
 // and on the tile path (tiles of kBackwardTileRows rows, so the rows above are that many; key_grad
 // and value_grad hold dK^T and dV^T of each of the head's key blocks, (D / Dv, kBackwardKeyBlock)
 // per block):
@@ -1030,7 +1034,8 @@ void query_tile_gradients(const BackwardPlan& plan, const WorkItem& tile, Backwa
 }
 
 // The fused pass (2 and 3 in one item): dK and dV of every key block of (b, kv_head), blocks in
-// order, each tile's dQ summed into the head's dQ sums (s.query_grad) as it goes. Every
+// order (head_blocks, head_tiles: by chunks of rows), each tile's dQ summed into float32 dQ sums
+// (s.query_grad) as it goes. Every
 // element is the same fma chain as in passes 2 and 3 (keys ascending for dQ: blocks in order,
 // each block's keys in order), so the results are the same bits; S and dP are computed once
 // instead of twice.

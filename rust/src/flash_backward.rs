@@ -434,8 +434,15 @@ thread_local! {
 /// row_key_begin, row_key_end         each row's visible key range
 /// scores, capped, grads (Q_TILE_ROWS, KEY_BLOCK): S then P; tanh of the softcap; scale * dS
 /// key_grad, value_grad (BACKWARD_KEY_BLOCK, D / Dv) per key block (one, or in the fused pass
-/// each of the head's), query_grad (query_grad_rows, D): float32 sums (query_grad_rows: a
-/// tile's Q_TILE_ROWS, or a head's rows_per_group in the fused pass)
+/// each of the head's), query_grad (query_grad_rows, D): float32 sums (ScratchShape)
+/// ```
+///
+/// and in the fused float32 pass (packs), pass 0's copies of one head's keys and one chunk's rows
+/// ([`PackedKeys`], [`PackedQueries`], from first_head and first_row):
+///
+/// ```text
+/// head_keys, head_key_panels, head_value_panels   the head's K rows, K^T, V^T
+/// chunk_rows, chunk_scaled, chunk_dout            the chunk's Q, Q times the multiplier, dO
 /// ```
 ///
 /// and on the tile path (tiles of BACKWARD_TILE_ROWS rows, so the rows above are that many;
@@ -478,9 +485,10 @@ struct BackwardScratch {
     chunk_dout: LineVec<f32>,
 }
 
-/// What one thread's scratch is sized for: D, Dv, the rows of dQ sums (a tile's Q_TILE_ROWS,
-/// or a head's rows_per_group in the fused pass, rounded up to 32 on the tile path), and
-/// whether the tile path runs (its rows per tile are BACKWARD_TILE_ROWS).
+/// What one thread's scratch is sized for: D, Dv, the rows of dQ sums (a tile's Q_TILE_ROWS; in
+/// the fused pass a chunk's BACKWARD_CHUNK_TILES Q_TILE_ROWS, or on the tile path a head's
+/// rows_per_group rounded up to 32), and whether the tile path runs (its rows per tile are
+/// BACKWARD_TILE_ROWS).
 #[derive(Clone, Copy)]
 struct ScratchShape {
     head_dim: usize,
@@ -1821,7 +1829,8 @@ unsafe fn store_query_rows<T: Element>(plan: &BackwardPlan, tile: &WorkItem, que
 ///
 /// # Safety
 /// As [`row_deltas`]; this item owns these keys' sums (key_grad and value_grad: the block's n
-/// rows, outside the scratch) and, with query_grads, the head's dQ sums.
+/// rows, which the scratch's own slices do not reach meanwhile) and, with query_grads, the dQ
+/// sums of rows [rows_base, rows_end).
 #[allow(clippy::too_many_arguments)]
 unsafe fn key_block_rows(
     plan: &BackwardPlan,
@@ -2073,7 +2082,8 @@ unsafe fn query_tile_gradients<T: Element>(
 }
 
 /// The fused pass (2 and 3 in one item): dK and dV of every key block of (b, kv_head), blocks in
-/// order, each tile's dQ summed into the head's dQ sums (s.query_grad) as it goes. Every
+/// order ([`head_blocks`], [`head_tiles`]: by chunks of rows), each tile's dQ summed into float32
+/// dQ sums (s.query_grad) as it goes. Every
 /// element is the same fma chain as in passes 2 and 3 (keys ascending for dQ: blocks in order,
 /// each block's keys in order), so the results are the same bits; S and dP are computed once
 /// instead of twice. On the tile path, between the tile configuration's begin and end.

@@ -354,9 +354,7 @@ TARGETS = (
     ("prefill-causal/N=2048", "bfloat16", "speedup_vs_torch", 2.2, "vs torch bfloat16"),
     ("prefill-causal/N=2048", "float16", "speedup_vs_float32", 1.0, "vs its float32"),
     ("decode/N=32768", "bfloat16", "speedup_vs_float32", 1.8, "vs its float32"),
-    ("decode/N=32768", "bfloat16", "read_fraction", 0.8, "of the read bandwidth"),
     ("decode/N=32768", "float16", "speedup_vs_float32", 1.8, "vs its float32"),
-    ("decode/N=32768", "float16", "read_fraction", 0.8, "of the read bandwidth"),
 )
 # the int8 K/V targets (bytes read = int8 payload + float32 scales); "ports within 10% on every
 # int8 case" is int8_port_lines'
@@ -369,13 +367,13 @@ INT8_TARGETS = (
 PORT_GAP = 0.10  # C++ and Rust within 10% of each other on every case (int8 too)
 # the targets at the machine's limits: prefill against the arithmetic peak of its path (float32:
 # FMA; bfloat16 on the dot path: VDPBF16PS), decode against the read bandwidth measured beside it
+# (int8's, 75%, is among INT8_TARGETS)
 MACHINE_TARGETS = (
     ("prefill-causal/N=2048", "float32", "peak_fraction", 0.80, "of the FMA peak"),
     ("prefill-causal/N=2048", "bfloat16", "peak_fraction", 0.75, "of its path's peak"),
     ("decode/N=32768", "float32", "read_fraction", 0.85, "of the read bandwidth"),
     ("decode/N=32768", "float16", "read_fraction", 0.85, "of the read bandwidth"),
     ("decode/N=32768", "bfloat16", "read_fraction", 0.85, "of the read bandwidth"),
-    ("decode/N=32768", "int8", "read_fraction", 0.70, "of the read bandwidth"),
 )
 # the training targets: forward and backward against torch's SDPA forward and backward, and the
 # backward alone against the float32 FMA peak
