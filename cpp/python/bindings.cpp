@@ -608,6 +608,7 @@ py::dict build_info() {
     constants["key_block"] = kKeyBlock;
     constants["key_panel"] = kKeyPanel;
     constants["split_key_chunk"] = kSplitKeyChunk;
+    constants["prefill_pack_bytes"] = kPrefillPackBytes;
     constants["pool_spin_microseconds"] = kPoolSpinMicroseconds;
     constants["serial_work"] = kSerialWork;
     constants["direct_score_rows"] = kDirectScoreRows;

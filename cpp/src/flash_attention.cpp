@@ -7,13 +7,14 @@
 // rows_per_group = Lq * G packed rows per (b, kv_head) (flash_kernel.hpp).
 //
 //   1. Plan: rows_per_group > kQTileRows -> prefill (tiles of packed rows), else split-key.
-//   2. Prefill: pack K^T panels of every (b, kv_head) once (parallel), then the tiles
+//   2. Prefill: in waves of (b, kv_head) groups whose panels fit in kPrefillPackBytes (at
+//      least one group), pack the wave's K^T (and V) panels once (parallel), then its tiles
 //      (b, kv_head, tile) most expensive first, each against all of its visible keys.
 //   6. Split-key: items (b, kv_head, chunk of kSplitKeyChunk keys) write partial (m, l, O);
 //      a second parallel pass merges each group's partials by log-sum-exp (merge_partials). A
 //      group with one chunk writes out directly.
 // Buffers: per-thread scratch (thread_local, grown on demand, reused across calls) and, on the
-// calling thread, the packed K and the partials (thread_local too, so concurrent callers on
+// calling thread, one wave's packed K and V and the partials (thread_local too, so concurrent callers on
 // different threads never share them).
 #include "twinattn/flash_attention.hpp"
 
@@ -245,10 +246,13 @@ struct PlanLayout {
     bool pairs;                      // prefill by bfloat16 dot products (avx512bf16)
     int64_t panel_size;              // floats (or pairs) per K panel
     int64_t keys_per_head;           // panels_per_head * kKeyPanel
-    int64_t packed_at, values_at, finite_at;  // offsets of its parts of the prefill buffers
-    float* packed;                   // its part of them (plan.packed_keys, writeable)
-    int64_t value_panels_at;         // the float32 V panels (not the pair path): offset, its part
-    float* value_panels;
+    // What one head takes of the wave buffers (step 2): K^T panel floats (or pairs); the pair
+    // path's V pairs and finite flags (0 elsewhere; the float32 V panels: plan.value_head_floats).
+    int64_t head_floats, head_value_pairs, head_flags;
+    // The plan's part of the current wave's buffers (plan.packed_keys etc., writeable): its heads
+    // in the wave from plan.first_packed_head on.
+    float* packed;
+    float* value_panels;             // the float32 V panels (not the pair path)
     uint32_t* packed_values;
     unsigned char* value_finite;
     std::vector<int64_t> slot_base;  // split-key: first slot of (b, kv_head 0), B + 1 entries
@@ -286,14 +290,23 @@ void layout_prefill(FlashPlan& plan, const FlashKernels& kernels, PlanLayout& la
     layout.panel_size = (layout.pairs ? ceil_div(plan.head_dim, 2) : plan.head_dim) * kKeyPanel;
     layout.keys_per_head = plan.panels_per_head * kKeyPanel;
     plan.value_head_floats = layout.pairs ? 0 : ceil_div(plan.value_dim, kValuePanel) * layout.keys_per_head * kValuePanel;
+    layout.head_floats = plan.panels_per_head * layout.panel_size;
+    layout.head_value_pairs = layout.pairs ? layout.keys_per_head / 2 * plan.value_stride : 0;
+    layout.head_flags = layout.pairs ? layout.keys_per_head : 0;
+}
+
+// The bytes one head of a prefill plan takes of the wave buffers.
+int64_t head_bytes(const FlashPlan& plan, const PlanLayout& layout) {
+    return static_cast<int64_t>(sizeof(float)) * (layout.head_floats + plan.value_head_floats) +
+           static_cast<int64_t>(sizeof(uint32_t)) * layout.head_value_pairs + layout.head_flags;
 }
 
 // Packs the panels of (b, kv_head) that some row may see: from the first row's window start
-// (rounded down to a panel) to the last row's visible end.
+// (rounded down to a panel) to the last row's visible end. Its wave holds the head.
 void pack_head(const FlashPlan& plan, const FlashKernels& kernels, const PlanLayout& layout, int64_t b,
                int64_t kv_head) {
     const AttentionProblem& p = *plan.problem;
-    const int64_t head = b * p.k.shape[1] + kv_head;
+    const int64_t head = b * p.k.shape[1] + kv_head - plan.first_packed_head;
     int64_t key_begin, key_end, unused;
     flash_row_key_range(p, b, plan.group, 0, &key_begin, &unused);
     flash_row_key_range(p, b, plan.group, plan.rows_per_group - 1, &unused, &key_end);
@@ -452,9 +465,10 @@ struct Group {
     int64_t b, kv_head;
 };
 
-// Runs every problem of a call (none empty): the K^T panels of every prefill plan (one parallel
-// pass), then the work items of all plans together (one parallel pass), then the merge of every
-// split group (one parallel pass).
+// Runs every problem of a call (none empty): the prefill plans' (b, kv_head) groups in waves
+// (step 2: a wave's K^T and V panels packed in one parallel pass, then its tiles in another; the
+// split-key items run with the first wave), then the merge of every split group (one parallel
+// pass).
 void run_problems(const std::vector<AttentionProblem>& problems, const std::vector<CascadePart>& cascade,
                   const FlashKernels& kernels, int num_threads) {
     double work = 0.0;
@@ -465,27 +479,21 @@ void run_problems(const std::vector<AttentionProblem>& problems, const std::vect
     plans.reserve(problems.size());
     for (const AttentionProblem& p : problems) plans.push_back(flash_plan(p));
 
-    // Buffers: every plan's part of the packed K (and V pairs), of the partials.
-    int64_t packed_floats = 0, value_pairs = 0, finite_flags = 0, partial_rows = 0, partial_floats = 0;
-    int64_t value_panel_floats = 0;
+    // The prefill groups to pack, in call order, and every split plan's part of the partials.
+    std::vector<Group> pack_groups;
+    std::vector<size_t> first_group(plans.size(), 0);  // a prefill plan's first in pack_groups
+    int64_t partial_rows = 0, partial_floats = 0;
     for (size_t i = 0; i < plans.size(); ++i) {
         FlashPlan& plan = plans[i];
         PlanLayout& layout = layouts[i];
-        const int64_t heads = plan.problem->q.shape[0] * plan.problem->k.shape[1];
+        const int64_t B = plan.problem->q.shape[0], Hkv = plan.problem->k.shape[1];
         if (!cascade.empty()) layout.cascade = cascade[i];
         layout.prefill = plan.rows_per_group > kQTileRows && !layout.cascade.shared;
         if (layout.prefill) {
             layout_prefill(plan, kernels, layout);
-            layout.packed_at = packed_floats;
-            packed_floats += heads * plan.panels_per_head * layout.panel_size;
-            layout.values_at = value_pairs;
-            layout.finite_at = finite_flags;
-            layout.value_panels_at = value_panel_floats;
-            value_panel_floats += heads * plan.value_head_floats;
-            if (layout.pairs) {
-                value_pairs += heads * layout.keys_per_head / 2 * plan.value_stride;
-                finite_flags += heads * layout.keys_per_head;
-            }
+            first_group[i] = pack_groups.size();
+            for (int64_t b = 0; b < B; ++b)
+                for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head) pack_groups.push_back(Group{i, b, kv_head});
         } else {
             split_key_items(plan, layout, nullptr);
             layout.partial_at = partial_rows;
@@ -493,6 +501,38 @@ void run_problems(const std::vector<AttentionProblem>& problems, const std::vect
             partial_floats += layout.slot_base.back() * plan.rows_per_group * plan.value_dim;
         }
     }
+
+    // 2. Waves: consecutive groups, as many as fit in kPrefillPackBytes (at least one), groups
+    // [wave_begin[w], wave_begin[w + 1]); the buffers hold the largest. With no prefill group, one
+    // empty wave (the split-key items').
+    std::vector<size_t> wave_begin{0};
+    std::vector<size_t> wave_of_group(pack_groups.size(), 0);
+    int64_t packed_floats = 0, value_panel_floats = 0, value_pairs = 0, finite_flags = 0;
+    {
+        int64_t bytes = 0, floats = 0, panel_floats = 0, pairs = 0, flags = 0;
+        for (size_t g = 0; g < pack_groups.size(); ++g) {
+            const FlashPlan& plan = plans[pack_groups[g].plan];
+            const PlanLayout& layout = layouts[pack_groups[g].plan];
+            const int64_t head = head_bytes(plan, layout);
+            if (g > wave_begin.back() && bytes + head > kPrefillPackBytes) {
+                wave_begin.push_back(g);
+                bytes = floats = panel_floats = pairs = flags = 0;
+            }
+            bytes += head;
+            floats += layout.head_floats;
+            panel_floats += plan.value_head_floats;
+            pairs += layout.head_value_pairs;
+            flags += layout.head_flags;
+            packed_floats = std::max(packed_floats, floats);
+            value_panel_floats = std::max(value_panel_floats, panel_floats);
+            value_pairs = std::max(value_pairs, pairs);
+            finite_flags = std::max(finite_flags, flags);
+            wave_of_group[g] = wave_begin.size() - 1;
+        }
+        wave_begin.push_back(pack_groups.size());
+    }
+    const size_t waves = wave_begin.size() - 1;
+
     CallerBuffers& buffers = caller_buffers();
     // (at least one element each: a prefill plan's packed_keys is never null, even with Lk = 0)
     float* packed = buffers.packed_keys.ensure(std::max<int64_t>(packed_floats, 1));
@@ -502,28 +542,13 @@ void run_problems(const std::vector<AttentionProblem>& problems, const std::vect
     float* partial_out = partial_rows > 0 ? buffers.partial_out.ensure(std::max<int64_t>(partial_floats, 1)) : nullptr;
     float* partial_max = partial_rows > 0 ? buffers.partial_max.ensure(partial_rows) : nullptr;
     float* partial_sum = partial_rows > 0 ? buffers.partial_sum.ensure(partial_rows) : nullptr;
-    std::vector<Group> pack_groups, merge_groups;
+    std::vector<Group> merge_groups;
     int64_t partial_floats_at = 0;
     for (size_t i = 0; i < plans.size(); ++i) {
         FlashPlan& plan = plans[i];
         PlanLayout& layout = layouts[i];
         const int64_t B = plan.problem->q.shape[0], Hkv = plan.problem->k.shape[1];
-        if (layout.prefill) {
-            layout.packed = packed + layout.packed_at;
-            plan.packed_keys = layout.packed;
-            if (!layout.pairs) {
-                layout.value_panels = value_panels + layout.value_panels_at;
-                plan.value_panels = layout.value_panels;
-            }
-            if (layout.pairs) {
-                layout.packed_values = packed_values + layout.values_at;
-                layout.value_finite = value_finite + layout.finite_at;
-                plan.packed_values = layout.packed_values;
-                plan.value_finite = layout.value_finite;
-            }
-            for (int64_t b = 0; b < B; ++b)
-                for (int64_t kv_head = 0; kv_head < Hkv; ++kv_head) pack_groups.push_back(Group{i, b, kv_head});
-        } else if (layout.slot_base.back() > 0) {
+        if (!layout.prefill && layout.slot_base.back() > 0) {
             plan.partial_out = partial_out + partial_floats_at;
             plan.partial_max = partial_max + layout.partial_at;
             plan.partial_sum = partial_sum + layout.partial_at;
@@ -536,22 +561,55 @@ void run_problems(const std::vector<AttentionProblem>& problems, const std::vect
                     merge_groups.push_back(Group{i, b, kv_head});
     }
 
-    // 2. The K^T panels of every prefill group.
-    if (!pack_groups.empty())
-        parallel_for(static_cast<int64_t>(pack_groups.size()), num_threads, [&](int64_t index, int) {
-            const Group& group = pack_groups[static_cast<size_t>(index)];
-            pack_head(plans[group.plan], kernels, layouts[group.plan], group.b, group.kv_head);
-        });
-
-    // 2 and 6. Every plan's work items, in one pass.
-    std::vector<CostedItem> items;
+    // 2 and 6. Every plan's work items, each prefill tile in its group's wave.
+    std::vector<std::vector<CostedItem>> wave_items(waves);
     for (size_t i = 0; i < plans.size(); ++i) {
-        if (layouts[i].prefill)
-            prefill_items(plans[i], items);
-        else
-            split_key_items(plans[i], layouts[i], &items);
+        if (!layouts[i].prefill) {
+            split_key_items(plans[i], layouts[i], &wave_items[0]);
+            continue;
+        }
+        std::vector<CostedItem> items;
+        prefill_items(plans[i], items);
+        const int64_t Hkv = plans[i].problem->k.shape[1];
+        for (const CostedItem& costed : items)
+            wave_items[wave_of_group[first_group[i] + static_cast<size_t>(costed.item.b * Hkv + costed.item.kv_head)]]
+                .push_back(costed);
     }
-    run_items(kernels, items, num_threads);
+    for (size_t w = 0; w < waves; ++w) {
+        // The wave's groups laid out in order: each plan's heads in it are consecutive, from the
+        // first one's b * Hkv + kv_head (plan.first_packed_head).
+        int64_t floats_at = 0, panel_floats_at = 0, pairs_at = 0, flags_at = 0;
+        for (size_t g = wave_begin[w]; g < wave_begin[w + 1]; ++g) {
+            const Group& group = pack_groups[g];
+            FlashPlan& plan = plans[group.plan];
+            PlanLayout& layout = layouts[group.plan];
+            if (g == wave_begin[w] || pack_groups[g - 1].plan != group.plan) {
+                plan.first_packed_head = group.b * plan.problem->k.shape[1] + group.kv_head;
+                layout.packed = packed + floats_at;
+                plan.packed_keys = layout.packed;
+                if (layout.pairs) {
+                    layout.packed_values = packed_values + pairs_at;
+                    layout.value_finite = value_finite + flags_at;
+                    plan.packed_values = layout.packed_values;
+                    plan.value_finite = layout.value_finite;
+                } else {
+                    layout.value_panels = value_panels + panel_floats_at;
+                    plan.value_panels = layout.value_panels;
+                }
+            }
+            floats_at += layout.head_floats;
+            panel_floats_at += plan.value_head_floats;
+            pairs_at += layout.head_value_pairs;
+            flags_at += layout.head_flags;
+        }
+        // 2. The wave's K^T (and V) panels, then its tiles (and, in the first, every split-key item).
+        if (wave_begin[w + 1] > wave_begin[w])
+            parallel_for(static_cast<int64_t>(wave_begin[w + 1] - wave_begin[w]), num_threads, [&](int64_t index, int) {
+                const Group& group = pack_groups[wave_begin[w] + static_cast<size_t>(index)];
+                pack_head(plans[group.plan], kernels, layouts[group.plan], group.b, group.kv_head);
+            });
+        run_items(kernels, wave_items[w], num_threads);
+    }
     if (merge_groups.empty()) return;
 
     // 6. Merge, in chunk order.

@@ -161,7 +161,7 @@ struct PairKernel : flash::Kernel<V, BFloat16> {
         // 3. Key blocks, as the float32 kernel.
         const int64_t key_stop =
             s.row_key_end[rows - 1] < item.key_end ? s.row_key_end[rows - 1] : item.key_end;
-        const int64_t head = b * p.k.shape[1] + item.kv_head;
+        const int64_t head = b * p.k.shape[1] + item.kv_head - plan.first_packed_head;  // in the wave
         const int64_t keys_per_head = plan.panels_per_head * kKeyPanel;
         const uint32_t* k_head_panels =
             reinterpret_cast<const uint32_t*>(plan.packed_keys) + head * plan.panels_per_head * D2 * kKeyPanel;

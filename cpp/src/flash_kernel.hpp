@@ -49,24 +49,26 @@ struct FlashPlan {
     float softcap_multiplier;
     bool has_alibi;  // -slope[b, h] * log2(e) * |p - j| added by index arithmetic
     bool has_sinks;  // the sink enters m and l once per row (docs/kernels.md, "Sinks")
-    // Prefill: the K^T panels of every (b, kv_head), panels_per_head panels each, panel p of
-    // (b, kv_head) at packed_keys + ((b * Hkv + kv_head) * panels_per_head + p) * D * kKeyPanel.
-    // nullptr on the split-key path (each item packs its own blocks).
+    // Prefill: the K^T panels of the heads of one wave (flash_attention.cpp, step 2), head
+    // (b, kv_head) at index head = b * Hkv + kv_head - first_packed_head of the packed buffers
+    // below, panels_per_head panels each, panel p at packed_keys + (head * panels_per_head + p) *
+    // D * kKeyPanel. nullptr on the split-key path (each item packs its own blocks).
     const float* packed_keys;
     int64_t panels_per_head;
-    // Prefill, except the pair path: the V panels of every (b, kv_head), float32 (converted
+    int64_t first_packed_head;
+    // Prefill, except the pair path: the V panels of the wave's heads, float32 (converted
     // exactly; int8 unscaled: v_scale multiplies P), ceil(Dv / kValuePanel) panels of
-    // panels_per_head * kKeyPanel keys x kValuePanel columns each, key j, column c of (b, kv_head)
-    // at value_panels + (b * Hkv + kv_head) * value_head_floats + (c / kValuePanel) *
+    // panels_per_head * kKeyPanel keys x kValuePanel columns each, key j, column c of head
+    // at value_panels + head * value_head_floats + (c / kValuePanel) *
     // panels_per_head * kKeyPanel * kValuePanel + j * kValuePanel + c % kValuePanel. nullptr
     // elsewhere (P.V reads V rows in place).
     const float* value_panels;
     int64_t value_head_floats;
     // The bfloat16 dot-product path (avx512bf16, prefill; docs/kernels.md, "Reduced precision"),
-    // else nullptr: packed_keys then holds K pair panels, (b, kv_head) at
-    // ((b * Hkv + kv_head) * panels_per_head) * ceil(D / 2) * kKeyPanel pairs; packed_values the V
-    // pair panels, key pair kp of (b, kv_head) at ((b * Hkv + kv_head) * panels_per_head *
-    // kKeyPanel / 2 + kp) * value_stride pairs; value_finite one byte per key of each (b, kv_head)
+    // else nullptr: packed_keys then holds K pair panels, head at
+    // (head * panels_per_head) * ceil(D / 2) * kKeyPanel pairs; packed_values the V
+    // pair panels, key pair kp of head at (head * panels_per_head *
+    // kKeyPanel / 2 + kp) * value_stride pairs; value_finite one byte per key of each head
     // (panels_per_head * kKeyPanel), 1 when every value of that key's V row is finite.
     const uint32_t* packed_values;
     const unsigned char* value_finite;
@@ -736,7 +738,8 @@ struct Kernel {
         const float* k_head_panels =
             plan.packed_keys == nullptr
                 ? nullptr
-                : plan.packed_keys + (b * p.k.shape[1] + item.kv_head) * plan.panels_per_head * D * kKeyPanel;
+                : plan.packed_keys +
+                      (b * p.k.shape[1] + item.kv_head - plan.first_packed_head) * plan.panels_per_head * D * kKeyPanel;
         // Split-key groups of few rows read K in place (3a'); the others pack K^T panels.
         const bool direct = plan.packed_keys == nullptr && rows <= kDirectScoreRows;
         // The direct path's read-ahead: kDecodeNearPrefetchBytes and kDecodePrefetchBytes of K rows.
@@ -797,7 +800,7 @@ struct Kernel {
                     block_values<false>(s.scores, rows, n, values, out, out_stride, width, s.rescale, value_ahead);
             };
             if (plan.value_panels != nullptr) {
-                const ValuePanels values{plan.value_panels + (b * p.k.shape[1] + item.kv_head) * plan.value_head_floats +
+                const ValuePanels values{plan.value_panels + (b * p.k.shape[1] + item.kv_head - plan.first_packed_head) * plan.value_head_floats +
                                              key_block * kValuePanel,
                                          plan.panels_per_head * kKeyPanel * kValuePanel};
                 for (int64_t column = 0; column < Dv; column += kValuePanel)

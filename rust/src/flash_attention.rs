@@ -6,14 +6,15 @@
 //! packed into one set of rows_per_group = Lq * G rows per (b, kv_head) (flash_kernel.rs).
 //!
 //!   1. Plan: rows_per_group > Q_TILE_ROWS -> prefill (tiles of packed rows), else split-key.
-//!   2. Prefill: pack K^T panels of every (b, kv_head) once (parallel), then the tiles
+//!   2. Prefill: in waves of (b, kv_head) groups whose panels fit in PREFILL_PACK_BYTES (at
+//!      least one group), pack the wave's K^T (and V) panels once (parallel), then its tiles
 //!      (b, kv_head, tile) most expensive first, each against all of its visible keys.
 //!   6. Split-key: items (b, kv_head, chunk of SPLIT_KEY_CHUNK keys) write partial (m, l, O);
 //!      a second parallel pass merges each group's partials by log-sum-exp (merge_partials). A
 //!      group with one chunk writes out directly.
 //!
 //! Buffers: per-thread scratch (thread-local, grown on demand, reused across calls) and, on the
-//! calling thread, the packed K and the partials (thread-local too, so concurrent callers on
+//! calling thread, one wave's packed K and V and the partials (thread-local too, so concurrent callers on
 //! different threads never share them).
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
@@ -22,7 +23,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::LocalKey;
 
 use crate::constants::{
-    KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, Q_TILE_ROWS, SERIAL_WORK, SPLIT_KEY_CHUNK, VALUE_PANEL,
+    KEY_BLOCK, KEY_PANEL, LN2, LOG2_E, PREFILL_PACK_BYTES, Q_TILE_ROWS, SERIAL_WORK,
+    SPLIT_KEY_CHUNK, VALUE_PANEL,
 };
 use crate::dispatch::current_kernels;
 use crate::element::{BFloat16, Element, Float16};
@@ -196,6 +198,7 @@ pub fn flash_plan<'p, 'a>(p: &'p AttentionProblem<'a>) -> FlashPlan<'p, 'a> {
         has_sinks: !p.sinks.data.is_null(),
         packed_keys: std::ptr::null(),
         panels_per_head: 0,
+        first_packed_head: 0,
         value_panels: std::ptr::null(),
         value_head_floats: 0,
         packed_values: std::ptr::null(),
@@ -663,13 +666,15 @@ struct PlanLayout {
     panel_size: usize,
     /// panels_per_head * KEY_PANEL
     keys_per_head: usize,
-    /// offsets of its parts of the prefill buffers, then those parts (writeable)
-    packed_at: usize,
-    values_at: usize,
-    finite_at: usize,
+    /// What one head takes of the wave buffers (step 2): K^T panel floats (or pairs); the pair
+    /// path's V pairs and finite flags (0 elsewhere; the float32 V panels: value_head_floats).
+    head_floats: usize,
+    head_value_pairs: usize,
+    head_flags: usize,
+    /// The plan's part of the current wave's buffers (the plan's packed_keys etc., writeable):
+    /// its heads in the wave from the plan's first_packed_head on.
     packed: *mut f32,
-    /// the float32 V panels (not the pair path): offset, its part
-    value_panels_at: usize,
+    /// the float32 V panels (not the pair path)
     value_panels: *mut f32,
     packed_values: *mut u32,
     value_finite: *mut u8,
@@ -762,10 +767,25 @@ fn layout_prefill(plan: &mut FlashPlan, kernels: FlashKernels, layout: &mut Plan
         Some(_) => 0,
         None => plan.value_dim.div_ceil(VALUE_PANEL) * layout.keys_per_head * VALUE_PANEL,
     };
+    layout.head_floats = plan.panels_per_head * layout.panel_size;
+    (layout.head_value_pairs, layout.head_flags) = match layout.pairs {
+        Some(_) => (
+            layout.keys_per_head / 2 * plan.value_stride,
+            layout.keys_per_head,
+        ),
+        None => (0, 0),
+    };
+}
+
+/// The bytes one head of a prefill plan takes of the wave buffers.
+fn head_bytes(plan: &FlashPlan, layout: &PlanLayout) -> usize {
+    std::mem::size_of::<f32>() * (layout.head_floats + plan.value_head_floats)
+        + std::mem::size_of::<u32>() * layout.head_value_pairs
+        + layout.head_flags
 }
 
 /// Packs the panels of (b, kv_head) that some row may see: from the first row's window start
-/// (rounded down to a panel) to the last row's visible end.
+/// (rounded down to a panel) to the last row's visible end. Its wave holds the head.
 ///
 /// # Safety
 /// The plan's problem is checked and valid; the layout's buffers are sized for the plan; no
@@ -778,7 +798,7 @@ unsafe fn pack_head(
     kv_head: usize,
 ) {
     let p = plan.problem;
-    let head = b * p.k.shape[1] as usize + kv_head;
+    let head = b * p.k.shape[1] as usize + kv_head - plan.first_packed_head;
     let (key_begin, _) = flash_row_key_range(p, b, plan.group, 0);
     let (_, key_end) = flash_row_key_range(p, b, plan.group, plan.rows_per_group - 1);
     let first_panel = key_begin / KEY_PANEL;
@@ -943,9 +963,10 @@ fn split_key_items(
     Ok(())
 }
 
-/// Runs every problem of a call (none empty): the K^T panels of every prefill plan (one parallel
-/// pass), then the work items of all plans together (one parallel pass), then the merge of every
-/// split group (one parallel pass).
+/// Runs every problem of a call (none empty): the prefill plans' (b, kv_head) groups in waves
+/// (step 2: a wave's K^T and V panels packed in one parallel pass, then its tiles in another; the
+/// split-key items run with the first wave), then the merge of every split group (one parallel
+/// pass).
 ///
 /// # Safety
 /// As [`attention_forward_with`], for every problem (each checked).
@@ -971,23 +992,26 @@ unsafe fn run_problems(
         .try_reserve_exact(problems.len())
         .map_err(|_| ProblemError::out_of_memory())?;
 
-    // Buffers: every plan's part of the packed K (and V pairs), of the partials.
-    let (mut packed_floats, mut value_pairs, mut finite_flags) = (0usize, 0usize, 0usize);
-    let mut value_panel_floats = 0usize;
+    // The prefill groups to pack, in call order, and every split plan's part of the partials.
+    let mut pack_groups = Vec::new();
+    // a prefill plan's first in pack_groups
+    let mut first_group = try_filled(plans.len(), 0usize)?;
     let (mut partial_rows, mut partial_floats) = (0usize, 0usize);
     for index in 0..plans.len() {
-        let heads = (plans[index].problem.q.shape[0] * plans[index].problem.k.shape[1]) as usize;
+        let (batch, kv_heads) = (
+            plans[index].problem.q.shape[0] as usize,
+            plans[index].problem.k.shape[1] as usize,
+        );
         let part = cascade.get(index).copied().unwrap_or_default();
         let mut layout = PlanLayout {
             prefill: plans[index].rows_per_group > Q_TILE_ROWS && !part.shared,
             pairs: None,
             panel_size: 0,
             keys_per_head: 0,
-            packed_at: 0,
-            values_at: 0,
-            finite_at: 0,
+            head_floats: 0,
+            head_value_pairs: 0,
+            head_flags: 0,
             packed: std::ptr::null_mut(),
-            value_panels_at: 0,
             value_panels: std::ptr::null_mut(),
             packed_values: std::ptr::null_mut(),
             value_finite: std::ptr::null_mut(),
@@ -997,23 +1021,18 @@ unsafe fn run_problems(
         };
         if layout.prefill {
             layout_prefill(&mut plans[index], kernels, &mut layout);
-            let plan = &plans[index];
-            layout.packed_at = packed_floats;
-            packed_floats = [heads, plan.panels_per_head, layout.panel_size]
-                .into_iter()
-                .try_fold(1usize, usize::checked_mul)
-                .and_then(|floats| floats.checked_add(packed_floats))
-                .ok_or_else(ProblemError::out_of_memory)?;
-            layout.values_at = value_pairs;
-            layout.finite_at = finite_flags;
-            layout.value_panels_at = value_panel_floats;
-            value_panel_floats = heads
-                .checked_mul(plan.value_head_floats)
-                .and_then(|floats| floats.checked_add(value_panel_floats))
-                .ok_or_else(ProblemError::out_of_memory)?;
-            if layout.pairs.is_some() {
-                value_pairs += heads * layout.keys_per_head / 2 * plan.value_stride;
-                finite_flags += heads * layout.keys_per_head;
+            first_group[index] = pack_groups.len();
+            pack_groups
+                .try_reserve(batch * kv_heads)
+                .map_err(|_| ProblemError::out_of_memory())?;
+            for b in 0..batch {
+                for kv_head in 0..kv_heads {
+                    pack_groups.push(Group {
+                        plan: index,
+                        b,
+                        kv_head,
+                    });
+                }
             }
         } else {
             split_key_items(&plans, index, &mut layout, None)?;
@@ -1025,6 +1044,38 @@ unsafe fn run_problems(
         }
         layouts.push(layout);
     }
+
+    // 2. Waves: consecutive groups, as many as fit in PREFILL_PACK_BYTES (at least one), groups
+    // wave_begin[w]..wave_begin[w + 1]; the buffers hold the largest. With no prefill group, one
+    // empty wave (the split-key items').
+    let mut wave_begin = vec![0usize];
+    let mut wave_of_group = try_filled(pack_groups.len(), 0usize)?;
+    let (mut packed_floats, mut value_panel_floats) = (0usize, 0usize);
+    let (mut value_pairs, mut finite_flags) = (0usize, 0usize);
+    {
+        let (mut bytes, mut floats, mut panel_floats, mut pairs, mut flags) = (0, 0, 0, 0, 0);
+        for (g, group) in pack_groups.iter().enumerate() {
+            let (plan, layout) = (&plans[group.plan], &layouts[group.plan]);
+            let head = head_bytes(plan, layout);
+            if g > wave_begin[wave_begin.len() - 1] && bytes + head > PREFILL_PACK_BYTES {
+                wave_begin.push(g);
+                (bytes, floats, panel_floats, pairs, flags) = (0, 0, 0, 0, 0);
+            }
+            bytes += head;
+            floats += layout.head_floats;
+            panel_floats += plan.value_head_floats;
+            pairs += layout.head_value_pairs;
+            flags += layout.head_flags;
+            packed_floats = packed_floats.max(floats);
+            value_panel_floats = value_panel_floats.max(panel_floats);
+            value_pairs = value_pairs.max(pairs);
+            finite_flags = finite_flags.max(flags);
+            wave_of_group[g] = wave_begin.len() - 1;
+        }
+        wave_begin.push(pack_groups.len());
+    }
+    let waves = wave_begin.len() - 1;
+
     let max_value_dim = plans.iter().map(|plan| plan.value_dim).max().unwrap_or(0);
     with_thread_buffers(&CALLER_BUFFERS, |buffers| {
         // (at least one element each: a prefill plan's packed_keys is never null, even with
@@ -1050,7 +1101,6 @@ unsafe fn run_problems(
             // SAFETY: the buffer holds that many floats.
             merge_rows = partials.wrapping_add(partial_floats + 2 * partial_rows);
         }
-        let mut pack_groups = Vec::new();
         let mut merge_groups = Vec::new();
         let mut partial_floats_at = 0;
         for (index, (plan, layout)) in plans.iter_mut().zip(layouts.iter_mut()).enumerate() {
@@ -1059,32 +1109,7 @@ unsafe fn run_problems(
                 plan.problem.k.shape[1] as usize,
             );
             // (every offset below lies inside the buffers sized above)
-            if layout.prefill {
-                layout.packed = packed.wrapping_add(layout.packed_at);
-                plan.packed_keys = layout.packed;
-                if layout.pairs.is_none() {
-                    layout.value_panels = value_panels.wrapping_add(layout.value_panels_at);
-                    plan.value_panels = layout.value_panels;
-                }
-                if layout.pairs.is_some() {
-                    layout.packed_values = packed_values.wrapping_add(layout.values_at);
-                    layout.value_finite = value_finite.wrapping_add(layout.finite_at);
-                    plan.packed_values = layout.packed_values;
-                    plan.value_finite = layout.value_finite;
-                }
-                pack_groups
-                    .try_reserve(batch * kv_heads)
-                    .map_err(|_| ProblemError::out_of_memory())?;
-                for b in 0..batch {
-                    for kv_head in 0..kv_heads {
-                        pack_groups.push(Group {
-                            plan: index,
-                            b,
-                            kv_head,
-                        });
-                    }
-                }
-            } else if layout.slot_base[batch] > 0 {
+            if !layout.prefill && layout.slot_base[batch] > 0 {
                 let slot_rows = layout.slot_base[batch] * plan.rows_per_group;
                 plan.partial_out = partials.wrapping_add(partial_floats_at);
                 plan.partial_max = partials.wrapping_add(partial_floats + layout.partial_at);
@@ -1110,31 +1135,76 @@ unsafe fn run_problems(
                 }
             }
         }
-        // 2 and 6. Every plan's work items (listed before the passes start: listing rewrites
-        // each split plan's slot_base, the same values as above).
-        let mut items = Vec::new();
+        // 2 and 6. Every plan's work items, each prefill tile in its group's wave (listed before
+        // the passes start: listing rewrites each split plan's slot_base, the same values as
+        // above).
+        let mut wave_items: Vec<Vec<CostedItem>> = Vec::new();
+        wave_items
+            .try_reserve_exact(waves)
+            .map_err(|_| ProblemError::out_of_memory())?;
+        wave_items.resize_with(waves, Vec::new);
         for (index, layout) in layouts.iter_mut().enumerate() {
-            if layout.prefill {
-                prefill_items(&plans, index, &mut items)?;
-            } else {
-                split_key_items(&plans, index, layout, Some(&mut items))?;
+            if !layout.prefill {
+                split_key_items(&plans, index, layout, Some(&mut wave_items[0]))?;
+                continue;
+            }
+            let mut items = Vec::new();
+            prefill_items(&plans, index, &mut items)?;
+            let kv_heads = plans[index].problem.k.shape[1] as usize;
+            for costed in items {
+                let wave = wave_of_group
+                    [first_group[index] + costed.item.b * kv_heads + costed.item.kv_head];
+                wave_items[wave]
+                    .try_reserve(1)
+                    .map_err(|_| ProblemError::out_of_memory())?;
+                wave_items[wave].push(costed);
             }
         }
-        let (plans, layouts) = (&plans, &layouts);
-
-        // 2. The K^T panels of every prefill group.
-        if !pack_groups.is_empty() {
-            let pack_groups = &pack_groups;
-            parallel_for(pack_groups.len(), threads, &|index, _| {
-                let Group { plan, b, kv_head } = pack_groups[index];
-                // SAFETY: the problems are checked and valid; group (plan, b, kv_head) writes
-                // only its own panels, pair rows and flags, inside the buffers sized above.
-                unsafe { pack_head(&plans[plan], kernels, &layouts[plan], b, kv_head) };
-            });
+        for (wave, items) in wave_items.iter_mut().enumerate() {
+            // The wave's groups laid out in order: each plan's heads in it are consecutive, from
+            // the first one's b * Hkv + kv_head (the plan's first_packed_head).
+            let groups = wave_begin[wave]..wave_begin[wave + 1];
+            let (mut floats_at, mut panel_floats_at, mut pairs_at, mut flags_at) = (0, 0, 0, 0);
+            for g in groups.clone() {
+                let group = pack_groups[g];
+                let (plan, layout) = (&mut plans[group.plan], &mut layouts[group.plan]);
+                if g == groups.start || pack_groups[g - 1].plan != group.plan {
+                    plan.first_packed_head =
+                        group.b * plan.problem.k.shape[1] as usize + group.kv_head;
+                    // (every offset lies inside the buffers sized above)
+                    layout.packed = packed.wrapping_add(floats_at);
+                    plan.packed_keys = layout.packed;
+                    if layout.pairs.is_some() {
+                        layout.packed_values = packed_values.wrapping_add(pairs_at);
+                        layout.value_finite = value_finite.wrapping_add(flags_at);
+                        plan.packed_values = layout.packed_values;
+                        plan.value_finite = layout.value_finite;
+                    } else {
+                        layout.value_panels = value_panels.wrapping_add(panel_floats_at);
+                        plan.value_panels = layout.value_panels;
+                    }
+                }
+                floats_at += layout.head_floats;
+                panel_floats_at += plan.value_head_floats;
+                pairs_at += layout.head_value_pairs;
+                flags_at += layout.head_flags;
+            }
+            let (plans, layouts) = (&plans, &layouts);
+            // 2. The wave's K^T (and V) panels, then its tiles (and, in the first, every
+            // split-key item).
+            if !groups.is_empty() {
+                let wave_groups = &pack_groups[groups];
+                parallel_for(wave_groups.len(), threads, &|index, _| {
+                    let Group { plan, b, kv_head } = wave_groups[index];
+                    // SAFETY: the problems are checked and valid; group (plan, b, kv_head) is in
+                    // this wave and writes only its own panels, pair rows and flags, inside the
+                    // buffers sized above.
+                    unsafe { pack_head(&plans[plan], kernels, &layouts[plan], b, kv_head) };
+                });
+            }
+            run_items(plans, kernels, items, threads)?;
         }
-
-        // 2 and 6. The work items of all plans, in one pass.
-        run_items(plans, kernels, &mut items, threads)?;
+        let (plans, layouts) = (&plans, &layouts);
         if merge_groups.is_empty() {
             return Ok(());
         }

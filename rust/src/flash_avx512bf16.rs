@@ -591,7 +591,7 @@ pub(crate) unsafe fn attend_rows<P: PairProducts>(
 
         // 3. Key blocks, as the float32 kernel.
         let key_stop = (*s.row_key_end.add(rows - 1)).min(item.key_end);
-        let head = b * p.k.shape[1] as usize + item.kv_head;
+        let head = b * p.k.shape[1] as usize + item.kv_head - plan.first_packed_head; // in the wave
         let keys_per_head = plan.panels_per_head * KEY_PANEL;
         let k_head_panels = plan
             .packed_keys

@@ -58,24 +58,26 @@ pub struct FlashPlan<'p, 'a> {
     pub has_alibi: bool,
     /// the sink enters m and l once per row (docs/kernels.md, "Sinks")
     pub has_sinks: bool,
-    /// Prefill: the K^T panels of every (b, kv_head), panels_per_head panels each, panel p of
-    /// (b, kv_head) at packed_keys + ((b * Hkv + kv_head) * panels_per_head + p) * D * KEY_PANEL.
-    /// Null on the split-key path (each item packs its own blocks).
+    /// Prefill: the K^T panels of the heads of one wave (flash_attention.rs, step 2), head
+    /// (b, kv_head) at index head = b * Hkv + kv_head - first_packed_head of the packed buffers
+    /// below, panels_per_head panels each, panel p at packed_keys + (head * panels_per_head + p) *
+    /// D * KEY_PANEL. Null on the split-key path (each item packs its own blocks).
     pub packed_keys: *const f32,
     pub panels_per_head: usize,
-    /// Prefill, except the pair path: the V panels of every (b, kv_head), float32 (converted
+    pub first_packed_head: usize,
+    /// Prefill, except the pair path: the V panels of the wave's heads, float32 (converted
     /// exactly; int8 unscaled: v_scale multiplies P), ceil(Dv / VALUE_PANEL) panels of
     /// panels_per_head * KEY_PANEL keys x VALUE_PANEL columns each, key j, column c of
-    /// (b, kv_head) at value_panels + (b * Hkv + kv_head) * value_head_floats +
+    /// head at value_panels + head * value_head_floats +
     /// (c / VALUE_PANEL) * panels_per_head * KEY_PANEL * VALUE_PANEL + j * VALUE_PANEL +
     /// c % VALUE_PANEL. Null elsewhere (P.V reads V rows in place).
     pub value_panels: *const f32,
     pub value_head_floats: usize,
     /// The bfloat16 dot-product path (avx512bf16, prefill; flash_avx512bf16.rs), else null:
-    /// packed_keys then holds K pair panels, (b, kv_head) at ((b * Hkv + kv_head) *
+    /// packed_keys then holds K pair panels, head at (head *
     /// panels_per_head) * ceil(D / 2) * KEY_PANEL pairs; packed_values the V pair rows, key pair
-    /// kp of (b, kv_head) at ((b * Hkv + kv_head) * panels_per_head * KEY_PANEL / 2 + kp) *
-    /// value_stride pairs; value_finite one byte per key of each (b, kv_head)
+    /// kp of head at (head * panels_per_head * KEY_PANEL / 2 + kp) *
+    /// value_stride pairs; value_finite one byte per key of each head
     /// (panels_per_head * KEY_PANEL), 1 when every value of that key's V row is finite.
     pub packed_values: *const u32,
     pub value_finite: *const u8,
@@ -1169,7 +1171,7 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
             std::ptr::null()
         } else {
             plan.packed_keys.add(
-                (b * p.k.shape[1] as usize + item.kv_head)
+                (b * p.k.shape[1] as usize + item.kv_head - plan.first_packed_head)
                     * plan.panels_per_head
                     * d_len
                     * KEY_PANEL,
@@ -1303,7 +1305,8 @@ pub unsafe fn attend_rows<V: Vector, T: Element, KV: Load>(
             if !plan.value_panels.is_null() {
                 let values = ValuePanels {
                     first: plan.value_panels.add(
-                        (b * p.k.shape[1] as usize + item.kv_head) * plan.value_head_floats
+                        (b * p.k.shape[1] as usize + item.kv_head - plan.first_packed_head)
+                            * plan.value_head_floats
                             + key_block * VALUE_PANEL,
                     ),
                     panel_floats: plan.panels_per_head * KEY_PANEL * VALUE_PANEL,

@@ -1131,6 +1131,7 @@ fn build_info(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     constants.set_item("key_block", KEY_BLOCK)?;
     constants.set_item("key_panel", KEY_PANEL)?;
     constants.set_item("split_key_chunk", SPLIT_KEY_CHUNK)?;
+    constants.set_item("prefill_pack_bytes", PREFILL_PACK_BYTES)?;
     constants.set_item("pool_spin_microseconds", POOL_SPIN_MICROSECONDS)?;
     constants.set_item("serial_work", SERIAL_WORK)?;
     constants.set_item("direct_score_rows", DIRECT_SCORE_ROWS)?;

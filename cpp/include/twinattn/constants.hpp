@@ -27,6 +27,12 @@ constexpr int64_t kKeyPanel = 32;
 constexpr int64_t kValuePanel = 64;
 // Keys per split-key work item (decode and short chunks).
 constexpr int64_t kSplitKeyChunk = 1024;
+// The most bytes of packed K^T and V panels a prefill call keeps at once (flash_attention.cpp,
+// step 2): the call packs and runs its (sequence, KV head) groups in waves, each as many groups as
+// fit (at least one), so a long prefill holds a few heads' panels, not every head's (at N = 8192,
+// D = 128, float32, a head's K and V panels take 8 MiB: two heads per wave, not the call's 64 MiB).
+// A prefill of 32 / 8 heads at N = 2048 (2 MiB a head) is one wave.
+constexpr int64_t kPrefillPackBytes = 16 << 20;
 
 // Split-key groups with at most this many packed rows (decode, and GQA 32/8 chunks of up to 6
 // queries) compute S directly from the K rows in place (no K^T panels): vectorised over D, one
