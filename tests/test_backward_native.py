@@ -10,8 +10,10 @@ contract.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import platform
+import threading
 from types import ModuleType
 from typing import Any
 
@@ -673,29 +675,79 @@ def _peak_rss_mib() -> float:
         return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
 
 
-@pytest.mark.parametrize("port", ["cpp", "rust"])
-def test_fused_float32_pass_keeps_per_thread_memory_not_per_call(ports: dict[str, ModuleType], port: str) -> None:
-    """The fused float32 pass (one thread) packs a head's keys and a chunk of its rows at a time
-    into the thread's scratch: a backward whose float32 copies of the whole call's K, V, Q and dO
-    would take 30 MiB (8 query heads on 2 KV heads, 4096 positions, D = 64) grows the peak
-    resident memory by far less than that beyond its (already written) gradients. Linux only: the
-    peak is reset through /proc/self/clear_refs."""
+def _reset_peak_rss() -> None:
+    """VmHWM back to the current resident size (Linux's /proc/self/clear_refs), after the memory
+    the allocator holds free goes back to the system (glibc's malloc_trim), so that what a call
+    allocates shows as growth even where earlier tests' freed memory would have served it; skips
+    elsewhere."""
     try:
+        ctypes.CDLL(None).malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")  # VmHWM back to the current resident size
-    except OSError:
-        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak resident size")
-    inputs = _problem(11, 1, 8, 2, 4096, 4096, 64, 64)
+            refs.write("5")
+    except (OSError, AttributeError):
+        pytest.skip("needs Linux's /proc/self/clear_refs and glibc's malloc_trim to measure the peak resident size")
+
+
+@pytest.mark.parametrize("port", ["cpp", "rust"])
+def test_forward_packs_its_panels_in_waves_not_per_call(ports: dict[str, ModuleType], port: str) -> None:
+    """A prefill packs the K^T and V panels of as many (b, KV head) groups as fit in
+    prefill_pack_bytes, runs their tiles, then packs the next: a call whose every head's panels
+    would take 32 MiB (8 KV heads, 4096 keys, D = Dv = 128, float32) grows the peak resident memory
+    by about one wave's. The call runs on a new thread, whose packed buffers (kept per calling
+    thread across calls) start empty; its result is the reference's."""
+    budget = ports[port].build_info()["constants"]["prefill_pack_bytes"] / 2**20
+    inputs = _problem(12, 1, 8, 8, 4096, 4096, 128, 128)
+    panels = 2 * inputs["k"].nbytes / 2**20  # K^T and V panels of every head, float32
+    assert panels >= budget + 12
+    out = np.full(inputs["q"].shape, np.nan, np.float32)  # written now, not in the call
+    grown: list[float] = []
+
+    def forward() -> None:
+        _reset_peak_rss()
+        before = _peak_rss_mib()
+        ports[port].attention_forward(inputs["q"], inputs["k"], inputs["v"], out, scale=0.125, causal=True,
+                                      num_threads=1)
+        grown.append(_peak_rss_mib() - before)
+
+    _reset_peak_rss()  # (skips where it cannot)
+    thread = threading.Thread(target=forward)
+    thread.start()
+    thread.join()
+    assert grown and grown[0] < budget + 6, (
+        f"peak resident memory grew {grown[0]:.1f} MiB in the forward (waves of {budget:.0f} MiB; "
+        f"every head's panels: {panels:.0f} MiB)")
+    rows = slice(0, 4096, 311)  # a few rows of each head against the float64 reference
+    q, k, v = (inputs[name].astype(np.float64) for name in ("q", "k", "v"))
+    scores = 0.125 * np.einsum("bhid,bhjd->bhij", q[:, :, rows], k)
+    scores = np.where(np.arange(4096)[None, :] > np.arange(4096)[rows][:, None], -np.inf, scores)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = np.einsum("bhij,bhjd->bhid", weights / weights.sum(-1, keepdims=True), v)
+    np.testing.assert_allclose(out[:, :, rows], expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("port", ["cpp", "rust"])
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["float32", "bfloat16"])
+def test_fused_pass_keeps_per_thread_memory_not_per_call(ports: dict[str, ModuleType], port: str,
+                                                         dtype: np.dtype) -> None:
+    """The fused pass (one thread) packs a head's keys and a chunk of its rows at a time into the
+    thread's scratch: float32 copies (the fused float32 pass, and bfloat16 without the tile path)
+    or bfloat16 pairs and their transposes (the tile path) of the whole call's K, V, Q and dO would
+    take 35 MiB or more (16 query heads on 2 KV heads, 4096 positions, D = 64); the backward grows
+    the peak resident memory by far less than that beyond its (already written) gradients."""
+    _reset_peak_rss()
+    inputs = _problem(11, 1, 16, 2, 4096, 4096, 64, 64, dtype=dtype)
     kw = {"scale": 0.125, "causal": True}
     out, lse = _forward(ports, inputs, kw)
-    grads = {name: np.ones(inputs[of].shape, np.float32) for name, of in (("dq", "q"), ("dk", "k"), ("dv", "v"))}
-    copies = 3 * (inputs["q"].nbytes + inputs["k"].nbytes) / 2**20  # what pass 0 would pack per call
-    assert copies >= 30
-    with open("/proc/self/clear_refs", "w") as refs:
-        refs.write("5")
+    grads = {name: np.ones(inputs[of].shape, dtype) for name, of in (("dq", "q"), ("dk", "k"), ("dv", "v"))}
+    q_bytes, k_bytes = inputs["q"].nbytes, inputs["k"].nbytes
+    # what pass 0 would pack per call: Q, Q scaled, dO and K, K^T, V^T in float32; in pairs, Q, dO
+    # and their transposes, and K, K rows, V
+    copies = (3 * (q_bytes + k_bytes) if dtype == np.float32 else 4 * q_bytes + 3 * k_bytes) / 2**20
+    assert copies >= 35
+    _reset_peak_rss()
     before = _peak_rss_mib()
     ports[port].attention_backward(inputs["q"], inputs["k"], inputs["v"], out, inputs["dout"], lse, grads["dq"],
                                    grads["dk"], grads["dv"], num_threads=1, **kw)
     grown = _peak_rss_mib() - before
     assert grown < 12, f"peak resident memory grew {grown:.1f} MiB in the backward (per-call copies: {copies:.0f} MiB)"
-    assert all(np.isfinite(g).all() for g in grads.values())
+    assert all(np.isfinite(g.astype(np.float32)).all() for g in grads.values())

@@ -30,8 +30,9 @@
 // float32 sums (BackwardTiles, flash_amx.cpp): S = Q K^T and dP = dO V^T from the inputs' own
 // bits (then S times the Q multiplier, as the forward's tiles), dQ += dS K, and per group of
 // tiles dV^T += dO^T P and dK^T += Q^T dS, with P and scale dS rounded to bfloat16. Pass 0 packs
-// bfloat16 pairs instead of float32 (PackedPairs, Dv padded to a multiple of 32 with zeros); the
-// per-score float32 work is the same code as above.
+// bfloat16 pairs instead of float32 (PackedPairs, Dv padded to a multiple of 32 with zeros), in
+// each head's item as the fused float32 pass does; the per-score float32 work is the same code as
+// above.
 // A tile and key block where a hidden key (P = 0) meets a non-finite Q, dO or K row run the
 // three accumulations in float32 on the kernels' gated accumulate instead (exact_accumulations),
 // so a value that is never visible is never read.
@@ -122,24 +123,25 @@ struct PackedQueries {
     int64_t first_row = 0;
 };
 
-// Pass 0's bfloat16 pairs of one call (the tile path), as 16-bit elements (a pair: two
-// consecutive ones). Per key block, block = head * key_blocks + kb:
-//   key_panels   at block * kBackwardKeyBlock * D: kBackwardKeyBlock / kKeyPanel panels of
+// Pass 0's bfloat16 pairs on the tile path, as 16-bit elements (a pair: two consecutive ones),
+// packed by each head's item into its thread's scratch (head_tiles): the head's keys as the item
+// starts, the rows of each chunk (kBackwardTileGroup query tiles from packed row first_row) as
+// the chunk starts. Per key block kb of the head:
+//   key_panels   at kb * kBackwardKeyBlock * D: kBackwardKeyBlock / kKeyPanel panels of
 //                (D / 2, kKeyPanel) pairs (d, key)       S = Q K^T, B
-//   value_panels at block * kBackwardKeyBlock * Dv: the same of V   dP = dO V^T, B
-//   key_rows     at block * kBackwardKeyBlock * D: (kBackwardKeyBlock / 2, D) pairs (key, d)
+//   value_panels at kb * kBackwardKeyBlock * Dv: the same of V   dP = dO V^T, B
+//   key_rows     at kb * kBackwardKeyBlock * D: (kBackwardKeyBlock / 2, D) pairs (key, d)
 //                                                        dQ += dS K, B
-//   key_finite   at block * kBackwardKeyBlock: 1 where the key's K row is finite
-// Per packed row r of a head, row = head * head_rows + r (head_rows: rows_per_group rounded up
-// to 32; the pad rows are 0):
+//   key_finite   at kb * kBackwardKeyBlock: 1 where the key's K row is finite
+// Per packed row r of the chunk, row = r - first_row (up to the chunk's end rounded up to 32; the
+// pad rows, past rows_per_group, are 0):
 //   query_pairs at row * D, dout_pairs at row * Dv: the rows themselves (pairs (d))   S, dP: A
 //   row_finite at row: 1 where the row's Q and dO are finite
-// Per head, its packed rows transposed, rows up to head_tiles * kBackwardTileRows (0 past
-// rows_per_group), each of row_stride elements (a multiple of 32 plus 32: no two rows 4096
-// bytes apart, where the L1 cache would put a tile load's rows in one set):
-//   query_t at head * D * row_stride: Q^T, (D, row_stride), so pairs (d, rows 2 i and 2 i + 1)
-//                                                        dK^T += Q^T dS: A
-//   dout_t at head * Dv * row_stride: dO^T, the same      dV^T += dO^T P: A
+// The chunk's rows transposed, kBackwardTileGroup * kBackwardTileRows columns (0 past
+// rows_per_group), each of row_stride elements (that plus 32: no two rows 4096 bytes apart, where
+// the L1 cache would put a tile load's rows in one set):
+//   query_t: Q^T, (D, row_stride), so pairs (d, rows 2 i and 2 i + 1)   dK^T += Q^T dS: A
+//   dout_t: dO^T, (Dv, row_stride), the same             dV^T += dO^T P: A
 // Keys at or past kv_lens[b] are 0 (never read from k or v), finite. Every width Dv above is
 // value_width (Dv rounded up to 32; the columns past Dv are 0).
 struct PackedPairs {
@@ -152,9 +154,13 @@ struct PackedPairs {
     unsigned char* row_finite;
     uint16_t* query_t;
     uint16_t* dout_t;
-    int64_t head_rows, head_tiles, row_stride;
     int64_t value_width;  // Dv rounded up to 32: the V and dO pairs' width (0 past Dv)
+    int64_t first_row;    // the chunk's first packed row
 };
+
+// Packed query rows per chunk of the tile path, and the row stride of its transposes.
+constexpr int64_t kPairChunkRows = kBackwardTileGroup * kBackwardTileRows;
+constexpr int64_t kPairRowStride = kPairChunkRows + 32;
 
 // No packed keys (the tile path, and the fused float32 pass, whose items pack their own), of
 // key_blocks blocks per head.
@@ -163,8 +169,12 @@ PackedKeys no_keys(int64_t key_blocks) { return PackedKeys{nullptr, nullptr, nul
 // No packed query side (the tile path, and the fused float32 pass).
 PackedQueries no_queries() { return PackedQueries{nullptr, nullptr, nullptr}; }
 
-// No pairs (the float32 path).
-PackedPairs no_pairs() { return PackedPairs{}; }
+// No pairs (the float32 path; on the tile path each head's item packs its own, of value_width).
+PackedPairs no_pairs(int64_t value_width = 0) {
+    PackedPairs pairs{};
+    pairs.value_width = value_width;
+    return pairs;
+}
 
 // What the items of one call share.
 struct BackwardPlan {
@@ -213,9 +223,6 @@ QueryRows query_rows_at(const BackwardPlan& plan, const WorkItem& tile) {
 // them), reused across calls so that a call does not fault their pages in again.
 struct CallerBuffers {
     LineVector<float> keys, key_panels, value_panels, query_rows, query_scaled, dout_rows;
-    LineVector<uint16_t> pair_key_panels, pair_value_panels, pair_key_rows, pair_query_pairs, pair_dout_pairs,
-        pair_query_t, pair_dout_t;
-    std::vector<unsigned char> key_finite, row_finite;
 };
 
 // buffer grown to at least count elements, its data.
@@ -231,14 +238,14 @@ CallerBuffers& caller_buffers() {
 }
 
 // What one thread's scratch is sized for: D, Dv, the rows of dQ sums (a tile's kQTileRows; in
-// the fused pass a chunk's kBackwardChunkTiles kQTileRows, or on the tile path a head's
-// rows_per_group rounded up to 32), and whether the tile path runs (its rows per tile are
-// kBackwardTileRows).
+// the fused pass a chunk's kBackwardChunkTiles kQTileRows, or on the tile path kPairChunkRows),
+// and whether the tile path runs (its rows per tile are kBackwardTileRows; Dv is then the pairs'
+// value_width).
 struct ScratchShape {
     int64_t head_dim, value_dim, query_grad_rows;
     bool tiled = false;
     int64_t key_blocks = 1;  // the fused pass: a head's key blocks (key_grad, value_grad hold each's sums)
-    bool packs = false;      // the fused float32 pass: the thread packs its head's keys and a chunk's rows
+    bool packs = false;      // the fused pass: the thread packs its head's keys and a chunk's rows
 };
 
 // One thread's tiles (grown on demand, kept for the thread's life):
@@ -254,7 +261,9 @@ struct ScratchShape {
 //   chunk_rows, chunk_scaled, chunk_dout            the chunk's Q, Q times the multiplier, dO
 // and on the tile path (tiles of kBackwardTileRows rows, so the rows above are that many; key_grad
 // and value_grad hold dK^T and dV^T of each of the head's key blocks, (D / Dv, kBackwardKeyBlock)
-// per block):
+// per block), pass 0's pairs of one head's keys and one chunk's rows (PackedPairs):
+//   pair_key_panels, pair_value_panels, pair_key_rows, key_finite     the head's keys
+//   pair_query_pairs, pair_dout_pairs, row_finite, pair_query_t, pair_dout_t   the chunk's rows
 //   probs_pairs, grads_pairs (kBackwardTileGroup kBackwardTileRows / 2, kBackwardKeyBlock) pairs
 //   of rows: P and scale dS of a group of tiles rounded to bfloat16 (B of dV^T and dK^T);
 //   grads_rows (kBackwardTileRows, kBackwardKeyBlock) bfloat16: scale dS of a tile (A of dQ);
@@ -268,6 +277,9 @@ struct BackwardScratch {
     LineVector<uint16_t> grads_rows;
     LineVector<float> key_sums, exact_queries, exact_dout, exact_keys;
     LineVector<float> head_keys, head_key_panels, head_value_panels, chunk_rows, chunk_scaled, chunk_dout;
+    LineVector<uint16_t> pair_key_panels, pair_value_panels, pair_key_rows, pair_query_pairs, pair_dout_pairs,
+        pair_query_t, pair_dout_t;
+    std::vector<unsigned char> key_finite, row_finite;
 
     void ensure(const ScratchShape& shape) {
         const int64_t D = shape.head_dim, Dv = shape.value_dim;
@@ -284,7 +296,7 @@ struct BackwardScratch {
         grow(query_grad, shape.query_grad_rows * D);
         grow(row_key_begin, tile_rows);
         grow(row_key_end, tile_rows);
-        if (shape.packs) {
+        if (shape.packs && !shape.tiled) {
             grow(head_keys, shape.key_blocks * kBackwardKeyBlock * D);
             grow(head_key_panels, shape.key_blocks * kBackwardKeyBlock * D);
             grow(head_value_panels, shape.key_blocks * kBackwardKeyBlock * Dv);
@@ -300,6 +312,25 @@ struct BackwardScratch {
         grow(exact_queries, kBackwardTileRows * D);
         grow(exact_dout, kBackwardTileRows * Dv);
         grow(exact_keys, kBackwardKeyBlock * D);
+        if (!shape.packs) return;
+        const int64_t keys = shape.key_blocks * kBackwardKeyBlock;
+        grow(pair_key_panels, keys * D);
+        grow(pair_value_panels, keys * Dv);
+        grow(pair_key_rows, keys * D);
+        grow(key_finite, keys);
+        grow(pair_query_pairs, kPairChunkRows * D);
+        grow(pair_dout_pairs, kPairChunkRows * Dv);
+        grow(row_finite, kPairChunkRows);
+        grow(pair_query_t, D * kPairRowStride);
+        grow(pair_dout_t, Dv * kPairRowStride);
+    }
+
+    // Pass 0's pairs in this scratch (the tile path), of value_width, for the chunk from first_row.
+    PackedPairs pairs(int64_t value_width, int64_t first_row) {
+        return PackedPairs{pair_key_panels.data(), pair_value_panels.data(), pair_key_rows.data(),
+                           key_finite.data(),      pair_query_pairs.data(),  pair_dout_pairs.data(),
+                           row_finite.data(),      pair_query_t.data(),      pair_dout_t.data(),
+                           value_width,            first_row};
     }
 };
 
@@ -491,10 +522,10 @@ int64_t copy_row(const uint16_t* src, int64_t n, uint16_t* dst) {
 void pack_key_pairs(const BackwardPlan& plan, int64_t b, int64_t kv_head) {
     const AttentionProblem& p = plan.problem->forward;
     const PackedPairs& pairs = plan.pairs;
-    const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim, Hkv = p.k.shape[1];
+    const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim;
     const int64_t value_width = pairs.value_width;
     for (int64_t kb = 0; kb < plan.packed.key_blocks; ++kb) {
-        const int64_t block = (b * Hkv + kv_head) * plan.packed.key_blocks + kb, key_block = kb * kBackwardKeyBlock;
+        const int64_t block = kb, key_block = kb * kBackwardKeyBlock;
         const int64_t n = std::max<int64_t>(0, std::min(kBackwardKeyBlock, p.kv_lens[b] - key_block));
         uint16_t* key_panels = pairs.key_panels + block * kBackwardKeyBlock * D;
         uint16_t* value_panels = pairs.value_panels + block * kBackwardKeyBlock * value_width;
@@ -520,24 +551,25 @@ void pack_key_pairs(const BackwardPlan& plan, int64_t b, int64_t kv_head) {
     }
 }
 
-// Pass 0 (tile path): the query side of (b, kv_head) into the pairs (PackedPairs): row by row,
-// then transposed a tile of rows at a time (their rows stay in L1 while every column is written).
-void pack_query_pairs(const BackwardPlan& plan, int64_t b, int64_t kv_head) {
+// Pass 0 (tile path): the query side of (b, kv_head) into the pairs (PackedPairs), the chunk of
+// packed rows from pairs.first_row to chunk_end: row by row, then transposed a tile of rows at a
+// time (their rows stay in L1 while every column is written).
+void pack_query_pairs(const BackwardPlan& plan, int64_t b, int64_t kv_head, int64_t chunk_end) {
     const BackwardProblem& bp = *plan.problem;
     const AttentionProblem& p = bp.forward;
     const PackedPairs& pairs = plan.pairs;
-    const int64_t G = plan.flash.group, D = plan.flash.head_dim, Dv = plan.flash.value_dim, Hkv = p.k.shape[1];
-    const int64_t head = b * Hkv + kv_head, rows_per_group = plan.flash.rows_per_group;
+    const int64_t G = plan.flash.group, D = plan.flash.head_dim, Dv = plan.flash.value_dim;
+    const int64_t rows_per_group = plan.flash.rows_per_group, head_rows = ceil_div(rows_per_group, 32) * 32;
     const uint16_t* q_rows[kBackwardTileRows];
     const uint16_t* dout_rows[kBackwardTileRows];
     const std::vector<uint16_t> zeros(std::max(D, Dv), uint16_t{0});
-    for (int64_t tile_begin = 0; tile_begin < pairs.head_tiles * kBackwardTileRows; tile_begin += kBackwardTileRows) {
+    for (int64_t tile_begin = pairs.first_row; tile_begin < chunk_end; tile_begin += kBackwardTileRows) {
         for (int64_t local = 0; local < kBackwardTileRows; ++local) {
-            const int64_t packed = tile_begin + local, row = head * pairs.head_rows + packed;
+            const int64_t packed = tile_begin + local, row = packed - pairs.first_row;
             const int64_t h = kv_head * G + packed % G, i = packed / G;
             q_rows[local] = packed < rows_per_group ? bf16_row(p.q, b, h, i) : nullptr;
             dout_rows[local] = packed < rows_per_group ? bf16_row(bp.dout, b, h, i) : nullptr;
-            if (packed >= pairs.head_rows) continue;
+            if (packed >= head_rows) continue;
             uint16_t* dout = pairs.dout_pairs + row * pairs.value_width;
             const int64_t non_finite =
                 copy_row(q_rows[local], D, pairs.query_pairs + row * D) + copy_row(dout_rows[local], Dv, dout);
@@ -551,7 +583,7 @@ void pack_query_pairs(const BackwardPlan& plan, int64_t b, int64_t kv_head) {
             for (int64_t local = 0; local < kBackwardTileRows; ++local)
                 sources[local] = rows[local] != nullptr ? rows[local] : zeros.data();
             for (int64_t d = 0; d < width; ++d) {
-                uint16_t* column = dst + d * pairs.row_stride + tile_begin;
+                uint16_t* column = dst + d * kPairRowStride + tile_begin - pairs.first_row;
                 if (d >= real) {
                     std::fill(column, column + kBackwardTileRows, uint16_t{0});
                     continue;
@@ -559,21 +591,16 @@ void pack_query_pairs(const BackwardPlan& plan, int64_t b, int64_t kv_head) {
                 for (int64_t local = 0; local < kBackwardTileRows; ++local) column[local] = sources[local][d];
             }
         };
-        transpose_tile(q_rows, D, D, pairs.query_t + head * D * pairs.row_stride);
-        transpose_tile(dout_rows, Dv, pairs.value_width, pairs.dout_t + head * pairs.value_width * pairs.row_stride);
+        transpose_tile(q_rows, D, D, pairs.query_t);
+        transpose_tile(dout_rows, Dv, pairs.value_width, pairs.dout_t);
     }
 }
 
-// The tile's first packed row in the pairs (even: tiles start at multiples of kBackwardTileRows).
-int64_t pair_row_at(const BackwardPlan& plan, const WorkItem& tile) {
-    return (tile.b * plan.problem->forward.k.shape[1] + tile.kv_head) * plan.pairs.head_rows + tile.row_begin;
-}
+// The tile's first row in the chunk's pairs (even: tiles start at multiples of kBackwardTileRows).
+int64_t pair_row_at(const BackwardPlan& plan, const WorkItem& tile) { return tile.row_begin - plan.pairs.first_row; }
 
-// The key block's index in the pairs.
-int64_t pair_block_at(const BackwardPlan& plan, const WorkItem& tile, int64_t key_block) {
-    return (tile.b * plan.problem->forward.k.shape[1] + tile.kv_head) * plan.packed.key_blocks +
-           key_block / kBackwardKeyBlock;
-}
+// The key block's index in the head's pairs.
+int64_t pair_block_at(int64_t key_block) { return key_block / kBackwardKeyBlock; }
 
 // The tile path's products (on the tile path only, between the tiles' begin and end).
 void tile_product(const BackwardPlan& plan, const TileProduct& product) { plan.kernels.tiles.product(product); }
@@ -586,7 +613,7 @@ void tile_scores(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, i
                  bool scaled, BackwardScratch& s) {
     const PackedPairs& pairs = plan.pairs;
     const int64_t D = plan.flash.head_dim, Dv = pairs.value_width;
-    const int64_t row = pair_row_at(plan, tile), block = pair_block_at(plan, tile, key_block);
+    const int64_t row = pair_row_at(plan, tile), block = pair_block_at(key_block);
     const auto product = [&](const uint16_t* a, int64_t depth, const uint16_t* panels, float* out) {
         for (int64_t panel = 0; panel < n_padded / kKeyPanel; ++panel)
             tile_product(plan, TileProduct{a + row * depth, depth * 2, rows,
@@ -717,7 +744,7 @@ bool tile_needs_exact(const BackwardPlan& plan, const WorkItem& tile, int64_t ro
     const int64_t n = tile.key_end - tile.key_begin;
     const unsigned char* row_finite = plan.pairs.row_finite + pair_row_at(plan, tile);
     const unsigned char* key_finite =
-        plan.pairs.key_finite + pair_block_at(plan, tile, tile.key_begin) * kBackwardKeyBlock;
+        plan.pairs.key_finite + pair_block_at(tile.key_begin) * kBackwardKeyBlock;
     for (int64_t r = 0; r < rows; ++r)
         if (row_finite[r] == 0) return true;
     for (int64_t j = 0; j < n; ++j)
@@ -747,7 +774,7 @@ void exact_accumulations(const BackwardPlan& plan, const WorkItem& tile, int64_t
     const int64_t key_block = tile.key_begin, n = tile.key_end - tile.key_begin;
     const PackedPairs& pairs = plan.pairs;
     const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim;
-    const int64_t row = pair_row_at(plan, tile), block = pair_block_at(plan, tile, key_block);
+    const int64_t row = pair_row_at(plan, tile), block = pair_block_at(key_block);
     const auto widen = [](uint16_t bits) { return to_f32(BFloat16{bits}); };
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t d = 0; d < D; ++d) s.exact_queries[r * D + d] = widen(pairs.query_pairs[(row + r) * D + d]);
@@ -775,12 +802,12 @@ void exact_accumulations(const BackwardPlan& plan, const WorkItem& tile, int64_t
 // the block's n_padded keys rounded to bfloat16 (rows rounded up to 32 with zeros; TileRounding)
 // into the group's pairs from row pair group_pairs, and dQ += dS K into query_grads (the tile's
 // rows rounded up to 16; the pad rows are scratch). dV and dK wait for the group (group_sums).
-void tile_accumulations(const BackwardPlan& plan, const WorkItem& tile, int64_t rows, int64_t key_block,
-                        int64_t n_padded, int64_t group_pairs, BackwardScratch& s, float* query_grads) {
+void tile_accumulations(const BackwardPlan& plan, int64_t rows, int64_t key_block, int64_t n_padded,
+                        int64_t group_pairs, BackwardScratch& s, float* query_grads) {
     const BackwardTiles& tiles = plan.kernels.tiles;
     const int64_t D = plan.flash.head_dim;
     const int64_t rows_padded = ceil_div(rows, 32) * 32;
-    const int64_t block = pair_block_at(plan, tile, key_block);
+    const int64_t block = pair_block_at(key_block);
     uint32_t* probs = s.probs_pairs.data() + group_pairs * kBackwardKeyBlock;
     uint32_t* grads = s.grads_pairs.data() + group_pairs * kBackwardKeyBlock;
     tiles.round(TileRounding{s.scores.data(), kKeyBlock, rows, rows_padded, n_padded, probs, nullptr, kBackwardKeyBlock});
@@ -791,15 +818,14 @@ void tile_accumulations(const BackwardPlan& plan, const WorkItem& tile, int64_t 
                                    query_grads, D * 4, true});
 }
 
-// A group's dV^T += dO^T P and dK^T += Q^T dS on tiles: the rows [row_begin, row_begin + 2 pairs)
-// of (b, kv_head) (pairs: the group's row pairs, a multiple of 16) against n_padded keys, into
+// A group's dV^T += dO^T P and dK^T += Q^T dS on tiles: the packed rows [row_begin, row_begin +
+// 2 pairs) of the chunk in the pairs (pairs: the group's row pairs, a multiple of 16) against n_padded keys, into
 // the block's sums.
-void group_sums(const BackwardPlan& plan, int64_t b, int64_t kv_head, int64_t row_begin, int64_t pairs,
-                int64_t n_padded, const KeyBlockSums& sums, const BackwardScratch& s) {
+void group_sums(const BackwardPlan& plan, int64_t row_begin, int64_t pairs, int64_t n_padded, const KeyBlockSums& sums,
+                const BackwardScratch& s) {
     const PackedPairs& packed = plan.pairs;
-    const int64_t head = b * plan.problem->forward.k.shape[1] + kv_head;
     const auto transposed_sums = [&](float* y, int64_t width, const uint16_t* x_t, const LineVector<uint32_t>& coef) {
-        return TileProduct{x_t + head * width * packed.row_stride + row_begin, packed.row_stride * 2, width,
+        return TileProduct{x_t + row_begin - packed.first_row, kPairRowStride * 2, width,
                            coef.data(), kBackwardKeyBlock * 4, n_padded / 16, pairs / 16, y,
                            kBackwardKeyBlock * 4, true};
     };
@@ -807,22 +833,22 @@ void group_sums(const BackwardPlan& plan, int64_t b, int64_t kv_head, int64_t ro
     tile_product(plan, transposed_sums(sums.key_grad_t, plan.flash.head_dim, packed.query_t, s.grads_pairs));
 }
 
-// Pass 2 fused with 3 on the tile path, for the query rows [rows_begin, rows_end) of a head
-// (tile_rows_begin, a multiple of kBackwardTileRows) against a key block (keys.key_begin of
+// Pass 2 fused with 3 on the tile path, for the query rows [rows_begin, rows_end) of a head (a
+// chunk: rows_begin is the pairs' first_row) against a key block (keys.key_begin of
 // (keys.b, keys.kv_head), those below keys.key_end visible): query tiles of kBackwardTileRows
 // rows, the products on tiles (tile_scores, tile_accumulations, and group_sums over up to
 // kBackwardTileGroup consecutive tiles) unless tile_needs_exact; dK^T and dV^T summed into the
-// block's sums, dQ into query_grads (the head's).
+// block's sums, dQ into query_grads (the chunk's, rows of D from rows_begin).
 void key_block_tiles(const BackwardPlan& plan, const WorkItem& keys, int64_t rows_begin, int64_t rows_end,
                      const KeyBlockSums& sums, BackwardScratch& s, float* query_grads) {
-    const int64_t b = keys.b, kv_head = keys.kv_head, key_block = keys.key_begin, visible = keys.key_end - key_block;
+    const int64_t key_block = keys.key_begin, visible = keys.key_end - key_block;
     const int64_t D = plan.flash.head_dim;
     const int64_t visible_padded = ceil_div(visible, kKeyPanel) * kKeyPanel;
     // The group: tiles in order from group_begin, their P and dS pairs from row pair 0 on, summed
     // into dV^T and dK^T when it is full, before an exact tile, and at the end.
     int64_t group_begin = 0, group_pairs = 0;
     const auto flush = [&]() {
-        if (group_pairs > 0) group_sums(plan, b, kv_head, group_begin, group_pairs, visible_padded, sums, s);
+        if (group_pairs > 0) group_sums(plan, group_begin, group_pairs, visible_padded, sums, s);
         group_pairs = 0;
     };
     for (int64_t row_begin = rows_begin; visible > 0 && row_begin < rows_end; row_begin += kBackwardTileRows) {
@@ -836,11 +862,12 @@ void key_block_tiles(const BackwardPlan& plan, const WorkItem& keys, int64_t row
         const float* gate = tile_gradients(plan, tile, rows, key_block, visible, s);
         if (tile_needs_exact(plan, tile, rows, gate)) {
             flush();
-            exact_accumulations(plan, tile, rows, gate, sums, s, query_grads + row_begin * D);
+            exact_accumulations(plan, tile, rows, gate, sums, s, query_grads + (row_begin - plan.pairs.first_row) * D);
             continue;
         }
         if (group_pairs == 0) group_begin = row_begin;
-        tile_accumulations(plan, tile, rows, key_block, visible_padded, group_pairs, s, query_grads + row_begin * D);
+        tile_accumulations(plan, rows, key_block, visible_padded, group_pairs, s,
+                           query_grads + (row_begin - plan.pairs.first_row) * D);
         group_pairs += ceil_div(rows, 32) * 16;
         if (group_pairs == kBackwardTileGroup * kBackwardTileRows / 2) flush();
     }
@@ -863,26 +890,41 @@ WorkItem block_keys(const AttentionProblem& p, int64_t b, int64_t kv_head, int64
 // then stored key by key; keys past kv_lens[b] get 0. Each element's sum runs in the same order as
 // key block by key block (a block's tiles in row order, a tile's blocks in key order), so the
 // bits are the same.
+// Pass 0 runs here, into the thread's scratch (as head_blocks'): the head's key pairs once, each
+// chunk's row pairs and transposes as the chunk starts, whose dQ is whole, and stored, once the
+// chunk has met every key block. So the path keeps, per thread, one head's keys and dK, dV sums
+// and one chunk's rows, not the call's every K, V, Q and dO in pairs (at N = 8192, 32 query heads
+// on 8 KV heads, D = 128: about 14 MB a thread against 350 MB a call).
 template <typename T>
-void head_tiles(const BackwardPlan& plan, int64_t b, int64_t kv_head, BackwardScratch& s, float* query_grads) {
+void head_tiles(const BackwardPlan& plan, int64_t b, int64_t kv_head, BackwardScratch& s) {
     const BackwardProblem& bp = *plan.problem;
     const AttentionProblem& p = bp.forward;
     const int64_t D = plan.flash.head_dim, Dv = plan.flash.value_dim, width = plan.pairs.value_width;
     const int64_t blocks = plan.packed.key_blocks, rows_per_group = plan.flash.rows_per_group;
+    BackwardPlan own = plan;  // this head's pairs: the thread's scratch
+    own.pairs = s.pairs(width, 0);
+    pack_key_pairs(own, b, kv_head);
     std::fill(s.key_grad.begin(), s.key_grad.begin() + blocks * kBackwardKeyBlock * D, 0.0f);
     std::fill(s.value_grad.begin(), s.value_grad.begin() + blocks * kBackwardKeyBlock * width, 0.0f);
     const auto sums_of = [&](int64_t kb) {
         return KeyBlockSums{s.key_grad.data() + kb * kBackwardKeyBlock * D,
                             s.value_grad.data() + kb * kBackwardKeyBlock * width};
     };
-    constexpr int64_t kChunkRows = kBackwardTileGroup * kBackwardTileRows;
-    for (int64_t chunk = 0; chunk < rows_per_group; chunk += kChunkRows)
+    float* query_grads = s.query_grad.data();  // the chunk's dQ sums
+    for (int64_t chunk = 0; chunk < rows_per_group; chunk += kPairChunkRows) {
+        const int64_t chunk_end = std::min(chunk + kPairChunkRows, rows_per_group);
+        own.pairs.first_row = chunk;
+        pack_query_pairs(own, b, kv_head, chunk_end);
+        std::fill(query_grads, query_grads + kPairChunkRows * D, 0.0f);
         for (int64_t kb = 0; kb < blocks; ++kb) {
             int64_t n;
             const WorkItem keys = block_keys(p, b, kv_head, kb * kBackwardKeyBlock, &n);
-            key_block_tiles(plan, keys, chunk, std::min(chunk + kChunkRows, rows_per_group), sums_of(kb), s,
-                            query_grads);
+            key_block_tiles(own, keys, chunk, chunk_end, sums_of(kb), s, query_grads);
         }
+        WorkItem rows = head_item(b, kv_head, chunk_end);
+        rows.row_begin = chunk;
+        store_query_rows<T>(own, rows, query_grads);
+    }
     // Key by key; keys past visible: 0 (the tile products' columns there are scratch: 0 times a Q
     // or dO row). (sums_t: rows_t rows, the first `width` stored)
     for (int64_t kb = 0; kb < blocks; ++kb) {
@@ -1046,13 +1088,9 @@ void head_gradients(const BackwardPlan& plan, int64_t b, int64_t kv_head, Backwa
         head_blocks<T>(plan, b, kv_head, s);
         return;
     }
-    const int64_t D = plan.flash.head_dim;
-    float* query_grads = s.query_grad.data();
-    std::fill(query_grads, query_grads + plan.flash.rows_per_group * D, 0.0f);
     plan.kernels.tiles.begin();
-    head_tiles<T>(plan, b, kv_head, s, query_grads);
+    head_tiles<T>(plan, b, kv_head, s);
     plan.kernels.tiles.end();
-    store_query_rows<T>(plan, head_item(b, kv_head, plan.flash.rows_per_group), query_grads);
 }
 
 // Whether the fused pass runs: its items are the B * Hkv heads, of five (Lq Lk D)-sized products
@@ -1071,7 +1109,7 @@ void gradient_passes(const BackwardPlan& plan, int num_threads) {
     const ScratchShape tiles{D, Dv, kQTileRows};
     if (plan.fused) {  // 2 and 3 in one, per head (the tile path: its rows rounded up to 32)
         const ScratchShape heads = plan.tiled
-                                       ? ScratchShape{D, plan.pairs.value_width, plan.pairs.head_rows, true, key_blocks}
+                                       ? ScratchShape{D, plan.pairs.value_width, kPairChunkRows, true, key_blocks, true}
                                        : ScratchShape{D, Dv, kBackwardChunkTiles * kQTileRows, false, key_blocks, true};
         for_each_item(B * Hkv, num_threads, heads,
                       [&](int64_t head, BackwardScratch& s) { head_gradients<T>(plan, head / Hkv, head % Hkv, s); });
@@ -1114,34 +1152,12 @@ void backward_passes(const BackwardProblem& bp, int num_threads) {
     if (bp.dsinks.data != nullptr) sink_gradients(bp, delta.data());
     if (Hkv == 0) return;  // then Hq = 0 too (check_problem): no gradient left to write
 
-    // 0. The packed keys and query side (the tile path: their pairs).
+    // 0. The packed keys and query side (the tile path: their pairs), in each head's item when the
+    // pass is fused.
     const int64_t key_blocks = ceil_div(Lk, kBackwardKeyBlock);
-    const int64_t packed_keys = B * Hkv * key_blocks * kBackwardKeyBlock;
-    CallerBuffers& buffers = caller_buffers();
-    if (std::is_same_v<T, BFloat16> && tile_path(kernels, p)) {
-        const int64_t head_rows = ceil_div(Hq / Hkv * Lq, 32) * 32, pair_rows = B * Hkv * head_rows;
-        const int64_t head_tiles = ceil_div(Hq / Hkv * Lq, kBackwardTileRows);
-        const int64_t row_stride = head_tiles * kBackwardTileRows + 32, transposed = B * Hkv * row_stride;
-        const int64_t value_width = ceil_div(Dv, 32) * 32;
-        const PackedPairs pairs{grown(buffers.pair_key_panels, packed_keys * D),
-                                grown(buffers.pair_value_panels, packed_keys * value_width),
-                                grown(buffers.pair_key_rows, packed_keys * D),
-                                grown(buffers.key_finite, packed_keys),
-                                grown(buffers.pair_query_pairs, pair_rows * D),
-                                grown(buffers.pair_dout_pairs, pair_rows * value_width),
-                                grown(buffers.row_finite, pair_rows),
-                                grown(buffers.pair_query_t, transposed * D),
-                                grown(buffers.pair_dout_t, transposed * value_width),
-                                head_rows,
-                                head_tiles,
-                                row_stride,
-                                value_width};
-        const BackwardPlan plan{&bp, flash_plan(p), delta.data(), kernels, no_keys(key_blocks), no_queries(), true, true,
-                                pairs};
-        for_each_item(B * Hkv, num_threads, tiles, [&](int64_t head, BackwardScratch&) {
-            pack_key_pairs(plan, head / Hkv, head % Hkv);
-            pack_query_pairs(plan, head / Hkv, head % Hkv);
-        });
+    if (std::is_same_v<T, BFloat16> && tile_path(kernels, p)) {  // pass 0 inside each head's item (head_tiles)
+        const BackwardPlan plan{&bp,  flash_plan(p), delta.data(), kernels, no_keys(key_blocks), no_queries(), true,
+                                true, no_pairs(ceil_div(Dv, 32) * 32)};
         gradient_passes<T>(plan, num_threads);
         return;
     }
@@ -1151,6 +1167,8 @@ void backward_passes(const BackwardProblem& bp, int num_threads) {
         gradient_passes<T>(plan, num_threads);
         return;
     }
+    const int64_t packed_keys = B * Hkv * key_blocks * kBackwardKeyBlock;
+    CallerBuffers& buffers = caller_buffers();
     const PackedKeys packed{grown(buffers.keys, packed_keys * D), grown(buffers.key_panels, packed_keys * D),
                             grown(buffers.value_panels, packed_keys * Dv), key_blocks};
     const int64_t packed_rows = B * Hq * Lq;  // B * Hkv heads of rows_per_group packed rows

@@ -210,34 +210,35 @@ struct PackedQueries {
     first_row: usize,
 }
 
-/// Pass 0's bfloat16 pairs of one call (the tile path), as 16-bit elements (a pair: two
-/// consecutive ones). Per key block, block = head * key_blocks + kb:
+/// Pass 0's bfloat16 pairs on the tile path, as 16-bit elements (a pair: two consecutive ones),
+/// packed by each head's item into its thread's scratch ([`head_tiles`]): the head's keys as the
+/// item starts, the rows of each chunk (BACKWARD_TILE_GROUP query tiles from packed row
+/// first_row) as the chunk starts. Per key block kb of the head:
 ///
 /// ```text
-/// key_panels   at block * BACKWARD_KEY_BLOCK * D: BACKWARD_KEY_BLOCK / KEY_PANEL panels of
+/// key_panels   at kb * BACKWARD_KEY_BLOCK * D: BACKWARD_KEY_BLOCK / KEY_PANEL panels of
 ///              (D / 2, KEY_PANEL) pairs (d, key)       S = Q K^T, B
-/// value_panels at block * BACKWARD_KEY_BLOCK * Dv: the same of V   dP = dO V^T, B
-/// key_rows     at block * BACKWARD_KEY_BLOCK * D: (BACKWARD_KEY_BLOCK / 2, D) pairs (key, d)
+/// value_panels at kb * BACKWARD_KEY_BLOCK * Dv: the same of V   dP = dO V^T, B
+/// key_rows     at kb * BACKWARD_KEY_BLOCK * D: (BACKWARD_KEY_BLOCK / 2, D) pairs (key, d)
 ///                                                      dQ += dS K, B
-/// key_finite   at block * BACKWARD_KEY_BLOCK: 1 where the key's K row is finite
+/// key_finite   at kb * BACKWARD_KEY_BLOCK: 1 where the key's K row is finite
 /// ```
 ///
-/// Per packed row r of a head, row = head * head_rows + r (head_rows: rows_per_group rounded up
-/// to 32; the pad rows are 0):
+/// Per packed row r of the chunk, row = r - first_row (up to the chunk's end rounded up to 32;
+/// the pad rows, past rows_per_group, are 0):
 ///
 /// ```text
 /// query_pairs at row * D, dout_pairs at row * Dv: the rows themselves (pairs (d))   S, dP: A
 /// row_finite at row: 1 where the row's Q and dO are finite
 /// ```
 ///
-/// Per head, its packed rows transposed, rows up to head_tiles * BACKWARD_TILE_ROWS (0 past
-/// rows_per_group), each of row_stride elements (a multiple of 32 plus 32: no two rows 4096
-/// bytes apart, where the L1 cache would put a tile load's rows in one set):
+/// The chunk's rows transposed, PAIR_CHUNK_ROWS columns (0 past rows_per_group), each of
+/// PAIR_ROW_STRIDE elements (that plus 32: no two rows 4096 bytes apart, where the L1 cache would
+/// put a tile load's rows in one set):
 ///
 /// ```text
-/// query_t at head * D * row_stride: Q^T, (D, row_stride), so pairs (d, rows 2 i and 2 i + 1)
-///                                                      dK^T += Q^T dS: A
-/// dout_t at head * Dv * row_stride: dO^T, the same     dV^T += dO^T P: A
+/// query_t: Q^T, (D, PAIR_ROW_STRIDE), so pairs (d, rows 2 i and 2 i + 1)   dK^T += Q^T dS: A
+/// dout_t: dO^T, (Dv, PAIR_ROW_STRIDE), the same        dV^T += dO^T P: A
 /// ```
 ///
 /// Keys at or past kv_lens[b] are 0 (never read from k or v), finite. Every width Dv above is
@@ -253,12 +254,15 @@ struct PackedPairs {
     row_finite: *mut u8,
     query_t: *mut u16,
     dout_t: *mut u16,
-    head_rows: usize,
-    head_tiles: usize,
-    row_stride: usize,
     /// Dv rounded up to 32: the V and dO pairs' width (0 past Dv)
     value_width: usize,
+    /// the chunk's first packed row
+    first_row: usize,
 }
+
+/// Packed query rows per chunk of the tile path, and the row stride of its transposes.
+const PAIR_CHUNK_ROWS: usize = BACKWARD_TILE_GROUP * BACKWARD_TILE_ROWS;
+const PAIR_ROW_STRIDE: usize = PAIR_CHUNK_ROWS + 32;
 
 /// No packed keys (the tile path, and the fused float32 pass, whose items pack their own), of
 /// key_blocks blocks per head.
@@ -284,8 +288,8 @@ fn no_queries() -> PackedQueries {
     }
 }
 
-/// No pairs (the float32 path).
-fn no_pairs() -> PackedPairs {
+/// No pairs (the float32 path; on the tile path each head's item packs its own, of value_width).
+fn no_pairs(value_width: usize) -> PackedPairs {
     let null = std::ptr::null_mut();
     PackedPairs {
         key_panels: null,
@@ -297,10 +301,8 @@ fn no_pairs() -> PackedPairs {
         row_finite: std::ptr::null_mut(),
         query_t: null,
         dout_t: null,
-        head_rows: 0,
-        head_tiles: 0,
-        row_stride: 0,
-        value_width: 0,
+        value_width,
+        first_row: 0,
     }
 }
 
@@ -406,15 +408,6 @@ struct CallerBuffers {
     query_rows: LineVec<f32>,
     query_scaled: LineVec<f32>,
     dout_rows: LineVec<f32>,
-    pair_key_panels: LineVec<u16>,
-    pair_value_panels: LineVec<u16>,
-    pair_key_rows: LineVec<u16>,
-    pair_query_pairs: LineVec<u16>,
-    pair_dout_pairs: LineVec<u16>,
-    pair_query_t: LineVec<u16>,
-    pair_dout_t: LineVec<u16>,
-    key_finite: Vec<u8>,
-    row_finite: Vec<u8>,
 }
 
 /// buffer grown to at least count elements, its data.
@@ -446,7 +439,15 @@ thread_local! {
 /// ```
 ///
 /// and on the tile path (tiles of BACKWARD_TILE_ROWS rows, so the rows above are that many;
-/// key_grad and value_grad hold dK^T and dV^T, (D / Dv, BACKWARD_KEY_BLOCK)):
+/// key_grad and value_grad hold dK^T and dV^T, (D / Dv, BACKWARD_KEY_BLOCK)), pass 0's pairs of
+/// one head's keys and one chunk's rows ([`PackedPairs`]):
+///
+/// ```text
+/// pair_key_panels, pair_value_panels, pair_key_rows, key_finite     the head's keys
+/// pair_query_pairs, pair_dout_pairs, row_finite, pair_query_t, pair_dout_t   the chunk's rows
+/// ```
+///
+/// and
 ///
 /// ```text
 /// probs_pairs, grads_pairs (BACKWARD_TILE_GROUP BACKWARD_TILE_ROWS / 2, BACKWARD_KEY_BLOCK)
@@ -483,12 +484,21 @@ struct BackwardScratch {
     chunk_rows: LineVec<f32>,
     chunk_scaled: LineVec<f32>,
     chunk_dout: LineVec<f32>,
+    pair_key_panels: LineVec<u16>,
+    pair_value_panels: LineVec<u16>,
+    pair_key_rows: LineVec<u16>,
+    key_finite: Vec<u8>,
+    pair_query_pairs: LineVec<u16>,
+    pair_dout_pairs: LineVec<u16>,
+    row_finite: Vec<u8>,
+    pair_query_t: LineVec<u16>,
+    pair_dout_t: LineVec<u16>,
 }
 
 /// What one thread's scratch is sized for: D, Dv, the rows of dQ sums (a tile's Q_TILE_ROWS; in
-/// the fused pass a chunk's BACKWARD_CHUNK_TILES Q_TILE_ROWS, or on the tile path a head's
-/// rows_per_group rounded up to 32), and whether the tile path runs (its rows per tile are
-/// BACKWARD_TILE_ROWS).
+/// the fused pass a chunk's BACKWARD_CHUNK_TILES Q_TILE_ROWS, or on the tile path
+/// PAIR_CHUNK_ROWS), and whether the tile path runs (its rows per tile are BACKWARD_TILE_ROWS;
+/// Dv is then the pairs' value_width).
 #[derive(Clone, Copy)]
 struct ScratchShape {
     head_dim: usize,
@@ -497,7 +507,7 @@ struct ScratchShape {
     tiled: bool,
     /// the fused pass: a head's key blocks (key_grad, value_grad hold each's sums)
     key_blocks: usize,
-    /// the fused float32 pass: the thread packs its head's keys and a chunk's rows
+    /// the fused pass: the thread packs its head's keys and a chunk's rows
     packs: bool,
 }
 
@@ -536,7 +546,7 @@ impl BackwardScratch {
         grow(&mut self.query_grad, query_grad_rows * head_dim)?;
         grow(&mut self.row_key_begin, tile_rows)?;
         grow(&mut self.row_key_end, tile_rows)?;
-        if packs {
+        if packs && !tiled {
             let keys = key_blocks * BACKWARD_KEY_BLOCK;
             grow(&mut self.head_keys, keys * head_dim)?;
             grow(&mut self.head_key_panels, keys * head_dim)?;
@@ -561,7 +571,38 @@ impl BackwardScratch {
         )?;
         grow(&mut self.exact_queries, BACKWARD_TILE_ROWS * head_dim)?;
         grow(&mut self.exact_dout, BACKWARD_TILE_ROWS * value_dim)?;
-        grow(&mut self.exact_keys, BACKWARD_KEY_BLOCK * head_dim)
+        grow(&mut self.exact_keys, BACKWARD_KEY_BLOCK * head_dim)?;
+        if !packs {
+            return Ok(());
+        }
+        let keys = key_blocks * BACKWARD_KEY_BLOCK;
+        grow(&mut self.pair_key_panels, keys * head_dim)?;
+        grow(&mut self.pair_value_panels, keys * value_dim)?;
+        grow(&mut self.pair_key_rows, keys * head_dim)?;
+        grow(&mut self.key_finite, keys)?;
+        grow(&mut self.pair_query_pairs, PAIR_CHUNK_ROWS * head_dim)?;
+        grow(&mut self.pair_dout_pairs, PAIR_CHUNK_ROWS * value_dim)?;
+        grow(&mut self.row_finite, PAIR_CHUNK_ROWS)?;
+        grow(&mut self.pair_query_t, head_dim * PAIR_ROW_STRIDE)?;
+        grow(&mut self.pair_dout_t, value_dim * PAIR_ROW_STRIDE)
+    }
+
+    /// Pass 0's pairs in this scratch (the tile path), of value_width, for the chunk from
+    /// first_row.
+    fn pairs(&mut self, value_width: usize, first_row: usize) -> PackedPairs {
+        PackedPairs {
+            key_panels: self.pair_key_panels.as_mut_ptr(),
+            value_panels: self.pair_value_panels.as_mut_ptr(),
+            key_rows: self.pair_key_rows.as_mut_ptr(),
+            key_finite: self.key_finite.as_mut_ptr(),
+            query_pairs: self.pair_query_pairs.as_mut_ptr(),
+            dout_pairs: self.pair_dout_pairs.as_mut_ptr(),
+            row_finite: self.row_finite.as_mut_ptr(),
+            query_t: self.pair_query_t.as_mut_ptr(),
+            dout_t: self.pair_dout_t.as_mut_ptr(),
+            value_width,
+            first_row,
+        }
     }
 }
 
@@ -895,10 +936,9 @@ unsafe fn pack_key_pairs(plan: &BackwardPlan, b: usize, kv_head: usize) {
     let pairs = &plan.pairs;
     let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
     let value_width = pairs.value_width;
-    let kv_heads = p.k.shape[1] as usize;
     const KB: usize = BACKWARD_KEY_BLOCK;
     for kb in 0..plan.packed.key_blocks {
-        let block = (b * kv_heads + kv_head) * plan.packed.key_blocks + kb;
+        let block = kb;
         let key_block = kb * KB;
         let n = (p.kv_lens[b] as usize).saturating_sub(key_block).min(KB);
         // SAFETY: forwarded; the block's parts hold KB * D, KB * value_width, KB * D and KB
@@ -973,30 +1013,31 @@ unsafe fn copy_row(src: *const u16, n: usize, dst: *mut u16) -> usize {
     non_finite
 }
 
-/// Pass 0 (tile path): the query side of (b, kv_head) into the pairs ([`PackedPairs`]): row by
-/// row, then transposed a tile of rows at a time (their rows stay in L1 while every column is
-/// written).
+/// Pass 0 (tile path): the query side of (b, kv_head) into the pairs ([`PackedPairs`]), the
+/// chunk of packed rows from pairs.first_row to chunk_end: row by row, then transposed a tile of
+/// rows at a time (their rows stay in L1 while every column is written).
 ///
 /// # Safety
-/// As [`pack_key_pairs`] (bfloat16 q and dout).
-unsafe fn pack_query_pairs(plan: &BackwardPlan, b: usize, kv_head: usize) {
+/// As [`pack_key_pairs`] (bfloat16 q and dout); the pairs hold a chunk's rows.
+unsafe fn pack_query_pairs(plan: &BackwardPlan, b: usize, kv_head: usize, chunk_end: usize) {
     let bp = plan.problem;
     let p = &bp.forward;
     let pairs = &plan.pairs;
     let (group, head_dim, value_dim) =
         (plan.flash.group, plan.flash.head_dim, plan.flash.value_dim);
-    let head = b * p.k.shape[1] as usize + kv_head;
     let rows_per_group = plan.flash.rows_per_group;
+    let head_rows = rows_per_group.div_ceil(32) * 32;
     let mut q_rows = [std::ptr::null::<u16>(); BACKWARD_TILE_ROWS];
     let mut dout_rows = [std::ptr::null::<u16>(); BACKWARD_TILE_ROWS];
     let zeros = vec![0u16; head_dim.max(value_dim)];
-    for tile_begin in (0..pairs.head_tiles * BACKWARD_TILE_ROWS).step_by(BACKWARD_TILE_ROWS) {
+    for tile_begin in (pairs.first_row..chunk_end).step_by(BACKWARD_TILE_ROWS) {
         for local in 0..BACKWARD_TILE_ROWS {
             let packed = tile_begin + local;
-            let row = head * pairs.head_rows + packed;
+            let row = packed - pairs.first_row;
             let (h, i) = (kv_head * group + packed % group, packed / group);
             // SAFETY: forwarded; (b, h, i) is a query row for packed < rows_per_group, whose q
-            // and dout rows hold D and Dv elements; the pairs hold the head's head_rows rows.
+            // and dout rows hold D and Dv elements; the pairs hold the chunk's rows up to
+            // head_rows.
             unsafe {
                 (q_rows[local], dout_rows[local]) = match packed < rows_per_group {
                     true => (
@@ -1005,7 +1046,7 @@ unsafe fn pack_query_pairs(plan: &BackwardPlan, b: usize, kv_head: usize) {
                     ),
                     false => (std::ptr::null(), std::ptr::null()),
                 };
-                if packed >= pairs.head_rows {
+                if packed >= head_rows {
                     continue;
                 }
                 let dout = pairs.dout_pairs.add(row * pairs.value_width);
@@ -1027,11 +1068,11 @@ unsafe fn pack_query_pairs(plan: &BackwardPlan, b: usize, kv_head: usize) {
                     false => row,
                 });
                 for d in 0..width {
-                    // SAFETY: forwarded; the head's transposed rows hold head_tiles *
-                    // BACKWARD_TILE_ROWS <= row_stride elements each.
+                    // SAFETY: forwarded; the chunk's transposed rows hold PAIR_CHUNK_ROWS <=
+                    // PAIR_ROW_STRIDE elements each.
                     let column = unsafe {
                         std::slice::from_raw_parts_mut(
-                            dst.add(d * pairs.row_stride + tile_begin),
+                            dst.add(d * PAIR_ROW_STRIDE + tile_begin - pairs.first_row),
                             BACKWARD_TILE_ROWS,
                         )
                     };
@@ -1045,37 +1086,21 @@ unsafe fn pack_query_pairs(plan: &BackwardPlan, b: usize, kv_head: usize) {
                     }
                 }
             };
-        // SAFETY: forwarded; the head's D and value_width transposed rows.
-        unsafe {
-            transpose_tile(
-                &q_rows,
-                head_dim,
-                head_dim,
-                pairs.query_t.add(head * head_dim * pairs.row_stride),
-            );
-            transpose_tile(
-                &dout_rows,
-                value_dim,
-                pairs.value_width,
-                pairs
-                    .dout_t
-                    .add(head * pairs.value_width * pairs.row_stride),
-            );
-        }
+        // the chunk's D and value_width transposed rows
+        transpose_tile(&q_rows, head_dim, head_dim, pairs.query_t);
+        transpose_tile(&dout_rows, value_dim, pairs.value_width, pairs.dout_t);
     }
 }
 
-/// The tile's first packed row in the pairs (even: tiles start at multiples of
+/// The tile's first row in the chunk's pairs (even: tiles start at multiples of
 /// BACKWARD_TILE_ROWS).
 fn pair_row_at(plan: &BackwardPlan, tile: &WorkItem) -> usize {
-    let kv_heads = plan.problem.forward.k.shape[1] as usize;
-    (tile.b * kv_heads + tile.kv_head) * plan.pairs.head_rows + tile.row_begin
+    tile.row_begin - plan.pairs.first_row
 }
 
-/// The key block's index in the pairs.
-fn pair_block_at(plan: &BackwardPlan, tile: &WorkItem, key_block: usize) -> usize {
-    let kv_heads = plan.problem.forward.k.shape[1] as usize;
-    (tile.b * kv_heads + tile.kv_head) * plan.packed.key_blocks + key_block / BACKWARD_KEY_BLOCK
+/// The key block's index in the head's pairs.
+fn pair_block_at(key_block: usize) -> usize {
+    key_block / BACKWARD_KEY_BLOCK
 }
 
 /// The tile path's products.
@@ -1107,10 +1132,7 @@ unsafe fn tile_scores(
 ) {
     let pairs = &plan.pairs;
     let (head_dim, value_dim) = (plan.flash.head_dim, pairs.value_width);
-    let (row, block) = (
-        pair_row_at(plan, tile),
-        pair_block_at(plan, tile, key_block),
-    );
+    let (row, block) = (pair_row_at(plan, tile), pair_block_at(key_block));
     let product = |a: *const u16, depth: usize, panels: *const u16, out: &mut [f32]| {
         for panel in 0..n_padded / KEY_PANEL {
             // SAFETY: forwarded; the tile's rows (rounded up to 16, within the head's rows) of
@@ -1171,7 +1193,7 @@ unsafe fn tile_needs_exact(
     unsafe {
         let row_finite =
             std::slice::from_raw_parts(plan.pairs.row_finite.add(pair_row_at(plan, tile)), rows);
-        let block = pair_block_at(plan, tile, tile.key_begin);
+        let block = pair_block_at(tile.key_begin);
         let n = tile.key_end - tile.key_begin;
         let key_finite =
             std::slice::from_raw_parts(plan.pairs.key_finite.add(block * BACKWARD_KEY_BLOCK), n);
@@ -1216,10 +1238,7 @@ unsafe fn exact_accumulations(
     let (key_block, n) = (tile.key_begin, tile.key_end - tile.key_begin);
     let pairs = &plan.pairs;
     let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
-    let (row, block) = (
-        pair_row_at(plan, tile),
-        pair_block_at(plan, tile, key_block),
-    );
+    let (row, block) = (pair_row_at(plan, tile), pair_block_at(key_block));
     // SAFETY: forwarded; the pairs hold the tile's rows and the block's keys.
     unsafe {
         for r in 0..rows {
@@ -1300,7 +1319,6 @@ unsafe fn exact_accumulations(
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile_accumulations(
     plan: &BackwardPlan,
-    tile: &WorkItem,
     rows: usize,
     key_block: usize,
     n_padded: usize,
@@ -1312,7 +1330,7 @@ unsafe fn tile_accumulations(
     let tiles = unsafe { plan.kernels.tiles.unwrap_unchecked() };
     let head_dim = plan.flash.head_dim;
     let rows_padded = rows.div_ceil(32) * 32;
-    let block = pair_block_at(plan, tile, key_block);
+    let block = pair_block_at(key_block);
     let rounding = |src: &[f32], pairs: &mut [u32], rows_out: *mut u16| TileRounding {
         src: src.as_ptr(),
         src_stride: KEY_BLOCK,
@@ -1350,17 +1368,14 @@ unsafe fn tile_accumulations(
     }
 }
 
-/// A group's dV^T += dO^T P and dK^T += Q^T dS on tiles: the rows [row_begin, row_begin + 2
-/// pairs) of (b, kv_head) (pairs: the group's row pairs, a multiple of 16) against n_padded keys,
-/// into the block's sums.
+/// A group's dV^T += dO^T P and dK^T += Q^T dS on tiles: the packed rows [row_begin, row_begin +
+/// 2 pairs) of the chunk in the pairs (pairs: the group's row pairs, a multiple of 16) against
+/// n_padded keys, into the block's sums.
 ///
 /// # Safety
 /// As [`tile_scores`], after the group's tile_accumulations.
-#[allow(clippy::too_many_arguments)]
 unsafe fn group_sums(
     plan: &BackwardPlan,
-    b: usize,
-    kv_head: usize,
     row_begin: usize,
     pairs: usize,
     n_padded: usize,
@@ -1368,12 +1383,11 @@ unsafe fn group_sums(
     s: &mut BackwardScratch,
 ) {
     let packed = &plan.pairs;
-    let head = b * plan.problem.forward.k.shape[1] as usize + kv_head;
     let transposed_sums =
         |y: &mut [f32], width: usize, x_t: *const u16, coef: &[u32]| TileProduct {
-            // SAFETY: the head's transposed rows hold the group's rows.
-            a: unsafe { x_t.add(head * width * packed.row_stride + row_begin) }.cast(),
-            a_stride: packed.row_stride * 2,
+            // SAFETY: the chunk's transposed rows hold the group's rows.
+            a: unsafe { x_t.add(row_begin - packed.first_row) }.cast(),
+            a_stride: PAIR_ROW_STRIDE * 2,
             rows: width,
             b: coef.as_ptr().cast(),
             b_stride: BACKWARD_KEY_BLOCK * 4,
@@ -1403,16 +1417,16 @@ unsafe fn group_sums(
     }
 }
 
-/// Pass 2 fused with 3 on the tile path, for the query rows [rows_begin, rows_end) of a head
-/// (rows_begin a multiple of BACKWARD_TILE_ROWS) against a key block (keys.key_begin of (keys.b,
+/// Pass 2 fused with 3 on the tile path, for the query rows [rows_begin, rows_end) of a head (a
+/// chunk: rows_begin is the pairs' first_row) against a key block (keys.key_begin of (keys.b,
 /// keys.kv_head), those below keys.key_end visible): query tiles of BACKWARD_TILE_ROWS rows, the
 /// products on tiles ([`tile_scores`], [`tile_accumulations`], and [`group_sums`] over up to
 /// BACKWARD_TILE_GROUP consecutive tiles) unless [`tile_needs_exact`]; dK^T and dV^T summed into
-/// the block's sums, dQ into query_grads (the head's).
+/// the block's sums, dQ into query_grads (the chunk's, rows of D from rows_begin).
 ///
 /// # Safety
-/// As [`row_deltas`], on the tile path, between the tiles' begin and end; query_grads
-/// holds the head's head_rows rows of dQ sums.
+/// As [`row_deltas`], on the tile path, between the tiles' begin and end, with the chunk's pairs
+/// packed; query_grads holds PAIR_CHUNK_ROWS rows of dQ sums.
 #[allow(clippy::too_many_arguments)]
 unsafe fn key_block_tiles(
     plan: &BackwardPlan,
@@ -1423,7 +1437,7 @@ unsafe fn key_block_tiles(
     s: &mut BackwardScratch,
     query_grads: *mut f32,
 ) {
-    let (b, kv_head, key_block) = (keys.b, keys.kv_head, keys.key_begin);
+    let key_block = keys.key_begin;
     let visible = keys.key_end - key_block;
     let head_dim = plan.flash.head_dim;
     let visible_padded = visible.div_ceil(KEY_PANEL) * KEY_PANEL;
@@ -1434,16 +1448,7 @@ unsafe fn key_block_tiles(
         let (mut group_begin, mut group_pairs) = (0, 0);
         let flush = |s: &mut BackwardScratch, group_begin: usize, group_pairs: &mut usize| {
             if *group_pairs > 0 {
-                group_sums(
-                    plan,
-                    b,
-                    kv_head,
-                    group_begin,
-                    *group_pairs,
-                    visible_padded,
-                    sums,
-                    s,
-                );
+                group_sums(plan, group_begin, *group_pairs, visible_padded, sums, s);
             }
             *group_pairs = 0;
         };
@@ -1458,7 +1463,7 @@ unsafe fn key_block_tiles(
             let rows = tile.row_end - tile_begin;
             load_tile(plan, &tile, rows, s);
             let gate = tile_gradients(plan, &tile, rows, key_block, visible, s);
-            let y = query_grads.add(tile_begin * head_dim);
+            let y = query_grads.add((tile_begin - plan.pairs.first_row) * head_dim);
             if tile_needs_exact(plan, &tile, rows, gate) {
                 flush(s, group_begin, &mut group_pairs);
                 exact_accumulations(plan, &tile, rows, gate, sums, s, y);
@@ -1467,16 +1472,7 @@ unsafe fn key_block_tiles(
             if group_pairs == 0 {
                 group_begin = tile_begin;
             }
-            tile_accumulations(
-                plan,
-                &tile,
-                rows,
-                key_block,
-                visible_padded,
-                group_pairs,
-                s,
-                y,
-            );
+            tile_accumulations(plan, rows, key_block, visible_padded, group_pairs, s, y);
             group_pairs += rows.div_ceil(32) * 16;
             if group_pairs == BACKWARD_TILE_GROUP * BACKWARD_TILE_ROWS / 2 {
                 flush(s, group_begin, &mut group_pairs);
@@ -1516,36 +1512,62 @@ fn block_keys(
 /// block's), then stored key by key; keys past kv_lens[b] get 0. Each element's sum runs in the
 /// same order as key block by key block (a block's tiles in row order, a tile's blocks in key
 /// order), so the bits are the same.
+/// Pass 0 runs here, into the thread's scratch (as [`head_blocks`]'): the head's key pairs once,
+/// each chunk's row pairs and transposes as the chunk starts, whose dQ is whole, and stored, once
+/// the chunk has met every key block. So the path keeps, per thread, one head's keys and dK, dV
+/// sums and one chunk's rows, not the call's every K, V, Q and dO in pairs (at N = 8192, 32 query
+/// heads on 8 KV heads, D = 128: about 14 MB a thread against 350 MB a call).
 ///
 /// # Safety
-/// As [`key_block_tiles`], for every key block of the head; this item owns the head's dk and dv
-/// rows.
+/// As [`key_block_tiles`], for every key block of the head; this item owns the head's dq, dk and
+/// dv rows; the scratch is sized for the tile path (packs).
 unsafe fn head_tiles<T: Element>(
     plan: &BackwardPlan,
     b: usize,
     kv_head: usize,
     s: &mut BackwardScratch,
-    query_grads: *mut f32,
 ) {
     let bp = plan.problem;
     let p = &bp.forward;
     let (head_dim, value_dim) = (plan.flash.head_dim, plan.flash.value_dim);
     let (width, blocks) = (plan.pairs.value_width, plan.packed.key_blocks);
     let rows_per_group = plan.flash.rows_per_group;
+    // this head's pairs: the thread's scratch, which the calls below reach only through the
+    // plan's pointers
+    let mut own = BackwardPlan {
+        pairs: s.pairs(width, 0),
+        ..*plan
+    };
+    // SAFETY: forwarded; the scratch holds the head's key pairs.
+    unsafe { pack_key_pairs(&own, b, kv_head) };
     s.key_grad[..blocks * BACKWARD_KEY_BLOCK * head_dim].fill(0.0);
     s.value_grad[..blocks * BACKWARD_KEY_BLOCK * width].fill(0.0);
     let sums_of = |kb: usize| KeyBlockSums {
         key_grad_t: kb * BACKWARD_KEY_BLOCK * head_dim,
         value_grad_t: kb * BACKWARD_KEY_BLOCK * width,
     };
-    let chunk_rows = BACKWARD_TILE_GROUP * BACKWARD_TILE_ROWS;
-    for chunk in (0..rows_per_group).step_by(chunk_rows) {
+    // the chunk's dQ sums, reached below only through this pointer
+    let query_grads = s.query_grad.as_mut_ptr();
+    for chunk in (0..rows_per_group).step_by(PAIR_CHUNK_ROWS) {
+        let chunk_end = (chunk + PAIR_CHUNK_ROWS).min(rows_per_group);
+        own.pairs.first_row = chunk;
+        // SAFETY: forwarded; the scratch holds a chunk's pairs and dQ sums.
+        unsafe {
+            pack_query_pairs(&own, b, kv_head, chunk_end);
+            std::slice::from_raw_parts_mut(query_grads, PAIR_CHUNK_ROWS * head_dim).fill(0.0);
+        }
         for kb in 0..blocks {
             let (keys, _) = block_keys(p, b, kv_head, kb * BACKWARD_KEY_BLOCK);
-            let rows_end = (chunk + chunk_rows).min(rows_per_group);
             // SAFETY: forwarded.
-            unsafe { key_block_tiles(plan, &keys, chunk, rows_end, sums_of(kb), s, query_grads) };
+            unsafe { key_block_tiles(&own, &keys, chunk, chunk_end, sums_of(kb), s, query_grads) };
         }
+        let rows = WorkItem {
+            row_begin: chunk,
+            row_end: chunk_end,
+            ..head_item(b, kv_head, rows_per_group)
+        };
+        // SAFETY: forwarded; this item owns the chunk's dq rows.
+        unsafe { store_query_rows::<T>(&own, &rows, &s.query_grad) };
     }
     // Key by key; keys past visible: 0 (the tile products' columns there are scratch: 0 times a
     // Q or dO row). (sums_t: rows_t rows, the first `columns` stored)
@@ -2100,18 +2122,11 @@ unsafe fn head_gradients<T: Element>(
         // SAFETY: forwarded.
         return unsafe { head_blocks::<T>(plan, b, kv_head, s) };
     };
-    let head_dim = plan.flash.head_dim;
-    let rows_per_group = plan.flash.rows_per_group;
-    s.query_grad[..rows_per_group * head_dim].fill(0.0);
-    let query_grads = s.query_grad.as_mut_ptr();
-    // SAFETY: forwarded; the scratch holds the head's head_rows rows of dQ sums (the fused pass's
-    // for_each_item), which head_tiles reaches only through query_grads.
+    // SAFETY: forwarded; the scratch is sized for the tile path (the fused pass's for_each_item).
     unsafe {
         (tiles.begin)();
-        head_tiles::<T>(plan, b, kv_head, s, query_grads);
+        head_tiles::<T>(plan, b, kv_head, s);
         (tiles.end)();
-        let head = head_item(b, kv_head, rows_per_group);
-        store_query_rows::<T>(plan, &head, &s.query_grad);
     }
 }
 
@@ -2175,27 +2190,7 @@ unsafe fn backward_passes<T: Element>(
     let packed_keys = batch * kv_heads * key_blocks * BACKWARD_KEY_BLOCK;
     with_thread_buffers(&CALLER_BUFFERS, |buffers: &mut CallerBuffers| {
         if tile_path(&kernels, p) {
-            let head_rows = (q_heads / kv_heads * q_len).div_ceil(32) * 32;
-            let pair_rows = batch * kv_heads * head_rows;
-            let head_tiles = (q_heads / kv_heads * q_len).div_ceil(BACKWARD_TILE_ROWS);
-            let row_stride = head_tiles * BACKWARD_TILE_ROWS + 32;
-            let transposed = batch * kv_heads * row_stride;
-            let value_width = value_dim.div_ceil(32) * 32;
-            let pairs = PackedPairs {
-                key_panels: grown(&mut buffers.pair_key_panels, packed_keys * head_dim)?,
-                value_panels: grown(&mut buffers.pair_value_panels, packed_keys * value_width)?,
-                key_rows: grown(&mut buffers.pair_key_rows, packed_keys * head_dim)?,
-                key_finite: grown(&mut buffers.key_finite, packed_keys)?,
-                query_pairs: grown(&mut buffers.pair_query_pairs, pair_rows * head_dim)?,
-                dout_pairs: grown(&mut buffers.pair_dout_pairs, pair_rows * value_width)?,
-                row_finite: grown(&mut buffers.row_finite, pair_rows)?,
-                query_t: grown(&mut buffers.pair_query_t, transposed * head_dim)?,
-                dout_t: grown(&mut buffers.pair_dout_t, transposed * value_width)?,
-                head_rows,
-                head_tiles,
-                row_stride,
-                value_width,
-            };
+            // pass 0 inside each head's item (head_tiles)
             let plan = BackwardPlan {
                 problem: bp,
                 flash: flash_plan(p),
@@ -2205,16 +2200,8 @@ unsafe fn backward_passes<T: Element>(
                 queries: no_queries(),
                 fused: true,
                 tiled: true,
-                pairs,
+                pairs: no_pairs(value_dim.div_ceil(32) * 32),
             };
-            for_each_item(batch * kv_heads, threads, tiles, |head, _| {
-                // SAFETY: item `head` packs only its own head's pairs; the problem is checked
-                // and bfloat16 (tile_path).
-                unsafe {
-                    pack_key_pairs(&plan, head / kv_heads, head % kv_heads);
-                    pack_query_pairs(&plan, head / kv_heads, head % kv_heads);
-                }
-            })?;
             // SAFETY: forwarded.
             return unsafe { gradient_passes::<T>(&plan, threads) };
         }
@@ -2229,7 +2216,7 @@ unsafe fn backward_passes<T: Element>(
                 queries: no_queries(),
                 fused: true,
                 tiled: false,
-                pairs: no_pairs(),
+                pairs: no_pairs(0),
             };
             // SAFETY: forwarded.
             return unsafe { gradient_passes::<T>(&plan, threads) };
@@ -2258,7 +2245,7 @@ unsafe fn backward_passes<T: Element>(
             queries,
             fused: false,
             tiled: false,
-            pairs: no_pairs(),
+            pairs: no_pairs(0),
         };
         let rows_per_group = q_heads / kv_heads * q_len;
         for_each_item(batch * kv_heads, threads, tiles, |head, _| {
@@ -2295,13 +2282,14 @@ unsafe fn gradient_passes<T: Element>(
         packs: false,
     };
     if plan.fused {
-        // 2 and 3 in one, per head (the tile path: its rows rounded up to 32)
+        // 2 and 3 in one, per head
         let heads = match plan.tiled {
             true => ScratchShape {
                 value_dim: plan.pairs.value_width,
-                query_grad_rows: plan.pairs.head_rows,
+                query_grad_rows: PAIR_CHUNK_ROWS,
                 tiled: true,
                 key_blocks,
+                packs: true,
                 ..tiles
             },
             false => ScratchShape {
