@@ -281,3 +281,25 @@ def test_eager_calls_without_grad_stay_off_the_op(backend: str, monkeypatch: pyt
         tt.attention(*leaves[:3], backend=backend, **kwargs)
     with pytest.raises(AssertionError, match="went through the op"):
         tt.attention(*leaves[:3], backend=backend, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("uses", ["out", "lse"])
+def test_a_loss_of_one_output_gives_the_gradients_of_zeros_for_the_other(backend: str, uses: str, dtype: Any) -> None:
+    """An output the loss does not use gets no gradient tensor (None, not zeros of its shape:
+    the bfloat16 training forward's out32 is float32 and as large as out); the backward reads it
+    as zeros: the same gradients, bit for bit, as a loss that adds the other output times 0."""
+    leaves, kwargs = _torch_problem("causal", seed=61, dtype=dtype)
+    grads = []
+    for explicit_zero in (False, True):
+        for leaf in leaves:
+            leaf.grad = None
+        out, lse = tt.attention(*leaves[:3], backend=backend, return_lse=True, **kwargs)
+        used, other = (out.float(), lse) if uses == "out" else (lse, out.float())
+        loss = (used * used).sum() + ((other * 0).sum() if explicit_zero else 0)
+        loss.backward()
+        grads.append([leaf.grad.clone() for leaf in leaves[:3]])
+    for name, g, zero in zip(NAMES, *grads):
+        torch.testing.assert_close(g, zero, rtol=0, atol=0, msg=name)
+        # (lse does not depend on v)
+        assert bool(g.abs().max() > 0) is not (uses == "lse" and name == "dv"), name

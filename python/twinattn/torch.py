@@ -318,6 +318,9 @@ def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Tuple[torch.Tensor
         )
     ctx.save_for_backward(q, k, v, *output, *(o if isinstance(o, torch.Tensor) else None for o in options))
     ctx.options = tuple(None if isinstance(o, torch.Tensor) else o for o in options)
+    # An output the loss does not use gets None, not zeros of its shape (lse's; the training
+    # forward's out32, float32 and as large as out)
+    ctx.set_materialize_grads(False)
 
 
 def _attention_backward(ctx: Any, dout: Optional[torch.Tensor], dlse: Optional[torch.Tensor]) -> Tuple[Any, ...]:
