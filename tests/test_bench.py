@@ -1611,3 +1611,50 @@ def test_train_case_is_not_timed_where_there_is_no_backward() -> None:
     assert "not timed" in str(peers.NumpyRunner().supports(tiny_train()))
     assert peers.Runner().supports(tiny_train()) == peers.TRAIN_ONLY
 
+
+
+# ----------------------------------------------------------------------------------------------
+# The train-memory case (twinattn.bench.memory)
+
+
+def test_train_memory_is_listed_and_left_out_of_a_full_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from twinattn.bench import memory
+
+    assert cli.main(["--list"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith(memory.MEMORY + " "))
+    assert "N=8192" in line and "fresh process" in line
+    assert memory.MEMORY not in {case.name for case in suite.standard_suite(2)}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_train_memory_measures_each_port_and_dtype_in_a_fresh_process(
+    small_ceilings: None, capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    """--cases train-memory runs one forward and backward per port and dtype in its own process:
+    the peak growth it reports holds at least the step's outputs and gradients (which it counts,
+    with bfloat16's out32, by their sizes), and what remains meets the target."""
+    from twinattn.bench import memory
+
+    for port in ("cpp", "rust"):
+        _require(port)
+    path = tmp_path / "memory.json"
+    arguments = ["--cases", memory.MEMORY, "--backends", "cpp,rust", "--dtype", "float32,bfloat16", "--shrink", "32",
+                 "--threads", "1", "--no-progress", "--json", str(path)]
+    assert cli.main(arguments) == 0
+    entry = json.loads(path.read_text())["train_memory"]
+    length = memory.LENGTH // 32
+    assert entry["length"] == length and len(entry["rows"]) == 4
+    mib = 2.0**-20
+    for row in entry["rows"]:
+        assert row["status"] == "ok", row
+        size = 2 if row["dtype"] == "bfloat16" else 4
+        queries, keys = memory.Q_HEADS * length * memory.HEAD_DIM, memory.KV_HEADS * length * memory.HEAD_DIM
+        # out and dq, dk, dv in the dtype; lse float32; out32 float32 (bfloat16 only)
+        assert row["outputs_mib"] == pytest.approx(((2 * queries + 2 * keys) * size + memory.Q_HEADS * length * 4) * mib)
+        assert row["out32_mib"] == pytest.approx(queries * 4 * mib if size == 2 else 0.0)
+        assert row["peak_mib"] >= 0.9 * (row["outputs_mib"] + row["out32_mib"]), row
+        assert row["beyond_mib"] == pytest.approx(row["peak_mib"] - row["outputs_mib"] - row["out32_mib"])
+    out = capsys.readouterr().out
+    targets = [line for line in out.splitlines() if line.startswith(f"{memory.MEMORY} N={length}")]
+    assert len(targets) == 4 and all(line.endswith(": met") for line in targets), out
+    assert "the train-memory case in" in out

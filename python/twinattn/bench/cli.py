@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 import twinattn
 
 from .. import models
-from . import e2e, machine, report, serving
+from . import e2e, machine, memory, report, serving
 from .peers import PORTS, make_runners, parse_backends
 from .suite import QUICK_CASES, parse_dtypes, select, standard_suite, with_dtypes
 from .timing import Budget, run_suite
@@ -216,6 +216,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         for serving_case in serving.CASES.values():
             print(f"{serving_case.name:<24} {serving_case.title} (paged against contiguous, torch SDPA as the peer)")
         print(f"{e2e.SERVING:<24} {e2e.SERVING_TEXT}")
+        print(f"{memory.MEMORY:<24} {memory.TEXT}")
         return 0
     runners = make_runners()
     # the end-to-end case is not a kernel case: --cases e2e (or e2e/MODEL) asks for it, a full run
@@ -227,13 +228,16 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     # and the serving case through transformers' continuous batching: --cases e2e-serving, never by default
     want_serving_e2e = e2e.SERVING in names
     kernel_names = [n for n in kernel_names if n != e2e.SERVING]
+    # and the training step's memory, in fresh processes: --cases train-memory, never by default
+    want_memory = memory.MEMORY in names
+    kernel_names = [n for n in kernel_names if n != memory.MEMORY]
     try:
         e2e_models = _e2e_models(names) if args.cases is not None else ([] if args.quick else list(e2e.PLANS))
         want_e2e = bool(e2e_models)
         serving_cases = serving.names_in(names)  # only when asked for: --cases serving (or serving/CASE)
         dtypes = parse_dtypes(args.dtype)
-        if (want_e2e or serving_cases or want_serving_e2e) and args.cases is not None and not kernel_names:
-            selected = []  # --cases e2e or serving alone
+        if (want_e2e or serving_cases or want_serving_e2e or want_memory) and args.cases is not None and not kernel_names:
+            selected = []  # --cases e2e, serving or train-memory alone
         else:
             selected = select(suite, ",".join(kernel_names) if args.cases is not None else None, args.quick)
         backends = parse_backends(args.backends, runners)
@@ -265,7 +269,8 @@ def _main(argv: Optional[Sequence[str]]) -> int:
     # the end-to-end case moves the bar per model loaded, per prefill and per context's decode steps
     e2e_units = (e2e.units(e2e_models, dtypes, args.shrink) or 1) if want_e2e and e2e.missing() is None else int(want_e2e)
     serving_e2e_units = (e2e.serving_units() + 1 if e2e.missing(e2e.SERVING_MODEL) is None else 1) if want_serving_e2e else 0
-    progress = report.Progress(len(timed) + pairs + e2e_units + len(serving_cases) + serving_e2e_units,
+    memory_units = memory.units(backends, dtypes) if want_memory else 0
+    progress = report.Progress(len(timed) + pairs + e2e_units + len(serving_cases) + serving_e2e_units + memory_units,
                                enabled=not args.no_progress)
     bandwidth = machine.ReadBandwidth()
     started = time.perf_counter()
@@ -276,6 +281,7 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         end_to_end = _run_e2e(e2e_models, dtypes, threads, args, progress) if want_e2e else None
         serving_entries = _run_serving(serving_cases, backends, budget, args.shrink, progress)
         serving_e2e = _run_serving_e2e(dtypes, threads, args.shrink, progress) if want_serving_e2e else None
+        train_memory = memory.run_case(backends, dtypes, threads, args.shrink, progress) if want_memory else None
     except KeyboardInterrupt:
         progress.close()
         print("twinattn-bench: interrupted", file=sys.stderr)
@@ -309,11 +315,15 @@ def _main(argv: Optional[Sequence[str]]) -> int:
         document["serving"] = serving_entries
     if serving_e2e is not None:
         document["e2e_serving"] = serving_e2e
+    if train_memory is not None:
+        document["train_memory"] = train_memory
     print(report.text(document))
     if serving_entries:
         print(f"\nserving (float32, {threads} threads)\n{serving.format_rows(serving_entries)}")
     if serving_e2e is not None:
         print(f"\n{e2e.SERVING} ({threads} threads)\n" + _serving_e2e_text(serving_e2e))
+    if train_memory is not None:
+        print(f"\n{memory.MEMORY}: {memory.TEXT} ({threads} threads)\n" + memory.format_rows(train_memory))
     if args.json:
         report.write_json(args.json, document)
         print(f"\nwrote {args.json}")
@@ -331,8 +341,12 @@ def _main(argv: Optional[Sequence[str]]) -> int:
             if r["status"] in ("wrong", "error")]
     if (serving_e2e or {}).get("error"):
         bad.append(e2e.SERVING)
+    bad += [f"{memory.MEMORY} {r['dtype']} on {r['backend']}" for r in (train_memory or {}).get("rows", [])
+            if r["status"] == "error"]
+    done = ([f"{len(rows)} runs"] if rows else []) + (["the end-to-end case"] if e2e_rows else [])
+    done += [f"the {memory.MEMORY} case"] if train_memory is not None else []
     print(
-        f"\n{' and '.join(([f'{len(rows)} runs'] if rows or not e2e_rows else []) + (['the end-to-end case'] if e2e_rows else []))}"
+        f"\n{' and '.join(done or ['0 runs'])}"
         f" in {document['wall_s']:.0f} s"
         + (f"; {len(bad)} WRONG or failed: " + ", ".join(bad) if bad else "")
     )
