@@ -460,9 +460,9 @@ void pack_keys(const BackwardPlan& plan, int64_t b, int64_t kv_head) {
     }
 }
 
-// The work item of all rows_per_group packed rows of (b, kv_head).
-WorkItem head_item(int64_t b, int64_t kv_head, int64_t rows_per_group) {
-    return WorkItem{b, kv_head, 0, rows_per_group, 0, 0, -1};
+// The work item of packed rows [row_begin, row_end) of (b, kv_head).
+WorkItem rows_item(int64_t b, int64_t kv_head, int64_t row_begin, int64_t row_end) {
+    return WorkItem{b, kv_head, row_begin, row_end, 0, 0, -1};
 }
 
 // Pass 0: the query side of packed rows [row_begin, row_end) of (b, kv_head) into the packed
@@ -472,7 +472,7 @@ void pack_queries(const BackwardPlan& plan, int64_t b, int64_t kv_head, int64_t 
     const BackwardProblem& bp = *plan.problem;
     const AttentionProblem& p = bp.forward;
     const int64_t G = plan.flash.group, D = plan.flash.head_dim, Dv = plan.flash.value_dim;
-    const QueryRows rows = query_rows_at(plan, WorkItem{b, kv_head, row_begin, row_end, 0, 0, -1});
+    const QueryRows rows = query_rows_at(plan, rows_item(b, kv_head, row_begin, row_end));
     for (int64_t packed = row_begin; packed < row_end; ++packed) {
         const int64_t h = kv_head * G + packed % G, i = packed / G, r = packed - row_begin;
         const T* q = view_row<T>(p.q, b, h, i);
@@ -921,9 +921,7 @@ void head_tiles(const BackwardPlan& plan, int64_t b, int64_t kv_head, BackwardSc
             const WorkItem keys = block_keys(p, b, kv_head, kb * kBackwardKeyBlock, &n);
             key_block_tiles(own, keys, chunk, chunk_end, sums_of(kb), s, query_grads);
         }
-        WorkItem rows = head_item(b, kv_head, chunk_end);
-        rows.row_begin = chunk;
-        store_query_rows<T>(own, rows, query_grads);
+        store_query_rows<T>(own, rows_item(b, kv_head, chunk, chunk_end), query_grads);
     }
     // Key by key; keys past visible: 0 (the tile products' columns there are scratch: 0 times a Q
     // or dO row). (sums_t: rows_t rows, the first `width` stored)
@@ -1043,7 +1041,7 @@ void head_blocks(const BackwardPlan& plan, int64_t b, int64_t kv_head, BackwardS
                            s.key_grad.data() + kb * kBackwardKeyBlock * D,
                            s.value_grad.data() + kb * kBackwardKeyBlock * Dv, s, query_grads, chunk);
         }
-        store_query_rows<T>(own, WorkItem{b, kv_head, chunk, chunk_end, 0, 0, -1}, query_grads);
+        store_query_rows<T>(own, rows_item(b, kv_head, chunk, chunk_end), query_grads);
     }
     for (int64_t kb = 0; kb < blocks; ++kb) {
         int64_t n;

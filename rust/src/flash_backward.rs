@@ -832,13 +832,13 @@ unsafe fn pack_keys<T: Element>(plan: &BackwardPlan, b: usize, kv_head: usize) {
     }
 }
 
-/// The work item of all rows_per_group packed rows of (b, kv_head).
-fn head_item(b: usize, kv_head: usize, rows_per_group: usize) -> WorkItem {
+/// The work item of packed rows [row_begin, row_end) of (b, kv_head).
+fn rows_item(b: usize, kv_head: usize, row_begin: usize, row_end: usize) -> WorkItem {
     WorkItem {
         b,
         kv_head,
-        row_begin: 0,
-        row_end: rows_per_group,
+        row_begin,
+        row_end,
         key_begin: 0,
         key_end: 0,
         partial_slot: None,
@@ -863,11 +863,7 @@ unsafe fn pack_queries<T: Element>(
     let (group, head_dim, value_dim) =
         (plan.flash.group, plan.flash.head_dim, plan.flash.value_dim);
     let count = row_end - row_begin;
-    let first = WorkItem {
-        row_begin,
-        row_end,
-        ..head_item(b, kv_head, row_end)
-    };
+    let first = rows_item(b, kv_head, row_begin, row_end);
     // SAFETY: forwarded; the rows' count packed rows of D, D and Dv floats, and every (b, h, i)
     // below is a query row, whose q and dout rows hold D and Dv elements.
     unsafe {
@@ -1561,11 +1557,7 @@ unsafe fn head_tiles<T: Element>(
             // SAFETY: forwarded.
             unsafe { key_block_tiles(&own, &keys, chunk, chunk_end, sums_of(kb), s, query_grads) };
         }
-        let rows = WorkItem {
-            row_begin: chunk,
-            row_end: chunk_end,
-            ..head_item(b, kv_head, rows_per_group)
-        };
+        let rows = rows_item(b, kv_head, chunk, chunk_end);
         // SAFETY: forwarded; this item owns the chunk's dq rows.
         unsafe { store_query_rows::<T>(&own, &rows, &s.query_grad) };
     }
@@ -2055,11 +2047,7 @@ unsafe fn head_blocks<T: Element>(
                 );
             }
         }
-        let rows = WorkItem {
-            row_begin: chunk,
-            row_end: chunk_end,
-            ..head_item(b, kv_head, rows_per_group)
-        };
+        let rows = rows_item(b, kv_head, chunk, chunk_end);
         // SAFETY: forwarded; this item owns the chunk's dq rows.
         unsafe { store_query_rows::<T>(&own, &rows, &s.query_grad) };
     }

@@ -70,7 +70,6 @@ def measure(backend: str, dtype: str, length: int, threads: int) -> dict[str, An
     rng = np.random.default_rng(0)
     q, dout = (rng.standard_normal((1, Q_HEADS, length, HEAD_DIM), np.float32).astype(numpy_dtype) for _ in range(2))
     k, v = (rng.standard_normal((1, KV_HEADS, length, HEAD_DIM), np.float32).astype(numpy_dtype) for _ in range(2))
-    kept: dict[str, Any] = {}
     if backend == "torch":
         import torch
         import torch.nn.functional as F
@@ -90,7 +89,6 @@ def measure(backend: str, dtype: str, length: int, threads: int) -> dict[str, An
         counted = [out, *(leaf.grad for leaf in leaves)]
         outputs = sum(t.numel() * t.element_size() for t in counted) / MIB
         out32 = 0.0
-        kept["result"] = counted
     else:
         from ..core.backward import attention_backward, attention_for_training
 
@@ -102,7 +100,6 @@ def measure(backend: str, dtype: str, length: int, threads: int) -> dict[str, An
         halves = forward.out32 is not forward.out
         outputs = sum(a.nbytes for a in (forward.out, forward.lse, grads.dq, grads.dk, grads.dv)) / MIB
         out32 = forward.out32.nbytes / MIB if halves else 0.0
-        kept["result"] = (forward, grads)
     return {"backend": backend, "dtype": dtype, "length": length, "threads": threads, "peak_mib": peak,
             "outputs_mib": outputs, "out32_mib": out32, "beyond_mib": peak - outputs - out32}
 
