@@ -416,6 +416,22 @@ def test_plain_call_skips_the_numpy_api_and_matches_it_bit_for_bit(
     assert float(np.abs(want.astype(np.float32)).max()) > 0  # a result that could differ
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_plain_call_reads_transposed_and_sliced_tensors_in_place(native_backend: str, dtype: str) -> None:
+    # the layouts models hand over: (B, L, H, D) transposed to (B, H, L, D), and keys and values
+    # sliced out of a longer cache; read in place through DLPack capsules (strides and the
+    # offset of the slice), the result bit for bit that of contiguous copies through the NumPy API
+    rng = np.random.default_rng(53)
+    q = _as_tensor(rand(rng, 2, 3, 4, 16).astype(DTYPES[dtype][1])).transpose(1, 2)  # (2, 4, 3, 16)
+    cache = _as_tensor(rand(rng, 2, 2, 2, 11, 16).astype(DTYPES[dtype][1]))
+    k, v = cache[0, :, :, 2:9], cache[1, :, :, 1:8]  # (2, 2, 7, 16) at an offset, row stride 11
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    want = twinattn.attention(*(np.ascontiguousarray(_as_array(t)) for t in (q, k, v)), causal=True, backend=native_backend)
+    got = tt.attention(q, k, v, causal=True, backend=native_backend)
+    np.testing.assert_array_equal(_as_array(got).view(np.uint8), want.view(np.uint8))
+    assert float(np.abs(want.astype(np.float32)).max()) > 0
+
+
 def test_plain_call_leaves_what_needs_checking_to_the_numpy_api(native_backend: str) -> None:
     # what the native call refuses, or the plain call does not take, goes through twinattn.attention:
     # its messages, or its result where it accepts the call (a copy of a non-contiguous last axis)

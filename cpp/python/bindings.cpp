@@ -68,13 +68,148 @@ bool element_type_of(const py::dtype& dtype, ElementType* type) {
     return false;
 }
 
-// The argument as an ndarray of the expected dtype and rank whose elements can be addressed by
-// element strides (byte strides multiples of the item size, data aligned). Nothing is copied.
-py::array as_array(const py::handle& object, const char* name, Dtype dtype, py::ssize_t ndim,
-                   const char* axes, const py::array* like = nullptr) {
+// ---- DLPack capsules (docs/native_api.md, "DLPack capsules") -----------------------------------
+// The DLPack ABI (dlpack.h, versions 0.x and 1.x), the fields read here. A capsule named
+// "dltensor" holds a DLManagedTensor, one named "dltensor_versioned" a DLManagedTensorVersioned.
+struct DLDevice {
+    int32_t device_type;  // 1: kDLCPU
+    int32_t device_id;
+};
+struct DLDataType {
+    uint8_t code;  // 0 int, 1 uint, 2 float, 4 bfloat, 5 complex, 6 bool
+    uint8_t bits;
+    uint16_t lanes;
+};
+struct DLTensor {
+    void* data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t* shape;
+    int64_t* strides;  // in elements; null: row-major and compact
+    uint64_t byte_offset;
+};
+struct DLManagedTensor {
+    DLTensor dl_tensor;
+    void* manager_ctx;
+    void* deleter;  // never called here
+};
+struct DLPackVersion {
+    uint32_t major;
+    uint32_t minor;
+};
+struct DLManagedTensorVersioned {
+    DLPackVersion version;
+    void* manager_ctx;
+    void* deleter;  // never called here
+    uint64_t flags;  // bit 0: read-only
+    DLTensor dl_tensor;
+};
+constexpr int32_t kDlCpu = 1;
+constexpr uint64_t kDlReadOnlyFlag = 1;
+
+// The NumPy dtype of a DLPack element type (ml_dtypes.bfloat16 for bfloat 16); None for one NumPy
+// has not (vectors of lanes, float8, ...).
+py::object numpy_dtype_of(const DLDataType& type) {
+    if (type.lanes != 1) return py::none();
+    const int bits = type.bits;
+    switch (type.code) {
+        case 0:
+            return bits == 8 ? py::dtype::of<int8_t>() : bits == 16 ? py::dtype::of<int16_t>()
+                 : bits == 32 ? py::dtype::of<int32_t>() : bits == 64 ? py::dtype::of<int64_t>() : py::object(py::none());
+        case 1:
+            return bits == 8 ? py::dtype::of<uint8_t>() : bits == 16 ? py::dtype::of<uint16_t>()
+                 : bits == 32 ? py::dtype::of<uint32_t>() : bits == 64 ? py::dtype::of<uint64_t>() : py::object(py::none());
+        case 2: {
+            // made once; kept for the life of the process (never released at exit)
+            static PyObject* float16 = py::dtype("float16").release().ptr();
+            return bits == 16 ? py::reinterpret_borrow<py::object>(float16) : bits == 32 ? py::dtype::of<float>()
+                 : bits == 64 ? py::dtype::of<double>() : py::object(py::none());
+        }
+        case 4: {
+            if (bits != 16) return py::none();
+            // imported once; kept for the life of the process
+            static PyObject* bfloat16 =
+                py::dtype::from_args(py::module_::import("ml_dtypes").attr("bfloat16")).release().ptr();
+            return py::reinterpret_borrow<py::object>(bfloat16);
+        }
+        case 5:
+            return bits == 64 ? py::dtype("complex64") : bits == 128 ? py::dtype("complex128") : py::object(py::none());
+        case 6:
+            return bits == 8 ? py::dtype::of<bool>() : py::object(py::none());
+        default:
+            return py::none();
+    }
+}
+
+// An ndarray viewing the tensor of a DLPack capsule, the capsule its base. The capsule is read, not
+// consumed: it keeps its name, and its producer's tensor (which it owns) lives as long as the
+// capsule, through the call that was handed it.
+py::array dlpack_view(const py::handle& capsule, const char* name) {
+    const char* capsule_name = PyCapsule_GetName(capsule.ptr());
+    if (capsule_name == nullptr) throw py::error_already_set();
+    const DLTensor* tensor = nullptr;
+    bool read_only = false;
+    if (std::strcmp(capsule_name, "dltensor") == 0) {
+        const auto* managed = static_cast<const DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
+        if (managed == nullptr) throw py::error_already_set();
+        tensor = &managed->dl_tensor;
+    } else if (std::strcmp(capsule_name, "dltensor_versioned") == 0) {
+        const auto* managed = static_cast<const DLManagedTensorVersioned*>(
+            PyCapsule_GetPointer(capsule.ptr(), "dltensor_versioned"));
+        if (managed == nullptr) throw py::error_already_set();
+        if (managed->version.major != 1)
+            throw py::type_error(std::string(name) + ": expected a DLPack capsule of version 1, got version " +
+                                 std::to_string(managed->version.major) + "." + std::to_string(managed->version.minor));
+        tensor = &managed->dl_tensor;
+        read_only = (managed->flags & kDlReadOnlyFlag) != 0;
+    } else {
+        throw py::type_error(std::string(name) + ": expected a DLPack capsule named \"dltensor\" or "
+                             "\"dltensor_versioned\", got a capsule named \"" + capsule_name + "\"" +
+                             (std::strncmp(capsule_name, "used_", 5) == 0 ? " (already consumed)" : ""));
+    }
+    if (tensor->device.device_type != kDlCpu)
+        throw py::value_error(std::string(name) + ": twinattn runs on the CPU; expected a DLPack tensor on the CPU "
+                              "(device type 1), got device type " + std::to_string(tensor->device.device_type));
+    const py::object dtype_obj = numpy_dtype_of(tensor->dtype);
+    if (dtype_obj.is_none())
+        throw py::type_error(std::string(name) + ": expected a DLPack tensor of a NumPy dtype, got type code " +
+                             std::to_string(tensor->dtype.code) + " with " + std::to_string(tensor->dtype.bits) +
+                             " bits and " + std::to_string(tensor->dtype.lanes) + " lanes");
+    if (tensor->ndim < 0 || tensor->ndim > 32)
+        throw py::value_error(std::string(name) + ": expected a DLPack tensor of at most 32 dimensions, got " +
+                              std::to_string(tensor->ndim));
+    const auto dtype = py::reinterpret_borrow<py::dtype>(dtype_obj);
+    const auto ndim = static_cast<size_t>(tensor->ndim);
+    const auto item = static_cast<int64_t>(dtype.itemsize());
+    std::vector<py::ssize_t> shape(ndim), strides(ndim);
+    int64_t compact = item;  // a null strides pointer: row-major and compact
+    for (size_t axis = ndim; axis-- > 0;) {
+        shape[axis] = tensor->shape[axis];
+        strides[axis] = tensor->strides != nullptr ? tensor->strides[axis] * item : compact;
+        compact *= std::max<int64_t>(tensor->shape[axis], 1);
+    }
+    char* data = static_cast<char*>(tensor->data) + tensor->byte_offset;
+    // A base that is not an ndarray makes pybind11's view writeable: a read-only capsule's is not.
+    py::array view(dtype, std::move(shape), std::move(strides), data, capsule);
+    if (read_only) view.attr("flags").attr("writeable") = false;
+    return view;
+}
+
+// The argument as an ndarray: itself, or the view of a DLPack capsule's tensor.
+py::array ndarray_of(const py::handle& object, const char* name) {
+    if (PyCapsule_CheckExact(object.ptr())) return dlpack_view(object, name);
     if (!py::isinstance<py::array>(object))
         throw py::type_error(std::string(name) + ": expected a numpy.ndarray, got " + type_name(object));
-    const auto a = py::reinterpret_borrow<py::array>(object);
+    return py::reinterpret_borrow<py::array>(object);
+}
+
+// The argument (an ndarray or a DLPack capsule) as an ndarray of the expected dtype and rank
+// whose elements can be addressed by element strides (byte strides multiples of the item size,
+// data aligned). Nothing is copied.
+py::array as_array(const py::handle& object, const char* name, Dtype dtype, py::ssize_t ndim,
+                   const char* axes, const py::array* like = nullptr) {
+    const py::array a = ndarray_of(object, name);
     if (dtype == Dtype::LikeOrInt8) {
         if (!a.dtype().equal(like->dtype()) && !a.dtype().equal(py::dtype::of<int8_t>()))
             throw py::type_error(std::string(name) + ": expected dtype " + dtype_string(*like) +
@@ -221,6 +356,7 @@ struct ConvertedProblem {
     AttentionProblem problem{};
     std::vector<int64_t> q_offset, kv_lens;
     int64_t num_threads = 1;
+    bool out_float32 = false;  // out is float32 (the backward: the forward's out32 of a half q)
 };
 
 // Converts the forward's arguments into `converted` (not moved afterwards: the problem's spans
@@ -247,6 +383,7 @@ void convert_problem(ConvertedProblem& converted, bool outputs, const py::handle
     if (outputs) require_writeable(out, "out");
     AttentionProblem& problem = converted.problem;
     element_type_of(q.dtype(), &problem.dtype);
+    converted.out_float32 = out.dtype().equal(py::dtype::of<float>());
     problem.q = tensor_view(q);
     problem.k = tensor_view(k);
     problem.v = tensor_view(v);
@@ -364,7 +501,7 @@ void attention_backward_py(const py::object& q, const py::object& k, const py::o
                     window_left, window_right, softcap, alibi_slopes, sinks, py::none(), py::none());
     BackwardProblem problem{};
     problem.forward = converted.problem;
-    const py::array q_array = py::reinterpret_borrow<py::array>(q);  // converted above
+    const py::array q_array = ndarray_of(q, "q");  // converted above: the backward's arrays take its dtype
     problem.dout = tensor_view(as_array(dout_obj, "dout", Dtype::Like, 4, "(B, Hq, Lq, Dv)", &q_array));
     const std::pair<const char*, MutTensorView4*> gradients[] = {
         {"dq", &problem.dq}, {"dk", &problem.dk}, {"dv", &problem.dv}};
@@ -382,8 +519,7 @@ void attention_backward_py(const py::object& q, const py::object& k, const py::o
         problem.dsinks = MutParamView1{static_cast<float*>(dsinks.mutable_data()), {}, {}};
         fill_shape_strides<MutParamView1, 1>(dsinks, problem.dsinks);
     }
-    problem.out_float32 = problem.forward.dtype != ElementType::Float32 &&
-                          py::reinterpret_borrow<py::array>(out).dtype().equal(py::dtype::of<float>());
+    problem.out_float32 = problem.forward.dtype != ElementType::Float32 && converted.out_float32;
     problem.dlse = param_view<ParamView3, 3>(dlse_obj, "dlse", "(B, Hq, Lq)");
     run_without_gil(converted.num_threads, [&](int threads) { attention_backward(problem, threads); });
 }
@@ -502,9 +638,7 @@ void attention_paged_py(const py::object& q_obj, const py::object& k_cache_obj, 
     problem.lse = packed_lse(lse_obj);
     problem.k_cache = tensor_view(arrays.k);
     problem.v_cache = tensor_view(arrays.v);
-    if (!py::isinstance<py::array>(block_table_obj))
-        throw py::type_error("block_table: expected a numpy.ndarray, got " + type_name(block_table_obj));
-    const auto table = py::reinterpret_borrow<py::array>(block_table_obj);
+    const py::array table = ndarray_of(block_table_obj, "block_table");
     if (!table.dtype().equal(py::dtype::of<int32_t>()))
         throw py::type_error("block_table: expected dtype int32, got " + dtype_string(table));
     if (table.ndim() != 2)

@@ -12,6 +12,9 @@ only what a stub defines itself, so signatures imported from the other stub woul
 
 from typing import Any
 
+import numpy as np
+from numpy.typing import NDArray
+
 from twinattn._native_types import F32, I32, KV, Data, I64, Mask
 
 # PyO3 lists the module's functions in __all__ (pybind11 does not, so _cpp.pyi has none)
@@ -142,7 +145,7 @@ def attention_paged(
     (B + 1,), each sequence's rows its last positions; k_scale / v_scale (num_blocks,
     block_size, Hkv) with int8 caches."""
 
-def softcap_tanh(x: F32) -> F32:
+def softcap_tanh(x: F32) -> NDArray[np.float32]:
     """tanh of a float32 vector with the fast kernel's vectorised tanh (softcap), for tests."""
 
 def set_isa(name: str) -> None:

@@ -8,18 +8,21 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import torch
+import torch.utils.dlpack
 
 # NumPy has no bfloat16: a bfloat16 tensor is viewed as int16 (the same bytes) and that as
 # ml_dtypes.bfloat16, the NumPy dtype twinattn's bfloat16 API takes. Measured per tensor on the tiny
-# case: Tensor.numpy() 0.57 us; bfloat16 through the int16 view 1.1-1.2 us (the view alone 0.46 us);
-# np.from_dlpack 2.0 us (and no bfloat16; through torch.utils.dlpack.to_dlpack and a capsule holder
-# 0.47 us, which skips the requires-grad check: too little gained for a second path); an
-# __array_interface__ object 1.5 us.
+# case: Tensor.numpy() 0.6 us; bfloat16 through the int16 view 1.1-1.3 us (the view alone 0.46 us);
+# np.from_dlpack 2.0 us (Tensor.__dlpack__ alone costs that, and NumPy has no bfloat16); an
+# __array_interface__ object 1.5 us. torch.utils.dlpack.to_dlpack costs 0.2 us, and the native
+# ports read its capsule in place of an array (docs/native_api.md): twinattn.torch's plain call
+# hands them those, which skips the requires-grad check (the caller makes it).
 BFLOAT16 = torch.bfloat16
 INT16 = torch.int16
 NP_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 NP_INT16 = np.dtype(np.int16)
 to_numpy = torch.Tensor.numpy
+to_dlpack = torch.utils.dlpack.to_dlpack
 view = torch.Tensor.view
 from_numpy = torch.from_numpy
 # the NumPy dtype each of those is viewed as (twinattn.hf's cache stores in it)

@@ -87,22 +87,265 @@ fn element_type_of(descr: &Bound<'_, PyArrayDescr>) -> Option<ElementType> {
     }
 }
 
-/// The argument as an ndarray of the expected dtype and rank whose elements can be addressed by
-/// element strides (byte strides multiples of the item size, data aligned). Nothing is copied.
-fn as_array<'a, 'py>(
-    obj: &'a Bound<'py, PyAny>,
+// ---- DLPack capsules (docs/native_api.md, "DLPack capsules") -----------------------------------
+// The DLPack ABI (dlpack.h, versions 0.x and 1.x), the fields read here. A capsule named
+// "dltensor" holds a DLManagedTensor, one named "dltensor_versioned" a DLManagedTensorVersioned.
+
+#[repr(C)]
+struct DLDevice {
+    /// 1: kDLCPU
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+struct DLDataType {
+    /// 0 int, 1 uint, 2 float, 4 bfloat, 5 complex, 6 bool
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DLTensor {
+    data: *mut std::ffi::c_void,
+    device: DLDevice,
+    ndim: i32,
+    dtype: DLDataType,
+    shape: *const i64,
+    /// in elements; null: row-major and compact
+    strides: *const i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DLManagedTensor {
+    dl_tensor: DLTensor,
+    manager_ctx: *mut std::ffi::c_void,
+    /// never called here
+    deleter: *mut std::ffi::c_void,
+}
+
+#[repr(C)]
+struct DLPackVersion {
+    major: u32,
+    minor: u32,
+}
+
+#[repr(C)]
+struct DLManagedTensorVersioned {
+    version: DLPackVersion,
+    manager_ctx: *mut std::ffi::c_void,
+    /// never called here
+    deleter: *mut std::ffi::c_void,
+    /// bit 0: read-only
+    flags: u64,
+    dl_tensor: DLTensor,
+}
+
+const DL_CPU: i32 = 1;
+const DL_READ_ONLY_FLAG: u64 = 1;
+
+/// The NumPy dtype of a DLPack element type (ml_dtypes.bfloat16 for bfloat 16); None for one
+/// NumPy has not (vectors of lanes, float8, ...).
+fn numpy_dtype_of<'py>(
+    py: Python<'py>,
+    code: u8,
+    bits: u8,
+    lanes: u16,
+) -> PyResult<Option<Bound<'py, PyArrayDescr>>> {
+    // NumPy's float16 and ml_dtypes.bfloat16, made (imported) once for the life of the process
+    static FLOAT16: pyo3::sync::PyOnceLock<Py<PyArrayDescr>> = pyo3::sync::PyOnceLock::new();
+    static BFLOAT16: pyo3::sync::PyOnceLock<Py<PyArrayDescr>> = pyo3::sync::PyOnceLock::new();
+    if lanes != 1 {
+        return Ok(None);
+    }
+    Ok(Some(match (code, bits) {
+        (0, 8) => dtype::<i8>(py),
+        (0, 16) => dtype::<i16>(py),
+        (0, 32) => dtype::<i32>(py),
+        (0, 64) => dtype::<i64>(py),
+        (1, 8) => dtype::<u8>(py),
+        (1, 16) => dtype::<u16>(py),
+        (1, 32) => dtype::<u32>(py),
+        (1, 64) => dtype::<u64>(py),
+        (2, 16) => FLOAT16
+            .get_or_try_init(py, || PyArrayDescr::new(py, "float16").map(Bound::unbind))?
+            .bind(py)
+            .clone(),
+        (2, 32) => dtype::<f32>(py),
+        (2, 64) => dtype::<f64>(py),
+        (4, 16) => BFLOAT16
+            .get_or_try_init(py, || {
+                let bfloat16 = py.import("ml_dtypes")?.getattr("bfloat16")?;
+                PyArrayDescr::new(py, &bfloat16).map(Bound::unbind)
+            })?
+            .bind(py)
+            .clone(),
+        (5, 64) => PyArrayDescr::new(py, "complex64")?,
+        (5, 128) => PyArrayDescr::new(py, "complex128")?,
+        (6, 8) => dtype::<bool>(py),
+        _ => return Ok(None),
+    }))
+}
+
+/// An ndarray viewing the tensor of a DLPack capsule, the capsule its base. The capsule is read,
+/// not consumed: it keeps its name, and its producer's tensor (which it owns) lives as long as
+/// the capsule, through the call that was handed it.
+fn dlpack_view<'py>(
+    capsule: &Bound<'py, PyAny>,
     name: &str,
-    expected: Dtype,
-    ndim: usize,
-    axes: &str,
-) -> PyResult<&'a Bound<'py, PyUntypedArray>> {
-    let py = obj.py();
-    let array = obj.cast::<PyUntypedArray>().map_err(|_| {
+) -> PyResult<Bound<'py, PyUntypedArray>> {
+    let py = capsule.py();
+    // SAFETY: `capsule` is a live capsule (checked by the caller); its name is a C string it owns.
+    let capsule_name = unsafe { pyo3::ffi::PyCapsule_GetName(capsule.as_ptr()) };
+    if capsule_name.is_null() {
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: as above.
+    let capsule_name = unsafe { std::ffi::CStr::from_ptr(capsule_name) };
+    let (tensor, read_only): (&DLTensor, bool) = match capsule_name.to_bytes() {
+        b"dltensor" => {
+            // SAFETY: a "dltensor" capsule holds a DLManagedTensor (the DLPack specification),
+            // which lives as long as the capsule, held by the caller through this call.
+            let managed =
+                unsafe { pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), c"dltensor".as_ptr()) }
+                    .cast::<DLManagedTensor>();
+            if managed.is_null() {
+                return Err(PyErr::fetch(py));
+            }
+            // SAFETY: as above.
+            (unsafe { &(*managed).dl_tensor }, false)
+        }
+        b"dltensor_versioned" => {
+            // SAFETY: a "dltensor_versioned" capsule holds a DLManagedTensorVersioned, as above.
+            let managed = unsafe {
+                pyo3::ffi::PyCapsule_GetPointer(capsule.as_ptr(), c"dltensor_versioned".as_ptr())
+            }
+            .cast::<DLManagedTensorVersioned>();
+            if managed.is_null() {
+                return Err(PyErr::fetch(py));
+            }
+            // SAFETY: as above.
+            let managed = unsafe { &*managed };
+            if managed.version.major != 1 {
+                return Err(PyTypeError::new_err(format!(
+                    "{name}: expected a DLPack capsule of version 1, got version {}.{}",
+                    managed.version.major, managed.version.minor
+                )));
+            }
+            (&managed.dl_tensor, managed.flags & DL_READ_ONLY_FLAG != 0)
+        }
+        other => {
+            let other = String::from_utf8_lossy(other);
+            let consumed = if other.starts_with("used_") {
+                " (already consumed)"
+            } else {
+                ""
+            };
+            return Err(PyTypeError::new_err(format!(
+                "{name}: expected a DLPack capsule named \"dltensor\" or \"dltensor_versioned\", got a capsule named \"{other}\"{consumed}"
+            )));
+        }
+    };
+    if tensor.device.device_type != DL_CPU {
+        return Err(PyValueError::new_err(format!(
+            "{name}: twinattn runs on the CPU; expected a DLPack tensor on the CPU (device type 1), got device type {}",
+            tensor.device.device_type
+        )));
+    }
+    let DLDataType { code, bits, lanes } = tensor.dtype;
+    let Some(descr) = numpy_dtype_of(py, code, bits, lanes)? else {
+        return Err(PyTypeError::new_err(format!(
+            "{name}: expected a DLPack tensor of a NumPy dtype, got type code {code} with {bits} bits and {lanes} lanes"
+        )));
+    };
+    if !(0..=32).contains(&tensor.ndim) {
+        return Err(PyValueError::new_err(format!(
+            "{name}: expected a DLPack tensor of at most 32 dimensions, got {}",
+            tensor.ndim
+        )));
+    }
+    let ndim = tensor.ndim as usize;
+    let item = descr.itemsize() as i64;
+    let mut shape = vec![0 as numpy::npyffi::npy_intp; ndim];
+    let mut strides = vec![0 as numpy::npyffi::npy_intp; ndim];
+    let mut compact = item; // a null strides pointer: row-major and compact
+    for axis in (0..ndim).rev() {
+        // SAFETY: shape (and strides, when not null) hold ndim entries (the DLPack specification).
+        let extent = unsafe { *tensor.shape.add(axis) };
+        shape[axis] = extent as numpy::npyffi::npy_intp;
+        strides[axis] = if tensor.strides.is_null() {
+            compact
+        } else {
+            // SAFETY: as above.
+            (unsafe { *tensor.strides.add(axis) }) * item
+        } as numpy::npyffi::npy_intp;
+        compact *= extent.max(1);
+    }
+    let data = tensor
+        .data
+        .cast::<u8>()
+        .wrapping_add(tensor.byte_offset as usize);
+    let flags = if read_only {
+        0
+    } else {
+        numpy::npyffi::NPY_ARRAY_WRITEABLE
+    };
+    // SAFETY: NumPy's C API under the GIL: a new array of `descr` (its reference stolen) viewing
+    // `data` with the tensor's shape and byte strides; then its base, the capsule (that
+    // reference stolen too), which keeps the tensor alive as long as the view.
+    unsafe {
+        let api = &numpy::npyffi::PY_ARRAY_API;
+        let subtype = numpy::npyffi::get_type_object(py, numpy::npyffi::NpyTypes::PyArray_Type);
+        let array = api.PyArray_NewFromDescr(
+            py,
+            subtype,
+            descr.into_dtype_ptr(),
+            ndim as std::ffi::c_int,
+            shape.as_mut_ptr(),
+            strides.as_mut_ptr(),
+            data.cast(),
+            flags,
+            std::ptr::null_mut(),
+        );
+        if array.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        let array = Bound::from_owned_ptr(py, array);
+        if api.PyArray_SetBaseObject(py, array.as_ptr().cast(), capsule.clone().into_ptr()) != 0 {
+            return Err(PyErr::fetch(py));
+        }
+        Ok(array.cast_into_unchecked::<PyUntypedArray>())
+    }
+}
+
+/// The argument as an ndarray: itself, or the view of a DLPack capsule's tensor.
+fn ndarray_of<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, PyUntypedArray>> {
+    // SAFETY: a type check of a live object.
+    if unsafe { pyo3::ffi::PyCapsule_CheckExact(obj.as_ptr()) } != 0 {
+        return dlpack_view(obj, name);
+    }
+    obj.cast::<PyUntypedArray>().cloned().map_err(|_| {
         PyTypeError::new_err(format!(
             "{name}: expected a numpy.ndarray, got {}",
             type_name(obj)
         ))
-    })?;
+    })
+}
+
+/// The argument (an ndarray or a DLPack capsule) as an ndarray of the expected dtype and rank
+/// whose elements can be addressed by element strides (byte strides multiples of the item size,
+/// data aligned). Nothing is copied.
+fn as_array<'py>(
+    obj: &Bound<'py, PyAny>,
+    name: &str,
+    expected: Dtype,
+    ndim: usize,
+    axes: &str,
+) -> PyResult<Bound<'py, PyUntypedArray>> {
+    let py = obj.py();
+    let array = ndarray_of(obj, name)?;
     // equivalence also rejects non-native byte order
     let given = array.dtype();
     let is_float32 = given.is_equiv_to(&dtype::<f32>(py));
@@ -152,7 +395,7 @@ fn as_array<'a, 'py>(
             tuple_string(array.strides())
         )));
     }
-    if !(data_of(array) as usize).is_multiple_of(item as usize) {
+    if !(data_of(&array) as usize).is_multiple_of(item as usize) {
         return Err(PyValueError::new_err(format!(
             "{name}: expected data aligned to its item size {item}, got a misaligned array"
         )));
@@ -219,7 +462,7 @@ fn per_sequence(
 /// An int64 vector (any stride) copied into a Vec: per_sequence's arrays, cu_seqlens_q,
 /// cu_seqlens_k, seq_lens.
 fn int64_vector(obj: &Bound<'_, PyAny>, name: &str, axes: &str) -> PyResult<Vec<i64>> {
-    let array = as_array(obj, name, Dtype::Int64, 1, axes)?;
+    let array = &as_array(obj, name, Dtype::Int64, 1, axes)?;
     let stride = array.strides()[0] / 8; // checked: a multiple of the item size
     let data = data_of(array).cast::<i64>().cast_const();
     Ok((0..array.shape()[0] as isize)
@@ -239,7 +482,7 @@ fn param_parts<const N: usize>(
     let Some(obj) = obj else {
         return Ok((std::ptr::null(), [0; N], [0; N]));
     };
-    let array = as_array(obj, name, Dtype::Float32, N, axes)?;
+    let array = &as_array(obj, name, Dtype::Float32, N, axes)?;
     Ok((
         data_of(array).cast::<f32>().cast_const(),
         shape_of(array),
@@ -438,6 +681,8 @@ struct ConvertedProblem {
     q_offset: Vec<i64>,
     kv_lens: Vec<i64>,
     num_threads: i64,
+    /// out is float32 (the backward: the forward's out32 of a half q)
+    out_float32: bool,
 }
 
 impl ConvertedProblem {
@@ -465,10 +710,10 @@ fn convert_problem(
     // 1. Arrays, each whole (dtype, rank, strides, alignment) before the next: q, k, v and out
     // of q's dtype (float32, float16 or bfloat16), or k and v both int8 (docs/kernels.md,
     // "int8 K/V"); writeable outputs.
-    let q = as_array(q, "q", Dtype::Element, 4, "(B, Hq, Lq, D)")?;
+    let q = &as_array(q, "q", Dtype::Element, 4, "(B, Hq, Lq, D)")?;
     let element = element_type_of(&q.dtype()).expect("checked by as_array");
     let like = Dtype::Like(element, element.name());
-    let k = as_array(
+    let k = &as_array(
         k,
         "k",
         Dtype::LikeOrInt8(element, element.name()),
@@ -477,20 +722,21 @@ fn convert_problem(
     )?;
     let kv_int8 = k.dtype().is_equiv_to(&dtype::<i8>(k.py()));
     let v_dtype = if kv_int8 { Dtype::Int8 } else { like };
-    let v = as_array(v, "v", v_dtype, 4, "(B, Hkv, Lk, Dv)")?;
+    let v = &as_array(v, "v", v_dtype, 4, "(B, Hkv, Lk, Dv)")?;
     let out_dtype = if outputs {
         like
     } else {
         Dtype::LikeOrFloat32(element, element.name())
     };
-    let out = as_array(out, "out", out_dtype, 4, "(B, Hq, Lq, Dv)")?;
+    let out = &as_array(out, "out", out_dtype, 4, "(B, Hq, Lq, Dv)")?;
     if outputs {
         require_writeable(out, "out")?;
     }
+    let out_float32 = out.dtype().is_equiv_to(&dtype::<f32>(out.py()));
     let lse = match lse {
         None => LseView::NONE,
         Some(lse) => {
-            let lse = as_array(lse, "lse", Dtype::Float32, 3, "(B, Hq, Lq)")?;
+            let lse = &as_array(lse, "lse", Dtype::Float32, 3, "(B, Hq, Lq)")?;
             if outputs {
                 require_writeable(lse, "lse")?;
             }
@@ -504,7 +750,7 @@ fn convert_problem(
     let mask = match mask {
         None => MaskView::NONE,
         Some(mask) => {
-            let mask = as_array(mask, "mask", Dtype::BoolOrFloat32, 4, "(B, Hq, Lq, Lk)")?;
+            let mask = &as_array(mask, "mask", Dtype::BoolOrFloat32, 4, "(B, Hq, Lq, Lk)")?;
             MaskView {
                 kind: match mask.dtype().is_equiv_to(&dtype::<bool>(mask.py())) {
                     true => MaskKind::Bool,
@@ -569,6 +815,7 @@ fn convert_problem(
         q_offset,
         kv_lens,
         num_threads,
+        out_float32,
     })
 }
 
@@ -589,7 +836,7 @@ fn convert_out32(out32: Option<&Bound<'_, PyAny>>) -> PyResult<MutTensorView4> {
     let Some(out32) = out32 else {
         return Ok(MutTensorView4::NONE);
     };
-    let array = as_array(out32, "out32", Dtype::Float32, 4, "(B, Hq, Lq, Dv)")?;
+    let array = &as_array(out32, "out32", Dtype::Float32, 4, "(B, Hq, Lq, Dv)")?;
     require_writeable(array, "out32")?;
     Ok(MutTensorView4 {
         data: data_of(array),
@@ -679,7 +926,7 @@ fn attention_backward_py<'py>(
     let forward = converted.problem();
     let element = forward.dtype;
     let like = Dtype::Like(element, element.name());
-    let dout = tensor_view(as_array(dout, "dout", like, 4, "(B, Hq, Lq, Dv)")?);
+    let dout = tensor_view(&as_array(dout, "dout", like, 4, "(B, Hq, Lq, Dv)")?);
     let mut gradients = [MutTensorView4 {
         data: std::ptr::null_mut(),
         shape: [0; 4],
@@ -691,7 +938,7 @@ fn attention_backward_py<'py>(
         ("dv", dv, "(B, Hkv, Lk, Dv)"),
     ];
     for (gradient, (name, obj, axes)) in gradients.iter_mut().zip(named) {
-        let array = as_array(obj, name, like, 4, axes)?;
+        let array = &as_array(obj, name, like, 4, axes)?;
         require_writeable(array, name)?;
         *gradient = MutTensorView4 {
             data: data_of(array),
@@ -702,7 +949,7 @@ fn attention_backward_py<'py>(
     let dsinks = match dsinks {
         None => MutParamView1::NONE,
         Some(dsinks) => {
-            let array = as_array(dsinks, "dsinks", Dtype::Float32, 1, "(Hq,)")?;
+            let array = &as_array(dsinks, "dsinks", Dtype::Float32, 1, "(Hq,)")?;
             require_writeable(array, "dsinks")?;
             MutParamView1 {
                 data: data_of(array).cast::<f32>(),
@@ -711,10 +958,7 @@ fn attention_backward_py<'py>(
             }
         }
     };
-    let out_float32 = element != ElementType::Float32
-        && out
-            .cast::<PyUntypedArray>()
-            .is_ok_and(|out| out.dtype().is_equiv_to(&dtype::<f32>(out.py())));
+    let out_float32 = element != ElementType::Float32 && converted.out_float32;
     let dlse = param_view!(ParamView3, dlse, "dlse", "(B, Hq, Lq)");
     let [dq, dk, dv] = gradients;
     let job = DetachedBackward(BackwardProblem {
@@ -768,22 +1012,22 @@ struct DetachedCall<P>(P);
 unsafe impl<P> Send for DetachedCall<P> {}
 
 /// The arrays of a packed call, each converted whole before the next.
-struct PackedArrays<'a, 'py> {
-    q: &'a Bound<'py, PyUntypedArray>,
-    k: &'a Bound<'py, PyUntypedArray>,
-    v: &'a Bound<'py, PyUntypedArray>,
-    out: &'a Bound<'py, PyUntypedArray>,
+struct PackedArrays<'py> {
+    q: Bound<'py, PyUntypedArray>,
+    k: Bound<'py, PyUntypedArray>,
+    v: Bound<'py, PyUntypedArray>,
+    out: Bound<'py, PyUntypedArray>,
     kv_int8: bool,
 }
 
 /// q (total_q, Hq, D) of float32, float16 or bfloat16; k and v of rank `kv_rank`, q's dtype or
 /// both int8; out (total_q, Hq, Dv) writeable; each whole before the next.
-fn packed_arrays<'a, 'py>(
-    arrays: [&'a Bound<'py, PyAny>; 4],
+fn packed_arrays<'py>(
+    arrays: [&Bound<'py, PyAny>; 4],
     names: [&str; 2],
     kv_rank: usize,
     axes: [&str; 2],
-) -> PyResult<PackedArrays<'a, 'py>> {
+) -> PyResult<PackedArrays<'py>> {
     let [q, k, v, out] = arrays;
     let q = as_array(q, "q", Dtype::Element, 3, "(total_q, Hq, D)")?;
     let element = element_type_of(&q.dtype()).expect("checked by as_array");
@@ -804,7 +1048,7 @@ fn packed_arrays<'a, 'py>(
         axes[1],
     )?;
     let out = as_array(out, "out", like, 3, "(total_q, Hq, Dv)")?;
-    require_writeable(out, "out")?;
+    require_writeable(&out, "out")?;
     Ok(PackedArrays {
         q,
         k,
@@ -817,11 +1061,11 @@ fn packed_arrays<'a, 'py>(
 /// q and out of a packed problem.
 fn packed_rows(arrays: &PackedArrays) -> (TensorView3, MutTensorView3) {
     let out = MutTensorView3 {
-        data: data_of(arrays.out),
-        shape: shape_of(arrays.out),
-        stride: strides_of(arrays.out),
+        data: data_of(&arrays.out),
+        shape: shape_of(&arrays.out),
+        stride: strides_of(&arrays.out),
     };
-    (view3(arrays.q), out)
+    (view3(&arrays.q), out)
 }
 
 fn view3(array: &Bound<'_, PyUntypedArray>) -> TensorView3 {
@@ -837,7 +1081,7 @@ fn packed_lse(lse: Option<&Bound<'_, PyAny>>) -> PyResult<LseView2> {
     let Some(lse) = lse else {
         return Ok(LseView2::NONE);
     };
-    let lse = as_array(lse, "lse", Dtype::Float32, 2, "(Hq, total_q)")?;
+    let lse = &as_array(lse, "lse", Dtype::Float32, 2, "(Hq, total_q)")?;
     require_writeable(lse, "lse")?;
     Ok(LseView2 {
         data: data_of(lse).cast::<f32>(),
@@ -917,8 +1161,8 @@ fn attention_varlen_py<'py>(
     )?;
     let problem = VarlenProblem {
         q: q_view,
-        k: view3(arrays.k),
-        v: view3(arrays.v),
+        k: view3(&arrays.k),
+        v: view3(&arrays.v),
         out: out_view,
         lse,
         cu_seqlens_q: &cu_seqlens_q,
@@ -983,12 +1227,7 @@ fn attention_paged_py<'py>(
     )?;
     let (q_view, out_view) = packed_rows(&arrays);
     let lse = packed_lse(lse)?;
-    let table = block_table.cast::<PyUntypedArray>().map_err(|_| {
-        PyTypeError::new_err(format!(
-            "block_table: expected a numpy.ndarray, got {}",
-            type_name(block_table)
-        ))
-    })?;
+    let table = &ndarray_of(block_table, "block_table")?;
     if !table.dtype().is_equiv_to(&dtype::<i32>(table.py())) {
         return Err(PyTypeError::new_err(format!(
             "block_table: expected dtype int32, got {}",
@@ -1028,8 +1267,8 @@ fn attention_paged_py<'py>(
     let scale_axes = "(num_blocks, block_size, Hkv)";
     let problem = PagedProblem {
         q: q_view,
-        k_cache: tensor_view(arrays.k),
-        v_cache: tensor_view(arrays.v),
+        k_cache: tensor_view(&arrays.k),
+        v_cache: tensor_view(&arrays.v),
         out: out_view,
         lse,
         block_table: BlockTableView {
@@ -1064,7 +1303,7 @@ fn attention_paged_py<'py>(
 #[pyfunction]
 #[pyo3(name = "softcap_tanh")]
 fn softcap_tanh_py<'py>(x: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<f32>>> {
-    let x = as_array(x, "x", Dtype::Float32, 1, "(n,)")?;
+    let x = &as_array(x, "x", Dtype::Float32, 1, "(n,)")?;
     let n = x.shape()[0];
     let stride = strides_of::<1>(x)[0] as isize;
     let data = data_of(x).cast::<f32>().cast_const();

@@ -597,8 +597,8 @@ def attention(
 # ---- the plain call without attention()'s keyword handling: twinattn.torch's eager calls ---------
 
 
-def plain_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: object, scale: object, return_lse: object,
-                    backend: object) -> Result | None:
+def plain_attention(q: Any, k: Any, v: Any, causal: object, scale: object, return_lse: object, backend: object,
+                    capsules: tuple[object, object, object] | None = None, dtype: np.dtype[Any] | None = None) -> Result | None:
     """attention(q, k, v, causal=causal, scale=scale, return_lse=return_lse, backend=backend), bit
     for bit, for 4-D NumPy q, k and v on a native port: the same native call without attention()'s
     keyword handling and checks, for twinattn.torch's eager calls, whose tiny problems cost less
@@ -606,7 +606,10 @@ def plain_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: object,
     return_lse that is not a bool, a scale that is not a float, another rank, and whatever the
     native call refuses: the native ports check everything attention() checks of such a call, a
     default causal offset that comes out negative included): attention() then checks the call
-    and says what is wrong in its own words."""
+    and says what is wrong in its own words.
+
+    capsules: DLPack capsules of q, k and v, which the native call reads in their place (q, k and
+    v then only give the shapes: twinattn.torch's tensors), and dtype the NumPy dtype of out."""
     port = _resolve(backend)
     if (
         port == "numpy" or (causal is not True and causal is not False) or (return_lse is not True and return_lse is not False)
@@ -619,15 +622,15 @@ def plain_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, causal: object,
     batch, q_heads, q_len, head_dim = shape
     if scale is None:
         scale = default_scale(head_dim)
-    out = np.empty((batch, q_heads, q_len, value_shape[3]), q.dtype)
+    out = np.empty((batch, q_heads, q_len, value_shape[3]), q.dtype if dtype is None else dtype)
     lse = np.empty((batch, q_heads, q_len), dtype=FLOAT32) if return_lse else None
     threads = get_num_threads()
     try:
         # attention()'s q_offset (bottom-right, Lk - Lq) and kv_lens (Lk): the native call's own
         # defaults, 0 and Lk, where they are the same
         native_module(port).attention_forward(
-            q, k, v, out, scale=scale, lse=lse, q_offset=_filled(batch, kv_shape[2] - q_len) if causal else None,
-            causal=causal, num_threads=threads,
+            *((q, k, v) if capsules is None else capsules), out, scale=scale, lse=lse,
+            q_offset=_filled(batch, kv_shape[2] - q_len) if causal else None, causal=causal, num_threads=threads,
         )
     except (ValueError, TypeError, BackendUnavailableError):
         return None
