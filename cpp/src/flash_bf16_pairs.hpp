@@ -218,36 +218,49 @@ struct DotProducts {
     static __m512bh as_pairs(__m512i x) { return reinterpret_cast<__m512bh>(x); }
     static __m512i broadcast_pair(uint32_t pair) { return _mm512_set1_epi32(static_cast<int>(pair)); }
 
-    // ---- 3a. S = Q K^T by bfloat16 pair dot products: R rows x 2 vectors (one panel) ----------
-    template <int R>
+    // ---- 3a. S = Q K^T by bfloat16 pair dot products: R rows x SV vectors of 16 keys ----------
+    // SV / 2 consecutive panels of 32 keys (D2 * kKeyPanel pairs apart), two vectors each: with
+    // SV = 4, 6 rows hold 24 accumulators, and each pair step reads 4 key vectors and 6 Q pairs
+    // for 24 dot products (one panel: 2 and 6 for 12, in 12 accumulators, which VDPBF16PS's
+    // latency on two pipes leaves no slack: 5% of a bfloat16 prefill).
+    template <int R, int SV>
     static void score_micro(const uint32_t* q, int64_t D2, const uint32_t* panel, float* scores,
                             __m512 multiplier) {
-        static_assert(kKeyPanel == 32, "one panel is the micro-kernel's two vectors of 16 keys");
-        __m512 acc[R][2];
+        static_assert(kKeyPanel == 32 && (SV == 2 || SV == 4), "a panel is two vectors of 16 keys");
+        __m512 acc[R][SV];
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+            for (int v = 0; v < SV; ++v) acc[r][v] = _mm512_setzero_ps();
         for (int64_t d2 = 0; d2 < D2; ++d2) {
-            const __m512i keys0 = _mm512_loadu_si512(panel + d2 * kKeyPanel);
-            const __m512i keys1 = _mm512_loadu_si512(panel + d2 * kKeyPanel + 16);
+            __m512i keys[SV];
+#pragma GCC unroll 4
+            for (int v = 0; v < SV; ++v)
+                keys[v] = _mm512_loadu_si512(panel + v / 2 * D2 * kKeyPanel + d2 * kKeyPanel + v % 2 * 16);
 #pragma GCC unroll 8
             for (int r = 0; r < R; ++r) {
                 const __m512bh q_pair = as_pairs(broadcast_pair(q[r * D2 + d2]));
-                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], q_pair, as_pairs(keys0));
-                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], q_pair, as_pairs(keys1));
+#pragma GCC unroll 4
+                for (int v = 0; v < SV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], q_pair, as_pairs(keys[v]));
             }
         }
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) {
-            _mm512_storeu_ps(scores + r * kKeyBlock, _mm512_mul_ps(acc[r][0], multiplier));
-            _mm512_storeu_ps(scores + r * kKeyBlock + 16, _mm512_mul_ps(acc[r][1], multiplier));
-        }
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+            for (int v = 0; v < SV; ++v) _mm512_storeu_ps(scores + r * kKeyBlock + v * 16, _mm512_mul_ps(acc[r][v], multiplier));
     }
 
+    // S for one strip of R rows against every panel holding the block's n keys: two panels at a
+    // time, the last one alone where their count is odd.
     template <int R>
     static void strip_scores(const uint32_t* q, int64_t D2, const uint32_t* panels, int64_t n,
                              float* scores, __m512 multiplier) {
-        for (int64_t panel = 0; panel * kKeyPanel < n; ++panel)
-            score_micro<R>(q, D2, panels + panel * D2 * kKeyPanel, scores + panel * kKeyPanel, multiplier);
+        const int64_t panel_count = (n + kKeyPanel - 1) / kKeyPanel;
+        int64_t panel = 0;
+        for (; panel + 2 <= panel_count; panel += 2)
+            score_micro<R, 4>(q, D2, panels + panel * D2 * kKeyPanel, scores + panel * kKeyPanel, multiplier);
+        if (panel < panel_count)
+            score_micro<R, 2>(q, D2, panels + panel * D2 * kKeyPanel, scores + panel * kKeyPanel, multiplier);
     }
 
     static void block_scores(const uint32_t* q_pairs, int64_t D2, int64_t rows, const uint32_t* panels,

@@ -169,13 +169,17 @@ pub(crate) unsafe fn pack_pairs<P: PairProducts>(
     }
 }
 
-// ---- 3a. S = Q K^T by bfloat16 pair dot products: R rows x 2 vectors (one panel) ------------
+// ---- 3a. S = Q K^T by bfloat16 pair dot products: R rows x SV vectors of 16 keys ------------
+// SV / 2 consecutive panels of 32 keys (d2_len * KEY_PANEL pairs apart), two vectors each: with
+// SV = 4, 6 rows hold 24 accumulators, and each pair step reads 4 key vectors and 6 Q pairs for
+// 24 dot products (one panel: 2 and 6 for 12, in 12 accumulators, which VDPBF16PS's latency on
+// two pipes leaves no slack: 5% of a bfloat16 prefill).
 
 /// # Safety
-/// AVX512_BF16; q: R rows of d2_len pairs; panel: (d2_len, KEY_PANEL) pairs; scores: R rows of
-/// stride KEY_BLOCK, 32 floats each.
+/// AVX512_BF16; q: R rows of d2_len pairs; panel: SV / 2 consecutive (d2_len, KEY_PANEL) panels
+/// of pairs; scores: R rows of stride KEY_BLOCK, 16 SV floats each.
 #[inline(always)]
-unsafe fn score_micro<const R: usize>(
+unsafe fn score_micro<const R: usize, const SV: usize>(
     q: *const u32,
     d2_len: usize,
     panel: *const u32,
@@ -184,35 +188,42 @@ unsafe fn score_micro<const R: usize>(
 ) {
     const {
         assert!(
-            KEY_PANEL == 32,
-            "one panel is the micro-kernel's two vectors of 16 keys"
+            KEY_PANEL == 32 && (SV == 2 || SV == 4),
+            "a panel is two vectors of 16 keys"
         )
     };
     // SAFETY: forwarded from this function's contract.
     unsafe {
-        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        let mut acc = [[_mm512_setzero_ps(); SV]; R];
         for d2 in 0..d2_len {
-            let keys0 = as_pairs(_mm512_loadu_si512(panel.add(d2 * KEY_PANEL).cast()));
-            let keys1 = as_pairs(_mm512_loadu_si512(panel.add(d2 * KEY_PANEL + 16).cast()));
+            let keys: [__m512bh; SV] = std::array::from_fn(|v| {
+                as_pairs(_mm512_loadu_si512(
+                    panel
+                        .add(v / 2 * d2_len * KEY_PANEL + d2 * KEY_PANEL + v % 2 * 16)
+                        .cast(),
+                ))
+            });
             for (r, acc_r) in acc.iter_mut().enumerate() {
                 let q_pair = as_pairs(_mm512_set1_epi32(*q.add(r * d2_len + d2) as i32));
-                acc_r[0] = _mm512_dpbf16_ps(acc_r[0], q_pair, keys0);
-                acc_r[1] = _mm512_dpbf16_ps(acc_r[1], q_pair, keys1);
+                for (acc_rv, keys_v) in acc_r.iter_mut().zip(keys) {
+                    *acc_rv = _mm512_dpbf16_ps(*acc_rv, q_pair, keys_v);
+                }
             }
         }
         for (r, acc_r) in acc.iter().enumerate() {
-            _mm512_storeu_ps(
-                scores.add(r * KEY_BLOCK),
-                _mm512_mul_ps(acc_r[0], multiplier),
-            );
-            _mm512_storeu_ps(
-                scores.add(r * KEY_BLOCK + 16),
-                _mm512_mul_ps(acc_r[1], multiplier),
-            );
+            for (v, acc_rv) in acc_r.iter().enumerate() {
+                _mm512_storeu_ps(
+                    scores.add(r * KEY_BLOCK + v * 16),
+                    _mm512_mul_ps(*acc_rv, multiplier),
+                );
+            }
         }
     }
 }
 
+/// S for one strip of R rows against every panel holding the block's n keys: two panels at a
+/// time, the last one alone where their count is odd.
+///
 /// # Safety
 /// As [`score_micro`], for every panel holding the block's n keys.
 #[inline(always)]
@@ -224,19 +235,29 @@ unsafe fn strip_scores<const R: usize>(
     scores: *mut f32,
     multiplier: __m512,
 ) {
+    let panel_count = n.div_ceil(KEY_PANEL);
     let mut panel = 0;
-    while panel * KEY_PANEL < n {
-        // SAFETY: forwarded from this function's contract.
-        unsafe {
-            score_micro::<R>(
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        while panel + 2 <= panel_count {
+            score_micro::<R, 4>(
                 q,
                 d2_len,
                 panels.add(panel * d2_len * KEY_PANEL),
                 scores.add(panel * KEY_PANEL),
                 multiplier,
-            )
-        };
-        panel += 1;
+            );
+            panel += 2;
+        }
+        if panel < panel_count {
+            score_micro::<R, 2>(
+                q,
+                d2_len,
+                panels.add(panel * d2_len * KEY_PANEL),
+                scores.add(panel * KEY_PANEL),
+                multiplier,
+            );
+        }
     }
 }
 
