@@ -68,24 +68,24 @@ _KEEP: list[Any] = []  # what the capsules point into (they have no destructor):
 
 def capsule(a: np.ndarray, *, name: bytes = b"dltensor", version: tuple[int, int] = (1, 0), read_only: bool = False,
             device_type: int = 1, code_bits: tuple[int, int] | None = None, lanes: int = 1, ndim: int | None = None,
-            compact: bool = False, byte_offset: int = 0) -> Any:
+            compact: bool = False, byte_offset: int = 0, shape: tuple[int, ...] | None = None) -> Any:
     """A DLPack capsule of `a` ("dltensor_versioned" names carry `version` and `read_only`);
     compact: null strides (a must be C-contiguous); byte_offset: data that many bytes before a's,
-    the offset carrying the rest."""
+    the offset carrying the rest; shape: another shape claimed for a's memory."""
     code, bits = _CODES[a.dtype] if code_bits is None else code_bits
-    shape = (ctypes.c_int64 * max(a.ndim, 1))(*a.shape)
+    extents = (ctypes.c_int64 * max(a.ndim, 1))(*(a.shape if shape is None else shape))
     assert not compact or a.flags.c_contiguous
     strides = None if compact else (ctypes.c_int64 * max(a.ndim, 1))(*(s // a.itemsize for s in a.strides))
     tensor = DLTensor(
         a.ctypes.data - byte_offset, DLDevice(device_type, 0), a.ndim if ndim is None else ndim, DLDataType(code, bits, lanes),
-        ctypes.cast(shape, c_int64_p), None if strides is None else ctypes.cast(strides, c_int64_p), byte_offset,
+        ctypes.cast(extents, c_int64_p), None if strides is None else ctypes.cast(strides, c_int64_p), byte_offset,
     )
     if name == b"dltensor_versioned":
         managed: Any = DLManagedTensorVersioned(DLPackVersion(*version), None, None, int(read_only), tensor)
     else:
         managed = DLManagedTensor(tensor, None, None)
     name_buffer = ctypes.create_string_buffer(name)
-    _KEEP.extend((a, shape, strides, managed, name_buffer))
+    _KEEP.extend((a, extents, strides, managed, name_buffer))
     return _capsule_new(ctypes.addressof(managed), ctypes.addressof(name_buffer), None)
 
 
@@ -249,6 +249,7 @@ BAD_CAPSULES: list[tuple[str, str, dict[str, Any], type[Exception], str]] = [
     ("float64", "q", {"code_bits": (2, 64)}, TypeError, "q: expected dtype float32, float16 or bfloat16, got float64"),
     ("int32-k", "k", {"code_bits": (0, 32)}, TypeError, "k: expected dtype float32 (q's dtype) or int8, got int32"),
     ("too-many-dims", "q", {"ndim": 33}, ValueError, "q: expected a DLPack tensor of at most 32 dimensions, got 33"),
+    ("negative-extent", "v", {"shape": (1, 1, -4, 8)}, ValueError, "v: expected a DLPack tensor of extents >= 0, got -4 on axis 2"),
     ("read-only-out", "out", {"name": b"dltensor_versioned", "read_only": True}, ValueError,
      "out: expected a writeable array, got a read-only one"),
 ]

@@ -2,6 +2,7 @@
 // arrays into an AttentionProblem without copying or casting (TypeError / ValueError when an
 // argument cannot be viewed so), releases the GIL and calls the kernel, whose core checks the
 // problem (check_problem). Twin of rust/src/python.rs: same steps, same messages.
+#include <pybind11/gil_safe_call_once.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -121,17 +122,19 @@ py::object numpy_dtype_of(const DLDataType& type) {
             return bits == 8 ? py::dtype::of<uint8_t>() : bits == 16 ? py::dtype::of<uint16_t>()
                  : bits == 32 ? py::dtype::of<uint32_t>() : bits == 64 ? py::dtype::of<uint64_t>() : py::object(py::none());
         case 2: {
-            // made once; kept for the life of the process (never released at exit)
-            static PyObject* float16 = py::dtype("float16").release().ptr();
-            return bits == 16 ? py::reinterpret_borrow<py::object>(float16) : bits == 32 ? py::dtype::of<float>()
-                 : bits == 64 ? py::dtype::of<double>() : py::object(py::none());
+            // made once (under the GIL, without the deadlock of a plain function-local static)
+            PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> float16;
+            if (bits != 16) return bits == 32 ? py::dtype::of<float>() : bits == 64 ? py::dtype::of<double>() : py::object(py::none());
+            return float16.call_once_and_store_result([] { return py::object(py::dtype("float16")); }).get_stored();
         }
         case 4: {
             if (bits != 16) return py::none();
-            // imported once; kept for the life of the process
-            static PyObject* bfloat16 =
-                py::dtype::from_args(py::module_::import("ml_dtypes").attr("bfloat16")).release().ptr();
-            return py::reinterpret_borrow<py::object>(bfloat16);
+            // imported once, as float16 above
+            PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> bfloat16;
+            return bfloat16
+                .call_once_and_store_result(
+                    [] { return py::object(py::dtype::from_args(py::module_::import("ml_dtypes").attr("bfloat16"))); })
+                .get_stored();
         }
         case 5:
             return bits == 64 ? py::dtype("complex64") : bits == 128 ? py::dtype("complex128") : py::object(py::none());
@@ -185,6 +188,9 @@ py::array dlpack_view(const py::handle& capsule, const char* name) {
     std::vector<py::ssize_t> shape(ndim), strides(ndim);
     int64_t compact = item;  // a null strides pointer: row-major and compact
     for (size_t axis = ndim; axis-- > 0;) {
+        if (tensor->shape[axis] < 0)
+            throw py::value_error(std::string(name) + ": expected a DLPack tensor of extents >= 0, got " +
+                                  std::to_string(tensor->shape[axis]) + " on axis " + std::to_string(axis));
         shape[axis] = tensor->shape[axis];
         strides[axis] = tensor->strides != nullptr ? tensor->strides[axis] * item : compact;
         compact *= std::max<int64_t>(tensor->shape[axis], 1);

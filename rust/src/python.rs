@@ -274,6 +274,11 @@ fn dlpack_view<'py>(
     for axis in (0..ndim).rev() {
         // SAFETY: shape (and strides, when not null) hold ndim entries (the DLPack specification).
         let extent = unsafe { *tensor.shape.add(axis) };
+        if extent < 0 {
+            return Err(PyValueError::new_err(format!(
+                "{name}: expected a DLPack tensor of extents >= 0, got {extent} on axis {axis}"
+            )));
+        }
         shape[axis] = extent as numpy::npyffi::npy_intp;
         strides[axis] = if tensor.strides.is_null() {
             compact
