@@ -192,6 +192,10 @@ FORCED: dict[str, dict[str, str]] = {
                    "(C++ points the spans at them inside convert_problem)",
         "DetachedCall": "raw pointers are not Send in Rust: a wrapper carries the problem into the GIL-free closure",
         "run": "raw pointers are not Send in Rust: a wrapper carries the problem into the GIL-free closure",
+        **{name: "pybind11's dispatcher matches keywords slowly (a str per parameter per call): C++ matches "
+                 "attention_forward's by hand, in PyO3's words; Rust's #[pyfunction] does it"
+           for name in ("AttentionArgs", "attention_arguments", "name_list", "ATTENTION_NAMES", "ATTENTION_ARGS",
+                        "ATTENTION_POSITIONAL")},
     },
 }
 

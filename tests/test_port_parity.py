@@ -236,6 +236,44 @@ def test_bad_native_call_same_error_in_both_ports(
         assert {text for _, text in outcomes.values()} == {message}, outcomes
 
 
+# calls that do not fit the signature (C++ matches the arguments by hand, Rust through PyO3): the
+# same TypeError text from both ports and both kernels ({f}: the function's name)
+_OUT = np.zeros(OUT_SHAPE, np.float32)
+SIGNATURE_CALLS: list[tuple[str, tuple[Any, ...], dict[str, Any], str]] = [
+    ("scale-missing", (Q, K, V, _OUT), {}, "{f}() missing 1 required keyword argument: 'scale'"),
+    ("out-missing", (Q, K, V), {"scale": 0.5}, "{f}() missing 1 required positional argument: 'out'"),
+    ("two-missing", (Q, K), {"scale": 0.5}, "{f}() missing 2 required positional arguments: 'v' and 'out'"),
+    ("three-missing", (Q,), {"scale": 0.5}, "{f}() missing 3 required positional arguments: 'k', 'v', and 'out'"),
+    ("scale-by-position", (Q, K, V, _OUT, 0.5), {}, "{f}() takes 4 positional arguments but 5 were given"),
+    ("unknown-keyword", (Q, K, V, _OUT), {"scale": 0.5, "causl": True}, "{f}() got an unexpected keyword argument 'causl'"),
+    ("q-twice", (Q, K, V, _OUT), {"q": Q, "scale": 0.5}, "{f}() got multiple values for argument 'q'"),
+    ("positional-before-keyword", (Q, K, V, _OUT), {"causal": True, "foo": 1, "scale": 0.5},
+     "{f}() got an unexpected keyword argument 'foo'"),
+]
+
+
+@pytest.mark.parametrize(("args", "kwargs", "message"), [c[1:] for c in SIGNATURE_CALLS], ids=[c[0] for c in SIGNATURE_CALLS])
+def test_a_call_that_does_not_fit_the_signature_same_error_in_both_ports(
+    modules: dict[str, ModuleType], args: tuple[Any, ...], kwargs: dict[str, Any], message: str
+) -> None:
+    for kernel in KERNELS:
+        outcomes = {port: _outcome(lambda: getattr(module, kernel)(*args, **kwargs)) for port, module in modules.items()}
+        assert set(outcomes.values()) == {("TypeError", message.format(f=kernel))}, outcomes
+
+
+def test_every_argument_by_name_or_a_str_built_at_run_time_in_both_ports(modules: dict[str, ModuleType]) -> None:
+    # q, k, v and out by name, and keywords whose names are not interned (built at run time):
+    # the call by position's bits
+    names = {"".join(["ca", "usal"]): True, "".join(["num_", "threads"]): 2, "".join(["sc", "ale"]): 0.5}
+    for port, module in modules.items():
+        for kernel in KERNELS:
+            want, got = np.zeros(OUT_SHAPE, np.float32), np.zeros(OUT_SHAPE, np.float32)
+            getattr(module, kernel)(Q, K, V, want, scale=0.5, causal=True, num_threads=2)
+            getattr(module, kernel)(out=got, v=V, k=K, q=Q, **names)
+            np.testing.assert_array_equal(got, want, err_msg=f"{port} {kernel}")
+            assert float(np.abs(want).max()) > 0
+
+
 def test_none_means_the_default_in_both_ports(modules: dict[str, ModuleType]) -> None:
     """Every keyword but scale may be None or left out: its default, the same bits either way."""
     defaults = dict(lse=None, q_offset=np.zeros(2, np.int64), kv_lens=np.full(2, 7, np.int64), mask=None, causal=False,
