@@ -50,20 +50,36 @@ enum class Dtype { Float32, Int64, BoolOrFloat32, Element, Like, LikeOrInt8, Int
 
 std::string dtype_string(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
 
+// NumPy's float16 and ml_dtypes.bfloat16 dtypes, made (imported) once, under the GIL
+// (gil_safe_call_once_and_store: a plain function-local static can deadlock against it).
+const py::dtype& float16_dtype() {
+    PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::dtype> stored;
+    return stored.call_once_and_store_result([] { return py::dtype("float16"); }).get_stored();
+}
+
+const py::dtype& bfloat16_dtype() {
+    PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::dtype> stored;
+    return stored
+        .call_once_and_store_result([] { return py::dtype::from_args(py::module_::import("ml_dtypes").attr("bfloat16")); })
+        .get_stored();
+}
+
 // The element type of q, k, v and out: float32, NumPy's float16, or ml_dtypes.bfloat16 (a user
 // dtype without the buffer protocol, known by char 'E', name "bfloat16" and itemsize 2), in
-// native byte order; false for anything else.
+// native byte order; false for anything else. ml_dtypes' own bfloat16 dtype object (the one its
+// arrays share) is known by identity, without reading two attributes (about 0.3 us an array).
 bool element_type_of(const py::dtype& dtype, ElementType* type) {
     if (dtype.equal(py::dtype::of<float>())) {  // equality also rejects non-native byte order
         *type = ElementType::Float32;
         return true;
     }
-    if (dtype.equal(py::dtype("float16"))) {
+    if (dtype.equal(float16_dtype())) {
         *type = ElementType::Float16;
         return true;
     }
-    if (dtype.char_() == 'E' && dtype.itemsize() == 2 && dtype.attr("isnative").cast<bool>() &&
-        dtype.attr("name").cast<std::string>() == "bfloat16") {
+    if (dtype.char_() == 'E' && dtype.itemsize() == 2 &&
+        (dtype.is(bfloat16_dtype()) ||
+         (dtype.attr("isnative").cast<bool>() && dtype.attr("name").cast<std::string>() == "bfloat16"))) {
         *type = ElementType::BFloat16;
         return true;
     }
@@ -122,21 +138,11 @@ py::object numpy_dtype_of(const DLDataType& type) {
         case 1:
             return bits == 8 ? py::dtype::of<uint8_t>() : bits == 16 ? py::dtype::of<uint16_t>()
                  : bits == 32 ? py::dtype::of<uint32_t>() : bits == 64 ? py::dtype::of<uint64_t>() : py::object(py::none());
-        case 2: {
-            // made once (under the GIL, without the deadlock of a plain function-local static)
-            PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> float16;
-            if (bits != 16) return bits == 32 ? py::dtype::of<float>() : bits == 64 ? py::dtype::of<double>() : py::object(py::none());
-            return float16.call_once_and_store_result([] { return py::object(py::dtype("float16")); }).get_stored();
-        }
-        case 4: {
-            if (bits != 16) return py::none();
-            // imported once, as float16 above
-            PYBIND11_CONSTINIT static py::gil_safe_call_once_and_store<py::object> bfloat16;
-            return bfloat16
-                .call_once_and_store_result(
-                    [] { return py::object(py::dtype::from_args(py::module_::import("ml_dtypes").attr("bfloat16"))); })
-                .get_stored();
-        }
+        case 2:
+            return bits == 16 ? py::object(float16_dtype()) : bits == 32 ? py::dtype::of<float>()
+                 : bits == 64 ? py::dtype::of<double>() : py::object(py::none());
+        case 4:
+            return bits == 16 ? py::object(bfloat16_dtype()) : py::object(py::none());
         case 5:
             return bits == 64 ? py::dtype("complex64") : bits == 128 ? py::dtype("complex128") : py::object(py::none());
         case 6:

@@ -63,9 +63,31 @@ enum Dtype {
     LikeOrFloat32(ElementType, &'static str),
 }
 
+/// NumPy's float16 dtype, made once for the life of the process.
+fn float16_dtype(py: Python<'_>) -> PyResult<Bound<'_, PyArrayDescr>> {
+    static STORED: pyo3::sync::PyOnceLock<Py<PyArrayDescr>> = pyo3::sync::PyOnceLock::new();
+    Ok(STORED
+        .get_or_try_init(py, || PyArrayDescr::new(py, "float16").map(Bound::unbind))?
+        .bind(py)
+        .clone())
+}
+
+/// ml_dtypes.bfloat16's dtype, imported once for the life of the process.
+fn bfloat16_dtype(py: Python<'_>) -> PyResult<Bound<'_, PyArrayDescr>> {
+    static STORED: pyo3::sync::PyOnceLock<Py<PyArrayDescr>> = pyo3::sync::PyOnceLock::new();
+    Ok(STORED
+        .get_or_try_init(py, || {
+            let bfloat16 = py.import("ml_dtypes")?.getattr("bfloat16")?;
+            PyArrayDescr::new(py, &bfloat16).map(Bound::unbind)
+        })?
+        .bind(py)
+        .clone())
+}
+
 /// The element type of a float32, float16 (NumPy's) or bfloat16 (ml_dtypes') array of native
 /// byte order; None for any other dtype. bfloat16 is a NumPy user dtype (kind 'V'), recognised
-/// as the specification says: char 'E', name "bfloat16", itemsize 2 (the same test as C++).
+/// as the specification says: char 'E', name "bfloat16", itemsize 2 (the same test as C++), or
+/// by identity as ml_dtypes' own dtype object (the one its arrays share: no attribute read).
 fn element_type_of(descr: &Bound<'_, PyArrayDescr>) -> Option<ElementType> {
     if descr.is_native_byteorder() == Some(false) || descr.has_fields() {
         return None;
@@ -76,10 +98,11 @@ fn element_type_of(descr: &Bound<'_, PyArrayDescr>) -> Option<ElementType> {
     match (descr.char(), descr.itemsize()) {
         (b'e', 2) if descr.kind() == b'f' => Some(ElementType::Float16),
         (b'E', 2)
-            if descr
-                .getattr("name")
-                .and_then(|name| name.extract::<String>())
-                .is_ok_and(|name| name == "bfloat16") =>
+            if bfloat16_dtype(descr.py()).is_ok_and(|bfloat16| descr.is(&bfloat16))
+                || descr
+                    .getattr("name")
+                    .and_then(|name| name.extract::<String>())
+                    .is_ok_and(|name| name == "bfloat16") =>
         {
             Some(ElementType::BFloat16)
         }
@@ -154,9 +177,6 @@ fn numpy_dtype_of<'py>(
     bits: u8,
     lanes: u16,
 ) -> PyResult<Option<Bound<'py, PyArrayDescr>>> {
-    // NumPy's float16 and ml_dtypes.bfloat16, made (imported) once for the life of the process
-    static FLOAT16: pyo3::sync::PyOnceLock<Py<PyArrayDescr>> = pyo3::sync::PyOnceLock::new();
-    static BFLOAT16: pyo3::sync::PyOnceLock<Py<PyArrayDescr>> = pyo3::sync::PyOnceLock::new();
     if lanes != 1 {
         return Ok(None);
     }
@@ -169,19 +189,10 @@ fn numpy_dtype_of<'py>(
         (1, 16) => dtype::<u16>(py),
         (1, 32) => dtype::<u32>(py),
         (1, 64) => dtype::<u64>(py),
-        (2, 16) => FLOAT16
-            .get_or_try_init(py, || PyArrayDescr::new(py, "float16").map(Bound::unbind))?
-            .bind(py)
-            .clone(),
+        (2, 16) => float16_dtype(py)?,
         (2, 32) => dtype::<f32>(py),
         (2, 64) => dtype::<f64>(py),
-        (4, 16) => BFLOAT16
-            .get_or_try_init(py, || {
-                let bfloat16 = py.import("ml_dtypes")?.getattr("bfloat16")?;
-                PyArrayDescr::new(py, &bfloat16).map(Bound::unbind)
-            })?
-            .bind(py)
-            .clone(),
+        (4, 16) => bfloat16_dtype(py)?,
         (5, 64) => PyArrayDescr::new(py, "complex64")?,
         (5, 128) => PyArrayDescr::new(py, "complex128")?,
         (6, 8) => dtype::<bool>(py),
