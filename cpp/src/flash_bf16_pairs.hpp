@@ -18,6 +18,8 @@
 // and each unit's own vector type V for the convert path's kernel (ODR note, flash_kernel.hpp).
 #pragma once
 
+#include <cstring>
+
 #include "simd_avx512.hpp"
 
 #include "flash_kernel.hpp"
@@ -140,15 +142,16 @@ struct PairKernel : flash::Kernel<V, BFloat16> {
 
         // 2. The Q tile as raw bfloat16 pairs; each row's visible end; m, l, O as the float32 kernel.
         uint32_t* q_pairs = reinterpret_cast<uint32_t*>(s.q_tile);
+        Convert::prefetch_q_tile(plan, item);
         for (int64_t r = 0; r < rows; ++r) {
             const int64_t packed = item.row_begin + r;
             const int64_t h = item.kv_head * G + packed % G, i = packed / G;
             const uint16_t* q_src = reinterpret_cast<const uint16_t*>(p.q.data) + b * p.q.stride[0] +
                                     h * p.q.stride[1] + i * p.q.stride[2];
-            for (int64_t d2 = 0; d2 < D2; ++d2) {
-                const uint32_t high = 2 * d2 + 1 < D ? q_src[2 * d2 + 1] : 0u;
-                q_pairs[r * D2 + d2] = static_cast<uint32_t>(q_src[2 * d2]) | (high << 16);
-            }
+            // pair d2 = (q[2 d2], q[2 d2 + 1]), the low half the even d: q's row as it lies in
+            // memory (x86 is little-endian), the last pair's high half 0 for an odd D
+            std::memcpy(q_pairs + r * D2, q_src, static_cast<size_t>(D) * sizeof(uint16_t));
+            if (D % 2 != 0) q_pairs[r * D2 + D2 - 1] = q_src[D - 1];
             start_row(plan, item, s, r);
         }
         float* const lo = s.out_acc_lo;  // out32's remainders (header), when requested

@@ -451,6 +451,19 @@ struct Kernel {
         for (; line < end; line += 64) prefetch_line_into<kL2>(line);
     }
 
+    // Every line of the item's Q rows into L1, before step 2 copies them: the rows lie in G heads'
+    // runs of positions, and read one after another their lines came from memory a few at a time
+    // (the copy took 20% of a float32 prefill tile's own time, 2% of the whole).
+    static void prefetch_q_tile(const FlashPlan& plan, const WorkItem& item) {
+        const AttentionProblem& p = *plan.problem;
+        for (int64_t packed = item.row_begin; packed < item.row_end; ++packed) {
+            const int64_t h = item.kv_head * plan.group + packed % plan.group, i = packed / plan.group;
+            prefetch_row<false>(static_cast<const T*>(p.q.data) + item.b * p.q.stride[0] + h * p.q.stride[1] +
+                                    i * p.q.stride[2],
+                                plan.head_dim * static_cast<int64_t>(sizeof(T)));
+        }
+    }
+
     // Prefetches position m of the read order (nothing past the item's keys).
     template <bool kL2>
     static void prefetch_position(const ReadAhead& ahead, int64_t m) {
@@ -717,6 +730,7 @@ struct Kernel {
         const int64_t b = item.b;
 
         // 2. The Q tile, times scale * log2(e); each row's visible end; m = -inf, l = 0, O = 0.
+        prefetch_q_tile(plan, item);
         const Reg multiplier = V::broadcast(plan.q_multiplier);
         for (int64_t r = 0; r < rows; ++r) {
             float* q_dst = s.q_tile + r * D;

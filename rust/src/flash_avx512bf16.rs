@@ -43,8 +43,8 @@ use crate::constants::{AVX512_VALUE_VECTORS, KEY_BLOCK, KEY_PANEL, MICRO_ROWS};
 use crate::element::BFloat16;
 use crate::flash_attention::flash_key_rows;
 use crate::flash_kernel::{
-    at, block_probabilities, block_values, finish_row, match_strip_rows, round_up, start_row,
-    FlashKernels, FlashPlan, ThreadScratch, ValueRows, WorkItem,
+    at, block_probabilities, block_values, finish_row, match_strip_rows, prefetch_q_tile, round_up,
+    start_row, FlashKernels, FlashPlan, ThreadScratch, ValueRows, WorkItem,
 };
 use crate::measure_peak::run_peak_loop;
 use crate::problem::AttentionProblem;
@@ -581,6 +581,7 @@ pub(crate) unsafe fn attend_rows<P: PairProducts>(
     unsafe {
         // 2. The Q tile as raw bfloat16 pairs; each row's visible end; m, l, O as float32.
         let q_pairs = s.q_tile.cast::<u32>();
+        prefetch_q_tile::<BFloat16>(plan, item);
         for r in 0..rows {
             let packed = item.row_begin + r;
             let (h, i) = (item.kv_head * group + packed % group, packed / group);
@@ -588,13 +589,11 @@ pub(crate) unsafe fn attend_rows<P: PairProducts>(
                 [b, h, i],
                 &[p.q.stride[0], p.q.stride[1], p.q.stride[2]],
             ));
-            for d2 in 0..d2_len {
-                let high = if 2 * d2 + 1 < d_len {
-                    u32::from(*q_src.add(2 * d2 + 1))
-                } else {
-                    0
-                };
-                *q_pairs.add(r * d2_len + d2) = u32::from(*q_src.add(2 * d2)) | (high << 16);
+            // pair d2 = (q[2 d2], q[2 d2 + 1]), the low half the even d: q's row as it lies in
+            // memory (x86 is little-endian), the last pair's high half 0 for an odd D
+            std::ptr::copy_nonoverlapping(q_src, q_pairs.add(r * d2_len).cast::<u16>(), d_len);
+            if d_len % 2 != 0 {
+                *q_pairs.add(r * d2_len + d2_len - 1) = u32::from(*q_src.add(d_len - 1));
             }
             start_row(plan, item, s, r);
         }
