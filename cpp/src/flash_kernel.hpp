@@ -482,7 +482,10 @@ struct Kernel {
     }
 
     // Reading position m of the read order: position m + near into L1, then m + far into L2.
-    static void read_ahead(const ReadAhead& ahead, int64_t m) {
+    // Inlined always (as Rust's #[inline(always)]): GCC kept it out of line, and a call from
+    // direct_strip spills the strip's score vectors around it (every vector register is
+    // caller-saved).
+    __attribute__((always_inline)) static void read_ahead(const ReadAhead& ahead, int64_t m) {
         prefetch_position<false>(ahead, m + ahead.near);
         prefetch_position<true>(ahead, m + ahead.far);
     }
