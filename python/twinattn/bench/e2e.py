@@ -476,9 +476,11 @@ def measure_generate(
     """Each case: `rounds` interleaved rounds of model.generate() with no cache argument (greedy,
     `new_tokens` new tokens; a loop case, _greedy_loop's hand-written loop), sdpa then twinattn, on the same prompts in one process; twinattn
     gets what generate makes for it (a TwinattnCache), sdpa a DynamicCache. Decode tokens/s per
-    implementation from its median round (batch x (new_tokens - 1) tokens from the first generated
-    token to the last), their ratio, and whether twinattn's tokens were sdpa's in every round.
-    One row per case; `base` is the float32 model (model_in makes each dtype's copy)."""
+    implementation from its median step: batch over the median of the intervals between
+    consecutive generated tokens, over every round (a round's total swung by several percent with
+    the host's noise, more than the difference measured; the median of its 3 x 15 steps does
+    not). Their ratio, and whether twinattn's tokens were sdpa's in every round. One row per
+    case; `base` is the float32 model (model_in makes each dtype's copy)."""
     import torch
     from transformers import LogitsProcessorList
 
@@ -498,7 +500,7 @@ def measure_generate(
             generator = torch.Generator().manual_seed(1)
             ids, mask = _left_padded_prompts(case, model.config.vocab_size, shrink, generator)
             settings = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
-            seconds: dict[str, list[float]] = {impl: [] for impl in IMPLS}
+            steps: dict[str, list[float]] = {impl: [] for impl in IMPLS}  # seconds per decode step
             tokens: dict[str, list[Any]] = {impl: [] for impl in IMPLS}
             with torch.inference_mode():
                 for _ in range(rounds):
@@ -510,9 +512,9 @@ def measure_generate(
                         else:
                             out = model.generate(input_ids=ids, attention_mask=mask, logits_processor=LogitsProcessorList([clock]),
                                                  pad_token_id=0, **settings)
-                        seconds[impl].append(clock.times[-1] - clock.times[0])
+                        steps[impl].extend(b - a for a, b in zip(clock.times, clock.times[1:]))
                         tokens[impl].append(out)
-            rates = {impl: case.batch * (new_tokens - 1) / statistics.median(seconds[impl]) for impl in IMPLS}
+            rates = {impl: case.batch / statistics.median(steps[impl]) for impl in IMPLS}
             rows.append({
                 "model": title, "dtype": case.dtype, "prompt": max(1, case.prompt // shrink), "batch": case.batch,
                 "label": case.label(shrink), "loop": case.loop, "new_tokens": new_tokens, "rounds": rounds, "threads": threads,

@@ -527,7 +527,7 @@ def text(document: dict[str, Any]) -> str:
     if end_to_end and end_to_end.get("generate"):
         heading = (
             "plain generate() with no cache argument (twinattn gets the TwinattnCache generate makes for it, sdpa a "
-            "DynamicCache): decode tokens/s of the median of interleaved rounds in one process:"
+            "DynamicCache): decode tokens/s of the median step over interleaved rounds in one process:"
         )
         parts.append(f"{heading}\n{e2e.format_generate(end_to_end['generate'])}")
     if end_to_end and end_to_end.get("overhead"):
