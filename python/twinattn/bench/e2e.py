@@ -478,8 +478,8 @@ def measure_generate(
     gets what generate makes for it (a TwinattnCache), sdpa a DynamicCache. Decode tokens/s per
     implementation from its median step: batch over the median of the intervals between
     consecutive generated tokens, over every round (a round's total swung by several percent with
-    the host's noise, more than the difference measured; the median of its 3 x 15 steps does
-    not). Their ratio, and whether twinattn's tokens were sdpa's in every round. One row per
+    the host's noise, more than the difference measured; the median of its rounds x
+    (new_tokens - 1) steps does not). Their ratio, and whether twinattn's tokens were sdpa's in every round. One row per
     case; `base` is the float32 model (model_in makes each dtype's copy)."""
     import torch
     from transformers import LogitsProcessorList
